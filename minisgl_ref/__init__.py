@@ -1,0 +1,18 @@
+"""minisgl_ref: an annotated reference implementation of a Mini-SGLang-style LLM serving engine.
+
+Start with ``from minisgl_ref import LLM, SamplingParams``; the book's chapters explain every module.
+"""
+
+from minisgl_ref.sampling.params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "GenerateOutput", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):  # type: ignore[no-untyped-def]
+    # LLM pulls in torch and transformers; importing it lazily keeps `import minisgl_ref` (and --help) fast.
+    if name in ("LLM", "GenerateOutput"):
+        from minisgl_ref import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'minisgl_ref' has no attribute {name!r}")

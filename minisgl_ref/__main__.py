@@ -1,0 +1,5 @@
+import sys
+
+from minisgl_ref.cli import main
+
+sys.exit(main())

@@ -1,0 +1,61 @@
+"""Attention in plain PyTorch: the oracle every faster backend is checked against (chapters 00 and 07).
+
+Nothing clever happens here on purpose: keys and values are gathered into ordinary tensors, scores are a matmul,
+the causal mask is built explicitly and the softmax runs in float32. It is slow and obviously right.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from minisgl_ref.attention.base import AttentionBackend
+
+if TYPE_CHECKING:
+    from minisgl_ref.engine.forward_batch import ForwardBatch
+    from minisgl_ref.layers.attention import AttentionLayer
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one sequence's ``Lq`` newest queries over all its ``Lk`` keys.
+
+    q: [Lq, H, D]; k, v: [Lk, KVH, D] with ``Lk >= Lq``; the queries are the last ``Lq`` positions, so query i may
+    see keys ``0 .. Lk - Lq + i``. Grouped-query attention: query head h reads KV head ``h // (H // KVH)``.
+    Returns [Lq, H, D] in q's dtype.
+    """
+    # BEGIN TASK 0.1: causal attention with grouped-query heads
+    lq, num_heads, _ = q.shape
+    lk, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    k = k.repeat_interleave(group, dim=1)  # [Lk, H, D]
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale  # [H, Lq, Lk]
+    q_pos = torch.arange(lk - lq, lk, device=q.device).unsqueeze(1)
+    k_pos = torch.arange(lk, device=q.device).unsqueeze(0)
+    scores.masked_fill_(k_pos > q_pos, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out = torch.einsum("hqk,khd->qhd", probs, v.float())
+    # END TASK 0.1
+    return out.to(q.dtype)
+
+
+class NoCacheAttentionBackend(AttentionBackend):
+    """The chapter-00 backend: no KV cache. Every step feeds each request's *whole* sequence, so a sequence's
+    keys and values are exactly the k and v of this forward pass."""
+
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+    ) -> torch.Tensor:
+        if any(batch.prefix_lens_cpu):
+            raise ValueError("NoCacheAttentionBackend cannot attend to a cached prefix: it stores no KV")
+        outs = []
+        start = 0
+        for length in batch.extend_lens_cpu:
+            end = start + length
+            outs.append(reference_attention(q[start:end], k[start:end], v[start:end], layer.scale))
+            start = end
+        return torch.cat(outs).flatten(1)
+
+    def forward_decode(self, q, k, v, layer, batch):  # type: ignore[no-untyped-def]
+        raise ValueError("NoCacheAttentionBackend has no decode mode: the oracle recomputes whole sequences")

@@ -1,0 +1,148 @@
+"""``python -m minisgl_ref``: the command line (chapters 02 and 10).
+
+Subcommands so far: ``generate`` (one prompt, chat template applied by default) and ``chat`` (an interactive
+conversation with ``/reset``). Any problem a user can cause (a missing model folder, a bad sampling value) ends
+with one ``error:`` line and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from minisgl_ref.sampling.params import SamplingParams
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model-path", default=None,
+                   help="local HF folder, or a shipped config name with --load-format dummy "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--context-length", type=int, default=None)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, default_temperature: float) -> None:
+    g = p.add_argument_group("sampling (SGLang names)")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=default_temperature, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--seed", type=int, default=None)
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        repetition_penalty=args.repetition_penalty,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        seed=args.seed,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m minisgl_ref", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt and print the answer")
+    gen.add_argument("prompt")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--system", default=None, help="system message for the chat template")
+    _add_model_args(gen)
+    _add_sampling_args(gen, default_temperature=0.0)
+
+    chat = sub.add_parser("chat", help="interactive chat; /reset clears the history, /exit quits")
+    chat.add_argument("--system", default=None)
+    _add_model_args(chat)
+    _add_sampling_args(chat, default_temperature=0.7)
+    return parser
+
+
+def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from minisgl_ref.llm import LLM
+
+    return LLM(
+        args.model_path,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        device=args.device,
+        context_length=args.context_length,
+    )
+
+
+def _messages(system: str | None, turns: list[dict[str, str]]) -> list[dict[str, str]]:
+    return ([{"role": "system", "content": system}] if system else []) + turns
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)
+    llm = _load(args)
+    if args.raw:
+        prompt = args.prompt
+    else:
+        prompt = llm.chat_prompt_ids(_messages(args.system, [{"role": "user", "content": args.prompt}]))
+    for delta in llm.stream(prompt, params):
+        print(delta, end="", flush=True)
+    print()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)
+    llm = _load(args)
+    history: list[dict[str, str]] = []
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("Chat with the model. /reset clears the history, /exit (or Ctrl-D) quits.")
+    while True:
+        try:
+            line = input(">>> " if interactive else "")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if line == "/exit":
+            return 0
+        if line == "/reset":
+            history.clear()
+            print("(history cleared)")
+            continue
+        history.append({"role": "user", "content": line})
+        prompt = llm.chat_prompt_ids(_messages(args.system, history))
+        pieces = []
+        for delta in llm.stream(prompt, params):
+            pieces.append(delta)
+            print(delta, end="", flush=True)
+        print()
+        history.append({"role": "assistant", "content": "".join(pieces)})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"generate": cmd_generate, "chat": cmd_chat}
+    try:
+        return handlers[args.command](args)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        # User-facing problems (bad model path, invalid sampling value) are one line, not a traceback.
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

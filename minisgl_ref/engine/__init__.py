@@ -1,0 +1,1 @@
+"""Turning scheduled requests into model forward passes (chapters 00, 03, 08)."""

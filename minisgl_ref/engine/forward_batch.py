@@ -1,0 +1,67 @@
+"""What one forward pass needs to know about the batch it runs (chapters 00 and 03).
+
+A step feeds a flat list of new tokens from several requests (no padding): ``input_ids`` and ``positions`` are
+[T]. ``extend_lens`` says how many of those tokens belong to each request, ``prefix_lens`` how many earlier tokens
+of that request already sit in the KV cache. Everything that is the same for all layers is computed once, here
+and in the backend's ``init_forward_metadata``, not once per layer.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from minisgl_ref.attention.base import AttentionBackend
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill: one or more new tokens per request (with or without a cached prefix)
+    DECODE = "decode"  # exactly one new token per request
+
+    @property
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    extend_lens_cpu: list[int]  # new tokens per request
+    prefix_lens_cpu: list[int]  # tokens already cached per request
+    attn_backend: AttentionBackend
+    extra: dict[str, Any] = field(default_factory=dict)  # backend-specific metadata
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens_cpu)
+
+    @property
+    def seq_lens_cpu(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens_cpu, self.extend_lens_cpu)]
+
+    @property
+    def last_token_indices(self) -> torch.Tensor:
+        """Index of each request's last new token in the flat [T] layout: only those rows need logits."""
+        ends = torch.tensor(self.extend_lens_cpu, device=self.input_ids.device).cumsum(0)
+        return ends - 1
+
+    @classmethod
+    def for_full_sequences(
+        cls, sequences: list[list[int]], attn_backend: AttentionBackend, device: torch.device | str = "cpu"
+    ) -> ForwardBatch:
+        """A prefill of whole sequences with nothing cached: the oracle's every step."""
+        flat = [t for seq in sequences for t in seq]
+        positions = [p for seq in sequences for p in range(len(seq))]
+        return cls(
+            mode=ForwardMode.EXTEND,
+            input_ids=torch.tensor(flat, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            extend_lens_cpu=[len(s) for s in sequences],
+            prefix_lens_cpu=[0] * len(sequences),
+            attn_backend=attn_backend,
+        )

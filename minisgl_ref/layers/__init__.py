@@ -1,0 +1,1 @@
+"""Building blocks shared by every model: tensor-parallel linear layers, embeddings, norm, RoPE, activation."""

@@ -1,0 +1,68 @@
+"""Rotary position embedding (chapter 01).
+
+RoPE rotates each (x_i, x_{i+d/2}) pair of a query or key by an angle ``position * inv_freq_i``. Attention scores
+then depend only on the *difference* of two positions, which is what lets a KV cache keep keys computed long ago.
+
+We precompute ``cos`` and ``sin`` for every position once (a table of ``max_position x rotary_dim``), so a forward
+step only gathers rows. The table is built with the same float32 arithmetic as Hugging Face's implementation, so
+the two agree bit for bit before the final multiply.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies ``theta ** (-2i / d)``, optionally rescaled the way Llama 3.1 extends its context."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    # BEGIN TASK 1.2: llama3 RoPE frequency scaling
+    # Llama 3.1 keeps high frequencies (short wavelengths, local order) as they are, divides low frequencies
+    # (wavelengths longer than the original context) by `factor`, and blends smoothly in between.
+    factor = float(scaling["factor"])
+    low_ff = float(scaling.get("low_freq_factor", 1.0))
+    high_ff = float(scaling.get("high_freq_factor", 4.0))
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_ctx / low_ff, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low_ff) / (high_ff - low_ff)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_ctx / high_ff) & (wavelen <= old_ctx / low_ff)
+    return torch.where(is_medium, blended, scaled)
+    # END TASK 1.2
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None = None
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        # Kept in float32 and not saved in the state dict: it is derived, not learned.
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q`` [T, heads, head_dim] and ``k`` [T, kv_heads, head_dim] by their tokens' positions [T]."""
+        # BEGIN TASK 1.1: apply rotary embedding
+        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, head_dim/2]
+        sin = self.sin_cache[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        # END TASK 1.1
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # "Neox" layout: the pair of x[i] is x[i + d/2] (not x[i+1]), which is how HF checkpoints store q/k weights.
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)

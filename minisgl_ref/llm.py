@@ -1,0 +1,194 @@
+"""The offline API: ``LLM(...).generate(prompts, params)`` (chapters 00-02).
+
+This is the front door for scripts, notebooks and tests: it owns a model, a tokenizer and an engine, turns
+prompts into :class:`Req` objects, runs them to completion and returns plain results. The engine underneath gets
+faster chapter by chapter; this interface does not change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from minisgl_ref.engine.naive import NaiveEngine
+from minisgl_ref.models.loader import load_model
+from minisgl_ref.sampling.params import SamplingParams
+from minisgl_ref.scheduler.request import Req
+from minisgl_ref.tokenizer import IncrementalDetokenizer, Tokenizer
+
+Prompt = str | Sequence[int]
+Messages = Sequence[Mapping[str, Any]]
+
+
+@dataclass
+class GenerateOutput:
+    """One completion. ``finish_reason`` is ``stop``, ``length`` or ``abort``; ``matched_stop`` is the stop
+    token id or stop string that ended it, if any."""
+
+    text: str
+    output_ids: list[int]
+    finish_reason: str
+    matched_stop: int | str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    rid: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class LLM:
+    """An engine in a Python object. ``LLM()`` loads the embedded SmolLM2-135M-Instruct; ``LLM(model_path=...)``
+    any local HF folder; ``LLM(model_path="qwen3-0.6b", load_format="dummy")`` a shipped config with random
+    weights (no tokenizer: pass token ids)."""
+
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        *,
+        load_format: str = "auto",
+        dtype: str | torch.dtype = "auto",
+        device: str | None = None,
+        context_length: int | None = None,
+    ) -> None:
+        self.device = torch.device(device or default_device())
+        self.model, self.config, folder = load_model(
+            None if model_path is None else str(model_path), load_format=load_format, dtype=dtype, device=self.device
+        )
+        self.model_path = folder
+        self.tokenizer: Tokenizer | None = None
+        if folder is not None and load_format != "dummy":
+            self.tokenizer = Tokenizer.from_pretrained(folder)
+        eos = set(self.config.eos_token_ids)
+        if self.tokenizer is not None:
+            eos |= self.tokenizer.eos_token_ids
+        self.eos_token_ids = frozenset(eos)
+        self.context_length = context_length or self.config.max_position_embeddings
+        if self.context_length < 2:
+            raise ValueError(f"context_length must be at least 2, got {self.context_length}")
+        self.engine = NaiveEngine(self.model, self.config.vocab_size, self.device)
+
+    # ----------------------------------------------------------------------------------------------- requests
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is text but this model has no tokenizer (dummy weights): pass token ids")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt must be a string or a non-empty list of token ids (ints)")
+        if any(t < 0 or t >= self.config.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must lie in [0, {self.config.vocab_size})")
+        return ids
+
+    def make_request(self, prompt: Prompt, params: SamplingParams) -> Req:
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop
+            )
+        elif params.stop:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        return Req(
+            input_ids=self._encode(prompt),
+            params=params,
+            eos_token_ids=self.eos_token_ids,
+            detokenizer=detok,
+            context_len=self.context_length,
+        )
+
+    @staticmethod
+    def _params_list(params: Any, n_prompts: int) -> list[SamplingParams]:
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, (SamplingParams, Mapping)):
+            params = [params] * n_prompts
+        if len(params) != n_prompts:
+            raise ValueError(f"sampling_params has {len(params)} entries for {n_prompts} prompts")
+        return [p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p) for p in params]
+
+    # ------------------------------------------------------------------------------------------------ generate
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Mapping[str, Any] | Sequence[Any] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[GenerateOutput]:
+        """Complete each prompt. With ``n > 1`` a prompt yields n outputs, consecutive in the returned list."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        params_list = self._params_list(sampling_params, len(prompts))
+        reqs: list[Req] = []
+        for prompt, params in zip(prompts, params_list):
+            for _ in range(params.n):
+                reqs.append(self.make_request(prompt, params))
+        self._run(reqs, use_tqdm)
+        return [self._output(r) for r in reqs]
+
+    def chat(
+        self,
+        conversations: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Mapping[str, Any] | Sequence[Any] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[GenerateOutput]:
+        """Apply the model's chat template to each conversation (a list of ``{"role", "content"}``) and generate."""
+        if conversations and isinstance(conversations[0], Mapping):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts = [self.chat_prompt_ids(c) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompt_ids(self, messages: Messages) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this model has none (dummy weights)")
+        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the text of one request piece by piece as it is generated (the CLI chat uses this)."""
+        params = sampling_params or SamplingParams()
+        req = self.make_request(prompt, params)
+        while not req.finished:
+            for _, delta in self.engine.step([req]):
+                if delta:
+                    yield delta
+        self.last_output = self._output(req)
+
+    # ------------------------------------------------------------------------------------------------- helpers
+
+    def _run(self, reqs: list[Req], use_tqdm: bool) -> None:
+        bar = tqdm(total=len(reqs), desc="generate", unit="req", disable=not use_tqdm or len(reqs) < 2)
+        done = sum(r.finished for r in reqs)
+        bar.update(done)
+        while self.engine.step(reqs):
+            now = sum(r.finished for r in reqs)
+            bar.update(now - done)
+            done = now
+        bar.close()
+
+    @staticmethod
+    def _output(req: Req) -> GenerateOutput:
+        assert req.finish_reason is not None
+        return GenerateOutput(
+            text=req.output_text,
+            output_ids=list(req.output_ids),
+            finish_reason=req.finish_reason.kind,
+            matched_stop=req.finish_reason.matched,
+            prompt_tokens=len(req.input_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            rid=req.rid,
+        )

@@ -1,0 +1,131 @@
+"""From a ``--model-path`` to a ready model (chapter 01)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from minisgl_ref.models.config import ModelConfig
+from minisgl_ref.models.embedded import EMBEDDED_NAME, embedded_model_path
+from minisgl_ref.models.llama import LlamaForCausalLM
+from minisgl_ref.models.qwen2 import Qwen2ForCausalLM
+from minisgl_ref.models.qwen3 import Qwen3ForCausalLM
+from minisgl_ref.models.weights import checkpoint_shapes, iter_dummy_weights, iter_safetensors
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+SHIPPED_CONFIGS = Path(__file__).parent / "configs"
+LOAD_FORMATS = ("auto", "dummy")
+
+
+class ModelPathError(ValueError):
+    """A model path that cannot be used; the message is one line meant for the user."""
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    path: Path | None  # the HF folder, or None for a shipped config without weights
+    config_file: Path
+
+
+def shipped_config_names() -> list[str]:
+    return sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.json"))
+
+
+def resolve_model_path(model_path: str | None, load_format: str = "auto") -> ResolvedModel:
+    """Turn what the user typed into a folder (or a shipped config for dummy weights), or explain why not."""
+    if load_format not in LOAD_FORMATS:
+        raise ModelPathError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    if model_path is None or model_path in ("", EMBEDDED_NAME, f"HuggingFaceTB/{EMBEDDED_NAME}"):
+        folder = embedded_model_path()
+        return ResolvedModel(folder, folder / "config.json")
+    path = Path(model_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelPathError(f"model path {model_path!r} has no config.json, so it is not an HF model folder")
+        return ResolvedModel(path, path / "config.json")
+    short = model_path.split("/")[-1].lower()
+    if (SHIPPED_CONFIGS / f"{short}.json").is_file():
+        if load_format != "dummy":
+            raise ModelPathError(
+                f"{model_path!r} is not a local folder and weights cannot be downloaded here; "
+                f"add --load-format dummy to build it from its shipped config with random weights"
+            )
+        return ResolvedModel(None, SHIPPED_CONFIGS / f"{short}.json")
+    if path.exists():
+        raise ModelPathError(f"model path {model_path!r} is a file, not an HF model folder")
+    raise ModelPathError(
+        f"model path {model_path!r} does not exist (shipped configs for --load-format dummy: "
+        f"{', '.join(shipped_config_names())})"
+    )
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.device) -> torch.dtype:
+    """``auto`` means the checkpoint's dtype, except on CPU where half precision is slow and we use float32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16}
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else config.dtype
+    if dtype not in names:
+        raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {dtype!r}")
+    return names[dtype]
+
+
+def load_model(
+    model_path: str | None = None,
+    *,
+    load_format: str = "auto",
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+) -> tuple[nn.Module, ModelConfig, Path | None]:
+    """Build the model class named by the config, fill in its weights, return (model, config, folder)."""
+    resolved = resolve_model_path(model_path, load_format)
+    try:
+        config = ModelConfig.from_file(resolved.config_file)
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        raise ModelPathError(f"cannot read {resolved.config_file}: {e}") from e
+    if config.architecture not in MODEL_REGISTRY:
+        raise ModelPathError(
+            f"architecture {config.architecture!r} is not supported (supported: {', '.join(MODEL_REGISTRY)})"
+        )
+    device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, config, device)
+    config.dtype = torch_dtype
+    model_cls = MODEL_REGISTRY[config.architecture]
+    with torch.device(device), _default_dtype(torch_dtype):
+        model = model_cls(config)
+    if load_format == "dummy":
+        attn = model_cls.decoder_layer_cls.attention_cls
+        shapes = checkpoint_shapes(config, config.attention_bias or attn.qkv_bias_default, attn.use_qk_norm)
+        model.load_weights(iter_dummy_weights(shapes, device))
+    else:
+        assert resolved.path is not None
+        try:
+            model.load_weights(iter_safetensors(resolved.path))
+        except FileNotFoundError as e:
+            raise ModelPathError(str(e)) from e
+    return model.eval(), config, resolved.path
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Create parameters directly in the target dtype: building in float32 and converting would briefly need
+    twice the memory. (RoPE tables ask for float32 explicitly and are unaffected.)"""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)

@@ -1,0 +1,203 @@
+"""Per-request sampling parameters (chapter 02).
+
+A request arrives with a bag of knobs -- how many tokens, how random, when to stop. ``SamplingParams`` is that
+bag, with SGLang's field names and defaults so that a client written for SGLang (or for OpenAI, after the server
+renames ``max_tokens`` to ``max_new_tokens``) means the same thing here.
+
+Why validate so eagerly? A bad value that slips through does not fail where it was written: ``top_p=0`` only
+blows up deep inside a batched sort, ``top_k=2.5`` silently changes what ``ranks < k`` means, and one request
+with ``temperature=float('nan')`` poisons nothing but its own row -- which is worse, because nobody notices. The
+server turns the ``ValueError`` raised here into an HTTP 400 whose message names the offending field, so every
+message below says *which* field and *what* value.
+
+The ranges follow SGLang and the OpenAI API:
+
+=====================  ======================================================
+field                  allowed
+=====================  ======================================================
+max_new_tokens         int >= 0
+temperature            finite number >= 0 (0 means greedy)
+top_k                  -1 (off) or int >= 1
+top_p                  number in (0, 1]
+min_p                  number in [0, 1]
+frequency_penalty      number in [-2, 2]
+presence_penalty       number in [-2, 2]
+repetition_penalty     number in (0, 2]
+stop                   None, a non-empty string, or a list of them
+stop_token_ids         None or a list of ints >= 0
+min_new_tokens         int in [0, max_new_tokens]
+n                      int >= 1
+seed                   None or an int
+=====================  ======================================================
+
+``bool`` is rejected wherever a number is expected: ``True`` is an ``int`` in Python, but ``n=True`` is a bug,
+not a request for one completion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+#: Temperatures below this count as greedy. Dividing logits by 1e-40 overflows float32 to inf and turns the
+#: softmax into NaN; SGLang draws the same line. ``temperature=0`` is the documented way to ask for greedy.
+GREEDY_TEMPERATURE_EPS = 1e-6
+
+
+def _describe(value: Any) -> str:
+    """``'hot' (str)``: the value and its type, for error messages about wrong types."""
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _check_int(name: str, value: Any) -> int:
+    """Accept Python and NumPy integers, reject ``bool`` and floats (``top_k=2.0`` is not silently truncated)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {_describe(value)}")
+    return int(value)
+
+
+def _check_real(name: str, value: Any) -> float:
+    """Accept ints and floats (``top_p=1`` is fine), reject ``bool``, strings and NaN/inf."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {_describe(value)}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {_describe(value)}")
+    return value
+
+
+def _normalize_stop(value: Any) -> list[str]:
+    """``None`` -> ``[]``, ``"x"`` -> ``["x"]``; every stop string must be non-empty (``""`` would match at once)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {_describe(value)}")
+    for s in value:
+        if not isinstance(s, str):
+            raise ValueError(f"stop must contain only strings, got {_describe(s)}")
+        if s == "":
+            raise ValueError("stop strings must be non-empty, got ''")
+    return list(value)
+
+
+def _normalize_stop_token_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, set, frozenset)):
+        raise ValueError(f"stop_token_ids must be a list of ints, got {_describe(value)}")
+    ids = [_check_int("stop_token_ids", t) for t in value]
+    for t in ids:
+        if t < 0:
+            raise ValueError(f"stop_token_ids must be >= 0, got {t}")
+    return ids
+
+
+@dataclass
+class SamplingParams:
+    """How one request wants its tokens chosen and when it wants to stop.
+
+    Values are checked and normalised once, at construction; the sampler trusts them afterwards.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 means greedy (argmax)
+    top_k: int = -1  # -1 means off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None  # normalised to list[str]
+    stop_token_ids: list[int] | None = None  # normalised to list[int]
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    n: int = 1
+    seed: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Lengths.
+        self.max_new_tokens = _check_int("max_new_tokens", self.max_new_tokens)
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        self.min_new_tokens = _check_int("min_new_tokens", self.min_new_tokens)
+        if self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}"
+            )
+
+        # Randomness and truncation.
+        self.temperature = _check_real("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        self.top_k = _check_int("top_k", self.top_k)
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        self.top_p = _check_real("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.min_p = _check_real("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+        # Penalties.
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = _check_real(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        self.repetition_penalty = _check_real("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+
+        # Stopping.
+        self.stop = _normalize_stop(self.stop)
+        self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
+        self.ignore_eos = _check_bool("ignore_eos", self.ignore_eos)
+        self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
+
+        # Fan-out and reproducibility.
+        self.n = _check_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.seed is not None:
+            self.seed = _check_int("seed", self.seed)
+
+    @property
+    def is_greedy(self) -> bool:
+        """Greedy requests skip softmax, filtering and noise: the sampler takes a plain argmax for them.
+
+        ``temperature == 0`` (or below :data:`GREEDY_TEMPERATURE_EPS`) and ``top_k == 1`` both leave exactly one
+        candidate, so both are greedy.
+        """
+        return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-Python dict (lists, not tuples) that survives JSON and pickling between server processes."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
+        """Inverse of :meth:`to_dict`. Unknown keys are errors: a typo like ``top-p`` must not be ignored."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"sampling params must be a mapping, got {_describe(data)}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in data:
+            if key not in known:
+                raise ValueError(f"unknown sampling parameter {key!r}")
+        return cls(**data)

@@ -1,0 +1,536 @@
+"""Batched sampling: penalties, temperature, top-k / top-p / min-p, and seeded draws (chapter 02).
+
+The model hands us one row of logits per running request, ``[B, V]``. Every request has its own
+:class:`~minisgl_ref.sampling.params.SamplingParams`, yet the sampler must not loop over requests in Python: at a
+batch of 256 a Python loop of small kernel launches costs more than the decode step it follows. So the per-request
+knobs are packed once into ``[B]`` tensors (:class:`SamplingBatchInfo`) and every stage below is a handful of
+whole-batch tensor ops in which a disabled knob is simply a no-op value (``top_k = V``, ``top_p = 1``,
+``min_p = 0``, penalty 0 or 1).
+
+The pipeline, per decode step::
+
+    logits [B, V] --(task 2.2) penalties, min_new_tokens masking-->  penalised logits
+        greedy rows:  argmax(penalised logits)
+        other rows:   softmax(logits / T) in float32
+                      --(task 2.3) top-k, then top-p, then min-p, renormalise--> probs
+                      --(task 2.4) exponential race with hashed noise-->          token
+
+Penalty semantics (OpenAI and vLLM conventions):
+
+* ``repetition_penalty`` r (HF / CTRL style) applies to every token id that occurs in the prompt *or* in the
+  output so far: a positive logit is divided by r, a non-positive one multiplied by r. r > 1 discourages
+  repeats, r < 1 encourages them, r = 1 is off.
+* ``frequency_penalty`` f and ``presence_penalty`` p count *generated* tokens only (not the prompt):
+  ``logit -= f * count + p * (count > 0)`` where ``count`` is how often the id has been sampled so far.
+* The repetition penalty is applied first, then the additive ones (vLLM's order; the two do not commute).
+* ``min_new_tokens`` m: while a request has produced fewer than m tokens, the logits of its EOS ids and its
+  ``stop_token_ids`` are set to ``-inf``. This holds whatever ``ignore_eos`` says: ``ignore_eos`` only tells the
+  scheduler not to stop on EOS; it does not change the distribution.
+* Penalties apply to greedy rows too -- they change which token is the argmax.
+
+Reproducibility: the random numbers for request i at its step s over vocab id v are a pure function
+``hash(seed_i, s, v)``, computed with integer tensor arithmetic. A request's tokens therefore depend on its seed and
+its own logits only -- not on its row in the batch, the other requests, the device, or how many draws happened
+before -- which is what makes a seeded request replayable under continuous batching.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+from minisgl_ref.sampling.params import GREEDY_TEMPERATURE_EPS, SamplingParams
+
+# ----------------------------------------------------------------------------------------------------------------
+# Integer hashing on int64 tensors, without overflow.
+#
+# PyTorch has no general-purpose uint32/uint64 arithmetic on every device, and signed int64 overflow is undefined
+# behaviour in C++ even though it usually wraps. We therefore keep every value in [0, 2**32) inside int64 tensors
+# and multiply only by constants below 2**31: the product is below 2**63 and never overflows; masking with
+# 0xFFFFFFFF then gives exact arithmetic modulo 2**32, bit-identical on CPU and GPU. On non-negative values ``>>``
+# is a logical shift, so shifts need no masking either.
+# ----------------------------------------------------------------------------------------------------------------
+
+_MASK32 = 0xFFFFFFFF
+# Odd multipliers below 2**31 with good avalanche for the xorshift-multiply construction below (from the
+# published searches for 32-bit integer hashes); odd means the multiply is a bijection modulo 2**32.
+_HASH_MUL_1 = 0x21F0AAAD
+_HASH_MUL_2 = 0x735A2D97
+# Arbitrary odd salts that separate the different uses of the same hash.
+_SALT_SEED = 0x3C6EF372
+_SALT_KEY2 = 0x1B873593
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for ``0 <= x < 2**32`` and ``c < 2**31``: the product fits in int64."""
+    return (x * c) & _MASK32
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """Mix 32-bit values (stored in int64) so that each output bit depends on every input bit.
+
+    Two rounds of xorshift-multiply. Every step is a bijection on [0, 2**32), so distinct inputs never collide.
+    """
+    x = x ^ (x >> 16)
+    x = _mul32(x, _HASH_MUL_1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _HASH_MUL_2)
+    x = x ^ (x >> 15)
+    return x
+
+
+def seed_to_int64(seed: int) -> int:
+    """Any Python int -> the int64 with the same low 64 bits (so seeds >= 2**63 and negative seeds are fine)."""
+    seed %= 1 << 64
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The batch state.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _Flag(IntEnum):
+    """Columns of ``SamplingBatchInfo.row_flags``: which stages a row needs."""
+
+    GREEDY = 0
+    TOP_K = 1  # set only on non-greedy rows: greedy rows never reach the filtering stage
+    TOP_P = 2
+    MIN_P = 3
+    FREQ_PRES = 4
+    REPETITION = 5
+    MIN_NEW_TOKENS = 6
+
+
+# Per-row tensors of shape [B]; filter() and merge() treat them all alike.
+_ROW_FIELDS = (
+    "temperatures",
+    "top_ks",
+    "top_ps",
+    "min_ps",
+    "frequency_penalties",
+    "presence_penalties",
+    "repetition_penalties",
+    "seeds",
+    "steps",
+    "min_new_tokens",
+)
+# Per-row state of shape [B, V], allocated only when some row needs it (it is B * V elements: 40M at B=256 for a
+# 152k vocabulary). A row whose params make a state irrelevant may hold zeros there, e.g. after a merge.
+_STATE_FIELDS = ("output_counts", "prompt_mask", "stop_token_mask")
+
+
+@dataclass
+class SamplingBatchInfo:
+    """Everything the sampler needs about a batch, as tensors on the logits' device.
+
+    Build it once when requests join (:meth:`build`), call :meth:`update` after every sampling step, and use
+    :meth:`filter` / :meth:`merge` when requests finish or join a running batch -- none of those touch Python lists
+    of tokens again.
+
+    The ``need_*`` flags let a cheap batch skip work (an all-greedy batch never calls softmax). They are computed from
+    ``row_flags``, a small CPU tensor, so reading them never waits for the device -- which matters once the CPU runs
+    ahead of the GPU (chapter 06).
+    """
+
+    vocab_size: int
+    temperatures: torch.Tensor  # [B] float32 (greedy rows hold their raw value; the sampler ignores it)
+    top_ks: torch.Tensor  # [B] int64, "off" (-1) stored as vocab_size so that `rank < top_k` keeps all
+    top_ps: torch.Tensor  # [B] float32
+    min_ps: torch.Tensor  # [B] float32
+    frequency_penalties: torch.Tensor  # [B] float32
+    presence_penalties: torch.Tensor  # [B] float32
+    repetition_penalties: torch.Tensor  # [B] float32
+    seeds: torch.Tensor  # [B] int64, the low 64 bits of each request's seed
+    steps: torch.Tensor  # [B] int64, tokens generated so far = index of the token being sampled
+    min_new_tokens: torch.Tensor  # [B] int64
+    row_flags: torch.Tensor  # [B, len(_Flag)] bool, on the CPU
+    output_counts: torch.Tensor | None = None  # [B, V] int32: how often each id was generated
+    prompt_mask: torch.Tensor | None = None  # [B, V] bool: id occurs in the prompt
+    stop_token_mask: torch.Tensor | None = None  # [B, V] bool: EOS ids and stop_token_ids
+
+    # -- construction ----------------------------------------------------------------------------------------
+
+    @classmethod
+    def build(
+        cls,
+        params_list: Sequence[SamplingParams],
+        prompt_ids_list: Sequence[Sequence[int]],
+        output_ids_list: Sequence[Sequence[int]] | None,
+        eos_token_ids_list: Sequence[Sequence[int] | int | None] | None,
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        seeds: Sequence[int] | None = None,
+    ) -> SamplingBatchInfo:
+        """Pack per-request params and token history into batch tensors.
+
+        ``output_ids_list`` holds tokens already generated (non-empty when a request is resumed); ``None`` means
+        none yet. ``eos_token_ids_list`` holds each request's EOS id(s), masked while ``min_new_tokens`` is not
+        reached. ``seeds`` overrides every row's seed; otherwise requests with ``seed=None`` get a fresh seed
+        from torch's default CPU generator here, so unseeded
+        requests differ run to run (unless the program calls ``torch.manual_seed``).
+        """
+        batch = len(params_list)
+        if output_ids_list is None:
+            output_ids_list = [[] for _ in range(batch)]
+        if eos_token_ids_list is None:
+            eos_token_ids_list = [None] * batch
+        if not (len(prompt_ids_list) == len(output_ids_list) == len(eos_token_ids_list) == batch):
+            raise ValueError("params_list, prompt_ids_list, output_ids_list and eos_token_ids_list differ in length")
+        device = torch.device(device)
+        v = vocab_size
+
+        fresh = iter(torch.randint(0, 1 << 62, (batch,), dtype=torch.int64).tolist())
+        if seeds is not None:
+            # The engine drew each request's seed when the request arrived (Req.sampling_seed), so a rebuilt
+            # batch continues the same random streams.
+            seeds = [seed_to_int64(x) for x in seeds]
+        else:
+            seeds = [seed_to_int64(p.seed) if p.seed is not None else next(fresh) for p in params_list]
+
+        flags = torch.zeros(batch, len(_Flag), dtype=torch.bool)
+        for i, p in enumerate(params_list):
+            greedy = p.is_greedy
+            flags[i, _Flag.GREEDY] = greedy
+            flags[i, _Flag.TOP_K] = not greedy and 1 <= p.top_k < v
+            flags[i, _Flag.TOP_P] = not greedy and p.top_p < 1.0
+            flags[i, _Flag.MIN_P] = not greedy and p.min_p > 0.0
+            flags[i, _Flag.FREQ_PRES] = p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+            flags[i, _Flag.REPETITION] = p.repetition_penalty != 1.0
+            flags[i, _Flag.MIN_NEW_TOKENS] = p.min_new_tokens > 0
+
+        def row(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        f32, i64 = torch.float32, torch.int64
+        info = cls(
+            vocab_size=v,
+            temperatures=row([p.temperature for p in params_list], f32),
+            top_ks=row([v if p.top_k == -1 else min(p.top_k, v) for p in params_list], i64),
+            top_ps=row([p.top_p for p in params_list], f32),
+            min_ps=row([p.min_p for p in params_list], f32),
+            frequency_penalties=row([p.frequency_penalty for p in params_list], f32),
+            presence_penalties=row([p.presence_penalty for p in params_list], f32),
+            repetition_penalties=row([p.repetition_penalty for p in params_list], f32),
+            seeds=row(seeds, i64),
+            steps=row([len(o) for o in output_ids_list], i64),
+            min_new_tokens=row([p.min_new_tokens for p in params_list], i64),
+            row_flags=flags,
+        )
+        if info.need_frequency_presence or info.need_repetition:
+            info.output_counts = _rows_to_dense(output_ids_list, v, device, torch.int32, "output ids")
+        if info.need_repetition:
+            info.prompt_mask = _rows_to_dense(prompt_ids_list, v, device, torch.bool, "prompt ids")
+        if info.need_min_new_tokens:
+            stops = [_as_id_list(e) + list(p.stop_token_ids) for e, p in zip(eos_token_ids_list, params_list)]
+            info.stop_token_mask = _rows_to_dense(stops, v, device, torch.bool, "eos / stop token ids")
+        return info
+
+    # -- flags (CPU-only reads) ------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.temperatures.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.temperatures.device
+
+    def _any(self, flag: _Flag) -> bool:
+        return bool(self.row_flags[:, flag].any())
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool(self.row_flags[:, _Flag.GREEDY].all())
+
+    @property
+    def any_greedy(self) -> bool:
+        return self._any(_Flag.GREEDY)
+
+    @property
+    def need_top_k(self) -> bool:
+        return self._any(_Flag.TOP_K)
+
+    @property
+    def need_top_p(self) -> bool:
+        return self._any(_Flag.TOP_P)
+
+    @property
+    def need_min_p(self) -> bool:
+        return self._any(_Flag.MIN_P)
+
+    @property
+    def need_filtering(self) -> bool:
+        return self.need_top_k or self.need_top_p or self.need_min_p
+
+    @property
+    def need_frequency_presence(self) -> bool:
+        return self._any(_Flag.FREQ_PRES)
+
+    @property
+    def need_repetition(self) -> bool:
+        return self._any(_Flag.REPETITION)
+
+    @property
+    def need_min_new_tokens(self) -> bool:
+        return self._any(_Flag.MIN_NEW_TOKENS)
+
+    @property
+    def need_penalties(self) -> bool:
+        return self.need_frequency_presence or self.need_repetition or self.need_min_new_tokens
+
+    def greedy_mask(self) -> torch.Tensor:
+        """[B] bool on the device: rows that take the argmax (same rule as ``SamplingParams.is_greedy``)."""
+        return (self.temperatures < GREEDY_TEMPERATURE_EPS) | (self.top_ks == 1)
+
+    # -- evolution of a running batch ------------------------------------------------------------------------
+
+    def update(self, new_token_ids: torch.Tensor) -> None:
+        """Record the tokens just sampled (one per row): bump step counters and penalty counts, on the device."""
+        if new_token_ids.shape != (len(self),):
+            raise ValueError(f"expected {len(self)} new token ids, got shape {tuple(new_token_ids.shape)}")
+        self.steps += 1
+        if self.output_counts is not None:
+            rows = torch.arange(len(self), device=self.device)
+            ones = torch.ones(len(self), dtype=self.output_counts.dtype, device=self.device)
+            # Each row appears once, so plain indexing would do; accumulate=True states the intent.
+            self.output_counts.index_put_((rows, new_token_ids.to(self.device, torch.int64)), ones, accumulate=True)
+
+    def filter(self, keep_indices: Sequence[int] | torch.Tensor) -> None:
+        """Keep only the rows ``keep_indices`` (in that order), in place.
+
+        Pass a Python list or a CPU tensor: a device tensor must be copied to the CPU for ``row_flags``, which waits
+        for the device.
+        """
+        keep_cpu = torch.as_tensor(keep_indices, dtype=torch.int64).cpu()
+        keep = keep_cpu.to(self.device)
+        for name in _ROW_FIELDS + _STATE_FIELDS:
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t[keep])
+        self.row_flags = self.row_flags[keep_cpu]
+        self._drop_unneeded_state()
+
+    def merge(self, other: SamplingBatchInfo) -> None:
+        """Append ``other``'s rows after ours, in place (new requests joining a running batch)."""
+        if other.vocab_size != self.vocab_size:
+            raise ValueError(f"cannot merge vocab sizes {self.vocab_size} and {other.vocab_size}")
+        for name in _ROW_FIELDS:
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name).to(self.device)]))
+        for name in _STATE_FIELDS:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine is None and theirs is None:
+                continue
+            # A side without this state has no row that needs it, so zeros are a faithful stand-in.
+            dtype = (mine if mine is not None else theirs).dtype
+            if mine is None:
+                mine = torch.zeros(len(self.row_flags), self.vocab_size, dtype=dtype, device=self.device)
+            if theirs is None:
+                theirs = torch.zeros(len(other), self.vocab_size, dtype=dtype, device=self.device)
+            setattr(self, name, torch.cat([mine, theirs.to(self.device)]))
+        self.row_flags = torch.cat([self.row_flags, other.row_flags])
+
+    def _drop_unneeded_state(self) -> None:
+        """Free [B, V] state that no remaining row needs (keeps memory proportional to what is used)."""
+        if not (self.need_frequency_presence or self.need_repetition):
+            self.output_counts = None
+        if not self.need_repetition:
+            self.prompt_mask = None
+        if not self.need_min_new_tokens:
+            self.stop_token_mask = None
+
+
+def _as_id_list(ids: Sequence[int] | int | None) -> list[int]:
+    if ids is None:
+        return []
+    if isinstance(ids, int):
+        return [ids]
+    return list(ids)
+
+
+def _rows_to_dense(
+    rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device, dtype: torch.dtype, what: str
+) -> torch.Tensor:
+    """Ragged lists of token ids -> [B, V]: counts for integer dtypes, membership for bool.
+
+    One scatter for the whole batch: flatten the ids, and repeat each row index once per id.
+    """
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    cols = torch.tensor([t for r in rows for t in r], dtype=torch.int64)
+    if cols.numel() and (int(cols.min()) < 0 or int(cols.max()) >= vocab_size):
+        raise ValueError(f"{what} must lie in [0, {vocab_size}), got {int(cols.min())}..{int(cols.max())}")
+    row_idx = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+    out = torch.zeros(len(rows), vocab_size, dtype=dtype, device=device)
+    ones = torch.ones(cols.numel(), dtype=dtype, device=device)
+    out.index_put_((row_idx.to(device), cols.to(device)), ones, accumulate=dtype != torch.bool)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The three stages.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Return float32 logits with repetition, frequency/presence penalties and min_new_tokens masking applied.
+
+    See the module docstring for the exact semantics. Rows whose knobs are off come out bit-identical: dividing by
+    1, subtracting 0 * count and masking nothing are exact.
+    """
+    # BEGIN TASK 2.2: penalties
+    logits = logits.float()
+    if info.need_repetition:
+        assert info.prompt_mask is not None and info.output_counts is not None
+        seen = info.prompt_mask | (info.output_counts > 0)
+        rep = info.repetition_penalties[:, None]
+        # Dividing a positive logit and multiplying a negative one both push it *down* for r > 1.
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalised, logits)
+    if info.need_frequency_presence:
+        assert info.output_counts is not None
+        counts = info.output_counts.float()
+        logits = (
+            logits
+            - info.frequency_penalties[:, None] * counts
+            - info.presence_penalties[:, None] * (counts > 0).float()
+        )
+    if info.need_min_new_tokens:
+        assert info.stop_token_mask is not None
+        too_early = info.steps < info.min_new_tokens  # [B]; evaluated on the device, no sync
+        logits = logits.masked_fill(info.stop_token_mask & too_early[:, None], float("-inf"))
+    return logits
+    # END TASK 2.2
+
+
+def top_k_top_p_min_p_filter(
+    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor
+) -> torch.Tensor:
+    """Zero out the tokens each row's top-k, top-p and min-p exclude, and renormalise each row to sum to 1.
+
+    Applied in sequence, like HF's logits warpers and vLLM:
+
+    1. top-k keeps the k most probable tokens;
+    2. top-p keeps the smallest prefix (by descending probability) of what top-k left whose renormalised mass
+       reaches ``top_p`` -- i.e. token at rank r survives iff the mass strictly above it is < top_p;
+    3. min-p drops tokens whose probability is below ``min_p`` times the largest one (a ratio, so it does not
+       matter whether the probabilities were renormalised first).
+
+    The most probable token always survives, so no row is left empty. Ties at the top-k boundary are broken by
+    ``torch.sort``'s order.
+    """
+    # BEGIN TASK 2.3: top-k / top-p / min-p filtering
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[-1], device=probs.device)
+    keep = ranks[None, :] < top_ks[:, None]  # a prefix of the sorted order
+
+    kept = sorted_probs.masked_fill(~keep, 0.0)
+    cumulative = kept.cumsum(dim=-1)
+    mass_above = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)
+    top_k_mass = cumulative[:, -1:]
+    # Comparing against top_p * (mass kept by top-k) renormalises without a division. Rows with top_p == 1 keep
+    # everything explicitly: float32 rounding could otherwise make the tail's mass_above reach the total.
+    in_nucleus = (mass_above < top_ps[:, None] * top_k_mass) | (top_ps[:, None] >= 1.0)
+    keep &= in_nucleus
+
+    keep &= sorted_probs >= min_ps[:, None] * sorted_probs[:, :1]
+    keep[:, 0] = True  # already implied (k >= 1, no mass above the top, min_p <= 1); stated for the reader
+
+    mask = torch.zeros_like(keep).scatter_(1, order, keep)  # back from rank order to vocabulary order
+    filtered = probs.masked_fill(~mask, 0.0)
+    return filtered / filtered.sum(dim=-1, keepdim=True)
+    # END TASK 2.3
+
+
+def seeded_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[B, V]`` float32 numbers in (0, 1), where entry (i, v) is a fixed function of ``(seeds[i], steps[i], v)``.
+
+    This is a counter-based generator: instead of a stateful RNG whose output depends on how many numbers were
+    drawn before (and therefore on batch size and order), each number is a hash of its coordinates.
+
+    * Per row, fold the 64-bit seed and the step into two 32-bit keys (cheap: [B] work).
+    * Per element, hash the vocab id under those keys. Why two keyed rounds? With a single ``hash(v ^ key)``, two
+      rows whose keys differ only in bits below ``V`` (a chance of about ``V / 2**32`` per pair of rows, so it does
+      happen over a long generation) would get the very same numbers, merely permuted -- and their draws would be
+      correlated. The second round, under an independent key, scrambles that coincidence away.
+    * Map the 32-bit hash h to ``(h + 0.5) / 2**32``: never exactly 0. The conversion to float32 keeps full
+      relative precision near 0, which is where the winners of the race below live; near 1 we clamp so that
+      ``1 - u`` never rounds to 0.
+    """
+    # BEGIN TASK 2.4: seeded, batch-independent noise
+    seed_lo = seeds & _MASK32
+    seed_hi = (seeds >> 32) & _MASK32  # arithmetic shift, then mask: the top 32 bits of the two's complement
+    key = hash32(seed_hi ^ _SALT_SEED)
+    key = hash32(key ^ seed_lo)
+    key1 = hash32(key ^ (steps & _MASK32))  # [B]
+    key2 = hash32(key1 ^ _SALT_KEY2)  # [B]
+
+    vocab = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
+    h = hash32(vocab[None, :] ^ key1[:, None])
+    h = hash32(h ^ key2[:, None])  # [B, V] in [0, 2**32)
+
+    u = (h.to(torch.float32) + 0.5) * (2.0**-32)
+    return u.clamp_(max=1.0 - 2.0**-24)
+    # END TASK 2.4
+
+
+def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row from ``probs`` (rows need not be normalised) with the exponential race.
+
+    With independent ``E_v ~ Exp(1)``, ``E_v / p_v ~ Exp(rate p_v)``, and the smallest of independent exponentials
+    is the one with rate ``p_v`` with probability ``p_v / sum(p)``. So ``argmax(p / E) = argmin(E / p)`` is an exact
+    draw from ``p`` -- one elementwise pass and an argmax, no cumulative sum, no sort, and zero-probability tokens
+    can never win. (This is the Gumbel-max trick written without logarithms of ``p``.)
+    """
+    u = seeded_uniform(seeds, steps, probs.shape[-1])
+    exponential = -torch.log1p(-u)  # inverse CDF of Exp(1); log1p keeps precision for small u
+    return (probs / exponential).argmax(dim=-1)
+
+
+@functools.cache
+def _fused_sample_from_probs() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``sample_from_probs`` compiled into one kernel (built on first use, shared by every ``Sampler``).
+
+    Eagerly, the hash is ~25 elementwise int64 passes over [B, V], each one a round trip through memory: about
+    6 ms per step at B = 256 and V = 152k on an H100, more than the rest of sampling. Fused, the noise lives in
+    registers and the whole draw reads ``probs`` once (~0.1 ms). The integer hash is exact, so the fused noise is
+    bit-identical to the eager one. ``dynamic=True``: batch sizes change every step; one kernel serves them all.
+    """
+    return torch.compile(sample_from_probs, dynamic=True)
+
+
+class Sampler:
+    """Turns a batch of logits into one token id per row; stateless (all state lives in ``SamplingBatchInfo``).
+
+    The caller records the result with ``info.update(tokens)`` before the next step, which is what advances
+    penalty counts and the per-request noise stream.
+
+    ``fuse_on_cuda`` (default on) runs the random draw through ``torch.compile`` when the logits are on a GPU;
+    on the CPU, and with it off, the plain eager functions of this file run, which is what the tests read.
+    """
+
+    def __init__(self, fuse_on_cuda: bool = True) -> None:
+        self.fuse_on_cuda = fuse_on_cuda
+
+    def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        if logits.dim() != 2 or logits.shape[0] != len(info) or logits.shape[1] != info.vocab_size:
+            raise ValueError(f"logits must be [{len(info)}, {info.vocab_size}], got {tuple(logits.shape)}")
+        logits = logits.float()
+        if info.need_penalties:
+            logits = apply_penalties(logits, info)
+        if info.all_greedy:
+            return logits.argmax(dim=-1)  # ties go to the lowest id, as in every torch argmax
+
+        greedy = info.greedy_mask()
+        # Greedy rows are answered by argmax below; give them T = 1 here so the division stays finite.
+        temperatures = torch.where(greedy, torch.ones_like(info.temperatures), info.temperatures)
+        probs = torch.softmax(logits / temperatures[:, None], dim=-1)
+        if info.need_filtering:
+            probs = top_k_top_p_min_p_filter(probs, info.top_ks, info.top_ps, info.min_ps)
+        draw = _fused_sample_from_probs() if self.fuse_on_cuda and probs.is_cuda else sample_from_probs
+        tokens = draw(probs, info.seeds, info.steps)
+        if info.any_greedy:
+            tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+        return tokens

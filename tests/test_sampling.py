@@ -1,0 +1,821 @@
+"""Chapter 02, sampling half: sampling parameters, penalties (task 2.2), filtering (task 2.3), seeded draws (2.4).
+
+Everything runs on synthetic logits over small vocabularies, so each expectation can be computed by hand or by
+brute force. Statistical tests use fixed seeds: they are deterministic for a given implementation, and their
+thresholds (chi-square at p = 0.001) are loose enough for any correct implementation and tight enough to catch a
+wrong temperature or a filter that leaks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minisgl_ref.sampling import Sampler, SamplingBatchInfo, SamplingParams
+from minisgl_ref.sampling.sampler import (
+    apply_penalties,
+    sample_from_probs,
+    seeded_uniform,
+    top_k_top_p_min_p_filter,
+)
+
+# Chi-square critical values at p = 0.001, by degrees of freedom (from the standard table).
+CHI2_CRIT_001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88}
+
+sampler = Sampler()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def build(params: list[SamplingParams], vocab: int, prompts=None, outputs=None, eos=None) -> SamplingBatchInfo:
+    prompts = prompts if prompts is not None else [[] for _ in params]
+    return SamplingBatchInfo.build(params, prompts, outputs, eos, vocab, "cpu")
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson's statistic; tokens of probability 0 must never be drawn at all."""
+    assert counts[probs == 0].sum() == 0, "sampled a token of probability 0"
+    expected = counts.sum() * probs
+    nz = probs > 0
+    return float(((counts[nz] - expected[nz]) ** 2 / expected[nz]).sum())
+
+
+def draw_many(logits_row: torch.Tensor, params: SamplingParams, n: int) -> np.ndarray:
+    """``n`` independent draws for one distribution: ``n`` rows, seeds 0..n-1. Returns counts per token."""
+    vocab = logits_row.shape[-1]
+    rows = [SamplingParams(**{**params.to_dict(), "seed": s}) for s in range(n)]
+    info = build(rows, vocab)
+    tokens = sampler(logits_row.expand(n, vocab).clone(), info)
+    return np.bincount(tokens.numpy(), minlength=vocab)
+
+
+def brute_force_allowed(probs: np.ndarray, top_k: int, top_p: float, min_p: float) -> set[int]:
+    """The kept set, computed the slow, obvious way in float64 (no ties in the inputs this is used with)."""
+    order = sorted(range(len(probs)), key=lambda t: -probs[t])
+    k = len(probs) if top_k == -1 else top_k
+    candidates = order[:k]
+    total = sum(probs[t] for t in candidates)
+    nucleus, mass = [], 0.0
+    for t in candidates:  # smallest prefix whose renormalised mass reaches top_p
+        nucleus.append(t)
+        mass += probs[t] / total
+        if mass >= top_p:
+            break
+    top = probs[order[0]]
+    return {t for t in nucleus if probs[t] >= min_p * top} | {order[0]}
+
+
+def softmax64(logits: torch.Tensor, temperature: float = 1.0) -> np.ndarray:
+    return torch.softmax(logits.double() / temperature, dim=-1).numpy()
+
+
+@st.composite
+def _rows_and_params(draw: st.DrawFn) -> tuple[list[float], SamplingParams]:
+    vocab = draw(st.integers(2, 40))
+    logits = draw(st.lists(st.floats(-8, 8, allow_nan=False, width=32), min_size=vocab, max_size=vocab))
+    params = SamplingParams(
+        temperature=draw(st.floats(0.05, 3.0)),
+        top_k=draw(st.one_of(st.just(-1), st.integers(1, vocab + 3))),
+        top_p=draw(st.floats(0.01, 1.0)),
+        min_p=draw(st.floats(0.0, 1.0)),
+        seed=draw(st.integers(0, 2**64 - 1)),
+    )
+    return logits, params
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SamplingParams
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_params_defaults_match_sglang() -> None:
+    p = SamplingParams()
+    assert (p.max_new_tokens, p.temperature, p.top_k, p.top_p, p.min_p) == (128, 1.0, -1, 1.0, 0.0)
+    assert (p.frequency_penalty, p.presence_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert (p.stop, p.stop_token_ids, p.ignore_eos, p.min_new_tokens, p.n, p.seed) == ([], [], False, 0, 1, None)
+    assert p.skip_special_tokens is True
+
+
+def test_params_normalisation() -> None:
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(stop_token_ids=(3, np.int64(4))).stop_token_ids == [3, 4]
+    assert type(SamplingParams(stop_token_ids=[np.int64(4)]).stop_token_ids[0]) is int
+    p = SamplingParams(temperature=1, top_p=1, seed=np.int32(5))
+    assert isinstance(p.temperature, float) and isinstance(p.top_p, float) and type(p.seed) is int
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=0.0),
+        dict(temperature=50.0),
+        dict(top_k=1),
+        dict(top_k=100_000),
+        dict(top_p=1e-6),
+        dict(min_p=0.0),
+        dict(min_p=1.0),
+        dict(frequency_penalty=-2.0, presence_penalty=2.0),
+        dict(repetition_penalty=2.0),
+        dict(repetition_penalty=0.01),
+        dict(max_new_tokens=0),
+        dict(max_new_tokens=5, min_new_tokens=5),
+        dict(seed=-1),
+        dict(seed=2**70),
+        dict(stop=["a", "\n\n"], stop_token_ids=[0, 7]),
+    ],
+)
+def test_params_accept_boundary_values(kwargs: dict) -> None:
+    SamplingParams(**kwargs)
+
+
+INVALID = [
+    ("max_new_tokens", -1),
+    ("max_new_tokens", None),
+    ("max_new_tokens", 1.5),
+    ("max_new_tokens", "10"),
+    ("max_new_tokens", True),
+    ("temperature", -1.0),
+    ("temperature", -1e-9),
+    ("temperature", "hot"),
+    ("temperature", None),
+    ("temperature", float("nan")),
+    ("temperature", float("inf")),
+    ("temperature", True),
+    ("top_k", 0),
+    ("top_k", -2),
+    ("top_k", 2.5),
+    ("top_k", 5.0),
+    ("top_k", "5"),
+    ("top_k", False),
+    ("top_p", 0.0),
+    ("top_p", -0.1),
+    ("top_p", 1.0001),
+    ("top_p", "0.9"),
+    ("top_p", float("nan")),
+    ("min_p", -0.01),
+    ("min_p", 1.01),
+    ("min_p", "0"),
+    ("frequency_penalty", 2.01),
+    ("frequency_penalty", -2.5),
+    ("frequency_penalty", "1"),
+    ("presence_penalty", 3),
+    ("presence_penalty", -2.01),
+    ("presence_penalty", None),
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.0),
+    ("repetition_penalty", 2.5),
+    ("repetition_penalty", "1.1"),
+    ("stop", ""),
+    ("stop", [""]),
+    ("stop", ["ok", 3]),
+    ("stop", 5),
+    ("stop", {"a": 1}),
+    ("stop_token_ids", [-1]),
+    ("stop_token_ids", ["a"]),
+    ("stop_token_ids", [1.5]),
+    ("stop_token_ids", [True]),
+    ("stop_token_ids", "12"),
+    ("stop_token_ids", 3),
+    ("ignore_eos", 1),
+    ("ignore_eos", "yes"),
+    ("min_new_tokens", -1),
+    ("min_new_tokens", 1.5),
+    ("min_new_tokens", 129),  # above the default max_new_tokens = 128
+    ("n", 0),
+    ("n", -3),
+    ("n", True),
+    ("n", 2.0),
+    ("seed", True),
+    ("seed", 1.5),
+    ("seed", "42"),
+    ("skip_special_tokens", None),
+    ("skip_special_tokens", 0),
+]
+
+
+@pytest.mark.parametrize("field,value", INVALID, ids=[f"{f}={v!r}" for f, v in INVALID])
+def test_params_reject_invalid_values_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field) as excinfo:
+        SamplingParams(**{field: value})
+    message = str(excinfo.value)
+    if not isinstance(value, (list, dict)):
+        assert repr(value) in message or str(value) in message, f"message does not show the value: {message}"
+
+
+def test_params_is_greedy() -> None:
+    assert SamplingParams(temperature=0).is_greedy
+    assert SamplingParams(temperature=0.7, top_k=1).is_greedy
+    assert not SamplingParams(temperature=0.7).is_greedy
+    assert not SamplingParams(temperature=1e-3, top_k=2).is_greedy
+
+
+def test_params_dict_round_trip_and_unknown_keys() -> None:
+    p = SamplingParams(temperature=0.3, top_k=7, stop="x", stop_token_ids=[2], seed=9, min_new_tokens=2)
+    d = p.to_dict()
+    assert d["stop"] == ["x"] and d["top_k"] == 7
+    assert SamplingParams.from_dict(d) == p
+    assert SamplingParams.from_dict({}) == SamplingParams()
+    with pytest.raises(ValueError, match="top-p"):
+        SamplingParams.from_dict({"top-p": 0.5})
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams.from_dict({"max_tokens": 5})
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams.from_dict({"top_p": 0})
+    with pytest.raises(ValueError):
+        SamplingParams.from_dict([("top_p", 0.5)])  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Greedy and temperature
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.task("2.4")
+def test_greedy_is_argmax_and_untouched_by_sampled_neighbours() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 37, generator=g) * 3
+    params = [SamplingParams(temperature=0)] * 3 + [SamplingParams(top_k=1, temperature=0.9)]
+    assert torch.equal(sampler(logits[:4], build(params, 37)), logits[:4].argmax(-1))
+    # In a mixed batch the greedy rows still take the argmax, whatever the other rows do.
+    mixed = [SamplingParams(temperature=0), SamplingParams(temperature=1.5, seed=1)] * 3
+    tokens = sampler(logits, build(mixed, 37))
+    assert torch.equal(tokens[0::2], logits[0::2].argmax(-1))
+    assert tokens.dtype == torch.int64 and tokens.shape == (6,)
+
+
+@pytest.mark.task("2.4")
+def test_sampler_accepts_bf16_and_checks_shapes() -> None:
+    logits = torch.randn(2, 16).bfloat16()
+    info = build([SamplingParams(seed=0), SamplingParams(temperature=0)], 16)
+    assert sampler(logits, info).dtype == torch.int64
+    with pytest.raises(ValueError, match="logits"):
+        sampler(torch.randn(2, 17), info)
+    with pytest.raises(ValueError, match="logits"):
+        sampler(torch.randn(3, 16), info)
+
+
+@pytest.mark.task("2.4")
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature_matches_softmax_distribution(temperature: float) -> None:
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, -2.0])
+    counts = draw_many(logits, SamplingParams(temperature=temperature), 4000)
+    stat = chi_square(counts, softmax64(logits, temperature))
+    assert stat < CHI2_CRIT_001[7], f"chi2 = {stat:.1f}: draws do not follow softmax(logits / {temperature})"
+    # The test has teeth: the same draws are far from the distribution at a different temperature.
+    wrong = softmax64(logits, temperature * 1.5)
+    assert chi_square(counts, wrong) > 2 * CHI2_CRIT_001[7]
+
+
+@pytest.mark.task("2.4")
+def test_one_request_over_many_steps_follows_the_distribution() -> None:
+    """Same seed, successive steps: the per-step noise must behave like fresh independent draws."""
+    vocab, n = 8, 4000
+    logits = torch.tensor([1.0, 0.0, 0.3, -0.7, 0.9, -1.5, 0.2, 0.6])
+    info = build([SamplingParams(seed=12345, temperature=1.0)] * n, vocab)
+    info.steps = torch.arange(n)
+    tokens = sampler(logits.expand(n, vocab).clone(), info).numpy()
+    assert chi_square(np.bincount(tokens, minlength=vocab), softmax64(logits)) < CHI2_CRIT_001[7]
+    # Consecutive tokens are independent: the transition counts match the product of the marginals.
+    pairs = np.zeros((vocab, vocab))
+    np.add.at(pairs, (tokens[:-1], tokens[1:]), 1)
+    p = softmax64(logits)
+    big = np.outer(p, p) * (n - 1) > 40  # only cells with enough expected counts
+    expected = np.outer(p, p)[big] * (n - 1)
+    stat = float(((pairs[big] - expected) ** 2 / expected).sum())
+    assert stat < 3 * big.sum(), f"consecutive draws look correlated (chi2 {stat:.0f} over {big.sum()} cells)"
+
+
+@pytest.mark.task("2.4")
+def test_low_temperature_concentrates_on_the_argmax() -> None:
+    logits = torch.tensor([0.0, 1.0, 0.9, -3.0, 0.95])
+    share = {}
+    for temperature in (1.0, 0.1, 0.02, 1e-3):
+        counts = draw_many(logits, SamplingParams(temperature=temperature), 1000)
+        share[temperature] = counts[1] / 1000
+        assert share[temperature] == pytest.approx(softmax64(logits, temperature)[1], abs=0.05)
+    assert share[1.0] < share[0.1] < share[0.02] < share[1e-3] == 1.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# top-k / top-p / min-p (task 2.3)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.task("2.4")
+def test_sampler_top_k_draws_only_the_k_best_with_renormalised_probabilities() -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(32, generator=g)
+    k = 5
+    counts = draw_many(logits, SamplingParams(top_k=k), 3000)
+    best = set(torch.topk(logits, k).indices.tolist())
+    assert set(np.flatnonzero(counts)) == best
+    p = softmax64(logits)
+    renorm = np.where(np.isin(np.arange(32), list(best)), p, 0.0)
+    assert chi_square(counts, renorm / renorm.sum()) < CHI2_CRIT_001[k - 1]
+
+
+def _random_rows(seed: int, rows: int, vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=g, dtype=torch.float64).float() * 2
+
+
+@pytest.mark.task("2.3")
+@pytest.mark.parametrize(
+    "top_k,top_p,min_p",
+    [(-1, 0.9, 0.0), (-1, 0.5, 0.0), (-1, 0.05, 0.0), (10, 0.8, 0.0), (-1, 1.0, 0.1), (-1, 1.0, 0.5),
+     (-1, 0.7, 0.2), (6, 0.6, 0.3), (3, 1.0, 0.0), (-1, 1.0, 0.0)],
+)
+def test_filter_keeps_exactly_the_brute_force_set(top_k: int, top_p: float, min_p: float) -> None:
+    vocab, rows = 40, 16
+    logits = _random_rows(7, rows, vocab)
+    probs = torch.softmax(logits, dim=-1)
+    out = top_k_top_p_min_p_filter(
+        probs,
+        torch.full((rows,), vocab if top_k == -1 else top_k),
+        torch.full((rows,), top_p),
+        torch.full((rows,), min_p),
+    )
+    for i in range(rows):
+        p64 = probs[i].double().numpy()
+        allowed = brute_force_allowed(p64, top_k, top_p, min_p)
+        assert set(torch.nonzero(out[i]).flatten().tolist()) == allowed, f"row {i}"
+        expected = np.zeros(vocab)
+        expected[list(allowed)] = p64[list(allowed)] / p64[list(allowed)].sum()
+        np.testing.assert_allclose(out[i].double().numpy(), expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.task("2.3")
+def test_filter_handles_mixed_rows_and_always_keeps_the_top_token() -> None:
+    vocab = 30
+    logits = _random_rows(3, 4, vocab)
+    probs = torch.softmax(logits, -1)
+    out = top_k_top_p_min_p_filter(
+        probs,
+        top_ks=torch.tensor([vocab, 2, vocab, vocab]),
+        top_ps=torch.tensor([1.0, 1.0, 1e-6, 1.0]),
+        min_ps=torch.tensor([0.0, 0.0, 0.0, 1.0]),
+    )
+    torch.testing.assert_close(out[0], probs[0])  # all off: unchanged (renormalisation is a no-op)
+    assert (out[1] > 0).sum() == 2
+    for i in (2, 3):  # tiny top_p / min_p = 1: only the best token
+        assert torch.nonzero(out[i]).flatten().tolist() == [int(probs[i].argmax())]
+        assert out[i].max() == 1.0
+
+
+@pytest.mark.task("2.3")
+@pytest.mark.parametrize(
+    "top_p,min_p,kept",
+    [(0.5, 0.0, [0]), (0.50001, 0.0, [0, 1]), (0.75, 0.0, [0, 1]), (0.8, 0.0, [0, 1, 2]), (0.875, 0.0, [0, 1, 2]),
+     (0.87501, 0.0, [0, 1, 2, 3]), (1.0, 0.5, [0, 1]), (1.0, 0.25, [0, 1, 2]), (1.0, 0.2501, [0, 1]),
+     (1.0, 0.09375, [0, 1, 2, 3, 4])],
+)
+def test_filter_boundaries_are_exact(top_p: float, min_p: float, kept: list[int]) -> None:
+    """Binary fractions make every sum exact, so the boundary cases are unambiguous.
+
+    top-p keeps the smallest set whose mass *reaches* top_p (0.5 is reached by token 0 alone); min-p drops only
+    tokens *below* min_p * max (0.125 = 0.25 * 0.5 stays).
+    """
+    probs = torch.tensor([[0.5, 0.25, 0.125, 5 / 64, 3 / 64]])
+    out = top_k_top_p_min_p_filter(probs, torch.tensor([5]), torch.tensor([top_p]), torch.tensor([min_p]))
+    assert torch.nonzero(out[0]).flatten().tolist() == kept
+
+
+@pytest.mark.task("2.3")
+@settings(max_examples=100, deadline=None)
+@given(_rows_and_params())
+def test_property_filter_keeps_a_valid_nucleus(case: tuple[list[float], SamplingParams]) -> None:
+    """For any logits and knobs, the kept set is no larger than top-k, top-p and min-p allow, and no smaller."""
+    logits_list, params = case
+    vocab = len(logits_list)
+    probs = torch.softmax(torch.tensor([logits_list]) / params.temperature, dim=-1)
+    k = vocab if params.top_k == -1 else min(params.top_k, vocab)
+    out = top_k_top_p_min_p_filter(
+        probs, torch.tensor([k]), torch.tensor([params.top_p]), torch.tensor([params.min_p])
+    )[0].double().numpy()
+    p = probs[0].double().numpy()
+    kept = np.flatnonzero(out)
+    assert out.sum() == pytest.approx(1.0, abs=1e-5)
+    assert p.argmax() in kept or p[kept].max() == p.max()  # the best token (up to ties) survives
+    np.testing.assert_allclose(out[kept], p[kept] / p[kept].sum(), rtol=1e-4, atol=1e-7)
+    tol = 1e-5
+    desc = np.sort(p)[::-1]
+    assert len(kept) <= k
+    assert p[kept].min() >= params.min_p * p.max() * (1 - tol) - 1e-12
+    top_k_mass = desc[:k].sum()
+    # The kept set minus its smallest member must fall short of top_p (otherwise the set is not the smallest)...
+    if len(kept) > 1:
+        short = np.sort(p[kept])[::-1][:-1].sum() / top_k_mass
+        assert short < params.top_p + tol
+    # ...every token above the smallest kept one is kept too (the kept set is a prefix of the sorted order)...
+    assert (p > p[kept].min() * (1 + tol)).sum() <= len(kept)
+    # ...and if fewer than k survive, either the nucleus reached top_p or min-p removed the next candidate.
+    dropped = np.setdiff1d(np.arange(vocab), kept)
+    if len(kept) < k and dropped.size:
+        reached = p[kept].sum() / top_k_mass >= params.top_p - tol
+        next_below_min_p = p[dropped].max() < params.min_p * p.max() * (1 + tol) + 1e-12
+        assert reached or next_below_min_p
+
+
+@pytest.mark.task("2.4")
+def test_sampler_top_p_and_min_p_draws_stay_in_the_nucleus() -> None:
+    logits = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.0, -1.0, 2.2, 0.5, -0.5, 1.7])
+    p = softmax64(logits)
+    for params in (SamplingParams(top_p=0.8), SamplingParams(min_p=0.3), SamplingParams(top_k=4, top_p=0.7)):
+        counts = draw_many(logits, params, 2000)
+        allowed = brute_force_allowed(p, params.top_k, params.top_p, params.min_p)
+        assert set(np.flatnonzero(counts)) == allowed, params
+        renorm = np.where(np.isin(np.arange(10), list(allowed)), p, 0.0)
+        assert chi_square(counts, renorm / renorm.sum()) < CHI2_CRIT_001[len(allowed) - 1], params
+
+
+@pytest.mark.task("2.4")
+@settings(max_examples=100, deadline=None)
+@given(_rows_and_params())
+def test_property_sampled_tokens_lie_in_the_allowed_set(case: tuple[list[float], SamplingParams]) -> None:
+    logits_list, params = case
+    vocab, rows = len(logits_list), 8
+    logits = torch.tensor(logits_list)
+    info = build([params] * rows, vocab)
+    info.steps = torch.arange(rows)  # 8 different draws of the same request
+    tokens = sampler(logits.expand(rows, vocab).clone(), info).tolist()
+
+    # Allowed set with a little slack for float32 rounding and ties (the order among equal probabilities is free).
+    p = softmax64(logits, params.temperature) if not params.is_greedy else None
+    for t in tokens:
+        if params.is_greedy:
+            assert logits[t] == logits.max()
+            continue
+        k = vocab if params.top_k == -1 else min(params.top_k, vocab)
+        kth = np.sort(p)[::-1][k - 1]
+        assert p[t] >= kth * (1 - 1e-5) - 1e-12, "outside top-k"
+        in_top_k = np.sort(p)[::-1][:k]
+        mass_above = in_top_k[in_top_k > p[t] * (1 + 1e-5)].sum() / in_top_k.sum()
+        assert mass_above < params.top_p + 1e-5 or p[t] >= p.max() * (1 - 1e-5), "outside the nucleus"
+        assert p[t] >= params.min_p * p.max() * (1 - 1e-5) - 1e-12, "below min-p"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Penalties and min_new_tokens (task 2.2)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def penalties_by_hand(
+    logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]]
+) -> torch.Tensor:
+    """The reference: one Python loop per (row, token), straight from the definitions."""
+    out = logits.clone().double()
+    for i, p in enumerate(params):
+        for v in range(logits.shape[1]):
+            x = float(logits[i, v])
+            count = outputs[i].count(v)
+            if v in prompts[i] or count > 0:
+                x = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+            x -= p.frequency_penalty * count
+            x -= p.presence_penalty * (1 if count > 0 else 0)
+            out[i, v] = x
+    return out.float()
+
+
+PENALTY_CASES = {
+    "frequency": SamplingParams(frequency_penalty=0.7),
+    "presence": SamplingParams(presence_penalty=1.3),
+    "negative_frequency_presence": SamplingParams(frequency_penalty=-0.5, presence_penalty=-2.0),
+    "repetition": SamplingParams(repetition_penalty=1.8),
+    "repetition_below_one": SamplingParams(repetition_penalty=0.5),
+    "all_three": SamplingParams(frequency_penalty=0.4, presence_penalty=0.6, repetition_penalty=1.3),
+}
+
+
+@pytest.mark.task("2.2")
+@pytest.mark.parametrize("case", sorted(PENALTY_CASES))
+def test_penalties_match_a_hand_written_loop(case: str) -> None:
+    vocab = 20
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, vocab, generator=g) * 2
+    prompts = [[1, 2, 3, 3, 9], [0, 19], [4]]
+    outputs = [[2, 5, 5, 5, 7], [0, 0, 11], []]
+    # Row 1 has no penalties at all: it must come out bit-identical even though its neighbours are penalised.
+    params = [PENALTY_CASES[case], SamplingParams(), PENALTY_CASES[case]]
+    info = build(params, vocab, prompts, outputs)
+    got = apply_penalties(logits, info)
+    expected = penalties_by_hand(logits, params, prompts, outputs)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert torch.equal(got[1], logits[1])
+    # Only the ids that are in scope may change, and every one of them must.
+    for i in (0, 2):
+        scope = set(outputs[i])
+        if params[i].repetition_penalty != 1.0:
+            scope |= set(prompts[i])
+        changed = set(torch.nonzero(got[i] != logits[i]).flatten().tolist())
+        assert changed == scope, (case, i, changed, scope)
+
+
+@pytest.mark.task("2.2")
+def test_frequency_and_presence_ignore_the_prompt_and_have_exact_amounts() -> None:
+    vocab = 10
+    logits = torch.zeros(1, vocab)
+    params = [SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)]
+    info = build(params, vocab, prompts=[[1, 1, 2]], outputs=[[3, 3, 3, 4]])
+    got = apply_penalties(logits, info)[0]
+    assert got[3].item() == pytest.approx(-(0.5 * 3 + 0.25))
+    assert got[4].item() == pytest.approx(-(0.5 + 0.25))
+    assert got[1] == 0 and got[2] == 0  # prompt tokens: untouched
+
+
+@pytest.mark.task("2.2")
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() -> None:
+    logits = torch.tensor([[2.0, -2.0, 4.0, -1.0]])
+    info = build([SamplingParams(repetition_penalty=2.0)], 4, prompts=[[0, 1]], outputs=[[2]])
+    assert apply_penalties(logits, info).tolist() == [[1.0, -4.0, 2.0, -1.0]]
+
+
+@pytest.mark.task("2.2")
+def test_update_accumulates_counts_like_building_from_scratch() -> None:
+    vocab = 12
+    params = [SamplingParams(frequency_penalty=0.3, presence_penalty=0.2, repetition_penalty=1.5), SamplingParams()]
+    prompts = [[1, 2], [3]]
+    info = build(params, vocab, prompts)
+    history = [[4, 5], [4, 4], [1, 0], [9, 4]]
+    for step in history:
+        info.update(torch.tensor(step))
+    outputs = [[s[0] for s in history], [s[1] for s in history]]
+    fresh = build(params, vocab, prompts, outputs)
+    assert torch.equal(info.output_counts, fresh.output_counts)
+    assert torch.equal(info.steps, fresh.steps) and info.steps.tolist() == [4, 4]
+    logits = torch.randn(2, vocab)
+    torch.testing.assert_close(apply_penalties(logits, info), penalties_by_hand(logits, params, prompts, outputs))
+
+
+@pytest.mark.task("2.2")
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_min_new_tokens_masks_eos_and_stop_ids_until_reached(ignore_eos: bool) -> None:
+    vocab, eos, stop_id = 16, 5, 9
+    logits = torch.zeros(2, vocab)
+    logits[:, eos] = 50.0  # the model badly wants to stop
+    logits[:, stop_id] = 40.0
+    params = [
+        SamplingParams(temperature=0, min_new_tokens=3, stop_token_ids=[stop_id], ignore_eos=ignore_eos),
+        SamplingParams(temperature=0, stop_token_ids=[stop_id]),  # no minimum: free to stop at once
+    ]
+    info = build(params, vocab, eos=[[eos], eos])
+    for step in range(5):
+        masked = apply_penalties(logits, info)
+        tokens = sampler(logits, info)
+        if step < 3:
+            assert masked[0, eos] == -math.inf and masked[0, stop_id] == -math.inf
+            assert tokens[0] not in (eos, stop_id)
+            other = [v for v in range(vocab) if v not in (eos, stop_id)]
+            assert torch.equal(masked[0, other], logits[0, other])
+        else:
+            assert torch.equal(masked[0], logits[0])
+            assert tokens[0] == eos
+        assert tokens[1] == eos and torch.equal(masked[1], logits[1])
+        info.update(tokens)
+
+
+@pytest.mark.task("2.2")
+def test_min_new_tokens_counts_tokens_already_generated() -> None:
+    """A resumed request with 2 outputs and min_new_tokens=3 is masked for exactly one more step."""
+    vocab = 8
+    info = build([SamplingParams(min_new_tokens=3)], vocab, outputs=[[1, 2]], eos=[[7]])
+    assert apply_penalties(torch.zeros(1, vocab), info)[0, 7] == -math.inf
+    info.update(torch.tensor([3]))
+    assert apply_penalties(torch.zeros(1, vocab), info)[0, 7] == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Seeded, batch-independent sampling (task 2.4)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def request_logits(request: int, step: int, vocab: int) -> torch.Tensor:
+    """A deterministic stand-in for the model: the logits of request ``request`` at its step ``step``."""
+    g = torch.Generator().manual_seed(1000 * request + step)
+    return torch.randn(vocab, generator=g) * 1.5
+
+
+class Running:
+    """A tiny continuous-batching loop: requests join (merge) and leave (filter) the batch between steps."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab, self.ids, self.info, self.tokens = vocab, [], None, {}
+
+    def join(self, rid: int, params: SamplingParams, prompt: list[int]) -> None:
+        new = SamplingBatchInfo.build([params], [prompt], None, [[0]], self.vocab, "cpu")
+        if self.info is None:
+            self.info = new
+        else:
+            self.info.merge(new)
+        self.ids.append(rid)
+        self.tokens[rid] = []
+
+    def leave(self, rid: int) -> None:
+        keep = [i for i, r in enumerate(self.ids) if r != rid]
+        self.info.filter(keep)
+        self.ids = [self.ids[i] for i in keep]
+
+    def step(self) -> None:
+        logits = torch.stack([request_logits(r, len(self.tokens[r]), self.vocab) for r in self.ids])
+        new = sampler(logits, self.info)
+        self.info.update(new)
+        for r, t in zip(self.ids, new.tolist()):
+            self.tokens[r].append(t)
+
+
+TRACKED = SamplingParams(seed=1234, temperature=0.9, top_p=0.95, frequency_penalty=0.5, repetition_penalty=1.2)
+
+
+def tracked_alone(steps: int, vocab: int) -> list[int]:
+    run = Running(vocab)
+    run.join(0, TRACKED, [1, 2, 3])
+    for _ in range(steps):
+        run.step()
+    return run.tokens[0]
+
+
+@pytest.mark.task("2.4")
+def test_same_seed_same_tokens_whatever_the_batch() -> None:
+    vocab, steps = 48, 12
+    alone = tracked_alone(steps, vocab)
+    assert len(set(alone)) > 3  # it really samples
+
+    # Same request at another row, with other requests around it: some seeded, some not, some greedy.
+    run = Running(vocab)
+    run.join(7, SamplingParams(), [5])
+    run.join(8, SamplingParams(temperature=0), [6])
+    run.join(0, TRACKED, [1, 2, 3])
+    run.join(9, SamplingParams(seed=1234, top_k=3), [7])  # same seed, different request: no interference
+    for _ in range(steps):
+        run.step()
+    assert run.tokens[0] == alone
+
+    # Requests leave and join around it mid-flight (filter and merge), and its row index moves.
+    run = Running(vocab)
+    run.join(3, SamplingParams(presence_penalty=1.0, min_p=0.1), [4])
+    run.join(0, TRACKED, [1, 2, 3])
+    for step in range(steps):
+        if step == 3:
+            run.leave(3)  # the tracked request moves from row 1 to row 0
+        if step == 5:
+            run.join(4, SamplingParams(temperature=0.5, seed=4), [2])
+        if step == 8:
+            run.join(5, SamplingParams(min_new_tokens=2, repetition_penalty=1.5), [2, 2])
+            run.leave(4)
+        run.step()
+    assert run.tokens[0] == alone
+
+
+@pytest.mark.task("2.4")
+def test_different_seeds_give_different_sequences() -> None:
+    vocab, steps, n = 50, 20, 8
+    info = build([SamplingParams(seed=s) for s in range(n)], vocab)
+    logits = torch.zeros(n, vocab)  # uniform: every difference comes from the noise
+    seqs = []
+    for _ in range(steps):
+        t = sampler(logits, info)
+        info.update(t)
+        seqs.append(t)
+    seqs = torch.stack(seqs, dim=1)  # [n, steps]
+    assert len({tuple(s) for s in seqs.tolist()}) == n
+    # ...and within a sequence the steps differ too (the step feeds the noise).
+    assert all(len(set(s)) > 10 for s in seqs.tolist())
+    # Seeds that differ only in their high 32 bits, or by sign, are different seeds.
+    u = seeded_uniform(torch.tensor([5, 5 + (1 << 32), -5]), torch.zeros(3, dtype=torch.int64), 64)
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+
+
+@pytest.mark.task("2.4")
+def test_seeded_noise_is_uniform_and_depends_only_on_its_coordinates() -> None:
+    seeds = torch.tensor([0, 1, 2**62 + 3, -(2**63), 42])
+    steps = torch.tensor([0, 5, 1, 7, 1_000_000])
+    u = seeded_uniform(seeds, steps, 20_000)
+    assert u.dtype == torch.float32 and u.shape == (5, 20_000)
+    assert (u > 0).all() and (u < 1).all()
+    # Each row is the same when computed on its own or in another order (no hidden stream state).
+    for i in range(5):
+        torch.testing.assert_close(seeded_uniform(seeds[i : i + 1], steps[i : i + 1], 20_000)[0], u[i], rtol=0, atol=0)
+    torch.testing.assert_close(seeded_uniform(seeds.flip(0), steps.flip(0), 20_000), u.flip(0), rtol=0, atol=0)
+    # And a wider vocabulary extends the row rather than changing it.
+    torch.testing.assert_close(seeded_uniform(seeds, steps, 20_100)[:, :20_000], u, rtol=0, atol=0)
+    # Uniform: 20 equal bins over 100k numbers.
+    counts = np.histogram(u.numpy().ravel(), bins=20, range=(0, 1))[0]
+    expected = u.numel() / 20
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    assert stat < 43.8  # chi-square, 19 degrees of freedom, p = 0.001
+    assert abs(float(u.mean()) - 0.5) < 0.005
+
+
+@pytest.mark.task("2.4")
+def test_noise_rows_are_never_permutations_of_each_other() -> None:
+    """60,000 steps of one request over a 16-token vocabulary: no two steps may see the same 16 numbers reordered.
+
+    A weak construction such as a single ``hash(v ^ key)`` fails this: two keys that differ only in their low 4 bits
+    turn one row into a permutation of the other, which happens about N**2 / 2**29 ~ 7 times here.
+    """
+    n, vocab = 60_000, 16
+    u = seeded_uniform(torch.full((n,), 99), torch.arange(n), vocab)
+    distinct_rows = torch.unique(u.sort(dim=-1).values, dim=0).shape[0]
+    assert distinct_rows == n
+
+
+@pytest.mark.task("2.4")
+def test_exponential_race_ignores_zero_probability_tokens() -> None:
+    probs = torch.zeros(1000, 10)
+    probs[:, 3] = 1e-30
+    probs[:, 7] = 2e-30  # unnormalised and tiny: only the ratio matters
+    tokens = sample_from_probs(probs, torch.arange(1000), torch.zeros(1000, dtype=torch.int64))
+    counts = np.bincount(tokens.numpy(), minlength=10)
+    assert counts.sum() == counts[3] + counts[7]
+    assert abs(counts[7] / 1000 - 2 / 3) < 0.06
+
+
+def test_unseeded_requests_get_fresh_seeds() -> None:
+    a = build([SamplingParams(), SamplingParams()], 8)
+    b = build([SamplingParams()], 8)
+    assert len({*a.seeds.tolist(), *b.seeds.tolist()}) == 3
+    torch.manual_seed(0)
+    c = build([SamplingParams()], 8).seeds
+    torch.manual_seed(0)
+    assert torch.equal(build([SamplingParams()], 8).seeds, c)  # torch.manual_seed makes them reproducible
+    assert build([SamplingParams(seed=2**64 + 7)], 8).seeds.item() == 7  # seeds are taken modulo 2**64
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Batch bookkeeping
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_flags_let_cheap_batches_skip_work() -> None:
+    info = build([SamplingParams(temperature=0), SamplingParams(top_k=1)], 8)
+    assert info.all_greedy and not info.need_penalties and not info.need_filtering
+    assert info.output_counts is None and info.prompt_mask is None and info.stop_token_mask is None
+    info.merge(build([SamplingParams(top_p=0.5, presence_penalty=0.5)], 8))
+    assert not info.all_greedy and info.any_greedy and info.need_top_p and not info.need_top_k
+    assert info.need_frequency_presence and info.output_counts.shape == (3, 8) and info.prompt_mask is None
+    info.filter([0, 1])
+    assert info.all_greedy and info.output_counts is None  # state nobody needs is freed
+    # top_k >= vocab is no filter at all.
+    assert not build([SamplingParams(top_k=8)], 8).need_top_k
+
+
+def test_filter_and_merge_equal_a_fresh_build() -> None:
+    vocab = 10
+    params = [
+        SamplingParams(seed=1, repetition_penalty=1.4),
+        SamplingParams(seed=2, min_new_tokens=4, stop_token_ids=[3]),
+        SamplingParams(seed=3, frequency_penalty=1.0, top_k=4),
+    ]
+    prompts = [[1, 1, 2], [3, 4], [5]]
+    outputs = [[6], [7, 7], []]
+    eos = [[0], [0], [0]]
+    a = build(params[:2], vocab, prompts[:2], outputs[:2], eos[:2])
+    a.merge(build(params[2:], vocab, prompts[2:], outputs[2:], eos[2:]))
+    a.filter([2, 0])
+    b = build([params[2], params[0]], vocab, [prompts[2], prompts[0]], [outputs[2], outputs[0]], eos[:2])
+    for name in ("temperatures", "top_ks", "top_ps", "min_ps", "frequency_penalties", "presence_penalties",
+                 "repetition_penalties", "seeds", "steps", "min_new_tokens", "row_flags", "output_counts"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    # [B, V] state need only be right in rows that use it: the prompt mask matters for row 1 (repetition) only.
+    assert torch.equal(a.prompt_mask[1], b.prompt_mask[1])
+    assert a.stop_token_mask is None and b.stop_token_mask is None
+    a.filter([])
+    assert len(a) == 0 and sampler(torch.zeros(0, vocab), a).shape == (0,)
+
+
+def test_build_rejects_out_of_range_token_ids() -> None:
+    with pytest.raises(ValueError, match="prompt"):
+        build([SamplingParams(repetition_penalty=1.1)], 8, prompts=[[8]])
+    with pytest.raises(ValueError, match="length"):
+        SamplingBatchInfo.build([SamplingParams()], [[1], [2]], None, None, 8, "cpu")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: the same request gives the same tokens on CPU and GPU
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.task("2.4")
+def test_cpu_and_gpu_draw_the_same_noise_and_tokens() -> None:
+    seeds = torch.tensor([0, 7, -(2**63), 2**62 + 1])
+    steps = torch.tensor([0, 3, 9, 100])
+    u_cpu = seeded_uniform(seeds, steps, 50_000)
+    u_gpu = seeded_uniform(seeds.cuda(), steps.cuda(), 50_000).cpu()
+    # The integer hash is exact; the float conversion is a single rounding on both devices.
+    assert torch.equal(u_cpu, u_gpu)
+    params = [SamplingParams(seed=s, temperature=0.8, top_p=0.9) for s in range(4)]
+    logits = torch.randn(4, 1000, dtype=torch.float64).float()
+    t_cpu = sampler(logits, SamplingBatchInfo.build(params, [[]] * 4, None, None, 1000, "cpu"))
+    gpu_info = SamplingBatchInfo.build(params, [[]] * 4, None, None, 1000, "cuda")
+    t_eager = Sampler(fuse_on_cuda=False)(logits.cuda(), gpu_info)
+    t_fused = Sampler(fuse_on_cuda=True)(logits.cuda(), gpu_info)
+    assert torch.equal(t_cpu, t_eager.cpu()) and torch.equal(t_cpu, t_fused.cpu())
