@@ -15,11 +15,14 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from minisgl_ref.engine.config import EngineConfig
+from minisgl_ref.engine.engine import Engine
 from minisgl_ref.engine.naive import NaiveEngine
 from minisgl_ref.models.loader import load_model
 from minisgl_ref.sampling.params import SamplingParams
 from minisgl_ref.scheduler.request import Req
 from minisgl_ref.tokenizer import IncrementalDetokenizer, Tokenizer
+from minisgl_ref.tokenizer.tokenizer import TOKENIZER_FILES
 
 Prompt = str | Sequence[int]
 Messages = Sequence[Mapping[str, Any]]
@@ -50,7 +53,11 @@ def default_device() -> str:
 class LLM:
     """An engine in a Python object. ``LLM()`` loads the embedded SmolLM2-135M-Instruct; ``LLM(model_path=...)``
     any local HF folder; ``LLM(model_path="qwen3-0.6b", load_format="dummy")`` a shipped config with random
-    weights (no tokenizer: pass token ids)."""
+    weights (no tokenizer: pass token ids).
+
+    ``engine="paged"`` (default) is the real engine of chapters 03-06, configured by SGLang-named keyword
+    arguments (``max_running_requests``, ``chunked_prefill_size``, ``page_size``, ``disable_radix_cache``, ...,
+    see :class:`EngineConfig`); ``engine="naive"`` is the chapter-00 oracle that recomputes everything."""
 
     def __init__(
         self,
@@ -60,15 +67,23 @@ class LLM:
         dtype: str | torch.dtype = "auto",
         device: str | None = None,
         context_length: int | None = None,
+        engine: str = "paged",
+        skip_tokenizer_init: bool = False,
+        **engine_kwargs: Any,
     ) -> None:
+        if engine not in ("paged", "naive"):
+            raise ValueError(f"engine must be 'paged' or 'naive', got {engine!r}")
+        engine_config = EngineConfig(**engine_kwargs)
         self.device = torch.device(device or default_device())
         self.model, self.config, folder = load_model(
             None if model_path is None else str(model_path), load_format=load_format, dtype=dtype, device=self.device
         )
         self.model_path = folder
         self.tokenizer: Tokenizer | None = None
-        if folder is not None and load_format != "dummy":
-            self.tokenizer = Tokenizer.from_pretrained(folder)
+        if folder is not None and load_format != "dummy" and not skip_tokenizer_init:
+            if any((folder / name).is_file() for name in TOKENIZER_FILES):
+                self.tokenizer = Tokenizer.from_pretrained(folder)
+            # else: a weights-only folder; like SGLang's --skip-tokenizer-init, prompts must be token ids
         eos = set(self.config.eos_token_ids)
         if self.tokenizer is not None:
             eos |= self.tokenizer.eos_token_ids
@@ -76,7 +91,13 @@ class LLM:
         self.context_length = context_length or self.config.max_position_embeddings
         if self.context_length < 2:
             raise ValueError(f"context_length must be at least 2, got {self.context_length}")
-        self.engine = NaiveEngine(self.model, self.config.vocab_size, self.device)
+        self.engine_kind = engine
+        self.engine: Engine | NaiveEngine
+        if engine == "naive":
+            self.engine = NaiveEngine(self.model, self.config.vocab_size, self.device)
+        else:
+            self.engine = Engine(self.model, self.config, engine_config, device=self.device,
+                                 context_length=self.context_length)
 
     # ----------------------------------------------------------------------------------------------- requests
 
@@ -161,10 +182,18 @@ class LLM:
         """Yield the text of one request piece by piece as it is generated (the CLI chat uses this)."""
         params = sampling_params or SamplingParams()
         req = self.make_request(prompt, params)
-        while not req.finished:
-            for _, delta in self.engine.step([req]):
-                if delta:
-                    yield delta
+        if isinstance(self.engine, NaiveEngine):
+            while not req.finished:
+                for _, delta in self.engine.step([req]):
+                    if delta:
+                        yield delta
+        else:
+            self.engine.add_request(req)
+            while not req.finished:
+                for event in self.engine.step():
+                    if event.req is req and event.delta:
+                        yield event.delta
+            self.engine.run_until_done()  # drain the step still in flight
         self.last_output = self._output(req)
 
     # ------------------------------------------------------------------------------------------------- helpers
@@ -173,10 +202,19 @@ class LLM:
         bar = tqdm(total=len(reqs), desc="generate", unit="req", disable=not use_tqdm or len(reqs) < 2)
         done = sum(r.finished for r in reqs)
         bar.update(done)
-        while self.engine.step(reqs):
+        if isinstance(self.engine, NaiveEngine):
+            step = lambda: self.engine.step(reqs)  # noqa: E731
+        else:
+            for r in reqs:
+                self.engine.add_request(r)
+            step = self.engine.step
+        while not all(r.finished for r in reqs):
+            step()
             now = sum(r.finished for r in reqs)
             bar.update(now - done)
             done = now
+        if isinstance(self.engine, Engine):
+            self.engine.run_until_done()  # drain the step still in flight (overlap)
         bar.close()
 
     @staticmethod

@@ -14,6 +14,8 @@ from minisgl_ref.attention.base import AttentionBackend
 
 if TYPE_CHECKING:
     from minisgl_ref.engine.forward_batch import ForwardBatch
+    from minisgl_ref.kvcache.pool import KVPool
+    from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
     from minisgl_ref.layers.attention import AttentionLayer
 
 
@@ -59,3 +61,37 @@ class NoCacheAttentionBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, batch):  # type: ignore[no-untyped-def]
         raise ValueError("NoCacheAttentionBackend has no decode mode: the oracle recomputes whole sequences")
+
+
+class TorchNativeBackend(AttentionBackend):
+    """The paged oracle (chapter 03): new K/V go into the pool at ``out_cache_loc``; each request then gathers
+    its whole context through its page-table row and runs :func:`reference_attention`. One loop iteration per
+    request: slow, simple, and the reference for the Triton/FlashInfer/FA3 backends of chapter 07."""
+
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool) -> None:
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        # Computed once per step, used by every layer: where each request's context lives in the pool.
+        assert batch.req_pool_indices is not None
+        rows = batch.req_pool_indices.tolist()
+        table = self.req_to_token.table
+        batch.extra["context_slots"] = [
+            table[r, :n].to(torch.int64) for r, n in zip(rows, batch.seq_lens_cpu)
+        ]
+
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+    ) -> torch.Tensor:
+        assert batch.out_cache_loc is not None
+        self.kv_pool.store(layer.layer_id, batch.out_cache_loc, k, v)
+        k_all, v_all = self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id]
+        outs, start = [], 0
+        for slots, length in zip(batch.extra["context_slots"], batch.extend_lens_cpu):
+            end = start + length
+            outs.append(reference_attention(q[start:end], k_all[slots], v_all[slots], layer.scale))
+            start = end
+        return torch.cat(outs).flatten(1)
+
+    forward_decode = forward_extend  # a decode step is an extend of one token per request

@@ -34,6 +34,9 @@ class ForwardBatch:
     extend_lens_cpu: list[int]  # new tokens per request
     prefix_lens_cpu: list[int]  # tokens already cached per request
     attn_backend: AttentionBackend
+    # Set by engines with a KV cache (chapter 03): each request's page-table row and each new token's slot.
+    req_pool_indices: torch.Tensor | None = None  # [B]
+    out_cache_loc: torch.Tensor | None = None  # [T]
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific metadata
 
     @property

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import secrets
 from dataclasses import dataclass, field
+from typing import Any
 
 from minisgl_ref.sampling.params import SamplingParams
 from minisgl_ref.tokenizer.detokenizer import IncrementalDetokenizer
@@ -50,6 +51,14 @@ class Req:
     # Requests without a seed still get one, drawn now, so that the request samples reproducibly *within* its own
     # lifetime even if the engine rebuilds its sampling state (for example after being retracted, chapter 03).
     sampling_seed: int = field(default_factory=lambda: secrets.randbits(62))
+    # KV bookkeeping, owned by the cache manager and scheduler (chapters 03-06); unused by the naive oracle.
+    req_pool_idx: int | None = None  # row in the page table
+    kv_committed_len: int = 0  # tokens whose K/V has been computed
+    kv_allocated_len: int = 0  # tokens that have a slot (one more than committed while a decode is in flight)
+    tree_len: int = 0  # leading tokens whose slots belong to the radix tree
+    last_node: Any = None  # deepest radix node this request pins
+    num_inflight: int = 0  # tokens sampled on the device but not yet appended (overlap scheduling)
+    retractions: int = 0
 
     def __post_init__(self) -> None:
         if not self.input_ids:

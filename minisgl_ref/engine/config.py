@@ -1,0 +1,37 @@
+"""Engine settings, named after SGLang's server arguments so that flags carry over (chapters 03-06)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 16384  # new tokens per prefill step, summed over requests
+    chunked_prefill_size: int = 8192  # most new tokens of one request per step; -1 disables chunking
+    schedule_policy: str = "fcfs"  # or "lpm": longest cached prefix first
+    enable_mixed_chunk: bool = False  # let decode tokens ride along in prefill steps
+    page_size: int = 1
+    disable_radix_cache: bool = False
+    disable_overlap_schedule: bool = False
+    max_total_tokens: int | None = None  # KV pool size in tokens; default: from memory (GPU) or 16384 (CPU)
+    mem_fraction_static: float = 0.85  # GPU: fraction of memory for weights + KV pool
+    init_new_token_ratio: float = 0.7  # admission reserves this fraction of each request's remaining output
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.001
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, field: str, what: str, value: object) -> None:
+            if not cond:
+                raise ValueError(f"{field} must be {what}, got {value!r}")
+
+        need(self.max_running_requests >= 1, "max_running_requests", ">= 1", self.max_running_requests)
+        need(self.max_prefill_tokens >= 1, "max_prefill_tokens", ">= 1", self.max_prefill_tokens)
+        need(self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1, "chunked_prefill_size",
+             "-1 or >= 1", self.chunked_prefill_size)
+        need(self.schedule_policy in ("fcfs", "lpm"), "schedule_policy", "'fcfs' or 'lpm'", self.schedule_policy)
+        need(self.page_size >= 1, "page_size", ">= 1", self.page_size)
+        need(self.max_total_tokens is None or self.max_total_tokens >= self.page_size, "max_total_tokens",
+             ">= page_size", self.max_total_tokens)
+        need(0.0 < self.mem_fraction_static < 1.0, "mem_fraction_static", "in (0, 1)", self.mem_fraction_static)

@@ -1,0 +1,222 @@
+"""The engine loop: schedule, run, process results, with or without overlap (chapters 03-06).
+
+Without overlap each step is strictly sequential::
+
+    schedule(N) -> run(N) -> wait for N's tokens -> process(N)
+
+so the device idles while the CPU schedules and processes. With overlap (the default) the CPU schedules and
+launches step N+1 *before* it looks at step N's tokens::
+
+    schedule(N+1) -> launch(N+1) -> process(N) (waits for N only) -> schedule(N+2) -> ...
+
+Three consequences, each handled explicitly here or in the scheduler:
+
+1. Step N+1 was scheduled without knowing which requests step N finished, so it computes one token too many for
+   them. ``process`` drops every token of a request that has already finished (or was retracted since).
+2. Step N+1's decode inputs are step N's sampled tokens, which the CPU has not seen: the model runner reads them
+   from a device-side token buffer.
+3. KV slots freed while processing step N may still be written by step N+1: frees are released one step late.
+
+On the CPU ``launch`` computes synchronously, so nothing actually overlaps, but every one of these code paths
+runs, which is what the tests check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from minisgl_ref.attention.torch_native import TorchNativeBackend
+from minisgl_ref.engine.config import EngineConfig
+from minisgl_ref.engine.model_runner import ModelRunner
+from minisgl_ref.kvcache.allocator import PageAllocator
+from minisgl_ref.kvcache.cache_manager import CacheManager, NaiveCacheManager
+from minisgl_ref.kvcache.pool import KVPool
+from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
+from minisgl_ref.models.config import ModelConfig
+from minisgl_ref.scheduler.batch import ScheduledBatch
+from minisgl_ref.scheduler.request import Req
+from minisgl_ref.scheduler.scheduler import NeedSync, Scheduler
+
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
+
+
+@dataclass
+class StepEvent:
+    req: Req
+    delta: str  # new text (empty when the tokenizer holds it back or the model has none)
+    finished: bool
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_tokens: int = 0  # tokens whose KV was computed in extend rows (what prefix caching saves)
+    decode_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def kv_pool_tokens(config: EngineConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
+    """How many tokens of KV to allocate: ``--max-total-tokens`` if given, else what memory allows."""
+    if config.max_total_tokens is not None:
+        return config.max_total_tokens
+    if device.type != "cuda":
+        return CPU_DEFAULT_MAX_TOTAL_TOKENS
+    free, total = torch.cuda.mem_get_info(device)
+    used_by_others = total - free  # the weights are already loaded, so they count here
+    budget = total * config.mem_fraction_static - used_by_others
+    per_token = KVPool.bytes_per_slot(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, dtype)
+    tokens = int(budget // per_token)
+    if tokens < config.page_size * 2:
+        raise ValueError(
+            f"mem_fraction_static={config.mem_fraction_static} leaves no room for the KV cache after the weights"
+        )
+    return tokens
+
+
+class Engine:
+    def __init__(
+        self,
+        model: nn.Module,
+        model_config: ModelConfig,
+        config: EngineConfig | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        context_length: int | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.device = torch.device(device)
+        self.model_config = model_config
+        dtype = next(model.parameters()).dtype
+        page = self.config.page_size
+        tokens = kv_pool_tokens(self.config, model_config, self.device, dtype)
+        num_pages = tokens // page + 1  # + the reserved dummy page 0
+        self.allocator = PageAllocator(num_pages, page, self.device)
+        context = context_length or model_config.max_position_embeddings
+        self.req_to_token = ReqToTokenPool(self.config.max_running_requests + 1, context + 1, self.device)
+        from minisgl_ref.layers.attention import AttentionLayer
+
+        num_kv_heads = next(m for m in model.modules() if isinstance(m, AttentionLayer)).num_kv_heads
+        self.kv_pool = KVPool(model_config.num_layers, num_pages * page, num_kv_heads, model_config.head_dim,
+                              dtype, self.device)
+        manager_cls = NaiveCacheManager if self.config.disable_radix_cache else CacheManager
+        self.cache = manager_cls(self.allocator, self.req_to_token)
+        self.scheduler = Scheduler(self.config, self.cache)
+        backend = TorchNativeBackend(self.kv_pool, self.req_to_token)
+        self.runner = ModelRunner(model, model_config.vocab_size, self.req_to_token, backend, self.device)
+        self.overlap = not self.config.disable_overlap_schedule
+        self.inflight: ScheduledBatch | None = None
+        self._waiting_for_inflight: list[torch.Tensor] = []
+        self.stats = EngineStats()
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.allocator.capacity_pages * self.allocator.page_size
+
+    def add_request(self, req: Req) -> None:
+        if req.finished:
+            return
+        self.scheduler.add(req)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or self.inflight is not None or bool(self.scheduler.aborted)
+
+    # ------------------------------------------------------------------------------------------------ steps
+
+    def step(self) -> list[StepEvent]:
+        """Advance the engine by one scheduled batch; return what happened to requests."""
+        if not self.overlap:
+            batch = self._schedule_and_launch()
+            events = self._drain_aborted()
+            if batch is not None:
+                events += self._process(batch)
+            return events
+
+        # Overlap: launch the next batch first, then process the one in flight. Slots freed while a batch is in
+        # flight wait until that batch has been processed (and so has certainly completed).
+        self.cache.defer_frees = self.inflight is not None
+        try:
+            batch = self._schedule_and_launch()
+        except NeedSync:
+            # Memory is short and the scheduler wants to retract: let the step in flight finish first so that
+            # everything it holds can be freed at once, then schedule again with nothing in flight.
+            events = self._finish_inflight()
+            batch = self._schedule_and_launch()
+            self.inflight = batch
+            return events + self._drain_aborted()
+        waits_for_inflight = self.cache.take_pending()
+        events = self._drain_aborted()
+        if self.inflight is not None:
+            self.cache.defer_frees = batch is not None
+            events += self._process(self.inflight)
+        self._free(self._waiting_for_inflight + waits_for_inflight)
+        self._waiting_for_inflight = self.cache.take_pending()  # these may still be touched by `batch`
+        self.inflight = batch
+        return events
+
+    def _finish_inflight(self) -> list[StepEvent]:
+        self.cache.defer_frees = False
+        events = self._process(self.inflight) if self.inflight is not None else []
+        self.inflight = None
+        self._free(self._waiting_for_inflight + self.cache.take_pending())
+        self._waiting_for_inflight = []
+        return events
+
+    def _free(self, pending: list[torch.Tensor]) -> None:
+        for slots in pending:
+            self.allocator.free_slots(slots)
+
+    def _drain_aborted(self) -> list[StepEvent]:
+        aborted, self.scheduler.aborted = self.scheduler.aborted, []
+        return [StepEvent(r, "", True) for r in aborted]
+
+    def _schedule_and_launch(self) -> ScheduledBatch | None:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return None
+        self.runner.run(batch)
+        self.stats.steps += 1
+        self.stats.prefill_tokens += batch.num_prefill_tokens
+        self.stats.decode_tokens += batch.num_tokens - batch.num_prefill_tokens
+        return batch
+
+    # BEGIN TASK 6.1: process a step's results (one step late under overlap)
+    def _process(self, batch: ScheduledBatch) -> list[StepEvent]:
+        assert batch.next_tokens is not None
+        tokens = batch.next_tokens.tolist()  # the one host sync per step
+        events = []
+        for req, token, emits, epoch, is_decode in zip(
+            batch.reqs, tokens, batch.emits, batch.epochs, batch.is_decode_row
+        ):
+            if req.finished or req.retractions != epoch:
+                continue  # the extra token overlap computed after the end, or a retracted request's old step
+            if not emits:
+                self.cache.commit(req)  # a partial prefill chunk: share what is computed so far
+                continue
+            req.num_inflight -= 1
+            delta = req.append_token(token)
+            if not is_decode:
+                self.cache.commit(req)
+            if req.finished:
+                self.scheduler.remove_finished(req)
+            events.append(StepEvent(req, delta, req.finished))
+        return events
+    # END TASK 6.1
+
+    def run_until_done(self) -> None:
+        while self.has_work:
+            self.step()
+
+    def abort(self, req: Req, message: str = "aborted") -> None:
+        """Stop a request wherever it is (the server calls this when a client disconnects)."""
+        sched = self.scheduler
+        if req in sched.waiting:
+            sched.waiting.remove(req)
+            if req.req_pool_idx is not None:
+                self.cache.release(req)
+        elif req in sched.running or sched.chunked is req:
+            sched.remove_finished(req)
+        req.abort(message)

@@ -1,0 +1,178 @@
+"""What the scheduler asks of KV memory, with and without prefix sharing (chapters 03-04).
+
+A request's KV lives in the slots listed in its page-table row (:class:`ReqToTokenPool`). The first
+``req.tree_len`` of them belong to the radix tree (shared, pinned while the request runs); the rest belong to the
+request alone. The scheduler drives five calls:
+
+* ``match(req)`` on admission: reuse a cached prefix, if any;
+* ``alloc(req, n)`` before a step: slots for the next ``n`` tokens (evicting cached prefixes if needed);
+* ``commit(req)`` after a prefill step: offer the computed tokens to the cache so others can share them;
+* ``release(req)`` when the request finishes or is retracted: cache what is reusable, free the rest;
+* ``flush_pending()`` once no step in flight can touch freed slots any more.
+
+While ``defer_frees`` is set, frees are parked until ``flush_pending``: with overlap scheduling (chapter 06) the
+step already running on the device may still write the slots of a request the CPU has just seen finish. Freeing
+them only after that step completes means no other request can be handed those slots too early.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl_ref.kvcache.allocator import OutOfPages, PageAllocator
+from minisgl_ref.kvcache.radix import RadixCache
+from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
+from minisgl_ref.scheduler.request import Req
+
+
+class CacheManager:
+    """Prefix sharing through a radix tree (the default)."""
+
+    shares_prefixes = True
+
+    def __init__(self, allocator: PageAllocator, req_to_token: ReqToTokenPool) -> None:
+        self.allocator = allocator
+        self.req_to_token = req_to_token
+        self.page_size = allocator.page_size
+        self.tree = RadixCache(allocator)
+        # While a step is in flight (overlap scheduling), freed slots are parked here instead of being reused.
+        self.defer_frees = False
+        self.pending_free: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------------------------------------ memory
+
+    @property
+    def evictable_tokens(self) -> int:
+        return self.tree.evictable_size
+
+    @property
+    def available_tokens(self) -> int:
+        """Tokens that could be allocated right now: free pages plus what eviction could free."""
+        return self.allocator.num_free_tokens + self.evictable_tokens
+
+    def _free_later(self, slots: torch.Tensor) -> None:
+        if not len(slots):
+            return
+        if self.defer_frees:
+            self.pending_free.append(slots.clone())
+        else:
+            self.allocator.free_slots(slots)
+
+    def take_pending(self) -> list[torch.Tensor]:
+        out, self.pending_free = self.pending_free, []
+        return out
+
+    def flush_pending(self) -> None:
+        for slots in self.take_pending():
+            self.allocator.free_slots(slots)
+
+    # -------------------------------------------------------------------------------------------- life cycle
+
+    def match(self, req: Req) -> int:
+        """Give ``req`` a page-table row and reuse the longest cached prefix of its tokens. Returns its length.
+
+        At least one token is always left to compute: the step needs the last token's logits."""
+        req.req_pool_idx = self.req_to_token.alloc()
+        tokens = req.all_ids
+        result = self.tree.match_prefix(tokens[: len(tokens) - 1])
+        self.tree.inc_lock(result.node)
+        self.req_to_token.write(req.req_pool_idx, 0, result.slots)
+        req.last_node = result.node
+        req.tree_len = req.kv_committed_len = req.kv_allocated_len = result.length
+        req.cached_tokens = max(req.cached_tokens, result.length)
+        return result.length
+
+    def alloc(self, req: Req, n: int) -> torch.Tensor:
+        """Slots for the request's next ``n`` tokens, written into its page-table row."""
+        assert req.req_pool_idx is not None
+        seq_len = req.kv_allocated_len
+        needed_pages = self.allocator.pages_needed(seq_len, n)
+        if needed_pages > self.allocator.num_free_pages:
+            self.evict((needed_pages - self.allocator.num_free_pages) * self.page_size)
+        last = int(self.req_to_token.table[req.req_pool_idx, seq_len - 1]) if seq_len else 0
+        slots = self.allocator.alloc_tokens(seq_len, last, n)
+        self.req_to_token.write(req.req_pool_idx, seq_len, slots)
+        req.kv_allocated_len = seq_len + n
+        return slots
+
+    def evict(self, num_tokens: int) -> None:
+        freed = self.tree.evict(num_tokens)
+        if freed < num_tokens and self.allocator.num_free_tokens < num_tokens:
+            raise OutOfPages(f"needed {num_tokens} more KV slots; eviction found only {freed}")
+
+    # BEGIN TASK 4.4: share a request's computed prefix
+    def commit(self, req: Req) -> None:
+        """After a prefill step: put the request's computed tokens (whole pages) into the tree.
+
+        If another request inserted the same tokens first (two requests with a common *new* prefix in one
+        batch), the tree keeps its own copy: our duplicate slots are freed and our page-table row is pointed at
+        the tree's slots, whose KV is identical."""
+        assert req.req_pool_idx is not None and req.last_node is not None
+        n = req.kv_committed_len - req.kv_committed_len % self.page_size
+        if n <= req.tree_len:
+            return
+        tokens = req.all_ids[:n]
+        row = self.req_to_token.read(req.req_pool_idx, n)
+        already = self.tree.insert(tokens, row)
+        self._free_later(row[req.tree_len : max(already, req.tree_len)])  # our duplicates of tree-owned KV
+        result = self.tree.match_prefix(tokens)
+        assert result.length == n
+        self.req_to_token.write(req.req_pool_idx, 0, result.slots)
+        self.tree.inc_lock(result.node)
+        self.tree.dec_lock(req.last_node)
+        req.last_node, req.tree_len = result.node, n
+    # END TASK 4.4
+
+    def release(self, req: Req) -> None:
+        """The request is done (or retracted): keep its computed prefix in the tree, free everything else."""
+        if req.req_pool_idx is None:
+            return
+        self.commit(req)
+        own = self.req_to_token.read(req.req_pool_idx, req.kv_allocated_len, start=req.tree_len)
+        self._free_later(own)
+        assert req.last_node is not None
+        self.tree.dec_lock(req.last_node)
+        self._forget(req)
+
+    def _forget(self, req: Req) -> None:
+        assert req.req_pool_idx is not None
+        self.req_to_token.free(req.req_pool_idx)
+        req.req_pool_idx, req.last_node = None, None
+        req.tree_len = req.kv_committed_len = req.kv_allocated_len = 0
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix (the server's /flush_cache). Refused while requests pin some of it."""
+        if self.tree.protected_size:
+            return False
+        self.flush_pending()
+        self.tree.flush()
+        return True
+
+    @property
+    def hit_rate(self) -> float:
+        return self.tree.hit_rate
+
+
+class NaiveCacheManager(CacheManager):
+    """No sharing (``--disable-radix-cache``): every request computes and owns all of its KV."""
+
+    shares_prefixes = False
+
+    @property
+    def evictable_tokens(self) -> int:
+        return 0
+
+    def match(self, req: Req) -> int:
+        req.req_pool_idx = self.req_to_token.alloc()
+        req.last_node = self.tree.root
+        req.tree_len = req.kv_committed_len = req.kv_allocated_len = 0
+        return 0
+
+    def commit(self, req: Req) -> None:
+        pass
+
+    def release(self, req: Req) -> None:
+        if req.req_pool_idx is None:
+            return
+        self._free_later(self.req_to_token.read(req.req_pool_idx, req.kv_allocated_len))
+        self._forget(req)

@@ -1,0 +1,36 @@
+"""The KV pool: one key and one value buffer per layer, indexed by slot (chapter 03).
+
+Shape per layer: [num_slots, kv_heads, head_dim]. How many slots fit is the most important number of a serving
+engine: it bounds how many tokens of context all running requests can hold at once. On a GPU it is sized from
+what is left after the weights (``--mem-fraction-static``); anywhere it can be given directly
+(``--max-total-tokens``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.num_slots = num_slots
+        shape = (num_slots, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+    def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the new tokens' keys and values [T, kv_heads, head_dim] into their slots [T]."""
+        self.k[layer_id][slots] = k.to(self.k[layer_id].dtype)
+        self.v[layer_id][slots] = v.to(self.v[layer_id].dtype)

@@ -1,0 +1,221 @@
+"""The radix cache: share the KV of common prefixes between requests (chapter 04).
+
+Requests often begin the same way: a system prompt, a few-shot preamble, the earlier turns of a chat. Their KV
+for that prefix is identical, so it should be computed once and kept. A radix tree keyed by token ids stores, for
+every cached sequence, the KV slots of its tokens; edges hold runs of tokens, so a long shared prefix is one
+edge, not thousands of nodes.
+
+Four operations, each explained where it is defined:
+
+* ``match_prefix``: the longest cached prefix of a new request (its KV need not be computed again);
+* ``insert``: add a request's tokens and slots after they were computed;
+* ``inc_lock`` / ``dec_lock``: a running request pins the path it uses, so eviction cannot take it away;
+* ``evict``: free least-recently-used, unpinned leaves when the pool runs short.
+
+With ``page_size > 1`` everything happens in whole pages: a prefix is matched, stored and evicted only in
+multiples of the page size, because the pool hands out memory by the page.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from minisgl_ref.kvcache.allocator import PageAllocator
+
+_clock = itertools.count()
+
+
+@dataclass(eq=False)
+class TreeNode:
+    key: list[int] = field(default_factory=list)  # the token ids on the edge into this node
+    value: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # their KV slots
+    parent: TreeNode | None = None
+    children: dict[object, TreeNode] = field(default_factory=dict)
+    lock_ref: int = 0  # how many running requests pin this node (and so every ancestor)
+    last_access: int = field(default_factory=lambda: next(_clock))
+
+    def __lt__(self, other: TreeNode) -> bool:  # for the eviction heap: least recently used first
+        return self.last_access < other.last_access
+
+
+@dataclass
+class MatchResult:
+    slots: torch.Tensor  # KV slots of the matched prefix, int64 on the CPU
+    node: TreeNode  # the deepest node of the match: lock it while the prefix is in use
+
+    @property
+    def length(self) -> int:
+        return len(self.slots)
+
+
+class RadixCache:
+    def __init__(self, allocator: PageAllocator) -> None:
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self.root = TreeNode()
+        self.root.lock_ref = 1  # the root is never evicted
+        self.evictable_size = 0  # tokens in unlocked nodes
+        self.protected_size = 0  # tokens in locked nodes
+        self.hit_tokens = 0
+        self.query_tokens = 0
+
+    # -------------------------------------------------------------------------------------------- helpers
+
+    def _child_key(self, tokens: list[int]) -> object:
+        return tokens[0] if self.page_size == 1 else tuple(tokens[: self.page_size])
+
+    def _common_len(self, a: list[int], b: list[int]) -> int:
+        """Length of the common prefix of a and b, rounded down to whole pages."""
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        return n - n % self.page_size
+
+    def _split(self, child: TreeNode, at: int) -> TreeNode:
+        """Cut ``child``'s edge after ``at`` tokens; return the new node that holds the first part."""
+        parent = child.parent
+        assert parent is not None and 0 < at < len(child.key)
+        mid = TreeNode(key=child.key[:at], value=child.value[:at], parent=parent, lock_ref=child.lock_ref,
+                       last_access=child.last_access)
+        parent.children[self._child_key(mid.key)] = mid
+        child.key, child.value, child.parent = child.key[at:], child.value[at:], mid
+        mid.children[self._child_key(child.key)] = child
+        return mid
+
+    # ------------------------------------------------------------------------------------------ operations
+
+    # BEGIN TASK 4.1: longest cached prefix
+    def match_prefix(self, tokens: list[int]) -> MatchResult:
+        """Walk down from the root as far as ``tokens`` agree with stored edges (whole pages only). A match that
+        ends inside an edge splits it, so the returned node covers exactly the matched tokens."""
+        tokens = tokens[: len(tokens) - len(tokens) % self.page_size]
+        node, pieces, i = self.root, [], 0
+        while i < len(tokens):
+            child = node.children.get(self._child_key(tokens[i:]))
+            if child is None:
+                break
+            n = self._common_len(child.key, tokens[i:])
+            if n == 0:
+                break
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = next(_clock)
+            pieces.append(child.value)
+            node, i = child, i + n
+        slots = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
+        return MatchResult(slots, node)
+    # END TASK 4.1
+
+    # BEGIN TASK 4.2: insert a computed sequence
+    def insert(self, tokens: list[int], slots: torch.Tensor) -> int:
+        """Store ``tokens`` (whole pages only) with their KV ``slots``. Returns how many leading tokens were
+        already cached: the caller's slots for those are duplicates, and the caller must free them."""
+        n_tok = len(tokens) - len(tokens) % self.page_size
+        tokens, slots = tokens[:n_tok], slots[:n_tok].to(torch.int64).cpu()
+        node, i = self.root, 0
+        while i < n_tok:
+            key = self._child_key(tokens[i:])
+            child = node.children.get(key)
+            if child is None:
+                leaf = TreeNode(key=tokens[i:], value=slots[i:].clone(), parent=node)
+                node.children[key] = leaf
+                self.evictable_size += len(leaf.key)
+                return i
+            n = self._common_len(child.key, tokens[i:])
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = next(_clock)
+            node, i = child, i + n
+        return n_tok
+    # END TASK 4.2
+
+    # BEGIN TASK 4.3: locking and LRU eviction
+    def inc_lock(self, node: TreeNode) -> None:
+        """Pin ``node`` and its ancestors: a running request's prefix must stay in memory."""
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_size -= len(node.key)
+                self.protected_size += len(node.key)
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def dec_lock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise RuntimeError("radix node unlocked more often than locked")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.protected_size -= len(node.key)
+                self.evictable_size += len(node.key)
+            node = node.parent  # type: ignore[assignment]
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` tokens (if possible) from unpinned leaves, least recently used first.
+        Returns how many tokens were freed. A parent whose last child goes becomes a leaf and a candidate."""
+        heap = [n for n in self._all_nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            assert parent is not None
+            self.allocator.free_slots(leaf.value)
+            del parent.children[self._child_key(leaf.key)]
+            self.evictable_size -= len(leaf.key)
+            freed += len(leaf.key)
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, parent)
+        return freed
+    # END TASK 4.3
+
+    # ------------------------------------------------------------------------------------------ bookkeeping
+
+    def _all_nodes(self) -> list[TreeNode]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    @property
+    def total_size(self) -> int:
+        return sum(len(n.key) for n in self._all_nodes())
+
+    def record_lookup(self, query: int, hit: int) -> None:
+        self.query_tokens += query
+        self.hit_tokens += hit
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def flush(self) -> None:
+        """Drop every cached prefix. Only allowed when no request pins anything (the server's /flush_cache)."""
+        if self.protected_size:
+            raise RuntimeError("cannot flush the radix cache while running requests pin part of it")
+        for node in self._all_nodes():
+            self.allocator.free_slots(node.value)
+        self.root.children.clear()
+        self.evictable_size = 0
+        self.hit_tokens = self.query_tokens = 0
+
+    def pretty(self, max_tokens: int = 8) -> str:
+        """A text drawing of the tree, for chapters and debugging."""
+        lines: list[str] = []
+
+        def walk(node: TreeNode, depth: int) -> None:
+            for child in sorted(node.children.values(), key=lambda n: n.key):
+                shown = child.key[:max_tokens]
+                more = "..." if len(child.key) > max_tokens else ""
+                lines.append(f"{'  ' * depth}{shown}{more} ({len(child.key)} tok, lock={child.lock_ref})")
+                walk(child, depth + 1)
+
+        walk(self.root, 0)
+        return "\n".join(lines) or "(empty)"

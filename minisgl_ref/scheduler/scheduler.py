@@ -1,0 +1,207 @@
+"""Continuous batching: deciding, every step, which requests run and how many tokens each (chapters 03, 05, 06).
+
+The scheduler owns three groups of requests:
+
+* ``waiting``: admitted to the engine but holding no KV yet (new, or retracted under memory pressure);
+* ``chunked``: at most one request whose long prompt is being prefilled a chunk at a time (chapter 05);
+* ``running``: prefilled requests that decode one token per step.
+
+Each step it builds one :class:`ScheduledBatch`. Prefill has priority: if waiting requests fit (token budget,
+request slots, KV memory), the step prefills them; with ``enable_mixed_chunk`` the running requests' decode
+tokens ride along in the same step, otherwise they wait one step. Otherwise the step decodes every running
+request, retracting the most recently admitted ones if the KV pool cannot hold one more token for each.
+
+The scheduler never touches the device except through the cache manager's page table: it is plain Python
+bookkeeping, which is exactly the work that overlap scheduling (chapter 06) hides behind the GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+
+from minisgl_ref.engine.config import EngineConfig
+from minisgl_ref.kvcache.allocator import OutOfPages
+from minisgl_ref.kvcache.cache_manager import CacheManager
+from minisgl_ref.scheduler.batch import ScheduledBatch
+from minisgl_ref.scheduler.request import Req
+
+_arrival = itertools.count()
+
+
+class NeedSync(Exception):
+    """Raised by :meth:`Scheduler.schedule` when it would have to retract while a step is in flight (overlap):
+    the engine then finishes that step first, so the retracted requests' KV can be freed immediately."""
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, cache: CacheManager) -> None:
+        self.config = config
+        self.cache = cache
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked: Req | None = None
+        self.new_token_ratio = config.init_new_token_ratio
+        self.arrival: dict[Req, int] = {}
+        self.num_retractions = 0
+        self.aborted: list[Req] = []  # requests the scheduler had to give up on, reported by the engine
+
+    # ------------------------------------------------------------------------------------------------ queue
+
+    def add(self, req: Req) -> None:
+        capacity = self.cache.allocator.capacity_pages * self.cache.page_size
+        if len(req.input_ids) + 1 > capacity:
+            req.abort(f"the prompt needs {len(req.input_ids) + 1} KV slots but the whole pool holds {capacity}")
+            self.aborted.append(req)
+            return
+        self.arrival[req] = next(_arrival)
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    def remove_finished(self, req: Req) -> None:
+        """The request is done: give its KV back (into the radix tree where it can be shared)."""
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        self.cache.release(req)
+        self.arrival.pop(req, None)
+
+    # --------------------------------------------------------------------------------------------- schedule
+
+    def schedule(self) -> ScheduledBatch | None:
+        # Requests that will certainly finish by length once their in-flight token lands need no further step.
+        decodable = [r for r in self.running if len(r.output_ids) + r.num_inflight < r.params.max_new_tokens]
+        batch = self._schedule_prefill()
+        if batch is not None:
+            if self.config.enable_mixed_chunk and decodable:
+                self._add_decode_rows(batch, decodable, allow_retract=False)
+            return batch
+        if decodable:
+            batch = ScheduledBatch([], [], [], [], [], [])
+            self._add_decode_rows(batch, decodable, allow_retract=True)
+            self.new_token_ratio = max(self.config.min_new_token_ratio,
+                                       self.new_token_ratio - self.config.new_token_ratio_decay)
+            return batch if batch.reqs else None
+        return None
+
+    def _reserved_tokens(self) -> int:
+        """KV that running requests will still need for their remaining output, discounted by the ratio."""
+        return int(sum(
+            (r.params.max_new_tokens - len(r.output_ids)) * self.new_token_ratio for r in self.running
+        ))
+
+    def _ordered_waiting(self) -> list[Req]:
+        if self.config.schedule_policy == "fcfs" or not self.cache.shares_prefixes:
+            return list(self.waiting)
+        # lpm: requests with the longest cached prefix first, so shared prefixes are reused while still cached.
+        tree = self.cache.tree
+        lengths = {r: tree.match_prefix(r.all_ids[:-1]).length for r in self.waiting}
+        return sorted(self.waiting, key=lambda r: -lengths[r])
+
+    # BEGIN TASK 5.1: admission with token budgets and chunking
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        cfg = self.config
+        budget = cfg.max_prefill_tokens
+        chunk_cap = cfg.chunked_prefill_size if cfg.chunked_prefill_size > 0 else None
+        batch = ScheduledBatch([], [], [], [], [], [])
+        available = self.cache.available_tokens - self._reserved_tokens()
+
+        candidates = ([self.chunked] if self.chunked else []) + self._ordered_waiting()
+        for req in candidates:
+            is_new = req is not self.chunked
+            if is_new and len(self.running) + len(batch.reqs) + (self.chunked is not None) >= cfg.max_running_requests:
+                break
+            if is_new and self.cache.req_to_token.num_free == 0:
+                break
+            if is_new:
+                self.cache.match(req)  # reuse a cached prefix; pins it
+            remaining = len(req.all_ids) - req.kv_committed_len
+            n = min(remaining, budget, chunk_cap or remaining)
+            reserve = int((req.params.max_new_tokens - len(req.output_ids)) * self.new_token_ratio)
+            needed = self.cache.allocator.pages_needed(req.kv_allocated_len, n) * self.cache.page_size
+            if n <= 0 or needed + (reserve if n == remaining else 0) > available:
+                if is_new:
+                    self.cache.release(req)  # give the pinned prefix back; try again next step
+                break
+            if is_new:
+                self.waiting.remove(req)
+                self.cache.tree.record_lookup(len(req.all_ids), req.kv_committed_len)
+            try:
+                slots = self.cache.alloc(req, n)
+            except OutOfPages:  # the estimate above was optimistic: put it back and stop admitting
+                self.cache.release(req)
+                self.waiting.appendleft(req)
+                if self.chunked is req:
+                    self.chunked = None
+                break
+            del slots
+            available -= needed + (reserve if n == remaining else 0)
+            budget -= n
+            done = n == remaining
+            self._add_row(batch, req, n, decode=False, emits=done)
+            if done:
+                if self.chunked is req:
+                    self.chunked = None
+                self.running.append(req)
+            else:
+                self.chunked = req  # a partial prefill: continue it first next step
+                break
+            if budget <= 0:
+                break
+        return batch if batch.reqs else None
+    # END TASK 5.1
+
+    def _add_row(self, batch: ScheduledBatch, req: Req, n: int, *, decode: bool, emits: bool) -> None:
+        batch.reqs.append(req)
+        batch.prefix_lens.append(req.kv_committed_len)
+        batch.extend_lens.append(n)
+        batch.is_decode_row.append(decode)
+        batch.emits.append(emits)
+        batch.epochs.append(req.retractions)
+        req.kv_committed_len += n
+        if emits:
+            req.num_inflight += 1
+
+    # BEGIN TASK 3.2: decode rows and retraction
+    def _add_decode_rows(self, batch: ScheduledBatch, reqs: list[Req], *, allow_retract: bool) -> None:
+        """One new token for each request; if the pool cannot hold them, retract the newest requests."""
+        reqs = [r for r in reqs if r not in batch.reqs]
+        alloc = self.cache.allocator
+
+        def pages_for(rs: list[Req]) -> int:
+            return sum(alloc.pages_needed(r.kv_allocated_len, 1) for r in rs)
+
+        while reqs and pages_for(reqs) * self.cache.page_size > self.cache.available_tokens:
+            if not allow_retract:
+                return  # mixed step: the decode rows simply wait for the next step
+            if self.cache.defer_frees:
+                raise NeedSync
+            if len(reqs) == 1 and len(self.running) == 1:
+                victim = reqs.pop()
+                self.running.remove(victim)
+                victim.abort("the KV cache pool is too small for this request's context")
+                self.cache.release(victim)
+                self.aborted.append(victim)
+                return
+            victim = max(reqs, key=lambda r: self.arrival.get(r, 0))
+            reqs.remove(victim)
+            self.retract(victim)
+        for req in reqs:
+            self.cache.alloc(req, 1)
+            self._add_row(batch, req, 1, decode=True, emits=True)
+    # END TASK 3.2
+
+    def retract(self, req: Req) -> None:
+        """Send a running request back to the waiting queue, keeping its tokens: it will be prefilled again
+        (reusing whatever of its KV the radix cache still holds) and continue where it stopped."""
+        self.running.remove(req)
+        self.cache.release(req)
+        req.retractions += 1
+        req.num_inflight = 0
+        self.num_retractions += 1
+        self.waiting.appendleft(req)
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
