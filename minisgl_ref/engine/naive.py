@@ -33,6 +33,7 @@ class NaiveEngine:
             return []
         # BEGIN TASK 0.3: one step of the naive generation loop
         batch = ForwardBatch.for_full_sequences([r.all_ids for r in running], self.backend, self.device)
+        self.backend.init_forward_metadata(batch)
         hidden = self.model(batch.input_ids, batch.positions, batch)
         logits = self.model.compute_logits(hidden[batch.last_token_indices])  # [B, vocab]
         info = SamplingBatchInfo.build(

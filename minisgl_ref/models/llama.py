@@ -79,6 +79,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). The residual stream is carried separately
         # so that "add, then normalise" is one fused call.
+        # BEGIN TASK 1.3: the pre-norm decoder layer
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -87,6 +88,7 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, batch)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+        # END TASK 1.3
 
 
 class LlamaForCausalLM(nn.Module):

@@ -78,4 +78,4 @@ def iter_dummy_weights(
             yield name, torch.ones(shape, device=device)
             continue
         gen = torch.Generator(device=device).manual_seed(seed ^ zlib.crc32(name.encode()))
-        yield name, (torch.rand(shape, generator=gen, device=device) * 2 - 1) * scale
+        yield name, torch.empty(shape, device=device).uniform_(-scale, scale, generator=gen)
