@@ -1,8 +1,9 @@
 """``python -m minisgl_ref``: the command line (chapters 02 and 10).
 
-Subcommands so far: ``generate`` (one prompt, chat template applied by default) and ``chat`` (an interactive
-conversation with ``/reset``). Any problem a user can cause (a missing model folder, a bad sampling value) ends
-with one ``error:`` line and exit status 2, never a traceback.
+Subcommands so far: ``generate`` (one prompt, chat template applied by default), ``chat`` (an interactive
+conversation with ``/reset``) and ``bench offline`` (throughput of one big generate call, chapter 11). Any
+problem a user can cause (a missing model folder, a bad sampling value) ends with one ``error:`` line and exit
+status 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from minisgl_ref.bench import offline as bench_offline
 from minisgl_ref.sampling.params import SamplingParams
 
 
@@ -100,6 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(chat)
     add_engine_args(chat)
     _add_sampling_args(chat, default_temperature=0.7)
+
+    bench = sub.add_parser("bench", help="benchmarks (chapter 11)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    offline = bench_sub.add_parser("offline", help="offline throughput of one generate call over a fixed workload")
+    _add_model_args(offline)
+    add_engine_args(offline)
+    bench_offline.add_offline_args(offline)
+
+    from minisgl_ref.server.args import add_server_args  # light: argparse only
+
+    serve = sub.add_parser("serve", help="the OpenAI-compatible and SGLang-native HTTP server (chapter 10)")
+    _add_model_args(serve)
+    add_engine_args(serve)
+    add_server_args(serve)
     return parser
 
 
@@ -166,9 +182,20 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": "".join(pieces)})
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    return bench_offline.main(args, engine_kwargs(args))  # `offline` is the only bench so far
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from minisgl_ref.server.args import ServerArgs
+    from minisgl_ref.server.launch import run_server
+
+    return run_server(ServerArgs.from_cli(args, engine_kwargs(args)))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"generate": cmd_generate, "chat": cmd_chat}
+    handlers = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "serve": cmd_serve}
     try:
         return handlers[args.command](args)
     except (ValueError, FileNotFoundError, OSError) as e:

@@ -1,0 +1,639 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 06 — Overlap scheduling
+#
+# **What you will build.** The engine loop that prepares step N+1 on the CPU *while the device is still running
+# step N*, and looks at step N's tokens only afterwards: `Engine.step` with overlap (the default) and the result
+# processing it relies on, `Engine._process` (task 6.1).
+#
+# **Why it matters.** Every step has a CPU part that is pure Python bookkeeping: choose the batch (chapters
+# 03-05), build its metadata, read the sampled tokens back and apply the stop rules. In a plain loop the device
+# waits while the CPU does that, at every step. On a GPU a decode step of a small model takes a few
+# milliseconds, and the bookkeeping of a large batch takes about as long, so a plain loop can leave the GPU idle
+# half of the time. Overlapping the two hides the shorter one behind the longer one.
+#
+# The price is that the CPU now plans a step without knowing the outcome of the step before it. That opens three
+# races, and most of this chapter is about how the code closes them:
+#
+# 1. a request that finished at step N already has a row in step N+1, which computes **one token too many**;
+# 2. the KV slots of a request that finished at step N may **still be written by step N+1**, so they must not be
+#    handed to anybody else yet;
+# 3. when memory runs out, **retraction** frees KV that the step in flight is using.
+#
+# In this chapter you will:
+#
+# 1. measure the CPU work of a step against its forward pass, on this CPU;
+# 2. read the overlapped loop, the device-side token buffer and the one host sync per step (task 6.1);
+# 3. draw the two timelines, sequential and overlapped, from the measured times, and estimate what overlap would
+#    save on a GPU (an estimate: on a CPU nothing overlaps, and we say exactly why);
+# 4. watch each of the three races happen, and be defused, in real runs;
+# 5. check that overlap on and off both give exactly the chapter-00 oracle's tokens, including requests that
+#    stop on EOS, stop strings and stop tokens in the middle of a batch.
+#
+# Modules: `minisgl_ref/engine/engine.py` (task 6.1, `Engine.step`), `minisgl_ref/engine/model_runner.py` (the
+# token buffer), `minisgl_ref/kvcache/cache_manager.py` (deferred frees), `minisgl_ref/scheduler/scheduler.py`
+# (`NeedSync`).
+
+# %% tags=["setup"]
+import inspect
+import os
+import random
+import re
+import statistics
+import tempfile
+import time
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.utils import logging as hf_logging
+
+from minisgl_ref import LLM, SamplingParams
+from minisgl_ref.engine.config import EngineConfig
+from minisgl_ref.engine.engine import Engine
+from minisgl_ref.engine.model_runner import ModelRunner
+from minisgl_ref.scheduler.scheduler import NeedSync
+
+CHAPTER_START = time.perf_counter()
+hf_logging.disable_progress_bar()
+
+# Timings in this chapter use one CPU thread, as in chapters 00-05: on a small shared machine (ours has 2 cores,
+# shared with other jobs) two OpenMP threads that wait for each other at every matmul make step times erratic.
+# Set MINISGL_THREADS to try more.
+torch.set_num_threads(int(os.environ.get("MINISGL_THREADS", "1")))
+
+
+def task_source(obj, task_id: str) -> str:
+    """The lines of ``obj``'s module between ``# BEGIN TASK <id>`` and ``# END TASK <id>``, markers included."""
+    lines = inspect.getsource(inspect.getmodule(obj)).splitlines()
+    begin = next(i for i, line in enumerate(lines) if re.search(rf"# BEGIN TASK {re.escape(task_id)}\b", line))
+    end = next(i for i, line in enumerate(lines) if re.search(rf"# END TASK {re.escape(task_id)}\b", line))
+    body = lines[begin : end + 1]
+    indent = min(len(line) - len(line.lstrip()) for line in body if line.strip())
+    return "\n".join(line[indent:] for line in body)
+
+
+def wrap(obj, name: str, before=None, after=None) -> None:
+    """Instrument (not part of the package): call ``before(*args)`` and ``after(result, *args)`` around the method
+    ``name`` of this one object. The chapter uses it to time and to watch the engine without changing it."""
+    method = getattr(obj, name)
+
+    def wrapped(*args, **kwargs):
+        if before:
+            before(*args)
+        result = method(*args, **kwargs)
+        if after:
+            after(result, *args)
+        return result
+
+    setattr(obj, name, wrapped)
+
+
+class StepClock:
+    """Instrument: wall-clock time of the CPU-side pieces of every step, and of the model runner's whole run."""
+
+    PARTS = ("schedule", "prepare", "sampling_info", "process", "run")
+
+    def __init__(self, engine: Engine) -> None:
+        self.times = {p: [] for p in self.PARTS}
+        for obj, method, part in [(engine.scheduler, "schedule", "schedule"), (engine.runner, "prepare", "prepare"),
+                                  (engine.runner, "sampling_info", "sampling_info"), (engine, "_process", "process"),
+                                  (engine.runner, "run", "run")]:
+            self._time(obj, method, part)
+
+    def _time(self, obj, method: str, part: str) -> None:
+        start = {}
+        wrap(obj, method, before=lambda *a: start.__setitem__(part, time.perf_counter()),
+             after=lambda *a: self.times[part].append(time.perf_counter() - start[part]))
+
+    def medians_ms(self) -> dict:
+        """Per step: the CPU pieces, and the forward (the runner's run minus the CPU pieces inside it)."""
+        t = {p: np.array(v) for p, v in self.times.items()}
+        forward = t["run"] - t["prepare"] - t["sampling_info"]
+        out = {p: float(np.median(t[p])) * 1e3 for p in ("schedule", "prepare", "sampling_info", "process")}
+        out["cpu"] = float(np.median(t["schedule"] + t["prepare"] + t["sampling_info"] + t["process"])) * 1e3
+        out["forward"] = float(np.median(forward)) * 1e3
+        return out
+
+
+# %% [markdown]
+# ## 1. Where a step's time goes
+#
+# Two models: the real SmolLM2-135M (embedded, float32) and the tiny random Llama of the tests (2 layers, hidden
+# size 64), whose forward is cheap enough that the CPU bookkeeping shows. Both run on this CPU.
+
+# %%
+t0 = time.perf_counter()
+real = LLM(device="cpu", engine="naive")  # the chapter-00 oracle; the paged engines below share its weights
+tiny_dir = tempfile.mkdtemp(prefix="tiny-llama-")
+torch.manual_seed(0)
+AutoModelForCausalLM.from_config(LlamaConfig(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=320, max_position_embeddings=1024, rms_norm_eps=1e-6), dtype=torch.float32).save_pretrained(tiny_dir)
+tiny = LLM(tiny_dir, device="cpu", engine="naive")
+print(f"loaded SmolLM2-135M and built the tiny model in {time.perf_counter() - t0:.1f} s")
+
+
+def make_engine(model_llm: LLM, **kwargs) -> Engine:
+    return Engine(model_llm.model, model_llm.config, EngineConfig(**kwargs), device="cpu",
+                  context_length=model_llm.context_length)
+
+
+def decode_clock(model_llm: LLM, batch_size: int, steps: int, prompt_len: int = 32) -> dict:
+    """Prefill ``batch_size`` random prompts, then time ``steps`` pure decode steps (overlap off)."""
+    engine = make_engine(model_llm, disable_overlap_schedule=True, max_total_tokens=batch_size * (prompt_len + steps + 4))
+    gen = random.Random(batch_size)
+    params = SamplingParams(temperature=0, max_new_tokens=steps + 2, ignore_eos=True)
+    reqs = [model_llm.make_request([gen.randrange(model_llm.config.vocab_size) for _ in range(prompt_len)], params)
+            for _ in range(batch_size)]
+    for r in reqs:
+        engine.add_request(r)
+    while not all(r.output_ids for r in reqs):  # prefill steps, not timed
+        engine.step()
+    clock = StepClock(engine)
+    for _ in range(steps):
+        engine.step()
+    engine.run_until_done()
+    return clock.medians_ms()
+
+
+print(f"{'model':<10} {'batch':>5} | {'schedule':>8} {'prepare':>8} {'sampling':>8} {'process':>8} | "
+      f"{'CPU total':>9} {'forward':>9} | CPU share")
+clocks = {}
+for name, model_llm, sizes, steps in [("SmolLM2", real, (8,), 4), ("tiny", tiny, (1, 16, 64, 256), 6)]:
+    for b in sizes:
+        m = clocks[name, b] = decode_clock(model_llm, b, steps)
+        print(f"{name:<10} {b:>5} | {m['schedule']:>8.2f} {m['prepare']:>8.2f} {m['sampling_info']:>8.2f} "
+              f"{m['process']:>8.2f} | {m['cpu']:>9.2f} {m['forward']:>9.2f} | {m['cpu'] / (m['cpu'] + m['forward']):>8.0%}")
+print("(medians per decode step, in ms)")
+
+# %% [markdown]
+# What the columns are: `schedule` is `Scheduler.schedule` (pick the rows, allocate a KV slot for each new token,
+# write the page table); `prepare` is `ModelRunner.prepare` (flatten the rows into `[T]` ids, positions and slots,
+# chapter 03); `sampling` is `ModelRunner.sampling_info` (pack every request's sampling parameters into tensors,
+# chapter 02); `process` is `Engine._process` (read the tokens back, append them, apply the stop rules, release
+# finished requests). `forward` is everything else in the model runner: the model, the logits, the sampler.
+#
+# Two things to take away:
+#
+# - On a real model on a CPU, the forward dwarfs everything: the bookkeeping is a rounding error. That is why
+#   overlap buys nothing on a CPU even in principle.
+# - The bookkeeping grows with the batch (Python loops over requests; `schedule` is the biggest: one slot
+#   allocation and one page-table write per request per step), and does *not* depend on the model. On a GPU the
+#   forward of a decode step shrinks by two or three orders of magnitude; the bookkeeping does not shrink at all.
+#
+# ## 2. The overlapped loop (task 6.1)
+#
+# Without overlap a step is strictly sequential: schedule N, run N, wait for N's tokens, process N. With overlap
+# the engine launches N+1 *before* it processes N:
+#
+# ```mermaid
+# sequenceDiagram
+#     participant CPU as CPU (Engine.step)
+#     participant Dev as device
+#     Note over CPU,Dev: step() call k
+#     CPU->>CPU: schedule(N+1)  (N is still running)
+#     CPU->>Dev: launch(N+1): inputs of decode rows come from token_buffer
+#     CPU->>Dev: wait for N's tokens (.tolist(): the one sync)
+#     Dev-->>CPU: tokens of N
+#     CPU->>CPU: process(N): append, stop rules, release finished requests
+#     Note over CPU,Dev: step() call k+1
+#     CPU->>CPU: schedule(N+2)  (N+1 is still running)
+# ```
+#
+# Here is `Engine.step`:
+
+# %%
+print(inspect.getsource(Engine.step))
+
+# %% [markdown]
+# Three mechanisms make this possible.
+#
+# **The device-side token buffer.** Step N+1's decode rows need step N's sampled tokens as input, and the CPU has
+# not seen them. It does not need to: `ModelRunner.run` writes every emitted token into `token_buffer[row]` (one
+# slot per page-table row, on the device), and `ModelRunner.prepare` puts a placeholder in each decode row's input
+# and fills it from that buffer, a device-to-device gather. The CPU knows *which* row each request uses, never
+# *what* token is in it:
+
+# %%
+print(inspect.getsource(ModelRunner.run))
+
+# %% [markdown]
+# **One host sync per step.** The only place the CPU waits for the device is the first line of `_process`,
+# `batch.next_tokens.tolist()`. Everything before it (scheduling, metadata, launching) is work the device can run
+# ahead of. `_process` is **task 6.1**:
+
+# %%
+print(task_source(Engine._process, "6.1"))
+
+# %% [markdown]
+# **Bookkeeping that runs ahead.** The scheduler updates `kv_committed_len` when it *schedules* a row, not when
+# the row's tokens come back, and counts tokens sampled but not yet appended in `req.num_inflight`. So at
+# schedule time it knows how long each request will be once the step in flight lands. It uses that to skip
+# requests that will certainly have reached `max_new_tokens` (the `decodable` filter in `Scheduler.schedule`), and
+# the model runner uses it to count the in-flight token in seeded sampling and penalties
+# (`ModelRunner.sampling_info`), so that overlap changes no random stream.
+#
+# What `_process` has to guard against is the rest of this chapter: a row whose request finished (or was
+# retracted, which bumps `req.retractions`) after the row was scheduled is skipped, so its token is dropped; a
+# partial prefill chunk (chapter 05) emits nothing and only commits its KV to the radix tree.
+#
+# ## 3. Two timelines, and what overlap would save
+#
+# First, the honest part. On a CPU, `ModelRunner.run` does not *launch* work: it computes it, synchronously, on
+# the same core that runs the scheduler. There is no second processor to keep busy, so overlap cannot save
+# anything here; every code path of the overlapped loop still runs, which is what the tests and section 4 need.
+# Measured, alternating the two loops on the same batch:
+
+# %%
+def ms_per_step(overlap: bool, batch_size: int = 32, steps: int = 12) -> float:
+    engine = make_engine(tiny, disable_overlap_schedule=not overlap)
+    gen = random.Random(0)
+    params = SamplingParams(temperature=0, max_new_tokens=steps + 4, ignore_eos=True)
+    reqs = [tiny.make_request([gen.randrange(320) for _ in range(32)], params) for _ in range(batch_size)]
+    for r in reqs:
+        engine.add_request(r)
+    while not all(r.output_ids for r in reqs):
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = time.perf_counter() - t0
+    engine.run_until_done()
+    return elapsed / steps * 1e3
+
+
+runs = {False: [], True: []}
+for _ in range(3):
+    for overlap in (False, True):
+        runs[overlap].append(ms_per_step(overlap))
+seq_ms, ovl_ms = statistics.median(runs[False]), statistics.median(runs[True])
+print(f"tiny model, 32 requests decoding, this CPU: {seq_ms:.1f} ms/step without overlap, {ovl_ms:.1f} ms/step "
+      f"with overlap (medians of 3 alternating runs: {[round(x, 1) for x in runs[False]]} vs "
+      f"{[round(x, 1) for x in runs[True]]})")
+
+# %% [markdown]
+# The same, within the noise of a shared machine. Now suppose the forward ran on a separate device while the CPU
+# carried on. The timelines below are *computed* from the times measured in section 1 (tiny model, 64 requests):
+# the CPU pieces as measured, and the forward as measured here, but placed on a device lane. They show what the
+# two loops would do with a device that is as slow as this CPU.
+
+# %%
+def simulate(cpu_ms: dict, forward_ms: float, n_steps: int, overlap: bool):
+    """Gantt bars [(lane, label, start, length)] of n_steps steps, and the steady-state time per step.
+
+    Sequential: schedule, prepare (+ sampling info), launch; the device runs the forward; process once it is done.
+    Overlapped: schedule and prepare step N+1 and launch it, then process step N (waiting for N's forward only)."""
+    sched, prep, proc = cpu_ms["schedule"], cpu_ms["prepare"] + cpu_ms["sampling_info"], cpu_ms["process"]
+    bars, cpu_t, dev_free, ends, pending = [], 0.0, 0.0, [], None
+    for n in range(n_steps + (1 if overlap else 0)):
+        if n < n_steps:
+            bars += [("CPU", f"schedule {n}", cpu_t, sched), ("CPU", f"prepare {n}", cpu_t + sched, prep)]
+            cpu_t += sched + prep
+            start = max(cpu_t, dev_free)
+            bars.append(("device", f"forward {n}", start, forward_ms))
+            dev_free = start + forward_ms
+        todo = pending if overlap else n  # which step's tokens the CPU processes now
+        if todo is not None and todo < n_steps:
+            t = max(cpu_t, [b[2] + b[3] for b in bars if b[1] == f"forward {todo}"][0])  # wait for its tokens
+            bars.append(("CPU", f"process {todo}", t, proc))
+            cpu_t = t + proc
+            ends.append(cpu_t)
+        pending = n
+    return bars, (ends[-1] - ends[0]) / (len(ends) - 1)
+
+
+def draw_gantt(ax, bars, title: str) -> None:
+    colors = {"schedule": "tab:green", "prepare": "tab:olive", "process": "tab:purple", "forward": "tab:blue"}
+    for lane, label, start, length in bars:
+        kind, step = label.split()
+        y = 1 if lane == "CPU" else 0
+        ax.broken_barh([(start, length)], (y - 0.35, 0.7), facecolor=colors[kind], edgecolor="white", lw=0.5)
+        if kind == "forward":
+            ax.text(start + length / 2, y, f"step {step}", ha="center", va="center", color="white", fontsize=8)
+    ax.set_yticks([0, 1], ["device", "CPU"])
+    ax.set_title(title, fontsize=9)
+
+
+measured = clocks["tiny", 64]
+fig, axes = plt.subplots(2, 1, figsize=(12, 3.8), sharex=True)
+per_step = {}
+for ax, overlap in zip(axes, (False, True)):
+    bars, per_step[overlap] = simulate(measured, measured["forward"], 5, overlap)
+    draw_gantt(ax, bars, f"{'overlapped' if overlap else 'sequential'}: {per_step[overlap]:.1f} ms per step")
+axes[1].set_xlabel("ms (computed from the times measured in section 1: tiny model, 64 requests)")
+handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:green", "tab:olive", "tab:blue", "tab:purple")]
+fig.legend(handles, ["schedule", "prepare + sampling info", "forward", "process"], loc="lower center", ncol=4,
+           fontsize=8)
+fig.tight_layout(rect=(0, 0.08, 1, 1))
+plt.show()
+print(f"CPU work {measured['cpu']:.1f} ms + forward {measured['forward']:.1f} ms: sequential {per_step[False]:.1f} ms "
+      f"per step, overlapped {per_step[True]:.1f} ms per step (computed, not measured)")
+
+# %% [markdown]
+# In the sequential timeline the device lane has a hole at every step, exactly as long as the CPU work; in the
+# overlapped one the CPU's schedule and prepare for step N+1 happen during forward N, and the device runs back to
+# back. The time per step drops from `CPU + forward` to about `max(CPU, forward)`.
+#
+# **An estimate for a GPU.** On a GPU the forward is short. For a lower bound on it we use the design notes'
+# yardstick: a decode step must read every weight once plus each request's KV, at the H100's 3.35 TB/s. For the
+# book's benchmark model, Qwen3-0.6B in bf16 (about 1.2 GB of weights, 114,688 bytes of KV per token), with 1,000
+# tokens of context per request, that is `(1.2e9 + B * 1000 * 114688) / 3.35e12` seconds. The CPU work is the one
+# measured on this CPU in section 1: it depends on the batch size, not on the model. This is an **estimate**, not
+# a measurement: a real forward is slower than the floor, and a server's CPU is faster than this shared one.
+
+# %%
+H100_BYTES_PER_S = 3.35e12
+QWEN3_06B_WEIGHT_BYTES = 1.2e9
+KV_BYTES_PER_TOKEN = 114_688  # 2 * 28 layers * 8 KV heads * 128 head dim * 2 bytes (design notes)
+CONTEXT = 1000
+
+sizes = [1, 16, 64, 256]
+est = []
+print(f"{'batch':>5} {'CPU work (measured)':>20} {'GPU forward floor (computed)':>29} {'sequential':>11} "
+      f"{'overlapped':>11} {'saved':>6}")
+for b in sizes:
+    cpu = clocks["tiny", b]["cpu"]
+    fwd = (QWEN3_06B_WEIGHT_BYTES + b * CONTEXT * KV_BYTES_PER_TOKEN) / H100_BYTES_PER_S * 1e3
+    seq, ovl = cpu + fwd, max(cpu, fwd)
+    est.append((b, cpu, fwd, seq, ovl))
+    print(f"{b:>5} {cpu:>17.2f} ms {fwd:>26.2f} ms {seq:>8.2f} ms {ovl:>8.2f} ms {1 - ovl / seq:>6.0%}")
+
+fig, ax = plt.subplots(figsize=(7, 3.6))
+b_arr = np.array(sizes)
+ax.plot(b_arr, [e[1] for e in est], "o-", label="CPU work per step (measured here)")
+ax.plot(b_arr, [e[2] for e in est], "s--", label="GPU forward floor, Qwen3-0.6B on H100 (computed)")
+ax.plot(b_arr, [e[3] for e in est], "^-", label="sequential step = CPU + forward (estimate)")
+ax.plot(b_arr, [e[4] for e in est], "v-", label="overlapped step = max(CPU, forward) (estimate)")
+ax.set_xscale("log", base=2)
+ax.set_yscale("log")
+ax.set_xticks(sizes, [str(s) for s in sizes])
+ax.set_xlabel("requests decoding (batch size)")
+ax.set_ylabel("ms per decode step")
+ax.set_title("ESTIMATE: time per step with and without overlap on a GPU", fontsize=9)
+ax.legend(fontsize=7)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Two lessons from the estimate. First, overlap saves at most half of a step, and only when CPU work and forward
+# are about equal; otherwise it hides the smaller of the two. Second, with this engine's pure-Python bookkeeping
+# measured on this CPU, the CPU work is the *larger* one at every batch size in the table: overlap would hide the
+# whole forward behind it, and the GPU would still wait for the CPU. That is why production engines do both:
+# they overlap, *and* they make the CPU work per step small (vectorised scheduling, metadata built with a few
+# tensor operations instead of a loop per request, CUDA graphs in chapter 08 that launch a whole forward in one
+# call).
+#
+# One more condition, easy to break without noticing: overlap works only if nothing before the sync point waits
+# for the device. On a GPU, every `int(tensor)`, `.item()` or `.tolist()` of a device tensor in the scheduler or
+# the model runner is a hidden sync that waits for the step in flight and silently turns the overlapped loop back
+# into a sequential one (exercise 3).
+#
+# ## 4. The three races, caught in the act
+#
+# ### Race 1: one token too many
+#
+# Step N+1 is scheduled before the CPU knows that a request stopped at step N, so the request gets a row in step
+# N+1, which computes a token for it. `_process` drops it (`if req.finished ... continue`). Requests that stop by
+# *length* never get that row, because the scheduler can predict them (`decodable`); the ones that stop on EOS, a
+# stop token or a stop string cannot be predicted. We run a batch of six chat requests that end in all four ways,
+# with overlap on and off, and count the rows `_process` finds already finished.
+
+# %%
+questions = [
+    ("What is the capital of France?", {}),  # ends with EOS
+    ("What is 2 + 2?", {}),  # ends with EOS
+    ("Count from 1 to 20, separated by commas.", {"stop": ["4."]}),  # stop string
+    ("Write one sentence about the sea.", {"stop": ["mysterious"]}),  # stop string
+    ("Name a famous painter.", {"stop_token_ids": [real.tokenizer.encode(".", add_special_tokens=False)[0]]}),
+    ("List three fruits.", {}),  # length
+]
+PROMPTS = [real.chat_prompt_ids([{"role": "user", "content": q}]) for q, _ in questions]
+PARAMS = [SamplingParams(temperature=0, max_new_tokens=20, **kw) for _, kw in questions]
+
+
+def run_batch(overlap: bool) -> tuple[list, int]:
+    """Run the six requests in one engine; return them and the number of rows dropped by _process."""
+    engine = make_engine(real, disable_overlap_schedule=not overlap, max_total_tokens=1024)
+    dropped = []
+    wrap(engine, "_process", before=lambda batch: dropped.append(
+        sum(r.finished or r.retractions != e for r, e in zip(batch.reqs, batch.epochs))))
+    reqs = [real.make_request(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
+    for r in reqs:
+        engine.add_request(r)
+    engine.run_until_done()
+    return reqs, sum(dropped)
+
+
+t0 = time.perf_counter()
+results = {overlap: run_batch(overlap) for overlap in (False, True)}
+print(f"two runs in {time.perf_counter() - t0:.1f} s")
+for (q, _), r in zip(questions, results[True][0]):
+    print(f"{len(r.output_ids):>3} tokens  {r.finish_reason.kind:<6} {str(r.finish_reason.matched):<10} "
+          f"{r.output_text!r}")
+print(f"rows whose request had already finished when processed: {results[False][1]} without overlap, "
+      f"{results[True][1]} with overlap")
+assert results[False][1] == 0 and results[True][1] > 0
+
+# %% [markdown]
+# With overlap, the extra rows were computed and thrown away, one per request that stopped on a token or string
+# while it still had room to go on; without overlap there are none. Section 5 checks that none of those tokens
+# leaked into an output.
+#
+# ### Race 2: slots that the step in flight still writes
+#
+# When `_process(N)` finds that a request has finished, it releases the request's KV. But step N+1, already
+# launched, contains that request's extra row, and that row *writes* the KV of one more token into a slot the
+# request owns. If the slot went straight back to the allocator, step N+2 could hand it to a new request while
+# step N+1 may still write it.
+#
+# The cache manager therefore parks frees while a step is in flight (`defer_frees`, `pending_free`), and
+# `Engine.step` gives them to the allocator only after the *next* step has been processed, when the device is
+# certainly done with them. We watch it on the same six requests with overlap on, without the radix cache
+# (`disable_radix_cache=True`: with it, a finished request's KV moves into the tree instead of being freed, and
+# the question moves with it, see exercise 4). At each `_process` we compare the slots it parked with the slots
+# that the step in flight is writing.
+
+# %%
+engine = make_engine(real, disable_radix_cache=True, max_total_tokens=1024)
+launched = []
+wrap(engine.scheduler, "schedule", after=lambda batch: launched.append(batch))
+overlapping_slots = []
+
+
+def check_parked(_, batch) -> None:
+    in_flight = launched[-1]  # step N+1, launched before step N is processed
+    if in_flight is None or in_flight is batch:
+        return
+    parked = {s for t in engine.cache.pending_free for s in t.tolist()}
+    written = set(in_flight.forward_batch.out_cache_loc.tolist())
+    if parked & written:
+        overlapping_slots.append(sorted(parked & written))
+
+
+wrap(engine, "_process", after=check_parked)
+reqs = [real.make_request(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
+for r in reqs:
+    engine.add_request(r)
+engine.run_until_done()
+print(f"{len(overlapping_slots)} times a _process parked slots that the step in flight was writing: "
+      f"{overlapping_slots}")
+print("free pages after the run:", engine.allocator.num_free_pages, "of", engine.allocator.capacity_pages,
+      "| parked:", len(engine.cache.pending_free), "| waiting for the step in flight:", len(engine._waiting_for_inflight))
+assert overlapping_slots and engine.allocator.num_free_pages == engine.allocator.capacity_pages
+assert [r.output_ids for r in reqs] == [r.output_ids for r in results[True][0]]
+
+# %% [markdown]
+# Each listed slot was released by `_process(N)` *while* step N+1 was writing into it, and it was given back only
+# one step later. Nothing leaks: once the engine is idle every page is free again.
+#
+# How real is the danger? On this CPU none at all: step N+1 has finished before `_process(N)` even starts. On a
+# GPU with a single in-order stream (this engine), step N+2 is queued behind step N+1, so N+2's write into a
+# reused slot lands after N+1's. The deferral is what keeps the engine correct without leaning on that ordering:
+# as soon as the next batch is prepared on a second stream (Mini-SGLang prepares metadata on a stream of its own),
+# or copies are issued from reused host buffers, the ordering is gone and a reused slot becomes a real data race.
+# The rule "a slot is reused only after every step that may touch it has been processed" holds in all of those
+# designs.
+#
+# ### Race 3: retraction while a step is in flight
+#
+# When decode needs more KV than is free, the scheduler retracts the newest requests (chapter 03): releases their
+# KV and sends them back to the waiting queue. Under overlap that is a problem twice over: the victims' KV is
+# still in use by the step in flight, and because frees are deferred, retracting would not even make room for the
+# step being scheduled, so the scheduler would keep retracting. Instead `_add_decode_rows` raises `NeedSync`
+# when it would retract while frees are deferred. `Engine.step` catches it, finishes the step in flight first
+# (`_finish_inflight`: process it, free everything parked) and schedules again with nothing in flight, where
+# retraction frees immediately. Often the finished step also ended some requests, and nobody has to be retracted.
+#
+# We force it with the tiny model: twelve requests of 20-token prompts and 40 new tokens each, in a pool of 360
+# KV slots (they need 720).
+
+# %%
+gen = random.Random(3)
+SQUEEZE_PROMPTS = [[gen.randrange(320) for _ in range(20)] for _ in range(12)]
+SQUEEZE_PARAMS = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+
+
+def squeeze(overlap: bool):
+    engine = make_engine(tiny, disable_overlap_schedule=not overlap, max_total_tokens=360)
+    schedule = engine.scheduler.schedule
+    syncs = []
+
+    def count_needsync():
+        try:
+            return schedule()
+        except NeedSync:
+            syncs.append(len(syncs))
+            raise
+
+    engine.scheduler.schedule = count_needsync
+    reqs = [tiny.make_request(p, SQUEEZE_PARAMS) for p in SQUEEZE_PROMPTS]
+    for r in reqs:
+        engine.add_request(r)
+    engine.run_until_done()
+    return reqs, len(syncs), engine.scheduler.num_retractions
+
+
+oracle_reqs = [tiny.make_request(p, SQUEEZE_PARAMS) for p in SQUEEZE_PROMPTS]
+tiny.engine.run(oracle_reqs)
+for overlap in (False, True):
+    reqs, n_sync, n_retract = squeeze(overlap)
+    same = [r.output_ids for r in reqs] == [r.output_ids for r in oracle_reqs]
+    print(f"overlap {'on ' if overlap else 'off'}: {n_retract} retractions, {n_sync} NeedSync, "
+          f"outputs identical to the naive engine: {same}")
+    assert same and n_retract > 0 and (n_sync > 0) == overlap
+
+# %% [markdown]
+# Without overlap retraction simply happens; with overlap, each time the scheduler hit the wall while a step was in
+# flight it raised `NeedSync`, the engine drained that step, and scheduling continued without it. The retracted
+# requests were prefilled again later (reusing what the radix tree still held, chapter 04) and produced exactly
+# the oracle's tokens.
+#
+# ## 5. The oracle check
+#
+# The design notes' oracle for every engine configuration: the chapter-00 naive loop, equal greedy tokens on CPU in
+# float32. For the six requests of race 1, with overlap on and off: the same tokens, the same finish reasons and
+# matched stops, the same text, and no token after a stop.
+
+# %%
+t0 = time.perf_counter()
+naive_reqs = [real.make_request(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
+real.engine.run(naive_reqs)
+print(f"naive engine: {time.perf_counter() - t0:.1f} s")
+eos = real.eos_token_ids
+for overlap in (False, True):
+    reqs = results[overlap][0]
+    for r, ref in zip(reqs, naive_reqs):
+        assert r.output_ids == ref.output_ids, (overlap, r.output_ids, ref.output_ids)
+        assert r.finish_reason == ref.finish_reason and r.output_text == ref.output_text
+        if r.finish_reason.kind == "stop" and isinstance(r.finish_reason.matched, int):
+            # a stop token ends the output: it is the last id and appears nowhere before it
+            assert r.output_ids[-1] == r.finish_reason.matched and r.finish_reason.matched not in r.output_ids[:-1]
+        if r.finish_reason.kind == "stop" and isinstance(r.finish_reason.matched, str):
+            assert r.finish_reason.matched not in r.output_text  # the text ends before the stop string
+    kinds = [r.finish_reason.kind + (f" ({r.finish_reason.matched!r})" if r.finish_reason.matched is not None else "")
+             for r in reqs]
+    print(f"overlap {'on ' if overlap else 'off'}: 6/6 requests identical to the oracle "
+          f"({sum(len(r.output_ids) for r in reqs)} tokens): {kinds}")
+assert any(r.finish_reason.matched in eos for r in naive_reqs)
+
+# %% [markdown]
+# The extra tokens of race 1 were computed, and not one reached an output.
+#
+# ## Exercises
+#
+# 1. **Task 6.1.** Rewrite `Engine._process`. Then delete the `if req.finished or req.retractions != epoch`
+#    check and run section 5: what fails, and with which message? Grade it with
+#    `python -m pytest tests/test_engine_core.py -k overlap`.
+# 2. **Deferred frees.** Make `CacheManager._free_later` free immediately even when `defer_frees` is set. Do the
+#    outputs change on this CPU? Explain why not, using the ordering argument of race 2, and describe a change to
+#    the engine (a second stream, or a reused pinned host buffer) after which they could.
+# 3. **Hidden syncs.** List every place that `Scheduler.schedule`, `ModelRunner.prepare`,
+#    `ModelRunner.sampling_info` and the attention backend's `init_forward_metadata` turn a device tensor into a
+#    Python value (`int(...)`, `.item()`, `.tolist()`). On a GPU each of them waits for the step in flight. Which
+#    could you avoid by keeping a CPU copy of the data?
+# 4. **The radix tree.** With the radix cache on, a finished request's slots (including the one its extra row is
+#    writing) move into the tree instead of being freed, and the tree's LRU eviction frees slots at once, without
+#    deferral. Can an eviction during `schedule(N+2)` free a slot that step N+1 is still writing? Instrument
+#    `RadixCache.evict` like section 4 does and try a small `max_total_tokens`.
+
+# %% [markdown]
+# ## Reproduce
+#
+# ```bash
+# python chapters/06_overlap_scheduling.py                      # this chapter, end to end
+# python -m pytest tests/test_engine_core.py -k overlap         # the tests of task 6.1
+# python -m pytest tests/test_notebooks.py -q -k 06             # the notebook runs top to bottom
+# ```
+#
+# Measured here: 2-core x86_64 CPU (shared with other jobs), no GPU, Python 3.11, torch 2.13 (CPU), one torch
+# thread; SmolLM2-135M-Instruct in float32 and the random 2-layer tiny Llama.
+#
+# | what | measured |
+# | --- | --- |
+# | SmolLM2, 8 requests decoding: CPU work / forward per step | TODO |
+# | tiny model, CPU work per decode step at batch 1 / 16 / 64 / 256 | TODO |
+# | tiny model, 32 requests: ms per step without / with overlap (this CPU) | TODO |
+# | estimate, Qwen3-0.6B on an H100 at batch 64: sequential / overlapped step | TODO |
+# | race 1: extra rows dropped without / with overlap | TODO |
+# | race 3: retractions / NeedSync, overlap off and on | TODO |
+# | overlap on and off vs the naive engine | 6/6 requests identical, including EOS, stop string and stop token endings |
+# | whole chapter, `python chapters/06_overlap_scheduling.py` | TODO |
+
+# %%
+print(f"this run: tiny batch 64 CPU work {clocks['tiny', 64]['cpu']:.1f} ms vs forward {clocks['tiny', 64]['forward']:.1f} ms; "
+      f"overlap off/on on this CPU {seq_ms:.1f}/{ovl_ms:.1f} ms per step; "
+      f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s")

@@ -1,0 +1,266 @@
+"""The ``triton`` attention backend: paged attention kernels written here in Triton (chapter 07).
+
+What the backend does per step, and why it is split that way (the same split SGLang's backends use):
+
+``init_forward_metadata(batch)``, once per step, builds everything the kernels need as device tensors:
+
+- ``kv_indptr`` / ``kv_indices``: the batch's page-table rows flattened into CSR form (one small kernel, see
+  :mod:`~minisgl_ref.attention.triton_kernels.kv_indices`). For decode they cover each request's whole context
+  (the new token included); for extend only the cached prefix.
+- extend: ``qo_indptr`` (where each request's new tokens sit in the flat ``[T]`` batch) and the longest extend
+  length (the grid size, a host integer the scheduler already knows);
+- decode: the split-KV scratch buffers and how many pieces to cut each context into at most.
+
+``forward_extend`` / ``forward_decode``, once per layer: store the new K/V in the pool at ``out_cache_loc``, then
+launch the kernels with that metadata. Nothing per layer depends on the batch layout, so nothing is recomputed.
+
+CUDA graphs (chapter 08) replay a recorded decode step, so its kernels must read metadata from buffers that
+never move: :meth:`init_cuda_graph_state` allocates them once, the capture hook points the metadata at slices of
+them, and the replay hook refills them in place (a cumsum and one kernel, no allocation, no device-to-host copy).
+
+The kernels run on the GPU, or on the CPU through Triton's interpreter when ``TRITON_INTERPRET=1`` is set before
+this module is first imported (slow, for tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+
+from minisgl_ref.attention.base import AttentionBackend
+from minisgl_ref.attention.triton_kernels import (
+    build_kv_indices,
+    decode_attention_fwd,
+    extend_attention_fwd,
+    extend_launch_config,
+)
+
+if TYPE_CHECKING:
+    from minisgl_ref.engine.forward_batch import ForwardBatch, ForwardMode
+    from minisgl_ref.kvcache.pool import KVPool
+    from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
+    from minisgl_ref.layers.attention import AttentionLayer
+
+
+def triton_interpret_mode() -> bool:
+    """Whether ``triton.jit`` ran the kernels' definitions in interpreter mode (read when they were imported)."""
+    from minisgl_ref.attention.triton_kernels import decode_attention
+
+    return not isinstance(decode_attention._decode_stage1_kernel, triton.runtime.JITFunction)
+
+
+@dataclass
+class TritonMetadata:
+    """Per-step metadata, shared by every layer of the step."""
+
+    kv_indptr: torch.Tensor  # [B + 1] int32
+    kv_indices: torch.Tensor  # [>= kv_indptr[B]] int32: pool slots (decode: whole context; extend: prefix only)
+    # extend only
+    qo_indptr: torch.Tensor | None = None  # [B + 1] int32
+    max_extend_len: int = 0
+    extend_config: dict[str, int] = field(default_factory=dict)  # tile sizes for this step's extend kernel
+    # decode only: split-KV scratch, float32, [B, H, max_splits, D] and [B, H, max_splits]
+    max_splits: int = 1
+    mid_o: torch.Tensor | None = None
+    mid_lse: torch.Tensor | None = None
+
+
+def _indptr(lens: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[0, l0, l0 + l1, ...] as int32 (into ``out`` when given: the replay path allocates nothing)."""
+    if out is None:
+        out = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=lens.device)
+    torch.cumsum(lens, dim=0, dtype=torch.int32, out=out[1:])
+    return out
+
+
+class TritonAttnBackend(AttentionBackend):
+    """Paged attention through this project's Triton kernels, for any page size and GQA ratio.
+
+    ``num_q_heads`` (query heads per rank) is only needed up front for CUDA graphs, whose split-KV scratch must
+    be allocated before capture; in eager mode the scratch is sized from the first layer of each step.
+    ``max_kv_splits`` caps how many pieces a decode context is cut into, ``min_kv_split_len`` is the shortest
+    piece worth a program of its own.
+    """
+
+    def __init__(
+        self,
+        kv_pool: KVPool,
+        req_to_token: ReqToTokenPool,
+        *,
+        num_q_heads: int | None = None,
+        max_kv_splits: int = 64,
+        min_kv_split_len: int = 128,
+    ) -> None:
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.num_q_heads = num_q_heads
+        self.max_kv_splits = max_kv_splits
+        self.min_kv_split_len = min_kv_split_len
+        k0 = kv_pool.k[0]
+        self.device = k0.device
+        self.num_kv_heads, self.head_dim = k0.shape[1], k0.shape[2]
+        if self.device.type == "cpu" and not triton_interpret_mode():
+            raise RuntimeError(
+                "the triton attention backend needs a GPU, or TRITON_INTERPRET=1 set before triton kernels are "
+                "imported (CPU interpreter, for tests)"
+            )
+        if self.device.type == "cuda":
+            self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        else:
+            self.num_sms = 0
+        self.forward_metadata: TritonMetadata | None = None
+        self.cuda_graph: dict[str, torch.Tensor] | None = None
+
+    # ------------------------------------------------------------------------------------------- metadata
+
+    def num_kv_splits(self, batch_size: int) -> int:
+        """The most pieces a decode context is cut into for this batch size. Enough programs to give every SM a
+        few (``(B x KV heads x splits) >= 4 x SMs``), never more than ``max_kv_splits``; each request then uses
+        ``min(this, cdiv(seq_len, min_kv_split_len))`` pieces (decided inside the kernels). A function of the
+        batch size alone, so a CUDA graph captured for ``bs`` replays with the same value."""
+        if self.num_sms == 0:  # interpreter: programs run one by one; a few pieces exercise the reduction
+            return min(self.max_kv_splits, 4)
+        want = triton.cdiv(4 * self.num_sms, batch_size * self.num_kv_heads)
+        return max(1, min(self.max_kv_splits, want))
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        assert batch.req_pool_indices is not None
+        dev = self.device
+        rows = batch.req_pool_indices
+        if batch.mode.is_decode:
+            lens_cpu = batch.seq_lens_cpu
+        else:
+            lens_cpu = batch.prefix_lens_cpu
+        lens = torch.tensor(lens_cpu, dtype=torch.int32).to(dev, non_blocking=True)
+        kv_indptr = _indptr(lens)
+        # The total is known on the host (the scheduler's lengths), so sizing kv_indices needs no sync.
+        kv_indices = torch.empty(max(1, sum(lens_cpu)), dtype=torch.int32, device=dev)
+        build_kv_indices(self.req_to_token.table, rows, lens, kv_indptr, kv_indices)
+        md = TritonMetadata(kv_indptr=kv_indptr, kv_indices=kv_indices)
+        if batch.mode.is_decode:
+            md.max_splits = self.num_kv_splits(batch.batch_size)
+            if self.num_q_heads is not None:
+                md.mid_o, md.mid_lse = self._split_scratch(batch.batch_size, self.num_q_heads, md.max_splits)
+        else:
+            ext = torch.tensor(batch.extend_lens_cpu, dtype=torch.int32).to(dev, non_blocking=True)
+            md.qo_indptr = _indptr(ext)
+            md.max_extend_len = max(batch.extend_lens_cpu)
+            md.extend_config = extend_launch_config(max(batch.prefix_lens_cpu))
+        self.forward_metadata = md
+
+    def _split_scratch(self, bs: int, num_heads: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        mid_o = torch.empty(bs, num_heads, splits, self.head_dim, dtype=torch.float32, device=self.device)
+        mid_lse = torch.empty(bs, num_heads, splits, dtype=torch.float32, device=self.device)
+        return mid_o, mid_lse
+
+    # -------------------------------------------------------------------------------------------- forward
+
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+    ) -> torch.Tensor:
+        md = self.forward_metadata
+        assert md is not None and md.qo_indptr is not None, "init_forward_metadata was not called for this step"
+        assert batch.out_cache_loc is not None
+        lid = layer.layer_id
+        self.kv_pool.store(lid, batch.out_cache_loc, k, v)  # later steps read these tokens from the pool
+        k_buf, v_buf = self.kv_pool.k[lid], self.kv_pool.v[lid]
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        extend_attention_fwd(
+            _last_dim_contiguous(q), _last_dim_contiguous(k.to(k_buf.dtype)), _last_dim_contiguous(v.to(v_buf.dtype)),
+            o, k_buf, v_buf, md.qo_indptr, md.kv_indptr, md.kv_indices, md.max_extend_len, layer.scale,
+            **md.extend_config,
+        )  # fmt: skip
+        return o.flatten(1)
+
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+    ) -> torch.Tensor:
+        md = self.forward_metadata
+        assert md is not None and md.qo_indptr is None, "init_forward_metadata was not called for this step"
+        assert batch.out_cache_loc is not None
+        lid = layer.layer_id
+        self.kv_pool.store(lid, batch.out_cache_loc, k, v)  # the new token is part of its own context
+        bs, num_heads = q.shape[0], q.shape[1]
+        if md.mid_o is None or md.mid_o.shape[1] != num_heads:  # eager, head count not given: first layer
+            md.mid_o, md.mid_lse = self._split_scratch(bs, num_heads, md.max_splits)
+        assert md.mid_lse is not None
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        decode_attention_fwd(
+            _last_dim_contiguous(q), self.kv_pool.k[lid], self.kv_pool.v[lid], o, md.kv_indptr, md.kv_indices,
+            md.mid_o, md.mid_lse, layer.scale, md.max_splits, min_split_len=self.min_kv_split_len,
+        )  # fmt: skip
+        return o.flatten(1)
+
+    # ---------------------------------------------------------------------------------------- CUDA graphs
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate the static buffers every captured decode graph reads its metadata from. The split-KV scratch
+        is one flat buffer that each batch size views as ``[bs, H, num_kv_splits(bs), D]``: small batches use
+        many pieces, large ones few, so the largest ``bs x splits`` (not ``max_bs x max_kv_splits``) sizes it."""
+        if self.num_q_heads is None:
+            raise ValueError("TritonAttnBackend(num_q_heads=...) is required for CUDA graphs")
+        max_ctx = self.req_to_token.max_context_len
+        dev = self.device
+        rows = max(bs * self.num_kv_splits(bs) for bs in range(1, max_bs + 1))
+        self.cuda_graph = {
+            "kv_indptr": torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
+            "kv_indices": torch.zeros(max_bs * max_ctx, dtype=torch.int32, device=dev),
+            "mid_o": torch.empty(rows * self.num_q_heads * self.head_dim, dtype=torch.float32, device=dev),
+            "mid_lse": torch.empty(rows * self.num_q_heads, dtype=torch.float32, device=dev),
+        }
+
+    def init_forward_metadata_capture_cuda_graph(
+        self,
+        bs: int,
+        num_tokens: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        forward_mode: ForwardMode | None = None,
+    ) -> None:
+        """Before capturing the graph for batch size ``bs``: metadata that lives in the static buffers."""
+        if forward_mode is not None and not forward_mode.is_decode:
+            raise NotImplementedError("the triton backend captures CUDA graphs for decode only")
+        assert self.cuda_graph is not None, "call init_cuda_graph_state first"
+        g, heads, splits = self.cuda_graph, self.num_q_heads, self.num_kv_splits(bs)
+        assert heads is not None
+        self.forward_metadata = TritonMetadata(
+            kv_indptr=g["kv_indptr"][: bs + 1],
+            kv_indices=g["kv_indices"],
+            max_splits=splits,
+            mid_o=g["mid_o"][: bs * heads * splits * self.head_dim].view(bs, heads, splits, self.head_dim),
+            mid_lse=g["mid_lse"][: bs * heads * splits].view(bs, heads, splits),
+        )
+        self._fill_graph_metadata(bs, req_pool_indices, seq_lens)
+
+    def init_forward_metadata_replay_cuda_graph(
+        self,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        forward_mode: ForwardMode | None = None,
+        seq_lens_sum: int | None = None,
+        seq_lens_cpu: torch.Tensor | None = None,
+    ) -> None:
+        """Before each replay: refill the static buffers in place. ``req_pool_indices`` and ``seq_lens`` are the
+        padded batch's device tensors (padding rows: any valid row, e.g. 0, and length >= 1). The host-side
+        ``seq_lens_sum`` / ``seq_lens_cpu`` (SGLang passes them) are not needed: everything is computed on the
+        device from ``seq_lens``."""
+        if forward_mode is not None and not forward_mode.is_decode:
+            raise NotImplementedError("the triton backend replays CUDA graphs for decode only")
+        self._fill_graph_metadata(bs, req_pool_indices, seq_lens)
+
+    def _fill_graph_metadata(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        assert self.cuda_graph is not None
+        kv_indptr = self.cuda_graph["kv_indptr"][: bs + 1]
+        _indptr(seq_lens[:bs], out=kv_indptr)  # kv_indptr[0] stays 0 from allocation
+        build_kv_indices(self.req_to_token.table, req_pool_indices[:bs], seq_lens[:bs], kv_indptr,
+                         self.cuda_graph["kv_indices"])  # fmt: skip
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+

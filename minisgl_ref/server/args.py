@@ -1,0 +1,132 @@
+"""What ``serve`` was asked to do: the server's arguments, checked once, in the parent process (chapter 10).
+
+Every child process receives the same :class:`ServerArgs` (it is a plain dataclass, so ``multiprocessing`` can
+pickle it), which is how the scheduler learns the engine settings and the detokenizer the model folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+ATTENTION_BACKENDS = ("torch_native",)  # the kernels of chapter 07 are not served yet
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclass
+class ServerArgs:
+    model_path: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str | None = None
+    context_length: int | None = None
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    host: str = "127.0.0.1"
+    port: int = 30000
+    tp_size: int = 1
+    served_model_name: str | None = None
+    api_key: str | None = None
+    enable_metrics: bool = False
+    log_level: str = "info"
+    shell: bool = False
+    attention_backend: str = "torch_native"
+    cuda_graph_max_bs: int | None = None
+    disable_cuda_graph: bool = False
+    # How long a server whose child died keeps answering 503 (so that clients and /health can see why) before
+    # it exits with a non-zero status.
+    dead_child_grace_s: float = 2.0
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> ServerArgs:
+        if args.engine != "paged":
+            raise ValueError("serve needs --engine paged (the naive oracle cannot batch, abort or share a cache)")
+        if args.tp_size != 1:
+            raise ValueError(
+                f"--tp-size {args.tp_size} is not supported yet: this server runs one scheduler (tp_size=1); "
+                "tensor parallelism is chapter 09's"
+            )
+        for flag in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+            value = getattr(args, flag)
+            if value is not None and value not in ATTENTION_BACKENDS:
+                raise ValueError(
+                    f"--{flag.replace('_', '-')} {value}: only {', '.join(ATTENTION_BACKENDS)} is available "
+                    "in this server for now"
+                )
+        if not 0 < args.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {args.port}")
+        if args.context_length is not None and args.context_length < 2:
+            raise ValueError(f"--context-length must be at least 2, got {args.context_length}")
+        if args.api_key is not None and not args.api_key:
+            raise ValueError("--api-key must not be empty")
+        from minisgl_ref.engine.config import EngineConfig
+
+        EngineConfig(**engine_kwargs)  # a bad engine flag fails here, before any process starts
+        grace = float(os.environ.get("MINISGL_DEAD_CHILD_GRACE_S", "2.0"))
+        return cls(
+            model_path=args.model_path,
+            load_format=args.load_format,
+            dtype=args.dtype,
+            device=args.device,
+            context_length=args.context_length,
+            engine_kwargs=dict(engine_kwargs),
+            host=args.host,
+            port=args.port,
+            tp_size=args.tp_size,
+            served_model_name=args.served_model_name,
+            api_key=args.api_key,
+            enable_metrics=args.enable_metrics,
+            log_level=args.log_level,
+            shell=args.shell,
+            attention_backend="torch_native",
+            cuda_graph_max_bs=args.cuda_graph_max_bs,
+            disable_cuda_graph=args.disable_cuda_graph,
+            dead_child_grace_s=grace,
+        )
+
+    def public_dict(self) -> dict[str, Any]:
+        """For ``/get_server_info``: everything but the API key."""
+        d = asdict(self)
+        d.pop("api_key")
+        d.update(d.pop("engine_kwargs"))
+        return d
+
+
+@dataclass(frozen=True)
+class Addresses:
+    """The ZeroMQ endpoints (``ipc://`` files in a private temporary folder), one per receiving process."""
+
+    scheduler: str  # the scheduler's PULL socket: requests, aborts, RPCs from the API server
+    detokenizer: str  # the detokenizer's PULL socket: token ids from the scheduler
+    api: str  # the API server's PULL socket: text from the detokenizer, RPC replies from the scheduler
+    folder: str
+
+    @classmethod
+    def fresh(cls) -> Addresses:
+        folder = tempfile.mkdtemp(prefix="minisgl_ref-")
+        return cls(
+            scheduler=f"ipc://{folder}/scheduler",
+            detokenizer=f"ipc://{folder}/detokenizer",
+            api=f"ipc://{folder}/api",
+            folder=folder,
+        )
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """The flags of ``serve`` beyond the model and engine ones, with SGLang's names."""
+    g = p.add_argument_group("server (SGLang names)")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=30000)
+    g.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (only 1 for now)")
+    g.add_argument("--served-model-name", default=None, help="the model name clients must use (default: the path)")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every API route")
+    g.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
+    g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    g.add_argument("--shell", action="store_true", help="chat in this terminal instead of serving HTTP")
+    g.add_argument("--attention-backend", default=None, help="torch_native (the only one served for now)")
+    g.add_argument("--prefill-attention-backend", default=None)
+    g.add_argument("--decode-attention-backend", default=None)
+    g.add_argument("--cuda-graph-max-bs", type=int, default=None, help="accepted; CUDA graphs are chapter 08's")
+    g.add_argument("--disable-cuda-graph", action="store_true")

@@ -1,0 +1,210 @@
+"""Starting, supervising and stopping the server's processes (chapter 10).
+
+The life of ``python -m minisgl_ref serve``:
+
+1. **Start.** Resolve the model folder (converting the embedded model once, here, before two children race to
+   do it), then spawn the scheduler and the detokenizer with ``multiprocessing``'s *spawn* method (a fresh
+   interpreter: forking a process that may hold CUDA state or threads is unsafe). While they load, the parent
+   loads its own tokenizer. Each child reports on a pipe when it is ready, or why it failed. Only then is the
+   HTTP port opened, so a client never talks to a server whose model is still loading.
+2. **Serve.** uvicorn runs the FastAPI app on an asyncio loop; next to it, the tokenizer manager's receive
+   task and a watchdog that checks the children every 200 ms.
+3. **Stop.** Ctrl-C or SIGTERM: uvicorn finishes (open streams get a few seconds), then every child is sent
+   SIGTERM, joined, and killed if it lingers. If a *child* dies instead, the watchdog fails every request in
+   flight, ``/health`` and new requests answer 503 naming the dead process for a short grace period, and then
+   the server stops the rest and exits with status 1, so a supervisor (systemd, Kubernetes) restarts it rather
+   than leaving a server that accepts connections and never answers.
+
+Children also watch their parent: if it is killed outright (SIGKILL, where no cleanup can run) they notice that
+they were re-parented and exit on their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import sys
+from typing import Any
+
+from minisgl_ref.server.args import Addresses, ServerArgs
+from minisgl_ref.server.process_utils import configure_logging
+
+log = logging.getLogger("minisgl_ref.server")
+
+WATCHDOG_PERIOD_S = 0.2
+CHILD_STOP_TIMEOUT_S = 5.0
+
+
+class Launcher:
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.addrs = Addresses.fresh()
+        self.procs: dict[str, Any] = {}
+        self.ready_conns: dict[str, Any] = {}
+        self.exit_code = 0
+        self.stop_signal: int | None = None
+        self.uvicorn_server: Any = None
+
+    # ------------------------------------------------------------------------------------------------- main
+
+    def run(self) -> int:
+        configure_logging(self.args.log_level, "server")
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            from minisgl_ref.models.loader import resolve_model_path
+            from minisgl_ref.server.detokenizer_process import load_tokenizer
+
+            resolve_model_path(self.args.model_path, self.args.load_format)  # fail fast; convert once
+            self._start_children()
+            tokenizer = load_tokenizer(self.args)
+            info = self._wait_until_ready()
+            if info is None:
+                return 0  # stopped by a signal while loading
+            if self.args.shell:
+                from minisgl_ref.server.shell import run_shell
+
+                return run_shell(self, info, tokenizer)
+            asyncio.run(self._serve_http(info, tokenizer))
+            return self.exit_code
+        finally:
+            self.stop_children()
+            shutil.rmtree(self.addrs.folder, ignore_errors=True)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig: int, frame: Any) -> None:
+        if self.stop_signal is not None:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop waiting for anything
+        self.stop_signal = sig
+        log.info("received %s, shutting down", signal.Signals(sig).name)
+
+    # -------------------------------------------------------------------------------------------- children
+
+    def _start_children(self) -> None:
+        from minisgl_ref.server.detokenizer_process import run_detokenizer_process
+        from minisgl_ref.server.scheduler_process import run_scheduler_process
+
+        ctx = mp.get_context("spawn")
+        targets = {"scheduler": run_scheduler_process, "detokenizer": run_detokenizer_process}
+        for name, target in targets.items():
+            receiver, sender = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=target, args=(self.args, self.addrs, sender), name=f"minisgl-{name}",
+                               daemon=True)
+            proc.start()
+            sender.close()  # the child holds the only writer: EOF here means it died before reporting
+            self.procs[name] = proc
+            self.ready_conns[name] = receiver
+        log.info("started %s", ", ".join(f"{n} (pid {p.pid})" for n, p in self.procs.items()))
+
+    def _wait_until_ready(self) -> dict[str, Any] | None:
+        infos: dict[str, dict[str, Any]] = {}
+        while len(infos) < len(self.procs):
+            if self.stop_signal is not None:
+                return None
+            for name, conn in self.ready_conns.items():
+                if name in infos or not conn.poll(0.1):
+                    continue
+                try:
+                    payload = conn.recv()
+                except EOFError:
+                    payload = {"error": f"exited with code {self._exitcode(name)} while starting"}
+                if "error" in payload:
+                    raise ValueError(f"the {name} process failed to start: {payload['error']}")
+                infos[name] = payload["ok"]
+        info = dict(infos["scheduler"])
+        info["pids"] = {name: p.pid for name, p in self.procs.items()} | {"server": os.getpid()}
+        return info
+
+    def _exitcode(self, name: str) -> int | None:
+        self.procs[name].join(1.0)
+        return self.procs[name].exitcode
+
+    def dead_child(self) -> str | None:
+        for name, proc in self.procs.items():
+            if not proc.is_alive():
+                return f"the {name} process (pid {proc.pid}) exited with code {proc.exitcode}"
+        return None
+
+    def stop_children(self) -> None:
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.procs.values():
+            proc.join(CHILD_STOP_TIMEOUT_S)
+            if proc.is_alive():
+                log.warning("%s did not stop on SIGTERM; killing it", proc.name)
+                proc.kill()
+                proc.join(CHILD_STOP_TIMEOUT_S)
+        for conn in self.ready_conns.values():
+            conn.close()
+
+    # ---------------------------------------------------------------------------------------------- serving
+
+    def make_manager(self, info: dict[str, Any], tokenizer: Any) -> Any:
+        from minisgl_ref.server.metrics import ServerMetrics
+        from minisgl_ref.server.tokenizer_manager import TokenizerManager
+
+        metrics = ServerMetrics(self.model_name) if self.args.enable_metrics else None
+        manager = TokenizerManager(self.args, self.addrs, info, tokenizer, metrics)
+        manager.start()
+        return manager
+
+    @property
+    def model_name(self) -> str:
+        from minisgl_ref.models.embedded import EMBEDDED_NAME
+
+        return self.args.served_model_name or self.args.model_path or EMBEDDED_NAME
+
+    async def watchdog(self, manager: Any, on_dead: Any) -> None:
+        while True:
+            await asyncio.sleep(WATCHDOG_PERIOD_S)
+            reason = self.dead_child() or manager.dead
+            if reason is None:
+                continue
+            log.error("%s; failing all requests and shutting down in %.1f s", reason, self.args.dead_child_grace_s)
+            self.exit_code = 1
+            manager.mark_dead(reason)
+            await asyncio.sleep(self.args.dead_child_grace_s)
+            on_dead()
+            return
+
+    async def _serve_http(self, info: dict[str, Any], tokenizer: Any) -> None:
+        import uvicorn
+
+        from minisgl_ref.server.http_server import create_app
+
+        manager = self.make_manager(info, tokenizer)
+        app = create_app(manager, self.args, self.model_name)
+        config = uvicorn.Config(
+            app, host=self.args.host, port=self.args.port, log_level=self.args.log_level, loop="asyncio",
+            access_log=self.args.log_level == "debug", lifespan="off", timeout_graceful_shutdown=3,
+        )
+        server = self.uvicorn_server = uvicorn.Server(config)
+
+        def stop() -> None:
+            server.should_exit = True
+
+        watchdog = asyncio.get_running_loop().create_task(self.watchdog(manager, stop))
+        announce = asyncio.get_running_loop().create_task(self._announce(server))
+        try:
+            if self.stop_signal is None:
+                await server.serve()
+        finally:
+            watchdog.cancel()
+            announce.cancel()
+            manager.close()
+
+    async def _announce(self, server: Any) -> None:
+        while not server.started:
+            await asyncio.sleep(0.05)
+        log.info("ready: model %r on http://%s:%d (OpenAI API at /v1, native at /generate)", self.model_name,
+                 self.args.host, self.args.port)
+        print(f"The server is ready: http://{self.args.host}:{self.args.port}", file=sys.stderr, flush=True)
+
+
+def run_server(args: ServerArgs) -> int:
+    return Launcher(args).run()

@@ -1,0 +1,279 @@
+"""The scheduler process: the engine in a loop, fed and drained over ZeroMQ (chapter 10).
+
+One scheduler runs per tensor-parallel rank (only rank 0 here). Its loop is the whole server's heartbeat::
+
+    while True:
+        take every message waiting on the socket      (block only when the engine has nothing to do)
+        handle them: new requests, aborts, RPCs
+        engine.step()                                 (one batch: prefill or decode)
+        send one BatchTokenOut with each advanced request's new token ids
+
+Never blocking while there is work is what keeps continuous batching continuous: a request that arrives while a
+decode batch runs joins at the next step instead of waiting for the batch to drain.
+
+**Where the stop rules live.** A request ends on EOS / a stop token id, on its length limit, or on a stop string.
+The first two only need token ids. Stop strings need text, and the engine must know *at once* (to stop spending
+compute and free the KV), so a request with stop strings gets an :class:`IncrementalDetokenizer` here, and
+``Req.append_token`` applies every stop rule in one place, exactly as in the offline ``LLM``. A request without
+stop strings gets none: the scheduler's hot loop then never decodes text. The detokenizer process runs its own
+``IncrementalDetokenizer`` on the same ids with the same stop strings; both are deterministic functions of the
+ids, so they agree on where the text ends, and the detokenizer only has to be told which token (an EOS or stop
+id) is not part of the text. The price is decoding stop-string requests twice; SGLang pays the same (its
+scheduler decodes a tail of each request to check stop strings, its detokenizer decodes for the client).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Any
+
+import zmq
+
+from minisgl_ref.sampling.params import SamplingParams
+from minisgl_ref.scheduler.request import FinishReason, Req
+from minisgl_ref.server.args import Addresses, ServerArgs
+from minisgl_ref.server.messages import (
+    AbortReq,
+    BatchTokenOut,
+    GenerateReqInput,
+    RpcReq,
+    RpcResp,
+    decode,
+    encode,
+)
+from minisgl_ref.server.process_utils import ParentWatch, child_process_setup, report_ready
+from minisgl_ref.tokenizer import IncrementalDetokenizer
+
+# Prompt ids the detokenizer gets as context for the first output token (IncrementalDetokenizer looks at most
+# PROMPT_CONTEXT_TOKENS + MAX_CONTEXT_BACKOFF = 13 back).
+PROMPT_TAIL = 16
+IDLE_POLL_MS = 200  # how long an idle scheduler sleeps on its socket before checking that its parent lives
+
+
+class SchedulerWorker:
+    def __init__(self, args: ServerArgs, addrs: Addresses) -> None:
+        from minisgl_ref.engine.engine import Engine
+        from minisgl_ref.llm import LLM
+
+        # The offline LLM class loads exactly what the server needs (model, tokenizer, EOS ids, engine), so an
+        # HTTP request and an LLM.generate call with the same settings run the very same engine code.
+        self.llm = LLM(
+            args.model_path, load_format=args.load_format, dtype=args.dtype, device=args.device,
+            context_length=args.context_length, engine="paged", **args.engine_kwargs,
+        )
+        assert isinstance(self.llm.engine, Engine)
+        self.engine = self.llm.engine
+        self.reqs: dict[str, Any] = {}  # rid -> Req, while the engine has it
+        self.sent: dict[str, int] = {}  # rid -> output ids already sent on
+        self.announced: set[str] = set()  # rids whose first row (with the detokenizer's init) went out
+        self.ctx = zmq.Context()
+        self.recv = self.ctx.socket(zmq.PULL)
+        self.recv.bind(addrs.scheduler)
+        self.to_detok = self.ctx.socket(zmq.PUSH)
+        self.to_detok.connect(addrs.detokenizer)
+        self.to_api = self.ctx.socket(zmq.PUSH)
+        self.to_api.connect(addrs.api)
+        self.watch = ParentWatch()
+
+    def info(self) -> dict[str, Any]:
+        cfg = self.llm.config
+        return {
+            "model_path": str(self.llm.model_path) if self.llm.model_path else None,
+            "architecture": cfg.architecture,
+            "context_length": self.llm.context_length,
+            "vocab_size": cfg.vocab_size,
+            "dtype": str(cfg.dtype).removeprefix("torch."),
+            "device": str(self.llm.device),
+            "max_total_num_tokens": self.engine.max_total_tokens,
+            "max_running_requests": self.engine.config.max_running_requests,
+            "page_size": self.engine.config.page_size,
+            "has_tokenizer": self.llm.tokenizer is not None,
+        }
+
+    # ---------------------------------------------------------------------------------------------------- loop
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.recv, zmq.POLLIN)
+        while self.watch.alive():
+            # Busy: take whatever has arrived without waiting. Idle: sleep on the socket (briefly, so that a
+            # dead parent is noticed).
+            if self.engine.has_work or poller.poll(IDLE_POLL_MS):
+                rows = self._drain_messages()
+                self._send_rows(rows)
+            if self.engine.has_work:
+                rows = self._rows_for(self.engine.step())
+                self._send_rows(rows)
+
+    def _drain_messages(self) -> list[tuple[Any, list[int], bool]]:
+        rows: list[tuple[Any, list[int], bool]] = []
+        while True:
+            try:
+                data = self.recv.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return rows
+            msg = decode(data)
+            if isinstance(msg, GenerateReqInput):
+                self._add(msg, rows)
+            elif isinstance(msg, AbortReq):
+                self._abort(msg.rid, rows)
+            elif isinstance(msg, RpcReq):
+                self._rpc(msg)
+
+    # ------------------------------------------------------------------------------------------------ handlers
+
+    def _add(self, msg: GenerateReqInput, rows: list) -> None:
+        try:
+            params = SamplingParams.from_dict(msg.sampling_params)
+            detok = None
+            if params.stop and self.llm.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.llm.tokenizer, skip_special_tokens=params.skip_special_tokens,
+                                               stop=params.stop, prompt_ids=msg.input_ids)
+            req = Req(input_ids=list(msg.input_ids), params=params, eos_token_ids=self.llm.eos_token_ids,
+                      detokenizer=detok, context_len=self.llm.context_length, rid=msg.rid)
+        except (ValueError, TypeError) as e:
+            # The API server validates first, so this is a bug or a race; answer rather than leave it hanging.
+            req = _Failed(msg.rid, msg.sampling_params, FinishReason("abort", message=str(e)))
+            rows.append((req, [], True))
+            return
+        self.reqs[req.rid] = req
+        self.sent[req.rid] = 0
+        self.engine.add_request(req)
+        if req.finished:
+            # max_new_tokens == 0, or refused at the door (a prompt bigger than the whole pool). The engine
+            # reports the latter again at its next step; by then the rid is gone and that event is ignored.
+            rows.append((req, [], True))
+
+    def _abort(self, rid: str, rows: list) -> None:
+        req = self.reqs.get(rid)
+        if req is None or req.finished:
+            return  # already done: the abort crossed the last output on the wire
+        # Under overlap a batch may be in flight that still writes this request's KV slots: park the frees until
+        # that batch has been processed (the engine's next step releases them), exactly as for a normal finish.
+        self.engine.cache.defer_frees = self.engine.inflight is not None
+        self.engine.abort(req, "aborted by the client")
+        rows.append((req, [], True))
+
+    def _rpc(self, msg: RpcReq) -> None:
+        try:
+            if msg.method == "get_stats":
+                resp = RpcResp(msg.rpc_id, True, self.stats())
+            elif msg.method == "flush_cache":
+                ok = not self.engine.has_work and self.engine.cache.flush_cache()
+                resp = RpcResp(msg.rpc_id, ok, "Cache flushed." if ok else
+                               "the cache was not flushed: requests are running or waiting")
+            else:
+                resp = RpcResp(msg.rpc_id, False, f"unknown rpc {msg.method!r}")
+        except Exception as e:  # noqa: BLE001 - report, do not die
+            resp = RpcResp(msg.rpc_id, False, f"{type(e).__name__}: {e}")
+        self.to_api.send(encode(resp))
+
+    def stats(self) -> dict[str, Any]:
+        engine, sched, cache = self.engine, self.engine.scheduler, self.engine.cache
+        total = engine.max_total_tokens
+        available = cache.available_tokens
+        return {
+            "num_running_reqs": len(sched.running) + (sched.chunked is not None),
+            "num_queue_reqs": len(sched.waiting),
+            "max_total_num_tokens": total,
+            "available_kv_tokens": available,  # free slots + slots eviction could free (cached, unpinned)
+            "free_kv_tokens": cache.allocator.num_free_tokens,
+            "evictable_kv_tokens": cache.evictable_tokens,
+            "token_usage": round((total - available) / total, 6) if total else 0.0,
+            "cache_hit_rate": float(cache.hit_rate) if cache.shares_prefixes else 0.0,
+            "num_retractions": sched.num_retractions,
+            "engine_steps": engine.stats.steps,
+            "prefill_tokens": engine.stats.prefill_tokens,
+            "decode_tokens": engine.stats.decode_tokens,
+            "num_tracked_reqs": len(self.reqs),
+        }
+
+    # ------------------------------------------------------------------------------------------------- outputs
+
+    def _rows_for(self, events: list) -> list[tuple[Any, list[int], bool]]:
+        rows = []
+        for ev in events:
+            req = ev.req
+            if req.rid not in self.reqs:
+                continue
+            start = self.sent[req.rid]
+            rows.append((req, list(req.output_ids[start:]), req.finished))
+        return rows
+
+    def _send_rows(self, rows: list[tuple[Any, list[int], bool]]) -> None:
+        if not rows:
+            return
+        out = BatchTokenOut([], [], [], [], [], [])
+        for req, new_ids, finished in rows:
+            rid = req.rid
+            if rid in self.sent:
+                self.sent[rid] += len(new_ids)
+            first = rid not in self.announced
+            self.announced.add(rid)
+            out.rids.append(rid)
+            out.new_ids.append(new_ids)
+            out.finished.append(finished)
+            out.finish_reasons.append(req.finish_reason.to_dict() if finished else None)
+            out.cached_tokens.append(req.cached_tokens)
+            out.inits.append({
+                "stop": list(req.params.stop),
+                "skip_special_tokens": req.params.skip_special_tokens,
+                "prompt_tail": list(req.input_ids[-PROMPT_TAIL:]),
+            } if first else None)
+            if finished:
+                self.reqs.pop(rid, None)
+                self.sent.pop(rid, None)
+                self.announced.discard(rid)
+        self.to_detok.send(encode(out))
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+class _Failed:
+    """Stands in for a request that could not even be built, so it can be answered like any other."""
+
+    def __init__(self, rid: str, params: dict[str, Any], reason: Any) -> None:
+        self.rid, self.finish_reason, self.cached_tokens = rid, reason, 0
+        self.input_ids: list[int] = []
+        try:
+            self.params = SamplingParams.from_dict(params)
+        except (ValueError, TypeError):
+            self.params = SamplingParams()
+
+
+def cpu_threads() -> int:
+    """Intra-op threads for a CPU engine: one core is left to the API server and the detokenizer. An engine that
+    competes with them for every core loses badly: OpenMP threads spin at each barrier, waiting for a sibling
+    that the OS has descheduled (on a busy 2-core machine, 2 threads decode ~6x slower than 1). ``OMP_NUM_THREADS``
+    overrides this, as usual."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return int(os.environ["OMP_NUM_THREADS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(1, cores - 1)
+
+
+def run_scheduler_process(args: ServerArgs, addrs: Addresses, ready_conn: Any, tp_rank: int = 0) -> None:
+    """The child process's entry point (``multiprocessing`` spawn target)."""
+    log = child_process_setup(args.log_level, f"scheduler TP{tp_rank}")
+    try:
+        import torch
+
+        if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu"):
+            torch.set_num_threads(cpu_threads())
+        worker = SchedulerWorker(args, addrs)
+    except Exception as e:  # noqa: BLE001 - the parent prints this one line and exits
+        report_ready(ready_conn, {"error": f"{type(e).__name__}: {e}"})
+        return
+    t0 = time.perf_counter()
+    report_ready(ready_conn, {"ok": worker.info()})
+    log.info("ready: %s", worker.info())
+    try:
+        worker.run()
+    finally:
+        if not worker.watch.alive():  # orphaned (the parent was killed outright): clean up its socket folder
+            shutil.rmtree(addrs.folder, ignore_errors=True)
+        log.info("stopping after %.0f s", time.perf_counter() - t0)
+        worker.close()

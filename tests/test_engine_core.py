@@ -1,0 +1,648 @@
+"""The engine core (chapters 03-06) against the chapter-00 oracle, and the pitfalls it must avoid.
+
+Every test here compares the paged engine's greedy tokens with ``LLM(engine="naive")`` (float32, CPU: they must be
+*equal*, not close) and then checks the KV bookkeeping the run leaves behind. The big configuration matrix runs on
+a tiny random Llama (tests/engine_fixtures.py); a smaller one on the embedded SmolLM2-135M with chat prompts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from minisgl_ref import LLM, SamplingParams
+from minisgl_ref.scheduler.request import Req
+from tests.engine_fixtures import (
+    Trace,
+    assert_matches_oracle,
+    assert_pool_accounting,
+    check_free_list,
+    drive,
+    make_engine,
+    make_reqs,
+    oracle,
+    pages_of,
+    shared_prefix_workload,
+    smol_llm,  # noqa: F401  (fixture)
+    tiny_engine_path,  # noqa: F401  (fixture)
+    tiny_llm,  # noqa: F401  (fixture)
+)
+
+# A pool of 224 tokens makes the matrix workload retract in every configuration (it needs ~560 tokens of KV in
+# all), yet holds any one request at its largest (108 tokens, <= 7 pages of 16) next to any other at its largest:
+# so the scheduler never has a reason to abort a request. init/min_new_token_ratio = 0 makes admission reserve
+# nothing for future output tokens, so decode growth must retract instead of being avoided by a cautious admission.
+SMALL_POOL = dict(max_total_tokens=224, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+
+
+def rand_tokens(rng: random.Random, n: int, vocab: int = 320) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def greedy(max_new: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_new_tokens=max_new, **kw)
+
+
+def emitting_rows(trace: Trace, req: Req) -> int:
+    """How many launched rows were going to produce a token for ``req`` (the extra overlap rows included)."""
+    return sum(e for b in trace.launched for r, e in zip(b.reqs, b.emits) if r is req)
+
+
+# ------------------------------------------------------------------------------------------------ 1. matrix
+
+MATRIX = [
+    pytest.param(radix, page, chunk, overlap, mixed, small,
+                 id=f"radix{int(radix)}-page{page}-chunk{chunk}-overlap{int(overlap)}-mixed{int(mixed)}-"
+                    f"{'smallpool' if small else 'bigpool'}")
+    # chunk 7 is smaller than the shortest prompt (9 tokens), 24 is a medium chunk, -1 disables chunking
+    for radix, page, chunk, overlap, mixed, small in itertools.product(
+        [True, False], [1, 16], [-1, 7, 24], [True, False], [True, False], [False, True]
+    )
+]
+
+
+@pytest.mark.task("3.2")
+@pytest.mark.task("3.3")
+@pytest.mark.task("4.4")
+@pytest.mark.task("5.1")
+@pytest.mark.task("6.1")
+@pytest.mark.parametrize("radix,page,chunk,overlap,mixed,small", MATRIX)
+def test_oracle_matrix(tiny_llm, radix, page, chunk, overlap, mixed, small):
+    """Eleven prompts (a 48-token shared prefix, a prompt that is a prefix of another, identical twins, lengths
+    9..84, max_new_tokens 1..40) give the oracle's greedy tokens in every engine configuration. After the run
+    the pool is whole again: free pages * page_size + evictable tokens == capacity, nothing pending, no slot
+    leaked; after every step no free page is still used by a live request or by the tree."""
+    prompts, params = shared_prefix_workload()
+    expected = oracle(tiny_llm, prompts, params)
+    engine = make_engine(tiny_llm, disable_radix_cache=not radix, page_size=page, chunked_prefill_size=chunk,
+                         disable_overlap_schedule=not overlap, enable_mixed_chunk=mixed,
+                         **(SMALL_POOL if small else {}))
+    reqs = make_reqs(tiny_llm, prompts, params)
+    drive(engine, reqs)
+    assert_matches_oracle(reqs, expected)
+    assert_pool_accounting(engine)
+    if small:
+        assert engine.scheduler.num_retractions > 0, "the small pool was meant to force retraction"
+    else:
+        assert engine.scheduler.num_retractions == 0
+    if radix:  # the shared prefixes were really shared
+        assert any(r.cached_tokens > 0 for r in reqs)
+    else:
+        assert all(r.cached_tokens == 0 for r in reqs)
+
+
+SMOL_CONFIGS = [
+    pytest.param(dict(), id="defaults"),
+    pytest.param(dict(page_size=16, chunked_prefill_size=16, max_total_tokens=128, init_new_token_ratio=0.0,
+                      min_new_token_ratio=0.0), id="radix-page16-chunk16-overlap-retract"),
+    pytest.param(dict(disable_radix_cache=True, disable_overlap_schedule=True, enable_mixed_chunk=True,
+                      chunked_prefill_size=8), id="noradix-nooverlap-mixed-chunk8"),
+]
+SMOL_SYSTEM = "You are a concise assistant. Answer in one short sentence."
+SMOL_QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is two plus two?"]
+
+
+@pytest.mark.slow
+@pytest.mark.task("6.1")
+@pytest.mark.parametrize("config", SMOL_CONFIGS)
+def test_oracle_matrix_smol_chat(smol_llm, config):
+    """The real model with chat prompts that share a system prompt (EOS may end them): same tokens as the
+    oracle, including with page 16 + chunked prefill + overlap + a pool small enough to retract."""
+    prompts = [smol_llm.chat_prompt_ids([{"role": "system", "content": SMOL_SYSTEM},
+                                         {"role": "user", "content": q}]) for q in SMOL_QUESTIONS]
+    params = greedy(10)
+    expected = oracle(smol_llm, prompts, params)
+    engine = make_engine(smol_llm, **config)
+    reqs = make_reqs(smol_llm, prompts, params)
+    drive(engine, reqs)
+    assert_matches_oracle(reqs, expected)  # token ids, finish reasons and the detokenized text
+    assert all(r.output_text for r in reqs)
+    assert_pool_accounting(engine)
+    if config.get("max_total_tokens"):
+        assert engine.scheduler.num_retractions > 0
+
+
+@pytest.mark.task("5.1")
+@pytest.mark.parametrize("radix", [True, False])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_lpm_policy_matches_oracle(tiny_llm, radix, overlap):
+    prompts, params = shared_prefix_workload()
+    expected = oracle(tiny_llm, prompts, params)
+    engine = make_engine(tiny_llm, schedule_policy="lpm", disable_radix_cache=not radix,
+                         disable_overlap_schedule=not overlap, chunked_prefill_size=24, max_prefill_tokens=64)
+    reqs = make_reqs(tiny_llm, prompts, params)
+    drive(engine, reqs)
+    assert_matches_oracle(reqs, expected)
+    assert_pool_accounting(engine)
+
+
+@pytest.mark.task("5.1")
+@pytest.mark.parametrize("policy,first", [("lpm", "shares"), ("fcfs", "unrelated")])
+def test_lpm_admits_the_longest_cached_prefix_first(tiny_llm, policy, first):
+    """One request slot; the cache holds a 40-token prefix; an unrelated request arrives before one that shares
+    the prefix. fcfs admits the unrelated one first, lpm the one that can reuse the cache."""
+    rng = random.Random(7)
+    system = rand_tokens(rng, 40)
+    warm, unrelated, shares = system + rand_tokens(rng, 5), rand_tokens(rng, 30), system + rand_tokens(rng, 6)
+    engine = make_engine(tiny_llm, schedule_policy=policy, max_running_requests=1, disable_overlap_schedule=True)
+    drive(engine, make_reqs(tiny_llm, [warm], greedy(2, ignore_eos=True)))
+    reqs = make_reqs(tiny_llm, [unrelated, shares], greedy(4, ignore_eos=True))
+    trace = drive(engine, reqs)
+    first_req = trace.launched[0].reqs[0]
+    assert first_req is (reqs[1] if first == "shares" else reqs[0])
+    assert reqs[1].cached_tokens == 40
+    assert_matches_oracle(reqs, oracle(tiny_llm, [unrelated, shares], greedy(4, ignore_eos=True)))
+    assert_pool_accounting(engine)
+
+
+@pytest.mark.task("5.1")
+@pytest.mark.parametrize("extra", [dict(), dict(chunked_prefill_size=7, **SMALL_POOL)], ids=["plain", "chunk-retract"])
+def test_max_running_requests_two(tiny_llm, extra):
+    prompts, params = shared_prefix_workload()
+    engine = make_engine(tiny_llm, max_running_requests=2, **extra)
+    reqs = make_reqs(tiny_llm, prompts, params)
+    trace = drive(engine, reqs)
+    assert trace.max_running == 2, "never more (nor fewer at peak) than two requests hold a slot at once"
+    assert max(len(set(b.reqs)) for b in trace.launched) <= 2
+    assert_matches_oracle(reqs, oracle(tiny_llm, prompts, params))
+    assert_pool_accounting(engine)
+
+
+# ------------------------------------------------------------------------------------------------ 2. pitfalls
+
+
+@pytest.mark.task("4.4")
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_shared_new_prefix_in_one_prefill_batch(tiny_llm, page_size, overlap):
+    """Bug guarded against: two requests whose common prefix is not cached yet are prefilled in the *same* batch,
+    so each computes the prefix into its own slots. When both commit, the tree keeps the first copy; the second
+    request's copy must be freed exactly once and its page-table row repointed at the tree's slots. Getting this
+    wrong frees pages that are still in use (the tree's or the request's: later requests then overwrite live
+    KV), frees a page twice (two requests later get the same page), or leaks the duplicates."""
+    rng = random.Random(11)
+    shared = rand_tokens(rng, 42)  # with page 4 the shareable part is 40 tokens: 2 tokens stay private
+    prompts = [shared + rand_tokens(rng, 9), shared + rand_tokens(rng, 14)]
+    params = greedy(8, ignore_eos=True)
+    engine = make_engine(tiny_llm, page_size=page_size, disable_overlap_schedule=not overlap)
+    reqs = make_reqs(tiny_llm, prompts, params)
+    a, b = reqs
+    aligned = 42 - 42 % page_size
+    rows_at_launch: dict[Req, torch.Tensor] = {}
+    checked = []
+
+    run = engine.runner.run
+
+    def snapshot_rows_at_first_launch(batch):
+        if not rows_at_launch:  # the first (prefill) step, before anything was committed
+            assert set(batch.reqs) == {a, b} and not any(batch.is_decode_row), "both prefilled in one batch"
+            for r in (a, b):
+                rows_at_launch[r] = engine.req_to_token.read(r.req_pool_idx, len(r.input_ids)).clone()
+            # each computes the shared prefix into its own slots: nothing was cached
+            assert not pages_of(rows_at_launch[a], page_size) & pages_of(rows_at_launch[b], page_size)
+        return run(batch)
+
+    engine.runner.run = snapshot_rows_at_first_launch
+
+    def on_step(eng, trace: Trace) -> None:
+        if checked or a.tree_len == 0 or b.tree_len == 0 or a.finished or b.finished:
+            return
+        # Both have committed: their rows point at the same tree slots for the shared part.
+        row_a = eng.req_to_token.read(a.req_pool_idx, a.kv_allocated_len)
+        row_b = eng.req_to_token.read(b.req_pool_idx, b.kv_allocated_len)
+        tree_slots = eng.cache.tree.match_prefix(shared).slots
+        assert len(tree_slots) == aligned
+        assert torch.equal(row_a[:aligned], tree_slots) and torch.equal(row_b[:aligned], tree_slots)
+        assert not pages_of(row_a[aligned:], page_size) & pages_of(row_b[aligned:], page_size)
+        # b's duplicate copy is released: free now (or parked until the step in flight is done), exactly once
+        dup_pages = pages_of(rows_at_launch[b][:aligned], page_size)
+        parked = [p for s in eng.cache.pending_free + eng._waiting_for_inflight for p in pages_of(s, page_size)]
+        released = list(eng.allocator._free) + parked
+        assert all(released.count(p) == 1 for p in dup_pages), "a duplicate page was not freed exactly once"
+        check_free_list(eng)
+        checked.append(True)
+
+    trace = drive(engine, reqs, on_step=on_step)
+    assert checked, "the commit of both requests was never observed"
+    assert len(trace.launched[0].reqs) == 2
+    assert_matches_oracle(reqs, oracle(tiny_llm, prompts, params))
+    assert_pool_accounting(engine)
+
+
+@pytest.mark.task("6.1")
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_finishing_requests_get_no_extra_token(tiny_llm, page_size, overlap):
+    """Bug guarded against: under overlap, step N+1 is launched before step N's tokens are seen, so a request
+    that finishes in step N (EOS, stop token, length) has one more token computed for it. Appending it would
+    give one token too many (a duplicated stop token, completion_tokens off by one, text past the stop)."""
+    rng = random.Random(3)
+    prompts = [rand_tokens(rng, n) for n in (12, 20, 7, 15, 30)]
+    base = oracle(tiny_llm, prompts, greedy(16, ignore_eos=True))
+    eos_tok, stop_tok = base[0].ids[5], base[1].ids[3]
+    params = [
+        greedy(16),  # ends on its EOS token (eos set below; the others ignore EOS)
+        greedy(16, stop_token_ids=[stop_tok], ignore_eos=True),
+        greedy(3, ignore_eos=True),
+        greedy(1, ignore_eos=True),  # finishes at prefill
+        greedy(16, ignore_eos=True),
+    ]
+    eos = frozenset({eos_tok})
+    expected = oracle(tiny_llm, prompts, params, eos=eos)
+    assert [e.kind for e in expected] == ["stop", "stop", "length", "length", "length"]
+    engine = make_engine(tiny_llm, page_size=page_size, disable_overlap_schedule=not overlap)
+    reqs = make_reqs(tiny_llm, prompts, params, eos=eos)
+    trace = drive(engine, reqs)
+    assert_matches_oracle(reqs, expected)
+    for r, stop in ((reqs[0], eos_tok), (reqs[1], stop_tok)):
+        assert r.output_ids[-1] == stop and stop not in r.output_ids[:-1], "stop token missing or duplicated"
+        assert r.finish_reason.matched == stop
+    for r in reqs:
+        out = LLM._output(r)
+        assert out.completion_tokens == len(out.output_ids) == len(r.output_ids)
+        events = [e for step in trace.events for e in step if e.req is r]
+        assert len(events) == len(r.output_ids), "one event per generated token, no more"
+        assert [e.finished for e in events] == [False] * (len(events) - 1) + [True]
+    extra = [emitting_rows(trace, r) - len(r.output_ids) for r in reqs]
+    if overlap:  # the extra step was really computed for the stop-finished requests, and dropped
+        assert extra[0] >= 1 and extra[1] >= 1
+    else:
+        assert extra == [0] * len(reqs)
+    assert extra[2:] == [0, 0, 0], "a request that ends by length needs no step after its last token"
+    assert_pool_accounting(engine)
+
+
+@pytest.mark.slow
+@pytest.mark.task("6.1")
+def test_stop_string_under_overlap_matches_oracle(smol_llm):
+    """The same pitfall with a stop *string* (detokenizer-matched) on the real model: overlap must not append
+    the token after the one that completed the stop string."""
+    ids = smol_llm.tokenizer.encode("The numbers from one to ten are: one, two,")
+    params = greedy(24, stop=["five"])
+    expected = oracle(smol_llm, [ids], params)
+    assert (expected[0].kind, expected[0].matched) == ("stop", "five")
+    engine = make_engine(smol_llm)  # overlap is the default
+    reqs = make_reqs(smol_llm, [ids], params)
+    trace = drive(engine, reqs)
+    assert_matches_oracle(reqs, expected)
+    assert "five" not in reqs[0].output_text
+    assert emitting_rows(trace, reqs[0]) > len(reqs[0].output_ids)  # the extra token existed and was dropped
+    assert LLM._output(reqs[0]).completion_tokens == len(expected[0].ids)
+    assert_pool_accounting(engine)
+
+
+class ReuseLog:
+    """Records, in order, launches, processing, releases and page allocations of an engine."""
+
+    def __init__(self, engine) -> None:
+        self.events: list[tuple] = []
+        self.processing: object = None
+        ps = engine.allocator.page_size
+        run, process, alloc_pages, free_later = (engine.runner.run, engine._process, engine.allocator.alloc_pages,
+                                                 engine.cache._free_later)
+
+        def run_(batch):
+            out = run(batch)
+            self.events.append(("launch", id(batch), pages_of(batch.forward_batch.out_cache_loc, ps)))
+            return out
+
+        def process_(batch):
+            self.processing = id(batch)
+            self.events.append(("process_start", id(batch)))
+            try:
+                return process(batch)
+            finally:
+                self.events.append(("process_end", id(batch)))
+                self.processing = None
+
+        def alloc_pages_(n):
+            pages = alloc_pages(n)
+            self.events.append(("alloc", set(pages)))
+            return pages
+
+        def free_later_(slots):
+            if len(slots) and self.processing is not None:
+                self.events.append(("release", self.processing, pages_of(slots, ps)))
+            return free_later(slots)
+
+        engine.runner.run, engine._process = run_, process_
+        engine.allocator.alloc_pages, engine.cache._free_later = alloc_pages_, free_later_
+
+    def violations(self) -> tuple[list[str], int, int]:
+        """(problems, releases made while the next step was in flight, pages later reused)."""
+        idx = {}
+        for i, e in enumerate(self.events):
+            if e[0] in ("launch", "process_start", "process_end"):
+                idx[(e[0], e[1])] = i
+        launches = [e[1] for e in self.events if e[0] == "launch"]
+        problems, inflight_releases, reused = [], 0, 0
+        for i, e in enumerate(self.events):
+            if e[0] == "launch":
+                # (a) pages a launched step writes are handed to nobody until that step has been processed
+                end = idx.get(("process_end", e[1]), len(self.events))
+                for j in range(i + 1, end):
+                    if self.events[j][0] == "alloc" and self.events[j][1] & e[2]:
+                        problems.append(f"pages {sorted(self.events[j][1] & e[2])} re-allocated while the step "
+                                        f"writing them was in flight")
+            if e[0] == "release":
+                # (b) pages released while processing step N wait until step N+1 (if launched) is processed
+                n = launches.index(e[1])
+                if n + 1 >= len(launches) or idx[("launch", launches[n + 1])] > i:
+                    continue  # nothing was in flight when they were released
+                inflight_releases += 1
+                until = idx.get(("process_end", launches[n + 1]), len(self.events))
+                for j in range(i + 1, len(self.events)):
+                    if self.events[j][0] == "alloc" and self.events[j][1] & e[2]:
+                        if j < until:
+                            problems.append(f"pages {sorted(self.events[j][1] & e[2])} released while processing "
+                                            f"step {n} were handed out before step {n + 1} was processed")
+                        else:
+                            reused += 1
+        return problems, inflight_releases, reused
+
+
+def reuse_workload(tiny_llm):
+    rng = random.Random(5)
+    prompts = [rand_tokens(rng, n) for n in (9, 14, 6, 11, 17, 8, 12, 10)]
+    # Pairs admitted together that share a not-yet-cached prefix: with the radix cache, the duplicate copy is
+    # what commit frees while the next step is in flight (finished requests' pages go into the tree instead).
+    prompts[1] = prompts[0] + prompts[1][:5]
+    prompts[4] = prompts[3][:8] + prompts[4]
+    prompts[7] = prompts[6] + prompts[7][:3]
+    base = oracle(tiny_llm, prompts, greedy(12, ignore_eos=True))
+    # half of them end on a stop token (so overlap computes an extra row for them), the others by length
+    params = [greedy(12, stop_token_ids=[base[i].ids[2 + i % 3]], ignore_eos=True) if i % 2 == 0
+              else greedy(3 + i, ignore_eos=True) for i in range(len(prompts))]
+    return prompts, params
+
+
+@pytest.mark.task("6.1")
+@pytest.mark.parametrize("radix", [False, True])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_freed_pages_wait_for_the_step_in_flight(tiny_llm, radix, page_size):
+    """Bug guarded against: under overlap, the step launched before step N is processed (N+1) may still write
+    the slots of a request that step N finished (its extra token). If those pages went back to the free list at
+    once, the next schedule would hand them to a new request while N+1 is still writing them: two requests'
+    KV in one page. The log shows every page released while processing step N is re-allocated only after step
+    N+1 was processed, and no page a launched step writes is handed out before that step is processed."""
+    prompts, params = reuse_workload(tiny_llm)
+    engine = make_engine(tiny_llm, page_size=page_size, disable_radix_cache=not radix, max_running_requests=3)
+    log = ReuseLog(engine)
+    reqs = make_reqs(tiny_llm, prompts, params)
+    drive(engine, reqs)
+    problems, inflight_releases, reused = log.violations()
+    assert not problems, problems[:3]
+    assert inflight_releases > 0 and reused > 0, "the workload never freed pages under a step in flight"
+    assert_matches_oracle(reqs, oracle(tiny_llm, prompts, params))
+    assert_pool_accounting(engine)
+
+
+def test_reuse_log_catches_immediate_frees(tiny_llm):
+    """The checker above is not vacuous: an engine that frees at once, ignoring the step in flight, fails it."""
+    prompts, params = reuse_workload(tiny_llm)
+    engine = make_engine(tiny_llm, disable_radix_cache=True, max_running_requests=3)
+    allocator = engine.allocator
+    engine.cache._free_later = lambda slots: allocator.free_slots(slots) if len(slots) else None  # the bug
+    log = ReuseLog(engine)
+    drive(engine, make_reqs(tiny_llm, prompts, params), check_every_step=False)
+    problems, _, _ = log.violations()
+    assert problems
+
+
+# ------------------------------------------------------------------------------------------------ 3. memory
+
+
+@pytest.mark.task("3.2")
+@pytest.mark.parametrize("radix", [True, False])
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_decode_retracts_under_memory_pressure(tiny_llm, radix, page_size, overlap):
+    """Six requests that together need ~3x the pool: decode retracts the newest ones, which later resume where
+    they stopped; every request finishes with the oracle's tokens and the pool is whole again."""
+    rng = random.Random(21)
+    prompts = [rand_tokens(rng, n) for n in (20, 24, 16, 28, 18, 22)]
+    params = greedy(40, ignore_eos=True)
+    engine = make_engine(tiny_llm, max_total_tokens=144, page_size=page_size, disable_radix_cache=not radix,
+                         disable_overlap_schedule=not overlap, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+    reqs = make_reqs(tiny_llm, prompts, params)
+    drive(engine, reqs)
+    assert engine.scheduler.num_retractions > 0
+    assert any(r.retractions for r in reqs)
+    assert_matches_oracle(reqs, oracle(tiny_llm, prompts, params))
+    assert_pool_accounting(engine)
+
+
+@pytest.mark.task("3.2")
+@pytest.mark.parametrize("overlap", [True, False])
+def test_prompt_larger_than_pool_is_aborted_alone(tiny_engine_path, tiny_llm, overlap):
+    """A prompt that cannot fit even in an empty pool is aborted with a message that says why; the requests
+    around it are unaffected."""
+    rng = random.Random(4)
+    prompts = [rand_tokens(rng, 20), rand_tokens(rng, 80), rand_tokens(rng, 25)]
+    params = greedy(10, ignore_eos=True)
+    llm = LLM(tiny_engine_path, device="cpu", max_total_tokens=64, disable_overlap_schedule=not overlap)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert outs[1].finish_reason == "abort" and outs[1].output_ids == [] and outs[1].completion_tokens == 0
+    expected = oracle(tiny_llm, [prompts[0], prompts[2]], params)
+    assert [outs[0].output_ids, outs[2].output_ids] == [e.ids for e in expected]
+    assert outs[0].finish_reason == outs[2].finish_reason == "length"
+    assert_pool_accounting(llm.engine)
+    # the message, at the engine level
+    engine = make_engine(tiny_llm, max_total_tokens=64)
+    big = make_reqs(tiny_llm, [prompts[1]], params)[0]
+    events = drive(engine, [big]).events
+    assert big.finish_reason.kind == "abort"
+    assert "81 KV slots" in big.finish_reason.message and "64" in big.finish_reason.message
+    assert [e.finished for step in events for e in step if e.req is big] == [True]
+    assert_pool_accounting(engine)
+
+
+@pytest.mark.task("3.2")
+def test_context_longer_than_pool_is_aborted_while_decoding(tiny_llm):
+    """A request whose prompt fits but whose output would overflow the whole pool is aborted when it is the only
+    one left: its tokens so far are the oracle's, and the other requests finish normally."""
+    rng = random.Random(8)
+    prompts = [rand_tokens(rng, 30), rand_tokens(rng, 10)]
+    params = [greedy(60, ignore_eos=True), greedy(5, ignore_eos=True)]
+    # ratio 0: admission reserves nothing for the output (the default reservation would never admit the long
+    # request into this pool at all: see test_request_whose_reservation_exceeds_the_pool_is_admitted)
+    engine = make_engine(tiny_llm, max_total_tokens=64, disable_overlap_schedule=True, init_new_token_ratio=0.0,
+                         min_new_token_ratio=0.0)
+    reqs = make_reqs(tiny_llm, prompts, params)
+    drive(engine, reqs)
+    expected = oracle(tiny_llm, prompts, params)
+    long, short = reqs
+    assert long.finish_reason.kind == "abort" and "too small" in long.finish_reason.message
+    assert 0 < len(long.output_ids) < 60 and long.output_ids == expected[0].ids[: len(long.output_ids)]
+    assert short.output_ids == expected[1].ids and short.finish_reason.kind == "length"
+    assert_pool_accounting(engine, arrival=False)  # the leaked arrival entry: see the next test
+
+
+@pytest.mark.task("3.2")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="engine bug: Scheduler._add_decode_rows (abort of a lone request) and "
+                   "Engine.abort (of a waiting request) never remove the request from Scheduler.arrival: a leak")
+@pytest.mark.parametrize("how", ["decode-abort", "engine-abort-while-waiting"])
+def test_aborted_requests_are_forgotten_by_the_scheduler(tiny_llm, how):
+    """Every way out of the scheduler must drop the request from its bookkeeping, or a long-running server keeps
+    every aborted request (and its token lists) alive forever."""
+    engine = make_engine(tiny_llm, max_total_tokens=64, disable_overlap_schedule=True, init_new_token_ratio=0.0,
+                         min_new_token_ratio=0.0, max_running_requests=1)
+    rng = random.Random(8)
+    first = make_reqs(tiny_llm, [rand_tokens(rng, 30)], greedy(60 if how == "decode-abort" else 3,
+                                                               ignore_eos=True))[0]
+    second = make_reqs(tiny_llm, [rand_tokens(rng, 10)], greedy(3, ignore_eos=True))[0]
+    engine.add_request(first)
+    engine.add_request(second)
+    if how == "engine-abort-while-waiting":
+        engine.abort(second, "client went away")
+    engine.run_until_done()
+    assert first.finished and second.finished
+    assert (first if how == "decode-abort" else second).finish_reason.kind == "abort"
+    assert_pool_accounting(engine)
+
+
+@pytest.mark.task("3.2")
+@pytest.mark.task("5.1")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="engine bug: a partially prefilled (chunked) request keeps its KV while "
+                   "the only running request is aborted as 'too small for the pool', though it fits alone")
+@pytest.mark.parametrize("overlap", [True, False])
+def test_chunked_prefill_does_not_starve_a_request_that_fits(tiny_llm, overlap):
+    """Two requests of 60 + 30 tokens in a 100-token pool, chunked at 8: each fits alone, so both must finish
+    with the oracle's tokens (the scheduler may retract or pause the chunked one, not abort the running one).
+    Today the chunked request's KV grows chunk by chunk until the running request cannot get a slot; the
+    scheduler then sees one running request and aborts it."""
+    rng = random.Random(5)
+    prompts = [rand_tokens(rng, 60), rand_tokens(rng, 60)]
+    params = greedy(30, ignore_eos=True)
+    engine = make_engine(tiny_llm, max_total_tokens=100, chunked_prefill_size=8, disable_overlap_schedule=not overlap)
+    reqs = make_reqs(tiny_llm, prompts, params)
+    drive(engine, reqs)
+    assert [r.finish_reason.kind for r in reqs] == ["length", "length"], [r.finish_reason for r in reqs]
+    assert_matches_oracle(reqs, oracle(tiny_llm, prompts, params))
+    assert_pool_accounting(engine)
+
+
+@pytest.mark.task("5.1")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="engine bug: admission reserves new_token_ratio * max_new_tokens even when that "
+                   "exceeds the whole pool (or the context window), so the request is never admitted and the engine "
+                   "spins with has_work=True forever (LLM.generate hangs)")
+@pytest.mark.parametrize("case", ["reservation-over-pool", "max-new-tokens-beyond-context"])
+def test_request_whose_reservation_exceeds_the_pool_is_admitted(tiny_llm, case):
+    """A lone request must always make progress. (a) 30 prompt tokens + 60 new in a 64-token pool: it fits at
+    first and, alone, is aborted only when the pool really overflows (as in the test above); (b) with the default
+    16384-token pool, max_new_tokens=30000 on a 48-token context window: the context ends it by length after 43
+    tokens, exactly as in the oracle. Today neither is ever scheduled: the reservation (0.7 * max_new_tokens)
+    alone exceeds what the pool could ever offer."""
+    from minisgl_ref.engine.naive import NaiveEngine
+
+    if case == "reservation-over-pool":
+        engine = make_engine(tiny_llm, max_total_tokens=64)
+        make = lambda: Req(list(range(3, 33)), greedy(60, ignore_eos=True))  # noqa: E731
+    else:
+        engine = make_engine(tiny_llm)
+        make = lambda: Req(list(range(3, 8)), greedy(30000, ignore_eos=True), context_len=48)  # noqa: E731
+    req = make()
+    drive(engine, [req], max_steps=200)
+    assert req.output_ids, "the request never ran"
+    ref = make()
+    NaiveEngine(tiny_llm.model, tiny_llm.config.vocab_size).run([ref])
+    if case == "reservation-over-pool":
+        assert req.finish_reason.kind == "abort" and req.output_ids == ref.output_ids[: len(req.output_ids)]
+    else:
+        assert req.output_ids == ref.output_ids and req.finish_reason.kind == "length"
+    assert_pool_accounting(engine)
+
+
+# ------------------------------------------------------------------------------------------------ 4. chunked + mixed
+
+
+@pytest.mark.task("5.1")
+@pytest.mark.parametrize("mixed", [True, False])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_long_prompt_chunks_alongside_decoding_requests(tiny_llm, mixed, overlap):
+    """A 400-token prompt chunked at 16 arrives while three short requests decode. With enable_mixed_chunk each
+    of the 25 chunk steps also carries a decode row for every short request (each gets a token per step);
+    without it the short requests wait until the long prompt is prefilled. Tokens equal the oracle's."""
+    rng = random.Random(13)
+    shorts = [rand_tokens(rng, n) for n in (10, 14, 19)]
+    long_prompt = rand_tokens(rng, 400)
+    short_params, long_params = greedy(48, ignore_eos=True), greedy(4, ignore_eos=True)
+    engine = make_engine(tiny_llm, chunked_prefill_size=16, enable_mixed_chunk=mixed,
+                         disable_overlap_schedule=not overlap)
+    short_reqs = make_reqs(tiny_llm, shorts, short_params)
+    long_req = make_reqs(tiny_llm, [long_prompt], long_params)[0]
+
+    def add_long_once_decoding(eng, trace):
+        if long_req.req_pool_idx is None and not long_req.finished and all(r.output_ids for r in short_reqs):
+            eng.add_request(long_req)
+
+    trace = drive(engine, short_reqs, on_step=add_long_once_decoding)
+    chunk_batches = [b for b in trace.launched if any(r is long_req and not d for r, d in zip(b.reqs, b.is_decode_row))]
+    assert len(chunk_batches) == 25 and [b.extend_lens[b.reqs.index(long_req)] for b in chunk_batches] == [16] * 25
+    for b in chunk_batches:
+        decode_rows = [r for r, d in zip(b.reqs, b.is_decode_row) if d]
+        assert decode_rows == (short_reqs if mixed else []), "mixed steps carry every decoding request"
+    if not overlap:  # tokens arrive in the same step: count them per step while the long prompt is prefilled
+        first = next(i for i, b in enumerate(trace.launched) if b is chunk_batches[0])
+        window = trace.events[first : first + 25]
+        for r in short_reqs:
+            assert [sum(e.req is r for e in step) for step in window] == [1 if mixed else 0] * 25
+    assert_matches_oracle(short_reqs + [long_req], oracle(tiny_llm, shorts + [long_prompt],
+                                                          [short_params] * 3 + [long_params]))
+    assert_pool_accounting(engine)
+
+
+# ------------------------------------------------------------------------------------------------ 5. radix effect
+
+
+@pytest.mark.task("4.1")
+@pytest.mark.task("4.2")
+def test_radix_cache_saves_prefill_of_shared_prefixes(tiny_llm):
+    """Eight prompts share a 64-token prefix; one prompt is prefilled per step at first (max_prefill_tokens=72),
+    so the later ones find the prefix committed: with the radix cache the engine computes 72 + 7 * 8 prompt
+    tokens instead of 8 * 72, and every request after the first reports 64 cached tokens."""
+    rng = random.Random(17)
+    system = rand_tokens(rng, 64)
+    prompts = [system + rand_tokens(rng, 8) for _ in range(8)]
+    params = greedy(6, ignore_eos=True)
+    expected = oracle(tiny_llm, prompts, params)
+    runs = {}
+    for radix in (True, False):
+        engine = make_engine(tiny_llm, disable_radix_cache=not radix, max_prefill_tokens=72,
+                             disable_overlap_schedule=True)
+        reqs = make_reqs(tiny_llm, prompts, params)
+        drive(engine, reqs)
+        assert_matches_oracle(reqs, expected)
+        assert_pool_accounting(engine)
+        runs[radix] = (engine, [LLM._output(r) for r in reqs])
+    on, off = runs[True][0].stats.prefill_tokens, runs[False][0].stats.prefill_tokens
+    assert off == 8 * 72 and on == 72 + 7 * 8
+    assert [o.cached_tokens for o in runs[True][1]] == [0] + [64] * 7
+    assert all(o.cached_tokens == 0 for o in runs[False][1])
+    # the same batch again: everything but each prompt's last token is cached now
+    engine = runs[True][0]
+    again = make_reqs(tiny_llm, prompts, params)
+    before = engine.stats.prefill_tokens
+    drive(engine, again)
+    assert_matches_oracle(again, expected)
+    assert engine.stats.prefill_tokens - before == 8
+    assert [r.cached_tokens for r in again] == [71] * 8
+    assert engine.cache.hit_rate > 0.5
+
+
+@pytest.mark.task("4.4")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="engine bug: after a retraction, cached_tokens counts the request's own "
+                   "re-matched output tokens and can exceed prompt_tokens")
+def test_cached_tokens_never_exceed_prompt_tokens(tiny_llm):
+    """cached_tokens means 'prompt tokens whose KV was found in a cache' (OpenAI's usage.prompt_tokens_details):
+    it can never exceed prompt_tokens, also for a request that was retracted and re-matched its own output."""
+    prompts, params = shared_prefix_workload()
+    engine = make_engine(tiny_llm, **SMALL_POOL)
+    reqs = make_reqs(tiny_llm, prompts, params)
+    drive(engine, reqs)
+    assert engine.scheduler.num_retractions > 0
+    outs = [LLM._output(r) for r in reqs]
+    assert all(o.cached_tokens <= o.prompt_tokens for o in outs), [(o.prompt_tokens, o.cached_tokens) for o in outs]

@@ -1,0 +1,459 @@
+"""The server (chapter 10), tested from the outside: a real ``python -m minisgl_ref serve`` on the embedded model,
+driven by the official ``openai`` client, raw HTTP and signals.
+
+One server (with ``--api-key`` and ``--enable-metrics``) serves most of the module; the tests that break a
+server (killing a child) or need another mode (``--shell``) start their own. The last test stops the shared
+server with SIGTERM and checks that no process is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server_utils import ServerProcess, alive, children_of, parse_sse
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "sk-minisgl-test"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--enable-metrics", "--log-level", "warning", api_key=API_KEY)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.kill_all()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    """The offline engine on the same model, for token-for-token comparisons."""
+    import torch
+
+    from minisgl_ref import LLM
+
+    torch.set_num_threads(1)
+    return LLM()
+
+
+def metrics(server: ServerProcess) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = server.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if not sample.name.endswith("_bucket"):
+                out[sample.name] = sample.value
+    return out
+
+
+def wait_idle(server: ServerProcess, timeout: float = 120) -> dict[str, Any]:
+    """Poll until the scheduler holds no request and the whole KV pool is free or evictable again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = server.server_info()
+        if (info["num_running_reqs"] == 0 and info["num_queue_reqs"] == 0 and info["num_tracked_reqs"] == 0
+                and info["available_kv_tokens"] == info["max_total_num_tokens"]):
+            return info
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the server did not go idle: {info}")
+        time.sleep(0.25)
+
+
+# ------------------------------------------------------------------------------------------------ basics
+
+
+def test_health_models_and_info(server, client):
+    assert httpx.get(server.url + "/health").status_code == 200  # no key needed for /health
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct"]
+    info = server.get("/get_model_info").json()
+    assert info["context_length"] == 8192 and info["vocab_size"] == 49152 and info["is_generation"]
+    sinfo = server.server_info()
+    assert sinfo["max_total_num_tokens"] > 0 and "api_key" not in sinfo
+    assert set(sinfo["pids"]) == {"server", "scheduler", "detokenizer"}
+    assert server.get("/health_generate").status_code == 200
+
+
+def test_chat_completion(server, client, llm):
+    resp = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=32,
+                                          temperature=0)
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant"
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason == "stop"  # the model ended its turn (EOS) before 32 tokens
+    expected = llm.chat(CHAT, {"max_new_tokens": 32, "temperature": 0}, use_tqdm=False)[0]
+    assert choice.message.content == expected.text
+    assert resp.usage.prompt_tokens == len(llm.chat_prompt_ids(CHAT))
+    assert resp.usage.completion_tokens == expected.completion_tokens
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+    short = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=3,
+                                           temperature=0)
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 3
+    assert expected.text.startswith(short.choices[0].message.content)
+
+
+def test_chat_streaming(server, client):
+    full = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=32,
+                                          temperature=0)
+    stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=32,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert reasons == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    # The same prompt again: all but its last token come from the radix cache.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == full.usage.prompt_tokens - 1
+
+
+def test_completions(server, client, llm):
+    prompt = "Hello, my name is"
+    resp = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=12, temperature=0)
+    expected = llm.generate(prompt, {"max_new_tokens": 12, "temperature": 0}, use_tqdm=False)[0]
+    assert resp.choices[0].text == expected.text
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 12 and resp.usage.prompt_tokens == expected.prompt_tokens
+
+    # A stop string: the text ends just before it, and the finish reason says "stop".
+    stopped = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=12,
+                                        temperature=0, stop=[","])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == expected.text.split(",")[0]
+
+    stream = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=12,
+                                       temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage.completion_tokens == 12
+
+    # A batch of prompts, token ids as a prompt.
+    batch = client.completions.create(model="SmolLM2-135M-Instruct", prompt=[prompt, expected.text],
+                                      max_tokens=2, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1]
+    ids = client.completions.create(model="SmolLM2-135M-Instruct", prompt=llm.tokenizer.encode(prompt),
+                                    max_tokens=12, temperature=0)
+    assert ids.choices[0].text == expected.text
+
+
+def test_native_generate_matches_offline(server, llm):
+    """The same greedy request through HTTP and through the offline LLM gives the same tokens."""
+    prompts = ["The capital of Germany is", "def fibonacci(n):"]
+    expected = llm.generate(prompts, {"max_new_tokens": 16, "temperature": 0}, use_tqdm=False)
+    r = server.post("/generate", json={"text": prompts, "sampling_params": {"max_new_tokens": 16,
+                                                                             "temperature": 0}})
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    assert [o["output_ids"] for o in outs] == [e.output_ids for e in expected]
+    assert [o["text"] for o in outs] == [e.text for e in expected]
+    meta = outs[0]["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 16}
+    assert meta["prompt_tokens"] == expected[0].prompt_tokens and meta["completion_tokens"] == 16
+    assert meta["e2e_latency"] > 0 and meta["id"] and "cached_tokens" in meta
+
+    # input_ids, streamed: every event carries the cumulative text; the last one the finish reason.
+    ids = llm.tokenizer.encode(prompts[0])
+    r = server.post("/generate", json={"input_ids": ids, "stream": True,
+                                       "sampling_params": {"max_new_tokens": 16, "temperature": 0}})
+    events = parse_sse(r.text)
+    assert events[-1] == "[DONE]"
+    texts = [e["text"] for e in events[:-1]]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert texts[-1] == expected[0].text and events[-2]["output_ids"] == expected[0].output_ids
+    assert events[-2]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_sampling_parameters_honoured(server, client, llm):
+    """Seeded sampling with penalties, top_p and a temperature gives exactly the offline engine's tokens; ``n``
+    samples are ``n`` choices, sample j seeded with ``seed + j`` (so choice 0 is the n=1 answer)."""
+    params = dict(max_new_tokens=12, temperature=0.9, top_p=0.8, presence_penalty=0.5, frequency_penalty=0.7)
+    expected = llm.chat([CHAT] * 3, [{**params, "seed": 1234 + j} for j in range(3)], use_tqdm=False)
+    openai_params = dict(model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=12, temperature=0.9, top_p=0.8,
+                         seed=1234, presence_penalty=0.5, frequency_penalty=0.7)
+    one = client.chat.completions.create(**openai_params)
+    assert one.choices[0].message.content == expected[0].text
+    many = client.chat.completions.create(**openai_params, n=3)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.message.content for c in many.choices] == [e.text for e in expected]
+    assert many.usage.completion_tokens == sum(e.completion_tokens for e in expected)
+
+
+def test_metrics_move(server, client):
+    before = metrics(server)
+    resp = client.completions.create(model="SmolLM2-135M-Instruct", prompt="One, two, three,", max_tokens=5,
+                                     temperature=0)
+    after = metrics(server)
+    m = "minisgl:"
+    assert after[m + "prompt_tokens_total"] - before[m + "prompt_tokens_total"] == resp.usage.prompt_tokens
+    assert after[m + "generation_tokens_total"] - before[m + "generation_tokens_total"] == 5
+    assert after[m + "num_requests_total"] - before[m + "num_requests_total"] == 1
+    assert after[m + "time_to_first_token_seconds_count"] == before[m + "time_to_first_token_seconds_count"] + 1
+    assert after[m + "inter_token_latency_seconds_count"] == before[m + "inter_token_latency_seconds_count"] + 4
+    assert after[m + "e2e_request_latency_seconds_count"] == before[m + "e2e_request_latency_seconds_count"] + 1
+    for gauge in ("num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate"):
+        assert m + gauge in after
+    assert after[m + "token_usage"] == 0.0 and 0 <= after[m + "cache_hit_rate"] <= 1
+
+
+# ------------------------------------------------------------------------------------------------ load
+
+
+async def _stream_one(http: httpx.AsyncClient, i: int) -> dict[str, Any]:
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": f"Question {i}: what comes after {i}?", "max_tokens": 4,
+            "temperature": 0.7, "seed": i, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        text = "".join([piece async for piece in r.aiter_text()])
+    events = parse_sse(text)
+    assert events[-1] == "[DONE]"
+    finishes = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    usage = events[-2]["usage"]
+    assert usage["completion_tokens"] == 4
+    return usage
+
+
+def test_64_concurrent_streams(server):
+    async def main() -> list[dict[str, Any]]:
+        limits = httpx.Limits(max_connections=100)
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=300,
+                                     limits=limits) as http:
+            return await asyncio.gather(*[_stream_one(http, i) for i in range(64)])
+
+    usages = asyncio.run(main())
+    assert len(usages) == 64
+    wait_idle(server)
+
+
+def test_disconnects_free_the_kv_pool(server):
+    before = wait_idle(server)
+    aborted_before = metrics(server)["minisgl:num_aborted_requests_total"]
+
+    async def leave_early(http: httpx.AsyncClient, i: int) -> int:
+        body = {"text": f"Tell me a very long story about the number {i}.", "stream": True,
+                "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True, "temperature": 0.8}}
+        events = 0
+        async with http.stream("POST", "/generate", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events += 1
+                if events >= 2 + i % 3:
+                    break  # leave mid-stream: closing the response closes the connection
+        return events
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=300) as http:
+            await asyncio.gather(*[leave_early(http, i) for i in range(20)])
+
+    t0 = time.monotonic()
+    asyncio.run(main())
+    after = wait_idle(server, timeout=60)  # 20 x 4000 tokens would take far longer if they were not aborted
+    assert time.monotonic() - t0 < 120
+    assert after["available_kv_tokens"] == before["available_kv_tokens"] == after["max_total_num_tokens"]
+    assert metrics(server)["minisgl:num_aborted_requests_total"] - aborted_before == 20
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+LONG_PROMPT = "hello " * 9000  # > 8192 tokens
+
+BAD_REQUESTS = [
+    # (name, path, body (dict, or raw bytes), headers, status, param, message fragment)
+    ("malformed JSON", "/v1/chat/completions", b'{"messages": [', None, 400, None, "not valid JSON"),
+    ("body not an object", "/v1/completions", b"[1, 2]", None, 400, None, "JSON object"),
+    ("NaN", "/v1/completions", b'{"prompt": "hi", "temperature": NaN}', None, 400, None, "NaN"),
+    ("messages wrong type", "/v1/chat/completions", {"messages": "hi"}, None, 400, "messages", "valid list"),
+    ("max_tokens wrong type", "/v1/chat/completions", {"messages": CHAT, "max_tokens": "10"}, None, 400,
+     "max_tokens", "valid integer"),
+    ("negative max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": -5}, None, 400, "max_tokens",
+     "greater than or equal to 1"),
+    ("absurd max_tokens", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 10**12}, None, 400,
+     "max_tokens", "maximum context length"),
+    ("temperature too high", "/v1/chat/completions", {"messages": CHAT, "temperature": 3.5}, None, 400,
+     "temperature", "less than or equal to 2"),
+    ("negative temperature", "/v1/completions", {"prompt": "hi", "temperature": -1}, None, 400, "temperature",
+     "greater than or equal to 0"),
+    ("top_p zero", "/v1/completions", {"prompt": "hi", "top_p": 0}, None, 400, "top_p", "top_p"),
+    ("unknown model", "/v1/chat/completions", {"model": "gpt-4o", "messages": CHAT}, None, 404, "model",
+     "does not exist"),
+    ("prompt too long", "/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 1}, None, 400, "prompt",
+     "maximum context length"),
+    ("chat too long", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, None,
+     400, "messages", "maximum context length"),
+    ("bad role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, None, 400,
+     "messages.0.role", "Input should be"),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, None, 400, "messages", "at least 1"),
+    ("token id out of range", "/generate", {"input_ids": [1, 2, 10**6]}, None, 400, "input_ids", "out of range"),
+    ("unknown sampling param", "/generate", {"text": "hi", "sampling_params": {"top-p": 0.5}}, None, 400,
+     "sampling_params", "unknown sampling parameter"),
+    ("bad native param", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -1}}, None, 400,
+     "max_new_tokens", "max_new_tokens must be >= 0"),
+    ("neither text nor ids", "/generate", {"sampling_params": {}}, None, 400, "text", "exactly one"),
+    ("missing API key", "/v1/completions", {"prompt": "hi"}, {"Authorization": ""}, 401, None, "API key"),
+    ("wrong API key", "/v1/models", None, {"Authorization": "Bearer nope"}, 401, None, "invalid API key"),
+    ("unknown route", "/v1/nothing", {"x": 1}, None, 404, None, "Not Found"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_request(server, case):
+    name, path, body, headers, status, param, fragment = case
+    h = {**server.headers, **(headers or {})}
+    h = {k: v for k, v in h.items() if v}
+    if body is None:
+        r = httpx.get(server.url + path, headers=h, timeout=60)
+    elif isinstance(body, bytes):
+        r = httpx.post(server.url + path, content=body, headers={**h, "Content-Type": "application/json"},
+                       timeout=60)
+    else:
+        r = httpx.post(server.url + path, json=body, headers=h, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert fragment in err["message"], err
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_bad_requests_do_not_disturb_others(server, client):
+    """A stream runs while every bad request above is sent; it completes normally, and so does the next one."""
+    async def main() -> tuple[str, list[int]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:  # headers per request
+            body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "stream": True,
+                    "ignore_eos": True}
+
+            async def stream() -> str:
+                async with http.stream("POST", "/v1/completions", json=body, headers=server.headers) as r:
+                    return "".join([p async for p in r.aiter_text()])
+
+            async def bad() -> list[int]:
+                codes = []
+                for _, path, b, headers, _, _, _ in BAD_REQUESTS:
+                    kw: dict[str, Any] = {"content": b} if isinstance(b, bytes) else {"json": b}
+                    h = {k: v for k, v in {**server.headers, **(headers or {})}.items() if v}
+                    codes.append((await http.post(path, headers=h, **kw)).status_code if b is not None else
+                                 (await http.get(path, headers=h)).status_code)
+                return codes
+
+            text, codes = await asyncio.gather(stream(), bad())
+            return text, codes
+
+    text, codes = asyncio.run(main())
+    assert [c for c in codes if not 400 <= c < 500] == [], list(zip([b[0] for b in BAD_REQUESTS], codes))
+    events = parse_sse(text)
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+    resp = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Once upon a time", max_tokens=24,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert resp.choices[0].text == "".join(e["choices"][0]["text"] for e in events[:-1])
+
+
+def test_flush_cache(server):
+    wait_idle(server)
+    r = server.post("/flush_cache")
+    assert r.status_code == 200, r.text
+    info = server.server_info()
+    assert info["evictable_kv_tokens"] == 0 and info["free_kv_tokens"] == info["max_total_num_tokens"]
+    body = {"text": "A fresh prompt after the flush", "sampling_params": {"max_new_tokens": 1}}
+    assert server.post("/generate", json=body).json()["meta_info"]["cached_tokens"] == 0
+    assert server.post("/generate", json=body).json()["meta_info"]["cached_tokens"] > 0
+
+
+# ----------------------------------------------------------------------------------- lifecycle and shell
+
+
+def test_shell_follow_up_turns_hit_the_cache():
+    script = "/set temperature 0\n/set max_new_tokens 12\nWhat is the capital of France?\nAnd of Italy?\n" \
+             "/reset\n/exit\n"
+    srv = ServerProcess("--shell", "--log-level", "warning", stdin=subprocess.PIPE)
+    try:
+        out, _ = srv.proc.communicate(script.encode(), timeout=240)
+        text = out.decode() if out else srv.log_text()
+    finally:
+        srv.kill_all()
+    assert srv.proc.returncode == 0, text
+    stats = [tuple(map(int, m)) for m in re.findall(r"\[prompt (\d+) tokens, cached (\d+); generated (\d+)", text)]
+    assert len(stats) == 2, text
+    (p1, c1, _), (p2, c2, _) = stats
+    assert p2 > p1 and c2 >= p1, text  # turn 2 reuses all of turn 1's prompt (and more) from the radix cache
+    assert "(history cleared)" in text
+
+
+def test_dead_scheduler_fails_fast():
+    """Killing the scheduler: the request in flight ends with an abort, /health says why, new requests get 503,
+    and the server exits non-zero (after a short grace period) instead of hanging."""
+    import threading
+
+    srv = ServerProcess("--log-level", "warning", env={"MINISGL_DEAD_CHILD_GRACE_S": "3"})
+    try:
+        srv.wait_ready()
+        pids = srv.server_info()["pids"]
+        events: list[Any] = []
+        started = threading.Event()
+
+        def long_stream() -> None:
+            body = {"text": "Count to a million:", "stream": True,
+                    "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+            with httpx.stream("POST", srv.url + "/generate", json=body, timeout=120) as r:
+                text = ""
+                for piece in r.iter_text():
+                    text += piece
+                    started.set()
+            events.extend(parse_sse(text))
+
+        t = threading.Thread(target=long_stream)
+        t.start()
+        assert started.wait(60)
+        os.kill(pids["scheduler"], signal.SIGKILL)
+        t.join(30)
+        assert not t.is_alive(), "the stream in flight did not end"
+        assert events[-1] == "[DONE]" and events[-2]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert "scheduler" in events[-2]["meta_info"]["finish_reason"]["message"]
+
+        health = httpx.get(srv.url + "/health", timeout=5)
+        assert health.status_code == 503 and "scheduler" in health.json()["error"]["message"]
+        r = srv.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and "scheduler" in r.json()["error"]["message"]
+        assert srv.proc.wait(30) != 0
+        time.sleep(0.5)
+        assert not alive(pids["detokenizer"]) and not alive(pids["scheduler"])
+    finally:
+        srv.kill_all()
+
+
+def test_sigterm_stops_every_process(server):
+    """Last: SIGTERM to the shared server stops it and all of its children, with exit status 0."""
+    pids = server.server_info()["pids"]
+    kids = children_of(server.proc.pid)
+    assert {pids["scheduler"], pids["detokenizer"]} <= set(kids)
+    assert server.terminate(timeout=60) == 0, server.log_text()
+    time.sleep(0.5)
+    assert [p for p in kids if alive(p)] == []
