@@ -410,7 +410,7 @@ print(task_source(ModelRunner.prepare, "3.3"))
 # %% [markdown]
 # Two things to notice. **Positions** restart at each request's `prefix_len`, not at 0: a decode token of a
 # 16-token prompt sits at position 16, and its rotary embedding must say so. And **decode rows carry no token id
-# from the CPU**: the placeholder `0` is replaced, on the device, by `token_buffer[req_pool_idx]`, where the
+# from the CPU**: the placeholder `-1` is replaced, on the device, by `token_buffer[req_pool_idx]`, where the
 # previous step's sampler left that request's token (`ModelRunner.run` writes it there). Here that looks like a
 # detour, since the CPU knows the token too; in chapter 06 the CPU schedules step `N+1` *before* it has seen step
 # `N`'s tokens, and this buffer is what makes that possible. The batches the small engine ran above:
@@ -513,10 +513,11 @@ assert small.req_to_token.num_free == small.req_to_token.max_requests
 # ratio slowly decays while things go well.
 #
 # **When the bet loses**, a decode step finds that the pool cannot give every running request one more slot.
-# Then it **retracts** the most recently admitted request: frees its KV, puts it back at the front of the waiting
-# queue, and raises the ratio by 0.1 so the next admissions are more careful. The request keeps the tokens it has
-# generated; when it is admitted again its prefill covers prompt *and* output so far, and it continues exactly
-# where it stopped (which the oracle below checks). If even a single request cannot grow any more, it is aborted
+# Then it **retracts** the most recently admitted request (a prompt still being prefilled in chunks, chapter 05,
+# counts too, and is usually the newest): frees its KV, puts it back at the front of the waiting queue, and
+# raises the ratio by 0.1 so the next admissions are more careful. The request keeps the tokens it has generated;
+# when it is admitted again its prefill covers prompt *and* output so far, and it continues exactly where it
+# stopped (which the oracle below checks). If even a single request cannot grow any more, it is aborted
 # with a clear message rather than retried forever. This is task 3.2:
 
 # %%

@@ -44,10 +44,12 @@
 
 # %% tags=["setup"]
 import inspect
+import json
 import os
 import random
 import re
 import time
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -343,8 +345,8 @@ assert paged_tree.match_prefix(seq[:7]).length == 4 and paged_tree.match_prefix(
 #     C->>T: inc_lock(node)
 #     C->>P: write the prefix's slots (tree_len = matched length)
 #     S->>C: alloc(req, n) for the tokens to compute (evicts if short)
-#     Note over S: prefill step computes only the new tokens
-#     S->>C: commit(req) after the prefill
+#     Note over S: the prefill step is launched: it computes only the new tokens
+#     S->>C: commit(req) right after the launch (the engine, chapter 06)
 #     C->>T: insert(computed tokens, row), then free our duplicates
 #     C->>P: repoint the row at the tree's slots; move the lock down
 #     S->>C: release(req) when it finishes (or is retracted)
@@ -474,11 +476,48 @@ eng.run_until_done()
 # page-table row to point at A's slots, holding identical K and V. From then on, one copy. (With overlap
 # scheduling, chapter 06, B's freed slots wait one more step, because the step in flight may still read them.)
 #
-# The compute, though, was spent twice. Real engines avoid some of it at admission time: SGLang's `lpm` policy
-# also compares the *waiting* requests with each other and holds back a request whose prefix another request of
-# the same batch is about to compute, so that it can hit the cache one step later (the
-# `IN_BATCH_PREFIX_CACHING_*` thresholds in its `schedule_policy.py`). Our scheduler does not; exercise 4 asks
-# you to add it.
+# The compute, though, was spent twice. It can be avoided at admission time: while the scheduler fills a prefill
+# step, it also compares each candidate with the requests it has *already admitted to this step*. If one of
+# them is computing a long stretch of the candidate's uncached prompt, the candidate waits one step: the engine
+# commits a prefill row's tokens to the tree as soon as its step is launched (`Engine._commit_launched`, chapter
+# 06 explains why that is safe), so one step later the candidate finds them cached. This is SGLang's *in-batch
+# prefix caching* (the `IN_BATCH_PREFIX_CACHING_*` thresholds of its `schedule_policy.py`, used there under
+# `lpm`; here under both policies). Task 4.5:
+
+# %%
+print(task_source(Scheduler._defer_for_in_batch_prefix, "4.5"))
+
+# %% [markdown]
+# Waiting costs the held-back request one step of latency, which is only worth it for a long shared stretch:
+# `EngineConfig.in_batch_prefix_threshold` (32 tokens, as in SGLang; `-1` switches the check off). The cooking
+# pair above shares 22 tokens, below the threshold, so both computed them. With a longer system prompt the
+# second request is held back:
+
+# %%
+LONG_COOKING = COOKING + " Always list the ingredients first, then the steps, and keep every step short and clear."
+long_pair_ids = [chat_ids(LONG_COOKING, q) for q in ["I have eggs and rice.", "I have pasta."]]
+long_common = next(i for i, (a, b) in enumerate(zip(*long_pair_ids)) if a != b)
+in_batch = {}
+for threshold in (32, -1):
+    eng = engine(in_batch_prefix_threshold=threshold)
+    prefill_rows, run = [], eng.runner.run
+    eng.runner.run = lambda b, run=run, rows=prefill_rows: rows.append(
+        [n for n, d in zip(b.extend_lens, b.is_decode_row) if not d]) or run(b)  # instrument
+    reqs = [llm.make_request(ids, greedy(3)) for ids in long_pair_ids]
+    for r in reqs:
+        eng.add_request(r)
+    eng.run_until_done()
+    in_batch[threshold] = (eng.stats.prefill_tokens, [r.output_ids for r in reqs])
+    print(f"threshold {threshold:>2}: prefill rows per step {[rows for rows in prefill_rows if rows]}, "
+          f"cached {[r.cached_tokens for r in reqs]}, prefill tokens {eng.stats.prefill_tokens}")
+print(f"the two prompts share their first {long_common} tokens")
+assert in_batch[32][0] == in_batch[-1][0] - long_common and in_batch[32][1] == in_batch[-1][1]
+
+# %% [markdown]
+# With the check on, the first step prefills one prompt and the second request, one step later, computes only
+# its own question; with it off, both compute the shared prompt in one step and `commit` frees the duplicate.
+# Same tokens either way. Pairs like this one are common under load: many users of one application send the
+# same new system prompt within milliseconds of each other, right after a deployment or a cache flush.
 #
 # ## 7. Hit rate, and longest-prefix-match scheduling
 #
@@ -664,13 +703,44 @@ plt.show()
 # pass are unchanged; with longer system prompts (thousands of tokens are common) prefill dominates and the
 # time ratio approaches the token ratio.
 #
-# One caveat about the default configuration. It runs with overlap scheduling (chapter 06): the CPU schedules
-# step `N+1` *before* it processes step `N`'s results, and `commit` happens in that processing. So a request is
-# matched against a tree that does not yet hold the prefix of the request admitted one step earlier: had two
-# requests of one group arrived back to back as the *first* two of their group, both would have missed. In this
-# arrival order no group starts that way, so the default reaches the ideal; exercise 3 makes them collide.
-# (SGLang's overlap loop has the same one-step delay.) On a busy server, with many arrivals per step, the same
-# effect appears as the in-batch pitfall of section 6.
+# One detail of the default configuration matters here. It runs with overlap scheduling (chapter 06): the CPU
+# schedules step `N+1` *before* it processes step `N`'s results. Had `commit` waited for that processing, a
+# request would be matched against a tree that does not yet hold the prefix computed one step earlier, and two
+# requests of one group arriving back to back would both miss. The engine therefore commits prefill rows when
+# their step is *launched*: any later step that reads those slots runs after the step that writes them.
+#
+# The same comparison at a larger scale, and across the whole stage ladder of chapter 11, comes from the offline
+# benchmark: `python -m minisgl_ref bench offline --quick --workload shared-prefix --stage all` (4 groups x 8
+# requests, 480-token system prompts, 32-token questions, 4 output tokens, all submitted at once to
+# `LLM.generate`). One CPU run of it is committed in `docs/data/bench_offline_quick_shared_prefix_cpu.json`,
+# with the machine and the command that made it; we read it rather than run it again:
+
+# %%
+bench_file = next(p / "docs/data/bench_offline_quick_shared_prefix_cpu.json" for p in [Path.cwd(), *Path.cwd().parents]
+                  if (p / "docs/data/bench_offline_quick_shared_prefix_cpu.json").is_file())
+bench = json.loads(bench_file.read_text())
+prov = bench["provenance"]
+print(f"{prov['command']}\n{prov['hardware']['cpu']} ({prov['hardware']['cpu_count']} cores), torch "
+      f"{prov['software']['torch']}, {prov['date'][:10]}; workload: {bench['workload']['requests']} requests, "
+      f"{bench['workload']['input_tokens']:,} prompt tokens")
+print(f"{'stage':<8} {'prefill tokens':>14} {'cached':>7} {'hit rate':>8} {'wall s':>7} {'out tok/s':>9}")
+by_stage = {r["stage"]: r for r in bench["results"]}
+for r in bench["results"]:
+    hit = "-" if r["radix_hit_rate"] is None else f"{r['radix_hit_rate']:.0%}"
+    print(f"{r['stage']:<8} {r['prefill_tokens']:>14,} {r['cached_tokens']:>7,} {hit:>8} {r['wall_s']:>7.2f} "
+          f"{r['output_throughput']:>9.1f}")
+paged_run, radix_run = by_stage["paged"], by_stage["radix"]
+print(f"radix vs paged: {paged_run['prefill_tokens'] / radix_run['prefill_tokens']:.1f}x fewer prefill tokens, "
+      f"{radix_run['output_throughput'] / paged_run['output_throughput']:.1f}x the throughput, in one run")
+assert paged_run["prefill_tokens"] >= 3 * radix_run["prefill_tokens"]
+
+# %% [markdown]
+# The radix stage computes each system prompt once (4 x 480 tokens) plus every question (32 x 32): the ideal.
+# That is thanks to both mechanisms of this chapter's last sections: the requests of one group that land in the
+# same prefill step are held back a step by the in-batch check, and the prefix is in the tree by the time they
+# come back. (The naive stage recomputes every sequence at every step, chapter 00. The chunked and overlap
+# stages, chapters 05 and 06, compute the same tokens; on a CPU they cannot make this workload faster, only a
+# little slower: more, smaller steps, and nothing for overlap to run in parallel with.)
 #
 # ## Exercises
 #
@@ -680,18 +750,20 @@ plt.show()
 #    `python -m pytest tests/test_engine_core.py -k radix`.
 # 2. **Task 4.3.** Write `inc_lock`, `dec_lock` and `evict`. What breaks if `evict` may take a locked leaf?
 #    Construct the failure with the toy tree: which request's KV is overwritten, and by whom? Grade with
-#    `python -m pytest tests/test_kvcache_properties.py -k "evict or lock"`.
+#    `python -m pytest tests/test_kvcache_properties.py -k RadixCache`.
 # 3. **Task 4.4.** Write `CacheManager.commit`. Then break it on purpose: skip the repointing of the page-table
 #    row (`req_to_token.write`). Which check of this chapter fails first, the slot count of section 6 or the
 #    oracle of section 8, and what would happen on a long-running server? Grade with
-#    `python -m pytest tests/test_engine_core.py -k "shared_new_prefix or radix"`. Finally, rerun section 9
-#    with the arrival order `0 0 1 1 2 2 0 1 2`, once as it is and once with
-#    `serve(disable_overlap_schedule=True)`: count the misses.
-# 4. **In-batch prefix check.** Extend `Scheduler._ordered_waiting` (or admission) so that, of several waiting
-#    requests sharing a prefix the tree does not hold yet, only the first is admitted in a step. Measure section
-#    6's pair and section 9's workload submitted all at once with `llm.generate`: does the prefill count drop,
-#    and what happens to time to first token of the held-back requests? Check that `lpm` still matches the
-#    oracle: `python -m pytest tests/test_engine_core.py -k lpm`.
+#    `python -m pytest tests/test_engine_core.py -k "shared_new_prefix or radix"` and
+#    `python -m pytest tests/test_kvcache_properties.py` (its state machine checks, after every operation, that a
+#    row's shared part points at the tree). Then move the commit from `Engine._commit_launched` back to
+#    `Engine._process` and rerun section 9 with the arrival order `0 0 1 1 2 2 0 1 2`: count the misses with
+#    overlap on and off.
+# 4. **Task 4.5.** Write `Scheduler._defer_for_in_batch_prefix`. Then submit section 9's workload all at once
+#    with `llm.generate` (a fresh `LLM`), with `in_batch_prefix_threshold` set to -1, 8, 32 and 256: how do the
+#    prefill tokens and the number of steps change? What would a threshold of 1 cost a request whose only
+#    overlap is a one-token chat-template prefix? Grade with `python -m pytest tests/test_engine_core.py -k
+#    in_batch`.
 
 # %% [markdown]
 # ## Reproduce
@@ -712,9 +784,11 @@ plt.show()
 # | `lpm` vs `fcfs`, 2 groups x 3 requests, 48-token prefixes, 96-token pool | prefill 144 vs 336 tokens (2.3x), hit rate 57% vs 0%, same outputs |
 # | oracle: 5 chat prompts, 6 greedy tokens, radix on, page size 1 and 4 | 5/5 and 5/5 identical to the naive loop (hit rate 46% / 41%) |
 # | cached KV of a 21-token prefix vs recomputed, 30 layers | max difference 0.0 (bitwise equal on this CPU) |
+# | two new prompts sharing 40 tokens, in-batch check on / off | prefill 58 tokens (the second waits one step, 40 cached) / 98 tokens |
+# | offline bench, quick shared-prefix (4 x 8, S=480, Q=32), paged vs radix, one CPU run | prefill 16,384 vs 2,944 tokens (5.6x); 17.5 vs 65.3 output tok/s (3.7x) |
 # | shared-prefix workload (3 x 3, S=192, Q=8, O=3), prefill tokens | 1,800 without the radix cache, 648 with it (2.8x; the ideal is 648) |
 # | same workload, CPU time | 7.5-8.5 s vs 4.2-4.4 s (1.8-2.0x); wall 1.8-2.4x |
-# | whole chapter, `python chapters/04_radix_cache.py` | 46-62 s wall (42 s of CPU time), other jobs sharing the cores |
+# | whole chapter, `python chapters/04_radix_cache.py` | 46-63 s wall (42 s of CPU time), other jobs sharing the cores |
 #
 # Wall-clock times on this shared machine vary from run to run; token counts do not. The last cell prints this
 # run's numbers.

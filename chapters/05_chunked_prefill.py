@@ -257,12 +257,20 @@ print(task_source(Scheduler._schedule_prefill, "5.1"))
 #    is at most one such request), then the waiting queue in policy order (FCFS, or longest cached prefix first,
 #    chapter 04).
 # 2. **Slots.** A *new* request needs a free request slot (`max_running_requests`, and a free row in the page
-#    table). Admission also looks up its cached prefix (`cache.match`), which pins it.
-# 3. **How many tokens.** `n = min(what is left of the prompt, the step's remaining budget, the chunk cap)`.
+#    table). Admission also looks up its cached prefix (`cache.match`), which pins it. If a request admitted
+#    earlier in this same step is computing at least `in_batch_prefix_threshold` (32) of this request's uncached
+#    prompt tokens, the request waits one step and finds them in the radix tree then (chapter 04, task 4.5);
+#    the loop moves on to the next candidate.
+# 3. **How many tokens.** With chunking, `n = min(what is left of the prompt, the step's remaining budget, the
+#    chunk cap)`. Without it (`chunked_prefill_size=-1`) a prompt is never cut: it goes whole if it fits the
+#    remaining budget, and a prompt larger than the whole budget goes *alone*, as the first row of a step of its
+#    own (SGLang does the same), rather than being chunked behind the user's back.
 # 4. **Memory.** The pages for those `n` tokens, plus the output reserve if this chunk finishes the prompt, must
 #    fit in what is free after the running requests' reserves. If not, the request gives its pinned prefix back
 #    and stays in the queue, and admission stops for this step: FCFS does not let a later, smaller request
-#    overtake.
+#    overtake. (One exception keeps the engine from stalling: a request that would run alone reserves only what
+#    the pool has left, so even a request whose `max_new_tokens` exceeds the pool is started, and aborted with
+#    a clear message if it really outgrows it.)
 # 5. **Commit to the plan.** Allocate the slots, charge the budget, add a row. A row that finishes the prompt
 #    *emits* a token (its last position's logits are sampled) and its request joins `running`. A row that does
 #    not (a partial chunk) emits nothing; the request becomes `self.chunked` and the loop ends, so that only one
@@ -574,14 +582,14 @@ print(f"longest stall of a running request: {stall_none:.2f} s without chunking,
 #
 # | what | measured |
 # | --- | --- |
-# | tiny model, longest gap of the running requests, no chunking | 2 steps, 1.2-1.4 s (the 2048-token prefill) |
-# | tiny model, chunking (256) without mixing | 9 steps, 0.5-0.6 s |
-# | tiny model, chunking (256) + mixing | 1 step, 0.13-0.18 s |
-# | tiny model, chunk size 64 / 1024 with mixing: longest gap; L's TTFT | 0.05-0.06 / 0.6-0.8 s; 0.9-1.1 / 1.0-1.2 s |
-# | all configurations vs the naive engine | identical greedy tokens (83/83 tiny, 25/25 SmolLM2) |
-# | SmolLM2, longest stall, 320-token prompt: no chunking | 2 steps, 2.0-2.6 s |
-# | SmolLM2, longest stall: chunks of 128 + mixing | 1 step, 0.8-1.1 s |
-# | whole chapter, `python chapters/05_chunked_prefill.py` | 35-45 s wall |
+# | tiny model, longest gap of the running requests, no chunking | 2 steps, 0.53 s (the 2048-token prefill) |
+# | tiny model, chunking (256) without mixing | 9 steps, 0.25 s |
+# | tiny model, chunking (256) + mixing | 1 step, 0.04 s |
+# | tiny model, chunk size 64 / 1024 with mixing: longest gap; L's TTFT | 34 / 473 ms; 0.55 / 0.63 s |
+# | all configurations vs the naive engine | identical greedy tokens (4/4 requests, 122/122 tokens on the tiny model; SmolLM2 identical) |
+# | SmolLM2, longest stall, 502-token prompt: no chunking | 2 steps, 7.8 s |
+# | SmolLM2, longest stall: chunks of 128 + mixing | 1 step, 2.9 s (2.7x shorter) |
+# | whole chapter, `python chapters/05_chunked_prefill.py` | 59 s (other jobs loading both cores) |
 #
 # The last cell prints this run's numbers; on a shared machine wall-clock times vary from run to run, step
 # counts do not.

@@ -1,7 +1,8 @@
 """``python -m minisgl_ref``: the command line (chapters 02 and 10).
 
 Subcommands so far: ``generate`` (one prompt, chat template applied by default), ``chat`` (an interactive
-conversation with ``/reset``) and ``bench offline`` (throughput of one big generate call, chapter 11). Any
+conversation with ``/reset``), ``bench offline`` (throughput of one big generate call, chapter 11), ``bench
+serving`` (latencies and throughput of a running server under load, chapter 10) and ``serve``. Any
 problem a user can cause (a missing model folder, a bad sampling value) ends with one ``error:`` line and exit
 status 2, never a traceback.
 """
@@ -37,17 +38,46 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunked-prefill-size", type=int, default=8192, help="-1 disables chunking")
     g.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"])
     g.add_argument("--enable-mixed-chunk", action="store_true")
+    g.add_argument("--in-batch-prefix-threshold", type=int, default=32,
+                   help="hold back a request sharing this many uncached prompt tokens with one admitted in the same "
+                        "prefill step, so it hits the radix cache next step (chapter 04); -1 disables")
     g.add_argument("--page-size", type=int, default=1)
     g.add_argument("--disable-radix-cache", action="store_true")
     g.add_argument("--disable-overlap-schedule", action="store_true")
     g.add_argument("--max-total-tokens", type=int, default=None)
     g.add_argument("--mem-fraction-static", type=float, default=0.85)
+    t = p.add_argument_group("tensor parallelism (SGLang names, chapter 09)")
+    t.add_argument("--tp-size", type=int, default=1, help="ranks that share the model (one GPU, or CPU process, each)")
+    t.add_argument("--nnodes", type=int, default=1, help="machines the --tp-size ranks are spread over")
+    t.add_argument("--node-rank", type=int, default=0, help="this machine's index among the --nnodes")
+    t.add_argument("--dist-init-addr", default=None,
+                   help="host:port on node 0 where the ranks meet (required with --nnodes > 1)")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="capture decode CUDA graphs up to this batch size (default: max running requests, <= 256)")
+    g.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly (chapter 08)")
+    from minisgl_ref.attention.registry import ATTENTION_BACKENDS
+
+    for flag, what in (("--attention-backend", "both phases"), ("--prefill-attention-backend", "extend steps"),
+                       ("--decode-attention-backend", "decode steps")):  # fmt: skip
+        g.add_argument(flag, default=None, choices=ATTENTION_BACKENDS,
+                       help=f"attention kernels for {what} (chapter 07; default: by device)")
 
 
 ENGINE_ARG_NAMES = (
     "max_running_requests", "max_prefill_tokens", "chunked_prefill_size", "schedule_policy", "enable_mixed_chunk",
+    "in_batch_prefix_threshold",
     "page_size", "disable_radix_cache", "disable_overlap_schedule", "max_total_tokens", "mem_fraction_static",
+    "cuda_graph_max_bs", "disable_cuda_graph",
+    "attention_backend", "prefill_attention_backend", "decode_attention_backend",
 )
+
+
+TP_ARG_NAMES = ("tp_size", "nnodes", "node_rank", "dist_init_addr")
+
+
+def tp_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """The tensor-parallel flags, as ``LLM`` keyword arguments (chapter 09)."""
+    return {name: getattr(args, name) for name in TP_ARG_NAMES}
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -109,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(offline)
     add_engine_args(offline)
     bench_offline.add_offline_args(offline)
+    from minisgl_ref.bench.serving import add_serving_args  # light: no torch
+
+    serving = bench_sub.add_parser("serving", help="online load generator against a running server (chapter 10)")
+    add_serving_args(serving)
+    from minisgl_ref.bench.kernels import add_kernels_args
+
+    kernels = bench_sub.add_parser("kernels", help="attention kernel microbenchmarks vs the memory roofline (ch. 07)")
+    add_kernels_args(kernels)
 
     from minisgl_ref.server.args import add_server_args  # light: argparse only
 
@@ -129,6 +167,7 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         device=args.device,
         context_length=args.context_length,
         engine=args.engine,
+        **tp_kwargs(args),
         **(engine_kwargs(args) if args.engine == "paged" else {}),
     )
 
@@ -140,6 +179,9 @@ def _messages(system: str | None, turns: list[dict[str, str]]) -> list[dict[str,
 def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     llm = _load(args)
+    if not llm.is_leader:  # --node-rank > 0: this machine's ranks follow rank 0 until it is done
+        llm.follow()
+        return 0
     if args.raw:
         prompt = args.prompt
     else:
@@ -147,6 +189,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for delta in llm.stream(prompt, params):
         print(delta, end="", flush=True)
     print()
+    llm.shutdown()
     return 0
 
 
@@ -183,7 +226,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    return bench_offline.main(args, engine_kwargs(args))  # `offline` is the only bench so far
+    if args.bench_command == "kernels":
+        from minisgl_ref.bench import kernels as bench_kernels
+
+        return bench_kernels.main(args)
+    if args.bench_command == "serving":
+        from minisgl_ref.bench import serving as bench_serving
+
+        return bench_serving.main(args)
+    kwargs = engine_kwargs(args)
+    if args.tp_size > 1 or args.nnodes > 1:  # bench offline --tp-size N: the LLM takes the TP flags too (ch. 09)
+        kwargs |= tp_kwargs(args)
+    return bench_offline.main(args, kwargs)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -7,14 +7,20 @@ faster chapter by chapter; this interface does not change.
 
 from __future__ import annotations
 
+import os
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from minisgl_ref.distributed import set_tp_info
+from minisgl_ref.distributed.group import DistConfig, destroy_distributed, init_distributed, rank_device
+from minisgl_ref.distributed.tp_engine import spawn_local_ranks, stop_local_ranks, wait_ready
 from minisgl_ref.engine.config import EngineConfig
 from minisgl_ref.engine.engine import Engine
 from minisgl_ref.engine.naive import NaiveEngine
@@ -50,6 +56,27 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@dataclass
+class TPHandle:
+    """What an ``LLM`` must clean up at tp > 1: the ranks it spawned and the process group (chapter 09)."""
+
+    size: int
+    procs: list[Any] = field(default_factory=list)
+    engine: Any = None
+
+    def close(self) -> None:
+        from minisgl_ref.distributed.tp_engine import TPEngine
+
+        if isinstance(self.engine, TPEngine) and self.engine.is_leader and dist.is_initialized():
+            self.engine.stop_followers()
+        if self.procs:
+            stop_local_ranks(self.procs, timeout_s=30.0 if dist.is_initialized() else 0.0)
+            self.procs = []
+        if self.size > 1:
+            destroy_distributed()
+        self.engine = None
+
+
 class LLM:
     """An engine in a Python object. ``LLM()`` loads the embedded SmolLM2-135M-Instruct; ``LLM(model_path=...)``
     any local HF folder; ``LLM(model_path="qwen3-0.6b", load_format="dummy")`` a shipped config with random
@@ -57,7 +84,14 @@ class LLM:
 
     ``engine="paged"`` (default) is the real engine of chapters 03-06, configured by SGLang-named keyword
     arguments (``max_running_requests``, ``chunked_prefill_size``, ``page_size``, ``disable_radix_cache``, ...,
-    see :class:`EngineConfig`); ``engine="naive"`` is the chapter-00 oracle that recomputes everything."""
+    see :class:`EngineConfig`); ``engine="naive"`` is the chapter-00 oracle that recomputes everything.
+
+    ``tp_size=N`` (chapter 09) shards the model over N ranks: this process becomes rank 0 and starts ranks
+    1..N-1 as child processes (one GPU each, or CPU processes talking through gloo), which follow it step by
+    step. ``nnodes``, ``node_rank`` and ``dist_init_addr`` spread the ranks over machines, as in SGLang; on a
+    node other than 0, call :meth:`follow` instead of generating. :meth:`shutdown` (or a ``with`` block, or the
+    end of the program) stops the other ranks. ``tp_rank`` is for processes started by someone else (the server
+    starts one scheduler process per rank)."""
 
     def __init__(
         self,
@@ -69,15 +103,43 @@ class LLM:
         context_length: int | None = None,
         engine: str = "paged",
         skip_tokenizer_init: bool = False,
+        tp_size: int = 1,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        dist_init_addr: str | None = None,
+        tp_rank: int | None = None,
+        _ready: Any = None,
         **engine_kwargs: Any,
     ) -> None:
         if engine not in ("paged", "naive"):
             raise ValueError(f"engine must be 'paged' or 'naive', got {engine!r}")
         engine_config = EngineConfig(**engine_kwargs)
         self.device = torch.device(device or default_device())
-        self.model, self.config, folder = load_model(
-            None if model_path is None else str(model_path), load_format=load_format, dtype=dtype, device=self.device
-        )
+        # Tensor parallelism (chapter 09): this process is one rank; at tp_size=1 nothing below starts anything.
+        self.tp_size, self.tp_rank = tp_size, 0
+        self._tp = TPHandle(tp_size)
+        dist_cfg = None
+        if tp_size > 1 or nnodes > 1:
+            if engine != "paged":
+                raise ValueError(f"tp_size={tp_size} needs engine='paged' (the naive oracle runs on one device)")
+            dist_cfg, ready_conns = self._start_tp(
+                DistConfig(tp_size, 0, nnodes, node_rank, dist_init_addr), tp_rank,
+                dict(model_path=None if model_path is None else str(model_path), load_format=load_format,
+                     dtype=dtype, device=device, context_length=context_length, engine=engine,
+                     skip_tokenizer_init=skip_tokenizer_init, **engine_kwargs),
+            )
+            # Stop the other ranks when this object goes away (or at exit), even without shutdown().
+            self._tp_finalizer = weakref.finalize(self, self._tp.close)
+        try:
+            self.model, self.config, folder = load_model(
+                None if model_path is None else str(model_path), load_format=load_format, dtype=dtype,
+                device=self.device,
+            )
+            if dist_cfg is not None:
+                self._join_tp(dist_cfg, ready_conns, _ready)
+        except BaseException:
+            self.shutdown()
+            raise
         self.model_path = folder
         self.tokenizer: Tokenizer | None = None
         if folder is not None and load_format != "dummy" and not skip_tokenizer_init:
@@ -95,9 +157,80 @@ class LLM:
         self.engine: Engine | NaiveEngine
         if engine == "naive":
             self.engine = NaiveEngine(self.model, self.config.vocab_size, self.device)
+        elif dist_cfg is not None:
+            from minisgl_ref.distributed.tp_engine import TPEngine
+
+            self.engine = TPEngine(self.model, self.config, engine_config, device=self.device,
+                                   context_length=self.context_length, tokenizer=self.tokenizer)
+            self._tp.engine = self.engine
         else:
             self.engine = Engine(self.model, self.config, engine_config, device=self.device,
                                  context_length=self.context_length)
+
+    # ------------------------------------------------------------------------------ tensor parallelism (ch. 09)
+
+    def _start_tp(self, cfg: DistConfig, tp_rank: int | None, llm_kwargs: dict[str, Any]) -> tuple[DistConfig, list]:
+        """Take this process's rank and, when it launches its node (``tp_rank is None``), spawn the node's other
+        ranks. They load their shards while this process loads its own; the process group starts afterwards."""
+        launcher = tp_rank is None
+        if launcher:
+            if cfg.nnodes == 1:
+                cfg = cfg.with_free_port()
+            cfg = cfg.with_rank(cfg.node_ranks()[0])
+        else:
+            cfg = cfg.with_rank(tp_rank)
+        self.tp_rank = cfg.tp_rank
+        self.device = rank_device(cfg, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        else:
+            # Ranks on one CPU share its cores; more threads than cores makes every rank spin at each barrier.
+            threads = os.environ.get("MINISGL_THREADS") or max(1, (os.cpu_count() or 1) // cfg.ranks_per_node)
+            torch.set_num_threads(int(threads))
+        set_tp_info(cfg.tp_rank, cfg.tp_size)
+        conns: list = []
+        if launcher:
+            others = [r for r in cfg.node_ranks() if r != cfg.tp_rank]
+            self._tp.procs, conns = spawn_local_ranks(cfg, others, llm_kwargs)
+        return cfg, conns
+
+    def _join_tp(self, cfg: DistConfig, conns: list, ready: Any) -> None:
+        if ready is not None:  # a spawned rank: tell the launcher that the weights are loaded
+            ready.send({"ok": cfg.tp_rank})
+            ready.close()
+        wait_ready(self._tp.procs, conns)
+        init_distributed(cfg, self.device)
+
+    @property
+    def is_leader(self) -> bool:
+        """Only rank 0 takes requests; the other ranks :meth:`follow` it."""
+        return self.tp_rank == 0
+
+    def follow(self) -> None:
+        """On a rank other than 0: replay rank 0's steps until it shuts down, then leave the process group."""
+        from minisgl_ref.distributed.tp_engine import TPEngine
+
+        if not isinstance(self.engine, TPEngine) or self.is_leader:
+            raise ValueError("follow() is for tensor-parallel ranks other than 0")
+        try:
+            self.engine.follow()
+        finally:
+            destroy_distributed()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks and leave the process group (a no-op at tp=1). Also runs at exit
+        and at the end of a ``with LLM(...) as llm:`` block."""
+        finalizer = getattr(self, "_tp_finalizer", None)
+        if finalizer is not None:
+            finalizer()  # runs TPHandle.close once
+        else:
+            self._tp.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     # ----------------------------------------------------------------------------------------------- requests
 
@@ -114,6 +247,8 @@ class LLM:
         return ids
 
     def make_request(self, prompt: Prompt, params: SamplingParams) -> Req:
+        if not self.is_leader:
+            raise ValueError(f"this process is tensor-parallel rank {self.tp_rank}; only rank 0 takes requests")
         input_ids = self._encode(prompt)
         detok = None
         if self.tokenizer is not None:

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Without a GPU the Triton attention kernels (chapter 07) run in Triton's CPU interpreter. triton.jit reads this
+    # variable when it decorates a function, so it must be set before anything imports triton: here, first.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]

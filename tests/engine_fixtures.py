@@ -230,15 +230,13 @@ def check_live_invariants(engine: Engine) -> None:
     assert 0 not in live, "a request's page-table row points at the dummy page 0"
 
 
-def assert_pool_accounting(engine: Engine, *, arrival: bool = True) -> None:
-    """After a run: nothing pending, no request slot leaked, and free pages + evictable tokens == capacity.
-    ``arrival=False`` skips only the check that the scheduler forgot every finished request (see the xfailed
-    test_aborted_requests_are_forgotten_by_the_scheduler)."""
+def assert_pool_accounting(engine: Engine) -> None:
+    """After a run: nothing pending, no request slot leaked, the scheduler forgot every finished request, and
+    free pages + evictable tokens == capacity."""
     sched = engine.scheduler
     assert engine.inflight is None and not engine.has_work
     assert not sched.waiting and not sched.running and sched.chunked is None and not sched.aborted
-    if arrival:
-        assert not sched.arrival, "the scheduler still tracks finished requests"
+    assert not sched.arrival, "the scheduler still tracks finished requests"
     assert engine.cache.pending_free == [] and engine._waiting_for_inflight == [], "frees still pending"
     assert engine.req_to_token.num_free == engine.req_to_token.max_requests, "a request slot leaked"
     assert sorted(engine.req_to_token._free) == list(range(engine.req_to_token.max_requests))

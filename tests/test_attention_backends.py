@@ -172,6 +172,7 @@ DECODE_CASES = [
 ]
 
 
+@pytest.mark.task("7.2")
 @pytest.mark.parametrize("ctx,kvh,gqa,head_dim,page", DECODE_CASES)
 def test_decode_matches_torch_native(ctx, kvh, gqa, head_dim, page):
     case = make_case([(n - 1, 1) for n in ctx], num_kv_heads=kvh, gqa=gqa, head_dim=head_dim, page_size=page,
@@ -179,6 +180,7 @@ def test_decode_matches_torch_native(ctx, kvh, gqa, head_dim, page):
     check(case, **CPU_SPLITS)
 
 
+@pytest.mark.task("7.2")
 def test_decode_with_empty_kv_splits():
     """min_kv_split_len=1: a context of 5 cut into 4 pieces of 2 leaves the 4th piece empty; stage 1 skips it
     and stage 2 must not read it. One piece only (max_kv_splits=1) must agree too."""
@@ -198,6 +200,7 @@ EXTEND_CASES = [
 ]
 
 
+@pytest.mark.task("7.2")
 @pytest.mark.parametrize("specs,kvh,gqa,head_dim,page", EXTEND_CASES)
 def test_extend_matches_torch_native(specs, kvh, gqa, head_dim, page):
     case = make_case(specs, num_kv_heads=kvh, gqa=gqa, head_dim=head_dim, page_size=page, seed=len(specs) + head_dim)
@@ -308,16 +311,19 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory):
     return folder
 
 
-def generate_tokens(path, backend: str, device: str, **engine_kw) -> tuple[list[list[int]], int]:
+
+def generate_tokens(path, device: str, **engine_kw) -> tuple[list[list[int]], int]:
     """Two rounds of greedy generation (the second round's prompts share prefixes with the first's, so the radix
-    cache serves cached prefixes); returns the tokens and the number of cached prompt tokens."""
+    cache serves cached prefixes); returns the tokens and the number of cached prompt tokens. The backend comes
+    from the engine flags (``attention_backend=...``), exactly as a user selects it."""
     from minisgl_ref import LLM, SamplingParams
 
     llm = LLM(path, device=device, max_total_tokens=4096, **engine_kw)  # not "85% of the GPU" per engine
-    if backend == "triton":
-        engine = llm.engine
-        engine.runner.attn_backend = TritonAttnBackend(engine.kv_pool, engine.req_to_token, max_kv_splits=3,
-                                                       min_kv_split_len=8)  # fmt: skip
+    backend = llm.engine.runner.attn_backend
+    if device == "cpu":  # short pieces, so that ~50-token contexts are split and the split-KV merge runs
+        for b in (backend, getattr(backend, "prefill", None), getattr(backend, "decode", None)):
+            if isinstance(b, TritonAttnBackend):
+                b.max_kv_splits, b.min_kv_split_len = 3, 8
     rng = random.Random(1)
     base = [[rng.randrange(3, 320) for _ in range(n)] for n in (40, 23, 9)]
     follow = [base[0][:37] + [5, 6, 7], base[1] + [11] * 12, [rng.randrange(3, 320) for _ in range(30)]]
@@ -330,20 +336,130 @@ def generate_tokens(path, backend: str, device: str, **engine_kw) -> tuple[list[
 ENGINE_CONFIG = dict(page_size=16, chunked_prefill_size=16, enable_mixed_chunk=True)
 
 
+@pytest.mark.task("7.1")
 def test_engine_greedy_tokens_match_torch_native(tiny_path):
-    ref, ref_cached = generate_tokens(tiny_path, "torch_native", DEVICE, **ENGINE_CONFIG)
-    ours, cached = generate_tokens(tiny_path, "triton", DEVICE, **ENGINE_CONFIG)
+    """The engine with ``attention_backend="triton"``, and with the two phases split between backends
+    (``--prefill-attention-backend torch_native --decode-attention-backend triton``: extend steps go to one, decode
+    steps to the other, both on the same KV pool), generates torch_native's greedy tokens."""
+    ref, ref_cached = generate_tokens(tiny_path, DEVICE, attention_backend="torch_native", **ENGINE_CONFIG)
+    ours, cached = generate_tokens(tiny_path, DEVICE, attention_backend="triton", **ENGINE_CONFIG)
     assert cached == ref_cached and cached > 0  # the prefix path of the extend kernel ran
     assert ours == ref
+    hybrid, _ = generate_tokens(tiny_path, DEVICE, prefill_attention_backend="torch_native",
+                                decode_attention_backend="triton", **ENGINE_CONFIG)  # fmt: skip
+    assert hybrid == ref
+
+
+@pytest.mark.task("7.2")
+def test_engine_triton_matches_the_naive_oracle(tiny_path):
+    """``LLM(attention_backend="triton")`` against the chapter-00 loop (no KV cache at all), float32 on the CPU:
+    the greedy tokens must be identical."""
+    from minisgl_ref import LLM, SamplingParams
+
+    prompts = [[7, 99, 12, 250, 31, 8, 77], [300, 5, 5, 41]]
+    params = SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True)
+    naive = LLM(tiny_path, device=DEVICE, engine="naive").generate(prompts, params, use_tqdm=False)
+    llm = LLM(tiny_path, device=DEVICE, attention_backend="triton", max_total_tokens=512, page_size=4)
+    assert isinstance(llm.engine.runner.attn_backend, TritonAttnBackend)
+    ours = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.output_ids for o in ours] == [o.output_ids for o in naive]
+
+
+# ------------------------------------------------------------------------------------------------- selection
+
+
+@pytest.mark.task("7.1")
+def test_default_backend_on_cpu_is_torch_native():
+    from minisgl_ref.attention.registry import default_backends
+
+    assert default_backends(torch.device("cpu")) == ("torch_native", "torch_native")
+
+
+@pytest.mark.task("7.1")
+def test_hybrid_backend_dispatches_by_mode(tiny_path):
+    from minisgl_ref import LLM
+    from minisgl_ref.attention import HybridAttnBackend
+
+    llm = LLM(tiny_path, device=DEVICE, max_total_tokens=256, prefill_attention_backend="torch_native",
+              decode_attention_backend="triton")  # fmt: skip
+    backend = llm.engine.runner.attn_backend
+    assert isinstance(backend, HybridAttnBackend) and backend.name == "torch_native+triton"
+    assert isinstance(backend.decode, TritonAttnBackend) and backend.supports_cuda_graph  # graphs follow decode
+
+
+@pytest.mark.task("7.1")
+def test_float32_models_default_to_triton_on_a_gpu():
+    """FlashInfer and FA3 compute in fp16/bf16 only: a float32 model on a GPU defaults to our Triton kernels, and
+    asking for flashinfer/fa3 explicitly fails in one line (checked before any CUDA call, so it runs here too)."""
+    from minisgl_ref.attention.registry import check_backend_can_run, default_backends
+
+    assert default_backends(torch.device("cuda"), torch.float32) == ("triton", "triton")
+    for name in ("flashinfer", "fa3"):
+        with pytest.raises(ValueError, match="float16/bfloat16 only, and this model is float32"):
+            check_backend_can_run(name, torch.device("cuda"), torch.float32)
+
+
+@pytest.mark.parametrize("field", ["attention_backend", "prefill_attention_backend", "decode_attention_backend"])
+def test_unknown_backend_name_is_a_value_error_naming_the_field(field):
+    from minisgl_ref.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"{field} must be one of torch_native, triton, flashinfer, fa3"):
+        EngineConfig(**{field: "flash"})
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the CPU refusals")
+@pytest.mark.parametrize("name", ["flashinfer", "fa3"])
+def test_gpu_backend_on_cpu_fails_with_one_line(name):
+    from minisgl_ref.attention.registry import check_backend_can_run
+
+    with pytest.raises(ValueError, match=f"attention backend '{name}' needs a CUDA device"):
+        check_backend_can_run(name, torch.device("cpu"))
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the CPU refusals")
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    from minisgl_ref.attention.registry import check_backend_can_run
+
+    check_backend_can_run("triton", torch.device("cpu"))  # TRITON_INTERPRET=1 here (conftest)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        check_backend_can_run("triton", torch.device("cpu"))
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the CPU refusals")
+def test_cli_reports_an_unusable_backend_in_one_line(tiny_path, capsys):
+    from minisgl_ref.cli import main
+
+    code = main(["generate", "--model-path", str(tiny_path), "--device", "cpu", "--raw", "--max-total-tokens", "64",
+                 "--attention-backend", "flashinfer", "hello"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0
+    assert err == "error: attention backend 'flashinfer' needs a CUDA device (this engine runs on cpu); use " \
+                  "torch_native on the CPU"
+
+
+def test_torch_native_has_no_cuda_graph_hooks():
+    case = make_case([(3, 1)], num_kv_heads=1, gqa=1, head_dim=16, page_size=1, decode=True)
+    backend = TorchNativeBackend(case.pool, case.table)
+    assert not backend.supports_cuda_graph
+    with pytest.raises(NotImplementedError, match="torch_native attention backend does not support CUDA graphs"):
+        backend.init_cuda_graph_state(4, 4)
 
 
 # --------------------------------------------------------------------------------------------------- GPU grid
 
-GPU_DTYPES = [torch.bfloat16, torch.float16]
-GQA = [1, 2, 4, 8]
-HEAD_DIMS = [64, 128]
-PAGES = [1, 16, 64]
+GPU_BACKENDS = ["triton", "flashinfer", "fa3"]
 NUM_HEADS = 16  # KV heads = 16 / GQA: 16, 8, 4, 2
+
+# Not the full product of GQA x head dim x page size x dtype (96 combinations, each over every shape below): every
+# GQA ratio meets both head dims, every page size and dtype appears with several of each, and the Qwen3-0.6B shape
+# (GQA 2, head dim 128, bf16) is there twice. Each combination runs every decode and extend shape on every backend.
+GPU_COMBOS = [  # (GQA, head dim, page size, dtype)
+    (1, 64, 1, torch.bfloat16), (1, 128, 16, torch.float16), (2, 64, 64, torch.float16),
+    (2, 128, 1, torch.bfloat16), (2, 128, 16, torch.bfloat16), (4, 64, 16, torch.bfloat16),
+    (4, 128, 64, torch.float16), (8, 64, 1, torch.float16), (8, 128, 64, torch.bfloat16),
+]  # fmt: skip
+COMBO_IDS = [f"gqa{g}-d{d}-page{p}-{'bf16' if t == torch.bfloat16 else 'fp16'}" for g, d, p, t in GPU_COMBOS]
 
 # (batch size, longest context): the longest request has exactly that context, the others a random one below.
 GPU_DECODE_SHAPES = [(1, 1), (1, 8192), (3, 777), (16, 2048), (64, 2048), (128, 4096), (256, 1), (256, 1024),
@@ -361,7 +477,7 @@ def random_specs(rng: random.Random, bs: int, max_prefix: int, max_extend: int) 
 
 def chunked_oracle(case: Case, chunk: int = 1024) -> torch.Tensor:
     """torch_native's math (reference_attention, float32) one request and one query chunk at a time, so that an
-    8192 x 8192 prefill does not need the whole score matrix at once."""
+    8192 x 8192 prefill does not need the whole score matrix at once. The new K/V must be in the pool already."""
     k_all, v_all = case.pool.k[0], case.pool.v[0]
     table, rows = case.table.table, case.batch.req_pool_indices.tolist()
     outs, start = [], 0
@@ -376,79 +492,198 @@ def chunked_oracle(case: Case, chunk: int = 1024) -> torch.Tensor:
     return torch.cat(outs).flatten(1)
 
 
-def gpu_check(case: Case, tol: float = 1e-2) -> float:
-    backend = TritonAttnBackend(case.pool, case.table)
+def gpu_backend_available(name: str) -> bool:
+    from minisgl_ref.attention.registry import check_backend_can_run
+
+    try:
+        check_backend_can_run(name, torch.device("cuda"))
+    except ValueError:
+        return False
+    return True
+
+
+def make_backend(name: str, case: Case, page_size: int = 1):  # type: ignore[no-untyped-def]
+    from minisgl_ref.attention.registry import build_backend
+
+    if not gpu_backend_available(name):
+        pytest.skip(f"{name} cannot run here")
+    return build_backend(name, case.pool, case.table, num_q_heads=case.layer.num_heads, page_size=page_size,
+                         device=torch.device("cuda"))  # fmt: skip
+
+
+def run_backend(backend, case: Case) -> torch.Tensor:  # type: ignore[no-untyped-def]
     case.batch.attn_backend = backend
     backend.init_forward_metadata(case.batch)
-    out = backend.forward(case.q, case.k, case.v, case.layer, case.batch)
-    err = rel_error(out, chunked_oracle(case))
-    assert err < tol, f"relative error {err:.2e}"
-    return err
+    return backend.forward(case.q, case.k, case.v, case.layer, case.batch)
+
+
+def record_errors(test: str, errors: dict[str, float]) -> None:
+    """Append the measured errors to ``$MINISGL_ATTN_ERRORS`` (JSON lines) when set: the GPU script publishes
+    them next to the kernel benchmark."""
+    path = os.environ.get("MINISGL_ATTN_ERRORS")
+    if path:
+        import json
+
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": test, "max_rel_error": errors}) + "\n")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("page", PAGES)
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("gqa", GQA)
-def test_gpu_decode_grid(gqa, head_dim, page, dtype):
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+@pytest.mark.parametrize("gqa,head_dim,page,dtype", GPU_COMBOS, ids=COMBO_IDS)
+def test_gpu_backends_match_torch_native(gqa, head_dim, page, dtype, mode, request):
+    """Every backend against torch_native's math on the same pool, over batch sizes 1-256 and contexts 1-8192:
+    relative error below 1e-2 (bf16/fp16 inputs, float32 reference)."""
+    names = [n for n in GPU_BACKENDS if gpu_backend_available(n)]
     rng = random.Random(gqa * 1000 + head_dim * 10 + page)
-    for bs, ctx in GPU_DECODE_SHAPES:
-        specs = [(n - 1, 1) for n in [ctx] + [rng.randint(1, ctx) for _ in range(bs - 1)]]
+    worst = {n: 0.0 for n in names}
+    failures = []
+    shapes = GPU_DECODE_SHAPES if mode == "decode" else GPU_EXTEND_SHAPES
+    for shape in shapes:
+        if mode == "decode":
+            bs, ctx = shape
+            specs = [(n - 1, 1) for n in [ctx] + [rng.randint(1, ctx) for _ in range(bs - 1)]]
+        else:
+            specs = random_specs(rng, *shape)
         case = make_case(specs, num_kv_heads=NUM_HEADS // gqa, gqa=gqa, head_dim=head_dim, page_size=page,
-                         dtype=dtype, decode=True, seed=bs + ctx, device="cuda")  # fmt: skip
-        gpu_check(case)
+                         dtype=dtype, decode=mode == "decode", seed=sum(shape), device="cuda")  # fmt: skip
+        case.pool.store(0, case.batch.out_cache_loc, case.k, case.v)  # what every backend does first
+        ref = chunked_oracle(case)
+        for name in names:
+            out = run_backend(make_backend(name, case, page), case)
+            err = rel_error(out, ref)
+            worst[name] = max(worst[name], err)
+            if not err < 1e-2:  # also catches NaN
+                failures.append(f"{name} {shape}: {err:.2e}")
+        del case, ref
+    record_errors(request.node.name, worst)
+    assert not failures, failures
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("page", PAGES)
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("gqa", GQA)
-def test_gpu_extend_grid(gqa, head_dim, page, dtype):
-    rng = random.Random(gqa * 1000 + head_dim * 10 + page)
-    for bs, max_prefix, max_extend in GPU_EXTEND_SHAPES:
-        specs = random_specs(rng, bs, max_prefix, max_extend)
-        case = make_case(specs, num_kv_heads=NUM_HEADS // gqa, gqa=gqa, head_dim=head_dim, page_size=page,
-                         dtype=dtype, seed=bs + max_extend, device="cuda")  # fmt: skip
-        gpu_check(case)
-
-
-@pytest.mark.gpu
-def test_gpu_decode_cuda_graph_replay_matches_eager():
-    """Capture one layer's decode attention for bs=8, replay it for new contexts: identical to eager."""
+@pytest.mark.parametrize("name", GPU_BACKENDS)
+def test_gpu_decode_cuda_graph_replay_matches_eager(name):
+    """Capture one layer's decode attention for bs=8 with dummy lengths, then replay it for two different real
+    batches (the replay hook refills the static buffers in place): within bf16 tolerance of the oracle, and for
+    our Triton kernels bit-identical to eager (same kernels, same splits)."""
     rng = random.Random(0)
     specs = [(rng.randint(0, 3000), 1) for _ in range(8)]
     case = make_case(specs, num_kv_heads=8, gqa=2, head_dim=128, page_size=16, dtype=torch.bfloat16, decode=True,
                      device="cuda")  # fmt: skip
-    backend = TritonAttnBackend(case.pool, case.table, num_q_heads=16)
+    backend = make_backend(name, case, 16)
     backend.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
     rows = case.batch.req_pool_indices
-    real = torch.tensor(case.batch.seq_lens_cpu, device="cuda")
     q, k, v = case.q.clone(), case.k.clone(), case.v.clone()
     case.batch.attn_backend = backend
-    backend.init_forward_metadata_capture_cuda_graph(8, 8, rows, torch.ones_like(real), ForwardMode.DECODE)
-    backend.forward(q, k, v, case.layer, case.batch)  # warm up (compiles) outside the capture
+    backend.init_forward_metadata_capture_cuda_graph(8, 8, rows, torch.ones(8, dtype=torch.int64, device="cuda"),
+                                                     ForwardMode.DECODE)  # fmt: skip
+    backend.forward(q, k, v, case.layer, case.batch)  # warm up (compiles, loads modules) outside the capture
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = backend.forward(q, k, v, case.layer, case.batch)
-    backend.init_forward_metadata_replay_cuda_graph(8, rows, real, forward_mode=ForwardMode.DECODE)
-    graph.replay()
-    eager_backend = TritonAttnBackend(case.pool, case.table)
-    case.batch.attn_backend = eager_backend
-    eager_backend.init_forward_metadata(case.batch)
-    eager = eager_backend.forward(q, k, v, case.layer, case.batch)
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
-    assert rel_error(out, chunked_oracle(case)) < 1e-2
+    for trial in range(2):
+        lens = case.batch.seq_lens_cpu if trial == 0 else [max(1, n // 3) for n in case.batch.seq_lens_cpu]
+        if trial == 1:  # shorter contexts: the new token now sits at position n - 1; its slot goes there
+            for row, n, slot in zip(rows.tolist(), lens, case.batch.out_cache_loc.tolist()):
+                case.table.table[row, n - 1] = slot
+        real = torch.tensor(lens, device="cuda")
+        backend.init_forward_metadata_replay_cuda_graph(8, rows, real, forward_mode=ForwardMode.DECODE,
+                                                        seq_lens_sum=sum(lens),
+                                                        seq_lens_cpu=torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        # The same question asked eagerly, with a fresh backend.
+        eager_case = Case(ForwardBatch(mode=ForwardMode.DECODE, input_ids=case.batch.input_ids,
+                                       positions=real - 1, extend_lens_cpu=[1] * 8,
+                                       prefix_lens_cpu=[n - 1 for n in lens], attn_backend=None,  # type: ignore
+                                       req_pool_indices=rows, out_cache_loc=case.batch.out_cache_loc),
+                          case.pool, case.table, case.layer, q, k, v)  # fmt: skip
+        eager = run_backend(make_backend(name, eager_case, 16), eager_case)
+        torch.cuda.synchronize()
+        assert rel_error(out, chunked_oracle(eager_case)) < 1e-2, (name, trial)
+        if name == "triton":
+            assert torch.equal(out, eager)
+        else:
+            assert rel_error(out, eager.float()) < 1e-2
+
+
+# -------------------------------------------------------------------------------- the engine on a Qwen3 model
+
+
+@pytest.fixture(scope="module")
+def qwen3_small_path(tmp_path_factory: pytest.TempPathFactory):
+    """Qwen3-0.6B's shipped config cut to 4 layers (same heads, head dim, vocabulary), for dummy weights."""
+    import json
+    from importlib import resources
+
+    cfg = json.loads(resources.files("minisgl_ref.models").joinpath("configs/qwen3-0.6b.json").read_text())
+    cfg["num_hidden_layers"] = 4
+    folder = tmp_path_factory.mktemp("qwen3_4layers")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def engine_logits(path, **engine_kw) -> dict[tuple[int, ...], list[torch.Tensor]]:
+    """Run a small greedy workload through the engine and record, per request, the logits row of every forward
+    pass it took part in (chunks, decode steps), in order."""
+    from minisgl_ref import LLM, SamplingParams
+
+    llm = LLM(path, load_format="dummy", dtype="bfloat16", device="cuda", max_total_tokens=8192, page_size=16,
+              chunked_prefill_size=96, cuda_graph_max_bs=8, **engine_kw)  # fmt: skip
+    runner = llm.engine.runner
+    forward, run = runner.forward, runner.run
+    seen: list[torch.Tensor] = []
+    rows: dict[tuple[int, ...], list[torch.Tensor]] = {}
+
+    def forward_recording(fb):  # type: ignore[no-untyped-def]
+        logits = forward(fb)
+        seen.append(logits.float().cpu())
+        return logits
+
+    def run_recording(batch):  # type: ignore[no-untyped-def]
+        out = run(batch)
+        logits = seen.pop()
+        for i, req in enumerate(batch.reqs):
+            rows.setdefault(tuple(req.input_ids), []).append(logits[i])
+        return out
+
+    runner.forward, runner.run = forward_recording, run_recording
+    rng = random.Random(5)
+    prompts = [[rng.randrange(100, 150000) for _ in range(n)] for n in (300, 150, 37, 90)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True), use_tqdm=False)
+    return rows
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("engine_kw", [dict(page_size=1, chunked_prefill_size=16, enable_mixed_chunk=True),
-                                       dict(page_size=16, chunked_prefill_size=32),
-                                       dict(page_size=64, chunked_prefill_size=64)],
-                         ids=["page1-chunk16-mixed", "page16-chunk32", "page64-chunk64"])  # fmt: skip
-def test_gpu_engine_greedy_tokens_match_torch_native(tiny_path, engine_kw):
-    ref, _ = generate_tokens(tiny_path, "torch_native", "cuda", **engine_kw)
-    ours, _ = generate_tokens(tiny_path, "triton", "cuda", **engine_kw)
-    assert ours == ref
+@pytest.mark.parametrize("engine_kw", [dict(attention_backend="triton"), dict(attention_backend="flashinfer"),
+                                       dict(attention_backend="fa3"), {}],
+                         ids=["triton", "flashinfer", "fa3", "default"])  # fmt: skip
+def test_gpu_engine_qwen3_matches_torch_native(qwen3_small_path, engine_kw):
+    """The whole engine (chunked prefill, decode with CUDA graphs where the backend has them) on a 4-layer Qwen3
+    with dummy weights, in bf16, against the same engine with torch_native attention.
+
+    Why not "identical greedy tokens for a long output": in bf16 two correct kernels round differently (they sum
+    in different orders), so logits differ by ~1e-3 relative, and with random weights the top two logits are often
+    closer than that. Once one greedy choice flips, every later step sees a different input. So the test checks
+    what must hold: every recorded logits row within 2e-2 relative of torch_native's (a few bf16 layers of
+    rounding), and the greedy tokens equal wherever torch_native's top-1 beats its top-2 by more than twice the
+    largest logit difference (then the argmax cannot flip); after the first legitimate flip of a request its later
+    steps are no longer comparable and are skipped."""
+    name = engine_kw.get("attention_backend")
+    if name is not None and not gpu_backend_available(name):
+        pytest.skip(f"{name} cannot run here")
+    ref = engine_logits(qwen3_small_path, attention_backend="torch_native")
+    ours = engine_logits(qwen3_small_path, **engine_kw)
+    assert ref.keys() == ours.keys()
+    compared = 0
+    for key in ref:
+        assert len(ref[key]) == len(ours[key])
+        for a, b in zip(ref[key], ours[key]):
+            err = ((b - a).norm() / a.norm()).item()
+            assert err < 2e-2, f"logits relative error {err:.2e}"
+            compared += 1
+            if int(a.argmax()) != int(b.argmax()):
+                top2 = a.topk(2).values
+                assert (top2[0] - top2[1]).item() <= 2 * (b - a).abs().max().item(), "argmax flipped with a clear margin"
+                break  # a legitimate near-tie flip: later steps of this request see different inputs
+    assert compared >= 4 * 5

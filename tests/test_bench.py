@@ -128,11 +128,14 @@ def test_each_stage_adds_one_feature():
         offline.stage_settings("chunked", {"chunked_prefill_size": -1})
 
 
-def test_radix_cache_computes_fewer_prefill_tokens_and_is_faster(one_thread):
+def test_radix_cache_computes_at_least_3x_fewer_prefill_tokens(one_thread):
     """The quick shared-prefix workload, paged KV without and with the radix cache, in one process.
 
-    The workload is prefill-dominated by design (long shared system prompts, 4 output tokens), so skipping
-    the shared prefixes' compute must show up in the wall time even on a busy two-core machine."""
+    The counts are deterministic, so they are what this test checks: with the radix cache each group's system
+    prompt is computed once (the in-batch check holds back same-group requests admitted together until the
+    prefix is in the tree), which is >= 3x fewer prefill tokens than without it. Whether that is also faster
+    is a timing question for the benchmark itself (its committed CPU run is
+    docs/data/bench_offline_quick_shared_prefix_cpu.json, read by chapter 04), not for a pass/fail test."""
     wl = shared_prefix_workload(**offline.QUICK_SHARED_PREFIX)
     paged, radix = offline.run_ladder(wl, ["paged", "radix"], offline.quick_model("cpu"),
                                       dict(offline.QUICK_BUDGETS))
@@ -143,9 +146,10 @@ def test_radix_cache_computes_fewer_prefill_tokens_and_is_faster(one_thread):
     assert paged.radix_hit_rate is None
     assert radix.prefill_tokens + radix.cached_tokens == wl.input_tokens
     assert paged.prefill_tokens >= 3 * radix.prefill_tokens, (paged.prefill_tokens, radix.prefill_tokens)
+    cfg = offline.QUICK_SHARED_PREFIX
+    ideal = cfg["num_groups"] * cfg["system_len"] + wl.num_requests * cfg["question_len"]
+    assert radix.prefill_tokens == ideal  # every system prompt computed exactly once
     assert radix.radix_hit_rate == pytest.approx(radix.cached_tokens / wl.input_tokens)
-    speedup = radix.output_throughput / paged.output_throughput
-    assert speedup > 1.0, f"radix {radix.wall_s:.2f}s vs paged {paged.wall_s:.2f}s"
 
 
 # --------------------------------------------------------------------------------------- provenance and CLI

@@ -96,7 +96,7 @@ def test_oracle_matrix(tiny_llm, radix, page, chunk, overlap, mixed, small):
 
 SMOL_CONFIGS = [
     pytest.param(dict(), id="defaults"),
-    pytest.param(dict(page_size=16, chunked_prefill_size=16, max_total_tokens=128, init_new_token_ratio=0.0,
+    pytest.param(dict(page_size=16, chunked_prefill_size=16, max_total_tokens=96, init_new_token_ratio=0.0,
                       min_new_token_ratio=0.0), id="radix-page16-chunk16-overlap-retract"),
     pytest.param(dict(disable_radix_cache=True, disable_overlap_schedule=True, enable_mixed_chunk=True,
                       chunked_prefill_size=8), id="noradix-nooverlap-mixed-chunk8"),
@@ -182,12 +182,18 @@ def test_shared_new_prefix_in_one_prefill_batch(tiny_llm, page_size, overlap):
     so each computes the prefix into its own slots. When both commit, the tree keeps the first copy; the second
     request's copy must be freed exactly once and its page-table row repointed at the tree's slots. Getting this
     wrong frees pages that are still in use (the tree's or the request's: later requests then overwrite live
-    KV), frees a page twice (two requests later get the same page), or leaks the duplicates."""
+    KV), frees a page twice (two requests later get the same page), or leaks the duplicates.
+
+    In-batch prefix caching (test_in_batch_prefix_caching_defers_the_second_request) would hold the second
+    request back a step; it is switched off here so that the pitfall's code path runs. It still runs whenever
+    the shared part is shorter than the threshold, or the requests arrive in the same step but the first is a
+    continuing chunk."""
     rng = random.Random(11)
     shared = rand_tokens(rng, 42)  # with page 4 the shareable part is 40 tokens: 2 tokens stay private
     prompts = [shared + rand_tokens(rng, 9), shared + rand_tokens(rng, 14)]
     params = greedy(8, ignore_eos=True)
-    engine = make_engine(tiny_llm, page_size=page_size, disable_overlap_schedule=not overlap)
+    engine = make_engine(tiny_llm, page_size=page_size, disable_overlap_schedule=not overlap,
+                         in_batch_prefix_threshold=-1)
     reqs = make_reqs(tiny_llm, prompts, params)
     a, b = reqs
     aligned = 42 - 42 % page_size
@@ -217,9 +223,13 @@ def test_shared_new_prefix_in_one_prefill_batch(tiny_llm, page_size, overlap):
         assert len(tree_slots) == aligned
         assert torch.equal(row_a[:aligned], tree_slots) and torch.equal(row_b[:aligned], tree_slots)
         assert not pages_of(row_a[aligned:], page_size) & pages_of(row_b[aligned:], page_size)
-        # b's duplicate copy is released: free now (or parked until the step in flight is done), exactly once
+        # b's duplicate copy is released: free now, or parked until the step that wrote it has been processed
+        # (the step in flight, under overlap), exactly once
         dup_pages = pages_of(rows_at_launch[b][:aligned], page_size)
-        parked = [p for s in eng.cache.pending_free + eng._waiting_for_inflight for p in pages_of(s, page_size)]
+        waiting = eng.cache.pending_free + eng._waiting_for_inflight
+        if eng.inflight is not None:
+            waiting = waiting + eng.inflight.free_when_done
+        parked = [p for s in waiting for p in pages_of(s, page_size)]
         released = list(eng.allocator._free) + parked
         assert all(released.count(p) == 1 for p in dup_pages), "a duplicate page was not freed exactly once"
         check_free_list(eng)
@@ -478,12 +488,10 @@ def test_context_longer_than_pool_is_aborted_while_decoding(tiny_llm):
     assert long.finish_reason.kind == "abort" and "too small" in long.finish_reason.message
     assert 0 < len(long.output_ids) < 60 and long.output_ids == expected[0].ids[: len(long.output_ids)]
     assert short.output_ids == expected[1].ids and short.finish_reason.kind == "length"
-    assert_pool_accounting(engine, arrival=False)  # the leaked arrival entry: see the next test
+    assert_pool_accounting(engine)
 
 
 @pytest.mark.task("3.2")
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="engine bug: Scheduler._add_decode_rows (abort of a lone request) and "
-                   "Engine.abort (of a waiting request) never remove the request from Scheduler.arrival: a leak")
 @pytest.mark.parametrize("how", ["decode-abort", "engine-abort-while-waiting"])
 def test_aborted_requests_are_forgotten_by_the_scheduler(tiny_llm, how):
     """Every way out of the scheduler must drop the request from its bookkeeping, or a long-running server keeps
@@ -506,14 +514,12 @@ def test_aborted_requests_are_forgotten_by_the_scheduler(tiny_llm, how):
 
 @pytest.mark.task("3.2")
 @pytest.mark.task("5.1")
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="engine bug: a partially prefilled (chunked) request keeps its KV while "
-                   "the only running request is aborted as 'too small for the pool', though it fits alone")
 @pytest.mark.parametrize("overlap", [True, False])
 def test_chunked_prefill_does_not_starve_a_request_that_fits(tiny_llm, overlap):
     """Two requests of 60 + 30 tokens in a 100-token pool, chunked at 8: each fits alone, so both must finish
     with the oracle's tokens (the scheduler may retract or pause the chunked one, not abort the running one).
-    Today the chunked request's KV grows chunk by chunk until the running request cannot get a slot; the
-    scheduler then sees one running request and aborts it."""
+    The bug guarded against: the chunked request's KV grows chunk by chunk until the running request cannot
+    get a slot; a scheduler that counts only *running* requests then sees one and aborts it as too big."""
     rng = random.Random(5)
     prompts = [rand_tokens(rng, 60), rand_tokens(rng, 60)]
     params = greedy(30, ignore_eos=True)
@@ -521,21 +527,20 @@ def test_chunked_prefill_does_not_starve_a_request_that_fits(tiny_llm, overlap):
     reqs = make_reqs(tiny_llm, prompts, params)
     drive(engine, reqs)
     assert [r.finish_reason.kind for r in reqs] == ["length", "length"], [r.finish_reason for r in reqs]
+    # the partially prefilled request is the one that gave way (retracted), not the decoding one
+    assert reqs[1].retractions >= 1 and reqs[0].retractions == 0
     assert_matches_oracle(reqs, oracle(tiny_llm, prompts, params))
     assert_pool_accounting(engine)
 
 
 @pytest.mark.task("5.1")
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="engine bug: admission reserves new_token_ratio * max_new_tokens even when that "
-                   "exceeds the whole pool (or the context window), so the request is never admitted and the engine "
-                   "spins with has_work=True forever (LLM.generate hangs)")
 @pytest.mark.parametrize("case", ["reservation-over-pool", "max-new-tokens-beyond-context"])
 def test_request_whose_reservation_exceeds_the_pool_is_admitted(tiny_llm, case):
     """A lone request must always make progress. (a) 30 prompt tokens + 60 new in a 64-token pool: it fits at
     first and, alone, is aborted only when the pool really overflows (as in the test above); (b) with the default
     16384-token pool, max_new_tokens=30000 on a 48-token context window: the context ends it by length after 43
-    tokens, exactly as in the oracle. Today neither is ever scheduled: the reservation (0.7 * max_new_tokens)
-    alone exceeds what the pool could ever offer."""
+    tokens, exactly as in the oracle. The bug guarded against: the admission reservation (0.7 * max_new_tokens)
+    alone exceeds what the pool could ever offer, so the request is never scheduled and the engine spins."""
     from minisgl_ref.engine.naive import NaiveEngine
 
     if case == "reservation-over-pool":
@@ -634,8 +639,6 @@ def test_radix_cache_saves_prefill_of_shared_prefixes(tiny_llm):
 
 
 @pytest.mark.task("4.4")
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="engine bug: after a retraction, cached_tokens counts the request's own "
-                   "re-matched output tokens and can exceed prompt_tokens")
 def test_cached_tokens_never_exceed_prompt_tokens(tiny_llm):
     """cached_tokens means 'prompt tokens whose KV was found in a cache' (OpenAI's usage.prompt_tokens_details):
     it can never exceed prompt_tokens, also for a request that was retracted and re-matched its own output."""
@@ -646,3 +649,165 @@ def test_cached_tokens_never_exceed_prompt_tokens(tiny_llm):
     assert engine.scheduler.num_retractions > 0
     outs = [LLM._output(r) for r in reqs]
     assert all(o.cached_tokens <= o.prompt_tokens for o in outs), [(o.prompt_tokens, o.cached_tokens) for o in outs]
+
+
+# ------------------------------------------------------------------------------------------------ 6. scheduler fixes
+
+
+@pytest.mark.task("4.5")
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_in_batch_prefix_caching_defers_the_second_request(tiny_llm, policy, page_size, overlap):
+    """Two requests share a 42-token prefix that is not cached yet, a third is unrelated; all arrive together.
+    With the default threshold (32) the second one waits a step and then finds the prefix in the tree, so the
+    prefix is computed once; the unrelated one is not held back. With the check off, or a threshold above the
+    overlap, both compute it in the first step."""
+    rng = random.Random(11)
+    shared = rand_tokens(rng, 42)
+    prompts = [shared + rand_tokens(rng, 9), rand_tokens(rng, 20), shared + rand_tokens(rng, 14)]
+    params = greedy(5, ignore_eos=True)
+    expected = oracle(tiny_llm, prompts, params)
+    aligned = 42 - 42 % page_size
+    for threshold, deferred in ((None, True), (-1, False), (43, False)):
+        extra = {} if threshold is None else {"in_batch_prefix_threshold": threshold}
+        engine = make_engine(tiny_llm, schedule_policy=policy, page_size=page_size,
+                             disable_overlap_schedule=not overlap, **extra)
+        a, c, b = reqs = make_reqs(tiny_llm, prompts, params)
+        trace = drive(engine, reqs)
+        assert_matches_oracle(reqs, expected)
+        assert_pool_accounting(engine)
+        first = trace.launched[0]
+        if deferred:
+            assert set(first.reqs) == {a, c}, "the request sharing a's new prefix waits one step"
+            assert trace.launched[1].reqs[0] is b and not trace.launched[1].is_decode_row[0]
+            assert b.cached_tokens == aligned
+            assert engine.stats.prefill_tokens == sum(map(len, prompts)) - aligned
+        else:
+            assert set(first.reqs) == {a, b, c} and b.cached_tokens == 0
+            assert engine.stats.prefill_tokens == sum(map(len, prompts))
+
+
+@pytest.mark.task("5.1")
+@pytest.mark.parametrize("overlap", [True, False])
+def test_without_chunking_an_oversized_prompt_is_prefilled_whole_and_alone(tiny_llm, overlap):
+    """chunked_prefill_size=-1 means no chunking, whatever max_prefill_tokens says: a 50-token prompt with a
+    32-token budget goes through in one step of its own (as in SGLang), and the next step takes the two short
+    prompts that fit the budget together. With chunking on, the same prompt is split at the budget."""
+    rng = random.Random(2)
+    prompts = [rand_tokens(rng, 50), rand_tokens(rng, 20), rand_tokens(rng, 10)]
+    params = greedy(4, ignore_eos=True)
+    expected = oracle(tiny_llm, prompts, params)
+    for chunk in (-1, 16):
+        engine = make_engine(tiny_llm, chunked_prefill_size=chunk, max_prefill_tokens=32,
+                             disable_overlap_schedule=not overlap, disable_radix_cache=True)
+        reqs = make_reqs(tiny_llm, prompts, params)
+        trace = drive(engine, reqs)
+        assert_matches_oracle(reqs, expected)
+        assert_pool_accounting(engine)
+        prefill_rows = [(r, n) for b in trace.launched for r, n, d in zip(b.reqs, b.extend_lens, b.is_decode_row)
+                        if not d]
+        if chunk == -1:
+            assert [(r, n) for r, n in prefill_rows] == [(reqs[0], 50), (reqs[1], 20), (reqs[2], 10)]
+            assert trace.launched[0].reqs == [reqs[0]]
+            assert trace.launched[1].reqs[:2] == [reqs[1], reqs[2]]
+        else:
+            assert [n for r, n in prefill_rows if r is reqs[0]] == [16, 16, 16, 2]
+            assert all(n <= 32 for b in trace.launched for n in [b.num_prefill_tokens])
+
+
+@pytest.mark.task("6.1")
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_prefix_is_shared_with_the_very_next_step(tiny_llm, page_size, overlap):
+    """A request arrives while the prefill of another request with the same 64-token prefix is still in flight
+    (overlap: launched, not processed). Its prefix must come from the tree anyway: the engine commits a prefill
+    row's tokens when the step is launched, which is safe because every later step runs after it. Committing at
+    processing time instead, one step late under overlap, would make the second request compute the prefix
+    again."""
+    rng = random.Random(23)
+    system = rand_tokens(rng, 64)
+    prompts = [system + rand_tokens(rng, 7), system + rand_tokens(rng, 11)]
+    params = greedy(6, ignore_eos=True)
+    engine = make_engine(tiny_llm, page_size=page_size, disable_overlap_schedule=not overlap)
+    first, second = reqs = make_reqs(tiny_llm, prompts, params)
+    seen_in_flight = []
+
+    def add_second_after_first_step(eng, trace: Trace) -> None:
+        if len(trace.events) == 1:
+            if overlap:  # the first step is launched but not processed, and the tree holds its prompt already
+                assert eng.inflight is trace.launched[0] and not first.output_ids
+                assert eng.cache.tree.match_prefix(system).length == 64
+                seen_in_flight.append(True)
+            eng.add_request(second)
+
+    trace = drive(engine, [first], on_step=add_second_after_first_step)
+    assert seen_in_flight == ([True] if overlap else [])
+    assert trace.launched[1].reqs[0] is second and trace.launched[1].prefix_lens[0] == 64
+    assert second.cached_tokens == 64
+    assert engine.stats.prefill_tokens == len(prompts[0]) + len(prompts[1]) - 64
+    assert_matches_oracle(reqs, oracle(tiny_llm, prompts, params))
+    assert_pool_accounting(engine)
+
+
+@pytest.mark.task("6.1")
+@pytest.mark.parametrize("radix", [True, False])
+def test_abort_while_a_step_is_in_flight_frees_after_that_step(tiny_llm, radix):
+    """The server aborts a request between steps, while its decode row is in flight (overlap). Its pages must
+    not be handed out before that step has been processed; afterwards they are free again, the aborted request
+    gets no further token, and the other request still matches the oracle."""
+    rng = random.Random(31)
+    prompts = [rand_tokens(rng, 18), rand_tokens(rng, 25)]
+    params = greedy(12, ignore_eos=True)
+    engine = make_engine(tiny_llm, disable_radix_cache=not radix)
+    victim, other = reqs = make_reqs(tiny_llm, prompts, params)
+    for r in reqs:
+        engine.add_request(r)
+    for _ in range(3):
+        engine.step()
+    assert engine.inflight is not None and victim in engine.inflight.reqs
+    own = engine.req_to_token.read(victim.req_pool_idx, victim.kv_allocated_len, start=victim.tree_len)
+    assert len(own) > 0
+    n_out = len(victim.output_ids)
+    engine.abort(victim, "client went away")
+    assert victim.finish_reason.kind == "abort"
+    assert not pages_of(own, 1) & set(engine.allocator._free), "freed while the step in flight writes them"
+    engine.step()  # processes the step in flight: now they are released (parked until the next step is done)
+    parked = {p for s in engine._waiting_for_inflight + engine.cache.pending_free for p in pages_of(s, 1)}
+    assert pages_of(own, 1) <= set(engine.allocator._free) | set(tree_pages_of(engine)) | parked
+    assert victim.req_pool_idx is None and not engine._release_after_inflight
+    engine.run_until_done()
+    assert len(victim.output_ids) == n_out
+    assert other.output_ids == oracle(tiny_llm, [prompts[1]], params)[0].ids
+    assert_pool_accounting(engine)
+
+
+def tree_pages_of(engine) -> list[int]:
+    return [p for n in engine.cache.tree._all_nodes() for p in pages_of(n.value, engine.allocator.page_size)]
+
+
+def test_kv_pool_sizing_returns_cached_cuda_memory_first(tiny_llm, monkeypatch):
+    """mem_get_info counts memory that PyTorch's caching allocator keeps for reuse (a previous Engine's pool)
+    as used, so kv_pool_tokens must call torch.cuda.empty_cache() before it (checked with stand-ins: no GPU)."""
+    from minisgl_ref.engine.config import EngineConfig
+    from minisgl_ref.engine.engine import kv_pool_tokens
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: calls.append("mem_get_info") or (6e9, 8e9))
+    tokens = kv_pool_tokens(EngineConfig(mem_fraction_static=0.85), tiny_llm.config, torch.device("cuda"),
+                            torch.float32)
+    assert calls == ["empty_cache", "mem_get_info"]
+    per_token = 2 * tiny_llm.config.num_layers * tiny_llm.config.num_kv_heads * tiny_llm.config.head_dim * 4
+    assert tokens == int((8e9 * 0.85 - 2e9) // per_token)
+
+
+@pytest.mark.parametrize("bad", [0, -2])
+def test_in_batch_prefix_threshold_is_validated_and_on_the_cli(bad):
+    from minisgl_ref.cli import build_parser, engine_kwargs
+    from minisgl_ref.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="in_batch_prefix_threshold"):
+        EngineConfig(in_batch_prefix_threshold=bad)
+    args = build_parser().parse_args(["generate", "--in-batch-prefix-threshold", "-1", "hi"])
+    assert EngineConfig(**engine_kwargs(args)).in_batch_prefix_threshold == -1

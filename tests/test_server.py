@@ -405,6 +405,7 @@ def test_shell_follow_up_turns_hit_the_cache():
     (p1, c1, _), (p2, c2, _) = stats
     assert p2 > p1 and c2 >= p1, text  # turn 2 reuses all of turn 1's prompt (and more) from the radix cache
     assert "(history cleared)" in text
+    assert "Traceback" not in text and "destroyed but it is pending" not in text, text  # a clean exit
 
 
 def test_dead_scheduler_fails_fast():
@@ -445,6 +446,44 @@ def test_dead_scheduler_fails_fast():
         assert srv.proc.wait(30) != 0
         time.sleep(0.5)
         assert not alive(pids["detokenizer"]) and not alive(pids["scheduler"])
+    finally:
+        srv.kill_all()
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--attention-backend", "flashinfer"], "attention backend 'flashinfer' needs a CUDA device"),
+    (["--decode-attention-backend", "fa3"], "attention backend 'fa3' needs a CUDA device"),
+    (["--attention-backend", "nope"], "invalid choice: 'nope'"),
+    (["--port", "0"], "--port must be in 1..65535"),
+    (["--max-running-requests", "0"], "max_running_requests"),
+], ids=["flashinfer-on-cpu", "fa3-on-cpu", "unknown-backend", "bad-port", "bad-engine-flag"])
+def test_bad_flags_fail_before_starting(flags, fragment, capsys):
+    """A flag the server cannot honour ends ``serve`` at once with one ``error:`` line and status 2, before any
+    child process loads the model."""
+    from minisgl_ref.cli import main
+
+    try:
+        code = main(["serve", "--device", "cpu", *flags])
+    except SystemExit as e:  # argparse rejects unknown choices itself, also with status 2
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and fragment in err, err
+    assert "Traceback" not in err
+
+
+def test_ctrl_c_stops_every_process():
+    """Ctrl-C in a terminal sends SIGINT to the whole process group: the children ignore it, the server stops
+    them in order and exits with status 0, leaving no process behind."""
+    srv = ServerProcess("--log-level", "warning", "--max-total-tokens", "2048")
+    try:
+        srv.wait_ready()
+        pids = srv.server_info()["pids"]
+        kids = children_of(srv.proc.pid)
+        assert {pids["scheduler"], pids["detokenizer"]} <= set(kids)
+        os.killpg(srv.proc.pid, signal.SIGINT)
+        assert srv.proc.wait(60) == 0, srv.log_text()
+        time.sleep(0.5)
+        assert [p for p in kids if alive(p)] == []
     finally:
         srv.kill_all()
 

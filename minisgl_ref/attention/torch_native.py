@@ -66,7 +66,13 @@ class NoCacheAttentionBackend(AttentionBackend):
 class TorchNativeBackend(AttentionBackend):
     """The paged oracle (chapter 03): new K/V go into the pool at ``out_cache_loc``; each request then gathers
     its whole context through its page-table row and runs :func:`reference_attention`. One loop iteration per
-    request: slow, simple, and the reference for the Triton/FlashInfer/FA3 backends of chapter 07."""
+    request: slow, simple, and the reference for the Triton/FlashInfer/FA3 backends of chapter 07.
+
+    No CUDA graphs: the per-request Python loop and the host-side lengths it slices with cannot be recorded
+    into a graph, so the CUDA-graph hooks keep the base class's ``NotImplementedError`` and the engine runs
+    decode eagerly with this backend."""
+
+    name = "torch_native"
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool) -> None:
         self.kv_pool = kv_pool

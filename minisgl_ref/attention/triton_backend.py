@@ -85,6 +85,8 @@ class TritonAttnBackend(AttentionBackend):
     piece worth a program of its own.
     """
 
+    name = "triton"
+
     def __init__(
         self,
         kv_pool: KVPool,
@@ -126,6 +128,7 @@ class TritonAttnBackend(AttentionBackend):
         want = triton.cdiv(4 * self.num_sms, batch_size * self.num_kv_heads)
         return max(1, min(self.max_kv_splits, want))
 
+    # BEGIN TASK 7.2: per-step metadata of the Triton kernels (CSR kv_indptr / kv_indices, qo_indptr, splits)
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         assert batch.req_pool_indices is not None
         dev = self.device
@@ -150,6 +153,7 @@ class TritonAttnBackend(AttentionBackend):
             md.max_extend_len = max(batch.extend_lens_cpu)
             md.extend_config = extend_launch_config(max(batch.prefix_lens_cpu))
         self.forward_metadata = md
+    # END TASK 7.2
 
     def _split_scratch(self, bs: int, num_heads: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
         mid_o = torch.empty(bs, num_heads, splits, self.head_dim, dtype=torch.float32, device=self.device)

@@ -1,11 +1,21 @@
-"""Tensor-parallel process state (chapter 09; at tp=1 every helper here is a no-op)."""
+"""Tensor-parallel process state and collectives (chapter 09; at tp=1 every helper here is a no-op).
+
+``parallel_state`` holds this process's rank and the collectives the layers call; ``group`` starts and stops the
+``torch.distributed`` process group; ``tp_engine`` keeps the schedulers of all ranks in lock-step.
+"""
 
 from minisgl_ref.distributed.parallel_state import (
+    CommCounter,
     TPInfo,
     all_gather_last_dim,
     all_reduce,
+    broadcast_tensor,
+    count_communication,
     get_tp_info,
     set_tp_info,
 )
 
-__all__ = ["TPInfo", "all_gather_last_dim", "all_reduce", "get_tp_info", "set_tp_info"]
+__all__ = [
+    "CommCounter", "TPInfo", "all_gather_last_dim", "all_reduce", "broadcast_tensor", "count_communication",
+    "get_tp_info", "set_tp_info",
+]

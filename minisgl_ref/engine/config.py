@@ -12,6 +12,10 @@ class EngineConfig:
     chunked_prefill_size: int = 8192  # most new tokens of one request per step; -1 disables chunking
     schedule_policy: str = "fcfs"  # or "lpm": longest cached prefix first
     enable_mixed_chunk: bool = False  # let decode tokens ride along in prefill steps
+    # In-batch prefix caching (chapter 04): a waiting request that would compute at least this many uncached
+    # prompt tokens that another request of the same prefill step is computing waits one step instead, and then
+    # finds them in the radix tree. SGLang uses 32 (under lpm). -1 disables it.
+    in_batch_prefix_threshold: int = 32
     page_size: int = 1
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
@@ -20,6 +24,15 @@ class EngineConfig:
     init_new_token_ratio: float = 0.7  # admission reserves this fraction of each request's remaining output
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001
+    # CUDA graphs for decode (chapter 08): captured for padded batch sizes up to cuda_graph_max_bs (default:
+    # max_running_requests, at most 256). CUDA only, and only with a backend that has the graph hooks.
+    cuda_graph_max_bs: int | None = None
+    disable_cuda_graph: bool = False
+    # Attention backends (chapter 07): torch_native, triton, flashinfer or fa3; None = the device's default.
+    # attention_backend sets both phases; the prefill/decode flags override it for one phase.
+    attention_backend: str | None = None
+    prefill_attention_backend: str | None = None
+    decode_attention_backend: str | None = None
 
     def __post_init__(self) -> None:
         def need(cond: bool, field: str, what: str, value: object) -> None:
@@ -31,7 +44,15 @@ class EngineConfig:
         need(self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1, "chunked_prefill_size",
              "-1 or >= 1", self.chunked_prefill_size)
         need(self.schedule_policy in ("fcfs", "lpm"), "schedule_policy", "'fcfs' or 'lpm'", self.schedule_policy)
+        need(self.in_batch_prefix_threshold == -1 or self.in_batch_prefix_threshold >= 1,
+             "in_batch_prefix_threshold", "-1 or >= 1", self.in_batch_prefix_threshold)
         need(self.page_size >= 1, "page_size", ">= 1", self.page_size)
         need(self.max_total_tokens is None or self.max_total_tokens >= self.page_size, "max_total_tokens",
              ">= page_size", self.max_total_tokens)
         need(0.0 < self.mem_fraction_static < 1.0, "mem_fraction_static", "in (0, 1)", self.mem_fraction_static)
+        need(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", ">= 1",
+             self.cuda_graph_max_bs)
+        from minisgl_ref.attention.registry import validate_backend_name  # light: torch only
+
+        for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+            validate_backend_name(name, getattr(self, name))

@@ -17,6 +17,9 @@ Three consequences, each handled explicitly here or in the scheduler:
    from a device-side token buffer.
 3. KV slots freed while processing step N may still be written by step N+1: frees are released one step late.
 
+One thing is deliberately *not* one step late: a prefill row's prompt tokens go into the radix tree as soon as
+its step is launched (``_commit_launched``), so that step N+1's requests can already reuse step N's prompts.
+
 On the CPU ``launch`` computes synchronously, so nothing actually overlaps, but every one of these code paths
 runs, which is what the tests check.
 """
@@ -28,7 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minisgl_ref.attention.torch_native import TorchNativeBackend
+from minisgl_ref.attention.registry import create_attention_backend
+from minisgl_ref.distributed.group import min_over_ranks
 from minisgl_ref.engine.config import EngineConfig
 from minisgl_ref.engine.model_runner import ModelRunner
 from minisgl_ref.kvcache.allocator import PageAllocator
@@ -64,6 +68,9 @@ def kv_pool_tokens(config: EngineConfig, model_config: ModelConfig, device: torc
         return config.max_total_tokens
     if device.type != "cuda":
         return CPU_DEFAULT_MAX_TOTAL_TOKENS
+    # Memory that PyTorch's caching allocator holds but no tensor uses (say, a previous Engine's KV pool in the
+    # same process) counts as used in mem_get_info: hand it back first, or a second Engine sizes its pool too small.
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     used_by_others = total - free  # the weights are already loaded, so they count here
     budget = total * config.mem_fraction_static - used_by_others
@@ -91,7 +98,8 @@ class Engine:
         self.model_config = model_config
         dtype = next(model.parameters()).dtype
         page = self.config.page_size
-        tokens = kv_pool_tokens(self.config, model_config, self.device, dtype)
+        # With tensor parallelism every rank must schedule alike, so all take the smallest rank's pool (chapter 09).
+        tokens = min_over_ranks(kv_pool_tokens(self.config, model_config, self.device, dtype))
         num_pages = tokens // page + 1  # + the reserved dummy page 0
         self.allocator = PageAllocator(num_pages, page, self.device)
         context = context_length or model_config.max_position_embeddings
@@ -104,11 +112,17 @@ class Engine:
         manager_cls = NaiveCacheManager if self.config.disable_radix_cache else CacheManager
         self.cache = manager_cls(self.allocator, self.req_to_token)
         self.scheduler = Scheduler(self.config, self.cache)
-        backend = TorchNativeBackend(self.kv_pool, self.req_to_token)
-        self.runner = ModelRunner(model, model_config.vocab_size, self.req_to_token, backend, self.device)
+        num_q_heads = next(m for m in model.modules() if isinstance(m, AttentionLayer)).num_heads  # per rank
+        backend = create_attention_backend(self.config, self.kv_pool, self.req_to_token, num_q_heads=num_q_heads,
+                                           device=self.device)  # chapter 07: --attention-backend and defaults
+        graph_max_bs = self.config.cuda_graph_max_bs or min(self.config.max_running_requests, 256)
+        self.runner = ModelRunner(model, model_config.vocab_size, self.req_to_token, backend, self.device,
+                                  use_cuda_graph=not self.config.disable_cuda_graph and self.device.type == "cuda",
+                                  cuda_graph_max_bs=graph_max_bs)
         self.overlap = not self.config.disable_overlap_schedule
         self.inflight: ScheduledBatch | None = None
         self._waiting_for_inflight: list[torch.Tensor] = []
+        self._release_after_inflight: list[Req] = []  # aborted while a step writing their KV was in flight
         self.stats = EngineStats()
 
     @property
@@ -152,6 +166,7 @@ class Engine:
         if self.inflight is not None:
             self.cache.defer_frees = batch is not None
             events += self._process(self.inflight)
+            self._release_aborted()
         self._free(self._waiting_for_inflight + waits_for_inflight)
         self._waiting_for_inflight = self.cache.take_pending()  # these may still be touched by `batch`
         self.inflight = batch
@@ -160,6 +175,7 @@ class Engine:
     def _finish_inflight(self) -> list[StepEvent]:
         self.cache.defer_frees = False
         events = self._process(self.inflight) if self.inflight is not None else []
+        self._release_aborted()
         self.inflight = None
         self._free(self._waiting_for_inflight + self.cache.take_pending())
         self._waiting_for_inflight = []
@@ -178,28 +194,39 @@ class Engine:
         if batch is None:
             return None
         self.runner.run(batch)
+        self._commit_launched(batch)
         self.stats.steps += 1
         self.stats.prefill_tokens += batch.num_prefill_tokens
         self.stats.decode_tokens += batch.num_tokens - batch.num_prefill_tokens
         return batch
 
+    def _commit_launched(self, batch: ScheduledBatch) -> None:
+        """Offer the prompt tokens that ``batch`` computes to the radix tree as soon as the step is launched.
+
+        Waiting until the step is processed would, under overlap, be one step late: the next step is scheduled
+        before this one is processed, and its requests would miss the prefix. Committing now is safe because
+        every later step is launched after this one (on one CUDA stream, in order; on the CPU, synchronously),
+        so any request that matches these slots reads them after this step has written them. The page-table
+        rows may be repointed now too: this step's slots were already read by ``runner.run``. Duplicate copies
+        (two rows of this step computing the same new prefix) are written by this step, so they are freed only
+        once it has been processed."""
+        for req, is_decode in zip(batch.reqs, batch.is_decode_row):
+            if not is_decode:
+                self.cache.commit(req, free=batch.free_when_done.append)
+
     # BEGIN TASK 6.1: process a step's results (one step late under overlap)
     def _process(self, batch: ScheduledBatch) -> list[StepEvent]:
         assert batch.next_tokens is not None
-        tokens = batch.next_tokens.tolist()  # the one host sync per step
+        tokens = batch.next_tokens.tolist()  # the one host sync per step: after it, the step has run
+        self._free(batch.free_when_done)
         events = []
-        for req, token, emits, epoch, is_decode in zip(
-            batch.reqs, tokens, batch.emits, batch.epochs, batch.is_decode_row
-        ):
-            if req.finished or req.retractions != epoch:
-                continue  # the extra token overlap computed after the end, or a retracted request's old step
-            if not emits:
-                self.cache.commit(req)  # a partial prefill chunk: share what is computed so far
+        for req, token, emits, epoch in zip(batch.reqs, tokens, batch.emits, batch.epochs):
+            if not emits or req.finished or req.retractions != epoch:
+                # a partial prefill chunk (its KV was committed at launch), the extra token overlap computed
+                # after the end, or a retracted request's old step
                 continue
             req.num_inflight -= 1
             delta = req.append_token(token)
-            if not is_decode:
-                self.cache.commit(req)
             if req.finished:
                 self.scheduler.remove_finished(req)
             events.append(StepEvent(req, delta, req.finished))
@@ -213,10 +240,34 @@ class Engine:
     def abort(self, req: Req, message: str = "aborted") -> None:
         """Stop a request wherever it is (the server calls this when a client disconnects)."""
         sched = self.scheduler
+        if self.inflight is not None and req in self.inflight.reqs:
+            # The step in flight still writes this request's KV, and the prompt tokens it computes are already
+            # in the radix tree (committed at launch). Released now, they would be unpinned and could be evicted
+            # and handed out while still being written. So: out of the queues now, released once that step has
+            # been processed (``_release_aborted``).
+            if req in sched.running:
+                sched.running.remove(req)
+            if sched.chunked is req:
+                sched.chunked = None
+            sched.arrival.pop(req, None)
+            self._release_after_inflight.append(req)
+            req.abort(message)
+            return
+        # Nothing in flight writes its slots; any frees still wait for the step in flight, as all frees do.
+        self.cache.defer_frees = self.inflight is not None
         if req in sched.waiting:
             sched.waiting.remove(req)
             if req.req_pool_idx is not None:
                 self.cache.release(req)
+            sched.arrival.pop(req, None)
         elif req in sched.running or sched.chunked is req:
             sched.remove_finished(req)
+        if self.inflight is not None:
+            self._waiting_for_inflight += self.cache.take_pending()
         req.abort(message)
+
+    def _release_aborted(self) -> None:
+        """Release the requests aborted while a step that writes their KV was in flight (it has been processed)."""
+        for req in self._release_after_inflight:
+            self.cache.release(req)
+        self._release_after_inflight = []

@@ -4,9 +4,25 @@ Everything here is device work plus the minimum of host-to-device copies; nothin
 sampled tokens stay on the device in ``token_buffer`` (indexed by page-table row), which is where the next decode
 step reads its input ids from: that is what lets the CPU schedule step N+1 before it has seen step N's tokens
 (chapter 06).
+
+Per-step host work is the enemy on small models (chapter 08, "per-token costs"): a decode step of Qwen3-0.6B at
+batch 1 takes ~2 ms of GPU time, so a Python loop that launches a few tiny copies per request, or one hidden
+device-to-host sync, makes the GPU wait. Hence the shape of :meth:`ModelRunner.prepare`:
+
+* every host-side number a step needs (input ids, positions, KV slots, page-table rows, sequence lengths, the
+  index of each request's last token) goes into **one** int64 CPU tensor, copied to the device in **one**
+  non-blocking transfer from pinned memory, then sliced into views;
+* the scheduler writes new KV slots only into the host copy of the page table; the runner writes the whole
+  step's new slots into the device table with one scatter;
+* decode-only steps take a vectorised path with no per-request Python work beyond reading two lists;
+* the sampling state is reused across decode steps of the same requests (only the step counter moves).
+
+The only device-to-host sync per step is the engine's ``next_tokens.tolist()``, one step late under overlap.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
@@ -14,11 +30,20 @@ from torch import nn
 from minisgl_ref.attention.base import AttentionBackend
 from minisgl_ref.engine.forward_batch import ForwardBatch, ForwardMode
 from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
-from minisgl_ref.sampling.sampler import Sampler, SamplingBatchInfo
+from minisgl_ref.sampling.sampler import Sampler, SamplingBatchInfo, to_device
 from minisgl_ref.scheduler.batch import ScheduledBatch
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
+    """Turns a :class:`ScheduledBatch` into device work and returns the sampled tokens.
+
+    ``use_cuda_graph`` (CUDA only) captures decode steps for padded batch sizes up to ``cuda_graph_max_bs``
+    (:mod:`~minisgl_ref.engine.cuda_graph`) and replays them; other steps, and every step on the CPU, run
+    eagerly. Graphs are skipped, with a log line, when the attention backend cannot be captured.
+    """
+
     def __init__(
         self,
         model: nn.Module,
@@ -26,6 +51,9 @@ class ModelRunner:
         req_to_token: ReqToTokenPool,
         attn_backend: AttentionBackend,
         device: torch.device,
+        *,
+        use_cuda_graph: bool = False,
+        cuda_graph_max_bs: int | None = None,
     ) -> None:
         self.model = model
         self.vocab_size = vocab_size
@@ -34,44 +62,94 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.token_buffer = torch.zeros(req_to_token.max_requests, dtype=torch.int64, device=device)
+        self._pin = device.type == "cuda"  # pinned host memory makes the H2D copy truly asynchronous
+        # The device page table needs the runner's scatter only when it is not the host table itself.
+        self._table_on_device = req_to_token.table is not req_to_token.host
+        self._last_sampling: tuple[list, SamplingBatchInfo] | None = None  # (reqs, info) of the last decode
+        self.graph_runner = None
+        if use_cuda_graph:
+            self.graph_runner = self._make_graph_runner(cuda_graph_max_bs or req_to_token.max_requests - 1)
+
+    def _make_graph_runner(self, max_bs: int):  # type: ignore[no-untyped-def]
+        from minisgl_ref.engine.cuda_graph import CudaGraphRunner, backend_supports_cuda_graph
+
+        if self.device.type != "cuda":
+            logger.info("CUDA graphs need a CUDA device; running %s eagerly", self.device)
+            return None
+        if not backend_supports_cuda_graph(self.attn_backend):
+            logger.info("attention backend %s has no CUDA-graph hooks; decode runs eagerly",
+                        type(self.attn_backend).__name__)
+            return None
+        return CudaGraphRunner(self, max_bs)
 
     # BEGIN TASK 3.3: build the forward batch
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
-        """Flatten the scheduled rows into [T] input ids, positions and KV slots."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[torch.Tensor] = []
-        decode_at: list[int] = []  # flat indices whose input token is still on the device
-        decode_rows: list[int] = []
-        for req, start, n, is_decode in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.is_decode_row):
-            assert req.req_pool_idx is not None
-            if is_decode:
-                decode_at.append(len(ids))
-                decode_rows.append(req.req_pool_idx)
-                ids.append(0)  # placeholder, filled from token_buffer below
-            else:
-                ids.extend(req.all_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            slots.append(self.req_to_token.read(req.req_pool_idx, start + n, start))
-        dev = self.device
-        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
-        if decode_at:
-            rows = torch.tensor(decode_rows, dtype=torch.int64).to(dev, non_blocking=True)
-            input_ids[torch.tensor(decode_at, device=dev)] = self.token_buffer[rows]
-        return ForwardBatch(
+        """Flatten the scheduled rows into [T] input ids, positions and KV slots.
+
+        Decode rows have no input id on the host (their token was sampled on the device and may not have reached
+        the CPU yet): they carry -1 here and read ``token_buffer`` on the device instead."""
+        rows = [r.req_pool_idx for r in batch.reqs]
+        host_table = self.req_to_token.host
+        if batch.is_decode:
+            # One token per request, at position prefix_len: no per-request loop at all.
+            rows_t = torch.tensor(rows, dtype=torch.int64)
+            pos_t = torch.tensor(batch.prefix_lens, dtype=torch.int64)
+            ids_t = torch.full_like(pos_t, -1)
+            slots_t = host_table[rows_t, pos_t].to(torch.int64)
+            token_rows_t, last_t = rows_t, torch.arange(len(rows), dtype=torch.int64)
+        else:
+            ids: list[int] = []
+            positions: list[int] = []
+            slots: list[torch.Tensor] = []
+            for req, start, n, is_decode in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.is_decode_row):
+                ids.extend([-1] if is_decode else req.all_ids[start : start + n])
+                positions.extend(range(start, start + n))
+                slots.append(host_table[req.req_pool_idx, start : start + n])
+            rows_t = torch.tensor(rows, dtype=torch.int64)
+            pos_t = torch.tensor(positions, dtype=torch.int64)
+            ids_t = torch.tensor(ids, dtype=torch.int64)
+            slots_t = torch.cat(slots).to(torch.int64)
+            ext_t = torch.tensor(batch.extend_lens, dtype=torch.int64)
+            token_rows_t = torch.repeat_interleave(rows_t, ext_t)
+            last_t = ext_t.cumsum(0) - 1
+        seq_lens_t = torch.tensor(batch.prefix_lens, dtype=torch.int64) + torch.tensor(batch.extend_lens)
+        # One host tensor, one copy: [ids | positions | slots | token rows | rows | seq lens | last index].
+        host = torch.cat([ids_t, pos_t, slots_t, token_rows_t, rows_t, seq_lens_t, last_t])
+        if self._pin:
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        t, b = ids_t.shape[0], len(rows)
+        ids_d, pos_d, slots_d, token_rows_d, rows_d, seq_lens_d, last_d = dev.split([t, t, t, t, b, b, b])
+        if self._table_on_device:
+            # The scheduler wrote these slots into the host page table only; the kernels read the device one.
+            self.req_to_token.table[token_rows_d, pos_d] = slots_d.to(torch.int32)
+        # Decode rows take the token sampled by the previous step, straight from the device buffer.
+        input_ids = ids_d if not batch.is_decode else self.token_buffer[rows_d]
+        if not batch.is_decode and any(batch.is_decode_row):
+            input_ids = torch.where(ids_d < 0, self.token_buffer[token_rows_d], ids_d)
+        fb = ForwardBatch(
             mode=ForwardMode.DECODE if batch.is_decode else ForwardMode.EXTEND,
             input_ids=input_ids,
-            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
+            positions=pos_d,
             extend_lens_cpu=list(batch.extend_lens),
             prefix_lens_cpu=list(batch.prefix_lens),
             attn_backend=self.attn_backend,
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in batch.reqs], dtype=torch.int64).to(dev),
-            out_cache_loc=torch.cat(slots).to(dev, non_blocking=True),
+            req_pool_indices=rows_d,
+            out_cache_loc=slots_d,
         )
+        fb.extra["seq_lens"] = seq_lens_d  # [B] on the device: what CUDA-graph replay copies into its buffers
+        fb.extra["last_token_indices"] = last_d
+        return fb
     # END TASK 3.3
 
+    # ------------------------------------------------------------------------------------------------ sampling
+
     def sampling_info(self, batch: ScheduledBatch) -> SamplingBatchInfo:
+        """The batch's sampling state; reused from the previous decode step when that is exact."""
         reqs = batch.reqs
+        cached = self._reuse_sampling_info(batch)
+        if cached is not None:
+            return cached
         info = SamplingBatchInfo.build(
             params_list=[r.params for r in reqs],
             prompt_ids_list=[r.input_ids for r in reqs],
@@ -86,28 +164,70 @@ class ModelRunner:
         # differ from the non-overlapped engine.
         pending = [i for i, r in enumerate(reqs) if r.num_inflight > (1 if batch.emits[i] else 0)]
         if pending:
-            rows = torch.tensor(pending, device=self.device)
+            rows = to_device(torch.tensor(pending), self.device)
             info.steps[rows] += 1
             if info.output_counts is not None:
-                tokens = self.token_buffer[torch.tensor([reqs[i].req_pool_idx for i in pending], device=self.device)]
-                info.output_counts[rows, tokens] += 1
+                pool_rows = to_device(torch.tensor([reqs[i].req_pool_idx for i in pending]), self.device)
+                info.output_counts[rows, self.token_buffer[pool_rows]] += 1
+        if batch.is_decode and not info.need_penalties:
+            self._last_sampling = (list(reqs), info)
+        else:
+            self._last_sampling = None
         return info
+
+    def _reuse_sampling_info(self, batch: ScheduledBatch) -> SamplingBatchInfo | None:
+        """Decode after decode with the same requests (or a subset, in order) and no penalties: the previous
+        step's tensors are right except that every request is one token further, so ``steps += 1`` (and a
+        row filter when some requests left) replaces rebuilding ~10 tensors from Python lists.
+
+        Penalty batches are always rebuilt: their [B, V] counts would also need the last tokens."""
+        last = self._last_sampling
+        if last is None or not batch.is_decode:
+            return None
+        prev_reqs, info = last
+        reqs = batch.reqs
+        if len(reqs) == len(prev_reqs) and all(a is b for a, b in zip(reqs, prev_reqs)):
+            keep = None
+        else:
+            pos = {id(r): i for i, r in enumerate(prev_reqs)}
+            keep = [pos.get(id(r), -1) for r in reqs]
+            if -1 in keep or keep != sorted(keep):
+                return None
+        if keep is not None:
+            info.filter(keep)
+            self._last_sampling = (list(reqs), info)
+        info.steps += 1
+        return info
+
+    # ------------------------------------------------------------------------------------------------- running
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits [B, V] (float32) of each request's last new token: a CUDA-graph replay when one fits."""
+        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            return self.graph_runner.replay(fb)
+        self.attn_backend.init_forward_metadata(fb)
+        hidden = self.model(fb.input_ids, fb.positions, fb)
+        if not fb.mode.is_decode:
+            hidden = hidden[fb.extra["last_token_indices"]]
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Launch the batch; returns the sampled tokens [B] (on the device; nobody waits for them here)."""
         fb = self.prepare(batch)
         batch.forward_batch = fb
-        self.attn_backend.init_forward_metadata(fb)
-        hidden = self.model(fb.input_ids, fb.positions, fb)
-        logits = self.model.compute_logits(hidden[fb.last_token_indices])
+        logits = self.forward(fb)
         info = self.sampling_info(batch)
         batch.sampling_info = info
         next_tokens = self.sampler(logits, info)
         # Rows that emit a token publish it where the next decode step will look for it.
-        emit_rows = [i for i, e in enumerate(batch.emits) if e]
-        if emit_rows:
-            idx = torch.tensor(emit_rows, device=self.device)
-            self.token_buffer[fb.req_pool_indices[idx]] = next_tokens[idx]
+        if all(batch.emits):
+            self.token_buffer[fb.req_pool_indices] = next_tokens
+        else:
+            emit_rows = [i for i, e in enumerate(batch.emits) if e]
+            if emit_rows:
+                idx = to_device(torch.tensor(emit_rows), self.device)
+                self.token_buffer[fb.req_pool_indices[idx]] = next_tokens[idx]
         batch.next_tokens = next_tokens
         return next_tokens

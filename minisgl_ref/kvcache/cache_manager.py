@@ -6,7 +6,7 @@ request alone. The scheduler drives five calls:
 
 * ``match(req)`` on admission: reuse a cached prefix, if any;
 * ``alloc(req, n)`` before a step: slots for the next ``n`` tokens (evicting cached prefixes if needed);
-* ``commit(req)`` after a prefill step: offer the computed tokens to the cache so others can share them;
+* ``commit(req)`` once a prefill step is launched: offer its tokens to the cache so others can share them;
 * ``release(req)`` when the request finishes or is retracted: cache what is reusable, free the rest;
 * ``flush_pending()`` once no step in flight can touch freed slots any more.
 
@@ -16,6 +16,8 @@ them only after that step completes means no other request can be handed those s
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -79,7 +81,9 @@ class CacheManager:
         self.req_to_token.write(req.req_pool_idx, 0, result.slots)
         req.last_node = result.node
         req.tree_len = req.kv_committed_len = req.kv_allocated_len = result.length
-        req.cached_tokens = max(req.cached_tokens, result.length)
+        # cached_tokens counts *prompt* tokens (OpenAI's usage.prompt_tokens_details): a retracted request that
+        # re-matches its own output tokens must not report more cached tokens than its prompt has.
+        req.cached_tokens = max(req.cached_tokens, min(result.length, len(req.input_ids)))
         return result.length
 
     def alloc(self, req: Req, n: int) -> torch.Tensor:
@@ -89,9 +93,18 @@ class CacheManager:
         needed_pages = self.allocator.pages_needed(seq_len, n)
         if needed_pages > self.allocator.num_free_pages:
             self.evict((needed_pages - self.allocator.num_free_pages) * self.page_size)
-        last = int(self.req_to_token.table[req.req_pool_idx, seq_len - 1]) if seq_len else 0
+        # Only a partly filled last page needs its last slot; read from the host copy of the page table.
+        last = int(self.req_to_token.host_np[req.req_pool_idx, seq_len - 1]) if seq_len % self.page_size else 0
+        if n == 1:
+            # The decode case, once per running request per step: plain ints, one numpy store (chapter 08).
+            slot = last + 1 if seq_len % self.page_size else self.allocator.alloc_pages(1)[0] * self.page_size
+            self.req_to_token.host_np[req.req_pool_idx, seq_len] = slot  # host copy only, as below
+            req.kv_allocated_len = seq_len + 1
+            return torch.tensor([slot])
         slots = self.allocator.alloc_tokens(seq_len, last, n)
-        self.req_to_token.write(req.req_pool_idx, seq_len, slots)
+        # Host copy only: these slots belong to tokens of the batch being scheduled, and the model runner writes
+        # all of a step's new slots into the device table at once (one copy instead of one per request).
+        self.req_to_token.write(req.req_pool_idx, seq_len, slots, device=False)
         req.kv_allocated_len = seq_len + n
         return slots
 
@@ -101,20 +114,26 @@ class CacheManager:
             raise OutOfPages(f"needed {num_tokens} more KV slots; eviction found only {freed}")
 
     # BEGIN TASK 4.4: share a request's computed prefix
-    def commit(self, req: Req) -> None:
-        """After a prefill step: put the request's computed tokens (whole pages) into the tree.
+    def commit(self, req: Req, *, upto: int | None = None,
+               free: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Put the request's computed tokens (whole pages, the first ``upto`` at most) into the tree.
 
-        If another request inserted the same tokens first (two requests with a common *new* prefix in one
-        batch), the tree keeps its own copy: our duplicate slots are freed and our page-table row is pointed at
-        the tree's slots, whose KV is identical."""
+        The engine calls it right after launching a prefill step (the KV exists once that step has run, before any
+        later step reads it) and on release. If another request inserted the same tokens first (two requests
+        with a common *new* prefix in one batch), the tree keeps its own copy: our duplicate slots are handed to
+        ``free`` (default: freed, or parked while a step is in flight) and our page-table row is pointed at the
+        tree's slots, whose KV is identical."""
         assert req.req_pool_idx is not None and req.last_node is not None
-        n = req.kv_committed_len - req.kv_committed_len % self.page_size
+        n = req.kv_committed_len if upto is None else min(upto, req.kv_committed_len)
+        n -= n % self.page_size
         if n <= req.tree_len:
             return
         tokens = req.all_ids[:n]
         row = self.req_to_token.read(req.req_pool_idx, n)
         already = self.tree.insert(tokens, row)
-        self._free_later(row[req.tree_len : max(already, req.tree_len)])  # our duplicates of tree-owned KV
+        duplicates = row[req.tree_len : max(already, req.tree_len)]
+        if len(duplicates):
+            (free or self._free_later)(duplicates)
         result = self.tree.match_prefix(tokens)
         assert result.length == n
         self.req_to_token.write(req.req_pool_idx, 0, result.slots)
@@ -127,7 +146,11 @@ class CacheManager:
         """The request is done (or retracted): keep its computed prefix in the tree, free everything else."""
         if req.req_pool_idx is None:
             return
-        self.commit(req)
+        # The tree takes what processed steps computed. Not the slot of a token that only the step in flight is
+        # computing (under overlap, the extra row of a request that has just finished): once unpinned, tree
+        # pages can be evicted and handed out at once, so they must hold no pending writes. That slot is freed
+        # with the request's own slots below, which wait for the step in flight.
+        self.commit(req, upto=len(req.all_ids) - 1)
         own = self.req_to_token.read(req.req_pool_idx, req.kv_allocated_len, start=req.tree_len)
         self._free_later(own)
         assert req.last_node is not None
@@ -144,7 +167,8 @@ class CacheManager:
         """Drop every cached prefix (the server's /flush_cache). Refused while requests pin some of it."""
         if self.tree.protected_size:
             return False
-        self.flush_pending()
+        if not self.defer_frees:  # parked frees wait for the step in flight, flush or no flush
+            self.flush_pending()
         self.tree.flush()
         return True
 
@@ -168,7 +192,8 @@ class NaiveCacheManager(CacheManager):
         req.tree_len = req.kv_committed_len = req.kv_allocated_len = 0
         return 0
 
-    def commit(self, req: Req) -> None:
+    def commit(self, req: Req, *, upto: int | None = None,
+               free: Callable[[torch.Tensor], None] | None = None) -> None:
         pass
 
     def release(self, req: Req) -> None:

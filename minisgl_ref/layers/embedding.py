@@ -4,6 +4,9 @@ Vocabularies are large (151,936 rows for Qwen3), so with tensor parallelism each
 rows. For the embedding, a rank looks up only the token ids that fall into its block, writes zeros for the
 others, and an all-reduce fills in the rest. For the LM head, each rank computes the logits of its block and an
 all-gather concatenates them, because sampling needs the whole distribution.
+
+When the vocabulary does not divide evenly, every rank still holds ``ceil(vocab / tp)`` rows (the last rank's
+extra rows are zeros), so that the all-gather concatenates equal slices; the padded logits are cut off after it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_size = tp.size
         self.vocab_size = vocab_size
         self.rows_per_rank = -(-vocab_size // tp.size)  # ceil: the last block may be padded
-        self.start = tp.rank * self.rows_per_rank
+        self.start = min(vocab_size, tp.rank * self.rows_per_rank)
         self.end = min(vocab_size, self.start + self.rows_per_rank)
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.load_vocab_shard  # type: ignore[attr-defined]
@@ -30,7 +33,7 @@ class VocabParallelEmbedding(nn.Module):
     def load_vocab_shard(self, param: nn.Parameter, full: torch.Tensor) -> None:
         rows = self.end - self.start
         param.data.zero_()
-        param.data[:rows].copy_(full[self.start : self.end])
+        param.data[:rows].copy_(full.narrow(0, self.start, rows))  # works on a lazy checkpoint tensor too
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

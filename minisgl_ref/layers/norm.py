@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minisgl_ref.layers import fused
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -26,6 +28,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``, or with a residual: ``(norm(x + residual), x + residual)``."""
+        if fused.fused_available(x):  # one FlashInfer kernel on the GPU (chapter 08); the code below elsewhere
+            if residual is None:
+                return fused.rmsnorm(x, self.weight, self.eps)
+            return fused.fused_add_rmsnorm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         summed = x + residual

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from minisgl_ref.layers import fused
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies ``theta ** (-2i / d)``, optionally rescaled the way Llama 3.1 extends its context."""
@@ -49,11 +51,16 @@ class RotaryEmbedding(nn.Module):
         # Kept in float32 and not saved in the state dict: it is derived, not learned.
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self._cos_sin_cache: torch.Tensor | None = None  # [max_position, head_dim] for the fused kernel, lazily
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q`` [T, heads, head_dim] and ``k`` [T, kv_heads, head_dim] by their tokens' positions [T]."""
+        if fused.fused_available(q):  # one FlashInfer kernel for q and k together (chapter 08)
+            if self._cos_sin_cache is None or self._cos_sin_cache.device != q.device:
+                self._cos_sin_cache = torch.cat([self.cos_cache, self.sin_cache], dim=-1).to(q.device).contiguous()
+            return fused.rope_inplace(positions, q, k, self._cos_sin_cache)
         # BEGIN TASK 1.1: apply rotary embedding
         cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, head_dim/2]
         sin = self.sin_cache[positions].unsqueeze(1)

@@ -34,7 +34,9 @@ class LlamaAttention(nn.Module):
             config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads, bias=bias
         )
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+        # o_proj reads exactly the query heads this rank owns (an uneven split when the heads do not divide).
+        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size, bias=False,
+                                        shard=self.qkv_proj.q_shard)
         self.rotary = rotary  # one cos/sin table shared by every layer
         self.attn = AttentionLayer(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, config.head_dim)
         if self.use_qk_norm:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from minisgl_ref.distributed import get_tp_info
 from minisgl_ref.models.config import ModelConfig
 from minisgl_ref.models.embedded import EMBEDDED_NAME, embedded_model_path
 from minisgl_ref.models.llama import LlamaForCausalLM
@@ -113,7 +114,8 @@ def load_model(
     else:
         assert resolved.path is not None
         try:
-            model.load_weights(iter_safetensors(resolved.path))
+            # At tp > 1 each rank reads only its slices (lazily, through safetensors' get_slice).
+            model.load_weights(iter_safetensors(resolved.path, lazy=get_tp_info().size > 1))
         except FileNotFoundError as e:
             raise ModelPathError(str(e)) from e
     return model.eval(), config, resolved.path

@@ -23,6 +23,9 @@ class ScheduledBatch:
     sampling_info: SamplingBatchInfo | None = None
     next_tokens: torch.Tensor | None = None  # [B] on the device, filled by the model runner
     stats: dict[str, int] = field(default_factory=dict)
+    # Slots that only this step writes and nobody needs afterwards (duplicate copies of a prefix that another
+    # request of the same step also computed): freed once the step has been processed.
+    free_when_done: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

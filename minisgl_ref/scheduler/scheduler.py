@@ -9,7 +9,9 @@ The scheduler owns three groups of requests:
 Each step it builds one :class:`ScheduledBatch`. Prefill has priority: if waiting requests fit (token budget,
 request slots, KV memory), the step prefills them; with ``enable_mixed_chunk`` the running requests' decode
 tokens ride along in the same step, otherwise they wait one step. Otherwise the step decodes every running
-request, retracting the most recently admitted ones if the KV pool cannot hold one more token for each.
+request, retracting the most recently admitted ones if the KV pool cannot hold one more token for each. With the
+radix cache, a waiting request that would recompute a long prefix another request of the same step is computing
+waits one step and then finds it cached (in-batch prefix caching, chapter 04).
 
 The scheduler never touches the device except through the cache manager's page table: it is plain Python
 bookkeeping, which is exactly the work that overlap scheduling (chapter 06) hides behind the GPU.
@@ -23,6 +25,7 @@ from collections import deque
 from minisgl_ref.engine.config import EngineConfig
 from minisgl_ref.kvcache.allocator import OutOfPages
 from minisgl_ref.kvcache.cache_manager import CacheManager
+from minisgl_ref.kvcache.radix import common_prefix_len
 from minisgl_ref.scheduler.batch import ScheduledBatch
 from minisgl_ref.scheduler.request import Req
 
@@ -88,11 +91,17 @@ class Scheduler:
             return batch if batch.reqs else None
         return None
 
+    def _future_tokens(self, req: Req) -> int:
+        """The most KV slots ``req`` can still need for its output: its remaining ``max_new_tokens``, but never
+        past the context window (a request with max_new_tokens=30000 on a 2k-token model needs at most 2k)."""
+        left = req.params.max_new_tokens - len(req.output_ids) - req.num_inflight
+        if req.context_len is not None:
+            left = min(left, req.context_len - len(req.all_ids) - req.num_inflight)
+        return max(left, 0)
+
     def _reserved_tokens(self) -> int:
         """KV that running requests will still need for their remaining output, discounted by the ratio."""
-        return int(sum(
-            (r.params.max_new_tokens - len(r.output_ids)) * self.new_token_ratio for r in self.running
-        ))
+        return int(sum(self._future_tokens(r) * self.new_token_ratio for r in self.running))
 
     def _ordered_waiting(self) -> list[Req]:
         if self.config.schedule_policy == "fcfs" or not self.cache.shares_prefixes:
@@ -102,13 +111,35 @@ class Scheduler:
         lengths = {r: tree.match_prefix(r.all_ids[:-1]).length for r in self.waiting}
         return sorted(self.waiting, key=lambda r: -lengths[r])
 
+    # BEGIN TASK 4.5: in-batch prefix caching
+    def _defer_for_in_batch_prefix(self, req: Req, computing: list[list[int]]) -> bool:
+        """Should ``req`` (just matched against the tree) wait one step because a request already admitted to
+        this prefill step is computing a long stretch of ``req``'s own uncached prefix?
+
+        ``computing`` holds, for each prefill row of the step so far, the tokens whose KV that request will have
+        once the step has run. Right after launch those tokens enter the radix tree (``Engine._commit_launched``),
+        so next step ``req`` finds them cached instead of computing a second copy. Short overlaps (below the
+        threshold) are not worth a step of latency."""
+        threshold = self.config.in_batch_prefix_threshold
+        if threshold < 0 or not self.cache.shares_prefixes or not computing:
+            return False
+        tokens = req.all_ids[:-1]  # the last token is always computed (its logits are needed)
+        overlap = max(common_prefix_len(tokens, other) for other in computing)
+        return overlap - req.kv_committed_len >= threshold
+    # END TASK 4.5
+
     # BEGIN TASK 5.1: admission with token budgets and chunking
     def _schedule_prefill(self) -> ScheduledBatch | None:
+        if self.chunked is None and not self.waiting:
+            # Nothing to prefill (most decode steps). Returning before _reserved_tokens(), which walks every
+            # running request, saves ~1 ms of host time per step at 256 running requests (chapter 08, G2).
+            return None
         cfg = self.config
         budget = cfg.max_prefill_tokens
-        chunk_cap = cfg.chunked_prefill_size if cfg.chunked_prefill_size > 0 else None
+        chunking = cfg.chunked_prefill_size > 0
         batch = ScheduledBatch([], [], [], [], [], [])
         available = self.cache.available_tokens - self._reserved_tokens()
+        computing: list[list[int]] = []  # per prefill row: the tokens it will have computed after this step
 
         candidates = ([self.chunked] if self.chunked else []) + self._ordered_waiting()
         for req in candidates:
@@ -119,11 +150,27 @@ class Scheduler:
                 break
             if is_new:
                 self.cache.match(req)  # reuse a cached prefix; pins it
+                if self._defer_for_in_batch_prefix(req, computing):
+                    self.cache.release(req)  # unpin; it keeps its place in the queue and matches again next step
+                    continue
             remaining = len(req.all_ids) - req.kv_committed_len
-            n = min(remaining, budget, chunk_cap or remaining)
-            reserve = int((req.params.max_new_tokens - len(req.output_ids)) * self.new_token_ratio)
+            if chunking:
+                n = min(remaining, budget, cfg.chunked_prefill_size)
+            elif remaining <= budget or not batch.reqs:
+                n = remaining  # without chunking a prompt goes whole: alone in its step if it exceeds the budget
+            else:
+                if is_new:
+                    self.cache.release(req)
+                break
+            # Admission reserves room for the request's future output (the bet of chapter 03). A request that
+            # would run alone reserves only what the pool has left: if it outgrows the pool it is aborted then,
+            # with a clear message, instead of never being admitted at all.
+            alone = not batch.reqs and not self.running and self.chunked in (None, req)
+            reserve = 0 if n < remaining else int(self._future_tokens(req) * self.new_token_ratio)
             needed = self.cache.allocator.pages_needed(req.kv_allocated_len, n) * self.cache.page_size
-            if n <= 0 or needed + (reserve if n == remaining else 0) > available:
+            if alone:
+                reserve = min(reserve, max(available - needed, 0))
+            if n <= 0 or needed + reserve > available:
                 if is_new:
                     self.cache.release(req)  # give the pinned prefix back; try again next step
                 break
@@ -131,18 +178,18 @@ class Scheduler:
                 self.waiting.remove(req)
                 self.cache.tree.record_lookup(len(req.all_ids), req.kv_committed_len)
             try:
-                slots = self.cache.alloc(req, n)
+                self.cache.alloc(req, n)
             except OutOfPages:  # the estimate above was optimistic: put it back and stop admitting
                 self.cache.release(req)
                 self.waiting.appendleft(req)
                 if self.chunked is req:
                     self.chunked = None
                 break
-            del slots
-            available -= needed + (reserve if n == remaining else 0)
+            available -= needed + reserve
             budget -= n
             done = n == remaining
             self._add_row(batch, req, n, decode=False, emits=done)
+            computing.append(req.all_ids[: req.kv_committed_len])
             if done:
                 if self.chunked is req:
                     self.chunked = None
@@ -168,7 +215,12 @@ class Scheduler:
 
     # BEGIN TASK 3.2: decode rows and retraction
     def _add_decode_rows(self, batch: ScheduledBatch, reqs: list[Req], *, allow_retract: bool) -> None:
-        """One new token for each request; if the pool cannot hold them, retract the newest requests."""
+        """One new token for each request; if the pool cannot hold them, retract the newest requests.
+
+        A partially prefilled (chunked) request holds KV too and counts as the newest candidate: retracting it is
+        cheaper than retracting a request that is already decoding, and without that a long prompt growing chunk
+        by chunk could squeeze out the last running request. Only a request that has the whole pool to itself and
+        still cannot grow is aborted."""
         reqs = [r for r in reqs if r not in batch.reqs]
         alloc = self.cache.allocator
 
@@ -180,15 +232,21 @@ class Scheduler:
                 return  # mixed step: the decode rows simply wait for the next step
             if self.cache.defer_frees:
                 raise NeedSync
-            if len(reqs) == 1 and len(self.running) == 1:
+            holders = reqs + ([self.chunked] if self.chunked is not None else [])
+            if len(holders) == 1 and len(self.running) == 1:
                 victim = reqs.pop()
                 self.running.remove(victim)
                 victim.abort("the KV cache pool is too small for this request's context")
                 self.cache.release(victim)
+                self.arrival.pop(victim, None)
                 self.aborted.append(victim)
                 return
-            victim = max(reqs, key=lambda r: self.arrival.get(r, 0))
-            reqs.remove(victim)
+            victim = max(holders, key=lambda r: self.arrival.get(r, 0))
+            if victim is self.chunked:
+                self.chunked = None
+            else:
+                reqs.remove(victim)
+                self.running.remove(victim)
             self.retract(victim)
         for req in reqs:
             self.cache.alloc(req, 1)
@@ -196,9 +254,9 @@ class Scheduler:
     # END TASK 3.2
 
     def retract(self, req: Req) -> None:
-        """Send a running request back to the waiting queue, keeping its tokens: it will be prefilled again
-        (reusing whatever of its KV the radix cache still holds) and continue where it stopped."""
-        self.running.remove(req)
+        """Send a request that holds KV back to the waiting queue, keeping its tokens: it will be prefilled again
+        (reusing whatever of its KV the radix cache still holds) and continue where it stopped. The caller has
+        already taken it out of ``running`` (or ``chunked``)."""
         self.cache.release(req)
         req.retractions += 1
         req.num_inflight = 0

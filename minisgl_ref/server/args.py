@@ -12,7 +12,6 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-ATTENTION_BACKENDS = ("torch_native",)  # the kernels of chapter 07 are not served yet
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -26,15 +25,15 @@ class ServerArgs:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     host: str = "127.0.0.1"
     port: int = 30000
-    tp_size: int = 1
+    tp_size: int = 1  # tensor parallelism (chapter 09): one scheduler process per rank
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # host:port where the ranks meet; None: a free local port
     served_model_name: str | None = None
     api_key: str | None = None
     enable_metrics: bool = False
     log_level: str = "info"
     shell: bool = False
-    attention_backend: str = "torch_native"
-    cuda_graph_max_bs: int | None = None
-    disable_cuda_graph: bool = False
     # How long a server whose child died keeps answering 503 (so that clients and /health can see why) before
     # it exits with a non-zero status.
     dead_child_grace_s: float = 2.0
@@ -43,18 +42,9 @@ class ServerArgs:
     def from_cli(cls, args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> ServerArgs:
         if args.engine != "paged":
             raise ValueError("serve needs --engine paged (the naive oracle cannot batch, abort or share a cache)")
-        if args.tp_size != 1:
-            raise ValueError(
-                f"--tp-size {args.tp_size} is not supported yet: this server runs one scheduler (tp_size=1); "
-                "tensor parallelism is chapter 09's"
-            )
-        for flag in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
-            value = getattr(args, flag)
-            if value is not None and value not in ATTENTION_BACKENDS:
-                raise ValueError(
-                    f"--{flag.replace('_', '-')} {value}: only {', '.join(ATTENTION_BACKENDS)} is available "
-                    "in this server for now"
-                )
+        from minisgl_ref.distributed.group import DistConfig
+
+        DistConfig(args.tp_size, 0, args.nnodes, args.node_rank, args.dist_init_addr)  # bad TP flags fail here
         if not 0 < args.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {args.port}")
         if args.context_length is not None and args.context_length < 2:
@@ -64,6 +54,7 @@ class ServerArgs:
         from minisgl_ref.engine.config import EngineConfig
 
         EngineConfig(**engine_kwargs)  # a bad engine flag fails here, before any process starts
+        _check_attention_backends(args.device, engine_kwargs)
         grace = float(os.environ.get("MINISGL_DEAD_CHILD_GRACE_S", "2.0"))
         return cls(
             model_path=args.model_path,
@@ -75,14 +66,14 @@ class ServerArgs:
             host=args.host,
             port=args.port,
             tp_size=args.tp_size,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            dist_init_addr=args.dist_init_addr,
             served_model_name=args.served_model_name,
             api_key=args.api_key,
             enable_metrics=args.enable_metrics,
             log_level=args.log_level,
             shell=args.shell,
-            attention_backend="torch_native",
-            cuda_graph_max_bs=args.cuda_graph_max_bs,
-            disable_cuda_graph=args.disable_cuda_graph,
             dead_child_grace_s=grace,
         )
 
@@ -92,6 +83,23 @@ class ServerArgs:
         d.pop("api_key")
         d.update(d.pop("engine_kwargs"))
         return d
+
+
+def _check_attention_backends(device: str | None, engine_kwargs: dict[str, Any]) -> None:
+    """An attention backend that was asked for but cannot run here (a GPU backend on the CPU, a package that is
+    not installed) fails now, in one line, rather than after the children have spent a minute loading the model.
+    (The engine checks again with the model's dtype known; see :mod:`minisgl_ref.attention.registry`.)"""
+    names = {engine_kwargs.get(k) for k in ("attention_backend", "prefill_attention_backend",
+                                            "decode_attention_backend")} - {None}
+    if not names:
+        return
+    import torch
+
+    from minisgl_ref.attention.registry import check_backend_can_run
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    for name in sorted(names):
+        check_backend_can_run(name, dev)
 
 
 @dataclass(frozen=True)
@@ -119,14 +127,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server (SGLang names)")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=30000)
-    g.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (only 1 for now)")
     g.add_argument("--served-model-name", default=None, help="the model name clients must use (default: the path)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every API route")
     g.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     g.add_argument("--shell", action="store_true", help="chat in this terminal instead of serving HTTP")
-    g.add_argument("--attention-backend", default=None, help="torch_native (the only one served for now)")
-    g.add_argument("--prefill-attention-backend", default=None)
-    g.add_argument("--decode-attention-backend", default=None)
-    g.add_argument("--cuda-graph-max-bs", type=int, default=None, help="accepted; CUDA graphs are chapter 08's")
-    g.add_argument("--disable-cuda-graph", action="store_true")

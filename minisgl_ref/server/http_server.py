@@ -1,19 +1,19 @@
 """The HTTP endpoints: OpenAI-compatible and SGLang-native (chapter 10).
 
-=======================  =========================================================================
-route                    what it does
-=======================  =========================================================================
-POST /v1/chat/completions OpenAI chat (streaming or not, ``n``, ``stop``, ``seed``, usage with cached tokens)
-POST /v1/completions     OpenAI completions (a prompt, a batch of prompts, or token ids)
-GET  /v1/models          the one model served
-POST /generate           SGLang's native API (text or ``input_ids``, ``sampling_params``, cumulative stream)
-GET  /health             200 while every process is alive, 503 (and why) otherwise
-GET  /health_generate    200 once a one-token request has gone through the whole pipeline
-GET  /get_model_info     model path, context length, vocabulary
-GET  /get_server_info    the server's arguments and the scheduler's state (running, queued, KV pool use)
-POST /flush_cache        drop the radix cache (refused while requests run)
-GET  /metrics            Prometheus text (with ``--enable-metrics``)
-=======================  =========================================================================
+==========================  ======================================================================
+route                       what it does
+==========================  ======================================================================
+POST /v1/chat/completions   OpenAI chat: streaming or not, n, stop, seed, usage with cached tokens
+POST /v1/completions        OpenAI completions: a prompt, a batch of prompts, or token ids
+GET  /v1/models             the one model served
+POST /generate              SGLang's native API: text or input_ids, sampling_params, cumulative stream
+GET  /health                200 while every process is alive, 503 (and why) otherwise
+GET  /health_generate       200 once a one-token request has gone through the whole pipeline
+GET  /get_model_info        model path, context length, vocabulary
+GET  /get_server_info       the server's arguments and the scheduler's state (running, queued, KV use)
+POST /flush_cache           drop the radix cache (refused while requests run)
+GET  /metrics               Prometheus text (with --enable-metrics)
+==========================  ======================================================================
 
 Every handler follows the same three steps: validate (a 4xx here touches nothing else), submit through the
 :class:`TokenizerManager`, and either stream the chunks as server-sent events or collect them into one JSON

@@ -60,6 +60,8 @@ class Launcher:
 
             resolve_model_path(self.args.model_path, self.args.load_format)  # fail fast; convert once
             self._start_children()
+            if self.args.node_rank > 0:
+                return self._follow_node()  # another machine's ranks of a multi-node group: no HTTP here
             tokenizer = load_tokenizer(self.args)
             info = self._wait_until_ready()
             if info is None:
@@ -85,14 +87,25 @@ class Launcher:
     # -------------------------------------------------------------------------------------------- children
 
     def _start_children(self) -> None:
+        from minisgl_ref.distributed.group import DistConfig
         from minisgl_ref.server.detokenizer_process import run_detokenizer_process
         from minisgl_ref.server.scheduler_process import run_scheduler_process
 
         ctx = mp.get_context("spawn")
-        targets = {"scheduler": run_scheduler_process, "detokenizer": run_detokenizer_process}
-        for name, target in targets.items():
+        # One scheduler per tensor-parallel rank of this node (chapter 09); rank 0's is "scheduler", and only
+        # node 0 runs the detokenizer (and, in the parent, the HTTP server).
+        dist_cfg = DistConfig(self.args.tp_size, 0, self.args.nnodes, self.args.node_rank, self.args.dist_init_addr)
+        if self.args.tp_size > 1 and self.args.dist_init_addr is None:
+            self.args.dist_init_addr = dist_cfg.with_free_port().dist_init_addr
+        targets: dict[str, tuple[Any, tuple[Any, ...]]] = {
+            ("scheduler" if rank == 0 else f"scheduler-tp{rank}"): (run_scheduler_process, (rank,))
+            for rank in dist_cfg.node_ranks()
+        }
+        if self.args.node_rank == 0:
+            targets["detokenizer"] = (run_detokenizer_process, ())
+        for name, (target, extra) in targets.items():
             receiver, sender = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=target, args=(self.args, self.addrs, sender), name=f"minisgl-{name}",
+            proc = ctx.Process(target=target, args=(self.args, self.addrs, sender, *extra), name=f"minisgl-{name}",
                                daemon=True)
             proc.start()
             sender.close()  # the child holds the only writer: EOF here means it died before reporting
@@ -115,9 +128,23 @@ class Launcher:
                 if "error" in payload:
                     raise ValueError(f"the {name} process failed to start: {payload['error']}")
                 infos[name] = payload["ok"]
-        info = dict(infos["scheduler"])
+        info = dict(infos.get("scheduler", {}))  # a node_rank > 0 node has no rank 0
         info["pids"] = {name: p.pid for name, p in self.procs.items()} | {"server": os.getpid()}
         return info
+
+    def _follow_node(self) -> int:
+        """A node other than 0 of a multi-node group: its schedulers follow rank 0 (on node 0) until it stops."""
+        import time
+
+        if self._wait_until_ready() is None:
+            return 0
+        log.info("ranks %s ready; following node 0 at %s", list(self.procs), self.args.dist_init_addr)
+        while self.stop_signal is None:
+            dead = self.dead_child()
+            if dead is not None:
+                return 0 if all(p.exitcode == 0 for p in self.procs.values()) else 1
+            time.sleep(WATCHDOG_PERIOD_S)
+        return 0
 
     def _exitcode(self, name: str) -> int | None:
         self.procs[name].join(1.0)

@@ -1,6 +1,7 @@
 """The scheduler process: the engine in a loop, fed and drained over ZeroMQ (chapter 10).
 
-One scheduler runs per tensor-parallel rank (only rank 0 here). Its loop is the whole server's heartbeat::
+One scheduler runs per tensor-parallel rank; rank 0's (this class) talks to the other processes,
+ranks 1..N-1 only replay its steps (chapter 09). Its loop is the whole server's heartbeat::
 
     while True:
         take every message waiting on the socket      (block only when the engine has nothing to do)
@@ -61,7 +62,7 @@ class SchedulerWorker:
         # HTTP request and an LLM.generate call with the same settings run the very same engine code.
         self.llm = LLM(
             args.model_path, load_format=args.load_format, dtype=args.dtype, device=args.device,
-            context_length=args.context_length, engine="paged", **args.engine_kwargs,
+            context_length=args.context_length, engine="paged", **tp_kwargs(args, 0), **args.engine_kwargs,
         )
         assert isinstance(self.llm.engine, Engine)
         self.engine = self.llm.engine
@@ -255,6 +256,34 @@ def cpu_threads() -> int:
     return max(1, cores - 1)
 
 
+def tp_kwargs(args: ServerArgs, tp_rank: int) -> dict[str, Any]:
+    """The ``LLM`` arguments that make this process tensor-parallel rank ``tp_rank`` (chapter 09)."""
+    if args.tp_size == 1 and args.nnodes == 1:
+        return {}
+    return dict(tp_size=args.tp_size, nnodes=args.nnodes, node_rank=args.node_rank,
+                dist_init_addr=args.dist_init_addr, tp_rank=tp_rank)
+
+
+def run_follower_rank(args: ServerArgs, ready_conn: Any, tp_rank: int, log: Any) -> None:
+    """Ranks 1..N-1 (chapter 09): no sockets, no outputs. Load this rank's shard, then replay rank 0's steps
+    (broadcast to us at the top of each of its steps) until rank 0 stops or dies."""
+    from minisgl_ref.llm import LLM
+
+    try:
+        llm = LLM(args.model_path, load_format=args.load_format, dtype=args.dtype, device=args.device,
+                  context_length=args.context_length, engine="paged", **tp_kwargs(args, tp_rank),
+                  **args.engine_kwargs)
+    except Exception as e:  # noqa: BLE001 - the parent prints this one line and exits
+        report_ready(ready_conn, {"error": f"{type(e).__name__}: {e}"})
+        return
+    report_ready(ready_conn, {"ok": {"tp_rank": tp_rank, "device": str(llm.device)}})
+    log.info("ready: tensor-parallel rank %d of %d on %s", tp_rank, args.tp_size, llm.device)
+    try:
+        llm.follow()
+    except RuntimeError as e:  # rank 0 went away (its sockets closed): nothing left to follow
+        log.info("stopping: %s", e)
+
+
 def run_scheduler_process(args: ServerArgs, addrs: Addresses, ready_conn: Any, tp_rank: int = 0) -> None:
     """The child process's entry point (``multiprocessing`` spawn target)."""
     log = child_process_setup(args.log_level, f"scheduler TP{tp_rank}")
@@ -263,6 +292,8 @@ def run_scheduler_process(args: ServerArgs, addrs: Addresses, ready_conn: Any, t
 
         if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu"):
             torch.set_num_threads(cpu_threads())
+        if tp_rank > 0:
+            return run_follower_rank(args, ready_conn, tp_rank, log)
         worker = SchedulerWorker(args, addrs)
     except Exception as e:  # noqa: BLE001 - the parent prints this one line and exits
         report_ready(ready_conn, {"error": f"{type(e).__name__}: {e}"})

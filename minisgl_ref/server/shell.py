@@ -57,10 +57,10 @@ def run_shell(launcher: Any, info: dict[str, Any], tokenizer: Any) -> int:
         def on_dead() -> None:
             os.kill(os.getpid(), signal.SIGTERM)  # interrupt the input() in the main thread
 
-        asyncio.get_running_loop().create_task(launcher.watchdog(manager, on_dead))
-        return manager
+        watchdog = asyncio.get_running_loop().create_task(launcher.watchdog(manager, on_dead))
+        return manager, watchdog
 
-    manager = runner.call(setup())
+    manager, watchdog = runner.call(setup())
 
     def on_term(sig: int, frame: Any) -> None:
         raise SystemExit(launcher.exit_code)
@@ -72,11 +72,16 @@ def run_shell(launcher: Any, info: dict[str, Any], tokenizer: Any) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     finally:
-        runner.call(_close(manager))
+        runner.call(_close(manager, watchdog))
         runner.stop()
 
 
-async def _close(manager: Any) -> None:
+async def _close(manager: Any, watchdog: asyncio.Task) -> None:
+    watchdog.cancel()  # a pending task left on a stopped loop is reported as "destroyed but pending"
+    try:
+        await watchdog
+    except asyncio.CancelledError:
+        pass
     manager.close()
 
 

@@ -1,0 +1,666 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 10 — The server
+#
+# **What you will build.** `python -m minisgl_ref serve`: the engine of chapters 03-09 behind an HTTP server that
+# speaks OpenAI's API (`/v1/chat/completions`, `/v1/completions`, `/v1/models`) and SGLang's native one
+# (`/generate` and friends), streams tokens as they are made, notices clients that leave, and reports Prometheus
+# metrics. Then `python -m minisgl_ref bench serving`, the load generator that measures a server the way its users
+# experience it (task 10.1).
+#
+# **Why it matters.** Up to now one Python call owned the engine: `LLM.generate` handed it every request at once
+# and waited for all of them. A server is different in every way that matters. Requests arrive one by one, at
+# any time, from clients that may disconnect; each client wants its first token quickly and the rest as they
+# come; a bad request must be refused without disturbing the others; and the engine must never sit idle while
+# the process that holds it parses JSON. SGLang and Mini-SGLang answer this with the same design, which we
+# follow: several processes, each doing one job, passing small messages.
+#
+# The oracle is still the judge: a greedy request sent over HTTP must come back with exactly the token ids of
+# chapter 00's loop.
+#
+# In this chapter you will:
+#
+# 1. see the four processes and why the work is split that way;
+# 2. encode the messages they exchange, and count their bytes;
+# 3. follow one request end to end, from the HTTP handler to the scheduler to the detokenizer and back;
+# 4. start the real server on the embedded model and watch it refuse connections until the model is loaded;
+# 5. talk to it with the official `openai` client, check it against the oracle, and read a raw SSE stream;
+# 6. send it bad requests, walk away from a stream mid-way, and read its metrics;
+# 7. measure it under load with `bench serving` (task 10.1), and stop it cleanly.
+#
+# Modules: `minisgl_ref/server/` (`launch.py`, `http_server.py`, `tokenizer_manager.py`, `scheduler_process.py`,
+# `detokenizer_process.py`, `messages.py`, `metrics.py`, `shell.py`) and `minisgl_ref/bench/serving.py`.
+
+# %% tags=["setup"]
+import json
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from minisgl_ref import LLM, SamplingParams
+from minisgl_ref.bench.serving import (
+    RequestOutput,
+    ServingBenchConfig,
+    compute_metrics,
+    format_report,
+    run_benchmark,
+)
+from minisgl_ref.server import messages
+from minisgl_ref.server.args import Addresses, ServerArgs
+from minisgl_ref.server.detokenizer_process import DetokenizerWorker, load_tokenizer
+
+CHAPTER_START = time.perf_counter()
+
+# One torch thread in this notebook's process, as in the other chapters: the server we start below runs its own
+# engine in its own process, and the two should not fight over a small machine's cores.
+torch.set_num_threads(int(os.environ.get("MINISGL_THREADS", "1")))
+
+ROOT = Path.cwd() if (Path.cwd() / "minisgl_ref").is_dir() else Path.cwd().parent
+DATA = ROOT / "docs" / "data" / "bench_serving_cpu.json"
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children(pid: int) -> list[int]:
+    """Live processes whose parent is ``pid``, read from /proc (Linux)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Is process ``pid`` running (present in /proc and not a zombie)?"""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+# %% [markdown]
+# ## 1. Four processes
+#
+# ```mermaid
+# flowchart LR
+#     C["HTTP clients<br/>(openai, curl, bench serving)"]
+#     subgraph API["API server process"]
+#         U["uvicorn + FastAPI<br/>http_server.py"]
+#         TM["TokenizerManager<br/>tokenize, validate, route outputs"]
+#     end
+#     S["scheduler process (one per TP rank)<br/>Engine.step() in a loop"]
+#     D["detokenizer process<br/>IncrementalDetokenizer per request"]
+#     C -- "HTTP / SSE" --> U
+#     U --> TM
+#     TM -- "GenerateReqInput, AbortReq, RpcReq" --> S
+#     S -- "BatchTokenOut" --> D
+#     D -- "BatchStrOut" --> TM
+#     S -- "RpcResp" --> TM
+# ```
+#
+# * The **API server** (the process you start) runs uvicorn's event loop. Every HTTP connection is a coroutine on
+#   it, so thousands of idle streams cost almost nothing. The `TokenizerManager` lives here too: it turns text into
+#   token ids, checks each request (prompt length against the context window, ids against the vocabulary), and
+#   keeps one queue per request in flight. Like SGLang's tokenizer manager, and unlike a separate tokenizer
+#   process, this means a bad request gets its 400 before it enters the pipeline at all.
+# * The **scheduler** owns the engine and nothing else. Its loop drains whatever messages have arrived, runs one
+#   `engine.step()`, and sends every request's new token ids on. It never waits for a client and never decodes
+#   text for one. With tensor parallelism (chapter 09) there is one scheduler per rank; rank 0 talks to the
+#   other processes.
+# * The **detokenizer** turns ids into text, one `IncrementalDetokenizer` (chapter 02) per request. Decoding is
+#   cheap per token but not free, and here it costs the scheduler nothing.
+#
+# Why processes rather than threads? Python runs one thread of Python code at a time (the GIL). The scheduler's
+# loop is Python between device calls; if JSON parsing and text decoding ran in the same process they would
+# steal time from it at every step, and on a GPU every such millisecond is an idle device (chapter 06). Separate
+# processes also fail separately, which the launcher uses: if a child dies, it notices.
+#
+# The processes talk over **ZeroMQ** `PUSH`/`PULL` sockets on `ipc://` files in a private temporary folder: one
+# receiving socket per process, any number of senders, messages delivered whole and in order, and a send never
+# blocks the sender (it queues). Here are the addresses a server would use:
+
+# %%
+addrs = Addresses.fresh()
+print(f"scheduler   listens on {addrs.scheduler}\ndetokenizer listens on {addrs.detokenizer}\n"
+      f"API server  listens on {addrs.api}")
+
+# %% [markdown]
+# ## 2. Messages, and what they cost
+#
+# Each message is a small dataclass (`minisgl_ref/server/messages.py`). On the wire it becomes
+# `msgpack([class name, [field values]])`: no field names (they would be repeated in every message), no pickle
+# (unpickling executes whatever the sender wrote, which no process should accept from a socket), only plain
+# ints, strings, lists and dicts. By the time a request leaves the API server it *is* plain data: token ids and
+# sampling parameters.
+#
+# Outputs are **batched**: one `BatchTokenOut` per engine step carries one row per request that advanced, so a
+# decode step of 64 requests costs one message, not 64.
+
+# %%
+req = messages.GenerateReqInput(rid="3f2a-0", input_ids=list(range(1000, 1032)),
+                                sampling_params=SamplingParams(max_new_tokens=64, temperature=0.7).to_dict())
+step = messages.BatchTokenOut(rids=[f"req-{i}" for i in range(64)], new_ids=[[1234]] * 64, finished=[False] * 64,
+                              finish_reasons=[None] * 64, cached_tokens=[0] * 64, inits=[None] * 64)
+for name, msg in (("GenerateReqInput (32 prompt ids)", req), ("BatchTokenOut (64 rows, 1 token each)", step)):
+    packed = messages.encode(msg)
+    as_json = json.dumps({"type": type(msg).__name__, **msg.__dict__}).encode()
+    assert messages.decode(packed) == msg  # the round trip is exact
+    print(f"{name:<40} msgpack {len(packed):>5} B   json {len(as_json):>5} B   pickle {len(pickle.dumps(msg)):>5} B")
+
+# %% [markdown]
+# A few kilobytes per step, whatever the batch holds: at hundreds of steps per second that is nothing next to
+# the device's work. (SGLang pickles Python objects between its processes with ZeroMQ's `send_pyobj`;
+# Mini-SGLang, like us, turns its message dataclasses into plain types first.)
+#
+# ## 3. The life of one request
+#
+# Here is a streaming chat request, end to end, with the function that handles each step and the message that
+# carries it between processes:
+#
+# ```mermaid
+# sequenceDiagram
+#     autonumber
+#     participant C as client
+#     participant H as HTTP handler (http_server.py)
+#     participant T as TokenizerManager (API process)
+#     participant S as scheduler process
+#     participant D as detokenizer process
+#     C->>H: POST /v1/chat/completions {"messages": [...], "stream": true}
+#     H->>H: validate JSON (pydantic) -> 400 on bad input
+#     H->>T: chat_ids(messages): chat template + tokenize
+#     T->>T: check_prompt: length vs context, ids vs vocab -> 400
+#     H-->>C: 200, first SSE chunk {"delta": {"role": "assistant"}}
+#     T->>S: GenerateReqInput(rid, input_ids, sampling_params)
+#     S->>S: engine.add_request(Req) -> waiting queue
+#     loop every engine.step()
+#         S->>S: prefill or decode batch (chapters 03-06)
+#         S->>D: BatchTokenOut(rids, new_ids, finished, finish_reasons, cached_tokens, inits)
+#         D->>D: IncrementalDetokenizer.step(ids) -> text delta
+#         D->>T: BatchStrOut(rids, deltas, new_ids, finished, ...)
+#         T->>T: _recv_loop: put each row in its request's queue
+#         T->>H: (index, Chunk) from TokenizerManager.generate
+#         H-->>C: data: {"choices": [{"delta": {"content": "..."}}]}
+#     end
+#     S->>S: request finished: free or cache its KV (chapter 04)
+#     H-->>C: data: {"choices": [{"finish_reason": "stop"}]}
+#     H-->>C: data: {"choices": [], "usage": {...}} (stream_options.include_usage)
+#     H-->>C: data: [DONE]
+#     Note over C,S: a client that leaves early: T sends AbortReq(rid), S calls engine.abort(req), KV is freed
+# ```
+#
+# Three details are worth a closer look:
+#
+# * **Where stop rules live.** EOS and stop token ids need only ids, so the scheduler applies them (it must know
+#   at once, to stop spending compute). A request with stop *strings* also gets an `IncrementalDetokenizer` in
+#   the scheduler, and `Req.append_token` applies every rule in one place, exactly as offline. The detokenizer
+#   runs its own copy with the same stop strings; both are deterministic functions of the ids, so they agree.
+# * **The first row carries an `init`**: the request's stop strings, `skip_special_tokens` and the last prompt
+#   ids (context for decoding the first output token). Later rows carry only new ids.
+# * **Aborts** ride the same channel as requests. When an HTTP handler stops listening (the client closed the
+#   connection, so Starlette cancels the response), `TokenizerManager.generate`'s `finally` block sends
+#   `AbortReq(rid)`; the scheduler calls `engine.abort`, which frees the request's KV. Under overlap scheduling
+#   (chapter 06) a batch may still be in flight that writes those slots, so the frees are deferred one step,
+#   exactly as for a normal finish.
+#
+# The detokenizer's part can be watched without a server: feed its worker one request's ids in three steps, as
+# three `BatchTokenOut` messages would, and look at the text deltas it sends on.
+
+# %%
+args = ServerArgs()  # the embedded model, as `serve` uses by default
+tokenizer = load_tokenizer(args)
+ids = tokenizer.encode(" The capital of France is Paris. 🇫🇷")
+detok = DetokenizerWorker(args, addrs, tokenizer)
+pieces = [ids[:3], ids[3:8], ids[8:]]
+for i, new_ids in enumerate(pieces):
+    row = messages.BatchTokenOut(
+        rids=["demo"], new_ids=[new_ids], finished=[i == len(pieces) - 1],
+        finish_reasons=[{"type": "length", "matched": None}] if i == len(pieces) - 1 else [None],
+        cached_tokens=[0], inits=[{"stop": [], "skip_special_tokens": True, "prompt_tail": []}] if i == 0 else [None])
+    out = detok.process(row)
+    print(f"step {i}: ids {new_ids} -> delta {out.deltas[0]!r}")
+detok.close()
+shutil.rmtree(addrs.folder)  # the socket folder of this demo
+
+# %% [markdown]
+# The flag emoji is two regional-indicator characters of four UTF-8 bytes each, spread over several byte-level
+# tokens. Step 1 ends in the middle of the first one, so decoding its ids would end in a broken character; the
+# incremental detokenizer (chapter 02) then sends nothing at all and waits, and step 2 carries the whole rest.
+# A client never receives half a character, at the price of an occasional empty step.
+#
+# ## 4. Start the real server
+#
+# `python -m minisgl_ref serve` takes SGLang's flag names: `--model-path` (default: the embedded
+# SmolLM2-135M-Instruct), `--host`, `--port`, `--max-total-tokens`, `--max-running-requests`,
+# `--chunked-prefill-size`, `--page-size`, `--disable-radix-cache`, `--attention-backend`, `--tp-size`,
+# `--api-key`, `--enable-metrics`, `--served-model-name`, `--shell` and the rest (`--help` lists them).
+#
+# Start-up is ordered so that a client never talks to a half-loaded server: the launcher spawns the scheduler
+# and the detokenizer, each reports on a pipe when its model and tokenizer are loaded (or why they failed), and
+# only then does uvicorn open the port. Before that, a connection is *refused*, which every HTTP client
+# understands. We start one with a small KV pool and count the refusals:
+
+# %%
+PORT = free_port()
+URL = f"http://127.0.0.1:{PORT}"
+server_log = tempfile.NamedTemporaryFile("w+", prefix="minisgl-ch10-", suffix=".log", delete=False)
+t_start = time.perf_counter()
+server = subprocess.Popen(
+    [sys.executable, "-m", "minisgl_ref", "serve", "--port", str(PORT), "--max-total-tokens", "4096",
+     "--enable-metrics", "--log-level", "warning"],
+    stdout=server_log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+)
+
+refused = 0
+while True:
+    if server.poll() is not None:
+        raise RuntimeError(f"the server exited with {server.returncode}:\n{Path(server_log.name).read_text()}")
+    try:
+        if httpx.get(URL + "/health", timeout=2).status_code == 200:
+            break
+    except httpx.TransportError:  # connection refused: the port is not open yet
+        refused += 1
+    if time.perf_counter() - t_start > 240:
+        raise TimeoutError(Path(server_log.name).read_text())
+    time.sleep(0.25)
+startup_s = time.perf_counter() - t_start
+print(f"ready after {startup_s:.1f} s ({refused} connection attempts refused while the model loaded)")
+print("processes:", json.dumps(httpx.get(URL + "/get_server_info").json()["pids"]))
+
+# %% [markdown]
+# ## 5. Talk to it
+#
+# Any OpenAI client works: point its `base_url` at the server's `/v1`. The answer below is greedy
+# (`temperature=0`), so it is the engine's deterministic best guess.
+
+# %%
+client = OpenAI(base_url=URL + "/v1", api_key="unused", max_retries=0)
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+t0 = time.perf_counter()
+resp = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=32, temperature=0)
+chat_s = time.perf_counter() - t0
+print(repr(resp.choices[0].message.content))
+print(f"finish_reason={resp.choices[0].finish_reason}, usage={resp.usage.model_dump()}, {chat_s:.2f} s")
+assert "Paris" in resp.choices[0].message.content
+
+# %% [markdown]
+# `finish_reason` says what really happened: `"stop"` when the model ended its turn (it sampled `<|im_end|>`, an
+# EOS id) or hit a stop string, `"length"` when `max_tokens` ran out.
+#
+# **The oracle check.** The same greedy request through the whole server and through chapter 00's naive loop
+# (no KV cache, no batching, no processes) must give the same token ids. The native `/generate` endpoint
+# returns them:
+
+# %%
+oracle = LLM(device="cpu", engine="naive")
+prompts = ["The capital of Germany is", "def fibonacci(n):"]
+expected = oracle.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12), use_tqdm=False)
+served = httpx.post(URL + "/generate", json={"text": prompts, "sampling_params": {"temperature": 0,
+                                                                                   "max_new_tokens": 12}},
+                    timeout=120).json()
+for e, s in zip(expected, served):
+    print(f"{s['text']!r:<50} oracle ids == served ids: {e.output_ids == s['output_ids']}")
+    assert e.output_ids == s["output_ids"]
+print("meta_info:", served[0]["meta_info"])
+
+# %% [markdown]
+# ### Streaming: server-sent events
+#
+# With `"stream": true` the response is `text/event-stream`: one `data: {json}` line per chunk, a blank line
+# after each, and `data: [DONE]` at the end. Here is a raw stream as the bytes arrive, with each event's arrival
+# time. The same prompt was just answered, so the radix cache (chapter 04) already holds it: look at
+# `cached_tokens` in the usage chunk.
+
+# %%
+body = {"model": "SmolLM2-135M-Instruct", "messages": CHAT, "max_tokens": 8, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}}
+t0 = time.perf_counter()
+with httpx.stream("POST", URL + "/v1/chat/completions", json=body, timeout=120) as r:
+    print(r.status_code, r.headers["content-type"])
+    for line in r.iter_lines():
+        if not line:
+            continue
+        shown = line  # the id, object, created and model fields repeat in every chunk: show what changes
+        if line != "data: [DONE]":
+            event = json.loads(line[len("data: "):])
+            shown = "data: {..., " + json.dumps({k: event[k] for k in ("choices", "usage") if k in event}) + "}"
+        print(f"{(time.perf_counter() - t0) * 1000:7.0f} ms  {shown[:160]}")
+
+# %% [markdown]
+# The first chunk (the assistant's role) goes out as soon as the request is accepted; the first *token* follows
+# after the prefill. SGLang's native stream differs in one way: each event carries the *cumulative* text and ids
+# so far, not a delta.
+#
+# ## 6. Bad requests, walking away, metrics
+#
+# Every bad request gets a 4xx with an OpenAI-style error body naming the problem and the parameter, and is
+# refused before it reaches the scheduler, so it cannot disturb the requests that are running:
+
+# %%
+bad = [
+    ("temperature out of range", "/v1/chat/completions", {"messages": CHAT, "temperature": 3.5}),
+    ("absurd max_tokens", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 10**9}),
+    ("unknown model", "/v1/completions", {"model": "gpt-4o", "prompt": "hi"}),
+    ("token id outside the vocabulary", "/generate", {"input_ids": [1, 2, 10**6]}),
+]
+for name, path, payload in bad:
+    r = httpx.post(URL + path, json=payload, timeout=30)
+    err = r.json()["error"]
+    print(f"{name:<32} {r.status_code}  param={err['param']!r:<16} {err['message'][:90]}")
+r = httpx.post(URL + "/v1/completions", content=b'{"prompt": "hi", ', timeout=30,
+               headers={"Content-Type": "application/json"})
+print(f"{'malformed JSON':<32} {r.status_code}  {r.json()['error']['message'][:100]}")
+
+# %% [markdown]
+# **A client that leaves.** Here a client asks for 2,000 tokens, reads three events and closes the connection.
+# The server notices (the response task is cancelled), sends `AbortReq`, and the scheduler frees the KV. We
+# watch the pool through `/get_server_info` (`available_kv_tokens` counts free slots plus cached ones that
+# eviction could free):
+
+# %%
+def kv() -> dict:
+    return httpx.get(URL + "/get_server_info", timeout=30).json()
+
+
+def show(info: dict) -> str:
+    return (f"running={info['num_running_reqs']} available_kv={info['available_kv_tokens']}"
+            f"/{info['max_total_num_tokens']}")
+
+
+before = kv()
+print("before :", show(before))
+body = {"text": "Tell me a very long story.", "stream": True,
+        "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0.8}}
+with httpx.stream("POST", URL + "/generate", json=body, timeout=120) as r:
+    events = 0
+    for line in r.iter_lines():
+        events += line.startswith("data:")
+        if events == 3:
+            print("during :", show(kv()))
+            break  # leaving the `with` block closes the connection
+t0 = time.perf_counter()
+while True:
+    state = kv()
+    if state["num_running_reqs"] == 0 and state["available_kv_tokens"] == before["available_kv_tokens"]:
+        break
+    assert time.perf_counter() - t0 < 60, f"the KV was not given back: {show(state)}"
+    time.sleep(0.05)
+print(f"after  : {show(state)}  (all of it back {(time.perf_counter() - t0) * 1000:.0f} ms after the client left)")
+
+# %% [markdown]
+# **Metrics.** With `--enable-metrics`, `/metrics` serves Prometheus text named after SGLang's (`sglang:` there,
+# `minisgl:` here). What a client experiences is measured in the API process as outputs stream past: time to
+# first token, inter-token latency and end-to-end latency as histograms, token counters. What only the scheduler
+# knows (running and queued requests, KV usage, cache hit rate) is fetched from it over an RPC message when
+# `/metrics` is scraped.
+
+# %%
+scrape = httpx.get(URL + "/metrics", timeout=30).text
+values = {s.name: s.value for fam in text_string_to_metric_families(scrape) for s in fam.samples
+          if not s.name.endswith("_bucket")}
+for name in ("prompt_tokens_total", "generation_tokens_total", "num_requests_total", "num_aborted_requests_total",
+             "num_running_reqs", "token_usage", "cache_hit_rate"):
+    print(f"minisgl:{name:<30} {values['minisgl:' + name]:g}")
+for h in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+    n, total = values[f"minisgl:{h}_count"], values[f"minisgl:{h}_sum"]
+    print(f"minisgl:{h:<30} {n:g} observations, mean {total / n * 1000:.0f} ms")
+buckets = [(s.labels["le"], s.value) for fam in text_string_to_metric_families(scrape) for s in fam.samples
+           if s.name == "minisgl:time_to_first_token_seconds_bucket"]
+print("TTFT histogram (cumulative counts, le = upper bound in s):", ", ".join(f"{le}: {v:g}" for le, v in buckets[:9]))
+
+# %% [markdown]
+# ## 7. Measure it: `bench serving` (task 10.1)
+#
+# One request at a time tells us little about a server. `python -m minisgl_ref bench serving` sends a seeded
+# workload at a chosen **request rate** (Poisson arrivals: exponential gaps with mean `1 / rate`, the traffic
+# of many independent users; `inf` sends everything at once) and optionally a **concurrency cap**, streams every
+# answer, timestamps each chunk, and reduces the timestamps to `sglang.bench_serving`'s metrics:
+#
+# | metric | definition | what moves it |
+# | --- | --- | --- |
+# | TTFT | request sent -> first token | queueing + prefill (prompt length, load) |
+# | ITL | gap between consecutive chunks, pooled | decode step time; stalls when prefills cut in |
+# | TPOT | `(e2e - ttft) / (output_tokens - 1)`, per request | the average decode pace |
+# | E2E latency | request sent -> last byte | all of the above |
+# | throughputs | completed requests, input and output tokens per second of the run | how busy the engine is kept |
+# | concurrency | sum of E2E latencies / duration | requests in flight on average (Little's law) |
+#
+# Task 10.1 is `compute_metrics`, the reduction. On synthetic timings whose answers we know:
+
+# %%
+synthetic = [RequestOutput(True, 100, 5, ttft=0.2, itl=[0.1] * 4, latency=0.6),
+             RequestOutput(True, 50, 3, ttft=0.4, itl=[0.3, 0.5], latency=1.2)]
+m = compute_metrics(synthetic, duration=2.0)
+print({k: round(m[k], 1) for k in ("request_throughput", "output_throughput", "mean_ttft_ms", "mean_tpot_ms",
+                                   "mean_itl_ms", "max_itl_ms", "mean_e2e_latency_ms", "concurrency")})
+assert abs(m["mean_tpot_ms"] - 250.0) < 1e-9 and abs(m["output_throughput"] - 4.0) < 1e-9
+
+# %% [markdown]
+# Now against the live server: 8 requests of 32 random prompt tokens and 8 output tokens each, at 4 requests
+# per second, through the native API (`--backend openai` or `openai-chat` would use the OpenAI routes, and
+# `--base-url` points it at any server, an SGLang one included). The same run from a shell is
+# `python -m minisgl_ref bench serving --port PORT --num-prompts 8 --random-input-len 32 --random-output-len 8
+# --random-range-ratio 1 --request-rate 4`.
+
+# %%
+cfg = ServingBenchConfig(backend="minisgl", base_url=URL, num_prompts=8, random_input_len=32,
+                         random_output_len=8, random_range_ratio=1.0, request_rate=4.0, seed=1)
+live = run_benchmark(cfg)
+print(format_report(live))
+assert live["completed"] == 8 and live["total_output_tokens"] == 64
+
+# %% [markdown]
+# On a CPU the engine's steps are slow, so every number here is dominated by model time: TTFT is a prefill of
+# the requests that arrived together, ITL is one decode step of the whole running batch. Read the *shapes*:
+# TTFT grows with the queue, ITL with the batch.
+#
+# A longer run, measured once and committed (`docs/data/bench_serving_cpu.json`, with the machine and the exact
+# command recorded in it), is read back here rather than re-measured:
+
+# %%
+ref = json.loads(DATA.read_text())
+prov = ref["provenance"]
+print(f"command : {prov['command']}\nmachine : {prov['hardware']['cpu']} ({prov['hardware']['cpu_count']} cores), "
+      f"torch {prov['software']['torch']}, {prov['date']}, load average while measuring "
+      f"{prov['settings'].get('load_average_1_5_15_min')}\nworkload: {ref['workload']}")
+rows = [("requests completed", f"{ref['completed']}"), ("duration", f"{ref['duration']:.1f} s"),
+        ("request throughput", f"{ref['request_throughput']:.2f} req/s"),
+        ("output throughput", f"{ref['output_throughput']:.1f} tok/s"),
+        ("TTFT mean / median / p99", f"{ref['mean_ttft_ms']:.0f} / {ref['median_ttft_ms']:.0f} / "
+                                     f"{ref['p99_ttft_ms']:.0f} ms"),
+        ("ITL mean / median / p99", f"{ref['mean_itl_ms']:.0f} / {ref['median_itl_ms']:.0f} / "
+                                    f"{ref['p99_itl_ms']:.0f} ms"),
+        ("TPOT mean / median / p99", f"{ref['mean_tpot_ms']:.0f} / {ref['median_tpot_ms']:.0f} / "
+                                     f"{ref['p99_tpot_ms']:.0f} ms"),
+        ("E2E mean / median / p99", f"{ref['mean_e2e_latency_ms']:.0f} / {ref['median_e2e_latency_ms']:.0f} / "
+                                    f"{ref['p99_e2e_latency_ms']:.0f} ms")]
+for k, v in rows:
+    print(f"  {k:<28} {v}")
+
+# %% [markdown]
+# ### On a GPU
+#
+# The same load generator against the same server on one H100, serving Qwen3-0.6B (random weights, bf16, every
+# engine feature on: radix cache, chunked prefill, overlap scheduling, CUDA graphs, the default attention
+# backends). 200 requests of 512-1024 prompt tokens and 128-256 output tokens, Poisson arrivals at 4 and 16
+# requests per second, then all 200 at once. Measured once and committed (`docs/data/bench_serving_h100.json`,
+# with its provenance); read back here:
+
+# %%
+gpu = json.loads((ROOT / "docs" / "data" / "bench_serving_h100.json").read_text())
+hw = gpu["runs"][0]["provenance"]["hardware"]
+print(f"server: {gpu['server_command']}\nGPU: {hw['gpu']} (driver {hw['nvidia_driver']}), {hw['cpu_count']} CPU cores")
+print(f"{'rate':>5} {'req/s':>6} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'ITL p50':>8} "
+      f"{'ITL p99':>8} {'E2E p50':>8} {'in flight':>9}")
+for r in gpu["runs"]:
+    print(f"{r['request_rate']:>5} {r['request_throughput']:6.1f} {r['output_throughput']:9.0f} "
+          f"{r['median_ttft_ms']:7.0f}ms {r['p99_ttft_ms']:7.0f}ms {r['median_tpot_ms']:7.1f}ms "
+          f"{r['median_itl_ms']:6.2f}ms {r['p99_itl_ms']:6.0f}ms {r['median_e2e_latency_ms']:6.0f}ms "
+          f"{r['concurrency']:9.1f}")
+
+# %% [markdown]
+# Read it row by row:
+#
+# * **4 req/s.** The server keeps up easily: about 2 requests in flight, first token in ~25 ms, then a token
+#   every ~2.7 ms. Output throughput (~810 tok/s) is simply what the arrivals ask for.
+# * **16 req/s.** Still keeping up (16.1 req/s completed), with ~19 requests in flight: bigger decode batches
+#   cost more per step, so TPOT roughly doubles to ~5 ms, and a new request's prefill now and then lands in a
+#   running decode batch's way (ITL p99 ~38 ms).
+# * **All at once.** 200 prompts (152k tokens) arrive together; prefilling them, at most 16,384 tokens per step
+#   (`--max-prefill-tokens`), takes about half a second, which is everybody's TTFT. Then all 200 decode together at ~14 ms per token, ~10k output
+#   tokens/s. The median ITL of 0.05 ms is not a fast decode step: with 200 streams, a stream's chunks often
+#   reach the client *together*, in one read, and the gaps inside such a burst are nearly zero. (Most likely the
+#   API server, one Python process writing 200 SSE streams, falls behind the engine now and then and catches up
+#   in bursts; exercise 5 asks you to find out.) TPOT, computed from
+#   each request's first and last token, is the honest per-token pace here; this is why both are reported.
+#
+# The engine's offline throughput on this GPU is chapter 11's subject; here what matters is the shape: latency
+# stays flat while the server keeps up, and TTFT is what grows first when it no longer does.
+
+# %% [markdown]
+# ## 8. Stop it
+#
+# `Ctrl-C` in the server's terminal or `SIGTERM` from a supervisor: uvicorn stops accepting connections and gives
+# open streams a few seconds, then the launcher sends `SIGTERM` to every child, waits for each, kills any that
+# linger, removes the socket folder, and exits with status 0. (A terminal's Ctrl-C reaches the whole process
+# group; the children ignore `SIGINT` and leave the shutdown order to the parent.)
+#
+# The other way a server can end is a child dying: the launcher's watchdog checks the children every 200 ms.
+# When one has died, every request in flight ends with an abort, `/health` and every new request answer 503
+# naming the dead process for a short grace period, and the server exits with status 1, so a supervisor restarts
+# it instead of leaving a server that accepts connections and never answers
+# (`tests/test_server.py::test_dead_scheduler_fails_fast` kills the scheduler to check exactly this).
+
+# %%
+kids = children(server.pid)
+server.send_signal(signal.SIGTERM)
+code = server.wait(60)
+time.sleep(0.2)
+still_alive = [p for p in kids if alive(p)]
+print(f"exit status {code}; children {kids} still alive: {still_alive}")
+assert code == 0 and not still_alive
+os.unlink(server_log.name)
+
+# %% [markdown]
+# ## 9. The shell
+#
+# `python -m minisgl_ref serve --shell` starts the same processes but, instead of opening a port, chats in the
+# terminal through the same `TokenizerManager`. Each turn resends the whole conversation, so from the second
+# turn on the radix cache holds everything but the newest message; the shell prints the cached count after each
+# answer. `/reset` clears the history, `/set temperature 0` changes a sampling parameter, `/exit` quits.
+#
+# ```text
+# $ python -m minisgl_ref serve --shell
+# Chatting with SmolLM2-135M-Instruct. /reset clears the history, /set NAME VALUE changes a sampling parameter, ...
+# >>> /set temperature 0
+# (temperature = 0)
+# >>> What is the capital of France?
+# The capital of France is Paris.
+# [prompt 37 tokens, cached 0; generated 8 in 1.67 s]
+# >>> And of Italy?
+# The capital of Italy is Rome.
+# [prompt 59 tokens, cached 44; generated 8 in 1.72 s]
+# ```
+#
+# The second turn's 59 tokens are the first turn's 37 prompt tokens and 8 answer tokens, then the new message;
+# 44 of them were already in the radix cache: all of the first turn except the answer's last token (`<|im_end|>`,
+# sampled but never fed back through the model, so it has no KV).
+#
+# ## Exercises
+#
+# 1. **Task 10.1.** Write `compute_metrics` in `minisgl_ref/bench/serving.py` and grade it with
+#    `python -m pytest tests/test_bench_serving.py -m task`. Why is TPOT left undefined for a request with
+#    one output token, and why is ITL pooled over requests while TPOT is averaged per request? Find a workload in
+#    which mean ITL and mean TPOT differ by a factor of two.
+# 2. **Load curve.** Run `bench serving` against a server at request rates 0.5, 1, 2 and 4 (keep
+#    `--num-prompts` small on a CPU). Plot median TTFT and output throughput against the rate. Where does the
+#    server saturate, and what happens to TTFT beyond that point? Compare `--max-concurrency 2` at rate `inf`.
+# 3. **Abort under overlap.** `SchedulerWorker._abort` sets `engine.cache.defer_frees` before it aborts. Explain,
+#    with chapter 06's timeline, which step could still write the aborted request's KV slots, and what another
+#    request that received those slots would see if the frees were not deferred.
+# 4. **Another metric.** Add a Prometheus counter for requests that finished on a stop string
+#    (`finish_reason.type == "stop"` with a string `matched`) and check that it moves in `test_metrics_move`.
+# 5. **Bursts.** In the GPU table, the median ITL at rate `inf` is 0.05 ms. Find where the chunks of one stream
+#    bunch up: add timestamps to `BatchStrOut` (when the scheduler sent the row, when the detokenizer forwarded
+#    it) and compare them with the client's arrival times in `bench serving`. SGLang's `--stream-interval`
+#    sends a stream's chunks every N tokens instead of every token: what would it do to these numbers?
+#
+# ## Reproduce
+#
+# ```bash
+# python chapters/10_server.py                          # this chapter, end to end (starts and stops a server)
+# ./minisgl serve                                       # the server on the embedded model, port 30000
+# curl -s http://127.0.0.1:30000/v1/chat/completions -H 'Content-Type: application/json' \
+#   -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0}'
+# python -m minisgl_ref bench serving --num-prompts 16 --random-input-len 128 --random-output-len 32 \
+#   --random-range-ratio 0.5 --request-rate 1 --output-file docs/data/bench_serving_cpu.json
+# python -m pytest tests/test_server.py tests/test_bench_serving.py   # 46 tests, 5-8 minutes on 2 busy cores
+#
+# # the GPU numbers: a server on one H100, then one bench per rate (4, 16, inf)
+# python -m minisgl_ref serve --model-path qwen3-0.6b --load-format dummy --dtype bfloat16 &
+# python -m minisgl_ref bench serving --num-prompts 200 --random-input-len 1024 --random-output-len 256 \
+#   --random-range-ratio 0.5 --request-rate 16
+# ```
+#
+# The committed CPU numbers above come from the third command, against the second, on the machine named in the
+# JSON file.
+#
+# Measured here: 2-core x86_64 CPU (AMD EPYC) shared with other jobs (load average 6-8 while measuring), no GPU,
+# Python 3.11, torch 2.13 (CPU), SmolLM2-135M-Instruct in float32; the server's engine uses one torch thread.
+#
+# | what | measured |
+# | --- | --- |
+# | server start, process spawn to the first `/health` 200 | 29-68 s (the port stays closed until the model is loaded) |
+# | greedy chat "What is the capital of France?" (37 prompt tokens, 8 output) | "The capital of France is Paris.", 1.6-2.7 s |
+# | oracle: 2 prompts x 12 greedy tokens through `/generate` vs chapter 00's loop | identical token ids (2/2) |
+# | a client leaves a 2,000-token stream after 3 events | the pool is back to 4096/4096 free or evictable within ~0.3 s |
+# | `bench serving`, 16 requests, 64-128 prompt and 16-32 output tokens, 1 req/s (committed JSON) | 0.53 req/s, 13.6 output tok/s; TTFT median 2.7 s; ITL median 0.56 s, p99 7.5 s; TPOT median 0.73 s |
+# | `bench serving` in this chapter, 8 x (32 -> 8 tokens) at 4 req/s | TTFT median 2.3 s, ITL median 0.51 s, 9.2 output tok/s |
+# | the whole chapter, `python chapters/10_server.py` | 87-119 s wall on the loaded machine, most of it the server's start |
+# | GPU (committed JSON): one H100, Qwen3-0.6B dummy bf16, 200 requests of 512-1024 -> 128-256 tokens | 16 req/s: TTFT p50 42 ms, TPOT p50 5.2 ms; all at once: 10.2k output tok/s, TTFT p50 0.57 s, TPOT p50 14 ms |
+#
+# On an idle machine every time above shrinks several-fold: a decode step of this model at batch 16 is CPU work
+# that the other jobs were sharing. The ITL tail (p99) is where new requests' prefills cut into the running
+# decode batch (chapter 05's trade-off, seen from the client). The last cell prints this run's numbers.
+
+# %%
+print(f"this run: server ready in {startup_s:.0f} s; greedy chat answer in {chat_s:.2f} s; bench serving "
+      f"(8 x 32 -> 8 tokens at 4 req/s): median TTFT {live['median_ttft_ms']:.0f} ms, median ITL "
+      f"{live['median_itl_ms']:.0f} ms, output {live['output_throughput']:.1f} tok/s; chapter ran in "
+      f"{time.perf_counter() - CHAPTER_START:.0f} s")

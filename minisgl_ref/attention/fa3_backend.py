@@ -1,0 +1,216 @@
+"""The ``fa3`` attention backend: FlashAttention's paged KV-cache kernel (chapter 07).
+
+FlashAttention-3 (module ``flash_attn_interface``, Hopper only) reads a paged cache through a dense *page
+table* ``[B, max_pages]`` instead of FlashInfer's CSR lists: row ``b`` lists request ``b``'s pages in order,
+``cache_seqlens[b]`` says how many tokens of them count. One call, ``flash_attn_with_kvcache``, serves both modes:
+
+- decode: ``q`` is ``[B, 1, H, D]`` (one new token per request);
+- extend: ``q`` is the flat ``[T, H, D]`` of all new tokens with ``cu_seqlens_q`` (where each request's new
+  tokens start) and ``max_seqlen_q``; ``causal=True`` aligns the mask to the bottom right, so new token ``i`` of
+  ``n`` sees the whole cached prefix and new tokens ``0..i``. As in the FlashInfer backend the new K/V are
+  stored into the pool first and the kernel then reads each whole context from the pool.
+
+The page table is the batch's rows of our token-granular table, ``req_to_token[req_pool_indices, :max_len]``:
+one gather per step. It treats the pool as pages of one token (``[num_slots, 1, kv_heads, head_dim]``, a view),
+which FA3 supports for any page size; the table entries are then slots.
+
+FlashAttention-2 (module ``flash_attn``, for GPUs before Hopper) has the same paged call but only for pages of a
+multiple of 256 tokens and without ``cu_seqlens_q``: when only FA2 is installed this backend uses
+``flash_attn_varlen_func`` with ``block_table`` = the real pages, and refuses to start unless ``--page-size`` is a
+multiple of 256. (That path is written to FA2's documented API but was not run here: the GPU machine of this
+project has no FA2 build.)
+
+CUDA graphs: decode, FA3 only. Static ``page_table`` ``[max_bs, max_context]`` and ``cache_seqlens`` buffers;
+replay copies the new lengths and the first ``max(seq_lens)`` columns of the batch's page-table rows into them
+(no host sync when ``seq_lens_cpu`` is given; otherwise the whole width is copied).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from minisgl_ref.attention.base import AttentionBackend
+
+if TYPE_CHECKING:
+    from minisgl_ref.engine.forward_batch import ForwardBatch, ForwardMode
+    from minisgl_ref.kvcache.pool import KVPool
+    from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
+    from minisgl_ref.layers.attention import AttentionLayer
+
+FA2_PAGE_MULTIPLE = 256
+
+
+def import_flash_attention(hopper: bool) -> tuple[str, Any]:
+    """``("fa3", flash_attn_interface)`` on a Hopper GPU where FlashAttention-3 is importable, else
+    ``("fa2", flash_attn)``; raises ImportError when the one needed is missing."""
+    if hopper:
+        try:
+            import flash_attn_interface
+
+            return "fa3", flash_attn_interface
+        except ImportError:
+            pass
+    import flash_attn  # raises ImportError: the registry checks first and reports it in one line
+
+    return "fa2", flash_attn
+
+
+@dataclass
+class FlashAttentionMetadata:
+    cache_seqlens: torch.Tensor  # [B] int32: whole context per request, new tokens included
+    page_table: torch.Tensor  # [B, >= max pages] int32
+    max_seqlen_k: int = 0  # host copy of max(cache_seqlens) (FA2's varlen call needs it)
+    cu_seqlens_q: torch.Tensor | None = None  # extend (and FA2): [B + 1] int32
+    cu_seqlens_k: torch.Tensor | None = None  # FA2 only: [B + 1] int32
+    max_seqlen_q: int = 1
+
+
+class FlashAttentionBackend(AttentionBackend):
+    """Paged attention through FlashAttention's ``flash_attn_with_kvcache`` (FA3) or ``flash_attn_varlen_func``
+    with a block table (FA2). ``page_size`` is the engine's page size (FA2 reads real pages)."""
+
+    name = "fa3"
+
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, *, page_size: int = 1) -> None:
+        self.device = kv_pool.k[0].device
+        if self.device.type != "cuda":
+            raise ValueError("the fa3 attention backend needs a CUDA device")
+        self.version, self.fa = import_flash_attention(torch.cuda.get_device_capability(self.device)[0] == 9)
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        if self.version == "fa2" and page_size % FA2_PAGE_MULTIPLE:
+            raise ValueError(
+                f"only FlashAttention-2 (flash_attn) is installed, and its paged kernels need pages of a multiple "
+                f"of {FA2_PAGE_MULTIPLE} tokens: use --page-size {FA2_PAGE_MULTIPLE} (got {page_size})"
+            )
+        # FA3 reads the pool as pages of one token; FA2 as real pages.
+        self.page_size = page_size if self.version == "fa2" else 1
+        self.forward_metadata: FlashAttentionMetadata | None = None
+        self.graph_state: dict[str, torch.Tensor] | None = None
+
+    # ------------------------------------------------------------------------------------------- metadata
+
+    def _page_table(self, rows: torch.Tensor, max_len: int) -> torch.Tensor:
+        """[B, pages] int32: the batch's page-table rows, cut to the longest context (one gather)."""
+        table = self.req_to_token.table
+        if self.page_size == 1:
+            return table[rows, :max_len]
+        # Token i of a request sits at offset i % page_size of its page, so every page_size-th slot names a page.
+        return table[rows, : max_len : self.page_size] // self.page_size
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        assert batch.req_pool_indices is not None
+        dev = self.device
+        lens = batch.seq_lens_cpu
+        # Host tensors are pinned: a copy from pageable memory would wait for the step in flight (chapter 08).
+        md = FlashAttentionMetadata(
+            cache_seqlens=torch.tensor(lens, dtype=torch.int32).pin_memory().to(dev, non_blocking=True),
+            page_table=self._page_table(batch.req_pool_indices, max(lens)),
+            max_seqlen_k=max(lens),
+        )
+        if not batch.mode.is_decode or self.version == "fa2":
+            md.cu_seqlens_q = _indptr(batch.extend_lens_cpu).pin_memory().to(dev, non_blocking=True)
+            md.max_seqlen_q = max(batch.extend_lens_cpu)
+        if self.version == "fa2":
+            md.cu_seqlens_k = _indptr(lens).pin_memory().to(dev, non_blocking=True)
+        self.forward_metadata = md
+
+    # -------------------------------------------------------------------------------------------- forward
+
+    def _attend(self, q: torch.Tensor, layer: AttentionLayer, decode: bool) -> torch.Tensor:
+        md = self.forward_metadata
+        assert md is not None, "init_forward_metadata was not called for this step"
+        lid, ps = layer.layer_id, self.page_size
+        k_buf, v_buf = self.kv_pool.k[lid], self.kv_pool.v[lid]
+        k_cache = k_buf.view(-1, ps, *k_buf.shape[1:])  # [pages, page_size, kv_heads, head_dim]
+        v_cache = v_buf.view(-1, ps, *v_buf.shape[1:])
+        if self.version == "fa2":
+            return self.fa.flash_attn_varlen_func(
+                q, k_cache, v_cache, md.cu_seqlens_q, md.cu_seqlens_k, md.max_seqlen_q, md.max_seqlen_k,
+                softmax_scale=layer.scale, causal=True, block_table=md.page_table,
+            )  # fmt: skip
+        if decode:  # [B, 1, H, D]: one query per request, no cu_seqlens (what a CUDA graph can record)
+            out = self.fa.flash_attn_with_kvcache(
+                q.unsqueeze(1), k_cache, v_cache, cache_seqlens=md.cache_seqlens, page_table=md.page_table,
+                softmax_scale=layer.scale, causal=True,
+            )  # fmt: skip
+            return out.squeeze(1)
+        return self.fa.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=md.cache_seqlens, page_table=md.page_table,
+            cu_seqlens_q=md.cu_seqlens_q, max_seqlen_q=md.max_seqlen_q, softmax_scale=layer.scale, causal=True,
+        )  # fmt: skip
+
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+    ) -> torch.Tensor:
+        assert batch.out_cache_loc is not None
+        self.kv_pool.store(layer.layer_id, batch.out_cache_loc, k, v)
+        return self._attend(q.contiguous(), layer, decode=False).reshape(q.shape[0], -1)
+
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+    ) -> torch.Tensor:
+        assert batch.out_cache_loc is not None
+        self.kv_pool.store(layer.layer_id, batch.out_cache_loc, k, v)
+        return self._attend(q.contiguous(), layer, decode=True).reshape(q.shape[0], -1)
+
+    # ---------------------------------------------------------------------------------------- CUDA graphs
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """A page table as wide as the page-table pool (any context fits) and a lengths buffer."""
+        if self.version != "fa3":
+            raise NotImplementedError("CUDA graphs need FlashAttention-3 (flash_attn_interface) in this backend")
+        dev = self.device
+        self.graph_state = {
+            "page_table": torch.zeros(max_bs, self.req_to_token.max_context_len, dtype=torch.int32, device=dev),
+            "cache_seqlens": torch.ones(max_bs, dtype=torch.int32, device=dev),
+        }
+
+    def init_forward_metadata_capture_cuda_graph(
+        self,
+        bs: int,
+        num_tokens: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        forward_mode: ForwardMode | None = None,
+    ) -> None:
+        if forward_mode is not None and not forward_mode.is_decode:
+            raise NotImplementedError("the fa3 backend captures CUDA graphs for decode only")
+        assert self.graph_state is not None, "call init_cuda_graph_state first"
+        g = self.graph_state
+        # The kernel sees the full-width table: its shape (hence FA3's launch heuristics) is fixed per bs.
+        self.forward_metadata = FlashAttentionMetadata(cache_seqlens=g["cache_seqlens"][:bs],
+                                                       page_table=g["page_table"][:bs])  # fmt: skip
+        self._fill_graph(bs, req_pool_indices, seq_lens, width=self.req_to_token.max_context_len)
+
+    def init_forward_metadata_replay_cuda_graph(
+        self,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        forward_mode: ForwardMode | None = None,
+        seq_lens_sum: int | None = None,
+        seq_lens_cpu: torch.Tensor | None = None,
+    ) -> None:
+        """Copy the lengths and the used columns of the page-table rows into the static buffers. Columns past a
+        request's length are never read, so only ``max(seq_lens_cpu)`` columns need refreshing."""
+        if forward_mode is not None and not forward_mode.is_decode:
+            raise NotImplementedError("the fa3 backend replays CUDA graphs for decode only")
+        width = self.req_to_token.max_context_len if seq_lens_cpu is None else int(seq_lens_cpu[:bs].max())
+        self._fill_graph(bs, req_pool_indices, seq_lens, width)
+
+    def _fill_graph(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, width: int) -> None:
+        assert self.graph_state is not None
+        g = self.graph_state
+        g["cache_seqlens"][:bs].copy_(seq_lens[:bs])
+        g["page_table"][:bs, :width].copy_(self.req_to_token.table[req_pool_indices[:bs], :width])
+
+
+def _indptr(lens: list[int]) -> torch.Tensor:
+    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    out[1:] = torch.tensor(lens, dtype=torch.int32).cumsum(0)
+    return out

@@ -1,0 +1,249 @@
+"""Choosing the attention backend: SGLang's three flags and its defaults (chapter 07).
+
+``--attention-backend NAME`` picks one backend for every step; ``--prefill-attention-backend`` and
+``--decode-attention-backend`` override it for one phase. Prefill and decode stress attention differently
+(prefill is matrix work over many queries, decode streams the KV cache once per token), so the fastest kernel
+for one is not always the fastest for the other. When the two differ, the engine gets a
+:class:`HybridAttnBackend` that sends extend steps to one backend and decode steps to the other.
+
+Defaults (no flag given), as in SGLang:
+
+| device | prefill | decode |
+| --- | --- | --- |
+| CPU | torch_native | torch_native |
+| Hopper (sm90) | fa3 (if importable) | flashinfer (if importable) |
+| Ampere / Ada (sm80, 86, 89) | flashinfer (if importable) | flashinfer (if importable) |
+| anything else, or a float32 model on any GPU | triton | triton |
+
+with ``triton`` standing in wherever the preferred package is missing. A backend that is *asked for* but cannot
+run (unknown name, package not installed, a GPU backend on the CPU, FA3 on a GPU that is not a Hopper) stops the
+engine at start-up with one ``ValueError`` line that says what to do instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from minisgl_ref.attention.base import AttentionBackend
+
+if TYPE_CHECKING:
+    from minisgl_ref.engine.config import EngineConfig
+    from minisgl_ref.engine.forward_batch import ForwardBatch, ForwardMode
+    from minisgl_ref.kvcache.pool import KVPool
+    from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
+    from minisgl_ref.layers.attention import AttentionLayer
+
+#: Every name ``--attention-backend`` accepts.
+ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer", "fa3")
+
+INSTALL_HINT = "pip install 'minisgl_ref[gpu]'"
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def validate_backend_name(field: str, value: str | None) -> None:
+    """Raise ``ValueError`` naming ``field`` unless ``value`` is None (auto) or a known backend."""
+    if value is not None and value not in ATTENTION_BACKENDS:
+        raise ValueError(f"{field} must be one of {', '.join(ATTENTION_BACKENDS)} (or unset for auto), got {value!r}")
+
+
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def flash_attention_importable() -> bool:
+    return _importable("flash_attn_interface") or _importable("flash_attn")
+
+
+# BEGIN TASK 7.1: choose the prefill and decode backends
+def default_backends(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tuple[str, str]:
+    """(prefill, decode) for a device when the user names none (see the module docstring's table). FlashInfer and
+    FlashAttention compute in fp16/bf16 only, so a float32 model on a GPU gets our Triton kernels."""
+    if device.type != "cuda":
+        return "torch_native", "torch_native"
+    if dtype not in HALF_DTYPES:
+        return "triton", "triton"
+    major, minor = torch.cuda.get_device_capability(device)
+    has_flashinfer = _importable("flashinfer")
+    if major == 9:
+        prefill = "fa3" if _importable("flash_attn_interface") else ("flashinfer" if has_flashinfer else "triton")
+        return prefill, "flashinfer" if has_flashinfer else "triton"
+    if (major, minor) in ((8, 0), (8, 6), (8, 9)) and has_flashinfer:
+        return "flashinfer", "flashinfer"
+    return "triton", "triton"
+
+
+def resolve_backend_names(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype = torch.bfloat16
+) -> tuple[str, str]:
+    """The (prefill, decode) pair for this engine: explicit per-phase flags, then ``--attention-backend``, then
+    the device default."""
+    auto_prefill, auto_decode = default_backends(device, dtype)
+    prefill = config.prefill_attention_backend or config.attention_backend or auto_prefill
+    decode = config.decode_attention_backend or config.attention_backend or auto_decode
+    return prefill, decode
+# END TASK 7.1
+
+
+def check_backend_can_run(name: str, device: torch.device, dtype: torch.dtype | None = None) -> None:
+    """Raise one clear ``ValueError`` if backend ``name`` cannot run on ``device`` (with a KV cache of ``dtype``,
+    when given) in this installation."""
+    validate_backend_name("attention backend", name)
+    if name == "torch_native":
+        return
+    if name == "triton":
+        if not _importable("triton"):
+            raise ValueError(f"attention backend 'triton' needs the triton package ({INSTALL_HINT})")
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "attention backend 'triton' needs a CUDA device; on the CPU it runs only in Triton's interpreter "
+                "(set TRITON_INTERPRET=1 before starting; slow, for tests), else use torch_native"
+            )
+        return
+    if device.type != "cuda":
+        raise ValueError(f"attention backend {name!r} needs a CUDA device (this engine runs on {device.type}); "
+                         "use torch_native on the CPU")  # fmt: skip
+    if name in ("flashinfer", "fa3") and dtype is not None and dtype not in HALF_DTYPES:
+        raise ValueError(f"attention backend {name!r} computes in float16/bfloat16 only, and this model is "
+                         f"{str(dtype).replace('torch.', '')}: use --dtype bfloat16, or the triton backend")  # fmt: skip
+    if name == "flashinfer":
+        if not _importable("flashinfer"):
+            raise ValueError(f"attention backend 'flashinfer' needs the flashinfer-python package ({INSTALL_HINT})")
+        return
+    assert name == "fa3"
+    if not flash_attention_importable():
+        raise ValueError(
+            f"attention backend 'fa3' needs FlashAttention (module flash_attn_interface for FA3, or flash_attn for "
+            f"FA2; {INSTALL_HINT})"
+        )
+    major, minor = torch.cuda.get_device_capability(device)
+    if major == 9 and _importable("flash_attn_interface"):
+        return
+    if _importable("flash_attn"):  # FA2: Ampere and newer
+        if major < 8:
+            raise ValueError(f"attention backend 'fa3' (FlashAttention-2 here) needs an sm80+ GPU, not sm{major}{minor}")
+        return
+    raise ValueError(
+        f"attention backend 'fa3' (FlashAttention-3) runs on Hopper GPUs (sm90) only; this GPU is sm{major}{minor}: "
+        "use flashinfer or triton"
+    )
+
+
+def build_backend(
+    name: str,
+    kv_pool: KVPool,
+    req_to_token: ReqToTokenPool,
+    *,
+    num_q_heads: int,
+    page_size: int,
+    device: torch.device,
+) -> AttentionBackend:
+    """One backend by name (after :func:`check_backend_can_run`)."""
+    check_backend_can_run(name, device)
+    if name == "torch_native":
+        from minisgl_ref.attention.torch_native import TorchNativeBackend
+
+        return TorchNativeBackend(kv_pool, req_to_token)
+    if name == "triton":
+        from minisgl_ref.attention.triton_backend import TritonAttnBackend
+
+        return TritonAttnBackend(kv_pool, req_to_token, num_q_heads=num_q_heads)
+    if name == "flashinfer":
+        from minisgl_ref.attention.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend(kv_pool, req_to_token, num_q_heads=num_q_heads)
+    from minisgl_ref.attention.fa3_backend import FlashAttentionBackend
+
+    return FlashAttentionBackend(kv_pool, req_to_token, page_size=page_size)
+
+
+def create_attention_backend(
+    config: EngineConfig,
+    kv_pool: KVPool,
+    req_to_token: ReqToTokenPool,
+    *,
+    num_q_heads: int,
+    device: torch.device | str,
+) -> AttentionBackend:
+    """The engine's attention backend: one backend, or a :class:`HybridAttnBackend` when the prefill and decode
+    choices differ. ``num_q_heads`` is the query heads per rank (the planners of FlashInfer and the graph
+    buffers of Triton need it before the first layer runs)."""
+    device = torch.device(device)
+    dtype = kv_pool.k[0].dtype
+    prefill, decode = resolve_backend_names(config, device, dtype)
+    # Check both before building either, so that the error names the first problem and nothing is allocated.
+    check_backend_can_run(prefill, device, dtype)
+    check_backend_can_run(decode, device, dtype)
+    kw = dict(num_q_heads=num_q_heads, page_size=config.page_size, device=device)
+    if prefill == decode:
+        return build_backend(prefill, kv_pool, req_to_token, **kw)  # type: ignore[arg-type]
+    return HybridAttnBackend(
+        build_backend(prefill, kv_pool, req_to_token, **kw),  # type: ignore[arg-type]
+        build_backend(decode, kv_pool, req_to_token, **kw),  # type: ignore[arg-type]
+    )
+
+
+class HybridAttnBackend(AttentionBackend):
+    """Two backends behind one interface: extend steps (prefill, chunks, mixed batches) go to ``prefill``,
+    decode steps to ``decode``. Both read and write the same KV pool, so a request prefilled by one is decoded by
+    the other. CUDA graphs capture decode only, so the graph hooks go to the decode backend."""
+
+    def __init__(self, prefill: AttentionBackend, decode: AttentionBackend) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.name = f"{prefill.name}+{decode.name}"
+
+    def _pick(self, batch: ForwardBatch) -> AttentionBackend:
+        return self.decode if batch.mode.is_decode else self.prefill
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self._pick(batch).init_forward_metadata(batch)
+
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+    ) -> torch.Tensor:
+        return self.prefill.forward_extend(q, k, v, layer, batch)
+
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+    ) -> torch.Tensor:
+        return self.decode.forward_decode(q, k, v, layer, batch)
+
+    @property
+    def supports_cuda_graph(self) -> bool:
+        return self.decode.supports_cuda_graph
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.decode.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def init_forward_metadata_capture_cuda_graph(
+        self,
+        bs: int,
+        num_tokens: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        forward_mode: ForwardMode | None = None,
+    ) -> None:
+        self.decode.init_forward_metadata_capture_cuda_graph(bs, num_tokens, req_pool_indices, seq_lens,
+                                                             forward_mode)  # fmt: skip
+
+    def init_forward_metadata_replay_cuda_graph(
+        self,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        forward_mode: ForwardMode | None = None,
+        seq_lens_sum: int | None = None,
+        seq_lens_cpu: torch.Tensor | None = None,
+    ) -> None:
+        self.decode.init_forward_metadata_replay_cuda_graph(
+            bs, req_pool_indices, seq_lens, forward_mode=forward_mode, seq_lens_sum=seq_lens_sum,
+            seq_lens_cpu=seq_lens_cpu,
+        )  # fmt: skip
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return self.decode.get_cuda_graph_seq_len_fill_value()

@@ -1,0 +1,255 @@
+"""One engine per rank, kept in lock-step (chapter 09).
+
+With tensor parallelism every rank runs a full copy of the engine: its own scheduler, radix cache, page table and
+KV pool (holding only its own KV heads). The model's collectives make every rank take part in every forward pass,
+so the ranks must schedule *exactly* the same batches in the same order. We get that without sending batches
+around, from two facts:
+
+1. the scheduler is deterministic: the same requests, added at the same points, give the same decisions;
+2. every rank samples the same tokens (the logits are all-gathered, and :class:`RankZeroTokens` makes rank 0's
+   tokens authoritative anyway, so a rounding difference can never split the ranks apart).
+
+So only rank 0 (the **leader**) talks to the outside world. Whatever changes the engine's state between two
+steps (a new request, an abort, a cache flush) it records as an *op*; at the top of every step it broadcasts the
+ops of the step to the **followers**, which replay them on their own engines and then step too. A step with no
+news costs one 8-byte broadcast. Only rank 0 reports results.
+
+::
+
+    rank 0 (leader)                          rank 1..N-1 (followers)
+    add_request / abort  -> record op
+    step():  broadcast(ops)  ---------------> ops = broadcast()
+             Engine.step()                     replay ops; Engine.step()
+             (all-reduces inside the model <-> all-reduces inside the model)
+
+:class:`TPEngine` is the engine for both roles; :func:`spawn_local_ranks` starts the followers of an offline
+``LLM(tp_size=N)`` as child processes (torch.multiprocessing, spawn start method).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from minisgl_ref.distributed.group import DistConfig, broadcast_object, exit_with_parent
+from minisgl_ref.distributed.parallel_state import broadcast_tensor, get_tp_info
+from minisgl_ref.engine.engine import Engine, StepEvent
+from minisgl_ref.sampling.params import SamplingParams
+from minisgl_ref.scheduler.request import Req
+
+log = logging.getLogger("minisgl_ref.tp")
+
+
+@dataclass(frozen=True)
+class ReqSpec:
+    """Everything a follower needs to rebuild a leader's request exactly (the tokenizer state aside, which it
+    rebuilds from its own tokenizer: stop strings must end a request on every rank at the same token)."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    context_len: int | None
+    sampling_seed: int
+    stop_strings: bool  # whether the leader's request checks stop strings (it has a detokenizer with stops)
+
+    @classmethod
+    def of(cls, req: Req) -> ReqSpec:
+        has_stops = req.detokenizer is not None and bool(req.params.stop)
+        return cls(req.rid, list(req.input_ids), req.params, req.eos_token_ids, req.context_len,
+                   req.sampling_seed, has_stops)
+
+    def build(self, tokenizer: Any) -> Req:
+        detok = None
+        if self.stop_strings:
+            from minisgl_ref.tokenizer import IncrementalDetokenizer
+
+            if tokenizer is None:
+                raise RuntimeError(f"request {self.rid} has stop strings but this rank has no tokenizer")
+            detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=self.params.skip_special_tokens,
+                                           stop=self.params.stop, prompt_ids=self.input_ids)
+        return Req(input_ids=list(self.input_ids), params=self.params, eos_token_ids=self.eos_token_ids,
+                   detokenizer=detok, context_len=self.context_len, rid=self.rid, sampling_seed=self.sampling_seed)
+
+
+class RankZeroTokens:
+    """Wraps the sampler: every rank samples, then takes rank 0's tokens (one [B] int64 broadcast per step).
+
+    The all-gathered logits are the same on every rank, so the tokens already agree; the broadcast is cheap
+    insurance that a nondeterministic kernel can never make two schedulers disagree about a request's tokens,
+    which would desynchronise the ranks' collectives and hang the group."""
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler = sampler
+
+    def __call__(self, logits: torch.Tensor, info: Any) -> torch.Tensor:
+        return broadcast_tensor(self.sampler(logits, info).contiguous(), src=0)
+
+
+class _Gone:
+    """Stands in for a request that a follower has already finished when the leader aborts it."""
+
+    finished = True
+
+    def abort(self, message: str) -> None:
+        pass
+
+
+class TPEngine(Engine):
+    """An :class:`Engine` that is one rank of a tensor-parallel group: the leader (rank 0) broadcasts each step's
+    ops, the followers replay them (see the module docstring). At tp=1 it is never used."""
+
+    def __init__(self, *args: Any, tokenizer: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tp = get_tp_info()
+        self.is_leader = self.tp.rank == 0
+        self.tokenizer = tokenizer
+        self._ops: list[tuple[Any, ...]] = []
+        self._stopped = False
+        self.runner.sampler = RankZeroTokens(self.runner.sampler)
+        local_flush = self.cache.flush_cache
+
+        def flush_cache() -> bool:
+            ok = local_flush()
+            if ok and self.is_leader:
+                self._ops.append(("flush",))
+            return ok
+
+        self.cache.flush_cache = flush_cache  # type: ignore[method-assign]
+        self._local_flush = local_flush
+
+    # ------------------------------------------------------------------------------------------ leader side
+
+    def add_request(self, req: Req) -> None:
+        if self.is_leader and not req.finished:
+            self._ops.append(("add", ReqSpec.of(req)))
+        super().add_request(req)
+
+    def abort(self, req: Req, message: str = "aborted") -> None:
+        if self.is_leader:
+            self._ops.append(("abort", req.rid, message, self.cache.defer_frees))
+        super().abort(req, message)
+
+    def step(self) -> list[StepEvent]:
+        if self.is_leader:
+            ops, self._ops = self._ops, []
+            broadcast_object(ops or None)
+        return super().step()
+
+    def stop_followers(self) -> None:
+        """Tell every follower to leave :meth:`follow` (the leader's part of shutting down)."""
+        if self.is_leader and not self._stopped:
+            self._stopped = True
+            broadcast_object([("stop",)])
+
+    # ---------------------------------------------------------------------------------------- follower side
+
+    def follow(self) -> None:
+        """A follower's whole life: receive the step's ops, replay them, step; until the leader says stop."""
+        assert not self.is_leader, "rank 0 leads; only ranks 1..N-1 follow"
+        # BEGIN TASK 9.2: replay the leader's ops, then step
+        reqs: dict[str, Req] = {}
+        while True:
+            ops = broadcast_object(None) or []
+            for op in ops:
+                kind = op[0]
+                if kind == "stop":
+                    return
+                if kind == "add":
+                    req = op[1].build(self.tokenizer)
+                    reqs[req.rid] = req
+                    super().add_request(req)
+                elif kind == "abort":
+                    _, rid, message, defer_frees = op
+                    # A request this rank has already finished is aborted too (as a stand-in), so that the
+                    # engine's side effects of an abort are the same as on the leader.
+                    self.cache.defer_frees = defer_frees
+                    super().abort(reqs.pop(rid, None) or _Gone(), message)
+                elif kind == "flush":
+                    self._local_flush()
+                else:
+                    raise RuntimeError(f"unknown op from the leader: {op!r}")
+            for event in super().step():
+                if event.finished:
+                    reqs.pop(event.req.rid, None)
+        # END TASK 9.2
+
+
+# ------------------------------------------------------------------------------------ offline: local ranks
+
+
+def _worker_main(rank: int, dist_cfg: DistConfig, llm_kwargs: dict[str, Any], ready: Any) -> None:
+    """Entry point of a spawned follower of an offline ``LLM(tp_size=N)``: build the same LLM as rank ``rank``,
+    then follow the leader until it stops."""
+    exit_with_parent()
+    threads = os.environ.get("MINISGL_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    from minisgl_ref.llm import LLM
+
+    try:
+        llm = LLM(**llm_kwargs, tp_size=dist_cfg.tp_size, nnodes=dist_cfg.nnodes, node_rank=dist_cfg.node_rank,
+                  dist_init_addr=dist_cfg.dist_init_addr, tp_rank=rank, _ready=ready)
+    except Exception as e:  # noqa: BLE001 - reported to the leader, which raises it
+        try:
+            ready.send({"error": f"rank {rank}: {type(e).__name__}: {e}"})
+        except (OSError, ValueError):
+            pass
+        raise SystemExit(1) from e
+    llm.follow()
+
+
+def spawn_local_ranks(dist_cfg: DistConfig, ranks: list[int], llm_kwargs: dict[str, Any]) -> tuple[list, list]:
+    """Start one process per rank in ``ranks`` (this node's followers). Returns (processes, ready pipes): each
+    child sends ``{"ok": rank}`` on its pipe once its model is loaded, or ``{"error": ...}``."""
+    import torch.multiprocessing as mp
+
+    from minisgl_ref.distributed.launch import main_not_reimported
+
+    ctx = mp.get_context("spawn")
+    procs, conns = [], []
+    for rank in ranks:
+        receiver, sender = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_worker_main, args=(rank, dist_cfg, llm_kwargs, sender), daemon=True,
+                           name=f"minisgl-tp{rank}")
+        with main_not_reimported():
+            proc.start()
+        sender.close()
+        procs.append(proc)
+        conns.append(receiver)
+    return procs, conns
+
+
+def wait_ready(procs: list, conns: list, timeout_s: float | None = None) -> None:
+    """Block until every spawned rank has loaded its model; raise with the first error (or death) reported."""
+    import time
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    pending = dict(zip(conns, procs))
+    while pending:
+        for conn, proc in list(pending.items()):
+            if conn.poll(0.1):
+                try:
+                    msg = conn.recv()
+                except EOFError:
+                    msg = {"error": f"{proc.name} exited with code {proc.exitcode} while loading"}
+                if "error" in msg:
+                    raise RuntimeError(f"a tensor-parallel rank failed to start: {msg['error']}")
+                del pending[conn]
+            elif not proc.is_alive():
+                raise RuntimeError(f"{proc.name} exited with code {proc.exitcode} while loading")
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError("tensor-parallel ranks did not start in time")
+
+
+def stop_local_ranks(procs: list, timeout_s: float = 30.0) -> None:
+    for proc in procs:
+        proc.join(timeout_s)
+        if proc.is_alive():
+            log.warning("%s did not exit; terminating it", proc.name)
+            proc.terminate()
+            proc.join(5.0)

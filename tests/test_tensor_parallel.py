@@ -1,0 +1,254 @@
+"""Chapter 09: tensor parallelism on CPU with gloo, two (and four) ranks, against the unsharded model.
+
+Every check compares the sharded engine with tp=1 on the same weights: logits in float32 within a relative error
+of 1e-5, and greedy tokens exactly, offline (``LLM(tp_size=2)``) and through the server (``serve --tp-size 2``).
+Spawning ranks is the slow part (each is a fresh interpreter), so one spawn computes the logits of every model.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from minisgl_ref.bench.tp import model_logits, relative_error
+from minisgl_ref.distributed.launch import run_on_ranks
+from minisgl_ref.layers.linear import HeadShard, shard_heads
+
+SEQUENCES = [[1, 5, 9, 200, 17, 3, 44], [7, 8], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111]]
+EMBEDDED_SEQUENCES = [[1, 504, 3000, 17, 9, 42000, 123], [49151, 0, 77]]
+
+
+def _logits_of(models: list[tuple[str, list[list[int]]]]) -> list[torch.Tensor]:
+    """On one rank: the logits of each model (a folder) on its sequences."""
+    return [model_logits(path, "auto", "float32", seqs) for path, seqs in models]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_checkpoints, embedded_path, tmp_path_factory) -> dict[str, tuple[str, list[list[int]]]]:
+    """The tiny Llama / Qwen2 / Qwen3 checkpoints, the embedded SmolLM2-135M (9 heads, 3 KV heads: an uneven
+    split at tp=2) and a one-KV-head Llama (its KV head replicated on both ranks)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import tiny_hf_config
+
+    torch.manual_seed(1)
+    folder = tmp_path_factory.mktemp("mqa")
+    AutoModelForCausalLM.from_config(tiny_hf_config("llama", num_key_value_heads=1),
+                                     dtype=torch.float32).save_pretrained(folder)
+    out = {arch: (str(tiny_checkpoints[arch]), SEQUENCES) for arch in ("llama", "qwen2", "qwen3")}
+    out["embedded"] = (str(embedded_path), EMBEDDED_SEQUENCES)
+    out["one_kv_head"] = (str(folder), SEQUENCES)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp1_logits(models) -> dict[str, torch.Tensor]:
+    torch.set_num_threads(1)
+    return dict(zip(models, _logits_of(list(models.values()))))
+
+
+@pytest.fixture(scope="module")
+def tp2_logits(models) -> dict[str, list[torch.Tensor]]:
+    per_rank = run_on_ranks(_logits_of, 2, list(models.values()), threads=1)
+    return {name: [rank[i] for rank in per_rank] for i, name in enumerate(models)}
+
+
+@pytest.mark.task("9.1")
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "embedded", "one_kv_head"])
+def test_logits_at_tp2_match_tp1(name, tp1_logits, tp2_logits):
+    ref = tp1_logits[name]
+    rank0, rank1 = tp2_logits[name]
+    assert rank0.shape == ref.shape
+    assert torch.equal(rank0, rank1), "every rank must end up with the same (all-gathered) logits"
+    assert relative_error(rank0, ref) <= 1e-5
+
+
+@pytest.mark.task("9.1")
+def test_logits_at_tp4_with_replicated_kv_heads(tiny_checkpoints):
+    """4 ranks, 2 KV heads: each KV head lives on two ranks, which split its two query heads."""
+    path = str(tiny_checkpoints["qwen3"])
+    ref = model_logits(path, "auto", "float32", SEQUENCES)
+    ranks = run_on_ranks(model_logits, 4, path, "auto", "float32", SEQUENCES, threads=1)
+    assert all(torch.equal(r, ranks[0]) for r in ranks)
+    assert relative_error(ranks[0], ref) <= 1e-5
+
+
+@pytest.mark.task("9.1")
+@pytest.mark.parametrize(
+    "heads, kv, size, expected",
+    [
+        (4, 2, 2, [HeadShard(0, 2, 0, 1), HeadShard(2, 2, 1, 1)]),
+        (9, 3, 2, [HeadShard(0, 6, 0, 2), HeadShard(6, 3, 2, 1)]),  # SmolLM2-135M: whole groups, unevenly
+        (4, 1, 2, [HeadShard(0, 2, 0, 1), HeadShard(2, 2, 0, 1)]),  # one KV head, replicated
+        (4, 2, 4, [HeadShard(0, 1, 0, 1), HeadShard(1, 1, 0, 1), HeadShard(2, 1, 1, 1), HeadShard(3, 1, 1, 1)]),
+        (40, 8, 2, [HeadShard(0, 20, 0, 4), HeadShard(20, 20, 4, 4)]),  # Qwen3-14B
+    ],
+)
+def test_shard_heads_covers_every_head_once(heads, kv, size, expected):
+    shards = [shard_heads(heads, kv, r, size) for r in range(size)]
+    assert shards == expected
+    q_heads = [h for s in shards for h in range(s.q_start, s.q_start + s.num_q)]
+    assert q_heads == list(range(heads))
+    for s in shards:  # every query head of a rank reads a KV head of the same rank
+        group = heads // kv
+        assert all(s.kv_start <= q // group < s.kv_start + s.num_kv for q in range(s.q_start, s.q_start + s.num_q))
+
+
+@pytest.mark.task("9.1")
+@pytest.mark.parametrize("heads, kv, size, fragment", [(4, 3, 2, "multiple of KV heads"),
+                                                       (6, 3, 4, "multiple of the KV heads"),
+                                                       (2, 1, 4, "not divisible")])
+def test_shard_heads_rejects_impossible_splits(heads, kv, size, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        shard_heads(heads, kv, 0, size)
+
+
+def test_lazy_checkpoint_reads_only_the_slice(tiny_checkpoints):
+    from safetensors import safe_open
+
+    from minisgl_ref.models.weights import CheckpointTensor, iter_safetensors, safetensors_files
+
+    path = safetensors_files(Path(tiny_checkpoints["llama"]))[0]
+    name = "model.layers.0.mlp.down_proj.weight"
+    with safe_open(str(path), framework="pt") as f:
+        full = f.get_tensor(name)
+        lazy = CheckpointTensor(f, name)
+        assert lazy.shape == full.shape
+        assert torch.equal(lazy.narrow(1, 32, 64), full.narrow(1, 32, 64))
+        assert torch.equal(lazy.narrow(0, 8, 8), full[8:16])
+    kinds = {n: type(t).__name__ for n, t in iter_safetensors(Path(tiny_checkpoints["llama"]), lazy=True)}
+    assert kinds[name] == "CheckpointTensor" and kinds["model.norm.weight"] == "Tensor"
+
+
+def test_bad_tp_flags_are_rejected():
+    from minisgl_ref import LLM
+    from minisgl_ref.distributed.group import DistConfig
+
+    with pytest.raises(ValueError, match="multiple of nnodes"):
+        DistConfig(tp_size=3, nnodes=2, dist_init_addr="127.0.0.1:1234")
+    with pytest.raises(ValueError, match="dist_init_addr"):
+        DistConfig(tp_size=2, nnodes=2)
+    with pytest.raises(ValueError, match="host:port"):
+        DistConfig(tp_size=2, dist_init_addr="nohost")
+    with pytest.raises(ValueError, match="naive"):
+        LLM(engine="naive", tp_size=2)
+
+
+# ----------------------------------------------------------------------------------------------- engine
+
+
+@pytest.mark.task("9.2")
+def test_llm_tp2_generates_the_same_tokens_as_tp1(tiny_checkpoints):
+    """The whole engine at tp=2 (rank 1 in a spawned process following rank 0) against tp=1: greedy, seeded
+    sampling, a stop token and chunked prefill all give the same tokens."""
+    from minisgl_ref import LLM, SamplingParams
+
+    torch.set_num_threads(1)
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 319) for _ in range(n)] for n in (5, 40, 90, 12)]
+    params = [
+        SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_new_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=3, max_new_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0, max_new_tokens=16, stop_token_ids=[34, 99], ignore_eos=True),  # stops at 6
+    ]
+    kw = dict(device="cpu", chunked_prefill_size=32, max_prefill_tokens=64)
+    path = str(tiny_checkpoints["qwen2"])
+
+    def abort_midway(llm):  # an abort and a cache flush between steps, as the server issues them
+        a = llm.make_request(prompts[1], SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True))
+        b = llm.make_request(prompts[0], SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True))
+        llm.engine.add_request(a)
+        llm.engine.add_request(b)
+        for _ in range(4):
+            llm.engine.step()
+        llm.engine.abort(a, "aborted by the test")
+        llm.engine.run_until_done()
+        flushed = llm.engine.cache.flush_cache()
+        return a.output_ids, a.finish_reason.kind, b.output_ids, flushed
+
+    ref_llm = LLM(path, **kw)
+    expected = ref_llm.generate(prompts, params, use_tqdm=False)
+    expected_abort = abort_midway(ref_llm)
+    with LLM(path, tp_size=2, **kw) as llm:
+        got = llm.generate(prompts, params, use_tqdm=False)
+        got_abort = abort_midway(llm)
+        again = llm.generate(prompts[:1], params[:1], use_tqdm=False)  # the ranks are still in step
+    assert [o.output_ids for o in got] == [o.output_ids for o in expected]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in expected]
+    assert got[3].finish_reason == "stop" and len(got[3].output_ids) < 16
+    assert got_abort == expected_abort and got_abort[1] == "abort" and got_abort[3]
+    assert again[0].output_ids == expected[0].output_ids
+
+
+@pytest.mark.task("9.2")
+def test_two_nodes_one_rank_each(tiny_checkpoints):
+    """``nnodes=2``: node 1 is another process that only follows (as ``generate --node-rank 1`` does); they meet
+    at ``dist_init_addr``, and node 0's answers equal tp=1's."""
+    import subprocess
+    import sys
+
+    from minisgl_ref import LLM, SamplingParams
+    from minisgl_ref.distributed.group import free_port
+
+    torch.set_num_threads(1)
+    path = str(tiny_checkpoints["llama"])
+    addr = f"127.0.0.1:{free_port()}"
+    common = f"{path!r}, device='cpu', tp_size=2, nnodes=2, dist_init_addr={addr!r}"
+    node1 = subprocess.Popen([sys.executable, "-c", "import torch; torch.set_num_threads(1)\n"
+                              f"from minisgl_ref import LLM\nLLM({common}, node_rank=1).follow()"])
+    try:
+        params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+        expected = LLM(path, device="cpu").generate([[5, 6, 7, 8]], params, use_tqdm=False)
+        llm = LLM(path, device="cpu", tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr)
+        assert llm.is_leader and llm.tp_rank == 0
+        got = llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)
+        llm.shutdown()
+        assert got[0].output_ids == expected[0].output_ids
+        assert node1.wait(60) == 0  # node 1 left when node 0 shut down
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+
+
+@pytest.mark.task("9.2")
+def test_embedded_model_tp2_chat_matches_tp1():
+    """SmolLM2-135M (uneven head split) through the chat template, with a stop string."""
+    from minisgl_ref import LLM, SamplingParams
+
+    torch.set_num_threads(1)
+    chats = [[{"role": "user", "content": "What is the capital of France?"}],
+             [{"role": "user", "content": "Name three colours."}]]
+    params = [SamplingParams(temperature=0, max_new_tokens=12), SamplingParams(temperature=0, max_new_tokens=24,
+                                                                                stop=[","])]
+    expected = LLM(device="cpu").chat(chats, params, use_tqdm=False)
+    with LLM(device="cpu", tp_size=2) as llm:
+        got = llm.chat(chats, params, use_tqdm=False)
+    assert [o.output_ids for o in got] == [o.output_ids for o in expected]
+    assert [o.text for o in got] == [o.text for o in expected]
+
+
+@pytest.mark.task("9.2")
+def test_server_tp2_matches_offline_tp1(tiny_checkpoints):
+    """``serve --tp-size 2``: two scheduler processes; the HTTP answers equal the offline tp=1 engine's."""
+    from minisgl_ref import LLM
+    from tests.server_utils import ServerProcess
+
+    torch.set_num_threads(1)
+    path = str(tiny_checkpoints["llama"])
+    prompts = [[3, 14, 15, 92, 65], [2, 71, 82, 81, 82, 84, 59, 4, 52, 35]]
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    expected = LLM(path, device="cpu").generate(prompts, params, use_tqdm=False)
+    srv = ServerProcess("--model-path", path, "--tp-size", "2", "--device", "cpu", "--log-level", "warning")
+    try:
+        srv.wait_ready()
+        assert srv.server_info()["tp_size"] == 2
+        r = srv.post("/generate", json={"input_ids": prompts, "sampling_params": params})
+        assert r.status_code == 200, r.text
+        assert [o["output_ids"] for o in r.json()] == [e.output_ids for e in expected]
+        assert srv.terminate() == 0
+    finally:
+        srv.kill_all()
