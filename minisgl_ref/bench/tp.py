@@ -317,7 +317,7 @@ def phase_merge(args: argparse.Namespace) -> dict[str, Any]:
         else:
             merged[path.stem] = {"missing": True}
     env = {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "MODEL", "CHECK_MODEL", "NUM_PROMPTS", "DECODE_BS",
-                                          "ENGINE_ARGS", "DTYPE", "DEVICE")}
+                                          "ENGINE_ARGS", "DTYPE", "DEVICE", "MINISGL_FUSED", "MINISGL_GIT_COMMIT")}
     merged["provenance"] = collect_provenance(inputs=args.inputs, script="scripts/gpu/tp_bench.sh", environment=env)
     return merged
 

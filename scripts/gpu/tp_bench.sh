@@ -10,7 +10,8 @@
 # The prelude sets NCCL_NVLS_ENABLE=0 (NVLink multicast off); this script refuses to run without it.
 # Knobs (environment): NUM_PROMPTS (canonical workload size, default 256), MODEL (default qwen3-14b),
 # CHECK_MODEL (default qwen3-0.6b), DECODE_BS (default 1,64), ENGINE_ARGS (JSON engine keyword arguments, default
-# {}; e.g. '{"disable_cuda_graph": true}'), OUT (default results). If the tp=2 run fails to produce decode times with
+# {}; e.g. '{"disable_cuda_graph": true}'), OUT (default results), and the time limits CHECK_LIMIT (120 s), RUN_LIMIT (190 s
+# for each tp size) and COMM_DEADLINE (480: the comm phase runs only if less time than this has passed). If the tp=2 run fails to produce decode times with
 # the default engine, it is retried once with CUDA graphs off (a CUDA graph that captures NCCL calls is the likeliest
 # thing to break), as tp2_run_eager.
 set -o pipefail
@@ -52,11 +53,11 @@ phase() {  # phase NAME TIMEOUT_S ARGS...: run one phase, log it, remember a fai
 }
 
 # 1. Correctness: logits and greedy tokens, tp=2 against tp=1, bf16, on a small model.
-phase tp_check 120 --phase check --device "$DEVICE" --tp-size 2 --dtype "$DTYPE" --check-model "$CHECK_MODEL" --check-load-format dummy \
+phase tp_check "${CHECK_LIMIT:-120}" --phase check --device "$DEVICE" --tp-size 2 --dtype "$DTYPE" --check-model "$CHECK_MODEL" --check-load-format dummy \
     --engine-args "$ENGINE_ARGS"
 # 2-3. Speed: the same measurements at tp=1 and tp=2 on the big model (decode steps first: they are quick).
 for tp in 1 2; do
-    phase "tp${tp}_run" 190 --phase run --device "$DEVICE" --tp-size $tp --model-path "$MODEL" --load-format dummy --dtype "$DTYPE" \
+    phase "tp${tp}_run" "${RUN_LIMIT:-190}" --phase run --device "$DEVICE" --tp-size $tp --model-path "$MODEL" --load-format dummy --dtype "$DTYPE" \
         --decode-batch-sizes "$DECODE_BS" --num-prompts "$NUM_PROMPTS" --engine-args "$ENGINE_ARGS"
 done
 extra_inputs=""
@@ -67,7 +68,7 @@ if ! grep -q '"step_s"' "$OUT/tp2_run.json" 2>/dev/null && [ "$SECONDS" -lt 380 
     extra_inputs="$OUT/tp2_run_eager.json"
 fi
 # 4. Communication of one prefill (512 tokens) and one decode (batch 64) forward pass, if time is left.
-if [ "$SECONDS" -lt 480 ]; then
+if [ "$SECONDS" -lt "${COMM_DEADLINE:-480}" ]; then
     phase tp_comm 80 --phase comm --tp-size 2 --model-path "$MODEL" --load-format dummy --dtype "$DTYPE" \
         --device "$DEVICE" --comm-prefill-tokens 512 --comm-decode-batch 64
 fi
