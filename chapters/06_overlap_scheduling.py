@@ -232,9 +232,14 @@ print(inspect.getsource(Engine.step))
 print(inspect.getsource(ModelRunner.run))
 
 # %% [markdown]
-# **One host sync per step.** The only place the CPU waits for the device is the first line of `_process`,
-# `batch.next_tokens.tolist()`. Everything before it (scheduling, metadata, launching) is work the device can run
-# ahead of. `_process` is **task 6.1**:
+# **One host sync per step, on the right event.** The only place the CPU waits for the device is the first line
+# of `_process`, `batch.tokens()`. Everything before it (scheduling, metadata, launching) is work the device can
+# run ahead of. *What* it waits for matters as much as how often. The obvious `batch.next_tokens.tolist()` queues
+# its device-to-host copy on the stream **behind step N+1**, which was launched a moment earlier; the CPU then
+# waits for N+1 to finish before it can process N, and the GPU sits idle while the CPU processes, schedules and
+# launches: overlap in name only. So `ModelRunner.run` starts the copy into pinned host memory right after
+# sampling and records a CUDA event behind it; `batch.tokens()` waits for that event alone. On an H100 this one
+# line was a quarter of every decode step (chapter 11). `_process` is **task 6.1**:
 
 # %%
 print(task_source(Engine._process, "6.1"))

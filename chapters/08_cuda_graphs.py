@@ -279,7 +279,7 @@ plt.show()
 # | RMSNorm (+ residual) | 8 kernels per norm | 1 FlashInfer kernel (`fused_add_rmsnorm`, and `rmsnorm` on `[T, heads, d]` views for QK-norm, no copies) |
 # | SiLU-and-mul | 3 kernels | 1 FlashInfer kernel |
 # | RoPE | gather cos/sin, ~10 element-wise kernels, 2 copies | 1 FlashInfer kernel, in place on the q/k views |
-# | host syncs per step | one per request (page-table reads) + one for the tokens | **one** (`next_tokens.tolist()`, one step late under overlap) |
+# | host syncs per step | one per request (page-table reads) + one for the tokens | **one** (`batch.tokens()`, one step late under overlap, waiting on the step's own copy event) |
 #
 # The fused kernels run only on CUDA in half precision; on the CPU the plain versions in `layers/*.py` run, so
 # the chapter-00 oracle tests still compare exact float32 arithmetic. `tests/test_fused_ops.py` checks each

@@ -67,13 +67,18 @@ class TPHandle:
     def close(self) -> None:
         from minisgl_ref.distributed.tp_engine import TPEngine
 
-        if isinstance(self.engine, TPEngine) and self.engine.is_leader and dist.is_initialized():
+        connected = dist.is_initialized()
+        if isinstance(self.engine, TPEngine) and self.engine.is_leader and connected:
             self.engine.stop_followers()
-        if self.procs:
-            stop_local_ranks(self.procs, timeout_s=30.0 if dist.is_initialized() else 0.0)
-            self.procs = []
+        # Leave the group *before* waiting for the followers to exit: NCCL's teardown waits for every rank of
+        # the communicator, so a leader that joined its followers first would wait on them while they wait in
+        # their own teardown for it (on two H200s that cost the 30 s join time-out at every shutdown; gloo's
+        # teardown is local, which is why the CPU tests never saw it).
         if self.size > 1:
             destroy_distributed()
+        if self.procs:
+            stop_local_ranks(self.procs, timeout_s=30.0 if connected else 0.0)
+            self.procs = []
         self.engine = None
 
 

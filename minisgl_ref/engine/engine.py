@@ -216,8 +216,7 @@ class Engine:
 
     # BEGIN TASK 6.1: process a step's results (one step late under overlap)
     def _process(self, batch: ScheduledBatch) -> list[StepEvent]:
-        assert batch.next_tokens is not None
-        tokens = batch.next_tokens.tolist()  # the one host sync per step: after it, the step has run
+        tokens = batch.tokens()  # the one wait for the device per step: after it, the step's tokens are here
         self._free(batch.free_when_done)
         events = []
         for req, token, emits, epoch in zip(batch.reqs, tokens, batch.emits, batch.epochs):

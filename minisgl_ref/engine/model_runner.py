@@ -17,7 +17,8 @@ device-to-host sync, makes the GPU wait. Hence the shape of :meth:`ModelRunner.p
 * decode-only steps take a vectorised path with no per-request Python work beyond reading two lists;
 * the sampling state is reused across decode steps of the same requests (only the step counter moves).
 
-The only device-to-host sync per step is the engine's ``next_tokens.tolist()``, one step late under overlap.
+The only wait for the device per step is the engine's ``batch.tokens()``, one step late under overlap; on a GPU it
+waits for an event recorded right after this step's token copy, not for the step launched after it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ class ModelRunner:
     (:mod:`~minisgl_ref.engine.cuda_graph`) and replays them; other steps, and every step on the CPU, run
     eagerly. Graphs are skipped, with a log line, when the attention backend cannot be captured.
     """
+
+    #: Copy each step's tokens to pinned host memory behind an event (see ``ScheduledBatch.tokens``). Only chapter
+    #: 11's benchmark turns it off, to measure what it buys.
+    async_token_copy: bool = True
 
     def __init__(
         self,
@@ -230,4 +235,11 @@ class ModelRunner:
                 idx = to_device(torch.tensor(emit_rows), self.device)
                 self.token_buffer[fb.req_pool_indices[idx]] = next_tokens[idx]
         batch.next_tokens = next_tokens
+        if next_tokens.is_cuda and self.async_token_copy:
+            # Start the device-to-host copy now, in stream order right after sampling, and mark its end with an
+            # event: the engine waits for that event, not for whatever is launched after this step.
+            host = torch.empty(next_tokens.shape, dtype=next_tokens.dtype, pin_memory=True)
+            host.copy_(next_tokens, non_blocking=True)
+            batch.next_tokens_host, batch.copy_done = host, torch.cuda.Event()
+            batch.copy_done.record()
         return next_tokens

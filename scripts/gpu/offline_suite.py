@@ -355,6 +355,19 @@ def main() -> int:
         row = run_one("full engine (defaults)", wl, {}, bw)
         report["canonical"] = row
         save()
+        # The same run again (the spread between two runs of one process), then once with the step's tokens
+        # read by a plain .tolist() instead of the event-guarded pinned copy: what chapter 06's "wait on the
+        # right event" buys, measured in this run.
+        report["canonical_repeat"] = run_one("full engine (defaults), again", wl, {}, bw)
+        save()
+        from minisgl_ref.engine.model_runner import ModelRunner
+
+        ModelRunner.async_token_copy = False
+        try:
+            report["canonical_sync_tokens"] = run_one("full engine, tokens by tolist() (no copy event)", wl, {}, bw)
+        finally:
+            ModelRunner.async_token_copy = True
+        save()
     if "ladder" in parts:
         report["ladder_note"] = (f"rows marked workload_requests={args.small_n} use a reduced workload: the canonical "
                                  f"recipe with {args.small_n} requests and outputs of 100-{args.small_out} tokens "
@@ -377,6 +390,9 @@ def main() -> int:
         c = report["canonical"]
         print(f"\ncanonical: {c['output_throughput']:,.0f} out tok/s, {100 * (c['roofline_fraction'] or 0):.1f}% of the "
               f"floor ({report['roofline_floor_s']:.2f} s at {bw / 1e12:.2f} TB/s)")
+        for key in ("canonical_repeat", "canonical_sync_tokens"):
+            if key in report:
+                print(f"{report[key]['label']}: {report[key]['output_throughput']:,.0f} out tok/s")
     for r in report.get("decode_steps", []):
         print(f"decode bs={r['batch_size']:>3}: eager {r['eager_ms']:.3f} ms  graph {r['graph_ms']:.3f} ms  "
               f"x{r['speedup']:.2f}")
