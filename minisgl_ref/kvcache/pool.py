@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from minisgl_ref.layers import triton_fused
+
 
 class KVPool:
     def __init__(
@@ -32,5 +34,9 @@ class KVPool:
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the new tokens' keys and values [T, kv_heads, head_dim] into their slots [T]."""
+        pool_k, pool_v = self.k[layer_id], self.v[layer_id]
+        if triton_fused.available(k) and k.dtype == pool_k.dtype and v.dtype == pool_v.dtype:
+            triton_fused.store_kv_(pool_k, pool_v, slots, k, v)  # one kernel instead of two (chapter 11)
+            return
         self.k[layer_id][slots] = k.to(self.k[layer_id].dtype)
         self.v[layer_id][slots] = v.to(self.v[layer_id].dtype)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from minisgl_ref.engine.forward_batch import ForwardBatch
+from minisgl_ref.layers import triton_fused
 from minisgl_ref.layers.activation import SiluAndMul
 from minisgl_ref.layers.attention import AttentionLayer
 from minisgl_ref.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -48,9 +49,14 @@ class LlamaAttention(nn.Module):
         head_dim = self.attn.head_dim
         q = q.reshape(-1, self.attn.num_heads, head_dim)
         k = k.reshape(-1, self.attn.num_kv_heads, head_dim)
-        if self.use_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if triton_fused.available(q) and self.rotary.head_dim == head_dim:
+            # QK-norm (if any) and RoPE in one kernel, in place (chapter 11); the two lines below elsewhere
+            norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.use_qk_norm else (None, None)
+            q, k = triton_fused.qk_norm_rope_(positions, q, k, self.rotary.cos_cache, self.rotary.sin_cache, *norm)
+        else:
+            if self.use_qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, batch))
 
 

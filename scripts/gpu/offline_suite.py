@@ -368,6 +368,17 @@ def main() -> int:
         finally:
             ModelRunner.async_token_copy = True
         save()
+        # ... and once without our two Triton per-token kernels (QK-norm + RoPE, KV store): the FlashInfer norm /
+        # RoPE kernels and PyTorch indexing do that work instead, as before those kernels existed.
+        from minisgl_ref.layers import triton_fused
+
+        available = triton_fused.available
+        triton_fused.available = lambda x: False  # type: ignore[assignment]
+        try:
+            report["canonical_no_triton_fused"] = run_one("full engine, Triton per-token kernels off", wl, {}, bw)
+        finally:
+            triton_fused.available = available  # type: ignore[assignment]
+        save()
     if "ladder" in parts:
         report["ladder_note"] = (f"rows marked workload_requests={args.small_n} use a reduced workload: the canonical "
                                  f"recipe with {args.small_n} requests and outputs of 100-{args.small_out} tokens "
@@ -390,7 +401,7 @@ def main() -> int:
         c = report["canonical"]
         print(f"\ncanonical: {c['output_throughput']:,.0f} out tok/s, {100 * (c['roofline_fraction'] or 0):.1f}% of the "
               f"floor ({report['roofline_floor_s']:.2f} s at {bw / 1e12:.2f} TB/s)")
-        for key in ("canonical_repeat", "canonical_sync_tokens"):
+        for key in ("canonical_repeat", "canonical_sync_tokens", "canonical_no_triton_fused"):
             if key in report:
                 print(f"{report[key]['label']}: {report[key]['output_throughput']:,.0f} out tok/s")
     for r in report.get("decode_steps", []):

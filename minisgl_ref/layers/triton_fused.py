@@ -1,0 +1,155 @@
+"""Two per-token kernels of our own, in Triton: fewer, not faster, kernels (chapters 08 and 11).
+
+After CUDA graphs removed the launch cost, a decode step of Qwen3-0.6B is still ~370 kernels, and at small batch
+most of them move a few kilobytes: each costs its ~2-4 us of fixed GPU time whatever it does. Two groups of
+them do so little that merging them is pure gain:
+
+* **QK-norm + RoPE** (Qwen3). Each layer normalises every query head and every key head (two RMSNorm kernels,
+  two weights) and then rotates both (one RoPE kernel): three passes over the same few kilobytes.
+  :func:`qk_norm_rope_` does all of it in one pass, in place on the ``q`` / ``k`` views of the fused QKV output;
+  one program per (token, head), the head's 128 values in registers from load to store.
+* **The KV store**. ``pool.k[layer][slots] = k; pool.v[layer][slots] = v`` is two indexing kernels.
+  :func:`store_kv_` writes both in one.
+
+Both round at the same points as the plain PyTorch reference (``layers/norm.py``, ``layers/rotary.py``,
+``kvcache/pool.py``): the normalised head is rounded to the activation dtype, multiplied by the weight and rounded
+again, then rotated in float32 and rounded once more. So they agree with the reference to the last bit but for the
+order of the sum of squares (``tests/test_triton_fused.py``, on the CPU through Triton's interpreter).
+
+They run where the other fused ops run (CUDA, half precision, ``MINISGL_FUSED`` not ``0``); elsewhere the plain
+ops do. See :mod:`minisgl_ref.attention.triton_kernels` for the conventions (int64 index arithmetic, no helper
+``@triton.jit`` calls) that keep the interpreter fast enough for CPU tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def _triton_ok() -> bool:
+    if os.environ.get("MINISGL_FUSED", "1") == "0":
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception:  # not installed: the plain ops are always correct
+        return False
+    return True
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether the kernels apply to ``x``: a CUDA half/bf16 tensor and Triton importable."""
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and _triton_ok()
+
+
+@functools.cache
+def _kernels():  # type: ignore[no-untyped-def]
+    """Compile (decorate) the kernels on first use, so importing this module does not import Triton."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def qk_norm_rope_kernel(
+        q, k,  # [T, H, D] and [T, KVH, D] views (last dim contiguous), rotated in place
+        q_weight, k_weight,  # [D] each (ignored without HAS_NORM)
+        cos, sin,  # [max_position, D / 2] float32
+        positions,  # [T]
+        stride_qt, stride_qh, stride_kt, stride_kh,
+        num_q_heads, eps,
+        HAS_NORM: tl.constexpr, HALF: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        offs = tl.arange(0, HALF)
+        if h < num_q_heads:
+            base = q + t * stride_qt + h * stride_qh
+            weight = q_weight
+        else:
+            base = k + t * stride_kt + (h - num_q_heads) * stride_kh
+            weight = k_weight
+        x1 = tl.load(base + offs)
+        x2 = tl.load(base + HALF + offs)
+        dtype = x1.dtype
+        a = x1.to(tl.float32)
+        b = x2.to(tl.float32)
+        if HAS_NORM:
+            mean_sq = (tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / (2 * HALF)
+            r = 1.0 / tl.sqrt(mean_sq + eps)
+            # weight * round(x * r), rounded: the reference's two roundings (RMSNorm._norm)
+            w1 = tl.load(weight + offs).to(tl.float32)
+            w2 = tl.load(weight + HALF + offs).to(tl.float32)
+            a = (w1 * (a * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            b = (w2 * (b * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        pos = tl.load(positions + t).to(tl.int64)
+        c = tl.load(cos + pos * HALF + offs)
+        s = tl.load(sin + pos * HALF + offs)
+        tl.store(base + offs, (a * c - b * s).to(dtype))
+        tl.store(base + HALF + offs, (b * c + a * s).to(dtype))
+
+    @triton.jit
+    def store_kv_kernel(
+        k, v,  # [T, KVH * D] rows (row stride given, elements contiguous)
+        k_pool, v_pool,  # [num_slots, KVH * D] contiguous
+        slots,  # [T]
+        stride_kt, stride_vt,
+        ROW: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slots + t).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < ROW
+        tl.store(k_pool + slot * ROW + offs, tl.load(k + t * stride_kt + offs, mask=mask), mask=mask)
+        tl.store(v_pool + slot * ROW + offs, tl.load(v + t * stride_vt + offs, mask=mask), mask=mask)
+
+    return qk_norm_rope_kernel, store_kv_kernel
+
+
+def qk_norm_rope_(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalise (when weights are given) and rotate ``q`` [T, H, D] and ``k`` [T, KVH, D] in place, neox layout.
+
+    ``cos`` / ``sin`` are the rotary tables ``[max_position, D / 2]`` (float32); ``D`` must be a power of two."""
+    kernel, _ = _kernels()
+    t, num_q, d = q.shape
+    num_kv = k.shape[1]
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("give both q_weight and k_weight, or neither")
+    if d & (d - 1) or q.stride(-1) != 1 or k.stride(-1) != 1 or cos.shape[-1] * 2 != d:
+        raise ValueError(f"qk_norm_rope_ needs a power-of-two head dim, contiguous heads and a full rotary table; "
+                         f"got q {tuple(q.shape)} strides {q.stride()}, cos {tuple(cos.shape)}")
+    if t == 0:
+        return q, k
+    has_norm = q_weight is not None
+    kernel[(t, num_q + num_kv)](
+        q, k, q_weight if has_norm else q, k_weight if has_norm else k, cos, sin, positions,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), num_q, eps, HAS_NORM=has_norm, HALF=d // 2,
+    )  # fmt: skip
+    return q, k
+
+
+def store_kv_(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+    """``k_pool[slots] = k; v_pool[slots] = v`` in one kernel. Pools ``[num_slots, KVH, D]`` contiguous; ``k`` /
+    ``v`` ``[T, KVH, D]`` with each token's heads contiguous (views of the QKV output are)."""
+    _, kernel = _kernels()
+    t = k.shape[0]
+    row = k_pool.shape[1] * k_pool.shape[2]
+    for name, x in (("k", k), ("v", v)):
+        if x.shape[1:] != k_pool.shape[1:] or x.stride(2) != 1 or (x.shape[1] > 1 and x.stride(1) != x.shape[2]):
+            raise ValueError(f"store_kv_: {name} rows must be {row} contiguous values, got {tuple(x.shape)} "
+                             f"strides {x.stride()}")
+    if t == 0:
+        return
+    block = 1 << (row - 1).bit_length()
+    kernel[(t,)](k, v, k_pool, v_pool, slots, k.stride(0), v.stride(0), ROW=row, BLOCK=block)

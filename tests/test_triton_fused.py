@@ -1,0 +1,134 @@
+"""Our two Triton per-token kernels (``minisgl_ref.layers.triton_fused``) against the plain ops they replace.
+
+On the CPU the kernels run in Triton's interpreter (tests/conftest.py sets ``TRITON_INTERPRET=1``), in float32 and
+float16, where the interpreter rounds like the GPU, and in bfloat16, where it truncates instead of rounding to
+nearest at each of the kernel's three roundings (so bf16 is allowed three units in the last place there). On the GPU (``-m gpu``) bfloat16 is checked
+against the plain ops on the GPU, and the full Qwen3 layer with and without the kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from minisgl_ref.layers import triton_fused  # noqa: E402
+from minisgl_ref.layers.norm import RMSNorm  # noqa: E402
+from minisgl_ref.layers.rotary import RotaryEmbedding  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_compiled = pytest.mark.skipif(DEVICE == "cpu" and type(triton.language.cdiv).__name__ == "JITFunction",
+                                    reason="triton was imported before TRITON_INTERPRET=1 was set")
+
+# (rtol, atol) per dtype: float32 exact up to the order of the sum of squares; float16 one or two units in the last
+# place (the normalised value is rounded before the weight multiply, like the reference, so a one-ulp difference
+# there can show up as one ulp of the output); bfloat16 three, for the interpreter's truncation (the GPU test below
+# holds bf16 to one).
+TOL = {torch.float32: (1e-5, 1e-6), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2.4e-2, 2.4e-2)}
+
+
+def qkv_views(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 0):
+    """q, k, v as the model makes them: strided views into one fused QKV output row per token."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(DEVICE, dtype)
+    q_end, k_end = heads * head_dim, (heads + kv_heads) * head_dim
+    return (qkv[:, :q_end].view(tokens, heads, head_dim), qkv[:, q_end:k_end].view(tokens, kv_heads, head_dim),
+            qkv[:, k_end:].view(tokens, kv_heads, head_dim))
+
+
+def plain_norm_rope(rope, positions, q, k, q_norm=None, k_norm=None):
+    if q_norm is not None:
+        q, k = q_norm._norm(q), k_norm._norm(k)  # the plain path, whatever the device
+    cos = rope.cos_cache[positions].unsqueeze(1)
+    sin = rope.sin_cache[positions].unsqueeze(1)
+    from minisgl_ref.layers.rotary import _rotate
+
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+@needs_compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("with_norm", [True, False], ids=["qwen3", "llama"])
+@pytest.mark.parametrize("shape", [(5, 4, 2, 64), (3, 16, 8, 128), (2, 8, 1, 128)], ids=["gqa2", "qwen3", "mqa"])
+def test_qk_norm_rope_matches_plain(dtype, with_norm, shape) -> None:
+    tokens, heads, kv_heads, head_dim = shape
+    q, k, _ = qkv_views(*shape, dtype)
+    rope = RotaryEmbedding(head_dim, 4096, 1e6).to(DEVICE)
+    positions = torch.tensor([0, 4095, 17, 1000, 3][:tokens], device=DEVICE)
+    norms = (None, None)
+    if with_norm:
+        norms = tuple(RMSNorm(head_dim, 1e-6).to(DEVICE, dtype) for _ in range(2))
+        for i, n in enumerate(norms):
+            n.weight.data = torch.randn(head_dim, generator=torch.Generator().manual_seed(9 + i)).to(DEVICE, dtype)
+    ref_q, ref_k = plain_norm_rope(rope, positions, q.clone(), k.clone(), *norms)
+    weights = (norms[0].weight.data, norms[1].weight.data, 1e-6) if with_norm else ()
+    before = q.untyped_storage().data_ptr()
+    out_q, out_k = triton_fused.qk_norm_rope_(positions, q, k, rope.cos_cache, rope.sin_cache, *weights)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(out_q, ref_q, rtol=rtol, atol=atol)
+    torch.testing.assert_close(out_k, ref_k, rtol=rtol, atol=atol)
+    # in place: the views of the QKV output now hold the result (no copy was made)
+    assert out_q.untyped_storage().data_ptr() == before and torch.equal(q, out_q) and torch.equal(k, out_k)
+    if dtype == torch.float32:  # the bulk matches exactly; only the sum-of-squares order may differ
+        assert (out_q == ref_q).float().mean() > 0.5
+
+
+@needs_compiled
+def test_qk_norm_rope_rejects_bad_input() -> None:
+    q, k, _ = qkv_views(2, 2, 1, 64, torch.float32)
+    rope = RotaryEmbedding(64, 16, 1e4).to(DEVICE)
+    pos = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    w = torch.ones(64, device=DEVICE)
+    with pytest.raises(ValueError, match="both q_weight and k_weight"):
+        triton_fused.qk_norm_rope_(pos, q, k, rope.cos_cache, rope.sin_cache, w, None)
+    half = RotaryEmbedding(32, 16, 1e4).to(DEVICE)  # partial rotary: not what the kernel does
+    with pytest.raises(ValueError, match="full rotary table"):
+        triton_fused.qk_norm_rope_(pos, q, k, half.cos_cache, half.sin_cache)
+
+
+@needs_compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads", [1, 2, 8])
+def test_store_kv_writes_exactly_the_slots(dtype, kv_heads) -> None:
+    _, k, v = qkv_views(6, 4, kv_heads, 64, dtype, seed=3)
+    k_pool = torch.zeros(40, kv_heads, 64, dtype=dtype, device=DEVICE)
+    v_pool = torch.zeros_like(k_pool)
+    slots = torch.tensor([7, 0, 39, 12, 13, 5], device=DEVICE)
+    triton_fused.store_kv_(k_pool, v_pool, slots, k, v)
+    assert torch.equal(k_pool[slots], k) and torch.equal(v_pool[slots], v)
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    assert k_pool[untouched.to(DEVICE)].abs().sum() == 0 and v_pool[untouched.to(DEVICE)].abs().sum() == 0
+
+
+@needs_compiled
+def test_store_kv_rejects_mismatched_rows() -> None:
+    _, k, v = qkv_views(3, 4, 2, 64, torch.float32)
+    pool = torch.zeros(8, 4, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="rows must be"):
+        triton_fused.store_kv_(pool, pool.clone(), torch.arange(3, device=DEVICE), k, v)
+
+
+def test_cpu_keeps_the_plain_path() -> None:
+    """The model takes the kernels only on CUDA in half precision: on the CPU the oracle tests compare plain ops."""
+    assert not triton_fused.available(torch.zeros(2, 2, dtype=torch.bfloat16))
+    assert not triton_fused.available(torch.zeros(2, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 300])
+def test_gpu_qk_norm_rope_bf16_matches_plain(tokens) -> None:
+    q, k, _ = qkv_views(tokens, 16, 8, 128, torch.bfloat16)
+    rope = RotaryEmbedding(128, 40960, 1e6).to(DEVICE)
+    positions = torch.randint(0, 40960, (tokens,), device=DEVICE)
+    norms = [RMSNorm(128, 1e-6).to(DEVICE, torch.bfloat16) for _ in range(2)]
+    for n in norms:
+        n.weight.data.normal_()
+    ref_q, ref_k = plain_norm_rope(rope, positions, q.clone(), k.clone(), *norms)
+    out_q, out_k = triton_fused.qk_norm_rope_(positions, q, k, rope.cos_cache, rope.sin_cache,
+                                              norms[0].weight.data, norms[1].weight.data, 1e-6)
+    # on the GPU bf16 rounds to nearest like torch: one ulp at most, and almost everywhere identical
+    torch.testing.assert_close(out_q, ref_q, rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(out_k, ref_k, rtol=8e-3, atol=8e-3)
+    assert (out_q == ref_q).float().mean() > 0.95
