@@ -154,7 +154,7 @@ class FlashAttentionBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         assert batch.out_cache_loc is not None
-        self.kv_pool.store(layer.layer_id, batch.out_cache_loc, k, v)
+        self.kv_pool.store(layer.layer_id, batch.out_cache_loc, k, v, one_kernel=True)
         return self._attend(q.contiguous(), layer, decode=True).reshape(q.shape[0], -1)
 
     # ---------------------------------------------------------------------------------------- CUDA graphs

@@ -151,7 +151,7 @@ class FlashInferBackend(AttentionBackend):
     ) -> torch.Tensor:
         assert batch.out_cache_loc is not None
         self._check_layer(q, layer)
-        self.kv_pool.store(layer.layer_id, batch.out_cache_loc, k, v)
+        self.kv_pool.store(layer.layer_id, batch.out_cache_loc, k, v, one_kernel=True)
         o = self.active_decode_wrapper.run(q.contiguous(), self._paged_cache(layer.layer_id))
         return o.view(q.shape[0], -1)
 

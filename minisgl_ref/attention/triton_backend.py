@@ -186,7 +186,7 @@ class TritonAttnBackend(AttentionBackend):
         assert md is not None and md.qo_indptr is None, "init_forward_metadata was not called for this step"
         assert batch.out_cache_loc is not None
         lid = layer.layer_id
-        self.kv_pool.store(lid, batch.out_cache_loc, k, v)  # the new token is part of its own context
+        self.kv_pool.store(lid, batch.out_cache_loc, k, v, one_kernel=True)  # the new token is part of its own context
         bs, num_heads = q.shape[0], q.shape[1]
         if md.mid_o is None or md.mid_o.shape[1] != num_heads:  # eager, head count not given: first layer
             md.mid_o, md.mid_lse = self._split_scratch(bs, num_heads, md.max_splits)

@@ -32,11 +32,16 @@ class KVPool:
     def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
-    def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write the new tokens' keys and values [T, kv_heads, head_dim] into their slots [T]."""
+    def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+              one_kernel: bool = False) -> None:
+        """Write the new tokens' keys and values [T, kv_heads, head_dim] into their slots [T].
+
+        ``one_kernel=True`` (decode steps of the kernel backends) writes K and V with one Triton kernel where it can
+        run: two kernels fewer per layer inside a CUDA graph. Eager steps keep PyTorch's indexing, whose launch
+        costs the host far less than Triton's Python launcher (chapter 11 has the numbers)."""
         pool_k, pool_v = self.k[layer_id], self.v[layer_id]
-        if triton_fused.available(k) and k.dtype == pool_k.dtype and v.dtype == pool_v.dtype:
-            triton_fused.store_kv_(pool_k, pool_v, slots, k, v)  # one kernel instead of two (chapter 11)
+        if one_kernel and triton_fused.available(k) and k.dtype == pool_k.dtype and v.dtype == pool_v.dtype:
+            triton_fused.store_kv_(pool_k, pool_v, slots, k, v)
             return
         self.k[layer_id][slots] = k.to(self.k[layer_id].dtype)
         self.v[layer_id][slots] = v.to(self.v[layer_id].dtype)

@@ -16,8 +16,10 @@ Both round at the same points as the plain PyTorch reference (``layers/norm.py``
 again, then rotated in float32 and rounded once more. So they agree with the reference to the last bit but for the
 order of the sum of squares (``tests/test_triton_fused.py``, on the CPU through Triton's interpreter).
 
-They run where the other fused ops run (CUDA, half precision, ``MINISGL_FUSED`` not ``0``); elsewhere the plain
-ops do. See :mod:`minisgl_ref.attention.triton_kernels` for the conventions (int64 index arithmetic, no helper
+They run where the other fused ops run (CUDA, half precision, ``MINISGL_FUSED`` not ``0``), and only in decode
+steps: those are replayed as CUDA graphs, where a launch costs nothing on the host. Triton's Python launcher costs
+the host several times what a PyTorch or FlashInfer launch does (``scripts/gpu/launch_overhead.py``), which in an
+eager prefill step would cost more than the kernels save. Elsewhere the plain ops run. See :mod:`minisgl_ref.attention.triton_kernels` for the conventions (int64 index arithmetic, no helper
 ``@triton.jit`` calls) that keep the interpreter fast enough for CPU tests.
 """
 
