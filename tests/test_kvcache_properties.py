@@ -133,13 +133,15 @@ class CacheMachine(RuleBasedStateMachine):
 
     # -------------------------------------------------------------------------------------------- helpers
 
-    def compute(self, req: Req, n: int) -> bool:
-        """Allocate and 'compute' the KV of the request's next ``n`` tokens; False if the pool is too full."""
-        before = req.kv_allocated_len
-        try:
-            self.cache.alloc(req, n)
-        except OutOfPages:
-            return False
+    def compute(self, req: Req, n: int, *, allocated: bool = False) -> bool:
+        """Allocate and 'compute' the KV of the request's next ``n`` tokens; False if the pool is too full.
+        ``allocated``: the slot was already allocated (by ``alloc_decode``, for a whole decode batch)."""
+        before = req.kv_allocated_len - n if allocated else req.kv_allocated_len
+        if not allocated:
+            try:
+                self.cache.alloc(req, n)
+            except OutOfPages:
+                return False
         row = self.req_to_token.read(req.req_pool_idx, req.kv_allocated_len)
         fresh = set(pages(row[before:], self.page_size)) - set(pages(row[:before], self.page_size))
         assert not fresh & self.written_in_flight, "handed out a page that the step in flight may still write"
@@ -183,6 +185,20 @@ class CacheMachine(RuleBasedStateMachine):
         if commit:
             self.cache.commit(req)  # the engine commits every prefill row right after launch
         self.maybe_sample(req, token)
+
+    @precondition(lambda self: self.live)
+    @rule(token=st.integers(0, 3))
+    def decode_step(self, token: int) -> None:
+        """One decode step of every request whose prompt is in: one slot each from ``alloc_decode``, as the
+        scheduler allocates a decode batch."""
+        reqs = [r for r in self.live if r.kv_committed_len == len(r.all_ids) - 1]
+        try:
+            self.cache.alloc_decode(reqs)
+        except OutOfPages:
+            return
+        for req in reqs:
+            self.compute(req, 1, allocated=True)
+            self.maybe_sample(req, token)
 
     def maybe_sample(self, req: Req, token: int) -> None:
         """A row that computed the request's last token samples the next one (its KV comes next step)."""

@@ -37,8 +37,8 @@ class KVPool:
         """Write the new tokens' keys and values [T, kv_heads, head_dim] into their slots [T].
 
         ``one_kernel=True`` (decode steps of the kernel backends) writes K and V with one Triton kernel where it can
-        run: two kernels fewer per layer inside a CUDA graph. Eager steps keep PyTorch's indexing, whose launch
-        costs the host far less than Triton's Python launcher (chapter 11 has the numbers)."""
+        run: one kernel fewer per layer inside a CUDA graph. Other steps keep PyTorch's indexing (why:
+        :mod:`minisgl_ref.layers.triton_fused`)."""
         pool_k, pool_v = self.k[layer_id], self.v[layer_id]
         if one_kernel and triton_fused.available(k) and k.dtype == pool_k.dtype and v.dtype == pool_v.dtype:
             triton_fused.store_kv_(pool_k, pool_v, slots, k, v)

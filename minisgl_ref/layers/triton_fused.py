@@ -17,9 +17,12 @@ again, then rotated in float32 and rounded once more. So they agree with the ref
 order of the sum of squares (``tests/test_triton_fused.py``, on the CPU through Triton's interpreter).
 
 They run where the other fused ops run (CUDA, half precision, ``MINISGL_FUSED`` not ``0``), and only in decode
-steps: those are replayed as CUDA graphs, where a launch costs nothing on the host. Triton's Python launcher costs
-the host several times what a PyTorch or FlashInfer launch does (``scripts/gpu/launch_overhead.py``), which in an
-eager prefill step would cost more than the kernels save. Elsewhere the plain ops run. See :mod:`minisgl_ref.attention.triton_kernels` for the conventions (int64 index arithmetic, no helper
+steps, for two reasons. Decode steps are replayed as CUDA graphs, where a launch costs the host nothing, while
+Triton's Python launcher costs ~20 us of host time per eager launch, twice a PyTorch or FlashInfer launch
+(``scripts/gpu/launch_overhead.py``; H100 host). And Triton compiles a variant of a kernel per pattern of argument
+alignment on first use (pointers aligned to 16 bytes or not, say): graph capture meets every decode variant at
+start-up, whereas prefill steps of new shapes could stall a live server for a compilation. Elsewhere the plain
+ops run. See :mod:`minisgl_ref.attention.triton_kernels` for the conventions (int64 index arithmetic, no helper
 ``@triton.jit`` calls) that keep the interpreter fast enough for CPU tests.
 """
 

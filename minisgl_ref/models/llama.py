@@ -50,8 +50,8 @@ class LlamaAttention(nn.Module):
         q = q.reshape(-1, self.attn.num_heads, head_dim)
         k = k.reshape(-1, self.attn.num_kv_heads, head_dim)
         if batch.mode.is_decode and triton_fused.available(q) and self.rotary.head_dim == head_dim:
-            # QK-norm (if any) and RoPE in one kernel, in place. Decode steps only: they run as CUDA graphs, where
-            # Triton's slow Python launcher costs nothing (chapter 11). Everything else takes the two lines below.
+            # QK-norm (if any) and RoPE in one kernel, in place; decode steps only (why: layers/triton_fused.py).
+            # Everything else takes the lines below.
             norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.use_qk_norm else (None, None)
             q, k = triton_fused.qk_norm_rope_(positions, q, k, self.rotary.cos_cache, self.rotary.sin_cache, *norm)
         else:

@@ -248,9 +248,18 @@ class Scheduler:
                 reqs.remove(victim)
                 self.running.remove(victim)
             self.retract(victim)
+        self.cache.alloc_decode(reqs)
+        # _add_row(batch, req, 1, decode=True, emits=True) for each request, a list at a time
+        n = len(reqs)
+        batch.reqs += reqs
+        batch.prefix_lens += [r.kv_committed_len for r in reqs]
+        batch.extend_lens += [1] * n
+        batch.is_decode_row += [True] * n
+        batch.emits += [True] * n
+        batch.epochs += [r.retractions for r in reqs]
         for req in reqs:
-            self.cache.alloc(req, 1)
-            self._add_row(batch, req, 1, decode=True, emits=True)
+            req.kv_committed_len += 1
+            req.num_inflight += 1
     # END TASK 3.2
 
     def retract(self, req: Req) -> None:
