@@ -214,6 +214,7 @@ def phase_check(args: argparse.Namespace) -> dict[str, Any]:
                 "logits_ok": out["logits_ok"] or tp_vs_exact <= 2 * noise}
         print(f"[tp] against float32: tp=1 {noise:.2e}, tp={args.tp_size} {tp_vs_exact:.2e} (rounding noise of "
               f"{args.dtype}); logits ok: {out['logits_ok']}", file=sys.stderr)
+    _write_partial(args, out)
     engine_args = {"cuda_graph_max_bs": 8, **args.engine_args}  # 3 prompts: capturing big batches is wasted time
     try:
         gen = _greedy_pair(args, prompts, engine_args)
@@ -278,6 +279,7 @@ def phase_run(args: argparse.Namespace) -> dict[str, Any]:
                                                "bandwidth_assumed": args.hbm_bandwidth * args.tp_size}
             print(f"[tp] tp={args.tp_size} canonical ({args.num_prompts} requests): {res.output_tokens:,} tokens in "
                   f"{wall:.1f} s = {res.output_throughput:,.0f} tok/s", file=sys.stderr)
+            _write_partial(args, out)  # before shutdown: a rank that hangs on exit must not lose the numbers
     finally:
         llm.shutdown()
     return out
