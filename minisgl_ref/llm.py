@@ -7,6 +7,8 @@ faster chapter by chapter; this interface does not change.
 
 from __future__ import annotations
 
+import faulthandler
+import gc
 import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -56,6 +58,23 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def quiesce_for_teardown(engine: Any) -> None:
+    """Before a rank leaves its process group: drop the engine's CUDA graphs (their captured all-reduces use the
+    NCCL communicator about to be destroyed) and wait for the device, so that no collective is pending.
+
+    ``MINISGL_SHUTDOWN_TRACE_S=N`` prints every thread's Python stack if teardown still runs N seconds later:
+    how to find out where a rank hangs on a machine without a debugger."""
+    trace_after = float(os.environ.get("MINISGL_SHUTDOWN_TRACE_S", "0") or 0)
+    if trace_after > 0:
+        faulthandler.dump_traceback_later(trace_after, exit=False)
+    runner = getattr(engine, "runner", None)
+    if runner is not None and getattr(runner, "graph_runner", None) is not None:
+        runner.graph_runner = None
+        gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 @dataclass
 class TPHandle:
     """What an ``LLM`` must clean up at tp > 1: the ranks it spawned and the process group (chapter 09)."""
@@ -75,7 +94,9 @@ class TPHandle:
         # their own teardown for it (on two H200s that cost the 30 s join time-out at every shutdown; gloo's
         # teardown is local, which is why the CPU tests never saw it).
         if self.size > 1:
+            quiesce_for_teardown(self.engine)
             destroy_distributed()
+            faulthandler.cancel_dump_traceback_later()
         if self.procs:
             stop_local_ranks(self.procs, timeout_s=30.0 if connected else 0.0)
             self.procs = []
@@ -220,7 +241,9 @@ class LLM:
         try:
             self.engine.follow()
         finally:
+            quiesce_for_teardown(self.engine)
             destroy_distributed()
+            faulthandler.cancel_dump_traceback_later()
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks and leave the process group (a no-op at tp=1). Also runs at exit

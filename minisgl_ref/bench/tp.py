@@ -216,36 +216,28 @@ def phase_check(args: argparse.Namespace) -> dict[str, Any]:
               f"{args.dtype}); logits ok: {out['logits_ok']}", file=sys.stderr)
     _write_partial(args, out)
     engine_args = {"cuda_graph_max_bs": 8, **args.engine_args}  # 3 prompts: capturing big batches is wasted time
-    try:
-        gen = _greedy_pair(args, prompts, engine_args)
-    except Exception as e:  # noqa: BLE001 - recorded; one retry without CUDA graphs (NCCL inside a graph)
-        out["greedy_error"] = f"{type(e).__name__}: {e}"
-        print(f"[tp] greedy check failed ({out['greedy_error']}); retrying without CUDA graphs", file=sys.stderr)
-        engine_args["disable_cuda_graph"] = True
-        gen = _greedy_pair(args, prompts, engine_args)
     out["greedy_engine_args"] = engine_args
-    a, b = gen[1], gen[args.tp_size]
-    prefix = [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), len(p)) for p, q in zip(a, b)]
-    out |= {"greedy_tp1": a, f"greedy_tp{args.tp_size}": b, "greedy_identical": a == b,
-            "greedy_common_prefix": prefix,
-            "greedy_first_token_agree": all(p and q and p[0] == q[0] for p, q in zip(a, b))}
-    print(f"[tp] greedy tokens identical: {a == b}; common prefix lengths {prefix} of {args.check_tokens}",
-          file=sys.stderr)
-    return out
-
-
-def _greedy_pair(args: argparse.Namespace, prompts: list[list[int]],
-                 engine_args: dict[str, Any]) -> dict[int, list[list[int]]]:
     gen: dict[int, list[list[int]]] = {}
     for tp in (1, args.tp_size):
         llm = _llm(args.check_model, args.check_load_format, args.dtype, args.device, tp, **engine_args)
         try:
             gen[tp] = greedy_tokens(llm, prompts, args.check_tokens)
+            if tp == args.tp_size:
+                a, b = gen[1], gen[tp]
+                prefix = [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), len(p)) for p, q in zip(a, b)]
+                out |= {"greedy_tp1": a, f"greedy_tp{tp}": b, "greedy_identical": a == b,
+                        "greedy_common_prefix": prefix,
+                        "greedy_first_token_agree": all(p and q and p[0] == q[0] for p, q in zip(a, b))}
+                print(f"[tp] greedy tokens identical: {a == b}; common prefix lengths {prefix} of "
+                      f"{args.check_tokens}", file=sys.stderr)
+                _write_partial(args, out)  # before shutting the ranks down
         finally:
+            t0 = time.perf_counter()
             llm.shutdown()
+            out.setdefault("shutdown_s", {})[f"tp{tp}"] = time.perf_counter() - t0
             del llm
             _free()
-    return gen
+    return out
 
 
 def phase_run(args: argparse.Namespace) -> dict[str, Any]:
