@@ -255,15 +255,18 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Read the plot from the left. Eager steps cost ~9-10 ms whatever the batch: that is the CPU launching ~370
-# kernels; the GPU work underneath is a fraction of it. With graphs a batch-1 step is ~1.6 ms, more than five
-# times faster (the target was 2x). From there the graphed step grows with the batch because the KV cache read
-# grows (at batch 256 x 512 tokens that is 15 GB per step), and at batch 256 eager and graph meet: the GPU is
-# busy for the whole step either way, so launch overhead hides behind it.
+# Read the plot from the left. Eager steps cost ~10-20 ms whatever the batch: that is the CPU launching ~310
+# kernels through Python (how long depends on the host: the same step measured 9-15 ms in different calls); the
+# GPU work underneath is a fraction of it. With graphs a batch-1 step is ~1.4 ms, about eight times faster (the
+# target was 2x). From there the graphed step grows with the batch because the KV cache read grows (at batch 256
+# x 512 tokens that is 15 GB per step), and at batch 256 eager and graph come within 2x: the GPU is busy for most
+# of the step either way, so launch overhead hides behind it.
 #
-# The remaining ~1.6 ms at batch 1 is still ~4x the 0.4 ms weight-read floor. Inside a graph each of the ~370
+# The remaining ~1.4 ms at batch 1 is still ~3.5x the 0.4 ms weight-read floor. Inside a graph each of the ~310
 # kernels still costs at least ~2-3 µs of GPU time (launch latency and tail of tiny kernels), which is why
-# fusing kernels matters even with graphs.
+# fusing kernels matters even with graphs: merging Qwen3's two QK-norms and RoPE into one Triton kernel and the
+# K and V stores into another (`minisgl_ref/layers/triton_fused.py`) took 56 kernels out of each step and batch-1
+# decode from 1.62 to 1.40 ms.
 
 # %% [markdown]
 # ## 6. The other per-token costs
@@ -279,6 +282,7 @@ plt.show()
 # | RMSNorm (+ residual) | 8 kernels per norm | 1 FlashInfer kernel (`fused_add_rmsnorm`, and `rmsnorm` on `[T, heads, d]` views for QK-norm, no copies) |
 # | SiLU-and-mul | 3 kernels | 1 FlashInfer kernel |
 # | RoPE | gather cos/sin, ~10 element-wise kernels, 2 copies | 1 FlashInfer kernel, in place on the q/k views |
+# | QK-norm + RoPE, KV store (decode) | 2 norm kernels + 1 RoPE kernel; 2 indexing kernels | 1 Triton kernel each, our own (`layers/triton_fused.py`), in the graphed decode steps |
 # | host syncs per step | one per request (page-table reads) + one for the tokens | **one** (`batch.tokens()`, one step late under overlap, waiting on the step's own copy event) |
 #
 # The fused kernels run only on CUDA in half precision; on the CPU the plain versions in `layers/*.py` run, so
@@ -288,8 +292,8 @@ plt.show()
 # What each change bought on the canonical offline workload (256 requests, H100, full engine; chapter 11 has
 # the full table). The history is one row per GPU call as the changes went in, so read it as a trend (see the
 # note printed below it: the first three rows were each call's first, still-compiling run); the last three lines
-# are the clean comparison, measured side by side in one call: CUDA graphs are worth ~47% on this workload and
-# the fused element-wise kernels ~37%.
+# are the clean comparison, measured side by side in one call: CUDA graphs are worth ~2.2x on this workload and
+# the fused per-token kernels ~24%.
 
 # %%
 for h in GPU.get("history", []):
@@ -314,8 +318,8 @@ for label in ("overlap / fa3+flashinfer (default) / graphs off", "overlap / fa3+
 # python -m minisgl_ref bench offline --disable-cuda-graph      # the canonical workload without graphs
 # ```
 #
-# Expected (H100 80GB HBM3): decode step at batch 1 about 9 ms eager and 1.6 ms with graphs (5.6x); on the
-# canonical workload about 13,100 output tok/s with graphs and 8,900 without.
+# Expected (H100 80GB HBM3): decode step at batch 1 about 11 ms eager (host-dependent) and 1.4 ms with graphs
+# (~8x); on the canonical workload about 17,800 output tok/s with graphs and 8,200 without.
 
 # %%
 print(f"chapter ran in {time.perf_counter() - CHAPTER_START:.1f} s")

@@ -425,9 +425,31 @@ if GPU_RESULTS.is_file():
         ax.legend()
         plt.tight_layout()
         plt.show()
+    for key, note in gpu.get("notes", {}).items():
+        print(f"note ({key}): {note}")
 else:
     print(f"not measured yet: {GPU_RESULTS.relative_to(ROOT)} does not exist. Run scripts/gpu/tp_bench.sh on a "
           "machine with two GPUs and commit its tp_bench.json there.")
+
+# %% [markdown]
+# How to read it. **Correctness:** in bf16 the tp=2 logits are exactly as far from float32 as the tp=1 logits
+# (1.39e-2 against 1.38e-2): splitting the matmuls and summing partial results in a different order adds nothing
+# beyond bf16's own rounding. Greedy tokens then agree until the first near-tie of two logits, where either
+# rounding may win; random weights make near-ties common (two of three prompts agree for all 32 tokens, the third
+# for 7). On the CPU, in float32, the same comparison is exact (section 4).
+#
+# **Speed:** two GPUs make the canonical workload 1.36x faster (5,400 against 4,000 tok/s) and a decode step
+# 1.2x faster at batch 1 and 64, far from 2x. Each rank reads half the weights and half the KV, but a decode step
+# of Qwen3-14B also pays 81 all-reduces (2 per layer + the LM head's gather) of a few kilobytes each, whose cost is
+# latency, not bandwidth (exercise 5); and with half the weights per GPU each rank's matmuls are smaller and less
+# efficient. Tensor parallelism buys memory first (the KV pool grows from 594k to 681k tokens per GPU, 1.36M in
+# all) and speed second.
+#
+# **Shutting down** taught a lesson of its own. On the CPU the leader stopped its followers, waited for them to
+# exit, then left the process group. On two GPUs that hung for the 30 s join time-out: NCCL's teardown waits for
+# every rank of the communicator, so the follower sat in its teardown waiting for the leader, which was waiting
+# for the follower. Now every rank drops its CUDA graphs (their captured all-reduces use the communicator),
+# synchronises, and leaves the group before anyone joins anyone (`TPHandle.close`, `quiesce_for_teardown`).
 
 # %% [markdown]
 # ## Exercises

@@ -194,13 +194,15 @@ plt.show()
 #   shared-prefix workload the radix cache is what matters, chapter 04).
 # * **On the GPU, per-request Python loops hide all of that**: with 8 requests the naive oracle and the
 #   `torch_native` stages are all launch-bound (thousands of tiny kernels per step, whatever is recomputed),
-#   so they land within 20% of each other; the same 8 requests run ~17x faster once attention is one batched
+#   so they land within 20% of each other; the same 8 requests run ~25x faster once attention is one batched
 #   kernel and decode a CUDA graph.
-# * **On the full workload, CUDA graphs are worth 1.5-2.3x** for every backend, and with graphs the three
-#   decode kernels land within 5% of each other: the decode step is then dominated by reading the KV cache,
-#   which all of them do at 2-2.7 TB/s.
-# * **The fused element-wise kernels are worth ~37%** (the "fused ops off" row): with graphs, each of the ~8
-#   plain-PyTorch kernels per RMSNorm still costs a few microseconds of GPU time, 56 norms per step.
+# * **On the full workload, CUDA graphs are worth 2.2-2.9x** for every backend (our Triton decode kernel gains
+#   most: its launcher is the slowest on the host, see section 5), and with graphs the three decode kernels land
+#   within 1.5% of each other: the decode step is then dominated by reading the KV cache, which all of them do
+#   near the copy bandwidth.
+# * **The fused per-token kernels are worth ~24%** (the "fused ops off" row: plain PyTorch RMSNorm, SiLU, RoPE
+#   and KV store): with graphs, each of the ~8 plain kernels per RMSNorm still costs a few microseconds of GPU
+#   time, 56 norms per step.
 
 # %% [markdown]
 # ## 5. What each optimization bought, and where the rest goes
@@ -209,14 +211,43 @@ plt.show()
 
 # %%
 for h in GPU["history"]:
-    print(f"{h['output_throughput']:>7,.0f} tok/s ({100 * h['roofline_fraction']:4.1f}% of floor)  {h['change']}\n")
+    print(f"{h['output_throughput']:>7,.0f} tok/s ({100 * h['roofline_fraction']:4.1f}% of floor)  {h['change']}")
+    extra = {k: h[k] for k in ("repeat_output_throughput", "without_token_copy_event_output_throughput",
+                               "without_triton_fused_output_throughput") if k in h}
+    if extra:  # the same call's repeat and A/B rows (one change off, same process)
+        print("        same call: " + ", ".join(f"{k.removesuffix('_output_throughput')} {v:,.0f}"
+                                               for k, v in extra.items()))
+    print()
 print(GPU["history_note"])
 
 # %% [markdown]
-# The largest single win after CUDA graphs was finding **hidden waits**: a host-to-device copy from ordinary
-# (pageable) memory does not return until the GPU has drained the stream, so one such copy in the launch path
-# of step N+1 silently turned overlap scheduling (chapter 06) back into a sequential loop. A profile of the
-# decode phase shows the state after the fixes:
+# The largest wins after CUDA graphs were all **hidden waits**, places where the host waited for more of the GPU's
+# work than it needed, which silently turned overlap scheduling (chapter 06) back into a sequential loop:
+#
+# * a host-to-device copy from ordinary (pageable) memory does not return until the GPU has drained the stream:
+#   one such copy in the launch path of step N+1 was enough (fourth row);
+# * `next_tokens.tolist()`, the one read of the sampled tokens per step, queues its copy on the stream *behind
+#   step N+1*, launched a moment earlier, so the host waited for N+1 to finish before processing N and the GPU
+#   idled while the host processed, scheduled and launched. The fix is three lines (`ModelRunner.run` starts a
+#   non-blocking copy into pinned memory right after sampling and records an event; `ScheduledBatch.tokens`
+#   waits for that event only), and each call measured the engine with `.tolist()` again: 11,700-14,900
+#   against 16,700-17,800 tok/s (the `without_token_copy_event` numbers above).
+#
+# After that, the host's per-request Python is back on the critical path whenever it takes longer than the GPU's
+# step: at the end of the workload only a few requests run and a step takes the GPU ~1.5 ms. Allocating a decode
+# batch's slots in one numpy operation instead of a call and a one-element tensor per request (last row) was
+# worth ~5% (between two GPU calls, so only roughly: calls differ by up to ~4%). Our two Triton kernels (QK-norm + RoPE in one pass, K and V stored in one kernel) cut a decode step
+# from 369 to 313 kernels and batch-1 decode from 1.62 to 1.40 ms (chapter 08), but on this workload they are
+# worth 1-2%, inside the run-to-run spread (`without_triton_fused`). They run in decode steps only: Triton's
+# Python launcher costs the host twice what PyTorch's does, which a CUDA graph hides:
+
+# %%
+launch = json.loads((ROOT / "docs" / "data" / "launch_overhead_h100.json").read_text())
+for name, us in launch["us_per_launch"].items():
+    print(f"{name:<40} {us:5.1f} us of host time per launch (H100 host, eager)")
+
+# %% [markdown]
+# A profile of the decode phase shows the state after these changes:
 
 # %%
 p = GPU["profile"]
@@ -240,20 +271,19 @@ for line in table[6:]:
 
 # %% [markdown]
 # Three quarters of the GPU time is the decode attention kernel, and it already reads the KV cache at ~2.7 TB/s
-# (231 µs per layer for 256 requests x ~590 tokens x 4 KiB): the GPU part of a step is near its floor. What
-# separates the engine from the floor is mostly **time the GPU is idle**, about a quarter of a decode step (an
-# estimate: the profiled and the timed steps are consecutive windows, and the context grows in between). The
-# host profile (`docs/data/gpu_offline_h100_host_profile.txt`) shows 60% of the host's time spent waiting for the
-# GPU in the one `tolist()` per step (more without cProfile, which inflates Python), so Python bookkeeping is no
-# longer the whole story; the candidates are the launch gaps between the ~370 kernels inside a graph, the eager
-# sampling kernels between replays, and the prefill phases, during which decode stops (mixed chunks are off by
-# default).
+# (231 µs per layer for 256 requests x ~590 tokens x 4 KiB): the GPU part of a step is near its floor, and the
+# GPU is now busy ~94% of a decode step with 256 requests running (it was ~73% before the token-copy fix). The
+# rest of the distance to the floor is spread thin: the ~1.5 ms of fixed cost per step (313 small kernels: the
+# projections of 28 layers, norms, sampling) that the floor does not count and that dominates the long tail of the
+# workload where few requests run; the prefill phases, during which decode stops (mixed chunks are off by
+# default); and ~0.5 ms per step of idle GPU that the host profile
+# (`docs/data/gpu_offline_h100_host_profile.txt`) leaves unexplained at this resolution.
 #
-# **Where this leaves the target.** 13,100 output tok/s is 49% of the measured floor (44% of design.md's
-# datasheet floor); the target was 17,000 (about 60%). Not reached. Next steps worth measuring: capture the
-# sampler into the decode graph (one replay per step instead of a replay plus ~30 eager kernels), enable mixed
-# prefill+decode steps so that decode does not stop during prefill, fuse the KV store into the RoPE kernel, and
-# keep vectorising the per-request Python of `Engine._process` and the scheduler's decode path.
+# **Where this leaves the target.** 17,700-17,850 output tok/s (two runs of one process) is 67% of the floor at
+# the measured bandwidth and 60% of design.md's datasheet floor (4.50 s, ~29,700 tok/s): the target of 17,000
+# (about 60%) is reached, by a few percent. Next steps worth measuring: capture the sampler into the decode graph
+# (one replay per step instead of a replay plus ~30 eager kernels), mixed prefill+decode steps so that decode does
+# not stop during prefill, and vectorising `Engine._process`, now the largest per-request Python per step.
 
 # %% [markdown]
 # ## 6. Reproduce
@@ -268,8 +298,10 @@ for line in table[6:]:
 # python -m minisgl_ref bench offline --quick --stage all
 # ```
 #
-# Expected on an H100 80GB HBM3: about 13,000 output tok/s on the canonical workload (49% of the 5.03 s floor
-# at the measured 3.0 TB/s); 8,900 with `--disable-cuda-graph`.
+# Expected on an H100 80GB HBM3: about 17,700 output tok/s on the canonical workload (67% of the 5.03 s floor
+# at the measured 3.0 TB/s, 60% of the datasheet floor); 8,200 with `--disable-cuda-graph`. Run to run, in
+# separate GPU calls of the same session, the default engine varied by about 4% (16,700-17,600 tok/s before
+# the last change).
 
 # %%
 print(f"chapter ran in {time.perf_counter() - CHAPTER_START:.1f} s")

@@ -151,7 +151,11 @@ def _common_dir(git_dir: Path) -> Path:
 
 def git_commit(start: Path | None = None) -> str | None:
     """The checked-out commit (40 hex digits), read from the files under ``.git``; ``None`` outside a checkout
-    or before the first commit. Uncommitted changes are not detected: commit before publishing numbers."""
+    or before the first commit. ``MINISGL_GIT_COMMIT``, when set, wins: the lent GPU machines receive the working tree with a
+    stale ``.git``. Uncommitted changes are not detected: commit before publishing numbers."""
+    pinned = os.environ.get("MINISGL_GIT_COMMIT")
+    if pinned:  # given explicitly, e.g. on a machine that received the working tree but not a current .git
+        return pinned
     git_dir = find_git_dir(start)
     if git_dir is None:
         return None

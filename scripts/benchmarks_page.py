@@ -1,0 +1,165 @@
+"""Write docs/benchmarks.md from the result files under docs/data/ (run after committing new results).
+
+    python scripts/benchmarks_page.py            # rewrites docs/benchmarks.md
+
+Every number on the page is read from a JSON file here, so the page cannot drift from the data it cites.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "docs" / "data"
+
+
+def load(name: str) -> dict:
+    return json.loads((DATA / name).read_text())
+
+
+def pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def offline_section() -> list[str]:
+    g = load("gpu_offline_h100.json")
+    prov, hw, sw = g["provenance"], g["provenance"]["hardware"], g["provenance"]["software"]
+    pk = sw["packages"]
+    floor, floor_ds = g["roofline_floor_s"], g["roofline_floor_s_datasheet"]
+    tokens = g["canonical_output_tokens"]
+    c, again = g["canonical"], g.get("canonical_repeat")
+    out = [
+        "## Offline throughput on an H100 (chapters 08 and 11)",
+        "",
+        "Data: [`docs/data/gpu_offline_h100.json`](data/gpu_offline_h100.json) (and the profile tables "
+        "`gpu_offline_h100_profile_decode.txt`, `gpu_offline_h100_host_profile.txt` beside it). Measured in one call "
+        f"of `bash scripts/gpu/offline.sh bench` on an **{hw['gpu']}** (driver {hw['nvidia_driver']}, CUDA "
+        f"{hw['cuda_runtime']}), torch {sw['torch']}, triton {pk['triton']}, flashinfer {pk['flashinfer-python']}, "
+        f"FA3 (`flash_attn_interface`), {prov['date'][:16].replace('T', ' ')} UTC, commit {sw['git_commit'][:7]}. "
+        "Model: Qwen3-0.6B config, bf16, dummy weights.",
+        "",
+        "**Canonical offline workload** (256 requests, prompts 100-1024 and outputs 100-1024 tokens, temperature 0.6, "
+        f"`ignore_eos`; {tokens:,} output tokens), full engine with default settings (FA3 prefill, FlashInfer decode, "
+        "overlap scheduling, radix cache, chunked prefill, CUDA graphs, fused kernels), after an untimed warm-up:",
+        "",
+        "| | output tok/s | wall s | of the floor (measured bandwidth) | of the datasheet floor |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    rows = [("full engine", c), ("the same, again (same process)", again),
+            ("without the token-copy event (`.tolist()` per step)", g.get("canonical_sync_tokens")),
+            ("without our Triton per-token kernels", g.get("canonical_no_triton_fused"))]
+    for label, r in rows:
+        if r:
+            out.append(f"| {label} | **{r['output_throughput']:,.0f}** | {r['wall_s']:.2f} | "
+                       f"{pct(r['roofline_fraction'])} | {pct(floor_ds / r['wall_s'])} |")
+    best = max(r["output_throughput"] for _, r in rows[:2] if r)
+    out += [
+        "",
+        f"The floor is {floor:.2f} s: every decode step reads the weights once and each request's KV context "
+        "(`bytes = max(O_i) * W + sum_i sum_j (P_i + j) * kv_bytes_per_token`, chapter 11) at the device-to-device "
+        f"copy bandwidth measured in the same call, {g['copy_bandwidth_Bps'] / 1e12:.2f} TB/s. At the datasheet's "
+        f"3.35 TB/s it is {floor_ds:.2f} s (design.md's \"~29k tok/s\"). The issue's target, 17,000 tok/s (~60% of "
+        f"the datasheet floor), is **{'reached' if best >= 17_000 else 'not reached'}** in this run. Across the GPU "
+        "calls of the session that made the last changes, the default engine varied by about 4% from call to call "
+        "(see the history below).",
+        "",
+        "**The stage ladder, attention backends and CUDA graphs.** " + g["ladder_note"][0].upper() + g["ladder_note"][1:] + ".",
+        "",
+        "| configuration | requests | output tok/s | wall s | of floor |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in g["ladder"]:
+        out.append(f"| {r['label']} | {r['workload_requests']} | {r['output_throughput']:,.0f} | {r['wall_s']:.2f} | "
+                   f"{pct(r['roofline_fraction'])} |")
+    steps_prov = g.get("decode_steps_provenance", prov)
+    out += [
+        "",
+        "**CUDA graphs: decode step time** (attention metadata + forward + logits, every request at a context of 512 "
+        "tokens, default backends; CUDA events over 50 steps; eager steps are host-bound, and the host's speed varies "
+        f"between calls). Target: at least 2x at batch 1. Measured {steps_prov['date'][:16].replace('T', ' ')} UTC, "
+        f"commit {steps_prov['software']['git_commit'][:7]}.",
+        "",
+        "| batch | eager ms | graph ms | speedup |",
+        "| ---: | ---: | ---: | ---: |",
+    ]
+    for r in g["decode_steps"]:
+        out.append(f"| {r['batch_size']} | {r['eager_ms']:.2f} | {r['graph_ms']:.2f} | {r['speedup']:.2f}x |")
+    by = g.get("decode_steps_by_backend", [])
+    if by:
+        out += ["", "Graphed decode step by decode backend (ms; " + g.get("decode_steps_by_backend_note", "") + "):",
+                "", "| batch | flashinfer | fa3 | triton |", "| ---: | ---: | ---: | ---: |"]
+        table: dict[int, dict[str, float]] = {}
+        for r in by:
+            table.setdefault(r["batch_size"], {})[r["decode_backend"]] = r["graph_ms"]
+        for b, row in sorted(table.items()):
+            out.append(f"| {b} | " + " | ".join(f"{row.get(k, float('nan')):.2f}" for k in ("flashinfer", "fa3", "triton"))
+                       + " |")
+    out += ["", "**What each per-step optimization bought** (chapters 06, 08 and 11; one row per GPU call as the changes "
+            "went in). " + g["history_note"], "",
+            "| output tok/s | again | of floor | without the change's A/B | change |",
+            "| ---: | ---: | ---: | ---: | --- |"]
+    for h in g["history"]:
+        again_tp = h.get("repeat_output_throughput")
+        ab = [f"{h[k]:,.0f} ({k.split('_output')[0].replace('_', ' ')})" for k in
+              ("without_token_copy_event_output_throughput", "without_triton_fused_output_throughput") if k in h]
+        out.append(f"| {h['output_throughput']:,.0f} | {'' if again_tp is None else f'{again_tp:,.0f}'} | "
+                   f"{pct(h['roofline_fraction'])} | {'; '.join(ab)} | {h['change']} |")
+    launch = load("launch_overhead_h100.json")
+    out += ["", "**Host time per kernel launch** (`scripts/gpu/launch_overhead.py`, tiny tensors, host-bound; "
+            "why our Triton kernels run only in graph-replayed decode steps):", "",
+            "| launcher | us per launch |", "| --- | ---: |"]
+    out += [f"| {k} | {v:.1f} |" for k, v in launch["us_per_launch"].items()]
+    out += ["", "Reproduce: `bash scripts/gpu/offline.sh` (tests and everything, one call), or "
+            "`python -m minisgl_ref bench offline` (`--disable-cuda-graph`, `--attention-backend NAME`, `--stage all`). "
+            "On a CPU, in seconds: `python -m minisgl_ref bench offline --quick --stage all` (a tiny model: ratios, "
+            "not speeds).", ""]
+    return out
+
+
+def tp_section() -> list[str]:
+    t = load("tp_bench_h200.json")
+    prov = t["provenance"]
+    chk = t["tp_check"]
+    out = ["## Tensor parallelism on two H200s (chapter 09)", "",
+           f"Data: [`docs/data/tp_bench_h200.json`](data/tp_bench_h200.json) (log beside it). "
+           f"`scripts/gpu/tp_bench.sh` on **2 x {prov['hardware']['gpu']}** (NCCL, NVLink multicast off), "
+           f"{prov['date'][:16].replace('T', ' ')} UTC, commit {prov['software']['git_commit'][:7]}; Qwen3-14B config, "
+           "bf16, dummy weights, FA3 attention, plain element-wise ops (`MINISGL_FUSED=0`).", "",
+           "| | tp=1 | tp=2 | tp=2 / tp=1 |", "| --- | ---: | ---: | ---: |"]
+    r1, r2 = t["tp1_run"], t["tp2_run"]
+    d1 = {d["batch_size"]: d["step_s"] for d in r1["decode"]}
+    d2 = {d["batch_size"]: d["step_s"] for d in r2["decode"]}
+    for b in sorted(set(d1) & set(d2)):
+        out.append(f"| decode step, batch {b} (ms) | {d1[b] * 1e3:.2f} | {d2[b] * 1e3:.2f} | "
+                   f"{d1[b] / d2[b]:.2f}x faster |")
+    c1, c2 = r1.get("canonical"), r2.get("canonical")
+    if c1 and c2:
+        out.append(f"| canonical workload (output tok/s) | {c1['output_throughput']:,.0f} | "
+                   f"{c2['output_throughput']:,.0f} | {c2['output_throughput'] / c1['output_throughput']:.2f}x |")
+    out.append(f"| KV pool (tokens per GPU) | {r1['max_total_tokens']:,} | {r2['max_total_tokens']:,} | |")
+    out += ["", f"Check (Qwen3-0.6B, bf16): tp=2 logits {chk['tp2_vs_float32']:.2e} from float32, tp=1 "
+            f"{chk['tp1_vs_float32']:.2e} (bf16 rounding noise); ranks identical: {chk['ranks_identical']}; greedy "
+            f"tokens agree for {chk['greedy_common_prefix']} of {len(chk['greedy_tp1'][0])} tokens (until the first "
+            "near-tie of random weights).", ""]
+    out += [f"- {k}: {v}" for k, v in t.get("notes", {}).items()]
+    out.append("")
+    return out
+
+
+def main() -> None:
+    page = ["# Benchmarks", "",
+            "Every number on this page comes from a JSON file committed under `docs/data/`, which records the command, "
+            "the hardware, the software versions and the time it was measured; `python scripts/benchmarks_page.py` "
+            "writes this page from them. The chapters that produce the numbers read the same files and plot them (the "
+            "site shows the chapters' code; run a chapter or its notebook to see the plots).", ""]
+    page += offline_section() + tp_section()
+    page += ["## Other results", "",
+             "- Attention kernels against the memory roofline (chapter 07): `docs/data/gpu_kernels_h100.json`.",
+             "- Online serving (chapter 10): `docs/data/bench_serving_h100.json`, `docs/data/bench_serving_cpu.json`.",
+             "- Prefix sharing, CPU quick run (chapter 04): `docs/data/bench_offline_quick_shared_prefix_cpu.json`.", ""]
+    (ROOT / "docs" / "benchmarks.md").write_text("\n".join(page))
+
+
+if __name__ == "__main__":
+    main()
