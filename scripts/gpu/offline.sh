@@ -8,6 +8,8 @@
 #   ... && bash scripts/gpu/offline.sh quick       # tests, step times, canonical run, profiles (no ladder)
 #   ... && PARTS=ladder bash scripts/gpu/offline.sh bench                                # one part only
 # Anywhere else with CUDA and flashinfer / FA3 installed: OUT=results bash scripts/gpu/offline.sh
+# The lent machines receive the working tree with a stale .git: pass the commit in, as
+#   MINISGL_GIT_COMMIT=<output of git rev-parse HEAD here>, so the results' provenance names the right one.
 set -o pipefail
 what=${1:-all}
 OUT=${OUT:-results}

@@ -14,6 +14,8 @@
 # for each tp size) and COMM_DEADLINE (480: the comm phase runs only if less time than this has passed). If the tp=2 run fails to produce decode times with
 # the default engine, it is retried once with CUDA graphs off (a CUDA graph that captures NCCL calls is the likeliest
 # thing to break), as tp2_run_eager.
+# The lent machines receive the working tree with a stale .git: pass the commit in, as
+#   MINISGL_GIT_COMMIT=<output of git rev-parse HEAD here>, so the results' provenance names the right one.
 set -o pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
