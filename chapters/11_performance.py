@@ -237,7 +237,7 @@ print(GPU["history_note"])
 # step: at the end of the workload only a few requests run and a step takes the GPU ~1.5 ms. Allocating a decode
 # batch's slots in one numpy operation instead of a call and a one-element tensor per request (last row) was
 # worth ~5% (between two GPU calls, so only roughly: calls differ by up to ~4%). Our two Triton kernels (QK-norm + RoPE in one pass, K and V stored in one kernel) cut a decode step
-# from 369 to 313 kernels and batch-1 decode from 1.62 to 1.40 ms (chapter 08), but on this workload they are
+# from 369 to 313 kernels and batch-1 decode from 1.62 to 1.40 ms (two GPU calls apart; chapter 08), but on this workload they are
 # worth 1-2%, inside the run-to-run spread (`without_triton_fused`). They run in decode steps only: Triton's
 # Python launcher costs the host twice what PyTorch's does, which a CUDA graph hides:
 
@@ -272,7 +272,7 @@ for line in table[6:]:
 # %% [markdown]
 # Three quarters of the GPU time is the decode attention kernel, and it already reads the KV cache at ~2.7 TB/s
 # (231 µs per layer for 256 requests x ~590 tokens x 4 KiB): the GPU part of a step is near its floor, and the
-# GPU is now busy ~94% of a decode step with 256 requests running (it was ~73% before the token-copy fix). The
+# GPU is now busy ~94% of a decode step with 256 requests running (it was ~73% before the token-copy fix: `before_this_session` in the results file). The
 # rest of the distance to the floor is spread thin: the ~1.5 ms of fixed cost per step (313 small kernels: the
 # projections of 28 layers, norms, sampling) that the floor does not count and that dominates the long tail of the
 # workload where few requests run; the prefill phases, during which decode stops (mixed chunks are off by
