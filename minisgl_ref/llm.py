@@ -49,6 +49,10 @@ class GenerateOutput:
     completion_tokens: int
     cached_tokens: int = 0
     rid: str = ""
+    # With return_logprob: (logprob, token id, [(alternative id, logprob), ...]) per token; the first prompt
+    # token's logprob is None.
+    input_token_logprobs: list[tuple[float | None, int, list[tuple[int, float]]]] | None = None
+    output_token_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -274,7 +278,9 @@ class LLM:
             raise ValueError(f"prompt token ids must lie in [0, {self.config.vocab_size})")
         return ids
 
-    def make_request(self, prompt: Prompt, params: SamplingParams) -> Req:
+    def make_request(self, prompt: Prompt, params: SamplingParams, **options: Any) -> Req:
+        """A :class:`Req` for ``prompt``; ``options`` are per-request fields of :class:`Req` (``return_logprob``,
+        ``top_logprobs_num``, ``logprob_start_len``, ``cache_salt``)."""
         if not self.is_leader:
             raise ValueError(f"this process is tensor-parallel rank {self.tp_rank}; only rank 0 takes requests")
         input_ids = self._encode(prompt)
@@ -282,17 +288,23 @@ class LLM:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+                stop_regex=params.stop_regex,
                 prompt_ids=input_ids,  # context, so a sentencepiece first token keeps its leading space
             )
-        elif params.stop:
-            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
-        return Req(
+        elif params.stop or params.stop_regex:
+            raise ValueError("stop strings and stop_regex need a tokenizer; this model has none (use stop_token_ids)")
+        req = Req(
             input_ids=input_ids,
             params=params,
             eos_token_ids=self.eos_token_ids,
             detokenizer=detok,
             context_len=self.context_length,
+            **options,
         )
+        problem = req.token_id_problem(self.config.vocab_size)
+        if problem is not None:
+            raise ValueError(problem)
+        return req
 
     @staticmethod
     def _params_list(params: Any, n_prompts: int) -> list[SamplingParams]:
@@ -312,8 +324,21 @@ class LLM:
         sampling_params: SamplingParams | Mapping[str, Any] | Sequence[Any] | None = None,
         *,
         use_tqdm: bool = True,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
     ) -> list[GenerateOutput]:
-        """Complete each prompt. With ``n > 1`` a prompt yields n outputs, consecutive in the returned list."""
+        """Complete each prompt. With ``n > 1`` a prompt yields n outputs, consecutive in the returned list.
+
+        ``return_logprob`` adds each output token's log probability (and its ``top_logprobs_num`` most likely
+        alternatives) to the outputs, and the prompt's from position ``logprob_start_len`` on (-1: none); SGLang's
+        names and meaning (chapter 10)."""
+        options: dict[str, Any] = {}
+        if return_logprob:
+            if isinstance(self.engine, NaiveEngine):
+                raise ValueError("return_logprob needs the paged engine (engine='paged')")
+            options = dict(return_logprob=True, top_logprobs_num=top_logprobs_num,
+                           logprob_start_len=logprob_start_len)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -321,7 +346,7 @@ class LLM:
         reqs: list[Req] = []
         for prompt, params in zip(prompts, params_list):
             for _ in range(params.n):
-                reqs.append(self.make_request(prompt, params))
+                reqs.append(self.make_request(prompt, params, **options))
         self._run(reqs, use_tqdm)
         return [self._output(r) for r in reqs]
 
@@ -394,4 +419,8 @@ class LLM:
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,
             rid=req.rid,
+            input_token_logprobs=[(e.logprob, t, e.top) for e, t in zip(
+                req.input_logprobs, req.input_ids[max(req.logprob_start_len, 0):])] if req.return_logprob else None,
+            output_token_logprobs=[(e.logprob, t, e.top) for e, t in zip(req.output_logprobs, req.output_ids)]
+            if req.return_logprob else None,
         )

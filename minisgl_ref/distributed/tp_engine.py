@@ -56,12 +56,18 @@ class ReqSpec:
     context_len: int | None
     sampling_seed: int
     stop_strings: bool  # whether the leader's request checks stop strings (it has a detokenizer with stops)
+    # These change what a step computes (the cached prefix, prompt logits), so every rank must know them.
+    cache_salt: str | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
 
     @classmethod
     def of(cls, req: Req) -> ReqSpec:
-        has_stops = req.detokenizer is not None and bool(req.params.stop)
+        has_stops = req.detokenizer is not None and bool(req.params.stop or req.params.stop_regex)
         return cls(req.rid, list(req.input_ids), req.params, req.eos_token_ids, req.context_len,
-                   req.sampling_seed, has_stops)
+                   req.sampling_seed, has_stops, req.cache_salt, req.return_logprob, req.top_logprobs_num,
+                   req.logprob_start_len)
 
     def build(self, tokenizer: Any) -> Req:
         detok = None
@@ -71,9 +77,12 @@ class ReqSpec:
             if tokenizer is None:
                 raise RuntimeError(f"request {self.rid} has stop strings but this rank has no tokenizer")
             detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=self.params.skip_special_tokens,
-                                           stop=self.params.stop, prompt_ids=self.input_ids)
+                                           stop=self.params.stop, stop_regex=self.params.stop_regex,
+                                           prompt_ids=self.input_ids)
         return Req(input_ids=list(self.input_ids), params=self.params, eos_token_ids=self.eos_token_ids,
-                   detokenizer=detok, context_len=self.context_len, rid=self.rid, sampling_seed=self.sampling_seed)
+                   detokenizer=detok, context_len=self.context_len, rid=self.rid, sampling_seed=self.sampling_seed,
+                   cache_salt=self.cache_salt, return_logprob=self.return_logprob,
+                   top_logprobs_num=self.top_logprobs_num, logprob_start_len=self.logprob_start_len)
 
 
 class RankZeroTokens:
@@ -87,7 +96,11 @@ class RankZeroTokens:
         self.sampler = sampler
 
     def __call__(self, logits: torch.Tensor, info: Any) -> torch.Tensor:
-        return broadcast_tensor(self.sampler(logits, info).contiguous(), src=0)
+        return self.sample(logits, info)[0]
+
+    def sample(self, logits: torch.Tensor, info: Any, top_logprobs: int = -1) -> tuple[torch.Tensor, Any]:
+        tokens, logprobs = self.sampler.sample(logits, info, top_logprobs)  # only rank 0's logprobs are reported
+        return broadcast_tensor(tokens.contiguous(), src=0), logprobs
 
 
 class _Gone:

@@ -17,6 +17,13 @@ Three consequences, each handled explicitly here or in the scheduler:
    from a device-side token buffer.
 3. KV slots freed while processing step N may still be written by step N+1: frees are released one step late.
 
+**Failures stay inside the request that caused them.** A server cannot let one bad request take down every
+other one. Each request is checked at the door (:meth:`Engine.request_problem`: every token id it carries must
+be a vocabulary id); a failure while appending one request's token aborts that request alone; and if launching a
+step fails, the engine finishes the step in flight, rolls the failed step back, aborts the requests that fail the
+door check again (or, if none does, every request of that step, since nobody can be singled out) and sends the
+rest back to the queue, to be prefilled again from the radix cache as after a retraction.
+
 One thing is deliberately *not* one step late: a prefill row's prompt tokens go into the radix tree as soon as
 its step is launched (``_commit_launched``), so that step N+1's requests can already reuse step N's prompts.
 
@@ -26,6 +33,8 @@ runs, which is what the tests check.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,11 +49,21 @@ from minisgl_ref.kvcache.cache_manager import CacheManager, NaiveCacheManager
 from minisgl_ref.kvcache.pool import KVPool
 from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
 from minisgl_ref.models.config import ModelConfig
+from minisgl_ref.sampling.sampler import StepLogprobs
 from minisgl_ref.scheduler.batch import ScheduledBatch
-from minisgl_ref.scheduler.request import Req
+from minisgl_ref.scheduler.request import Req, TokenLogprob
 from minisgl_ref.scheduler.scheduler import NeedSync, Scheduler
 
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
+log = logging.getLogger(__name__)
+
+
+class LaunchFailed(Exception):
+    """Running a scheduled step failed; the engine rolls that step back (see :meth:`Engine._recover`)."""
+
+    def __init__(self, batch: ScheduledBatch, error: Exception) -> None:
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.batch, self.error = batch, error
 
 
 @dataclass
@@ -129,7 +148,15 @@ class Engine:
     def max_total_tokens(self) -> int:
         return self.allocator.capacity_pages * self.allocator.page_size
 
+    def request_problem(self, req: Req) -> str | None:
+        """What makes ``req`` impossible to run on this model, or None (the door check)."""
+        return req.token_id_problem(self.model_config.vocab_size)
+
     def add_request(self, req: Req) -> None:
+        """Queue ``req``; raises ``ValueError`` (naming the field) if it cannot run on this model."""
+        problem = self.request_problem(req)
+        if problem is not None:
+            raise ValueError(problem)
         if req.finished:
             return
         self.scheduler.add(req)
@@ -143,7 +170,11 @@ class Engine:
     def step(self) -> list[StepEvent]:
         """Advance the engine by one scheduled batch; return what happened to requests."""
         if not self.overlap:
-            batch = self._schedule_and_launch()
+            try:
+                batch = self._schedule_and_launch()
+            except LaunchFailed as failed:
+                self._recover(failed)
+                return self._drain_aborted()
             events = self._drain_aborted()
             if batch is not None:
                 events += self._process(batch)
@@ -160,6 +191,10 @@ class Engine:
             events = self._finish_inflight()
             batch = self._schedule_and_launch()
             self.inflight = batch
+            return events + self._drain_aborted()
+        except LaunchFailed as failed:
+            events = self._finish_inflight()
+            self._recover(failed)
             return events + self._drain_aborted()
         waits_for_inflight = self.cache.take_pending()
         events = self._drain_aborted()
@@ -193,7 +228,10 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return None
-        self.runner.run(batch)
+        try:
+            self.runner.run(batch)
+        except Exception as e:  # noqa: BLE001 - one request's bad data must not end the engine
+            raise LaunchFailed(batch, e) from e
         self._commit_launched(batch)
         self.stats.steps += 1
         self.stats.prefill_tokens += batch.num_prefill_tokens
@@ -218,19 +256,75 @@ class Engine:
     def _process(self, batch: ScheduledBatch) -> list[StepEvent]:
         tokens = batch.tokens()  # the one wait for the device per step: after it, the step's tokens are here
         self._free(batch.free_when_done)
+        if batch.prompt_logprobs is not None:
+            self._record_prompt_logprobs(batch)
+        logprobs = _rows(batch.logprobs) if batch.logprobs is not None else None
         events = []
-        for req, token, emits, epoch in zip(batch.reqs, tokens, batch.emits, batch.epochs):
+        for i, (req, token, emits, epoch) in enumerate(zip(batch.reqs, tokens, batch.emits, batch.epochs)):
             if not emits or req.finished or req.retractions != epoch:
                 # a partial prefill chunk (its KV was committed at launch), the extra token overlap computed
                 # after the end, or a retracted request's old step
                 continue
             req.num_inflight -= 1
-            delta = req.append_token(token)
+            if logprobs is not None and req.return_logprob:
+                req.output_logprobs.append(logprobs(i, req.top_logprobs_num))
+            delta = self._append(req, token)
             if req.finished:
                 self.scheduler.remove_finished(req)
             events.append(StepEvent(req, delta, req.finished))
         return events
     # END TASK 6.1
+
+    def _record_prompt_logprobs(self, batch: ScheduledBatch) -> None:
+        """Append the prompt log probabilities this step computed to their requests, in prompt order. A position
+        already recorded (a retracted request computing its prompt again) is skipped."""
+        plan, computed = batch.prompt_logprobs  # type: ignore[misc]
+        entry = _rows(computed)
+        j = 0
+        for row, first, count in plan.spans:
+            req = batch.reqs[row]
+            live = not req.finished and req.retractions == batch.epochs[row]
+            for pos in range(first, first + count):
+                if live and pos == req.logprob_start_len + len(req.input_logprobs):
+                    req.input_logprobs.append(entry(j, req.top_logprobs_num))
+                j += 1
+
+    def _append(self, req: Req, token: int) -> str:
+        """``req.append_token``, with a failure (in its detokenizer, say) aborting this request only."""
+        try:
+            return req.append_token(token)
+        except Exception as e:  # noqa: BLE001
+            log.exception("request %s failed while appending its token", req.rid)
+            req.abort(f"internal error while processing this request's output: {type(e).__name__}: {e}")
+            return ""
+
+    def _recover(self, failed: LaunchFailed) -> None:
+        """Undo a step whose launch failed (nothing is in flight any more) and decide who pays for it.
+
+        Each row gets back the KV length it had before the step, so nothing this step may have half-written
+        reaches the radix cache. Requests that fail the door check now (their data changed since admission, or
+        a check was missing) are aborted with the reason; if none does, the step's failure cannot be pinned on
+        anyone and all of its requests are aborted with the error. The others are retracted: back to the
+        waiting queue with their tokens, to be prefilled again (from the cache) by a later step."""
+        batch, sched = failed.batch, self.scheduler
+        log.error("a step of %d requests failed: %s", len(batch.reqs), failed, exc_info=failed.error)
+        problems = {id(r): p for r in batch.reqs if (p := self.request_problem(r)) is not None}
+        for req, prefix_len, emits, epoch in zip(batch.reqs, batch.prefix_lens, batch.emits, batch.epochs):
+            if req.finished or req.retractions != epoch or req.req_pool_idx is None:
+                continue  # finished or retracted meanwhile: its KV has been given back already
+            req.kv_committed_len = prefix_len
+            req.num_inflight -= emits
+            if req in sched.running:
+                sched.running.remove(req)
+            if sched.chunked is req:
+                sched.chunked = None
+            if problems and id(req) not in problems:
+                sched.retract(req)
+                continue
+            reason = problems.get(id(req)) or f"the engine step failed: {failed}"
+            req.abort(f"this request could not be processed: {reason}")
+            sched.remove_finished(req)
+            sched.aborted.append(req)  # reported by this step's events
 
     def run_until_done(self) -> None:
         while self.has_work:
@@ -265,8 +359,38 @@ class Engine:
             self._waiting_for_inflight += self.cache.take_pending()
         req.abort(message)
 
+    def abort_all(self, message: str) -> list[StepEvent]:
+        """Last resort after a failure that :meth:`step` could not contain: abort every request and start
+        afresh with empty queues. Nothing whose KV may be half-written enters the radix cache: each request
+        gives back only the prefix it already shared with the tree."""
+        sched = self.scheduler
+        held = [*sched.running, *sched.waiting, *([sched.chunked] if sched.chunked else []),
+                *(self.inflight.reqs if self.inflight else []), *self._release_after_inflight]
+        self.inflight, self._release_after_inflight = None, []
+        self.cache.defer_frees = False
+        self._free(self._waiting_for_inflight + self.cache.take_pending())
+        self._waiting_for_inflight = []
+        reqs = list({id(r): r for r in held}.values())
+        for req in reqs:
+            req.abort(message)
+            if req.req_pool_idx is not None:
+                req.kv_committed_len = req.tree_len
+                self.cache.release(req)
+        sched.running.clear()
+        sched.waiting.clear()
+        sched.chunked = None
+        sched.arrival.clear()
+        return [StepEvent(r, "", True) for r in reqs] + self._drain_aborted()
+
     def _release_aborted(self) -> None:
         """Release the requests aborted while a step that writes their KV was in flight (it has been processed)."""
         for req in self._release_after_inflight:
             self.cache.release(req)
         self._release_after_inflight = []
+
+
+def _rows(logprobs: StepLogprobs) -> Callable[[int, int], TokenLogprob]:
+    """``entry(i, k)``: row ``i`` of a step's log probabilities with its ``k`` best alternatives, as plain Python
+    (one ``tolist`` per tensor for the whole step, not one per row)."""
+    chosen, values, ids = logprobs.chosen.tolist(), logprobs.top_values.tolist(), logprobs.top_ids.tolist()
+    return lambda i, k: TokenLogprob(chosen[i], list(zip(ids[i][:k], values[i][:k])))

@@ -17,6 +17,10 @@ device-to-host sync, makes the GPU wait. Hence the shape of :meth:`ModelRunner.p
 * decode-only steps take a vectorised path with no per-request Python work beyond reading two lists;
 * the sampling state is reused across decode steps of the same requests (only the step counter moves).
 
+Log probabilities (chapter 10) are computed only in steps where some request asked for them: those of the sampled
+tokens by the sampler, a prompt's from the hidden states of its positions, a few hundred rows at a time so that a
+long prompt never needs a [prompt, vocab] tensor at once.
+
 The only wait for the device per step is the engine's ``batch.tokens()``, one step late under overlap; on a GPU it
 waits for an event recorded right after this step's token copy, not for the step launched after it.
 """
@@ -24,6 +28,7 @@ waits for an event recorded right after this step's token copy, not for the step
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -31,10 +36,44 @@ from torch import nn
 from minisgl_ref.attention.base import AttentionBackend
 from minisgl_ref.engine.forward_batch import ForwardBatch, ForwardMode
 from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
-from minisgl_ref.sampling.sampler import Sampler, SamplingBatchInfo, to_device
+from minisgl_ref.sampling.sampler import Sampler, SamplingBatchInfo, StepLogprobs, to_device, token_logprobs
 from minisgl_ref.scheduler.batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
+
+#: Prompt positions turned into logits at once when computing prompt log probabilities.
+LOGPROB_CHUNK = 512
+
+
+@dataclass
+class PromptLogprobPlan:
+    """Which positions of an extend step need the log probability of the prompt token that follows them."""
+
+    spans: list[tuple[int, int, int]]  # (row of the batch, first prompt position predicted, how many)
+    index: list[int]  # positions in the step's flattened tokens, span after span
+    targets: list[int]  # the prompt token each of them predicts
+    top_k: int
+
+    @staticmethod
+    def of(batch: ScheduledBatch) -> PromptLogprobPlan | None:
+        """Position ``q`` of a row predicts prompt token ``q + 1``; the row reports tokens ``logprob_start_len``
+        .. end of prompt. The spans of successive chunks are disjoint, so each token is computed once (the
+        engine skips any that a retracted request computes again)."""
+        spans: list[tuple[int, int, int]] = []
+        index: list[int] = []
+        targets: list[int] = []
+        top_k, offset = 0, 0
+        for i, (req, start, n) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens)):
+            if req.wants_input_logprobs and not batch.is_decode_row[i]:
+                first = max(start, req.logprob_start_len - 1, 0)
+                last = min(start + n, len(req.input_ids) - 1)  # the last prompt position predicts the output
+                if last > first:
+                    spans.append((i, first + 1, last - first))
+                    index += range(offset + first - start, offset + last - start)
+                    targets += req.input_ids[first + 1 : last + 1]
+                    top_k = max(top_k, req.top_logprobs_num)
+            offset += n
+        return PromptLogprobPlan(spans, index, targets, top_k) if spans else None
 
 
 class ModelRunner:
@@ -213,19 +252,36 @@ class ModelRunner:
             return self.graph_runner.replay(fb)
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb)
+        if "prompt_logprobs" in fb.extra:  # a PromptLogprobPlan: its positions need the hidden states too
+            fb.extra["prompt_logprobs"] = self._prompt_logprobs(hidden, fb.extra["prompt_logprobs"])
         if not fb.mode.is_decode:
             hidden = hidden[fb.extra["last_token_indices"]]
         return self.model.compute_logits(hidden)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, plan: PromptLogprobPlan) -> StepLogprobs:
+        index = to_device(torch.tensor(plan.index), self.device)
+        targets = to_device(torch.tensor(plan.targets), self.device)
+        parts = [token_logprobs(self.model.compute_logits(hidden[index[i : i + LOGPROB_CHUNK]]),
+                                targets[i : i + LOGPROB_CHUNK], plan.top_k)
+                 for i in range(0, len(plan.index), LOGPROB_CHUNK)]
+        return StepLogprobs(*(torch.cat(ts) for ts in zip(*((p.chosen, p.top_values, p.top_ids) for p in parts))))
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Launch the batch; returns the sampled tokens [B] (on the device; nobody waits for them here)."""
         fb = self.prepare(batch)
         batch.forward_batch = fb
+        plan = PromptLogprobPlan.of(batch) if not batch.is_decode else None
+        if plan is not None:
+            fb.extra["prompt_logprobs"] = plan
         logits = self.forward(fb)
         info = self.sampling_info(batch)
         batch.sampling_info = info
-        next_tokens = self.sampler(logits, info)
+        # -1: nobody asked for log probabilities in this step (the common case: not a single extra kernel)
+        top_k = max((r.top_logprobs_num for r in batch.reqs if r.return_logprob), default=-1)
+        next_tokens, batch.logprobs = self.sampler.sample(logits, info, top_k)
+        if plan is not None:
+            batch.prompt_logprobs = (plan, fb.extra.pop("prompt_logprobs"))
         # Rows that emit a token publish it where the next decode step will look for it.
         if all(batch.emits):
             self.token_buffer[fb.req_pool_indices] = next_tokens
@@ -238,8 +294,18 @@ class ModelRunner:
         if next_tokens.is_cuda and self.async_token_copy:
             # Start the device-to-host copy now, in stream order right after sampling, and mark its end with an
             # event: the engine waits for that event, not for whatever is launched after this step.
-            host = torch.empty(next_tokens.shape, dtype=next_tokens.dtype, pin_memory=True)
-            host.copy_(next_tokens, non_blocking=True)
-            batch.next_tokens_host, batch.copy_done = host, torch.cuda.Event()
+            batch.next_tokens_host = _to_pinned_host(next_tokens)
+            if batch.logprobs is not None:
+                batch.logprobs = batch.logprobs.to(_to_pinned_host)
+            if batch.prompt_logprobs is not None:
+                batch.prompt_logprobs = (batch.prompt_logprobs[0], batch.prompt_logprobs[1].to(_to_pinned_host))
+            batch.copy_done = torch.cuda.Event()
             batch.copy_done.record()
         return next_tokens
+
+
+def _to_pinned_host(t: torch.Tensor) -> torch.Tensor:
+    """Start copying a device tensor into pinned host memory, in stream order (read it after the step's event)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host

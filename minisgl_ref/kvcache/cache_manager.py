@@ -76,8 +76,7 @@ class CacheManager:
 
         At least one token is always left to compute: the step needs the last token's logits."""
         req.req_pool_idx = self.req_to_token.alloc()
-        tokens = req.all_ids
-        result = self.tree.match_prefix(tokens[: len(tokens) - 1])
+        result = self.tree.match_prefix(req.all_ids[: req.reusable_prefix_len], req.cache_salt)
         self.tree.inc_lock(result.node)
         self.req_to_token.write(req.req_pool_idx, 0, result.slots)
         req.last_node = result.node
@@ -154,11 +153,11 @@ class CacheManager:
             return
         tokens = req.all_ids[:n]
         row = self.req_to_token.read(req.req_pool_idx, n)
-        already = self.tree.insert(tokens, row)
+        already = self.tree.insert(tokens, row, req.cache_salt)
         duplicates = row[req.tree_len : max(already, req.tree_len)]
         if len(duplicates):
             (free or self._free_later)(duplicates)
-        result = self.tree.match_prefix(tokens)
+        result = self.tree.match_prefix(tokens, req.cache_salt)
         assert result.length == n
         self.req_to_token.write(req.req_pool_idx, 0, result.slots)
         self.tree.inc_lock(result.node)

@@ -12,6 +12,9 @@ Four operations, each explained where it is defined:
 * ``inc_lock`` / ``dec_lock``: a running request pins the path it uses, so eviction cannot take it away;
 * ``evict``: free least-recently-used, unpinned leaves when the pool runs short.
 
+Requests that carry a ``cache_salt`` get a tree of their own (a separate root per salt): two tenants can then never
+share a prefix, so neither can learn from a fast first token which prompts the other has sent.
+
 With ``page_size > 1`` everything happens in whole pages: a prefix is matched, stored and evicted only in
 multiples of the page size, because the pool hands out memory by the page.
 """
@@ -78,12 +81,21 @@ class RadixCache:
         self.page_size = allocator.page_size
         self.root = TreeNode()
         self.root.lock_ref = 1  # the root is never evicted
+        self.salted_roots: dict[str, TreeNode] = {}  # one more root per cache salt, dropped when it empties
         self.evictable_size = 0  # tokens in unlocked nodes
         self.protected_size = 0  # tokens in locked nodes
         self.hit_tokens = 0
         self.query_tokens = 0
 
     # -------------------------------------------------------------------------------------------- helpers
+
+    def root_for(self, salt: str | None, *, create: bool = False) -> TreeNode | None:
+        """The root under which requests with this salt share prefixes (``None``: the common one)."""
+        if salt is None:
+            return self.root
+        if create and salt not in self.salted_roots:
+            self.salted_roots[salt] = TreeNode(lock_ref=1)
+        return self.salted_roots.get(salt)
 
     def _child_key(self, tokens: list[int]) -> object:
         return tokens[0] if self.page_size == 1 else tuple(tokens[: self.page_size])
@@ -107,11 +119,13 @@ class RadixCache:
     # ------------------------------------------------------------------------------------------ operations
 
     # BEGIN TASK 4.1: longest cached prefix
-    def match_prefix(self, tokens: list[int]) -> MatchResult:
+    def match_prefix(self, tokens: list[int], salt: str | None = None) -> MatchResult:
         """Walk down from the root as far as ``tokens`` agree with stored edges (whole pages only). A match that
         ends inside an edge splits it, so the returned node covers exactly the matched tokens."""
         tokens = tokens[: len(tokens) - len(tokens) % self.page_size]
-        node, pieces, i = self.root, [], 0
+        node, pieces, i = self.root_for(salt) or self.root, [], 0
+        if node is self.root and salt is not None:
+            tokens = []  # a salt nobody has cached anything under yet
         while i < len(tokens):
             child = node.children.get(self._child_key(tokens[i:]))
             if child is None:
@@ -129,12 +143,12 @@ class RadixCache:
     # END TASK 4.1
 
     # BEGIN TASK 4.2: insert a computed sequence
-    def insert(self, tokens: list[int], slots: torch.Tensor) -> int:
+    def insert(self, tokens: list[int], slots: torch.Tensor, salt: str | None = None) -> int:
         """Store ``tokens`` (whole pages only) with their KV ``slots``. Returns how many leading tokens were
         already cached: the caller's slots for those are duplicates, and the caller must free them."""
         n_tok = len(tokens) - len(tokens) % self.page_size
         tokens, slots = tokens[:n_tok], slots[:n_tok].to(torch.int64).cpu()
-        node, i = self.root, 0
+        node, i = self.root_for(salt, create=n_tok > 0) or self.root, 0
         while i < n_tok:
             key = self._child_key(tokens[i:])
             child = node.children.get(key)
@@ -154,7 +168,7 @@ class RadixCache:
     # BEGIN TASK 4.3: locking and LRU eviction
     def inc_lock(self, node: TreeNode) -> None:
         """Pin ``node`` and its ancestors: a running request's prefix must stay in memory."""
-        while node is not self.root:
+        while node.parent is not None:  # up to its root
             if node.lock_ref == 0:
                 self.evictable_size -= len(node.key)
                 self.protected_size += len(node.key)
@@ -162,7 +176,7 @@ class RadixCache:
             node = node.parent  # type: ignore[assignment]
 
     def dec_lock(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref <= 0:
                 raise RuntimeError("radix node unlocked more often than locked")
             node.lock_ref -= 1
@@ -185,15 +199,23 @@ class RadixCache:
             del parent.children[self._child_key(leaf.key)]
             self.evictable_size -= len(leaf.key)
             freed += len(leaf.key)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
+            elif parent.parent is None and not parent.children:
+                self._drop_salted_root(parent)
         return freed
     # END TASK 4.3
 
     # ------------------------------------------------------------------------------------------ bookkeeping
 
+    def _drop_salted_root(self, root: TreeNode) -> None:
+        for salt, node in list(self.salted_roots.items()):
+            if node is root:
+                del self.salted_roots[salt]
+
     def _all_nodes(self) -> list[TreeNode]:
-        out, stack = [], list(self.root.children.values())
+        roots = [self.root, *self.salted_roots.values()]
+        out, stack = [], [child for root in roots for child in root.children.values()]
         while stack:
             node = stack.pop()
             out.append(node)
@@ -219,6 +241,7 @@ class RadixCache:
         for node in self._all_nodes():
             self.allocator.free_slots(node.value)
         self.root.children.clear()
+        self.salted_roots.clear()
         self.evictable_size = 0
         self.hit_tokens = self.query_tokens = 0
 

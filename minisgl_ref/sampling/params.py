@@ -25,6 +25,8 @@ presence_penalty       number in [-2, 2]
 repetition_penalty     number in (0, 2]
 stop                   None, a non-empty string, or a list of them
 stop_token_ids         None or a list of ints >= 0
+stop_regex             None, a regular expression, or a list of them
+logit_bias             None or {token id: bias in [-100, 100]} (OpenAI's; JSON keys may be strings)
 min_new_tokens         int in [0, max_new_tokens]
 n                      int >= 1
 seed                   None or an int
@@ -39,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -77,19 +80,19 @@ def _check_bool(name: str, value: Any) -> bool:
     return value
 
 
-def _normalize_stop(value: Any) -> list[str]:
+def _normalize_stop(value: Any, name: str = "stop") -> list[str]:
     """``None`` -> ``[]``, ``"x"`` -> ``["x"]``; every stop string must be non-empty (``""`` would match at once)."""
     if value is None:
         return []
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, (list, tuple)):
-        raise ValueError(f"stop must be a string or a list of strings, got {_describe(value)}")
+        raise ValueError(f"{name} must be a string or a list of strings, got {_describe(value)}")
     for s in value:
         if not isinstance(s, str):
-            raise ValueError(f"stop must contain only strings, got {_describe(s)}")
+            raise ValueError(f"{name} must contain only strings, got {_describe(s)}")
         if s == "":
-            raise ValueError("stop strings must be non-empty, got ''")
+            raise ValueError(f"{name} entries must be non-empty, got ''")
     return list(value)
 
 
@@ -103,6 +106,40 @@ def _normalize_stop_token_ids(value: Any) -> list[int]:
         if t < 0:
             raise ValueError(f"stop_token_ids must be >= 0, got {t}")
     return ids
+
+
+def _normalize_stop_regex(value: Any) -> list[str]:
+    patterns = _normalize_stop(value, "stop_regex")
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {e}") from e
+    return patterns
+
+
+#: OpenAI's range for a logit bias: -100 bans a token in practice, +100 all but forces it.
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def _normalize_logit_bias(value: Any) -> dict[int, float]:
+    """``{token id: bias}``; JSON objects have string keys, so ``{"42": -100}`` means token 42."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {_describe(value)}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            key = int(key)
+        token = _check_int("logit_bias", key)
+        if token < 0:
+            raise ValueError(f"logit_bias keys must be token ids >= 0, got {token}")
+        bias = _check_real("logit_bias", bias)
+        if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+        out[token] = bias
+    return out
 
 
 @dataclass
@@ -122,6 +159,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: str | list[str] | None = None  # normalised to list[str]
     stop_token_ids: list[int] | None = None  # normalised to list[int]
+    stop_regex: str | list[str] | None = None  # normalised to list[str]: stop once the output text matches
+    logit_bias: dict[int, float] | None = None  # normalised to {token id: bias}; added to the logits
     ignore_eos: bool = False
     min_new_tokens: int = 0
     n: int = 1
@@ -168,6 +207,8 @@ class SamplingParams:
         # Stopping.
         self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
+        self.stop_regex = _normalize_stop_regex(self.stop_regex)
+        self.logit_bias = _normalize_logit_bias(self.logit_bias)
         self.ignore_eos = _check_bool("ignore_eos", self.ignore_eos)
         self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
 
@@ -188,8 +229,11 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain-Python dict (lists, not tuples) that survives JSON and pickling between server processes."""
-        return dataclasses.asdict(self)
+        """Plain-Python dict (lists, not tuples; string keys) that survives JSON, msgpack and pickling between
+        server processes."""
+        d = dataclasses.asdict(self)
+        d["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}  # type: ignore[union-attr]
+        return d
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:

@@ -9,7 +9,8 @@ whole-batch tensor ops in which a disabled knob is simply a no-op value (``top_k
 
 The pipeline, per decode step::
 
-    logits [B, V] --(task 2.2) penalties, min_new_tokens masking-->  penalised logits
+    logits [B, V] --(+ logit_bias, OpenAI's per-token offsets)
+                  --(task 2.2) penalties, min_new_tokens masking-->  penalised logits
         greedy rows:  argmax(penalised logits)
         other rows:   softmax(logits / T) in float32
                       --(task 2.3) top-k, then top-p, then min-p, renormalise--> probs
@@ -27,6 +28,11 @@ Penalty semantics (OpenAI and vLLM conventions):
   ``stop_token_ids`` are set to ``-inf``. This holds whatever ``ignore_eos`` says: ``ignore_eos`` only tells the
   scheduler not to stop on EOS; it does not change the distribution.
 * Penalties apply to greedy rows too -- they change which token is the argmax.
+
+Log probabilities, when a request asks for them, are those of the distribution its token was drawn from: the
+logits after the logit bias and the penalties, divided by the temperature (by 1 for greedy rows), before top-k /
+top-p / min-p truncation -- what SGLang reports. They are computed for the whole batch in one ``log_softmax``
+only in steps where some row asked, so the common case pays nothing.
 
 Reproducibility: the random numbers for request i at its step s over vocab id v are a pure function
 ``hash(seed_i, s, v)``, computed with integer tensor arithmetic. A request's tokens therefore depend on its seed and
@@ -104,6 +110,7 @@ class _Flag(IntEnum):
     FREQ_PRES = 4
     REPETITION = 5
     MIN_NEW_TOKENS = 6
+    LOGIT_BIAS = 7
 
 
 # Per-row tensors of shape [B]; filter() and merge() treat them all alike.
@@ -121,7 +128,7 @@ _ROW_FIELDS = (
 )
 # Per-row state of shape [B, V], allocated only when some row needs it (it is B * V elements: 40M at B=256 for a
 # 152k vocabulary). A row whose params make a state irrelevant may hold zeros there, e.g. after a merge.
-_STATE_FIELDS = ("output_counts", "prompt_mask", "stop_token_mask")
+_STATE_FIELDS = ("output_counts", "prompt_mask", "stop_token_mask", "logit_bias")
 
 
 @dataclass
@@ -152,6 +159,7 @@ class SamplingBatchInfo:
     output_counts: torch.Tensor | None = None  # [B, V] int32: how often each id was generated
     prompt_mask: torch.Tensor | None = None  # [B, V] bool: id occurs in the prompt
     stop_token_mask: torch.Tensor | None = None  # [B, V] bool: EOS ids and stop_token_ids
+    logit_bias: torch.Tensor | None = None  # [B, V] float32: added to the logits before anything else
 
     # -- construction ----------------------------------------------------------------------------------------
 
@@ -202,6 +210,7 @@ class SamplingBatchInfo:
             row[_Flag.FREQ_PRES] = p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
             row[_Flag.REPETITION] = p.repetition_penalty != 1.0
             row[_Flag.MIN_NEW_TOKENS] = p.min_new_tokens > 0
+            row[_Flag.LOGIT_BIAS] = bool(p.logit_bias)
             return row
 
         # One tensor from a Python list: per-element tensor writes cost ~20 us each, which adds up every step.
@@ -232,6 +241,10 @@ class SamplingBatchInfo:
         if info.need_min_new_tokens:
             stops = [_as_id_list(e) + list(p.stop_token_ids) for e, p in zip(eos_token_ids_list, params_list)]
             info.stop_token_mask = _rows_to_dense(stops, v, device, torch.bool, "eos / stop token ids")
+        if info.need_logit_bias:
+            biases = [p.logit_bias or {} for p in params_list]
+            info.logit_bias = _rows_to_dense([list(b) for b in biases], v, device, torch.float32,
+                                             "logit_bias token ids", values=[x for b in biases for x in b.values()])
         return info
 
     # -- flags (CPU-only reads) ------------------------------------------------------------------------------
@@ -281,6 +294,10 @@ class SamplingBatchInfo:
     @property
     def need_min_new_tokens(self) -> bool:
         return self._any(_Flag.MIN_NEW_TOKENS)
+
+    @property
+    def need_logit_bias(self) -> bool:
+        return self._any(_Flag.LOGIT_BIAS)
 
     @property
     def need_penalties(self) -> bool:
@@ -345,6 +362,8 @@ class SamplingBatchInfo:
             self.prompt_mask = None
         if not self.need_min_new_tokens:
             self.stop_token_mask = None
+        if not self.need_logit_bias:
+            self.logit_bias = None
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -368,9 +387,11 @@ def _as_id_list(ids: Sequence[int] | int | None) -> list[int]:
 
 
 def _rows_to_dense(
-    rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device, dtype: torch.dtype, what: str
+    rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device, dtype: torch.dtype, what: str,
+    values: Sequence[float] | None = None,
 ) -> torch.Tensor:
-    """Ragged lists of token ids -> [B, V]: counts for integer dtypes, membership for bool.
+    """Ragged lists of token ids -> [B, V]: counts for integer dtypes, membership for bool, or each id's entry
+    of ``values`` (flattened like the ids) when given.
 
     One scatter for the whole batch: flatten the ids, and repeat each row index once per id.
     """
@@ -380,8 +401,11 @@ def _rows_to_dense(
         raise ValueError(f"{what} must lie in [0, {vocab_size}), got {int(cols.min())}..{int(cols.max())}")
     row_idx = torch.repeat_interleave(torch.arange(len(rows)), lengths)
     out = torch.zeros(len(rows), vocab_size, dtype=dtype, device=device)
-    ones = torch.ones(cols.numel(), dtype=dtype, device=device)
-    out.index_put_((row_idx.to(device), cols.to(device)), ones, accumulate=dtype != torch.bool)
+    if values is None:
+        vals = torch.ones(cols.numel(), dtype=dtype, device=device)
+    else:
+        vals = torch.tensor(list(values), dtype=dtype).to(device)
+    out.index_put_((row_idx.to(device), cols.to(device)), vals, accumulate=dtype != torch.bool)
     return out
 
 
@@ -531,6 +555,31 @@ def _fused_temperature_sample() -> Callable[..., torch.Tensor]:
     return torch.compile(temperature_sample, dynamic=True)
 
 
+@dataclass
+class StepLogprobs:
+    """Per row of a step: the log probability of the token sampled there, and the ``k`` most likely tokens with
+    theirs (``k`` = the most any row of the step asked for). Device tensors until copied to the host."""
+
+    chosen: torch.Tensor  # [B] float32
+    top_values: torch.Tensor  # [B, k] float32, best first
+    top_ids: torch.Tensor  # [B, k] int64
+
+    def to(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> StepLogprobs:
+        return StepLogprobs(fn(self.chosen), fn(self.top_values), fn(self.top_ids))
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int,
+                   temperatures: torch.Tensor | None = None) -> StepLogprobs:
+    """``log_softmax(logits / T)`` at ``targets`` (one per row) and its top ``k``. ``-inf`` (a banned token) is
+    clamped to float32's lowest value, as SGLang does, so that the numbers survive JSON."""
+    if temperatures is not None:
+        logits = logits / temperatures[:, None]
+    lp = torch.log_softmax(logits.float(), dim=-1).clamp_(min=torch.finfo(torch.float32).min)
+    chosen = lp.gather(1, targets.to(torch.int64)[:, None]).squeeze(1)
+    top_values, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].to(torch.int64))
+    return StepLogprobs(chosen, top_values, top_ids)
+
+
 class Sampler:
     """Turns a batch of logits into one token id per row; stateless (all state lives in ``SamplingBatchInfo``).
 
@@ -545,13 +594,22 @@ class Sampler:
         self.fuse_on_cuda = fuse_on_cuda
 
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        return self.sample(logits, info)[0]
+
+    def sample(self, logits: torch.Tensor, info: SamplingBatchInfo,
+               top_logprobs: int = -1) -> tuple[torch.Tensor, StepLogprobs | None]:
+        """One token per row, and with ``top_logprobs >= 0`` also their log probabilities and that many
+        alternatives (see the module docstring for which distribution they describe)."""
         if logits.dim() != 2 or logits.shape[0] != len(info) or logits.shape[1] != info.vocab_size:
             raise ValueError(f"logits must be [{len(info)}, {info.vocab_size}], got {tuple(logits.shape)}")
         logits = logits.float()
+        if info.logit_bias is not None:
+            logits = logits + info.logit_bias
         if info.need_penalties:
             logits = apply_penalties(logits, info)
         if info.all_greedy:
-            return logits.argmax(dim=-1)  # ties go to the lowest id, as in every torch argmax
+            tokens = logits.argmax(dim=-1)  # ties go to the lowest id, as in every torch argmax
+            return tokens, token_logprobs(logits, tokens, top_logprobs) if top_logprobs >= 0 else None
 
         greedy = info.greedy_mask()
         # Greedy rows are answered by argmax below; give them T = 1 here so the division stays finite.
@@ -567,4 +625,6 @@ class Sampler:
             tokens = draw(probs, info.seeds, info.steps)
         if info.any_greedy:
             tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
-        return tokens
+        if top_logprobs < 0:
+            return tokens, None
+        return tokens, token_logprobs(logits, tokens, top_logprobs, temperatures)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from minisgl_ref.engine.forward_batch import ForwardBatch
-from minisgl_ref.sampling.sampler import SamplingBatchInfo
+from minisgl_ref.sampling.sampler import SamplingBatchInfo, StepLogprobs
 from minisgl_ref.scheduler.request import Req
 
 
@@ -26,6 +27,10 @@ class ScheduledBatch:
     # records an event when that copy is done (see ``tokens``).
     next_tokens_host: torch.Tensor | None = None
     copy_done: torch.cuda.Event | None = None
+    # Log probabilities, only in steps where some request asked for them (chapter 10): of each row's sampled
+    # token, and of the prompt positions the model runner's plan lists (``(plan, logprobs)``).
+    logprobs: StepLogprobs | None = None
+    prompt_logprobs: tuple[Any, StepLogprobs] | None = None
     stats: dict[str, int] = field(default_factory=dict)
     # Slots that only this step writes and nobody needs afterwards (duplicate copies of a prefix that another
     # request of the same step also computed): freed once the step has been processed.

@@ -11,12 +11,24 @@ from __future__ import annotations
 import itertools
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from minisgl_ref.sampling.params import SamplingParams
 from minisgl_ref.tokenizer.detokenizer import IncrementalDetokenizer
 
 _next_id = itertools.count()
+
+#: The most alternatives a request may ask for per token (OpenAI's limit for chat's ``top_logprobs``).
+MAX_TOP_LOGPROBS = 20
+
+
+class TokenLogprob(NamedTuple):
+    """One token's log probability and the ``top`` most likely alternatives at its position, as
+    ``(token id, logprob)`` pairs, best first. ``logprob`` is None for the first prompt token (nothing
+    precedes it, so nothing predicted it)."""
+
+    logprob: float | None
+    top: list[tuple[int, float]]
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,9 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     cached_tokens: int = 0  # prompt tokens whose KV was found in a cache (chapter 04)
+    # Only requests with the same salt share cached prefixes (chapter 04): a tenant's salt keeps others from
+    # learning, through time to first token, which prompts it has sent.
+    cache_salt: str | None = None
     # Requests without a seed still get one, drawn now, so that the request samples reproducibly *within* its own
     # lifetime even if the engine rebuilds its sampling state (for example after being retracted, chapter 03).
     sampling_seed: int = field(default_factory=lambda: secrets.randbits(62))
@@ -59,6 +74,13 @@ class Req:
     last_node: Any = None  # deepest radix node this request pins
     num_inflight: int = 0  # tokens sampled on the device but not yet appended (overlap scheduling)
     retractions: int = 0
+    # Log probabilities (chapter 10), filled in as tokens are computed. ``logprob_start_len`` is the first
+    # prompt position to report (-1: none of the prompt, only the output).
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    input_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt positions logprob_start_len..
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token
 
     def __post_init__(self) -> None:
         if not self.input_ids:
@@ -70,6 +92,13 @@ class Req:
                 f"input_ids has {len(self.input_ids)} tokens, which leaves no room in the context window "
                 f"of {self.context_len} tokens"
             )
+        if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}")
+        if not -1 <= self.logprob_start_len < len(self.input_ids):
+            raise ValueError(f"logprob_start_len must be -1 or a prompt position below {len(self.input_ids)}, "
+                             f"got {self.logprob_start_len}")
+        if self.return_logprob and self.logprob_start_len == 0 and not self.input_logprobs:
+            self.input_logprobs.append(TokenLogprob(None, []))  # nothing precedes the first prompt token
         if self.params.max_new_tokens == 0:
             self.finish_reason = FinishReason("length")  # nothing to generate: done on arrival
 
@@ -80,6 +109,34 @@ class Req:
     @property
     def all_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
+
+    def token_id_problem(self, vocab_size: int) -> str | None:
+        """Which token id of this request lies outside the vocabulary, naming the field (None if all are fine).
+
+        Every id a request carries becomes an index into a [vocab] row somewhere (the embedding, a stop-token
+        mask, a logit bias); one bad id there fails the step of the whole batch, so engines refuse it first."""
+        for name, ids in (("input_ids", self.input_ids), ("stop_token_ids", self.params.stop_token_ids),
+                          ("logit_bias", list(self.params.logit_bias or {}))):
+            bad = next((t for t in ids or () if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                return f"{name}: token id {bad} is not in this model's vocabulary [0, {vocab_size})"
+        return None
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        """Prompt log probabilities asked for and not all computed yet."""
+        return (self.return_logprob and self.logprob_start_len >= 0
+                and len(self.input_logprobs) < len(self.input_ids) - self.logprob_start_len)
+
+    @property
+    def reusable_prefix_len(self) -> int:
+        """How many leading tokens may come from the prefix cache. The last one never does (its logits are
+        needed), and a prompt position whose log probability is wanted must be computed, together with the
+        position before it, whose logits predict it."""
+        limit = len(self.all_ids) - 1
+        if self.wants_input_logprobs:
+            limit = min(limit, max(self.logprob_start_len - 1, 0))
+        return limit
 
     @property
     def output_text(self) -> str:

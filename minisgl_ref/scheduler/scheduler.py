@@ -108,23 +108,24 @@ class Scheduler:
             return list(self.waiting)
         # lpm: requests with the longest cached prefix first, so shared prefixes are reused while still cached.
         tree = self.cache.tree
-        lengths = {r: tree.match_prefix(r.all_ids[:-1]).length for r in self.waiting}
+        lengths = {r: tree.match_prefix(r.all_ids[:-1], r.cache_salt).length for r in self.waiting}
         return sorted(self.waiting, key=lambda r: -lengths[r])
 
     # BEGIN TASK 4.5: in-batch prefix caching
-    def _defer_for_in_batch_prefix(self, req: Req, computing: list[list[int]]) -> bool:
+    def _defer_for_in_batch_prefix(self, req: Req, computing: list[tuple[str | None, list[int]]]) -> bool:
         """Should ``req`` (just matched against the tree) wait one step because a request already admitted to
         this prefill step is computing a long stretch of ``req``'s own uncached prefix?
 
-        ``computing`` holds, for each prefill row of the step so far, the tokens whose KV that request will have
+        ``computing`` holds, for each prefill row of the step so far, its cache salt and the tokens whose KV that request will have
         once the step has run. Right after launch those tokens enter the radix tree (``Engine._commit_launched``),
         so next step ``req`` finds them cached instead of computing a second copy. Short overlaps (below the
         threshold) are not worth a step of latency."""
         threshold = self.config.in_batch_prefix_threshold
         if threshold < 0 or not self.cache.shares_prefixes or not computing:
             return False
-        tokens = req.all_ids[:-1]  # the last token is always computed (its logits are needed)
-        overlap = max(common_prefix_len(tokens, other) for other in computing)
+        tokens = req.all_ids[: req.reusable_prefix_len]
+        overlap = max((common_prefix_len(tokens, other) for salt, other in computing if salt == req.cache_salt),
+                      default=0)
         return overlap - req.kv_committed_len >= threshold
     # END TASK 4.5
 
@@ -139,7 +140,8 @@ class Scheduler:
         chunking = cfg.chunked_prefill_size > 0
         batch = ScheduledBatch([], [], [], [], [], [])
         available = self.cache.available_tokens - self._reserved_tokens()
-        computing: list[list[int]] = []  # per prefill row: the tokens it will have computed after this step
+        # per prefill row: its cache salt and the tokens it will have computed after this step
+        computing: list[tuple[str | None, list[int]]] = []
 
         candidates = ([self.chunked] if self.chunked else []) + self._ordered_waiting()
         for req in candidates:
@@ -189,7 +191,7 @@ class Scheduler:
             budget -= n
             done = n == remaining
             self._add_row(batch, req, n, decode=False, emits=done)
-            computing.append(req.all_ids[: req.kv_committed_len])
+            computing.append((req.cache_salt, req.all_ids[: req.kv_committed_len]))
             if done:
                 if self.chunked is req:
                     self.chunked = None

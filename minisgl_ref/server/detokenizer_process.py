@@ -62,6 +62,7 @@ class DetokenizerWorker:
 
                 detok = self.states[rid] = IncrementalDetokenizer(
                     self.tokenizer, skip_special_tokens=init["skip_special_tokens"], stop=init["stop"],
+                    stop_regex=init.get("stop_regex", ()),
                     prompt_ids=init["prompt_tail"],
                 )
             if detok is None:
@@ -76,7 +77,7 @@ class DetokenizerWorker:
                 del self.states[rid]
             deltas.append(delta)
         return BatchStrOut(batch.rids, deltas, batch.new_ids, batch.finished, batch.finish_reasons,
-                           batch.cached_tokens)
+                           batch.cached_tokens, batch.logprobs)
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)

@@ -30,6 +30,10 @@ class GenerateReqInput:
     rid: str
     input_ids: list[int]
     sampling_params: dict[str, Any]
+    cache_salt: str | None = None  # requests with different salts never share cached prefixes
+    return_logprob: bool = False  # and the two below: see Req (chapter 10)
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
 
 
 @dataclass
@@ -68,6 +72,10 @@ class BatchTokenOut:
     finish_reasons: list[dict[str, Any] | None]
     cached_tokens: list[int]
     inits: list[dict[str, Any] | None]
+    # Per row, for requests that asked for log probabilities: the entries computed since the last row, as
+    # ``{"input": [...], "output": [...]}`` with each entry ``[logprob, [[token id, logprob], ...]]``.
+    # None when no row has any.
+    logprobs: list[dict[str, Any] | None] | None = None
 
 
 @dataclass
@@ -80,6 +88,7 @@ class BatchStrOut:
     finished: list[bool]
     finish_reasons: list[dict[str, Any] | None]
     cached_tokens: list[int]
+    logprobs: list[dict[str, Any] | None] | None = None
 
 
 _TYPES: dict[str, type] = {

@@ -25,6 +25,7 @@ scheduler decodes a tail of each request to check stop strings, its detokenizer 
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -51,6 +52,7 @@ from minisgl_ref.tokenizer import IncrementalDetokenizer
 # PROMPT_CONTEXT_TOKENS + MAX_CONTEXT_BACKOFF = 13 back).
 PROMPT_TAIL = 16
 IDLE_POLL_MS = 200  # how long an idle scheduler sleeps on its socket before checking that its parent lives
+log = logging.getLogger("minisgl_ref.scheduler")
 
 
 class SchedulerWorker:
@@ -68,6 +70,7 @@ class SchedulerWorker:
         self.engine = self.llm.engine
         self.reqs: dict[str, Any] = {}  # rid -> Req, while the engine has it
         self.sent: dict[str, int] = {}  # rid -> output ids already sent on
+        self.sent_logprobs: dict[str, tuple[int, int]] = {}  # rid -> (input, output) logprob entries sent
         self.announced: set[str] = set()  # rids whose first row (with the detokenizer's init) went out
         self.ctx = zmq.Context()
         self.recv = self.ctx.socket(zmq.PULL)
@@ -105,8 +108,13 @@ class SchedulerWorker:
                 rows = self._drain_messages()
                 self._send_rows(rows)
             if self.engine.has_work:
-                rows = self._rows_for(self.engine.step())
-                self._send_rows(rows)
+                try:
+                    events = self.engine.step()
+                except Exception as e:  # noqa: BLE001 - the engine contains per-request failures itself;
+                    # this is the last line: fail what is in flight, keep the process (and the server) alive
+                    log.exception("an engine step failed; aborting every request in flight")
+                    events = self.engine.abort_all(f"the engine failed: {type(e).__name__}: {e}")
+                self._send_rows(self._rows_for(events))
 
     def _drain_messages(self) -> list[tuple[Any, list[int], bool]]:
         rows: list[tuple[Any, list[int], bool]] = []
@@ -129,11 +137,15 @@ class SchedulerWorker:
         try:
             params = SamplingParams.from_dict(msg.sampling_params)
             detok = None
-            if params.stop and self.llm.tokenizer is not None:
+            if (params.stop or params.stop_regex) and self.llm.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.llm.tokenizer, skip_special_tokens=params.skip_special_tokens,
-                                               stop=params.stop, prompt_ids=msg.input_ids)
+                                               stop=params.stop, stop_regex=params.stop_regex,
+                                               prompt_ids=msg.input_ids)
             req = Req(input_ids=list(msg.input_ids), params=params, eos_token_ids=self.llm.eos_token_ids,
-                      detokenizer=detok, context_len=self.llm.context_length, rid=msg.rid)
+                      detokenizer=detok, context_len=self.llm.context_length, rid=msg.rid,
+                      cache_salt=msg.cache_salt, return_logprob=msg.return_logprob,
+                      top_logprobs_num=msg.top_logprobs_num, logprob_start_len=msg.logprob_start_len)
+            self.engine.add_request(req)  # raises ValueError for a request this model cannot run
         except (ValueError, TypeError) as e:
             # The API server validates first, so this is a bug or a race; answer rather than leave it hanging.
             req = _Failed(msg.rid, msg.sampling_params, FinishReason("abort", message=str(e)))
@@ -141,7 +153,6 @@ class SchedulerWorker:
             return
         self.reqs[req.rid] = req
         self.sent[req.rid] = 0
-        self.engine.add_request(req)
         if req.finished:
             # max_new_tokens == 0, or refused at the door (a prompt bigger than the whole pool). The engine
             # reports the latter again at its next step; by then the rid is gone and that event is ignored.
@@ -206,7 +217,7 @@ class SchedulerWorker:
     def _send_rows(self, rows: list[tuple[Any, list[int], bool]]) -> None:
         if not rows:
             return
-        out = BatchTokenOut([], [], [], [], [], [])
+        out = BatchTokenOut([], [], [], [], [], [], [])
         for req, new_ids, finished in rows:
             rid = req.rid
             if rid in self.sent:
@@ -218,16 +229,28 @@ class SchedulerWorker:
             out.finished.append(finished)
             out.finish_reasons.append(req.finish_reason.to_dict() if finished else None)
             out.cached_tokens.append(req.cached_tokens)
+            out.logprobs.append(self._new_logprobs(req) if getattr(req, "return_logprob", False) else None)
             out.inits.append({
                 "stop": list(req.params.stop),
+                "stop_regex": list(req.params.stop_regex),
                 "skip_special_tokens": req.params.skip_special_tokens,
                 "prompt_tail": list(req.input_ids[-PROMPT_TAIL:]),
             } if first else None)
             if finished:
                 self.reqs.pop(rid, None)
                 self.sent.pop(rid, None)
+                self.sent_logprobs.pop(rid, None)
                 self.announced.discard(rid)
+        if not any(out.logprobs):
+            out.logprobs = None
         self.to_detok.send(encode(out))
+
+    def _new_logprobs(self, req: Req) -> dict[str, Any]:
+        """The log-probability entries ``req`` gained since its last row."""
+        n_in, n_out = self.sent_logprobs.get(req.rid, (0, 0))
+        self.sent_logprobs[req.rid] = (len(req.input_logprobs), len(req.output_logprobs))
+        return {"input": [[e.logprob, [list(t) for t in e.top]] for e in req.input_logprobs[n_in:]],
+                "output": [[e.logprob, [list(t) for t in e.top]] for e in req.output_logprobs[n_out:]]}
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)

@@ -25,12 +25,20 @@ wrong in three ways, and each rule in this module answers one of them:
    (SGLang's and OpenAI's default: the stop string is not part of the output); if it never completes, the held
    text is released as soon as it can no longer be the start of one (or at :meth:`finish`).
 
+4. **A stop regex cannot be held back.** SGLang's ``stop_regex`` ends a request once its text matches a regular
+   expression. Unlike a stop string, no finite tail of the text can be proven "not the start of a match", so
+   nothing is held back for it: the request ends at the first step whose text contains a match (Python's
+   ``re.search``), and the text is kept up to the end of that match, which was never streamed before the match
+   completed. A greedy pattern can therefore match more when several tokens arrive in one step; the engine
+   feeds one token per step, which makes the cut a function of the ids alone.
+
 Stop *token ids* (EOS, ``<|im_end|>``) are not handled here: the scheduler sees the sampled ids first and
 finishes the request itself; this class only turns ids into text.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -63,6 +71,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         prompt_ids: Sequence[int] | None = None,
+        stop_regex: Sequence[str] = (),
     ) -> None:
         """``prompt_ids``, if given, provides the context for the first output tokens, so that the output text is
         what the output adds *after* the prompt (e.g. ``" Hello"`` rather than ``"Hello"`` for a sentencepiece
@@ -74,6 +83,7 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stop: tuple[str, ...] = tuple(dict.fromkeys(stop))  # unique, in the caller's order
+        self._stop_regex = [re.compile(p) for p in dict.fromkeys(stop_regex)]
 
         # ids = (a few prompt tokens as context) + (the output tokens)
         context = self._prompt_context(list(prompt_ids or []))
@@ -156,6 +166,11 @@ class IncrementalDetokenizer:
 
         pending = self._held + fresh
         match = _first_stop(pending, self._stop)
+        regex = self._first_regex(pending) if pending else None
+        if regex is not None and (match is None or regex[0] < match[0] + len(match[1])):
+            end, pattern = regex  # a stop regex completed before any stop string: keep the text up to its end
+            self._matched_stop, self._finished, self._held = pattern, True, ""
+            return self._emit(pending[: max(end, 0)])
         if match is not None:
             start, stop = match
             self._matched_stop, self._finished, self._held = stop, True, ""
@@ -172,6 +187,15 @@ class IncrementalDetokenizer:
         if text:
             self._chunks.append(text)
         return text
+
+    def _first_regex(self, pending: str) -> tuple[int, str] | None:
+        """The stop-regex match over the whole text (emitted + ``pending``) that ends first, as ``(end, pattern)``
+        with ``end`` counted in ``pending``; None when no pattern matches."""
+        if not self._stop_regex:
+            return None
+        text, base = self.output_text + pending, len(self.output_text)
+        ends = [(m.end() - base, r.pattern) for r in self._stop_regex if (m := r.search(text)) is not None]
+        return min(ends) if ends else None
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
