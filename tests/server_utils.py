@@ -125,3 +125,28 @@ def parse_sse(text: str) -> list[Any]:
         payload = block[len("data: "):]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+def descendants_of(pid: int) -> list[int]:
+    """Every live process below ``pid``: its children, their children, and so on (read from /proc)."""
+    out, todo = [], [pid]
+    while todo:
+        kids = children_of(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+def wait_for_log(server: ServerProcess, needle: str, timeout: float = STARTUP_TIMEOUT_S) -> str:
+    """Wait until ``needle`` appears in the server's log (for servers whose readiness is a printed line rather
+    than ``/health``); returns the log so far. Fails if the server exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        server.log.flush()
+        text = Path(server.log.name).read_text()
+        if needle in text:
+            return text
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.proc.returncode}:\n{server.log_text()}")
+        time.sleep(0.5)
+    raise TimeoutError(f"{needle!r} did not appear within {timeout} s:\n{server.log_text()}")

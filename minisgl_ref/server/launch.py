@@ -234,4 +234,8 @@ class Launcher:
 
 
 def run_server(args: ServerArgs) -> int:
+    if args.dp_size > 1:  # N copies of this server behind SGLang's router
+        from minisgl_ref.server.data_parallel import run_data_parallel
+
+        return run_data_parallel(args)
     return Launcher(args).run()
