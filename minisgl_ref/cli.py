@@ -35,9 +35,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="paged: the real engine; naive: the chapter-00 oracle (no KV cache)")
     g.add_argument("--max-running-requests", type=int, default=256)
     g.add_argument("--max-prefill-tokens", type=int, default=16384)
-    g.add_argument("--chunked-prefill-size", type=int, default=8192, help="-1 disables chunking")
+    g.add_argument("--chunked-prefill-size", type=int, default=None,
+                   help="most prompt tokens of one request per step; -1 disables chunking (default: 8192; "
+                        "serve on a CPU: 32, see chapter 10)")
     g.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"])
-    g.add_argument("--enable-mixed-chunk", action="store_true")
+    g.add_argument("--enable-mixed-chunk", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode rows ride along in prefill steps (default: off; serve on a CPU: on)")
     g.add_argument("--in-batch-prefix-threshold", type=int, default=32,
                    help="hold back a request sharing this many uncached prompt tokens with one admitted in the same "
                         "prefill step, so it hits the radix cache next step (chapter 04); -1 disables")
@@ -81,7 +84,8 @@ def tp_kwargs(args: argparse.Namespace) -> dict[str, object]:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    return {name: getattr(args, name) for name in ENGINE_ARG_NAMES}
+    """The engine flags given (a flag left at None takes :class:`EngineConfig`'s default)."""
+    return {name: getattr(args, name) for name in ENGINE_ARG_NAMES if getattr(args, name) is not None}
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, default_temperature: float) -> None:

@@ -564,3 +564,31 @@ def test_property_arbitrary_ids_byte_level(tokenizers, name: str, data):
     tok = tokenizers[name]
     ids = data.draw(st.lists(st.integers(0, tok.vocab_size - 1), max_size=20))
     check_stream(tok, ids, random_split(data, ids), draw_stops(data, tok.decode(ids)))
+
+
+# ---------------------------------------------------------------------------------------------------- stop_regex
+
+
+@pytest.mark.parametrize("pattern, expected", [
+    (r"\d+\.", "The answer is 42."),  # the text is kept up to the end of the first match
+    (r"answer", "The answer"),
+    (r"zzz", None),  # never matches: the whole text, no stop
+])
+def test_stop_regex_ends_the_text_at_the_first_match(any_tokenizer, pattern, expected):
+    text = "The answer is 42. Then 7 more."
+    ids = any_tokenizer.encode(text)
+    detok = IncrementalDetokenizer(any_tokenizer, stop_regex=[pattern])
+    deltas = stream(detok, one_by_one(ids))
+    out = "".join(deltas)
+    if expected is None:
+        assert out == any_tokenizer.decode(ids) and detok.matched_stop is None
+    else:
+        assert out == expected and detok.matched_stop == pattern and detok.finished
+
+
+def test_a_stop_string_that_completes_first_wins_over_a_regex(smollm2):
+    ids = smollm2.encode("alpha ### beta 123")
+    detok = IncrementalDetokenizer(smollm2, stop=["###"], stop_regex=[r"\d+"])
+    assert "".join(stream(detok, one_by_one(ids))) == "alpha " and detok.matched_stop == "###"
+    detok = IncrementalDetokenizer(smollm2, stop=["beta"], stop_regex=[r"al"])
+    assert "".join(stream(detok, one_by_one(ids))) == "al" and detok.matched_stop == "al"

@@ -520,7 +520,8 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
 def resolve_engine_kwargs(engine_kwargs: dict[str, Any], quick: bool) -> dict[str, Any]:
     """Fill the budgets the user left unset (``None``) from the full or the ``--quick`` preset."""
     preset = QUICK_BUDGETS if quick else FULL_BUDGETS
-    return {k: (preset[k] if v is None and k in preset else v) for k, v in engine_kwargs.items()}
+    out = {k: v for k, v in engine_kwargs.items() if v is not None}
+    return {**{k: v for k, v in preset.items() if k not in out}, **out}
 
 
 def _warn_if_naive_is_slow(workload: Workload) -> None:
