@@ -315,6 +315,22 @@ assert detok.output_text == "Line one.\n\nUsers love it." and detok.matched_stop
 # fourth token: `"The answer is 42."` is all the client ever saw. In the second, `"\n\nUser"` was held back
 # until `"Users"` showed it was not a stop string, and then released in one delta.
 #
+# ### Stop regexes: nothing can be held back
+#
+# SGLang also takes `stop_regex`: end the request once its text matches a regular expression, say `\d+\.`
+# for "a number followed by a full stop". Holding back no longer works here: for a stop string we could tell
+# exactly which tails might still grow into a match, but for a regex almost any tail might (`\d+\.` could be
+# completed by any digit string). So the detokenizer holds nothing back for a regex; it searches the whole text
+# after every token, stops at the first step whose text contains a match, and keeps the text *up to the end of
+# the match*: every character the client has seen is still part of the answer. The engine feeds one token per
+# step, so where the text ends is a function of the token ids alone.
+
+# %%
+detok = IncrementalDetokenizer(tok, stop_regex=[r"\d+\."])
+deltas = [detok.step([i]) for i in ids_stop]
+print(deltas)
+assert "".join(deltas) == "The answer is 42." and detok.matched_stop == r"\d+\."
+#
 # ### The oracle: deltas concatenate to the plain decode
 #
 # Whatever the text and however the ids are cut into steps (a step may bring 0, 1 or several ids: with
@@ -428,7 +444,8 @@ plt.show()
 #
 # `minisgl_ref/sampling/params.py` uses SGLang's field names and defaults (`max_new_tokens=128`,
 # `temperature=1.0`, `top_k=-1` meaning off, `top_p=1.0`, `min_p=0.0`, penalties off, `stop`, `stop_token_ids`,
-# `ignore_eos`, `min_new_tokens`, `n`, `seed`), so a client written for SGLang means the same thing here. Values
+# `stop_regex`, `logit_bias`, `ignore_eos`, `min_new_tokens`, `n`, `seed`), so a client written for SGLang
+# means the same thing here. Values
 # are checked once, at construction, and a bad one raises a `ValueError` that names the field and the value: the
 # server turns it into an HTTP 400, and a typo never silently turns into "use the default".
 
@@ -455,10 +472,13 @@ for bad in ({"top_p": 0}, {"temperature": "hot"}, {"top_k": 2.5}, {"max_tokens":
 # `SamplingBatchInfo.build` packs the knobs into `[B]` tensors once, and every stage is a few whole-batch tensor
 # operations in which a disabled knob is a no-op value (`top_k = V`, `top_p = 1`, `min_p = 0`, penalty 0 or 1).
 # Per-row flags, kept on the CPU, let a batch skip stages that no row needs: an all-greedy batch is one argmax.
+# OpenAI's `logit_bias` (a map from token id to an offset in [-100, 100]) is added first: -100 bans a token in
+# practice, +100 all but forces it. It is a dense `[B, V]` tensor built only when some row of the batch has one.
 #
 # ```mermaid
 # flowchart LR
-#     L["logits [B, V]"] --> P["penalties<br/>task 2.2"]
+#     L["logits [B, V]"] --> B["+ logit_bias"]
+#     B --> P["penalties<br/>task 2.2"]
 #     P -->|greedy rows| A["argmax"]
 #     P -->|other rows| T["softmax(logits / T)<br/>float32"]
 #     T --> F["top-k, then top-p, then min-p;<br/>renormalise — task 2.3"]

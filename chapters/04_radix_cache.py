@@ -576,6 +576,27 @@ print(f"lpm computed {fcfs_prefill / lpm_prefill:.1f}x fewer prefill tokens, sam
 # the As back to back, then the Bs. Same outputs, far less prefill. The price of `lpm` is fairness (a request
 # with no cached prefix can wait while luckier ones overtake it) and a tree lookup per waiting request per step;
 # SGLang switches from `lpm` to `fcfs` while more than 128 requests wait, for that reason.
+
+# ### A cache shared by strangers: `cache_salt`
+#
+# A shared cache leaks a little information: a request whose prefix was cached answers its first token sooner,
+# so a client who can time the server can learn whether *someone else* recently sent the same system prompt
+# or document. Servers used by several tenants therefore let a request carry a `cache_salt` (SGLang and vLLM
+# both accept the field): requests share cached prefixes only with requests of the same salt. Here each salt
+# gets a root of its own (`RadixCache.root_for`); matching, insertion, locking and eviction work below any root
+# exactly as below the common one, and a salt's root goes away when eviction has taken its last prefix.
+
+# %%
+salted = engine()
+prompt = [random.randint(1000, 20000) for _ in range(40)]
+for salt in ["tenant-a", "tenant-b", "tenant-a", None]:
+    r = llm.make_request(prompt, greedy(2, ignore_eos=True), cache_salt=salt)
+    salted.add_request(r)
+    salted.run_until_done()
+    print(f"salt {salt!s:<9} -> cached tokens {r.cached_tokens}")
+    if salt == "tenant-b":
+        assert r.cached_tokens == 0  # the same prompt, sent by another tenant a moment earlier: not shared
+print("salted roots:", sorted(salted.cache.tree.salted_roots))
 #
 # ## 8. The oracle check
 #
