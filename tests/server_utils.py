@@ -150,3 +150,57 @@ def wait_for_log(server: ServerProcess, needle: str, timeout: float = STARTUP_TI
             raise RuntimeError(f"the server exited with {server.proc.returncode}:\n{server.log_text()}")
         time.sleep(0.5)
     raise TimeoutError(f"{needle!r} did not appear within {timeout} s:\n{server.log_text()}")
+
+
+# ------------------------------------------------------------------------- helpers of the fuzz and soak tests
+
+
+def wait_idle(server: ServerProcess, timeout: float = 120) -> dict[str, Any]:
+    """Poll until the scheduler holds no request and the whole KV pool is free or evictable again (the same check
+    as ``wait_idle`` in test_server.py); returns the last ``/get_server_info``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = server.server_info()
+        if (info["num_running_reqs"] == 0 and info["num_queue_reqs"] == 0 and info["num_tracked_reqs"] == 0
+                and info["available_kv_tokens"] == info["max_total_num_tokens"]):
+            return info
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the server did not go idle within {timeout} s: {info}")
+        time.sleep(0.25)
+
+
+def error_body_problem(body: bytes) -> str | None:
+    """What is wrong with ``body`` as an OpenAI-style error (``{"error": {"message", "type", "param", "code"}}``
+    with a non-empty message), or None if nothing is."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return f"the error body is not JSON: {body[:200]!r}"
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if not isinstance(err, dict) or set(err) != {"message", "type", "param", "code"}:
+        return f"not an OpenAI-style error body: {body[:200]!r}"
+    if not isinstance(err["message"], str) or not err["message"].strip():
+        return f"the error message is empty: {body[:200]!r}"
+    return None
+
+
+def sse_problem(text: str) -> tuple[list[Any], str | None]:
+    """The events of an SSE body (``"[DONE]"`` stays a string) and what is wrong with it, if anything: a malformed
+    event, a missing final ``data: [DONE]``, or an error event in the middle of a 200 stream."""
+    if not text.endswith("\n\n"):
+        return [], f"the stream does not end with a blank line: {text[-120:]!r}"
+    events: list[Any] = []
+    for block in text.split("\n\n")[:-1]:
+        if not block.startswith("data: "):
+            return events, f"not an SSE data event: {block[:200]!r}"
+        payload = block[len("data: "):]
+        try:
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+        except ValueError:
+            return events, f"an SSE event is not JSON: {payload[:200]!r}"
+    if not events or events[-1] != "[DONE]" or "[DONE]" in events[:-1]:
+        return events, f"the stream does not end with exactly one data: [DONE]: {text[-200:]!r}"
+    errors = [e for e in events[:-1] if isinstance(e, dict) and "error" in e]
+    if errors:
+        return events, f"an error event in the stream: {json.dumps(errors[0])[:300]}"
+    return events, None

@@ -9,6 +9,7 @@ server with SIGTERM and checks that no process is left behind.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -204,21 +205,199 @@ def test_sampling_parameters_honoured(server, client, llm):
     assert many.usage.completion_tokens == sum(e.completion_tokens for e in expected)
 
 
+METRIC_NAMES = (
+    # gauges
+    "num_running_reqs", "num_queue_reqs", "num_waiting_reqs", "token_usage", "cache_hit_rate", "gen_throughput",
+    "decode_throughput", "prefill_throughput", "num_used_tokens", "max_total_num_tokens",
+    # histograms (their _count; _sum and _bucket come with it)
+    "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
+    "time_per_output_token_seconds_count", "e2e_request_latency_seconds_count",
+    # counters
+    "prompt_tokens_total", "generation_tokens_total", "cached_tokens_total", "num_requests_total",
+    "num_aborted_requests_total",
+)
+
+
+# ------------------------------------------------------------------------------- logprobs and request options
+
+LP_TOL = 1e-4  # the server's engine batches differently from the offline one; float32 agrees to ~1e-6
+
+
+def test_chat_logprobs_match_the_offline_engine(server, client, llm):
+    """``logprobs`` + ``top_logprobs`` in OpenAI's shape, streamed and not, with the offline engine's numbers;
+    the answer's tokens spell its content (the EOS that ended it is not one of them)."""
+    kw = dict(model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=24, temperature=0, logprobs=True,
+              top_logprobs=3)
+    resp = client.chat.completions.create(**kw)
+    choice = resp.choices[0]
+    content = choice.logprobs.content
+    assert choice.finish_reason == "stop" and len(content) == resp.usage.completion_tokens - 1
+    assert "".join(t.token for t in content) == choice.message.content
+    ref = llm.generate(llm.chat_prompt_ids(CHAT), {"max_new_tokens": 24, "temperature": 0}, use_tqdm=False,
+                       return_logprob=True, top_logprobs_num=3)[0]
+    for item, (logprob, token_id, top) in zip(content, ref.output_token_logprobs):
+        assert abs(item.logprob - logprob) < LP_TOL
+        assert item.bytes == list(item.token.encode())
+        assert len(item.top_logprobs) == 3 and item.top_logprobs[0].token == item.token  # greedy: the best one
+        assert [abs(a.logprob - b) < LP_TOL for a, (_, b) in zip(item.top_logprobs, top)] == [True] * 3
+    stream = client.chat.completions.create(**kw, stream=True)
+    streamed = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in content]
+    r = server.post("/v1/chat/completions", json={"messages": CHAT, "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+def test_completion_logprobs_with_echo(server, client, llm):
+    prompt = "The capital of France is"
+    ids = llm.tokenizer.encode(prompt)
+    resp = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=5, temperature=0,
+                                     logprobs=2, echo=True)
+    choice = resp.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt) and len(lp.tokens) == len(ids) + 5
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset[len(ids)] == len(prompt) and lp.text_offset == sorted(lp.text_offset)
+    assert "".join(lp.tokens) == choice.text
+    ref = llm.generate(ids, {"max_new_tokens": 5, "temperature": 0}, use_tqdm=False, return_logprob=True,
+                       top_logprobs_num=2, logprob_start_len=0)[0]
+    expected = [e[0] for e in ref.input_token_logprobs + ref.output_token_logprobs]
+    assert all((a is None and b is None) or abs(a - b) < LP_TOL for a, b in zip(lp.token_logprobs, expected))
+    assert all(t is None or (len(t) in (2, 3) and tok in t) for t, tok in zip(lp.top_logprobs, lp.tokens))
+    chunks = list(client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=5,
+                                            temperature=0, logprobs=2, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == lp.tokens
+    assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+    plain_echo = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=5,
+                                           temperature=0, echo=True)
+    assert plain_echo.choices[0].text == choice.text and plain_echo.choices[0].logprobs is None
+
+
+def test_generate_logprobs_in_sglang_shape(server, llm):
+    ids = llm.tokenizer.encode("One, two, three,")
+    body = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 2,
+            "return_text_in_logprobs": True, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    meta = server.post("/generate", json=body).json()["meta_info"]
+    assert [t[1] for t in meta["input_token_logprobs"]] == ids[2:]
+    assert len(meta["output_token_logprobs"]) == 4 == len(meta["output_top_logprobs"])
+    assert all(isinstance(t[0], float) and isinstance(t[2], str) for t in meta["output_token_logprobs"])
+    assert all(len(top) == 2 for top in meta["output_top_logprobs"] + meta["input_top_logprobs"])
+    ref = llm.generate(ids, {"max_new_tokens": 4, "temperature": 0}, use_tqdm=False, return_logprob=True,
+                       logprob_start_len=2)[0]
+    assert all(abs(a[0] - b[0]) < LP_TOL for a, b in zip(meta["output_token_logprobs"], ref.output_token_logprobs))
+    events = parse_sse(server.post("/generate", json={**body, "stream": True}).text)
+    assert events[-2]["meta_info"]["output_token_logprobs"] == meta["output_token_logprobs"]
+    bad = server.post("/generate", json={**body, "logprob_start_len": len(ids)})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprob_start_len"
+
+
+def test_logit_bias_stop_regex_cache_salt_and_continue_final_message(server, client, llm):
+    base = dict(model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(**base)
+    first = llm.tokenizer.encode(plain.choices[0].message.content)[0]
+    biased = client.chat.completions.create(**base, logit_bias={str(first): -100})
+    assert llm.tokenizer.encode(biased.choices[0].message.content)[0] != first
+
+    counted = client.completions.create(model="SmolLM2-135M-Instruct", prompt="1, 2, 3,", max_tokens=30,
+                                        temperature=0, extra_body={"stop_regex": r"\b7\b"})
+    assert counted.choices[0].finish_reason == "stop" and counted.choices[0].text.endswith("7")
+
+    salted = dict(model="SmolLM2-135M-Instruct", prompt="A salted prompt about caches " * 4, max_tokens=1)
+    a1 = client.completions.create(**salted, extra_body={"cache_salt": "tenant-a"})
+    b1 = client.completions.create(**salted, extra_body={"cache_salt": "tenant-b"})
+    a2 = client.completions.create(**salted, extra_body={"cache_salt": "tenant-a"})
+    assert a1.usage.prompt_tokens_details.cached_tokens == 0 and b1.usage.prompt_tokens_details.cached_tokens == 0
+    assert a2.usage.prompt_tokens_details.cached_tokens == a2.usage.prompt_tokens - 1
+
+    opened = CHAT + [{"role": "assistant", "content": "The capital of France is"}]
+    cont = client.chat.completions.create(**{**base, "messages": opened}, extra_body={"continue_final_message": True})
+    expected_ids = llm.tokenizer.apply_chat_template(opened, add_generation_prompt=False,
+                                                     continue_final_message=True)
+    assert cont.usage.prompt_tokens == len(expected_ids)
+    assert "Paris" in cont.choices[0].message.content
+    r = server.post("/v1/chat/completions", json={"messages": CHAT, "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
 def test_metrics_move(server, client):
     before = metrics(server)
     resp = client.completions.create(model="SmolLM2-135M-Instruct", prompt="One, two, three,", max_tokens=5,
                                      temperature=0)
     after = metrics(server)
-    m = "minisgl:"
+    m = "sglang:"
     assert after[m + "prompt_tokens_total"] - before[m + "prompt_tokens_total"] == resp.usage.prompt_tokens
     assert after[m + "generation_tokens_total"] - before[m + "generation_tokens_total"] == 5
     assert after[m + "num_requests_total"] - before[m + "num_requests_total"] == 1
     assert after[m + "time_to_first_token_seconds_count"] == before[m + "time_to_first_token_seconds_count"] + 1
     assert after[m + "inter_token_latency_seconds_count"] == before[m + "inter_token_latency_seconds_count"] + 4
+    assert (after[m + "time_per_output_token_seconds_count"]
+            == before[m + "time_per_output_token_seconds_count"] + 1)
     assert after[m + "e2e_request_latency_seconds_count"] == before[m + "e2e_request_latency_seconds_count"] + 1
-    for gauge in ("num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate"):
+    for gauge in ("num_running_reqs", "num_queue_reqs", "num_waiting_reqs", "token_usage", "cache_hit_rate"):
         assert m + gauge in after
     assert after[m + "token_usage"] == 0.0 and 0 <= after[m + "cache_hit_rate"] <= 1
+    assert after[m + "num_used_tokens"] == 0 and after[m + "max_total_num_tokens"] > 0
+    # The request was prefilled and decoded between the two scrapes, so both rates over that interval are > 0.
+    assert after[m + "prefill_throughput"] > 0
+    assert after[m + "gen_throughput"] == after[m + "decode_throughput"] > 0
+
+
+def test_metrics_count_aborted_requests_like_finished_ones(server):
+    """Every SGLang metric name is served; and requests whose clients leave mid-stream are counted exactly like
+    finished ones: once in the request counter, the e2e and TTFT histograms, plus once as aborted."""
+    wait_idle(server)
+    before = metrics(server)
+    assert not [n for n in METRIC_NAMES if "sglang:" + n not in before]
+    assert not [n for n in before if not n.startswith("sglang:")]
+    n_finish, n_leave, max_new = 3, 5, 6
+
+    async def one(http: httpx.AsyncClient, i: int, leave: bool) -> dict[str, Any]:
+        """Stream one request; a leaver closes the connection after its first 1-3 events that carry tokens.
+        Returns the last event's meta_info and whether the client saw a token."""
+        body = {"text": f"Count to {i} slowly, please.", "stream": True,
+                "sampling_params": {"max_new_tokens": 4000 if leave else max_new, "ignore_eos": True,
+                                    "temperature": 0.8, "seed": i}}
+        seen, meta = 0, {}
+        async with http.stream("POST", "/generate", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                meta = event["meta_info"]
+                seen += bool(event["output_ids"])
+                if leave and seen >= 1 + i % 3:
+                    break  # leave mid-stream
+        return {"got_token": seen > 0, "left": leave, **meta}
+
+    async def main() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=300) as http:
+            return await asyncio.gather(*[one(http, i, leave=i >= n_finish) for i in range(n_finish + n_leave)])
+
+    results = asyncio.run(main())
+    assert server.get("/health_generate").status_code == 200  # an internal request: counted nowhere
+    got_first = sum(r["got_token"] for r in results)
+    assert got_first == n_finish + n_leave  # every client read at least one token before leaving
+    finished = [r for r in results if not r["left"]]
+    assert all(r["finish_reason"]["type"] == "length" and r["completion_tokens"] == max_new for r in finished)
+
+    # An abandoned request is counted when the server notices its client left, a moment after the client closed:
+    # wait until the scheduler has dropped every request (it learns of the abort after the count is made).
+    wait_idle(server, timeout=60)
+    after = metrics(server)
+
+    def delta(name: str) -> float:
+        return after["sglang:" + name] - before["sglang:" + name]
+
+    assert delta("num_requests_total") == got_first
+    assert delta("e2e_request_latency_seconds_count") == got_first
+    assert delta("time_to_first_token_seconds_count") == got_first
+    assert delta("num_aborted_requests_total") == n_leave
+    assert delta("prompt_tokens_total") == sum(r["prompt_tokens"] for r in results)
+    # Generated tokens: exactly those of the finished requests, plus at least what each leaver's client saw.
+    seen_by_leavers = sum(r["completion_tokens"] for r in results if r["left"])
+    assert delta("generation_tokens_total") >= n_finish * max_new + seen_by_leavers
+    assert delta("generation_tokens_total") < n_finish * max_new + n_leave * 4000
 
 
 # ------------------------------------------------------------------------------------------------ load
@@ -255,7 +434,7 @@ def test_64_concurrent_streams(server):
 
 def test_disconnects_free_the_kv_pool(server):
     before = wait_idle(server)
-    aborted_before = metrics(server)["minisgl:num_aborted_requests_total"]
+    aborted_before = metrics(server)["sglang:num_aborted_requests_total"]
 
     async def leave_early(http: httpx.AsyncClient, i: int) -> int:
         body = {"text": f"Tell me a very long story about the number {i}.", "stream": True,
@@ -279,7 +458,7 @@ def test_disconnects_free_the_kv_pool(server):
     after = wait_idle(server, timeout=60)  # 20 x 4000 tokens would take far longer if they were not aborted
     assert time.monotonic() - t0 < 120
     assert after["available_kv_tokens"] == before["available_kv_tokens"] == after["max_total_num_tokens"]
-    assert metrics(server)["minisgl:num_aborted_requests_total"] - aborted_before == 20
+    assert metrics(server)["sglang:num_aborted_requests_total"] - aborted_before == 20
 
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -321,6 +500,76 @@ BAD_REQUESTS = [
     ("missing API key", "/v1/completions", {"prompt": "hi"}, {"Authorization": ""}, 401, None, "API key"),
     ("wrong API key", "/v1/models", None, {"Authorization": "Bearer nope"}, 401, None, "invalid API key"),
     ("unknown route", "/v1/nothing", {"x": 1}, None, 404, None, "Not Found"),
+    ("unknown model by id", "/v1/models/gpt-4o", None, None, 404, "model", "does not exist"),
+    # Values that once came back as 500s (msgpack, torch or the tokenizer failing on them) or killed the scheduler.
+    ("seed over 64 bits", "/v1/chat/completions", {"messages": CHAT, "seed": 2**70}, None, 400, "seed", "64 bits"),
+    ("native seed over 64 bits", "/generate", {"text": "hi", "sampling_params": {"seed": 2**64}}, None, 400,
+     "sampling_params.seed", "64 bits"),
+    ("top_k over 64 bits", "/v1/completions", {"prompt": "hi", "top_k": 10**30}, None, 400, "top_k", "64 bits"),
+    ("stop id over 64 bits", "/v1/completions", {"prompt": "hi", "stop_token_ids": [2**70]}, None, 400,
+     "stop_token_ids.0", "64 bits"),
+    ("prompt id over 64 bits", "/v1/completions", {"prompt": [1, 2**70]}, None, 400, "prompt.1", "64 bits"),
+    ("native n huge", "/generate", {"text": "hi", "sampling_params": {"n": 10**9}}, None, 400, "n", "<= 128"),
+    ("chat stop id out of vocab", "/v1/chat/completions",
+     {"messages": CHAT, "min_tokens": 1, "stop_token_ids": [49152]}, None, 400, "stop_token_ids", "out of range"),
+    ("completion stop id out of vocab", "/v1/completions",
+     {"prompt": "hi", "min_tokens": 1, "stop_token_ids": [10**6]}, None, 400, "stop_token_ids", "out of range"),
+    ("native stop id out of vocab", "/generate",
+     {"text": "hi", "sampling_params": {"min_new_tokens": 1, "stop_token_ids": [60000]}}, None, 400,
+     "stop_token_ids", "out of range"),
+    ("logit_bias key out of vocab", "/generate", {"text": "hi", "sampling_params": {"logit_bias": {"49152": 1.0}}},
+     None, 400, "logit_bias", "out of range"),
+    ("nested 100000 deep", "/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, 400,
+     None, "nests more than"),
+    ("nested 900 deep", "/v1/chat/completions", b'{"messages": ' + b"[" * 900 + b"]" * 900 + b"}", None, 400,
+     "messages", "nests more than"),
+    ("lone surrogate in prompt", "/v1/completions", b'{"prompt": "a\\ud800b"}', None, 400, "prompt",
+     "lone surrogate"),
+    ("lone surrogate in text", "/generate", b'{"text": ["ok", "\\udfff"]}', None, 400, "text.1", "lone surrogate"),
+    ("lone surrogate in chat", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+     None, 400, "messages.0.content", "lone surrogate"),
+    ("lone surrogate in stop", "/v1/completions", b'{"prompt": "hi", "stop": ["\\ud800"]}', None, 400, "stop.0",
+     "lone surrogate"),
+    ("lone surrogate in native stop", "/generate", b'{"text": "hi", "sampling_params": {"stop": "\\ud800"}}', None,
+     400, "sampling_params.stop", "lone surrogate"),
+    ("lone surrogate in model", "/v1/completions", b'{"prompt": "hi", "model": "\\ud800"}', None, 400, "model",
+     "lone surrogate"),
+    # Lists long enough to keep the server busy for seconds (pydantic, msgpack, one message per sequence).
+    ("too many messages", "/v1/chat/completions", {"messages": CHAT * 5000}, None, 400, "messages", "more than the"),
+    ("too many stop strings", "/v1/completions", {"prompt": "hi", "stop": ["x"] * 5000}, None, 400, "stop",
+     "more than the"),
+    ("batch too long", "/generate", {"text": ["hi"] * 5000}, None, 400, "text", "more than the"),
+    ("too many sequences", "/v1/completions", {"prompt": ["hi"] * 9, "n": 128}, None, 400, "prompt", "sequences"),
+    ("too many native sequences", "/generate", {"input_ids": [[1, 2]] * 1025}, None, 400, "input_ids",
+     "sequences"),
+    # Fields that would change the answer and are not implemented: refused by name, never silently ignored.
+    *[(f"unsupported {name}", path, body, None, 400, name, "not supported") for name, path, body in [
+        ("regex", "/v1/completions", {"prompt": "hi", "regex": "[0-9]+"}),
+        ("json_schema", "/v1/chat/completions", {"messages": CHAT, "json_schema": '{"type": "object"}'}),
+        ("ebnf", "/v1/chat/completions", {"messages": CHAT, "ebnf": "root ::= 'a'"}),
+        ("sampling_params.regex", "/generate", {"text": "hi", "sampling_params": {"regex": "a+"}}),
+        ("sampling_params.json_schema", "/generate", {"text": "hi", "sampling_params": {"json_schema": "{}"}}),
+        ("sampling_params.ebnf", "/generate", {"text": "hi", "sampling_params": {"ebnf": "root ::= 'a'"}}),
+        ("structural_tag", "/v1/chat/completions", {"messages": CHAT, "structural_tag": "{}"}),
+        ("sampling_params.no_stop_trim", "/generate", {"text": "hi", "sampling_params": {"no_stop_trim": True}}),
+        ("spaces_between_special_tokens", "/v1/completions",
+         {"prompt": "hi", "spaces_between_special_tokens": False}),
+        ("lora_path", "/generate", {"text": "hi", "lora_path": "my-adapter"}),
+        ("return_hidden_states", "/v1/completions", {"prompt": "hi", "return_hidden_states": True}),
+        ("custom_logit_processor", "/v1/chat/completions", {"messages": CHAT, "custom_logit_processor": "{}"}),
+        ("input_embeds", "/generate", {"input_embeds": [[0.5, 0.25]]}),
+        ("image_data", "/generate", {"text": "hi", "image_data": "cat.png"}),
+        ("tools", "/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function",
+                                                                         "function": {"name": "f"}}]}),
+        ("tool_choice", "/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}),
+        ("functions", "/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}),
+        ("function_call", "/v1/chat/completions", {"messages": CHAT, "function_call": "auto"}),
+        ("response_format", "/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}),
+        ("audio", "/v1/chat/completions", {"messages": CHAT, "audio": {"voice": "alloy", "format": "wav"}}),
+        ("modalities", "/v1/chat/completions", {"messages": CHAT, "modalities": ["text", "audio"]}),
+        ("prediction", "/v1/chat/completions", {"messages": CHAT, "prediction": {"type": "content", "content": "x"}}),
+        ("suffix", "/v1/completions", {"prompt": "hi", "suffix": "the end"}),
+    ]],
 ]
 
 
@@ -456,7 +705,8 @@ def test_dead_scheduler_fails_fast():
     (["--attention-backend", "nope"], "invalid choice: 'nope'"),
     (["--port", "0"], "--port must be in 1..65535"),
     (["--max-running-requests", "0"], "max_running_requests"),
-], ids=["flashinfer-on-cpu", "fa3-on-cpu", "unknown-backend", "bad-port", "bad-engine-flag"])
+    (["--max-request-body-mb", "0"], "--max-request-body-mb must be a positive number"),
+], ids=["flashinfer-on-cpu", "fa3-on-cpu", "unknown-backend", "bad-port", "bad-engine-flag", "bad-body-limit"])
 def test_bad_flags_fail_before_starting(flags, fragment, capsys):
     """A flag the server cannot honour ends ``serve`` at once with one ``error:`` line and status 2, before any
     child process loads the model."""

@@ -14,6 +14,12 @@ from typing import Any
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
+#: Engine defaults of a server on a CPU, where one scheduler thread takes ~65 ms for a decode step of the embedded
+#: model but ~37 s for a 3,000-token prompt in one step. Cut into 32-token chunks that share their step with the
+#: running requests' decode rows, the same prompt delays each running stream's next token by ~0.3-0.45 s (about
+#: five decode steps) and takes ~25% longer to prefill itself. Chapter 10 shows the measurement.
+CPU_SERVER_ENGINE_DEFAULTS: dict[str, Any] = {"chunked_prefill_size": 32, "enable_mixed_chunk": True}
+
 
 @dataclass
 class ServerArgs:
@@ -26,11 +32,17 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     tp_size: int = 1  # tensor parallelism (chapter 09): one scheduler process per rank
+    dp_size: int = 1  # data parallelism: N whole servers behind SGLang's router (data_parallel.py)
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None  # host:port where the ranks meet; None: a free local port
     served_model_name: str | None = None
     api_key: str | None = None
+    # The largest request body read, in MiB; a larger one gets 413 before it is read. The largest legitimate body
+    # is a full-context prompt, as text or as token ids, at most ~8 bytes a token either way: 1 MiB for a 128k
+    # context, 8 MiB for a million tokens. The limit also bounds how long one body can pause every stream, as
+    # parsing JSON holds the GIL (~30 ms per MiB of token ids on a laptop core).
+    max_request_body_mb: float = 32.0
     enable_metrics: bool = False
     log_level: str = "info"
     shell: bool = False
@@ -51,8 +63,20 @@ class ServerArgs:
             raise ValueError(f"--context-length must be at least 2, got {args.context_length}")
         if args.api_key is not None and not args.api_key:
             raise ValueError("--api-key must not be empty")
+        if not 0 < args.max_request_body_mb < float("inf"):
+            raise ValueError(f"--max-request-body-mb must be a positive number, got {args.max_request_body_mb}")
+        if args.dp_size < 1:
+            raise ValueError(f"--dp-size must be at least 1, got {args.dp_size}")
+        if args.dp_size > 1 and args.shell:
+            raise ValueError("--shell chats with one server; it cannot be combined with --dp-size > 1")
+        if args.dp_size > 1 and args.nnodes > 1:
+            raise ValueError("--dp-size > 1 runs its servers on this machine; it cannot be combined with --nnodes")
         from minisgl_ref.engine.config import EngineConfig
 
+        engine_kwargs = dict(engine_kwargs)
+        if _resolved_device(args.device) == "cpu":
+            for key, value in CPU_SERVER_ENGINE_DEFAULTS.items():
+                engine_kwargs.setdefault(key, value)
         EngineConfig(**engine_kwargs)  # a bad engine flag fails here, before any process starts
         _check_attention_backends(args.device, engine_kwargs)
         grace = float(os.environ.get("MINISGL_DEAD_CHILD_GRACE_S", "2.0"))
@@ -66,11 +90,13 @@ class ServerArgs:
             host=args.host,
             port=args.port,
             tp_size=args.tp_size,
+            dp_size=args.dp_size,
             nnodes=args.nnodes,
             node_rank=args.node_rank,
             dist_init_addr=args.dist_init_addr,
             served_model_name=args.served_model_name,
             api_key=args.api_key,
+            max_request_body_mb=args.max_request_body_mb,
             enable_metrics=args.enable_metrics,
             log_level=args.log_level,
             shell=args.shell,
@@ -83,6 +109,15 @@ class ServerArgs:
         d.pop("api_key")
         d.update(d.pop("engine_kwargs"))
         return d
+
+
+def _resolved_device(device: str | None) -> str:
+    """``cpu`` or ``cuda``: what ``--device`` (or its default, CUDA when there is one) means."""
+    if device is not None:
+        return "cpu" if device.startswith("cpu") else "cuda"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _check_attention_backends(device: str | None, engine_kwargs: dict[str, Any]) -> None:
@@ -129,6 +164,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=30000)
     g.add_argument("--served-model-name", default=None, help="the model name clients must use (default: the path)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every API route")
+    g.add_argument("--max-request-body-mb", type=float, default=ServerArgs.max_request_body_mb,
+                   help="refuse request bodies larger than this many MiB with 413, before reading them")
     g.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     g.add_argument("--shell", action="store_true", help="chat in this terminal instead of serving HTTP")
+    g.add_argument("--dp-size", type=int, default=1,
+                   help="data parallelism: this many whole servers behind SGLang's cache-aware router "
+                        "(needs: pip install 'minisgl_ref[router]')")

@@ -6,19 +6,33 @@ route                       what it does
 POST /v1/chat/completions   OpenAI chat: streaming or not, n, stop, seed, usage with cached tokens
 POST /v1/completions        OpenAI completions: a prompt, a batch of prompts, or token ids
 GET  /v1/models             the one model served
+GET  /v1/models/{id}        that model (404 for any other id)
 POST /generate              SGLang's native API: text or input_ids, sampling_params, cumulative stream
 GET  /health                200 while every process is alive, 503 (and why) otherwise
 GET  /health_generate       200 once a one-token request has gone through the whole pipeline
-GET  /get_model_info        model path, context length, vocabulary
-GET  /get_server_info       the server's arguments and the scheduler's state (running, queued, KV use)
+GET  /model_info            model path, context length, vocabulary (also at /get_model_info)
+GET  /server_info           the server's arguments and the scheduler's state: running, queued, KV use
+                            (also at /get_server_info)
 POST /flush_cache           drop the radix cache (refused while requests run)
 GET  /metrics               Prometheus text (with --enable-metrics)
 ==========================  ======================================================================
 
-Every handler follows the same three steps: validate (a 4xx here touches nothing else), submit through the
-:class:`TokenizerManager`, and either stream the chunks as server-sent events or collect them into one JSON
-body. Streaming ends with ``data: [DONE]``; a client that disconnects mid-stream cancels the response task,
-which closes the generator, which aborts the request in the scheduler.
+Every generation handler follows the same three steps:
+
+1. **Validate**, in a worker thread: parse the JSON, check it against its schema, tokenize, and check the ids
+   against the model (:mod:`minisgl_ref.server.protocol` says what is checked). A 4xx here touches nothing else.
+   All of it is CPU work proportional to the body, which on the event loop would pause every stream for as long
+   as it took (a 10 MB prompt: half a minute). In a thread the loop keeps running: the tokenizer (Rust) releases
+   the GIL while it encodes, and Python code gives it up every few milliseconds. Only ``json.loads`` and
+   pydantic hold it throughout, for a time that the body size limit bounds (about a second for the worst body
+   of 32 MiB, the default limit).
+2. **Submit** the token ids through the :class:`TokenizerManager`.
+3. **Answer**: stream the chunks as server-sent events, or collect them into one JSON body. Streaming ends with
+   ``data: [DONE]``; a client that disconnects mid-stream cancels the response task, which closes the
+   generator, which aborts the request in the scheduler.
+
+No answer to a client's input is a 500: a value that no check above refuses and that still makes the server
+fail is a bug in those checks (tests/test_server.py's ``BAD_REQUESTS`` lists what they must refuse).
 """
 
 from __future__ import annotations
@@ -27,12 +41,14 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 import minisgl_ref
 from minisgl_ref.sampling.params import SamplingParams
@@ -43,13 +59,23 @@ from minisgl_ref.server.protocol import (
     CompletionRequest,
     GenerateRequest,
     error_body,
+    native_sampling_params,
     parse_json_body,
-    sampling_params,
     validate,
 )
-from minisgl_ref.server.tokenizer_manager import Chunk, TokenizerManager
+from minisgl_ref.server.logprobs import (
+    TokenText,
+    chat_content,
+    completion_logprobs,
+    merge_completion_logprobs,
+    sglang_logprobs,
+)
+from minisgl_ref.server.tokenizer_manager import Chunk, RequestOptions, TokenizerManager
 
+Sub = tuple[list[int], SamplingParams]  # one request for the scheduler: prompt ids, sampling parameters
+T = TypeVar("T")
 UNAUTHENTICATED = ("/health", "/health_generate", "/metrics")
+WHILE_DEAD = ("/health", "/metrics", "/get_model_info", "/model_info")  # still answered after a child died
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -61,20 +87,31 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 class Gate:
-    """Pure ASGI middleware in front of every route: the API key check, then the "is the server still whole?"
-    check. (Starlette's ``BaseHTTPMiddleware`` would wrap streaming bodies and get in the way of disconnect
-    detection, so this is written against ASGI directly.)"""
+    """Pure ASGI middleware in front of every route: the API key check, the "is the server still whole?" check,
+    and the request body's size limit. (Starlette's ``BaseHTTPMiddleware`` would wrap streaming bodies and get in
+    the way of disconnect detection, so this is written against ASGI directly.)
 
-    def __init__(self, app: Any, manager: TokenizerManager, api_key: str | None) -> None:
+    The size limit must act before the body is read, which is why it lives here and not in a handler (by the
+    time a handler sees a body, it has been read whole). A body that announces its length (``Content-Length``)
+    is refused at once; one sent in chunks is counted as it arrives and refused as soon as the count passes the
+    limit. Either way the answer is 413, and uvicorn discards whatever the client still sends."""
+
+    def __init__(self, app: Any, manager: TokenizerManager, api_key: str | None, max_body_mb: float) -> None:
         self.app, self.manager, self.api_key = app, manager, api_key
+        self.max_body_mb, self.max_body_bytes = max_body_mb, int(max_body_mb * 2**20)
+
+    def too_large(self) -> APIError:
+        return APIError(413, f"the request body is larger than this server's limit of {self.max_body_mb:g} MiB "
+                             "(set by --max-request-body-mb)", code="request_too_large")
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
+        headers = dict(scope["headers"])
         reply: JSONResponse | None = None
         if self.api_key is not None and path not in UNAUTHENTICATED:
-            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            auth = headers.get(b"authorization", b"").decode("latin-1")
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or token.strip() != self.api_key:
                 what = "missing" if not auth else "invalid"
@@ -82,13 +119,29 @@ class Gate:
                     error_body(f"{what} API key: send 'Authorization: Bearer <key>' with the key given to "
                                "--api-key", "invalid_request_error", code="invalid_api_key"),
                     status_code=401)
-        if reply is None and self.manager.dead is not None and path not in ("/health", "/metrics",
-                                                                            "/get_model_info"):
+        if reply is None and self.manager.dead is not None and path not in WHILE_DEAD:
             reply = JSONResponse(error_body(f"the server cannot serve requests: {self.manager.dead}",
                                             "service_unavailable", code=503), status_code=503)
+        if reply is None and int(headers.get(b"content-length", b"0")) > self.max_body_bytes:
+            reply = JSONResponse(self.too_large().body(), status_code=413)
         if reply is not None:
             return await reply(scope, receive, send)
-        return await self.app(scope, receive, send)
+        return await self.app(scope, self.counting(receive), send)
+
+    def counting(self, receive: Any) -> Any:
+        """``receive``, counting the body's bytes; past the limit it raises the 413 (as an :class:`APIError`,
+        which reaches the app's handler for those, since the app is what called ``receive``)."""
+        received = 0
+
+        async def counted() -> Any:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_body_bytes:
+                raise self.too_large()
+            return message
+
+        return counted
 
 
 def create_app(manager: TokenizerManager, args: ServerArgs, model_name: str) -> FastAPI:
@@ -108,13 +161,20 @@ def create_app(manager: TokenizerManager, args: ServerArgs, model_name: str) -> 
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+        # A bug in this server, never a client's doing (see the module docstring); uvicorn logs the traceback.
         return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"),
                             status_code=500)
 
-    app.add_middleware(Gate, manager=manager, api_key=args.api_key)
+    app.add_middleware(Gate, manager=manager, api_key=args.api_key, max_body_mb=args.max_request_body_mb)
 
-    async def body_of(request: Request) -> dict[str, Any]:
-        return parse_json_body(await request.body())
+    async def validated(request: Request, prepare: Callable[[dict[str, Any]], T]) -> T:
+        """Step 1 of the module docstring: read the body (the :class:`Gate` has capped its size), then parse,
+        validate and tokenize it with ``prepare`` in a worker thread."""
+        try:
+            raw = await request.body()
+        except ClientDisconnect as e:  # it left mid-upload: nobody to answer, but no error of ours either
+            raise APIError(499, "client disconnected") from e
+        return await asyncio.to_thread(lambda: prepare(parse_json_body(raw)))
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in accepted_names:
@@ -145,13 +205,20 @@ def create_app(manager: TokenizerManager, args: ServerArgs, model_name: str) -> 
             raise APIError(503, "no token within 60 s", "service_unavailable") from e
         return Response(status_code=200)
 
+    def model_card() -> dict[str, Any]:
+        return {"id": model_name, "object": "model", "created": int(START_TIME), "owned_by": "minisgl_ref",
+                "root": manager.info.get("model_path"), "max_model_len": manager.context_length}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": int(START_TIME), "owned_by": "minisgl_ref",
-            "root": manager.info.get("model_path"), "max_model_len": manager.context_length,
-        }]}
+        return {"object": "list", "data": [model_card()]}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        check_model(model_id)
+        return model_card()
+
+    @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
         path = manager.info.get("model_path")
@@ -161,6 +228,7 @@ def create_app(manager: TokenizerManager, args: ServerArgs, model_name: str) -> 
             "context_length": manager.context_length, "vocab_size": manager.vocab_size,
         }
 
+    @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
         stats = (await manager.rpc("get_stats")).result
@@ -190,37 +258,46 @@ def create_app(manager: TokenizerManager, args: ServerArgs, model_name: str) -> 
 
     # -------------------------------------------------------------------------------- OpenAI: chat
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        req = validate(ChatCompletionRequest, await body_of(request))
+    names = TokenText(manager.tokenizer)
+
+    def chat_request(body: dict[str, Any]) -> tuple[ChatCompletionRequest, list[int], list[Sub]]:
+        req = validate(ChatCompletionRequest, body)
         check_model(req.model)
-        _reject_unsupported(req.logprobs, "logprobs")
-        _reject_unsupported(req.tools, "tools")
-        _reject_unsupported(req.response_format if not _is_text_format(req.response_format) else None,
-                            "response_format")
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         messages = [{"role": m.role, "content": m.text(i), **({"name": m.name} if m.name else {})}
                     for i, m in enumerate(req.messages)]
-        ids = manager.chat_ids(messages, **(req.chat_template_kwargs or {}))
+        ids = manager.chat_ids(messages, continue_final_message=req.continue_final_message,
+                               **(req.chat_template_kwargs or {}))
         requested = req.max_completion_tokens or req.max_tokens
         manager.check_prompt(ids, requested, param="messages")
         params = req.to_sampling_params(requested or manager.context_length - len(ids))
         manager.check_params(params)
-        subs = _fan_out([ids], params, req.n)
+        return req, ids, _fan_out([ids], params, req.n)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req, ids, subs = await validated(request, chat_request)
         manager.check_alive()
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
+        options = RequestOptions(return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
+                                 cache_salt=req.cache_salt)
+        top_n = options.top_logprobs_num
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            gen = _chat_stream(manager, subs, rid, created, model_name, include_usage, req.n)
+            gen = _chat_stream(manager, subs, options, rid, created, model_name, include_usage, req.n,
+                               names if req.logprobs else None)
             return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
-        finals = await _collect(manager, subs, request)
+        outs = await _collect(manager, subs, request, options)
+        finals = [_final(o) for o in outs]
         choices = [{
             "index": i,
             "message": {"role": "assistant", "content": f["text"]},
-            "logprobs": None,
+            "logprobs": {"content": chat_content(names, *o.answer_logprobs(), top_n)} if req.logprobs else None,
             "finish_reason": f["finish_reason"],
             "matched_stop": f["matched_stop"],
-        } for i, f in enumerate(finals)]
+        } for i, (o, f) in enumerate(zip(outs, finals))]
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": model_name,
             "choices": choices, "usage": _usage(finals, [len(ids)]),
@@ -228,33 +305,54 @@ def create_app(manager: TokenizerManager, args: ServerArgs, model_name: str) -> 
 
     # ------------------------------------------------------------------------------- OpenAI: completions
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        req = validate(CompletionRequest, await body_of(request))
+    def completion_request(body: dict[str, Any]) -> tuple[CompletionRequest, list[list[int]], list[Sub]]:
+        req = validate(CompletionRequest, body)
         check_model(req.model)
-        _reject_unsupported(req.logprobs, "logprobs")
-        _reject_unsupported(req.echo or None, "echo")
-        _reject_unsupported(req.suffix, "suffix")
         if req.best_of not in (None, 1, req.n):
             raise APIError(400, "best_of is not supported (use n)", param="best_of")
+        params = req.to_sampling_params(req.max_tokens or 16)
+        manager.check_params(params)
         prompts = _prompt_list(req.prompt)
+        _check_fan_out(len(prompts) * req.n, param="prompt")
         id_lists = [manager.encode(p) if isinstance(p, str) else p for p in prompts]
         for ids in id_lists:
             manager.check_prompt(ids, req.max_tokens, param="prompt")
-        params = req.to_sampling_params(req.max_tokens or 16)
-        manager.check_params(params)
-        subs = _fan_out(id_lists, params, req.n)
+        return req, id_lists, _fan_out(id_lists, params, req.n)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req, id_lists, subs = await validated(request, completion_request)
         manager.check_alive()
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
+        want = req.logprobs is not None
+        options = RequestOptions(return_logprob=want, top_logprobs_num=req.logprobs or 0,
+                                 logprob_start_len=0 if want and req.echo else -1, cache_salt=req.cache_salt)
+        # With echo, the answer starts with the prompt's text: the string sent, or the decode of the ids sent.
+        prompts = _prompt_list(req.prompt)
+        echoed = [p if isinstance(p, str) else manager.tokenizer.decode(p) if manager.tokenizer else ""
+                  for p in prompts] if req.echo else None
+        per_prompt = len(subs) // len(id_lists)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            gen = _completion_stream(manager, subs, rid, created, model_name, include_usage,
-                                     [len(ids) for ids in id_lists])
+            gen = _completion_stream(manager, subs, options, rid, created, model_name, include_usage,
+                                     [len(ids) for ids in id_lists], names if want else None,
+                                     [echoed[k // per_prompt] for k in range(len(subs))] if echoed else None)
             return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
-        finals = await _collect(manager, subs, request)
-        choices = [{"index": i, "text": f["text"], "logprobs": None, "finish_reason": f["finish_reason"],
-                    "matched_stop": f["matched_stop"]} for i, f in enumerate(finals)]
+        outs = await _collect(manager, subs, request, options)
+        finals = [_final(o) for o in outs]
+        choices = []
+        for i, (o, f) in enumerate(zip(outs, finals)):
+            prefix = echoed[i // per_prompt] if echoed else ""
+            logprobs = None
+            if want:
+                parts = [completion_logprobs(names, o.input_logprobs, subs[i][0], options.top_logprobs_num)
+                         ] if req.echo else []
+                parts.append(completion_logprobs(names, *o.answer_logprobs(), options.top_logprobs_num,
+                                                 text_start=len(prefix)))
+                logprobs = merge_completion_logprobs(parts)
+            choices.append({"index": i, "text": prefix + f["text"], "logprobs": logprobs,
+                            "finish_reason": f["finish_reason"], "matched_stop": f["matched_stop"]})
         return JSONResponse({
             "id": rid, "object": "text_completion", "created": created, "model": model_name,
             "choices": choices, "usage": _usage(finals, [len(ids) for ids in id_lists]),
@@ -262,44 +360,51 @@ def create_app(manager: TokenizerManager, args: ServerArgs, model_name: str) -> 
 
     # ----------------------------------------------------------------------------------- native /generate
 
-    @app.post("/generate")
-    async def generate(request: Request) -> Response:
-        req = validate(GenerateRequest, await body_of(request))
+    def generate_request(body: dict[str, Any]) -> tuple[GenerateRequest, bool, list[Sub]]:
+        """The request, whether its answer is a batch (a list), and its sub-requests."""
+        req = validate(GenerateRequest, body)
         if (req.text is None) == (req.input_ids is None):
             raise APIError(400, "give exactly one of 'text' and 'input_ids'", param="text")
-        _reject_unsupported(req.return_logprob or None, "return_logprob")
         single = isinstance(req.text, str) or (req.input_ids is not None and (
             not req.input_ids or isinstance(req.input_ids[0], int)))
         if req.text is not None:
-            items = [req.text] if isinstance(req.text, str) else list(req.text)
-            id_lists = [manager.encode(t) for t in items]
+            prompts: list[Any] = [req.text] if isinstance(req.text, str) else list(req.text)
             param = "text"
         else:
-            id_lists = [req.input_ids] if single else list(req.input_ids)  # type: ignore[list-item]
+            prompts = [req.input_ids] if single else list(req.input_ids)  # type: ignore[arg-type]
             param = "input_ids"
-        if not id_lists:
+        if not prompts:
             raise APIError(400, f"{param} is an empty batch", param=param)
         raw = req.sampling_params if req.sampling_params is not None else {}
-        raw_list = raw if isinstance(raw, list) else [raw] * len(id_lists)
-        if len(raw_list) != len(id_lists):
-            raise APIError(400, f"sampling_params has {len(raw_list)} entries for {len(id_lists)} prompts",
+        raw_list = raw if isinstance(raw, list) else [raw] * len(prompts)
+        if len(raw_list) != len(prompts):
+            raise APIError(400, f"sampling_params has {len(raw_list)} entries for {len(prompts)} prompts",
                            param="sampling_params")
-        subs: list[tuple[list[int], SamplingParams]] = []
-        for ids, sp in zip(id_lists, raw_list):
-            unknown = set(sp) - set(SamplingParams.__dataclass_fields__)
-            if unknown:
-                raise APIError(400, f"unknown sampling parameter {sorted(unknown)[0]!r}", param="sampling_params")
-            params = sampling_params(dict(sp))
+        params_list = [native_sampling_params(sp) for sp in raw_list]  # cheap checks before tokenizing
+        _check_fan_out(sum(p.n for p in params_list), param=param)
+        subs: list[Sub] = []
+        for prompt, params in zip(prompts, params_list):
             manager.check_params(params)
+            ids = manager.encode(prompt) if param == "text" else prompt
             manager.check_prompt(ids, params.max_new_tokens, param=param)
+            if req.return_logprob and req.logprob_start_len >= len(ids):
+                raise APIError(400, f"logprob_start_len ({req.logprob_start_len}) must be below the prompt's "
+                                    f"{len(ids)} tokens", param="logprob_start_len")
             subs += _fan_out([ids], params, params.n)
+        return req, not single or len(subs) > 1, subs
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        req, batch, subs = await validated(request, generate_request)
         manager.check_alive()
-        batch = not single or len(subs) > 1
+        options = RequestOptions(return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
+                                 logprob_start_len=req.logprob_start_len, cache_salt=req.cache_salt)
+        texts = (names if req.return_text_in_logprobs else None) if req.return_logprob else False
         if req.stream:
-            return StreamingResponse(_generate_stream(manager, subs, batch), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
-        finals = await _collect(manager, subs, request)
-        outs = [{"text": f["text"], "output_ids": f["output_ids"], "meta_info": f["meta_info"]} for f in finals]
+            return StreamingResponse(_generate_stream(manager, subs, options, batch, texts),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        outs = [_native(o, subs[i][0], options, texts) for i, o in
+                enumerate(await _collect(manager, subs, request, options))]
         return JSONResponse(outs if batch else outs[0])
 
     return app
@@ -309,15 +414,6 @@ START_TIME = time.time()
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-
-
-def _is_text_format(fmt: Any) -> bool:
-    return fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text")
-
-
-def _reject_unsupported(value: Any, name: str) -> None:
-    if value not in (None, False, 0, [], {}):
-        raise APIError(400, f"{name} is not supported by this server", param=name)
 
 
 def _prompt_list(prompt: Any) -> list[str | list[int]]:
@@ -330,10 +426,21 @@ def _prompt_list(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _fan_out(id_lists: Sequence[list[int]], params: SamplingParams,
-             n: int) -> list[tuple[list[int], SamplingParams]]:
+#: Sequences (prompts x n) one request may ask for. Each is a message to the scheduler, sent from the event loop
+#: (~25 us each) into a socket that buffers about two thousand; a batch of millions froze every stream for minutes.
+MAX_SEQUENCES = 1024
+
+
+def _check_fan_out(count: int, *, param: str) -> None:
+    if count > MAX_SEQUENCES:
+        raise APIError(400, f"{param}: this request asks for {count} sequences (prompts x n), more than the "
+                            f"{MAX_SEQUENCES} one request may: split it", param=param)
+
+
+def _fan_out(id_lists: Sequence[list[int]], params: SamplingParams, n: int) -> list[Sub]:
     """``n`` samples of each prompt. With a seed, sample ``j`` uses ``seed + j`` so that the samples differ while
-    sample 0 equals the same request with ``n=1``."""
+    sample 0 equals the same request with ``n=1`` (modulo 2**64: the engine only uses a seed's low 64 bits, and
+    the wrap keeps it encodable)."""
     subs = []
     for ids in id_lists:
         for j in range(n):
@@ -342,29 +449,58 @@ def _fan_out(id_lists: Sequence[list[int]], params: SamplingParams,
                 d = params.to_dict()
                 d["n"] = 1
                 if params.seed is not None:
-                    d["seed"] = params.seed + j
+                    d["seed"] = (params.seed + j) % 2**64
                 p = SamplingParams.from_dict(d)
             subs.append((list(ids), p))
     return subs
 
 
-def _openai_finish(reason: dict[str, Any] | None) -> tuple[str | None, Any]:
-    if reason is None:
-        return None, None
-    return reason["type"], reason.get("matched")
+@dataclass
+class Output:
+    """What one sequence has produced so far, gathered from its chunks."""
+
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    input_logprobs: list[Any] = field(default_factory=list)
+    output_logprobs: list[Any] = field(default_factory=list)
+    last: Chunk | None = None  # its final chunk, once it has one
+    last_seen: Chunk | None = None  # its latest chunk
+
+    def add(self, chunk: Chunk) -> None:
+        self.last_seen = chunk
+        self.text += chunk.text
+        self.ids += chunk.token_ids
+        if chunk.logprobs:
+            self.input_logprobs += chunk.logprobs["input"]
+            self.output_logprobs += chunk.logprobs["output"]
+        if chunk.finished:
+            self.last = chunk
+
+    def answer_logprobs(self) -> tuple[list[Any], list[int]]:
+        """The output entries and ids of the *answer*: without the stop token (EOS or a stop id) that ended it,
+        which the text does not contain either."""
+        return _answer(self.output_logprobs, self.ids, self.last)
 
 
-def _final(chunks_text: list[str], ids: list[int], last: Chunk) -> dict[str, Any]:
+def _answer(entries: list[Any], ids: list[int], last: Chunk | None) -> tuple[list[Any], list[int]]:
+    reason = (last.finish_reason if last is not None else None) or {}
+    if reason.get("type") == "stop" and isinstance(reason.get("matched"), int) and ids and ids[-1] == reason["matched"]:
+        return entries[: len(ids) - 1], ids[:-1]
+    return entries[: len(ids)], ids
+
+
+def _final(out: Output) -> dict[str, Any]:
+    last = out.last
+    assert last is not None
     reason = last.finish_reason or {"type": "abort"}
-    kind, matched = _openai_finish(reason)
     meta_reason = dict(reason)
-    if kind == "length":
+    if reason["type"] == "length":
         meta_reason["length"] = last.completion_tokens
     return {
-        "text": "".join(chunks_text),
-        "output_ids": ids,
-        "finish_reason": kind,
-        "matched_stop": matched,
+        "text": out.text,
+        "output_ids": out.ids,
+        "finish_reason": reason["type"],
+        "matched_stop": reason.get("matched"),
         "completion_tokens": last.completion_tokens,
         "cached_tokens": last.cached_tokens,
         "meta_info": {
@@ -375,6 +511,26 @@ def _final(chunks_text: list[str], ids: list[int], last: Chunk) -> dict[str, Any
     }
 
 
+def _native(out: Output, prompt: list[int], options: RequestOptions, texts: TokenText | None | bool,
+            finished: bool = True) -> dict[str, Any]:
+    """One answer (or, unfinished, one stream event) of ``/generate``; ``texts`` is False without logprobs, else
+    the token names for ``return_text_in_logprobs`` (or None)."""
+    if finished:
+        meta = _final(out)["meta_info"]
+    else:
+        c = out.last_seen
+        meta = {"id": c.rid, "finish_reason": None, "prompt_tokens": c.prompt_tokens,
+                "completion_tokens": c.completion_tokens, "cached_tokens": c.cached_tokens,
+                "e2e_latency": round(c.e2e_latency, 6)}
+    if texts is not False:
+        prompt_ids = prompt[max(options.logprob_start_len, 0):] if options.logprob_start_len >= 0 else []
+        meta["input_token_logprobs"], meta["input_top_logprobs"] = sglang_logprobs(
+            texts, out.input_logprobs, prompt_ids)  # type: ignore[arg-type]
+        meta["output_token_logprobs"], meta["output_top_logprobs"] = sglang_logprobs(
+            texts, out.output_logprobs, out.ids)  # type: ignore[arg-type]
+    return {"text": out.text, "output_ids": out.ids, "meta_info": meta}
+
+
 def _raise_if_aborted(manager: TokenizerManager, last: Chunk) -> None:
     reason = last.finish_reason or {}
     if reason.get("type") == "abort":
@@ -382,19 +538,14 @@ def _raise_if_aborted(manager: TokenizerManager, last: Chunk) -> None:
         raise APIError(status, f"the request was aborted: {reason.get('message', 'unknown')}", kind)
 
 
-async def _collect(manager: TokenizerManager, subs: list[tuple[list[int], SamplingParams]],
-                   request: Request) -> list[dict[str, Any]]:
+async def _collect(manager: TokenizerManager, subs: list[Sub], request: Request,
+                   options: RequestOptions) -> list[Output]:
     """Run the requests to completion, aborting them if the client disconnects meanwhile."""
-    texts: list[list[str]] = [[] for _ in subs]
-    ids: list[list[int]] = [[] for _ in subs]
-    last: list[Chunk | None] = [None] * len(subs)
+    outs = [Output() for _ in subs]
 
     async def consume() -> None:
-        async for i, chunk in manager.generate(subs):
-            texts[i].append(chunk.text)
-            ids[i] += chunk.token_ids
-            if chunk.finished:
-                last[i] = chunk
+        async for i, chunk in manager.generate(subs, options=options):
+            outs[i].add(chunk)
 
     task = asyncio.ensure_future(consume())
     try:
@@ -407,12 +558,10 @@ async def _collect(manager: TokenizerManager, subs: list[tuple[list[int], Sampli
     finally:
         if not task.done():
             task.cancel()
-    finals = []
-    for t, i, c in zip(texts, ids, last):
-        assert c is not None
-        _raise_if_aborted(manager, c)
-        finals.append(_final(t, i, c))
-    return finals
+    for out in outs:
+        assert out.last is not None
+        _raise_if_aborted(manager, out.last)
+    return outs
 
 
 def _usage(finals: list[dict[str, Any]], prompt_lens: list[int]) -> dict[str, Any]:
@@ -431,10 +580,17 @@ def _stream_error(reason: dict[str, Any]) -> str:
     return sse(error_body(f"the request was aborted: {reason.get('message', 'unknown')}", "server_error"))
 
 
-async def _chat_stream(manager: TokenizerManager, subs: list, rid: str, created: int, model: str,
-                       include_usage: bool, n: int) -> AsyncIterator[str]:
-    def chunk(i: int, delta: dict[str, Any], finish: str | None, matched: Any = None) -> str:
-        choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+def _chunk_answer(c: Chunk) -> tuple[list[Any], list[int]]:
+    """A chunk's output entries and ids, without the stop token that may end it (see ``Output.answer_logprobs``)."""
+    return _answer((c.logprobs or {}).get("output", []), c.token_ids, c if c.finished else None)
+
+
+async def _chat_stream(manager: TokenizerManager, subs: list[Sub], options: RequestOptions, rid: str, created: int,
+                       model: str, include_usage: bool, n: int, names: TokenText | None) -> AsyncIterator[str]:
+    def chunk(i: int, delta: dict[str, Any], finish: str | None, matched: Any = None,
+              logprobs: list[Any] | None = None) -> str:
+        choice = {"index": i, "delta": delta, "logprobs": None if logprobs is None else {"content": logprobs},
+                  "finish_reason": finish}
         if finish is not None:
             choice["matched_stop"] = matched
         return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -443,9 +599,10 @@ async def _chat_stream(manager: TokenizerManager, subs: list, rid: str, created:
     finals: list[dict[str, Any]] = [{} for _ in subs]
     for i in range(n):
         yield chunk(i, {"role": "assistant", "content": ""}, None)
-    async for i, c in manager.generate(subs):
-        if c.text:
-            yield chunk(i, {"content": c.text}, None)
+    async for i, c in manager.generate(subs, options=options):
+        logprobs = chat_content(names, *_chunk_answer(c), options.top_logprobs_num) if names else None
+        if c.text or logprobs:
+            yield chunk(i, {"content": c.text}, None, logprobs=logprobs)
         if c.finished:
             reason = c.finish_reason or {"type": "abort"}
             if reason["type"] == "abort":
@@ -459,51 +616,62 @@ async def _chat_stream(manager: TokenizerManager, subs: list, rid: str, created:
     yield SSE_DONE
 
 
-async def _completion_stream(manager: TokenizerManager, subs: list, rid: str, created: int, model: str,
-                             include_usage: bool, prompt_lens: list[int]) -> AsyncIterator[str]:
-    def chunk(i: int, text: str, finish: str | None, matched: Any = None) -> str:
-        choice = {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+async def _completion_stream(manager: TokenizerManager, subs: list[Sub], options: RequestOptions, rid: str,
+                             created: int, model: str, include_usage: bool, prompt_lens: list[int],
+                             names: TokenText | None, echoed: list[str] | None) -> AsyncIterator[str]:
+    """OpenAI's completion stream. With ``echo`` the first chunk of each sequence starts with its prompt's text
+    (and, with ``logprobs``, the prompt tokens' entries); ``text_offset`` counts from the start of it all."""
+
+    def chunk(i: int, text: str, finish: str | None, matched: Any = None, logprobs: Any = None) -> str:
+        choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if finish is not None:
             choice["matched_stop"] = matched
         return sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                     "choices": [choice]})
 
     finals: list[dict[str, Any]] = [{} for _ in subs]
-    async for i, c in manager.generate(subs):
+    sent = [0] * len(subs)  # characters sent so far per sequence, for text_offset
+    started = [False] * len(subs)
+    async for i, c in manager.generate(subs, options=options):
+        text, parts = c.text, []
+        if not started[i]:
+            started[i] = True
+            if echoed is not None:
+                text = echoed[i] + text
+                if names is not None:
+                    parts.append(completion_logprobs(names, (c.logprobs or {}).get("input", []), subs[i][0],
+                                                     options.top_logprobs_num))
+        if names is not None:
+            parts.append(completion_logprobs(names, *_chunk_answer(c), options.top_logprobs_num,
+                                             text_start=sent[i] + len(text) - len(c.text)))
+        logprobs = merge_completion_logprobs(parts) if names is not None else None
+        sent[i] += len(text)
         if c.finished:
             reason = c.finish_reason or {"type": "abort"}
             if reason["type"] == "abort":
-                if c.text:
-                    yield chunk(i, c.text, None)
+                if text:
+                    yield chunk(i, text, None, logprobs=logprobs)
                 yield _stream_error(reason)
             else:
-                yield chunk(i, c.text, reason["type"], reason.get("matched"))
+                yield chunk(i, text, reason["type"], reason.get("matched"), logprobs=logprobs)
             finals[i] = {"completion_tokens": c.completion_tokens, "cached_tokens": c.cached_tokens}
-        elif c.text:
-            yield chunk(i, c.text, None)
+        elif text or (logprobs and logprobs["tokens"]):
+            yield chunk(i, text, None, logprobs=logprobs)
     if include_usage:
         yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                    "choices": [], "usage": _usage(finals, prompt_lens)})
     yield SSE_DONE
 
 
-async def _generate_stream(manager: TokenizerManager, subs: list, batch: bool) -> AsyncIterator[str]:
-    """SGLang's native stream: every event carries the *cumulative* text and ids so far."""
-    texts = ["" for _ in subs]
-    ids: list[list[int]] = [[] for _ in subs]
-    async for i, c in manager.generate(subs):
-        texts[i] += c.text
-        ids[i] += c.token_ids
+async def _generate_stream(manager: TokenizerManager, subs: list[Sub], options: RequestOptions, batch: bool,
+                           texts: TokenText | None | bool) -> AsyncIterator[str]:
+    """SGLang's native stream: every event carries the *cumulative* text, ids (and log probabilities) so far."""
+    outs = [Output() for _ in subs]
+    async for i, c in manager.generate(subs, options=options):
+        outs[i].add(c)
         if not c.text and not c.token_ids and not c.finished:
             continue
-        if c.finished:
-            out = _final([texts[i]], ids[i], c)
-            event = {"text": out["text"], "output_ids": out["output_ids"], "meta_info": out["meta_info"]}
-        else:
-            event = {"text": texts[i], "output_ids": ids[i], "meta_info": {
-                "id": c.rid, "finish_reason": None, "prompt_tokens": c.prompt_tokens,
-                "completion_tokens": c.completion_tokens, "cached_tokens": c.cached_tokens,
-                "e2e_latency": round(c.e2e_latency, 6)}}
+        event = _native(outs[i], subs[i][0], options, texts, finished=c.finished)
         if batch:
             event["index"] = i
         yield sse(event)

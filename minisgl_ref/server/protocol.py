@@ -6,21 +6,38 @@ shape every OpenAI client already understands::
     {"error": {"message": "temperature: Input should be less than or equal to 2 (got 3.5)",
                "type": "invalid_request_error", "param": "temperature", "code": null}}
 
-The schemas are pydantic models in *strict* mode: ``"max_tokens": "10"`` or ``"n": true`` are type errors, not
-silently converted (an int is still accepted where a float is expected). Unknown fields are ignored, as OpenAI
-clients send fields this server does not need. Range rules that the engine also enforces (top_p in (0, 1], ...)
-are left to :class:`SamplingParams`, whose error message names the field; the server translates SGLang's field
-names back to OpenAI's (``max_new_tokens`` -> ``max_tokens``).
+A body is checked in three layers, each naming the field it refuses:
+
+1. **JSON** (:func:`parse_json_body`): it must parse, be an object, nest at most ``MAX_JSON_DEPTH`` levels, have
+   at most ``MAX_JSON_ITEMS`` items in any array or object but a list of token ids, and hold only Unicode text
+   (JSON's ``"\\ud800"`` escape makes a lone surrogate, which no tokenizer, detokenizer or UTF-8 encoder
+   accepts) and only integers that fit in 64 bits, signed or unsigned: ``[-2**63, 2**64)``. That is what the
+   messages to the scheduler can carry, and it is exactly what ``seed`` means: the engine hashes a seed's low
+   64 bits, so any such value is a valid seed (``2**64 - 1`` and ``-1`` are the same one). Tighter ranges
+   (token ids against the vocabulary, lengths against the context) are the tokenizer manager's.
+2. **Schema** (:func:`validate`): pydantic models in *strict* mode: ``"max_tokens": "10"`` or ``"n": true`` are
+   type errors, not silently converted (an int is still accepted where a float is expected). Unknown fields are
+   ignored, as clients send metadata this server does not need (``user``, ``metadata``, ``store``, ...); but
+   a field that would *change the answer* and is not implemented (constrained decoding, LoRA, images, tools,
+   ...) is refused by name, from the ``unsupported`` table of each schema: an answer that silently ignored
+   ``json_schema`` would look right and be wrong.
+3. **Values**: range rules that the engine also enforces (top_p in (0, 1], ...) are left to
+   :class:`SamplingParams`, whose error message names the field; the server translates SGLang's field names
+   back to OpenAI's (``max_new_tokens`` -> ``max_tokens``).
 """
 
 from __future__ import annotations
 
+import gc
 import json
-from typing import Any, Literal, TypeVar
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from minisgl_ref.sampling.params import SamplingParams
+from minisgl_ref.scheduler.request import MAX_TOP_LOGPROBS
 
 
 class APIError(Exception):
@@ -44,15 +61,79 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")
 
 
+#: Deep enough for any JSON schema a client may send, shallow enough that no recursive code downstream
+#: (pydantic, the chat template, ``json.dumps`` of our own error messages) nears Python's recursion limit.
+MAX_JSON_DEPTH = 64
+#: More messages, stop strings, prompts of a batch or dict keys than any client needs. Without a bound, a body
+#: under the size limit could hold a million of them, and pydantic (or msgpack) would spend seconds on them
+#: holding the GIL, pausing every stream. Lists of token ids may be longer: the context length bounds them, and
+#: the tokenizer manager checks a prompt's length before it looks at its ids.
+MAX_JSON_ITEMS = 4096
+INT_RANGE = (-(2**63), 2**64)  # [low, high): what fits in 64 bits, signed or unsigned
+_SURROGATE = re.compile(r"[\ud800-\udfff]")  # json.loads joins valid pairs, so any left is a lone one
+
+
 def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The body as a dict, after the checks of layer 1.
+
+    ``json.loads`` holds the GIL throughout, and a body of many small arrays makes it slow: as millions of new
+    containers appear, the cyclic garbage collector runs full passes over the whole heap (4.6 s for 32 MiB of
+    ``[[1], [1], ...]`` in the API server, 0.8 s without them). Parsed JSON holds no reference cycles, so the
+    collector would find nothing in it: it is paused while parsing."""
+    was_enabled = gc.isenabled()
+    gc.disable()
     try:
         body = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError as e:
+        raise APIError(400, f"the request body nests more than {MAX_JSON_DEPTH} levels deep",
+                       code="invalid_json") from e
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
+    finally:
+        if was_enabled:  # else another thread paused it, and that one resumes it
+            gc.enable()
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}",
                        code="invalid_json")
+    _check_json_values(body)
     return body
+
+
+def _check_json_values(body: dict[str, Any]) -> None:
+    """Layer 1 of the module docstring, in one walk over the parsed body (a loop, not recursion: the body is the
+    client's). Scalars are checked where they sit, so a path is only built for a container or an error."""
+
+    def refuse(path: tuple[Any, ...], problem: str) -> APIError:
+        param = ".".join(map(str, path)) or None
+        return APIError(400, f"{param}: {problem}" if param else problem, param=param)
+
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(body, ())]
+    while stack:
+        container, path = stack.pop()
+        if len(path) >= MAX_JSON_DEPTH:
+            raise refuse(path[:1], f"the request body nests more than {MAX_JSON_DEPTH} levels deep")
+        is_dict = isinstance(container, dict)
+        if len(container) > MAX_JSON_ITEMS and (is_dict or not all(type(v) is int for v in container)):
+            raise refuse(path, f"{len(container)} items are more than the {MAX_JSON_ITEMS} allowed (only a list "
+                               "of token ids may be longer)")
+        for key, value in container.items() if is_dict else enumerate(container):
+            if is_dict and not _is_text(key):
+                raise refuse(path, f"the key {key!r} is not valid Unicode text (it holds a lone surrogate)")
+            if isinstance(value, (dict, list)):
+                stack.append((value, (*path, key)))
+            elif isinstance(value, str) and not _is_text(value):
+                raise refuse((*path, key), "not valid Unicode text (it holds a lone surrogate, such as "
+                                           "the JSON escape \\ud800 without its pair)")
+            elif type(value) is int and not INT_RANGE[0] <= value < INT_RANGE[1]:
+                raise refuse((*path, key), f"integers must fit in 64 bits (got {_preview(value)})")
+
+
+def _is_text(s: str) -> bool:
+    return s.isascii() or _SURROGATE.search(s) is None
+
+
+def _preview(value: Any) -> str:
+    return json.dumps(value)[:80]
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -60,7 +141,9 @@ _BRANCH_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def validate(model: type[M], body: dict[str, Any]) -> M:
-    """``model.model_validate(body)``, with pydantic's errors turned into one 400 naming the first bad field."""
+    """``model.model_validate(body)``, with pydantic's errors turned into one 400 naming the first bad field;
+    first, any field of the model's ``unsupported`` table that the body sets is refused."""
+    refuse_unsupported(body, getattr(model, "unsupported", {}))
     try:
         return model.model_validate(body)
     except ValidationError as e:
@@ -71,7 +154,7 @@ def validate(model: type[M], body: dict[str, Any]) -> M:
         param = ".".join(path) or None
         msg = err["msg"]
         if err["type"] != "missing" and "input" in err:
-            msg += f" (got {json.dumps(err['input'])[:80]})"
+            msg += f" (got {_preview(err['input'])})"
         raise APIError(400, f"{param}: {msg}" if param else msg, param=param) from e
 
 
@@ -91,6 +174,53 @@ def sampling_params(kwargs: dict[str, Any], *, names: dict[str, str] | None = No
 
 
 OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+MAX_N = 128  # samples per prompt (OpenAI's limit)
+
+
+# ----------------------------------------------------------------------------------- unsupported fields
+
+#: What a field's "not used" values are: absent always counts as not used.
+UNSET: tuple[Any, ...] = (None,)
+
+
+def refuse_unsupported(body: Mapping[str, Any], table: Mapping[str, tuple[Any, ...]], where: str = "") -> None:
+    """400 for the first field of ``table`` that ``body`` sets to anything but one of its "not used" values."""
+    for name, unused in table.items():
+        if name in body and body[name] not in unused:
+            raise APIError(400, f"{where}{name} is not supported by this server", param=where + name)
+
+
+# Fields of SGLang's and OpenAI's APIs that would change the answer and that this server does not implement yet,
+# with their "not used" values.
+_DECODING_UNSUPPORTED = {  # SGLang's sampling parameters: top-level on the OpenAI routes, in /generate's
+    "regex": UNSET, "json_schema": UNSET, "ebnf": UNSET, "structural_tag": UNSET,  # constrained decoding
+    "no_stop_trim": (None, False), "spaces_between_special_tokens": (None, True),  # detokenizing
+    "custom_params": UNSET,  # for a custom logit processor
+}
+_ENGINE_UNSUPPORTED = {
+    "lora_path": UNSET, "return_hidden_states": (None, False), "custom_logit_processor": UNSET,
+}
+_CHAT_UNSUPPORTED = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "audio": UNSET, "modalities": (None, ["text"]),
+    "prediction": UNSET, "web_search_options": UNSET,
+}
+_GENERATE_UNSUPPORTED = {
+    "input_embeds": UNSET, "image_data": UNSET, "video_data": UNSET, "audio_data": UNSET, "session_params": UNSET,
+}
+
+
+def native_sampling_params(raw: dict[str, Any]) -> SamplingParams:
+    """``/generate``'s ``sampling_params`` (SGLang's names): a key this server knows but does not implement is
+    refused as unsupported, any other unknown key as unknown (a typo like ``top-p`` must not be ignored)."""
+    refuse_unsupported(raw, _DECODING_UNSUPPORTED, where="sampling_params.")
+    unknown = sorted(set(raw) - set(SamplingParams.__dataclass_fields__))
+    if unknown:
+        raise APIError(400, f"unknown sampling parameter {unknown[0]!r}", param="sampling_params")
+    params = sampling_params(dict(raw))
+    if params.n > MAX_N:
+        raise APIError(400, f"n must be <= {MAX_N}, got {params.n}", param="n")
+    return params
 
 
 # ------------------------------------------------------------------------------------------------- schemas
@@ -98,6 +228,15 @@ OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+    unsupported: ClassVar[Mapping[str, tuple[Any, ...]]] = {}  # refused by name; see refuse_unsupported
+
+
+# A list of token ids may be a whole context long (see MAX_JSON_ITEMS): every list type stops at its first bad
+# element instead of collecting an error per element (seconds, holding the GIL, for a million), and unions try
+# their branches in order.
+TokenIds = Annotated[list[int], Field(fail_fast=True)]
+Texts = Annotated[list[str], Field(fail_fast=True)]
+TokenIdsBatch = Annotated[list[TokenIds], Field(fail_fast=True)]
 
 
 class StreamOptions(_Strict):
@@ -111,14 +250,14 @@ class _OpenAISampling(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | Texts | None = Field(None, union_mode="left_to_right")
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logprobs: Any = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias in [-100, 100]
     user: str | None = None
     # SGLang extensions
     top_k: int | None = None
@@ -126,8 +265,10 @@ class _OpenAISampling(_Strict):
     repetition_penalty: float | None = None
     min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
+    stop_regex: str | Texts | None = Field(None, union_mode="left_to_right")
     skip_special_tokens: bool = True
+    cache_salt: str | None = None  # only requests with the same salt share cached prefixes (chapter 04)
 
     def to_sampling_params(self, max_new_tokens: int) -> SamplingParams:
         kw: dict[str, Any] = {"max_new_tokens": max_new_tokens, "ignore_eos": self.ignore_eos,
@@ -137,7 +278,8 @@ class _OpenAISampling(_Strict):
                              ("frequency_penalty", "frequency_penalty"),
                              ("repetition_penalty", "repetition_penalty"), ("stop", "stop"),
                              ("stop_token_ids", "stop_token_ids"), ("seed", "seed"),
-                             ("min_new_tokens", "min_tokens")):
+                             ("min_new_tokens", "min_tokens"), ("stop_regex", "stop_regex"),
+                             ("logit_bias", "logit_bias")):
             value = getattr(self, theirs)
             if value is not None:
                 kw[ours] = value
@@ -165,19 +307,22 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_OpenAISampling):
+    unsupported = {**_DECODING_UNSUPPORTED, **_ENGINE_UNSUPPORTED, **_CHAT_UNSUPPORTED}
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    top_logprobs: int | None = None
-    tools: Any = None
-    response_format: Any = None
+    logprobs: bool = False  # the log probability of each token of the answer ...
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # ... and this many alternatives
+    # The last message is an assistant's to continue (a prefill such as '{"name": '), not a turn to answer.
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_OpenAISampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    unsupported = {**_DECODING_UNSUPPORTED, **_ENGINE_UNSUPPORTED, "suffix": (None, "")}
+    prompt: str | Texts | TokenIds | TokenIdsBatch = Field(union_mode="left_to_right")
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
-    echo: bool = False
-    suffix: str | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # each token's and this many alternatives'
+    echo: bool = False  # the prompt comes back in front of the answer (with its log probabilities, if asked)
     best_of: int | None = None
 
 
@@ -185,9 +330,14 @@ class GenerateRequest(_Strict):
     """SGLang's native ``/generate``: ``text`` or ``input_ids`` (one or a batch), ``sampling_params`` with
     SGLang's names (one dict, or one per prompt)."""
 
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    unsupported = {**_ENGINE_UNSUPPORTED, **_GENERATE_UNSUPPORTED}
+    text: str | Texts | None = Field(None, union_mode="left_to_right")
+    input_ids: TokenIds | TokenIdsBatch | None = Field(None, union_mode="left_to_right")
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
     rid: Any = None
-    return_logprob: bool = False
+    return_logprob: bool = False  # log probabilities of the output tokens, and of the prompt's from ...
+    logprob_start_len: int = Field(-1, ge=-1)  # ... this position on (-1: none of the prompt)
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token
+    return_text_in_logprobs: bool = False  # each token's text beside its id
+    cache_salt: str | None = None

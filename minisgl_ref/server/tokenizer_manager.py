@@ -5,7 +5,11 @@ Like SGLang's ``TokenizerManager``, it lives *in* the HTTP process rather than i
 (Mini-SGLang's choice). Tokenizing a chat prompt takes well under a millisecond per hundred tokens, so a
 separate process would buy little and cost a hop; and tokenizing here means every request is fully validated
 (prompt length against the context window, token ids against the vocabulary) *before* it enters the pipeline,
-so a bad request gets its 400 at once and never reaches the engine.
+so a bad request gets its 400 at once and never reaches the engine. Its tokenizing and checking methods
+(:meth:`~TokenizerManager.encode`, :meth:`~TokenizerManager.chat_ids`, the ``check_*`` ones) run in the HTTP
+handlers' worker threads, off the event loop (a huge prompt takes seconds to encode), so they only read state
+that never changes after start-up; HF's Rust tokenizer may encode on several threads at once, and releases the
+GIL while it does.
 
 Each HTTP handler calls :meth:`TokenizerManager.generate`, an async generator of ``(index, Chunk)`` pairs. A
 background task (:meth:`_recv_loop`) reads the detokenizer's batched outputs and drops each row into the queue
@@ -21,7 +25,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +43,7 @@ from minisgl_ref.server.messages import (
     decode,
     encode,
 )
-from minisgl_ref.server.metrics import ServerMetrics
+from minisgl_ref.server.metrics import RequestTrack, ServerMetrics
 from minisgl_ref.server.protocol import APIError
 
 log = logging.getLogger("minisgl_ref.server")
@@ -58,6 +62,20 @@ class Chunk:
     prompt_tokens: int
     rid: str
     e2e_latency: float = 0.0
+    # For requests that asked for them: the log-probability entries computed since the last chunk, as
+    # ``{"input": [...], "output": [...]}`` (see :mod:`minisgl_ref.server.logprobs`).
+    logprobs: dict[str, list[Any]] | None = None
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """What a request asks of the engine besides its sampling parameters; the same for every sequence of one
+    HTTP request. The names are SGLang's (see :class:`~minisgl_ref.scheduler.request.Req`)."""
+
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -71,6 +89,7 @@ class ReqState:
     last_time: float | None = None
     completion_tokens: int = 0
     finished: bool = False
+    track: RequestTrack | None = None  # the metrics' view of it, from when the scheduler has it (never if internal)
 
 
 class TokenizerManager:
@@ -142,32 +161,48 @@ class TokenizerManager:
     def encode(self, text: str) -> list[int]:
         return self.require_tokenizer("a text prompt").encode(text)
 
-    def chat_ids(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+    def chat_ids(self, messages: list[dict[str, Any]], *, continue_final_message: bool = False,
+                 **template_kwargs: Any) -> list[int]:
+        """The prompt of a chat request. With ``continue_final_message`` the last (assistant) message is left
+        open for the model to continue, instead of a new assistant turn being started after it."""
         tok = self.require_tokenizer("chat")
+        if continue_final_message:
+            if messages[-1]["role"] != "assistant":
+                raise APIError(400, "continue_final_message needs the last message to be the assistant's",
+                               param="continue_final_message")
+            template_kwargs.update(continue_final_message=True, add_generation_prompt=False)
         try:
-            return tok.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+            return tok.apply_chat_template(messages, **{"add_generation_prompt": True, **template_kwargs})
         except Exception as e:  # noqa: BLE001 - jinja raises whatever the template author wrote
             raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from e
 
     def check_params(self, params: SamplingParams) -> None:
+        """What :class:`SamplingParams` cannot check without the model: every token id it names (stop ids,
+        logit_bias keys) must be in the vocabulary, or the request would fail deep inside the scheduler."""
         if params.stop and self.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer, and this model has none: use stop_token_ids",
                            param="stop")
+        self.check_token_ids(params.stop_token_ids or (), param="stop_token_ids")
+        self.check_token_ids(params.logit_bias or {}, param="logit_bias")
 
-    def check_prompt(self, ids: Sequence[int], max_new_tokens: int | None, *, param: str = "prompt") -> None:
-        """The checks SGLang's tokenizer manager makes before a request may enter the pipeline."""
-        if not ids:
-            raise APIError(400, "the prompt is empty", param=param)
+    def check_token_ids(self, ids: Iterable[int], *, param: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise APIError(400, f"token id {bad} is out of range: the vocabulary has {self.vocab_size} ids",
-                           param=param)
+            raise APIError(400, f"{param}: token id {bad} is out of range: the vocabulary has {self.vocab_size} "
+                                "ids", param=param)
+
+    def check_prompt(self, ids: Sequence[int], max_new_tokens: int | None, *, param: str = "prompt") -> None:
+        """The checks SGLang's tokenizer manager makes before a request may enter the pipeline (the length first:
+        it costs nothing, however long the prompt)."""
+        if not ids:
+            raise APIError(400, "the prompt is empty", param=param)
         n, ctx = len(ids), self.context_length
         if n >= ctx:
             raise APIError(
                 400, f"This model's maximum context length is {ctx} tokens, but the prompt has {n} tokens "
                      "(at least one token must be left for the output).",
                 param=param, code="context_length_exceeded")
+        self.check_token_ids(ids, param=param)
         if max_new_tokens is not None and n + max_new_tokens > ctx:
             raise APIError(
                 400, f"This model's maximum context length is {ctx} tokens. However, you requested "
@@ -181,7 +216,8 @@ class TokenizerManager:
     # ------------------------------------------------------------------------------------------ generating
 
     async def generate(
-        self, reqs: Sequence[tuple[list[int], SamplingParams]], *, internal: bool = False
+        self, reqs: Sequence[tuple[list[int], SamplingParams]], *, internal: bool = False,
+        options: RequestOptions = RequestOptions(),
     ) -> AsyncIterator[tuple[int, Chunk]]:
         """Run several requests (a batch, or the n samples of one prompt) and yield ``(index, chunk)`` as their
         outputs arrive, until every one has finished. Leaving early aborts the unfinished ones."""
@@ -193,7 +229,11 @@ class TokenizerManager:
         try:
             for st, (ids, params) in zip(states, reqs):
                 self.states[st.rid] = st
-                self._send(GenerateReqInput(st.rid, list(ids), params.to_dict()))
+                self._send(GenerateReqInput(st.rid, list(ids), params.to_dict(), options.cache_salt,
+                                            options.return_logprob, options.top_logprobs_num,
+                                            options.logprob_start_len))
+                if self.metrics is not None and not internal:
+                    st.track = self.metrics.start(st.prompt_tokens, st.created)
             while remaining:
                 index, chunk = await queue.get()
                 if chunk.finished:
@@ -209,8 +249,9 @@ class TokenizerManager:
                     except APIError:
                         log.warning("could not send the abort of %s", st.rid)
                     log.debug("aborted %s (its client stopped listening)", st.rid)
-                    if self.metrics is not None and not st.internal:
-                        self.metrics.num_aborted_requests.inc()
+                if self.metrics is not None and st.track is not None:
+                    # Counts it as aborted unless it was already counted when it ended (in `_deliver`).
+                    self.metrics.end(st.track, aborted=True)
 
     async def rpc(self, method: str, timeout: float = 30.0) -> RpcResp:
         self.check_alive()
@@ -238,36 +279,31 @@ class TokenizerManager:
         while True:
             msg = decode(await self.recv.recv())
             if isinstance(msg, BatchStrOut):
-                for rid, delta, ids, finished, reason, cached in zip(
-                    msg.rids, msg.deltas, msg.new_ids, msg.finished, msg.finish_reasons, msg.cached_tokens
+                for rid, delta, ids, finished, reason, cached, logprobs in zip(
+                    msg.rids, msg.deltas, msg.new_ids, msg.finished, msg.finish_reasons, msg.cached_tokens,
+                    msg.logprobs or itertools.repeat(None),
                 ):
                     st = self.states.get(rid)
                     if st is not None and not st.finished:
-                        self._deliver(st, delta, ids, finished, reason, cached)
+                        self._deliver(st, delta, ids, finished, reason, cached, logprobs)
             elif isinstance(msg, RpcResp):
                 fut = self.rpcs.get(msg.rpc_id)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
 
     def _deliver(self, st: ReqState, text: str, ids: list[int], finished: bool, reason: dict[str, Any] | None,
-                 cached: int) -> None:
+                 cached: int, logprobs: dict[str, list[Any]] | None = None) -> None:
         now = time.perf_counter()
         st.completion_tokens += len(ids)
-        m = None if st.internal else self.metrics
-        if m is not None and ids:
-            if st.last_time is None:
-                m.ttft.observe(now - st.created)
-            else:
-                gap = (now - st.last_time) / len(ids)
-                for _ in ids:
-                    m.itl.observe(gap)
         if ids:
             st.last_time = now
         e2e = now - st.created
+        m, track = self.metrics, st.track
+        if m is not None and track is not None:
+            m.on_output(track, len(ids), cached, now)
         if finished:
             st.finished = True
-            if m is not None:
-                m.on_finish(st.prompt_tokens, st.completion_tokens, cached, e2e,
-                            aborted=bool(reason and reason.get("type") == "abort"))
+            if m is not None and track is not None:
+                m.end(track, aborted=bool(reason and reason.get("type") == "abort"), now=now)
         st.queue.put_nowait((st.index, Chunk(text, list(ids), finished, reason, cached, st.completion_tokens,
-                                             st.prompt_tokens, st.rid, e2e)))
+                                             st.prompt_tokens, st.rid, e2e, logprobs)))
