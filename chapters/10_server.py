@@ -38,10 +38,12 @@
 # 4. start the real server on the embedded model and watch it refuse connections until the model is loaded;
 # 5. talk to it with the official `openai` client, check it against the oracle, and read a raw SSE stream;
 # 6. send it bad requests, walk away from a stream mid-way, and read its metrics;
-# 7. measure it under load with `bench serving` (task 10.1), and stop it cleanly.
+# 7. measure it under load with `bench serving` (task 10.1), and stop it cleanly;
+# 8. put two servers behind SGLang's router with `--dp-size 2`, and see requests that share a prefix stay together.
 #
 # Modules: `minisgl_ref/server/` (`launch.py`, `http_server.py`, `tokenizer_manager.py`, `scheduler_process.py`,
-# `detokenizer_process.py`, `messages.py`, `metrics.py`, `shell.py`) and `minisgl_ref/bench/serving.py`.
+# `detokenizer_process.py`, `messages.py`, `metrics.py`, `shell.py`, `data_parallel.py`) and
+# `minisgl_ref/bench/serving.py`.
 
 # %% tags=["setup"]
 import json
@@ -367,6 +369,63 @@ with httpx.stream("POST", URL + "/v1/chat/completions", json=body, timeout=120) 
 # after the prefill. SGLang's native stream differs in one way: each event carries the *cumulative* text and ids
 # so far, not a delta.
 #
+# ### Log probabilities
+#
+# Evaluation harnesses, classifiers built on a chat model and uncertainty-aware applications all ask the same
+# question: how likely was each token? OpenAI's chat API answers it with `logprobs: true` (and `top_logprobs: k`
+# for the k likeliest alternatives at each position), its completions API with `logprobs: k` (and `echo: true`
+# to score the prompt too), and SGLang's `/generate` with `return_logprob`, `top_logprobs_num` and
+# `logprob_start_len` (the first prompt position to score; -1, the default, scores only the output).
+#
+# *Which* probabilities? Those of the distribution the token was drawn from: the logits after `logit_bias` and
+# the penalties, divided by the temperature (by 1 for greedy requests), before top-k/top-p/min-p cut it down.
+# That is what SGLang reports, and for a greedy request it is plain `log_softmax` of the model's logits, which
+# `tests/test_logprobs.py` checks against HF transformers. Prompt positions are scored with the raw logits.
+#
+# The cost is paid only by the steps that need it. The sampler computes one `log_softmax` over the batch, and a
+# `topk`, only in a step where some request asked; a prompt's scores come from the hidden states of its positions,
+# turned into logits a few hundred positions at a time, so a long prompt never needs a `[prompt, vocab]` tensor.
+# One subtlety is the radix cache: a cached prefix is never computed, so it has no logits. A request that asks
+# for prompt scores from position `s` therefore reuses at most `s - 1` cached tokens (`Req.reusable_prefix_len`),
+# and the rest is computed again.
+
+# %%
+resp = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=6, temperature=0,
+                                      logprobs=True, top_logprobs=3)
+for item in resp.choices[0].logprobs.content:
+    alternatives = ", ".join(f"{t.token!r} {t.logprob:.2f}" for t in item.top_logprobs)
+    print(f"{item.token!r:>12} {item.logprob:6.2f}   top 3: {alternatives}")
+scored = client.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=2,
+                                   temperature=0, logprobs=1, echo=True).choices[0].logprobs
+print("echo, prompt and answer:", [(t, None if lp is None else round(lp, 2))
+                                   for t, lp in zip(scored.tokens, scored.token_logprobs)])
+
+# %% [markdown]
+# A greedy answer's tokens are always the top alternative. The first prompt token has no score (nothing came
+# before it to predict it), which OpenAI's API writes as `null`.
+#
+# ### More of what a request can ask
+#
+# | field | where | what it does |
+# | --- | --- | --- |
+# | `logit_bias` | OpenAI routes, `sampling_params` | adds a bias in [-100, 100] to chosen token ids' logits (chapter 02) |
+# | `stop_regex` | OpenAI routes, `sampling_params` | ends the answer once its text matches a regular expression (chapter 02) |
+# | `cache_salt` | every route | only requests with the same salt share cached prefixes (chapter 04) |
+# | `continue_final_message` | chat | the last, assistant message is continued rather than answered |
+#
+# Fields that would change the answer but are not implemented yet (`regex`, `json_schema`, `ebnf`, `tools`,
+# `response_format` other than text, images, LoRA adapters, ...) are refused with a 400 that names them: an
+# answer that silently ignored a JSON schema would look right and be wrong.
+
+# %%
+opened = CHAT + [{"role": "assistant", "content": "Sure! The capital of France is"}]
+cont = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=opened, max_tokens=8,
+                                      temperature=0, extra_body={"continue_final_message": True})
+print("continued:", repr(opened[-1]["content"] + cont.choices[0].message.content))
+refused = httpx.post(URL + "/v1/chat/completions", json={"messages": CHAT, "json_schema": "{}"}, timeout=30)
+print(refused.status_code, refused.json()["error"]["message"])
+
+# %% [markdown]
 # ## 6. Bad requests, walking away, metrics
 #
 # Every bad request gets a 4xx with an OpenAI-style error body naming the problem and the parameter, and is
@@ -386,6 +445,31 @@ for name, path, payload in bad:
 r = httpx.post(URL + "/v1/completions", content=b'{"prompt": "hi", ', timeout=30,
                headers={"Content-Type": "application/json"})
 print(f"{'malformed JSON':<32} {r.status_code}  {r.json()['error']['message'][:100]}")
+
+# %% [markdown]
+# **One request's failure is that request's alone.** Checking at the door is the first line. Every token id a
+# request carries (its prompt, `stop_token_ids`, the keys of `logit_bias`) ends up as an index into some
+# `[vocab]`-sized row: the embedding table, the stop-token mask that `min_tokens` uses, the bias added to the
+# logits. One id outside the vocabulary there does not fail one row, it fails the whole batch's step, and with it
+# every request in the batch. So the API server checks ids against the vocabulary and answers 400, and the engine
+# checks them again when a request is added (`Req.token_id_problem`), for callers that bypass the API.
+#
+# The engine does not rely on the door alone. If a step fails anyway (a request whose data changed after the
+# check, a bug, a device error), `Engine.step` rolls that step back: every row gets back the KV length it had
+# before the step, so nothing the failed step may have half-written reaches the radix cache. It then runs the
+# door check on the step's requests again; those that fail it are aborted with the reason, and the others go
+# back to the waiting queue, exactly as after a retraction (chapter 03), to be prefilled again from the cache.
+# Only when nobody can be singled out are all of the step's requests aborted with the error. A failure while
+# appending one request's token (its detokenizer, say) aborts just that request. And around all of it, the
+# scheduler process catches what is left, aborts everything in flight, and keeps serving: a client sees an error
+# for its own request, never a server that is gone. `tests/test_request_isolation.py` injects each kind of failure
+# into one request of a batch and checks that the others produce exactly the oracle's tokens.
+
+# %%
+r = httpx.post(URL + "/v1/chat/completions", timeout=30, json={
+    "messages": CHAT, "max_tokens": 4, "min_tokens": 1, "stop_token_ids": [10**6]})
+print(r.status_code, r.json()["error"])
+assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
 
 # %% [markdown]
 # **A client that leaves.** Here a client asks for 2,000 tokens, reads three events and closes the connection.
@@ -424,24 +508,129 @@ while True:
 print(f"after  : {show(state)}  (all of it back {(time.perf_counter() - t0) * 1000:.0f} ms after the client left)")
 
 # %% [markdown]
-# **Metrics.** With `--enable-metrics`, `/metrics` serves Prometheus text named after SGLang's (`sglang:` there,
-# `minisgl:` here). What a client experiences is measured in the API process as outputs stream past: time to
-# first token, inter-token latency and end-to-end latency as histograms, token counters. What only the scheduler
-# knows (running and queued requests, KV usage, cache hit rate) is fetched from it over an RPC message when
-# `/metrics` is scraped.
+# **A long prompt while others stream.** Prefill has priority (chapter 05): a prompt that arrives is computed
+# before the running requests take their next step. On a GPU a step of 8,192 prompt tokens takes tens of
+# milliseconds, so that is fine. On a CPU the same rule would be a disaster: one core needs about 65 ms for a
+# decode step of the embedded model, but about 37 s to prefill a 3,000-token prompt in one step, and every
+# running stream would freeze for those 37 s. So `serve` on a CPU changes two defaults: prompts are cut into
+# chunks of 32 tokens (`--chunked-prefill-size 32`), and each chunk shares its step with the running requests'
+# decode rows (`--enable-mixed-chunk`). Measured on one core, a 3,000-token prompt arriving while one request
+# streams:
+#
+# | chunk size | mixed with decode | longest pause of the running stream | the long prompt's own prefill |
+# | --- | --- | --- | --- |
+# | whole prompt (8,192) | no | 37 s | 37 s |
+# | 128 | yes | 1.1-1.8 s | 21 s |
+# | 64 | yes | 0.5-0.7 s | 23 s |
+# | 32 (CPU default) | yes | 0.3-0.45 s (about 5 decode steps) | 28 s |
+#
+# The trade-off is plain in the last column: smaller chunks mean more steps, each of which reads all the weights
+# once, so the long prompt itself takes longer. (Chunks of a few hundred tokens are even faster in total than one
+# huge step here, because the plain attention of the CPU path grows quadratically with the tokens of a step.)
+# Thirty-two tokens keep the pause of everyone else within a few decode steps for a quarter more time on the long
+# prompt. On a GPU the defaults stay SGLang's (chunks of 8,192, no mixing). Both flags can be set either way.
+#
+# We can watch it: one stream runs while a 600-token prompt arrives; we record the gaps between the stream's
+# events.
 
 # %%
-scrape = httpx.get(URL + "/metrics", timeout=30).text
-values = {s.name: s.value for fam in text_string_to_metric_families(scrape) for s in fam.samples
-          if not s.name.endswith("_bucket")}
-for name in ("prompt_tokens_total", "generation_tokens_total", "num_requests_total", "num_aborted_requests_total",
-             "num_running_reqs", "token_usage", "cache_hit_rate"):
-    print(f"minisgl:{name:<30} {values['minisgl:' + name]:g}")
-for h in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
-    n, total = values[f"minisgl:{h}_count"], values[f"minisgl:{h}_sum"]
-    print(f"minisgl:{h:<30} {n:g} observations, mean {total / n * 1000:.0f} ms")
+def pause_while_a_long_prompt_arrives() -> tuple[float, float]:
+    """Stream in a thread; after a second, send the long prompt from here. Returns (longest gap, prefill time)."""
+    import threading
+
+    arrivals: list[float] = []
+
+    def stream() -> None:
+        body = {"prompt": "Once upon a time", "max_tokens": 80, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", URL + "/v1/completions", json=body, timeout=300) as resp:
+            arrivals.extend(time.perf_counter() for line in resp.iter_lines() if line.startswith("data:"))
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    time.sleep(1.0)  # let the stream get going
+    t = time.perf_counter()
+    httpx.post(URL + "/v1/completions", json={"prompt": "word " * 600, "max_tokens": 1}, timeout=300)
+    prefill = time.perf_counter() - t
+    reader.join()
+    return max(b - a for a, b in zip(arrivals, arrivals[1:])), prefill
+
+
+worst_gap, long_prefill = pause_while_a_long_prompt_arrives()
+print(f"longest pause of the running stream: {worst_gap:.2f} s; the 600-token prompt took {long_prefill:.1f} s")
+
+# %% [markdown]
+# ### Metrics
+#
+# With `--enable-metrics`, `/metrics` serves Prometheus text under SGLang's names (`sglang:` prefix, one label
+# `model_name`), so a Grafana dashboard built for SGLang reads it unchanged. What a client experiences is measured
+# in the API process as outputs stream past; what only the scheduler knows (running and queued requests, KV use,
+# cache hit rate, tokens computed) is fetched from it over an RPC message each time `/metrics` is scraped.
+#
+# | metric | type | meaning |
+# | --- | --- | --- |
+# | `sglang:num_running_reqs` | gauge | requests in the running batch |
+# | `sglang:num_queue_reqs` | gauge | requests waiting to be scheduled |
+# | `sglang:num_waiting_reqs` | gauge | the same value as `num_queue_reqs`, under the other name dashboards use |
+# | `sglang:token_usage` | gauge | fraction of the KV pool held by requests |
+# | `sglang:num_used_tokens` | gauge | KV slots held by requests: `max_total_num_tokens - available_kv_tokens` |
+# | `sglang:max_total_num_tokens` | gauge | size of the KV pool, in tokens |
+# | `sglang:cache_hit_rate` | gauge | fraction of looked-up prompt tokens found in the radix cache |
+# | `sglang:gen_throughput` | gauge | tokens decoded per second between the last two scrapes |
+# | `sglang:decode_throughput` | gauge | the same value as `gen_throughput` |
+# | `sglang:prefill_throughput` | gauge | prompt tokens prefilled per second between the last two scrapes |
+# | `sglang:num_requests_total` | counter | requests that ended, however they ended |
+# | `sglang:num_aborted_requests_total` | counter | those of them aborted by the server or because their client left |
+# | `sglang:prompt_tokens_total` | counter | prompt tokens of ended requests |
+# | `sglang:generation_tokens_total` | counter | output tokens that ended requests produced |
+# | `sglang:cached_tokens_total` | counter | prompt tokens of ended requests served from the radix cache |
+# | `sglang:time_to_first_token_seconds` | histogram | arrival to first output token, per request that got one |
+# | `sglang:inter_token_latency_seconds` | histogram | gap between consecutive output tokens |
+# | `sglang:time_per_output_token_seconds` | histogram | per request, `(e2e - ttft) / (completion_tokens - 1)` |
+# | `sglang:e2e_request_latency_seconds` | histogram | arrival to end (last token, or the abort), per request |
+#
+# A slot that only the radix cache holds counts as available, not used: eviction can free it the moment a request
+# needs it. The three throughputs are rates over the interval between two scrapes: the scheduler reports how many
+# tokens it has prefilled and decoded since it started, and each scrape divides the change since the previous
+# scrape by the time between them (the first scrape has no interval and reports 0). A request's first token comes
+# out of its prefill step, so `gen_throughput` counts the tokens of decode steps, as SGLang's does.
+#
+# **Aborted requests count like the others.** A request counts from the moment the scheduler has it: one refused
+# with a 4xx never does. Each one is counted exactly once, when it ends, whether it finished, was aborted by the
+# server, or was abandoned by its client: once in `num_requests_total` and in the e2e histogram, with its prompt,
+# cached and generated tokens (for an abandoned one, the tokens that had reached the API server) in the token
+# counters, and in the TPOT histogram if it produced two tokens or more. An aborted request is also counted in
+# `num_aborted_requests_total`. Time to first token and inter-token latency are observed as tokens arrive, so a
+# request aborted before its first token counts in `num_requests_total` but not in the TTFT histogram. So
+# `e2e_request_latency_seconds_count` always equals `num_requests_total`, and dividing `generation_tokens_total`
+# by it gives the mean output length of all requests, abandoned ones included. The `/health_generate` probe is
+# the server's own request and counts nowhere.
+#
+# The client that walked away above is counted: it is the one aborted request so far. We scrape twice around a
+# request, so that the throughputs cover an interval in which the server worked:
+
+# %%
+def scrape_metrics() -> tuple[dict[str, float], str]:
+    text = httpx.get(URL + "/metrics", timeout=30).text
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if not s.name.endswith("_bucket")}, text
+
+
+scrape_metrics()
+client.completions.create(model="SmolLM2-135M-Instruct", prompt="Once upon a time", max_tokens=16, temperature=0)
+values, scrape = scrape_metrics()
+for name in ("num_requests_total", "num_aborted_requests_total", "prompt_tokens_total", "generation_tokens_total",
+             "cached_tokens_total", "num_running_reqs", "num_queue_reqs", "num_used_tokens", "max_total_num_tokens",
+             "token_usage", "cache_hit_rate", "prefill_throughput", "gen_throughput"):
+    print(f"sglang:{name:<36} {values['sglang:' + name]:g}")
+for h in ("time_to_first_token_seconds", "inter_token_latency_seconds", "time_per_output_token_seconds",
+          "e2e_request_latency_seconds"):
+    n, total = values[f"sglang:{h}_count"], values[f"sglang:{h}_sum"]
+    print(f"sglang:{h:<36} {n:g} observations, mean {total / n * 1000:.0f} ms")
+assert values["sglang:num_aborted_requests_total"] >= 1
+assert values["sglang:e2e_request_latency_seconds_count"] == values["sglang:num_requests_total"]
 buckets = [(s.labels["le"], s.value) for fam in text_string_to_metric_families(scrape) for s in fam.samples
-           if s.name == "minisgl:time_to_first_token_seconds_bucket"]
+           if s.name == "sglang:time_to_first_token_seconds_bucket"]
 print("TTFT histogram (cumulative counts, le = upper bound in s):", ", ".join(f"{le}: {v:g}" for le, v in buckets[:9]))
 
 # %% [markdown]
@@ -602,6 +791,77 @@ os.unlink(server_log.name)
 # 44 of them were already in the radix cache: all of the first turn except the answer's last token (`<|im_end|>`,
 # sampled but never fed back through the model, so it has no KV).
 #
+# ## 10. Data parallelism with SGLang's router
+#
+# One server is one engine: one copy of the weights, one KV pool, one radix cache, on one GPU (or one
+# tensor-parallel group of them, chapter 09). When a model already fits and the requests outgrow what one engine
+# can do, the simplest way to serve more is to run more copies, each on its own device, and spread the requests
+# over them. This is **data parallelism**: the copies share nothing, every request is served start to end by one
+# of them, and throughput grows with the number of copies. What is left to decide is which copy gets each request,
+# and that is a router's job.
+#
+# The obvious router, round-robin, counts requests fairly but ignores what they contain. Our server's best trick,
+# the radix cache of chapter 04, is private to each copy: a long system prompt that copy A has cached does nothing
+# for a request that lands on copy B, which computes it again and stores a second copy of its KV. With N copies
+# behind round-robin, a shared prefix is computed and stored N times, and each copy's pool has to hold every
+# popular prefix, so the cache that all N pools add up to is, in effect, no bigger than one pool.
+#
+# SGLang's router (the `sglang-router` package, a load balancer written in Rust) has a `cache_aware` policy for
+# exactly this. For each worker it keeps a rough radix tree of the request *texts* it has sent there (text, not
+# tokens: it does not need the tokenizer, and text prefixes line up with token prefixes well enough). A new request
+# is matched against every worker's tree: if some worker already saw a long enough part of its beginning (by
+# default 30% of it, `--cache-threshold`) the request goes there, because that worker probably still holds the
+# KV. Otherwise it goes to the worker whose tree is smallest, so different prefixes spread over the copies. And
+# when the workers' loads (requests in flight) drift too far apart, it stops chasing hits and sends work to the
+# least loaded worker until they even out. Requests that share a prefix end up on one worker, whose cache hits;
+# requests that do not still fill every worker.
+#
+# `serve --dp-size N` puts this together (`minisgl_ref/server/data_parallel.py`): it starts N ordinary servers,
+# each a `python -m minisgl_ref serve` on a free loopback port with the same model and engine flags (on a GPU
+# machine each on its own GPUs through `CUDA_VISIBLE_DEVICES`; on a CPU with the cores shared out through
+# `OMP_NUM_THREADS`), waits until they answer `/health`, starts the router on `--host/--port`, and prints one ready
+# line when the router has registered them all. It prints each worker's address too, so you can ask one
+# directly for its `/get_server_info`. Ctrl-C or SIGTERM stops the router first, then the workers; if any of them
+# dies, the launcher stops the rest and exits with status 1, as the single server does when one of its processes
+# dies. With `--api-key`, the router checks the key on every inference request and passes it on to the workers.
+#
+# ```bash
+# pip install 'minisgl_ref[router]'    # sglang-router: a binary wheel (manylinux x86_64 and aarch64)
+# ./minisgl serve --dp-size 2          # two workers on free local ports, the router on 127.0.0.1:30000
+# curl -s http://127.0.0.1:30000/v1/chat/completions -H 'Content-Type: application/json' \
+#   -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}'
+# ```
+#
+# Name the model in chat requests sent through the router: when the field is missing the router fills in
+# `"unknown"`, which our server refuses with a 404 (it only accepts the name it serves).
+#
+# These are the command lines the launcher runs for two workers (the ports are the OS's choice each time) and
+# for the router; nothing is started here:
+
+# %%
+from minisgl_ref.server.data_parallel import router_command, worker_command
+
+dp_args = ServerArgs(dp_size=2, device="cpu")
+dp_urls = [f"http://127.0.0.1:{port}" for port in (41001, 41002)]
+for url in dp_urls:
+    print("python", " ".join(worker_command(dp_args, int(url.rsplit(":", 1)[1]))[1:]))
+print("python", " ".join(router_command(dp_args, dp_urls, metrics_port=41003)[1:]))
+
+# %% [markdown]
+# What it buys, measured on this 2-core machine with two workers and six chat requests that share a ~410-token
+# system prompt and ask different questions (about 425 prompt tokens each): behind `cache_aware`, all six went to
+# one worker, which computed 474 prompt tokens in all (the first request's 426, then about 10 per request) while
+# the other worker ran not a single step; behind `--policy round_robin` the requests alternated, each worker
+# computed the shared prompt once, and together they computed 887. With more workers and more distinct prefixes
+# the gap grows. `tests/test_data_parallel.py` checks the `cache_aware` half: it reads each worker's
+# `/get_server_info` around five such requests and asserts that one worker ran all of them, serving the prompt from
+# its cache after the first, while the other ran not a step; then it stops the launcher with SIGTERM and checks
+# that none of its processes is left.
+#
+# On a CPU this is a demonstration, not a speed-up: two workers share the same two cores. The point of data
+# parallelism is on a machine with several GPUs, where `--dp-size 2` doubles the hardware serving requests
+# (`--dp-size 2 --tp-size 2` needs four GPUs: two servers of two ranks each).
+#
 # ## Exercises
 #
 # 1. **Task 10.1.** Write `compute_metrics` in `minisgl_ref/bench/serving.py` and grade it with
@@ -620,6 +880,12 @@ os.unlink(server_log.name)
 #    bunch up: add timestamps to `BatchStrOut` (when the scheduler sent the row, when the detokenizer forwarded
 #    it) and compare them with the client's arrival times in `bench serving`. SGLang's `--stream-interval`
 #    sends a stream's chunks every N tokens instead of every token: what would it do to these numbers?
+# 6. **Routing policies.** Start two servers and the router by hand (`python -m sglang_router.launch_router
+#    --worker-urls URL1 URL2 --policy round_robin`), then `--policy cache_aware`, and send both the same mix:
+#    three groups of requests, each group sharing its own long system prompt. Compare the workers' `prefill_tokens`
+#    and `cache_hit_rate` in `/get_server_info`. Then send many requests of one group at once: at what imbalance
+#    does `cache_aware` give up on the hits to even out the load (`--balance-abs-threshold`,
+#    `--balance-rel-threshold`)?
 #
 # ## Reproduce
 #
@@ -631,6 +897,10 @@ os.unlink(server_log.name)
 # python -m minisgl_ref bench serving --num-prompts 16 --random-input-len 128 --random-output-len 32 \
 #   --random-range-ratio 0.5 --request-rate 1 --output-file docs/data/bench_serving_cpu.json
 # python -m pytest tests/test_server.py tests/test_bench_serving.py   # 46 tests, 5-8 minutes on 2 busy cores
+#
+# # data parallelism: two workers behind SGLang's router (pip install 'minisgl_ref[router]' first)
+# ./minisgl serve --dp-size 2 --device cpu
+# python -m pytest tests/test_data_parallel.py           # 8 tests, about 1 minute on 2 busy cores
 #
 # # the GPU numbers: a server on one H100, then one bench per rate (4, 16, inf)
 # python -m minisgl_ref serve --model-path qwen3-0.6b --load-format dummy --dtype bfloat16 &
