@@ -187,6 +187,11 @@ def test_chat_and_generate_through_router(dp: DPServer) -> None:
     assert resp["object"] == "chat.completion" and "Paris" in resp["choices"][0]["message"]["content"]
     direct = dp.chat(chat, max_tokens=16, base=dp.workers[1])  # a greedy answer does not depend on the path
     assert direct["choices"][0]["message"]["content"] == resp["choices"][0]["message"]["content"]
+    # the README's curl names no model: the router fills in a placeholder, which the workers accept
+    r = httpx.post(dp.launcher.url + "/v1/chat/completions", headers=dp.headers, timeout=300,
+                   json={"messages": chat, "max_tokens": 16, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == resp["choices"][0]["message"]["content"]
 
     r = httpx.post(dp.launcher.url + "/generate", headers=dp.headers, timeout=300,
                    json={"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4,

@@ -177,7 +177,7 @@ def create_app(manager: TokenizerManager, args: ServerArgs, model_name: str) -> 
         return await asyncio.to_thread(lambda: prepare(parse_json_body(raw)))
 
     def check_model(name: str | None) -> None:
-        if name is not None and name not in accepted_names:
+        if name is not None and name not in accepted_names and name != ROUTER_NO_MODEL:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{model_name}' "
                                 "(see /v1/models)", param="model", code="model_not_found")
 
@@ -411,6 +411,8 @@ def create_app(manager: TokenizerManager, args: ServerArgs, model_name: str) -> 
 
 
 START_TIME = time.time()
+#: The model name SGLang's router writes into a request that named none (``serve --dp-size``): "no model given".
+ROUTER_NO_MODEL = "unknown"
 
 
 # ------------------------------------------------------------------------------------------------ helpers
