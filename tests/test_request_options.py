@@ -51,6 +51,21 @@ def smol() -> LLM:
     return LLM(device="cpu")
 
 
+def test_a_stop_regex_that_backtracks_forever_fails_its_own_request_only(smol):
+    r"""``((.|\s)*\s)*\d`` takes exponential time to fail on text without a digit: the search's time limit ends
+    that request with an error naming stop_regex, at once, while the request beside it in the same batch is
+    untouched."""
+    import time
+
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    prompts = ["Once upon a time", "The capital of France is"]
+    alone = smol.generate(prompts[1], params, use_tqdm=False)[0]
+    t0 = time.perf_counter()
+    bad, good = smol.generate(prompts, [{**params, "stop_regex": r"((.|\s)*\s)*\d"}, params], use_tqdm=False)
+    assert bad.finish_reason == "abort" and good.output_ids == alone.output_ids, (bad, good)
+    assert time.perf_counter() - t0 < 60
+
+
 def test_stop_regex_through_the_engine(smol):
     prompt = "Count from 1 to 20, separated by commas:"
     params = dict(temperature=0, max_new_tokens=60)

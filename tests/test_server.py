@@ -540,6 +540,14 @@ BAD_REQUESTS = [
      "more than the"),
     ("batch too long", "/generate", {"text": ["hi"] * 5000}, None, 400, "text", "more than the"),
     ("too many sequences", "/v1/completions", {"prompt": ["hi"] * 9, "n": 128}, None, 400, "prompt", "sequences"),
+    ("own chat template", "/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {
+        "chat_template": "{% for i in range(10**9) %}{% endfor %}"}}, None, 400, "chat_template_kwargs",
+     "cannot be set"),
+    ("logprob_start_len past the prompt", "/generate", {"text": "hi", "return_logprob": True,
+                                                        "logprob_start_len": 50}, None, 400, "logprob_start_len",
+     "below the prompt"),
+    ("logit_bias key not a number", "/v1/completions", {"prompt": "hi", "logit_bias": {"\u00b2": 5}}, None, 400,
+     "logit_bias", "logit_bias"),
     ("too many native sequences", "/generate", {"input_ids": [[1, 2]] * 1025}, None, 400, "input_ids",
      "sequences"),
     # Fields that would change the answer and are not implemented: refused by name, never silently ignored.

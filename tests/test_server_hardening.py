@@ -56,7 +56,9 @@ def test_harmless_fields_are_accepted(server):
     extras = {"user": "u-1", "metadata": {"team": "a"}, "store": False, "service_tier": "auto",
               "parallel_tool_calls": True, "stream_options": None, "tool_choice": "none", "tools": [],
               "modalities": ["text"], "response_format": {"type": "text"}, "no_stop_trim": False,
-              "spaces_between_special_tokens": True, "return_hidden_states": False}
+              "spaces_between_special_tokens": True, "return_hidden_states": False,
+              # null means "the default" wherever OpenAI documents a field as nullable
+              "stream": None, "n": None, "logprobs": None, "top_logprobs": None, "logit_bias": None}
     a = server.post("/v1/chat/completions", json=plain)
     b = server.post("/v1/chat/completions", json={**plain, **extras})
     assert a.status_code == b.status_code == 200, b.text

@@ -295,7 +295,7 @@ class Engine:
             return req.append_token(token)
         except Exception as e:  # noqa: BLE001
             log.exception("request %s failed while appending its token", req.rid)
-            req.abort(f"internal error while processing this request's output: {type(e).__name__}: {e}")
+            req.abort(f"this request failed while processing its output: {type(e).__name__}: {e}")
             return ""
 
     def _recover(self, failed: LaunchFailed) -> None:

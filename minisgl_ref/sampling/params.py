@@ -41,10 +41,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import regex
 
 
 #: Temperatures below this count as greedy. Dividing logits by 1e-40 overflows float32 to inf and turns the
@@ -112,8 +113,8 @@ def _normalize_stop_regex(value: Any) -> list[str]:
     patterns = _normalize_stop(value, "stop_regex")
     for pattern in patterns:
         try:
-            re.compile(pattern)
-        except re.error as e:
+            regex.compile(pattern)  # the regex package (a superset of re's syntax), as the detokenizer uses it
+        except regex.error as e:
             raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {e}") from e
     return patterns
 
@@ -130,7 +131,7 @@ def _normalize_logit_bias(value: Any) -> dict[int, float]:
         raise ValueError(f"logit_bias must map token ids to numbers, got {_describe(value)}")
     out: dict[int, float] = {}
     for key, bias in value.items():
-        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        if isinstance(key, str) and key.isascii() and key.strip().lstrip("-").isdigit():
             key = int(key)
         token = _check_int("logit_bias", key)
         if token < 0:

@@ -71,10 +71,15 @@ class DetokenizerWorker:
             text_ids = ids
             if finished and reason and reason.get("type") == "stop" and isinstance(reason.get("matched"), int):
                 text_ids = ids[:-1]  # the stop token ends the request but is not part of its text
-            delta = detok.step(text_ids) if text_ids else ""
+            try:
+                delta = detok.step(text_ids) if text_ids else ""
+                if finished:
+                    delta += detok.finish()
+            except ValueError:  # a stop regex over its time limit: the scheduler ends this request with the
+                delta = ""      # error; it must not end this process, which serves every request
+                finished = True
             if finished:
-                delta += detok.finish()
-                del self.states[rid]
+                self.states.pop(rid, None)
             deltas.append(delta)
         return BatchStrOut(batch.rids, deltas, batch.new_ids, batch.finished, batch.finish_reasons,
                            batch.cached_tokens, batch.logprobs)

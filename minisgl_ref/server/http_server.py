@@ -397,8 +397,10 @@ def create_app(manager: TokenizerManager, args: ServerArgs, model_name: str) -> 
     async def generate(request: Request) -> Response:
         req, batch, subs = await validated(request, generate_request)
         manager.check_alive()
+        # Without return_logprob the other logprob fields mean nothing (as in SGLang), and are not passed on.
         options = RequestOptions(return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
-                                 logprob_start_len=req.logprob_start_len, cache_salt=req.cache_salt)
+                                 logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
+                                 cache_salt=req.cache_salt)
         texts = (names if req.return_text_in_logprobs else None) if req.return_logprob else False
         if req.stream:
             return StreamingResponse(_generate_stream(manager, subs, options, batch, texts),

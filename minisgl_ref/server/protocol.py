@@ -34,7 +34,7 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from minisgl_ref.sampling.params import SamplingParams
 from minisgl_ref.scheduler.request import MAX_TOP_LOGPROBS
@@ -174,6 +174,10 @@ def sampling_params(kwargs: dict[str, Any], *, names: dict[str, str] | None = No
 
 
 OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+TEMPLATE_RENDERER_ARGUMENTS = frozenset({
+    "chat_template", "tokenize", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "add_generation_prompt", "continue_final_message", "conversation",
+})
 MAX_N = 128  # samples per prompt (OpenAI's limit)
 
 
@@ -214,6 +218,7 @@ def native_sampling_params(raw: dict[str, Any]) -> SamplingParams:
     """``/generate``'s ``sampling_params`` (SGLang's names): a key this server knows but does not implement is
     refused as unsupported, any other unknown key as unknown (a typo like ``top-p`` must not be ignored)."""
     refuse_unsupported(raw, _DECODING_UNSUPPORTED, where="sampling_params.")
+    raw = {k: v for k, v in raw.items() if k not in _DECODING_UNSUPPORTED}  # all of them at their "not used" values
     unknown = sorted(set(raw) - set(SamplingParams.__dataclass_fields__))
     if unknown:
         raise APIError(400, f"unknown sampling parameter {unknown[0]!r}", param="sampling_params")
@@ -229,6 +234,14 @@ def native_sampling_params(raw: dict[str, Any]) -> SamplingParams:
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     unsupported: ClassVar[Mapping[str, tuple[Any, ...]]] = {}  # refused by name; see refuse_unsupported
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI's API documents its optional fields as nullable: ``"stream": null`` means "the default"."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
 
 
 # A list of token ids may be a whole context long (see MAX_JSON_ITEMS): every list type stops at its first bad
@@ -314,7 +327,19 @@ class ChatCompletionRequest(_OpenAISampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # ... and this many alternatives
     # The last message is an assistant's to continue (a prefill such as '{"name": '), not a turn to answer.
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # variables for the model's own template
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Variables for the template, not arguments of the renderer: ``chat_template`` would run the client's
+        own Jinja program here (a loop of 10**10 steps is 100 bytes), and the others change what rendering
+        returns."""
+        reserved = sorted(set(kwargs or ()) & TEMPLATE_RENDERER_ARGUMENTS)
+        if reserved:
+            raise ValueError(f"{reserved[0]!r} cannot be set through chat_template_kwargs (the server renders the "
+                             "model's own chat template)")
+        return kwargs
 
 
 class CompletionRequest(_OpenAISampling):

@@ -30,7 +30,10 @@ wrong in three ways, and each rule in this module answers one of them:
    nothing is held back for it: the request ends at the first step whose text contains a match (Python's
    ``re.search``), and the text is kept up to the end of that match, which was never streamed before the match
    completed. A greedy pattern can therefore match more when several tokens arrive in one step; the engine
-   feeds one token per step, which makes the cut a function of the ids alone.
+   feeds one token per step, which makes the cut a function of the ids alone. The pattern is the client's, and
+   some patterns take exponential time to fail (``(a|aa)+c`` on a run of ``a``), so each search runs with a
+   time limit (the ``regex`` package's ``timeout``); a pattern that exceeds it ends its own request with an
+   error instead of stalling every request the engine serves.
 
 Stop *token ids* (EOS, ``<|im_end|>``) are not handled here: the scheduler sees the sampled ids first and
 finishes the request itself; this class only turns ids into text.
@@ -38,9 +41,10 @@ finishes the request itself; this class only turns ids into text.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Protocol
+
+import regex
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -49,6 +53,8 @@ REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5
 # How far further back we may look for a context that starts on a character boundary (see `_prompt_context`).
 MAX_CONTEXT_BACKOFF = 8
+# The longest one stop-regex search may take (rule 4); a normal pattern needs microseconds.
+STOP_REGEX_TIMEOUT_S = 0.05
 
 
 class SupportsDecode(Protocol):
@@ -83,7 +89,7 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stop: tuple[str, ...] = tuple(dict.fromkeys(stop))  # unique, in the caller's order
-        self._stop_regex = [re.compile(p) for p in dict.fromkeys(stop_regex)]
+        self._stop_regex = [regex.compile(p) for p in dict.fromkeys(stop_regex)]
 
         # ids = (a few prompt tokens as context) + (the output tokens)
         context = self._prompt_context(list(prompt_ids or []))
@@ -194,7 +200,15 @@ class IncrementalDetokenizer:
         if not self._stop_regex:
             return None
         text, base = self.output_text + pending, len(self.output_text)
-        ends = [(m.end() - base, r.pattern) for r in self._stop_regex if (m := r.search(text)) is not None]
+        ends = []
+        for r in self._stop_regex:
+            try:
+                m = r.search(text, timeout=STOP_REGEX_TIMEOUT_S)
+            except TimeoutError:
+                raise ValueError(f"stop_regex {r.pattern!r} took longer than {STOP_REGEX_TIMEOUT_S} s to search "
+                                 f"{len(text)} characters of output; use a pattern that does not backtrack") from None
+            if m is not None:
+                ends.append((m.end() - base, r.pattern))
         return min(ends) if ends else None
 
     def _decode(self, ids: Sequence[int]) -> str:
