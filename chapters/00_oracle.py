@@ -80,9 +80,9 @@ import torch
 
 from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.attention.torch_native import NoCacheAttentionBackend, reference_attention
-from minisgl_ref.engine.forward_batch import ForwardBatch
+from minisgl_ref.core.forward_batch import ForwardBatch
+from minisgl_ref.core.request import FinishReason, Req
 from minisgl_ref.engine.naive import NaiveEngine
-from minisgl_ref.scheduler.request import FinishReason, Req
 from minisgl_ref.tokenizer import IncrementalDetokenizer
 
 CHAPTER_START = time.perf_counter()
@@ -150,7 +150,7 @@ assert "Paris" in req.output_text
 #
 # ## 3. A request's life
 #
-# `minisgl_ref/scheduler/request.py` holds two small classes:
+# `minisgl_ref/core/request.py` holds two small classes:
 #
 # - **`Req`**: the prompt ids (`input_ids`), the `SamplingParams`, the EOS ids of the model, an
 #   `IncrementalDetokenizer` that turns ids into text as they arrive (chapter 02), the model's context window
@@ -248,7 +248,7 @@ print(task_source(NaiveEngine.step, "0.3"))
 # %% [markdown]
 # Line by line:
 #
-# 1. **Pack.** `ForwardBatch.for_full_sequences` (`minisgl_ref/engine/forward_batch.py`) lays the requests'
+# 1. **Pack.** `ForwardBatch.for_full_sequences` (`minisgl_ref/core/forward_batch.py`) lays the requests'
 #    sequences *back to back* in one flat tensor of `T` token ids, with a matching tensor of positions that
 #    restarts at 0 for each request. No padding: a 5-token and a 40-token request cost 45 tokens, not 80.
 #    `extend_lens_cpu` records where each request's tokens end; `prefix_lens_cpu` is all zeros (nothing is cached).

@@ -70,7 +70,7 @@ transformers.utils.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
 
 from minisgl_ref.attention import NoCacheAttentionBackend
-from minisgl_ref.engine.forward_batch import ForwardBatch
+from minisgl_ref.core.forward_batch import ForwardBatch
 from minisgl_ref.models import ModelConfig, load_model
 from minisgl_ref.models.loader import MODEL_REGISTRY, SHIPPED_CONFIGS
 

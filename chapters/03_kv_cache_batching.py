@@ -55,11 +55,12 @@ from matplotlib.ticker import ScalarFormatter
 
 from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.attention.torch_native import TorchNativeBackend
-from minisgl_ref.engine.config import EngineConfig
+from minisgl_ref.core.config import EngineConfig
+from minisgl_ref.core.forward_batch import ForwardBatch
 from minisgl_ref.engine.engine import Engine
-from minisgl_ref.engine.forward_batch import ForwardBatch
 from minisgl_ref.engine.model_runner import ModelRunner
-from minisgl_ref.kvcache import KVPool, NaiveCacheManager, PageAllocator, ReqToTokenPool
+from minisgl_ref.kvcache import KVPool, PageAllocator, ReqToTokenPool
+from minisgl_ref.scheduler.cache_manager import NaiveCacheManager
 from minisgl_ref.scheduler.scheduler import Scheduler
 
 CHAPTER_START = time.perf_counter()
@@ -393,7 +394,7 @@ for ps in [1, 16, 64, 256]:
 #
 # ## 5. One step, one flat batch (task 3.3)
 #
-# The scheduler describes a step as a `ScheduledBatch` (`minisgl_ref/scheduler/batch.py`): a list of rows, one
+# The scheduler describes a step as a `ScheduledBatch` (`minisgl_ref/core/batch.py`): a list of rows, one
 # per request, each with `prefix_lens` (tokens of the request already in the cache), `extend_lens` (new tokens
 # this step: the whole prompt for a prefill row, 1 for a decode row) and whether it is a decode row. The model
 # runner turns that into the `ForwardBatch` of chapter 00, now with two more fields:
@@ -456,7 +457,7 @@ print(inspect.getsource(TorchNativeBackend.forward_extend))
 #
 # ## 6. Giving memory back: the naive cache manager
 #
-# Between the scheduler and these structures sits a **cache manager** (`minisgl_ref/kvcache/cache_manager.py`),
+# Between the scheduler and these structures sits a **cache manager** (`minisgl_ref/scheduler/cache_manager.py`),
 # which the scheduler drives through a few calls: `match` when a request is admitted, `alloc` before each step,
 # `commit` after a prefill and `release` when a request finishes or is sent back to wait. The default manager
 # shares prefixes between requests through a radix tree (chapter 04). With `disable_radix_cache=True` the

@@ -56,9 +56,10 @@ import numpy as np
 import torch
 
 from minisgl_ref import LLM, SamplingParams
-from minisgl_ref.engine.config import EngineConfig
+from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.engine.engine import Engine
-from minisgl_ref.kvcache import CacheManager, PageAllocator, RadixCache
+from minisgl_ref.kvcache import PageAllocator, RadixCache
+from minisgl_ref.scheduler.cache_manager import CacheManager
 from minisgl_ref.scheduler.scheduler import Scheduler
 
 CHAPTER_START = time.perf_counter()
@@ -330,7 +331,7 @@ assert paged_tree.match_prefix(seq[:7]).length == 4 and paged_tree.match_prefix(
 #
 # ## 5. The radix cache in the engine (task 4.4)
 #
-# The `CacheManager` (`minisgl_ref/kvcache/cache_manager.py`) connects the tree to the scheduler and the page
+# The `CacheManager` (`minisgl_ref/scheduler/cache_manager.py`) connects the tree to the scheduler and the page
 # table. For each request:
 #
 # ```mermaid

@@ -38,7 +38,7 @@
 # 6. measure the same stall with the real SmolLM2-135M.
 #
 # Modules: `minisgl_ref/scheduler/scheduler.py` (task 5.1, and `Scheduler.schedule`),
-# `minisgl_ref/engine/config.py` (the knobs, named as in SGLang), `minisgl_ref/engine/engine.py`.
+# `minisgl_ref/core/config.py` (the knobs, named as in SGLang), `minisgl_ref/engine/engine.py`.
 
 # %% tags=["setup"]
 import inspect
@@ -57,9 +57,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.utils import logging as hf_logging
 
 from minisgl_ref import LLM, SamplingParams
-from minisgl_ref.engine.config import EngineConfig
+from minisgl_ref.core.config import EngineConfig
+from minisgl_ref.core.request import Req
 from minisgl_ref.engine.engine import Engine
-from minisgl_ref.scheduler.request import Req
 from minisgl_ref.scheduler.scheduler import Scheduler
 
 CHAPTER_START = time.perf_counter()
@@ -232,7 +232,7 @@ def first_token_after_arrival(trace: Trace) -> float:
 # %% [markdown]
 # ## 3. Token budgets and admission (task 5.1)
 #
-# Three knobs, named as in SGLang's server arguments (`minisgl_ref/engine/config.py`):
+# Three knobs, named as in SGLang's server arguments (`minisgl_ref/core/config.py`):
 #
 # | knob | meaning | default here |
 # | --- | --- | --- |

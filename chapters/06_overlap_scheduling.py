@@ -43,7 +43,7 @@
 #    stop on EOS, stop strings and stop tokens in the middle of a batch.
 #
 # Modules: `minisgl_ref/engine/engine.py` (task 6.1, `Engine.step`), `minisgl_ref/engine/model_runner.py` (the
-# token buffer), `minisgl_ref/kvcache/cache_manager.py` (deferred frees), `minisgl_ref/scheduler/scheduler.py`
+# token buffer), `minisgl_ref/scheduler/cache_manager.py` (deferred frees), `minisgl_ref/scheduler/scheduler.py`
 # (`NeedSync`).
 
 # %% tags=["setup"]
@@ -62,7 +62,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.utils import logging as hf_logging
 
 from minisgl_ref import LLM, SamplingParams
-from minisgl_ref.engine.config import EngineConfig
+from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.engine.engine import Engine
 from minisgl_ref.engine.model_runner import ModelRunner
 from minisgl_ref.scheduler.scheduler import NeedSync

@@ -69,7 +69,6 @@ from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from minisgl_ref.attention.base import AttentionBackend
 from minisgl_ref.attention.registry import (
-    ATTENTION_BACKENDS,
     HybridAttnBackend,
     check_backend_can_run,
     create_attention_backend,
@@ -77,8 +76,8 @@ from minisgl_ref.attention.registry import (
 )
 from minisgl_ref.attention.torch_native import TorchNativeBackend
 from minisgl_ref.attention.triton_backend import TritonAttnBackend
-from minisgl_ref.engine.config import EngineConfig
-from minisgl_ref.engine.forward_batch import ForwardBatch, ForwardMode
+from minisgl_ref.core.config import ATTENTION_BACKENDS, EngineConfig
+from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
 from minisgl_ref.kvcache.allocator import PageAllocator
 from minisgl_ref.kvcache.pool import KVPool
 from minisgl_ref.kvcache.req_to_token import ReqToTokenPool

@@ -40,8 +40,8 @@
 #
 # Modules: `minisgl_ref/layers/linear.py` (column- and row-parallel layers, `shard_heads`),
 # `minisgl_ref/layers/embedding.py` (vocabulary-parallel embedding and LM head),
-# `minisgl_ref/distributed/` (`parallel_state.py`: the collectives; `group.py`: the process group;
-# `tp_engine.py`: the lock-step engine; `launch.py`: run a function on every rank),
+# `minisgl_ref/distributed/` (`parallel_state.py`: the collectives; `group.py`: the process group),
+# `minisgl_ref/tp/` (`engine.py`: the lock-step engine; `launch.py`: run a function on every rank),
 # `minisgl_ref/models/weights.py` (reading only a rank's slice of a checkpoint).
 
 # %% tags=["setup"]
@@ -60,11 +60,11 @@ from transformers.utils import logging as hf_logging
 from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.bench.tp import comm_profile, expected_bytes, model_logits, relative_error
 from minisgl_ref.distributed import set_tp_info
-from minisgl_ref.distributed.launch import call_each, run_on_ranks
-from minisgl_ref.distributed.tp_engine import TPEngine
 from minisgl_ref.layers.linear import shard_heads
 from minisgl_ref.models.config import ModelConfig
 from minisgl_ref.models.loader import MODEL_REGISTRY, SHIPPED_CONFIGS
+from minisgl_ref.tp.engine import TPEngine
+from minisgl_ref.tp.launch import call_each, run_on_ranks
 
 CHAPTER_START = time.perf_counter()
 hf_logging.disable_progress_bar()

@@ -58,7 +58,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="capture decode CUDA graphs up to this batch size (default: max running requests, <= 256)")
     g.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly (chapter 08)")
-    from minisgl_ref.attention.registry import ATTENTION_BACKENDS
+    from minisgl_ref.core.config import ATTENTION_BACKENDS
 
     for flag, what in (("--attention-backend", "both phases"), ("--prefill-attention-backend", "extend steps"),
                        ("--decode-attention-backend", "decode steps")):  # fmt: skip

@@ -20,17 +20,23 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from minisgl_ref.core.config import EngineConfig
+from minisgl_ref.core.request import Req
 from minisgl_ref.distributed import set_tp_info
-from minisgl_ref.distributed.group import DistConfig, destroy_distributed, init_distributed, rank_device
-from minisgl_ref.distributed.tp_engine import spawn_local_ranks, stop_local_ranks, wait_ready
-from minisgl_ref.engine.config import EngineConfig
+from minisgl_ref.distributed.group import (
+    DistConfig,
+    destroy_distributed,
+    exit_with_parent,
+    init_distributed,
+    rank_device,
+)
 from minisgl_ref.engine.engine import Engine
 from minisgl_ref.engine.naive import NaiveEngine
 from minisgl_ref.models.loader import load_model
 from minisgl_ref.sampling.params import SamplingParams
-from minisgl_ref.scheduler.request import Req
 from minisgl_ref.tokenizer import IncrementalDetokenizer, Tokenizer
 from minisgl_ref.tokenizer.tokenizer import TOKENIZER_FILES
+from minisgl_ref.tp.engine import TPEngine, spawn_local_ranks, stop_local_ranks, wait_ready
 
 Prompt = str | Sequence[int]
 Messages = Sequence[Mapping[str, Any]]
@@ -88,8 +94,6 @@ class TPHandle:
     engine: Any = None
 
     def close(self) -> None:
-        from minisgl_ref.distributed.tp_engine import TPEngine
-
         connected = dist.is_initialized()
         if isinstance(self.engine, TPEngine) and self.engine.is_leader and connected:
             self.engine.stop_followers()
@@ -105,6 +109,25 @@ class TPHandle:
             stop_local_ranks(self.procs, timeout_s=30.0 if connected else 0.0)
             self.procs = []
         self.engine = None
+
+
+def _tp_follower_main(rank: int, dist_cfg: DistConfig, llm_kwargs: dict[str, Any], ready: Any) -> None:
+    """Entry point of a spawned follower of an offline ``LLM(tp_size=N)``: build the same LLM as rank ``rank``,
+    then follow the leader until it stops."""
+    exit_with_parent()
+    threads = os.environ.get("MINISGL_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    try:
+        llm = LLM(**llm_kwargs, tp_size=dist_cfg.tp_size, nnodes=dist_cfg.nnodes, node_rank=dist_cfg.node_rank,
+                  dist_init_addr=dist_cfg.dist_init_addr, tp_rank=rank, _ready=ready)
+    except Exception as e:  # noqa: BLE001 - reported to the leader, which raises it
+        try:
+            ready.send({"error": f"rank {rank}: {type(e).__name__}: {e}"})
+        except (OSError, ValueError):
+            pass
+        raise SystemExit(1) from e
+    llm.follow()
 
 
 class LLM:
@@ -188,8 +211,6 @@ class LLM:
         if engine == "naive":
             self.engine = NaiveEngine(self.model, self.config.vocab_size, self.device)
         elif dist_cfg is not None:
-            from minisgl_ref.distributed.tp_engine import TPEngine
-
             self.engine = TPEngine(self.model, self.config, engine_config, device=self.device,
                                    context_length=self.context_length, tokenizer=self.tokenizer)
             self._tp.engine = self.engine
@@ -221,7 +242,7 @@ class LLM:
         conns: list = []
         if launcher:
             others = [r for r in cfg.node_ranks() if r != cfg.tp_rank]
-            self._tp.procs, conns = spawn_local_ranks(cfg, others, llm_kwargs)
+            self._tp.procs, conns = spawn_local_ranks(cfg, others, _tp_follower_main, llm_kwargs)
         return cfg, conns
 
     def _join_tp(self, cfg: DistConfig, conns: list, ready: Any) -> None:
@@ -238,8 +259,6 @@ class LLM:
 
     def follow(self) -> None:
         """On a rank other than 0: replay rank 0's steps until it shuts down, then leave the process group."""
-        from minisgl_ref.distributed.tp_engine import TPEngine
-
         if not isinstance(self.engine, TPEngine) or self.is_leader:
             raise ValueError("follow() is for tensor-parallel ranks other than 0")
         try:

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from minisgl_ref import LLM, SamplingParams
-from minisgl_ref.engine.config import EngineConfig
+from minisgl_ref.core.batch import ScheduledBatch
+from minisgl_ref.core.config import EngineConfig
+from minisgl_ref.core.request import Req
 from minisgl_ref.engine.engine import Engine, StepEvent
 from minisgl_ref.engine.naive import NaiveEngine
-from minisgl_ref.scheduler.batch import ScheduledBatch
-from minisgl_ref.scheduler.request import Req
 
 # The brief's tiny Llama. initializer_range=0.1 (HF's default is 0.02) makes attention matter: with it, changing a
 # single early prompt token flips the greedy next token for a large share of prompts, so a request that reads one

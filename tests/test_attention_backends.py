@@ -35,7 +35,7 @@ NEEDS_SUBPROCESS = not HAS_CUDA and type(triton.language.cdiv).__name__ == "JITF
 from minisgl_ref.attention.torch_native import TorchNativeBackend, reference_attention  # noqa: E402
 from minisgl_ref.attention.triton_backend import TritonAttnBackend  # noqa: E402
 from minisgl_ref.attention.triton_kernels import build_kv_indices  # noqa: E402
-from minisgl_ref.engine.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from minisgl_ref.kvcache.allocator import PageAllocator  # noqa: E402
 from minisgl_ref.kvcache.pool import KVPool  # noqa: E402
 from minisgl_ref.kvcache.req_to_token import ReqToTokenPool  # noqa: E402
@@ -401,7 +401,7 @@ def test_float32_models_default_to_triton_on_a_gpu():
 
 @pytest.mark.parametrize("field", ["attention_backend", "prefill_attention_backend", "decode_attention_backend"])
 def test_unknown_backend_name_is_a_value_error_naming_the_field(field):
-    from minisgl_ref.engine.config import EngineConfig
+    from minisgl_ref.core.config import EngineConfig
 
     with pytest.raises(ValueError, match=f"{field} must be one of torch_native, triton, flashinfer, fa3"):
         EngineConfig(**{field: "flash"})

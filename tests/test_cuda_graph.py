@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
+from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
 from minisgl_ref.engine.cuda_graph import capture_batch_sizes, padded_batch_size
-from minisgl_ref.engine.forward_batch import ForwardBatch, ForwardMode
 
 
 @pytest.mark.task("8.1")
@@ -37,7 +37,7 @@ def test_padded_batch_size() -> None:
 
 
 def test_config_rejects_bad_graph_size() -> None:
-    from minisgl_ref.engine.config import EngineConfig
+    from minisgl_ref.core.config import EngineConfig
 
     with pytest.raises(ValueError, match="cuda_graph_max_bs"):
         EngineConfig(cuda_graph_max_bs=0)

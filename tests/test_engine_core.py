@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from minisgl_ref import LLM, SamplingParams
-from minisgl_ref.scheduler.request import Req
+from minisgl_ref.core.request import Req
 from tests.engine_fixtures import (
     Trace,
     assert_matches_oracle,
@@ -789,7 +789,7 @@ def tree_pages_of(engine) -> list[int]:
 def test_kv_pool_sizing_returns_cached_cuda_memory_first(tiny_llm, monkeypatch):
     """mem_get_info counts memory that PyTorch's caching allocator keeps for reuse (a previous Engine's pool)
     as used, so kv_pool_tokens must call torch.cuda.empty_cache() before it (checked with stand-ins: no GPU)."""
-    from minisgl_ref.engine.config import EngineConfig
+    from minisgl_ref.core.config import EngineConfig
     from minisgl_ref.engine.engine import kv_pool_tokens
 
     calls = []
@@ -805,7 +805,7 @@ def test_kv_pool_sizing_returns_cached_cuda_memory_first(tiny_llm, monkeypatch):
 @pytest.mark.parametrize("bad", [0, -2])
 def test_in_batch_prefix_threshold_is_validated_and_on_the_cli(bad):
     from minisgl_ref.cli import build_parser, engine_kwargs
-    from minisgl_ref.engine.config import EngineConfig
+    from minisgl_ref.core.config import EngineConfig
 
     with pytest.raises(ValueError, match="in_batch_prefix_threshold"):
         EngineConfig(in_batch_prefix_threshold=bad)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minisgl_ref import LLM, SamplingParams
-from minisgl_ref.scheduler.request import Req
+from minisgl_ref.core.request import Req
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -28,9 +28,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from minisgl_ref import SamplingParams
-from minisgl_ref.kvcache import CacheManager, NaiveCacheManager, OutOfPages, PageAllocator, ReqToTokenPool
+from minisgl_ref.core.request import Req
+from minisgl_ref.kvcache import OutOfPages, PageAllocator, ReqToTokenPool
 from minisgl_ref.kvcache.radix import common_prefix_len
-from minisgl_ref.scheduler.request import Req
+from minisgl_ref.scheduler.cache_manager import CacheManager, NaiveCacheManager
 from tests.engine_fixtures import make_engine, tiny_engine_path, tiny_llm  # noqa: F401  (fixtures)
 
 # A small alphabet and a few shared openings make prompts overlap often, in whole pages and in parts of pages.

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minisgl_ref.attention import NoCacheAttentionBackend, reference_attention
-from minisgl_ref.engine.forward_batch import ForwardBatch
+from minisgl_ref.core.forward_batch import ForwardBatch
 from minisgl_ref.models import ModelConfig, ModelPathError, load_model, resolve_model_path
 from minisgl_ref.models.loader import SHIPPED_CONFIGS, MODEL_REGISTRY
 from minisgl_ref.models.weights import checkpoint_shapes, safetensors_files

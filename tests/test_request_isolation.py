@@ -14,7 +14,7 @@ import random
 import pytest
 
 from minisgl_ref import SamplingParams
-from minisgl_ref.scheduler.request import Req
+from minisgl_ref.core.request import Req
 from tests.engine_fixtures import (
     assert_pool_accounting,
     drive,

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from minisgl_ref.bench.tp import model_logits, relative_error
-from minisgl_ref.distributed.launch import run_on_ranks
 from minisgl_ref.layers.linear import HeadShard, shard_heads
+from minisgl_ref.tp.launch import run_on_ranks
 
 SEQUENCES = [[1, 5, 9, 200, 17, 3, 44], [7, 8], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111]]
 EMBEDDED_SEQUENCES = [[1, 504, 3000, 17, 9, 42000, 123], [49151, 0, 77]]

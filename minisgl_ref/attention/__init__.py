@@ -7,8 +7,8 @@ flash-attn unless it has to.
 """
 
 from minisgl_ref.attention.base import AttentionBackend
-from minisgl_ref.attention.registry import ATTENTION_BACKENDS, HybridAttnBackend, create_attention_backend
+from minisgl_ref.attention.registry import HybridAttnBackend, create_attention_backend
 from minisgl_ref.attention.torch_native import NoCacheAttentionBackend, TorchNativeBackend, reference_attention
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "HybridAttnBackend", "NoCacheAttentionBackend",
+__all__ = ["AttentionBackend", "HybridAttnBackend", "NoCacheAttentionBackend",
            "TorchNativeBackend", "create_attention_backend", "reference_attention"]  # fmt: skip

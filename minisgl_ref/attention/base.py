@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from minisgl_ref.engine.forward_batch import ForwardBatch, ForwardMode
+    from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
     from minisgl_ref.layers.attention import AttentionLayer
 
 

@@ -29,25 +29,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from minisgl_ref.attention.base import AttentionBackend
+from minisgl_ref.core.config import EngineConfig, validate_backend_name
 
 if TYPE_CHECKING:
-    from minisgl_ref.engine.config import EngineConfig
-    from minisgl_ref.engine.forward_batch import ForwardBatch, ForwardMode
+    from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
     from minisgl_ref.kvcache.pool import KVPool
     from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
     from minisgl_ref.layers.attention import AttentionLayer
 
-#: Every name ``--attention-backend`` accepts.
-ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer", "fa3")
-
 INSTALL_HINT = "pip install 'minisgl_ref[gpu]'"
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def validate_backend_name(field: str, value: str | None) -> None:
-    """Raise ``ValueError`` naming ``field`` unless ``value`` is None (auto) or a known backend."""
-    if value is not None and value not in ATTENTION_BACKENDS:
-        raise ValueError(f"{field} must be one of {', '.join(ATTENTION_BACKENDS)} (or unset for auto), got {value!r}")
 
 
 def _importable(module: str) -> bool:

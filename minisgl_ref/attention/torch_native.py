@@ -13,7 +13,7 @@ import torch
 from minisgl_ref.attention.base import AttentionBackend
 
 if TYPE_CHECKING:
-    from minisgl_ref.engine.forward_batch import ForwardBatch
+    from minisgl_ref.core.forward_batch import ForwardBatch
     from minisgl_ref.kvcache.pool import KVPool
     from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
     from minisgl_ref.layers.attention import AttentionLayer

@@ -123,7 +123,7 @@ class Problem:
     batch. Request ``b``'s context occupies consecutive slots; slot 0 stays the reserved dummy."""
 
     def __init__(self, specs: list[tuple[int, int]], num_kv_heads: int, decode: bool, seed: int = 0) -> None:
-        from minisgl_ref.engine.forward_batch import ForwardBatch, ForwardMode
+        from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
         from minisgl_ref.kvcache.pool import KVPool
         from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
         from minisgl_ref.layers.attention import AttentionLayer

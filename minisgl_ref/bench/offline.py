@@ -50,7 +50,7 @@ import torch
 
 from minisgl_ref.bench.provenance import collect_provenance
 from minisgl_ref.bench.workloads import Workload, canonical_workload, shared_prefix_workload, warmup_workload
-from minisgl_ref.engine.config import EngineConfig
+from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.models.config import ModelConfig
 from minisgl_ref.models.loader import MODEL_REGISTRY, shipped_config_names
 from minisgl_ref.models.weights import checkpoint_shapes

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from minisgl_ref.distributed.launch import run_on_ranks
 from minisgl_ref.distributed.parallel_state import count_communication, get_tp_info, set_tp_info
+from minisgl_ref.tp.launch import run_on_ranks
 
 # ---------------------------------------------------------------------------------------- logits per rank
 
@@ -54,7 +54,7 @@ def model_logits(model_path: str | None, load_format: str, dtype: str, sequences
     """This rank's logits (float32, on the CPU) for every position of ``sequences``, with the model sharded by
     the current tensor-parallel group (at tp=1: the whole model)."""
     from minisgl_ref.attention.torch_native import NoCacheAttentionBackend
-    from minisgl_ref.engine.forward_batch import ForwardBatch
+    from minisgl_ref.core.forward_batch import ForwardBatch
 
     dev = _rank_device(device)
     model, _ = _load(model_path, load_format, dtype, dev)
@@ -93,7 +93,7 @@ def comm_profile(model_path: str | None, load_format: str, dtype: str, prefill_t
     """On this rank: the collectives of one prefill pass (one sequence of ``prefill_tokens``) and of one decode-
     shaped pass (``decode_batch`` sequences of one token), counted and timed by wrapping the collectives."""
     from minisgl_ref.attention.torch_native import NoCacheAttentionBackend
-    from minisgl_ref.engine.forward_batch import ForwardBatch
+    from minisgl_ref.core.forward_batch import ForwardBatch
 
     dev = _rank_device(device)
     model, config = _load(model_path, load_format, dtype, dev)

@@ -1,7 +1,8 @@
 """Tensor-parallel process state and collectives (chapter 09; at tp=1 every helper here is a no-op).
 
 ``parallel_state`` holds this process's rank and the collectives the layers call; ``group`` starts and stops the
-``torch.distributed`` process group; ``tp_engine`` keeps the schedulers of all ranks in lock-step.
+``torch.distributed`` process group. The lock-step engine and rank launching sit above the engine, in
+``minisgl_ref.tp``.
 """
 
 from minisgl_ref.distributed.parallel_state import (

@@ -36,11 +36,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minisgl_ref.engine.forward_batch import ForwardBatch, ForwardMode
+from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from minisgl_ref.attention.base import AttentionBackend
-    from minisgl_ref.engine.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -73,17 +74,17 @@ def backend_supports_cuda_graph(backend: AttentionBackend) -> bool:
 
 
 class CudaGraphRunner:
-    """Captures decode steps of ``runner.model`` at padded batch sizes and replays them.
+    """Captures decode steps of ``model`` (run with attention ``backend``) at padded batch sizes and replays them.
 
     ``can_run(fb)`` says whether a forward batch is a decode step small enough for a captured graph;
     ``replay(fb)`` copies the batch into the static buffers, refills the backend's metadata, replays the graph
     and returns the real rows' logits ``[fb.batch_size, V]`` (a view into the static output).
     """
 
-    def __init__(self, runner: ModelRunner, max_bs: int) -> None:
-        self.model = runner.model
-        self.backend = runner.attn_backend
-        self.device = runner.device
+    def __init__(self, model: nn.Module, backend: AttentionBackend, device: torch.device, max_bs: int) -> None:
+        self.model = model
+        self.backend = backend
+        self.device = device
         self.batch_sizes = capture_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
         self.seq_len_fill = self.backend.get_cuda_graph_seq_len_fill_value()

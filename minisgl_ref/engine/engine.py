@@ -41,17 +41,17 @@ import torch
 from torch import nn
 
 from minisgl_ref.attention.registry import create_attention_backend
+from minisgl_ref.core.batch import ScheduledBatch
+from minisgl_ref.core.config import EngineConfig
+from minisgl_ref.core.request import Req, TokenLogprob
 from minisgl_ref.distributed.group import min_over_ranks
-from minisgl_ref.engine.config import EngineConfig
 from minisgl_ref.engine.model_runner import ModelRunner
 from minisgl_ref.kvcache.allocator import PageAllocator
-from minisgl_ref.kvcache.cache_manager import CacheManager, NaiveCacheManager
 from minisgl_ref.kvcache.pool import KVPool
 from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
 from minisgl_ref.models.config import ModelConfig
 from minisgl_ref.sampling.sampler import StepLogprobs
-from minisgl_ref.scheduler.batch import ScheduledBatch
-from minisgl_ref.scheduler.request import Req, TokenLogprob
+from minisgl_ref.scheduler.cache_manager import CacheManager, NaiveCacheManager
 from minisgl_ref.scheduler.scheduler import NeedSync, Scheduler
 
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384

@@ -34,10 +34,11 @@ import torch
 from torch import nn
 
 from minisgl_ref.attention.base import AttentionBackend
-from minisgl_ref.engine.forward_batch import ForwardBatch, ForwardMode
+from minisgl_ref.core.batch import ScheduledBatch
+from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
+from minisgl_ref.engine.cuda_graph import CudaGraphRunner, backend_supports_cuda_graph
 from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
 from minisgl_ref.sampling.sampler import Sampler, SamplingBatchInfo, StepLogprobs, to_device, token_logprobs
-from minisgl_ref.scheduler.batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +116,6 @@ class ModelRunner:
             self.graph_runner = self._make_graph_runner(cuda_graph_max_bs or req_to_token.max_requests - 1)
 
     def _make_graph_runner(self, max_bs: int):  # type: ignore[no-untyped-def]
-        from minisgl_ref.engine.cuda_graph import CudaGraphRunner, backend_supports_cuda_graph
-
         if self.device.type != "cuda":
             logger.info("CUDA graphs need a CUDA device; running %s eagerly", self.device)
             return None
@@ -124,7 +123,7 @@ class ModelRunner:
             logger.info("attention backend %s has no CUDA-graph hooks; decode runs eagerly",
                         type(self.attn_backend).__name__)
             return None
-        return CudaGraphRunner(self, max_bs)
+        return CudaGraphRunner(self.model, self.attn_backend, self.device, max_bs)
 
     # BEGIN TASK 3.3: build the forward batch
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from minisgl_ref.attention.torch_native import NoCacheAttentionBackend
-from minisgl_ref.engine.forward_batch import ForwardBatch
+from minisgl_ref.core.forward_batch import ForwardBatch
+from minisgl_ref.core.request import Req
 from minisgl_ref.sampling.sampler import Sampler, SamplingBatchInfo
-from minisgl_ref.scheduler.request import Req
 
 
 class NaiveEngine:

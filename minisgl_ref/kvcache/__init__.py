@@ -1,9 +1,8 @@
-"""The KV cache: memory for keys and values, the map from requests to it, and prefix sharing (chapters 03-04)."""
+"""The KV cache: memory for keys and values, the map from request rows to it, and prefix sharing (chapters 03-04)."""
 
 from minisgl_ref.kvcache.allocator import OutOfPages, PageAllocator
-from minisgl_ref.kvcache.cache_manager import CacheManager, NaiveCacheManager
 from minisgl_ref.kvcache.pool import KVPool
 from minisgl_ref.kvcache.radix import RadixCache
 from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
 
-__all__ = ["CacheManager", "KVPool", "NaiveCacheManager", "OutOfPages", "PageAllocator", "RadixCache", "ReqToTokenPool"]
+__all__ = ["KVPool", "OutOfPages", "PageAllocator", "RadixCache", "ReqToTokenPool"]

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from minisgl_ref.engine.forward_batch import ForwardBatch
+    from minisgl_ref.core.forward_batch import ForwardBatch
 
 
 class AttentionLayer(nn.Module):

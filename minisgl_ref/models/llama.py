@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from minisgl_ref.engine.forward_batch import ForwardBatch
+from minisgl_ref.core.forward_batch import ForwardBatch
 from minisgl_ref.layers import triton_fused
 from minisgl_ref.layers.activation import SiluAndMul
 from minisgl_ref.layers.attention import AttentionLayer

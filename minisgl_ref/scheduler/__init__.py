@@ -1,5 +1,2 @@
-"""Requests and their scheduling (chapters 00, 03-06)."""
-
-from minisgl_ref.scheduler.request import FinishReason, Req
-
-__all__ = ["FinishReason", "Req"]
+"""Scheduling requests over the KV cache (chapters 03-06): ``scheduler`` decides each step's batch,
+``cache_manager`` maps a request's tokens onto pages and the radix tree."""

@@ -22,12 +22,12 @@ from __future__ import annotations
 import itertools
 from collections import deque
 
-from minisgl_ref.engine.config import EngineConfig
+from minisgl_ref.core.batch import ScheduledBatch
+from minisgl_ref.core.config import EngineConfig
+from minisgl_ref.core.request import Req
 from minisgl_ref.kvcache.allocator import OutOfPages
-from minisgl_ref.kvcache.cache_manager import CacheManager
 from minisgl_ref.kvcache.radix import common_prefix_len
-from minisgl_ref.scheduler.batch import ScheduledBatch
-from minisgl_ref.scheduler.request import Req
+from minisgl_ref.scheduler.cache_manager import CacheManager
 
 _arrival = itertools.count()
 

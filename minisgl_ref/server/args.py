@@ -71,7 +71,7 @@ class ServerArgs:
             raise ValueError("--shell chats with one server; it cannot be combined with --dp-size > 1")
         if args.dp_size > 1 and args.nnodes > 1:
             raise ValueError("--dp-size > 1 runs its servers on this machine; it cannot be combined with --nnodes")
-        from minisgl_ref.engine.config import EngineConfig
+        from minisgl_ref.core.config import EngineConfig
 
         engine_kwargs = dict(engine_kwargs)
         if _resolved_device(args.device) == "cpu":

@@ -36,8 +36,8 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from minisgl_ref.core.request import MAX_TOP_LOGPROBS
 from minisgl_ref.sampling.params import SamplingParams
-from minisgl_ref.scheduler.request import MAX_TOP_LOGPROBS
 
 
 class APIError(Exception):

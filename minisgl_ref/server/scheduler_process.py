@@ -33,8 +33,8 @@ from typing import Any
 
 import zmq
 
+from minisgl_ref.core.request import FinishReason, Req
 from minisgl_ref.sampling.params import SamplingParams
-from minisgl_ref.scheduler.request import FinishReason, Req
 from minisgl_ref.server.args import Addresses, ServerArgs
 from minisgl_ref.server.messages import (
     AbortReq,

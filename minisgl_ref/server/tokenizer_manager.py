@@ -70,7 +70,7 @@ class Chunk:
 @dataclass(frozen=True)
 class RequestOptions:
     """What a request asks of the engine besides its sampling parameters; the same for every sequence of one
-    HTTP request. The names are SGLang's (see :class:`~minisgl_ref.scheduler.request.Req`)."""
+    HTTP request. The names are SGLang's (see :class:`~minisgl_ref.core.request.Req`)."""
 
     return_logprob: bool = False
     top_logprobs_num: int = 0

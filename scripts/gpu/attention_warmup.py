@@ -18,7 +18,7 @@ def build(args: tuple[str, int, str]) -> str:
     import torch
 
     from minisgl_ref.attention.flashinfer_backend import FlashInferBackend
-    from minisgl_ref.engine.forward_batch import ForwardBatch, ForwardMode
+    from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
     from minisgl_ref.kvcache.pool import KVPool
     from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
     from minisgl_ref.layers.attention import AttentionLayer

@@ -29,17 +29,18 @@ news costs one 8-byte broadcast. Only rank 0 reports results.
 from __future__ import annotations
 
 import logging
-import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from minisgl_ref.distributed.group import DistConfig, broadcast_object, exit_with_parent
+from minisgl_ref.core.request import Req
+from minisgl_ref.distributed.group import DistConfig, broadcast_object
 from minisgl_ref.distributed.parallel_state import broadcast_tensor, get_tp_info
 from minisgl_ref.engine.engine import Engine, StepEvent
 from minisgl_ref.sampling.params import SamplingParams
-from minisgl_ref.scheduler.request import Req
+from minisgl_ref.tp.launch import main_not_reimported
 
 log = logging.getLogger("minisgl_ref.tp")
 
@@ -195,39 +196,22 @@ class TPEngine(Engine):
 # ------------------------------------------------------------------------------------ offline: local ranks
 
 
-def _worker_main(rank: int, dist_cfg: DistConfig, llm_kwargs: dict[str, Any], ready: Any) -> None:
-    """Entry point of a spawned follower of an offline ``LLM(tp_size=N)``: build the same LLM as rank ``rank``,
-    then follow the leader until it stops."""
-    exit_with_parent()
-    threads = os.environ.get("MINISGL_THREADS")
-    if threads:
-        torch.set_num_threads(int(threads))
-    from minisgl_ref.llm import LLM
+def spawn_local_ranks(
+    dist_cfg: DistConfig, ranks: list[int], worker: Callable[..., None], worker_kwargs: dict[str, Any]
+) -> tuple[list, list]:
+    """Start one process per rank in ``ranks`` (this node's followers), each running
+    ``worker(rank, dist_cfg, worker_kwargs, ready)``. Returns (processes, ready pipes): each child sends
+    ``{"ok": rank}`` on its ``ready`` pipe once its model is loaded, or ``{"error": ...}``.
 
-    try:
-        llm = LLM(**llm_kwargs, tp_size=dist_cfg.tp_size, nnodes=dist_cfg.nnodes, node_rank=dist_cfg.node_rank,
-                  dist_init_addr=dist_cfg.dist_init_addr, tp_rank=rank, _ready=ready)
-    except Exception as e:  # noqa: BLE001 - reported to the leader, which raises it
-        try:
-            ready.send({"error": f"rank {rank}: {type(e).__name__}: {e}"})
-        except (OSError, ValueError):
-            pass
-        raise SystemExit(1) from e
-    llm.follow()
-
-
-def spawn_local_ranks(dist_cfg: DistConfig, ranks: list[int], llm_kwargs: dict[str, Any]) -> tuple[list, list]:
-    """Start one process per rank in ``ranks`` (this node's followers). Returns (processes, ready pipes): each
-    child sends ``{"ok": rank}`` on its pipe once its model is loaded, or ``{"error": ...}``."""
+    The offline ``LLM`` passes its own follower entry point as ``worker`` (it builds the same ``LLM`` as rank
+    ``rank``), so this module, a floor below ``llm``, never imports it."""
     import torch.multiprocessing as mp
-
-    from minisgl_ref.distributed.launch import main_not_reimported
 
     ctx = mp.get_context("spawn")
     procs, conns = [], []
     for rank in ranks:
         receiver, sender = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_worker_main, args=(rank, dist_cfg, llm_kwargs, sender), daemon=True,
+        proc = ctx.Process(target=worker, args=(rank, dist_cfg, worker_kwargs, sender), daemon=True,
                            name=f"minisgl-tp{rank}")
         with main_not_reimported():
             proc.start()

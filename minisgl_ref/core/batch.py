@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from minisgl_ref.engine.forward_batch import ForwardBatch
+from minisgl_ref.core.forward_batch import ForwardBatch
+from minisgl_ref.core.request import Req
 from minisgl_ref.sampling.sampler import SamplingBatchInfo, StepLogprobs
-from minisgl_ref.scheduler.request import Req
 
 
 @dataclass(eq=False)

@@ -10,11 +10,21 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from minisgl_ref.attention.base import AttentionBackend
+
+class AttentionBackendProtocol(Protocol):
+    """What a forward batch needs of the backend it carries. The backends themselves live in
+    ``minisgl_ref.attention``, a floor above this one; typing the field with this protocol keeps the batch a plain
+    data type that imports none of them (every class there derived from ``attention.base.AttentionBackend`` fits)."""
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, batch: ForwardBatch
+    ) -> torch.Tensor: ...
 
 
 class ForwardMode(enum.Enum):
@@ -33,7 +43,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [T]
     extend_lens_cpu: list[int]  # new tokens per request
     prefix_lens_cpu: list[int]  # tokens already cached per request
-    attn_backend: AttentionBackend
+    attn_backend: AttentionBackendProtocol
     # Set by engines with a KV cache (chapter 03): each request's page-table row and each new token's slot.
     req_pool_indices: torch.Tensor | None = None  # [B]
     out_cache_loc: torch.Tensor | None = None  # [T]
@@ -55,7 +65,7 @@ class ForwardBatch:
 
     @classmethod
     def for_full_sequences(
-        cls, sequences: list[list[int]], attn_backend: AttentionBackend, device: torch.device | str = "cpu"
+        cls, sequences: list[list[int]], attn_backend: AttentionBackendProtocol, device: torch.device | str = "cpu"
     ) -> ForwardBatch:
         """A prefill of whole sequences with nothing cached: the oracle's every step."""
         flat = [t for seq in sequences for t in seq]

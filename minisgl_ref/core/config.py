@@ -1,8 +1,20 @@
-"""Engine settings, named after SGLang's server arguments so that flags carry over (chapters 03-06)."""
+"""Engine settings, named after SGLang's server arguments so that flags carry over (chapters 03-07).
+
+The list of attention backend names lives here, beside the settings that are checked against it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+#: Every name ``--attention-backend`` accepts (the backends themselves: ``minisgl_ref.attention``, chapter 07).
+ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer", "fa3")
+
+
+def validate_backend_name(field: str, value: str | None) -> None:
+    """Raise ``ValueError`` naming ``field`` unless ``value`` is None (auto) or a known backend."""
+    if value is not None and value not in ATTENTION_BACKENDS:
+        raise ValueError(f"{field} must be one of {', '.join(ATTENTION_BACKENDS)} (or unset for auto), got {value!r}")
 
 
 @dataclass
@@ -52,7 +64,5 @@ class EngineConfig:
         need(0.0 < self.mem_fraction_static < 1.0, "mem_fraction_static", "in (0, 1)", self.mem_fraction_static)
         need(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", ">= 1",
              self.cuda_graph_max_bs)
-        from minisgl_ref.attention.registry import validate_backend_name  # light: torch only
-
         for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
             validate_backend_name(name, getattr(self, name))

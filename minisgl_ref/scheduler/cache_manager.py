@@ -13,6 +13,11 @@ request alone. The scheduler drives five calls:
 While ``defer_frees`` is set, frees are parked until ``flush_pending``: with overlap scheduling (chapter 06) the
 step already running on the device may still write the slots of a request the CPU has just seen finish. Freeing
 them only after that step completes means no other request can be handed those slots too early.
+
+This module lives with the scheduler, not in ``minisgl_ref.kvcache``: every call takes a request (its prompt,
+its cache salt, how far it has been scheduled) and decides policy over memory (what to share, what to evict, when
+to free). ``kvcache`` below it is memory alone (pages, the KV pool, page-table rows, the radix tree over token
+ids) and knows nothing of requests, so it can be read and tested without the scheduler.
 """
 
 from __future__ import annotations
@@ -22,10 +27,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from minisgl_ref.core.request import Req
 from minisgl_ref.kvcache.allocator import OutOfPages, PageAllocator
 from minisgl_ref.kvcache.radix import RadixCache
 from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
-from minisgl_ref.scheduler.request import Req
 
 
 class CacheManager:

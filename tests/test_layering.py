@@ -1,0 +1,181 @@
+"""The engine package is a strictly layered graph: no import cycles, and no import from a higher floor.
+
+Every module of ``minisgl_ref/`` is read with ``ast`` (not imported), and every import of a ``minisgl_ref`` module
+counts: at the top of the file, inside a function, and under ``if TYPE_CHECKING:``. A module belongs to the floor
+of its package (the second component of its dotted name, or the module itself for ``llm.py``, ``cli.py`` and
+``__main__.py``; ``minisgl_ref`` for the package's own ``__init__``). A module may import from its own floor or
+from a floor below; it may never import from a floor above, and the module graph may have no cycle at all.
+
+Run it as a script (``python tests/test_layering.py``) to print the counts and every offending import.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+# The floors of the engine, bottom first. A package imports only from its own floor or a lower one.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("sampling", "tokenizer"),  # sampling parameters and the sampler; tokenizer and incremental detokenizer
+    ("core",),  # the shared vocabulary: Req, ForwardBatch, EngineConfig, ScheduledBatch
+    ("distributed",),  # process groups and collectives
+    ("layers",),  # tensor-parallel linears, embedding, norm, rotary, attention layer, fused kernels
+    ("kvcache",),  # memory only: page allocator, KV pool, request-to-token table, radix tree
+    ("models",),  # Llama, Qwen2, Qwen3, config, weights, loader
+    ("attention",),  # attention backends
+    ("scheduler",),  # the scheduler and the cache manager it drives
+    ("engine",),  # the engine loop, model runner, CUDA graphs
+    ("tp",),  # the tensor-parallel engine and rank launching
+    ("llm",),  # the offline LLM
+    ("minisgl_ref",),  # the package's public API (`from minisgl_ref import LLM, SamplingParams`)
+    ("server", "bench"),  # the HTTP server processes; the benchmarks
+    ("cli", "__main__"),  # the command line
+)
+
+ROOT = Path(__file__).resolve().parent.parent / "minisgl_ref"
+
+
+@dataclass(frozen=True)
+class Edge:
+    src: str  # importing module, dotted
+    dst: str  # imported module, dotted
+    file: str  # path of the importing file, relative to the repository root
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.src} imports {self.dst}"
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _resolve(target: str, modules: set[str]) -> str | None:
+    """The longest prefix of a dotted name that is a module of the package (`a.b.C` -> `a.b`)."""
+    parts = target.split(".")
+    while parts:
+        name = ".".join(parts)
+        if name in modules:
+            return name
+        parts.pop()
+    return None
+
+
+def import_edges(root: Path = ROOT) -> list[Edge]:
+    files = sorted(root.rglob("*.py"))
+    modules = {module_name(f, root) for f in files}
+    edges: list[Edge] = []
+    seen: set[Edge] = set()
+    for f in files:
+        src = module_name(f, root)
+        is_pkg = f.name == "__init__.py"
+        rel = str(f.relative_to(root.parent))
+        for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:  # relative import: resolve against the importing module's package
+                    base = src.split(".") if is_pkg else src.split(".")[:-1]
+                    base = base[: len(base) - (node.level - 1)]
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    mod = node.module or ""
+                # `from pkg import sub` names the submodule `pkg.sub` when it exists, else `pkg` itself.
+                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod for a in node.names]
+            for t in targets:
+                dst = _resolve(t, modules)
+                edge = Edge(src, dst, rel, node.lineno) if dst is not None and dst != src else None
+                if edge is not None and edge not in seen:  # `from m import a, b` is one import of `m`
+                    seen.add(edge)
+                    edges.append(edge)
+    return edges
+
+
+def floor_of(layers: tuple[tuple[str, ...], ...] = LAYERS) -> dict[str, int]:
+    return {pkg: i for i, floor in enumerate(layers) for pkg in floor}
+
+
+def upward_imports(edges: list[Edge], layers: tuple[tuple[str, ...], ...] = LAYERS) -> list[Edge]:
+    floors = floor_of(layers)
+    return [e for e in edges if floors[package_of(e.dst)] > floors[package_of(e.src)]]
+
+
+def cycles(edges: list[Edge]) -> list[list[Edge]]:
+    """The strongly connected components of the module graph with more than one module, each as its edges."""
+    graph: dict[str, set[str]] = {}
+    for e in edges:
+        graph.setdefault(e.src, set()).add(e.dst)
+        graph.setdefault(e.dst, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    sccs: list[set[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                scc.add(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                sccs.append(scc)
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [[e for e in edges if e.src in scc and e.dst in scc] for scc in sccs]
+
+
+def test_every_package_has_a_floor():
+    packages = {package_of(module_name(f, ROOT)) for f in ROOT.rglob("*.py")}
+    missing = packages - set(floor_of())
+    assert not missing, f"packages without a floor in LAYERS: {sorted(missing)}"
+
+
+def test_no_import_cycles():
+    found = cycles(import_edges())
+    assert not found, "import cycles:\n" + "\n\n".join("\n".join(map(str, c)) for c in found)
+
+
+def test_no_upward_imports():
+    found = upward_imports(import_edges())
+    floors = floor_of()
+    assert not found, "imports from a higher floor:\n" + "\n".join(
+        f"{e}  (floor {floors[package_of(e.src)]} -> {floors[package_of(e.dst)]})" for e in found
+    )
+
+
+if __name__ == "__main__":
+    edges = import_edges()
+    found_cycles = cycles(edges)
+    found_up = upward_imports(edges)
+    print(f"{len(edges)} imports, {len(found_cycles)} cycles, {len(found_up)} upward imports")
+    for c in found_cycles:
+        print("cycle:\n  " + "\n  ".join(map(str, c)))
+    for e in found_up:
+        print("upward:", e)
