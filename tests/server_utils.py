@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +152,17 @@ def wait_for_log(server: ServerProcess, needle: str, timeout: float = STARTUP_TI
             raise RuntimeError(f"the server exited with {server.proc.returncode}:\n{server.log_text()}")
         time.sleep(0.5)
     raise TimeoutError(f"{needle!r} did not appear within {timeout} s:\n{server.log_text()}")
+
+
+@contextlib.contextmanager
+def running_server(*flags: str, **kw: Any) -> Iterator[ServerProcess]:
+    """A ready server for a ``with`` block (or a fixture), stopped however the block ends."""
+    srv = ServerProcess(*flags, **kw)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.kill_all()
 
 
 # ------------------------------------------------------------------------- helpers of the fuzz and soak tests

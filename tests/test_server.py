@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server_utils import ServerProcess, alive, children_of, parse_sse
+from tests.server_utils import ServerProcess, alive, children_of, parse_sse, running_server, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -30,12 +30,8 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--enable-metrics", "--log-level", "warning", api_key=API_KEY)
-    try:
-        srv.wait_ready()
+    with running_server("--enable-metrics", "--log-level", "warning", api_key=API_KEY) as srv:
         yield srv
-    finally:
-        srv.kill_all()
 
 
 @pytest.fixture(scope="module")
@@ -67,19 +63,6 @@ def metrics(server: ServerProcess) -> dict[str, float]:
             if not sample.name.endswith("_bucket"):
                 out[sample.name] = sample.value
     return out
-
-
-def wait_idle(server: ServerProcess, timeout: float = 120) -> dict[str, Any]:
-    """Poll until the scheduler holds no request and the whole KV pool is free or evictable again."""
-    deadline = time.monotonic() + timeout
-    while True:
-        info = server.server_info()
-        if (info["num_running_reqs"] == 0 and info["num_queue_reqs"] == 0 and info["num_tracked_reqs"] == 0
-                and info["available_kv_tokens"] == info["max_total_num_tokens"]):
-            return info
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the server did not go idle: {info}")
-        time.sleep(0.25)
 
 
 # ------------------------------------------------------------------------------------------------ basics

@@ -43,7 +43,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server_utils import ServerProcess, error_body_problem, sse_problem, wait_idle
+from tests.server_utils import ServerProcess, error_body_problem, running_server, sse_problem, wait_idle
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
@@ -64,12 +64,8 @@ PATHS = ("/v1/chat/completions", "/v1/completions", "/generate")
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--log-level", "warning", "--max-request-body-mb", str(BODY_LIMIT_MB))
-    try:
-        srv.wait_ready()
+    with running_server("--log-level", "warning", "--max-request-body-mb", str(BODY_LIMIT_MB)) as srv:
         yield srv
-    finally:
-        srv.kill_all()
 
 
 # ------------------------------------------------------------------------------------------- raw JSON

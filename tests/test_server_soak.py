@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server_utils import ServerProcess, alive, error_body_problem, sse_problem, wait_idle
+from tests.server_utils import ServerProcess, alive, error_body_problem, running_server, sse_problem, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -87,12 +87,8 @@ BAD = [  # (path, body: dict or raw bytes, expected status)
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--log-level", "warning", "--max-request-body-mb", str(BODY_LIMIT_MB))
-    try:
-        srv.wait_ready()
+    with running_server("--log-level", "warning", "--max-request-body-mb", str(BODY_LIMIT_MB)) as srv:
         yield srv
-    finally:
-        srv.kill_all()
 
 
 @dataclass
