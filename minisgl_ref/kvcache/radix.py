@@ -29,8 +29,6 @@ import torch
 
 from minisgl_ref.kvcache.allocator import PageAllocator
 
-_clock = itertools.count()
-
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
     """How many leading tokens ``a`` and ``b`` share.
@@ -59,7 +57,7 @@ class TreeNode:
     parent: TreeNode | None = None
     children: dict[object, TreeNode] = field(default_factory=dict)
     lock_ref: int = 0  # how many running requests pin this node (and so every ancestor)
-    last_access: int = field(default_factory=lambda: next(_clock))
+    last_access: int = 0  # its tree's clock when it was last matched or inserted: LRU order for eviction
 
     def __lt__(self, other: TreeNode) -> bool:  # for the eviction heap: least recently used first
         return self.last_access < other.last_access
@@ -86,6 +84,7 @@ class RadixCache:
         self.protected_size = 0  # tokens in locked nodes
         self.hit_tokens = 0
         self.query_tokens = 0
+        self._clock = itertools.count(1)  # this tree's LRU clock: ticks at every match or insertion of a node
 
     # -------------------------------------------------------------------------------------------- helpers
 
@@ -135,7 +134,7 @@ class RadixCache:
                 break
             if n < len(child.key):
                 child = self._split(child, n)
-            child.last_access = next(_clock)
+            child.last_access = next(self._clock)
             pieces.append(child.value)
             node, i = child, i + n
         slots = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
@@ -153,14 +152,15 @@ class RadixCache:
             key = self._child_key(tokens[i:])
             child = node.children.get(key)
             if child is None:
-                leaf = TreeNode(key=tokens[i:], value=slots[i:].clone(), parent=node)
+                leaf = TreeNode(key=tokens[i:], value=slots[i:].clone(), parent=node,
+                                last_access=next(self._clock))
                 node.children[key] = leaf
                 self.evictable_size += len(leaf.key)
                 return i
             n = self._common_len(child.key, tokens[i:])
             if n < len(child.key):
                 child = self._split(child, n)
-            child.last_access = next(_clock)
+            child.last_access = next(self._clock)
             node, i = child, i + n
         return n_tok
     # END TASK 4.2

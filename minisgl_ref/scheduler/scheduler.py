@@ -29,8 +29,6 @@ from minisgl_ref.kvcache.allocator import OutOfPages
 from minisgl_ref.kvcache.radix import common_prefix_len
 from minisgl_ref.scheduler.cache_manager import CacheManager
 
-_arrival = itertools.count()
-
 
 class NeedSync(Exception):
     """Raised by :meth:`Scheduler.schedule` when it would have to retract while a step is in flight (overlap):
@@ -45,7 +43,8 @@ class Scheduler:
         self.running: list[Req] = []
         self.chunked: Req | None = None
         self.new_token_ratio = config.init_new_token_ratio
-        self.arrival: dict[Req, int] = {}
+        self.arrival: dict[Req, int] = {}  # request -> its admission number (retraction picks the newest)
+        self._arrivals = itertools.count()
         self.num_retractions = 0
         self.aborted: list[Req] = []  # requests the scheduler had to give up on, reported by the engine
 
@@ -57,7 +56,7 @@ class Scheduler:
             req.abort(f"the prompt needs {len(req.input_ids) + 1} KV slots but the whole pool holds {capacity}")
             self.aborted.append(req)
             return
-        self.arrival[req] = next(_arrival)
+        self.arrival[req] = next(self._arrivals)
         self.waiting.append(req)
 
     @property
