@@ -896,11 +896,13 @@ print("python", " ".join(router_command(dp_args, dp_urls, metrics_port=41003)[1:
 #   -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0}'
 # python -m minisgl_ref bench serving --num-prompts 16 --random-input-len 128 --random-output-len 32 \
 #   --random-range-ratio 0.5 --request-rate 1 --output-file docs/data/bench_serving_cpu.json
-# python -m pytest tests/test_server.py tests/test_bench_serving.py   # 46 tests, 5-8 minutes on 2 busy cores
+# python -m pytest tests/test_server.py tests/test_server_hardening.py tests/test_bench_serving.py  # 3-8 minutes
+# python -m pytest tests/test_server_fuzz.py tests/test_server_soak.py   # fuzz and soak: about 5 minutes
+# python -m pytest tests/test_logprobs.py tests/test_request_isolation.py   # logprobs oracle, failure isolation
 #
 # # data parallelism: two workers behind SGLang's router (pip install 'minisgl_ref[router]' first)
 # ./minisgl serve --dp-size 2 --device cpu
-# python -m pytest tests/test_data_parallel.py           # 8 tests, about 1 minute on 2 busy cores
+# python -m pytest tests/test_data_parallel.py           # about 1 minute on 2 busy cores
 #
 # # the GPU numbers: a server on one H100, then one bench per rate (4, 16, inf)
 # python -m minisgl_ref serve --model-path qwen3-0.6b --load-format dummy --dtype bfloat16 &
@@ -920,6 +922,8 @@ print("python", " ".join(router_command(dp_args, dp_urls, metrics_port=41003)[1:
 # | greedy chat "What is the capital of France?" (37 prompt tokens, 8 output) | "The capital of France is Paris.", 1.6-2.7 s |
 # | oracle: 2 prompts x 12 greedy tokens through `/generate` vs chapter 00's loop | identical token ids (2/2) |
 # | a client leaves a 2,000-token stream after 3 events | the pool is back to 4096/4096 free or evictable within ~0.3 s |
+# | a 3,000-token prompt arrives while a stream runs (one core, 32-token chunks mixed with decode) | longest pause of the stream 0.3-0.45 s (37 s if prefilled in one step) |
+# | GPU (committed JSON): log probabilities for 64 requests x 128 tokens, top 5 | 19.7k vs 21.4k output tok/s without (about 8%) |
 # | `bench serving`, 16 requests, 64-128 prompt and 16-32 output tokens, 1 req/s (committed JSON) | 0.53 req/s, 13.6 output tok/s; TTFT median 2.7 s; ITL median 0.56 s, p99 7.5 s; TPOT median 0.73 s |
 # | `bench serving` in this chapter, 8 x (32 -> 8 tokens) at 4 req/s | TTFT median 2.3 s, ITL median 0.51 s, 9.2 output tok/s |
 # | the whole chapter, `python chapters/10_server.py` | 87-119 s wall on the loaded machine, most of it the server's start |
