@@ -25,7 +25,7 @@
 #
 # **Why it matters.** Every later chapter makes this forward pass *faster* (a KV cache, batching, custom kernels,
 # CUDA graphs, several GPUs) and none of them may change its *numbers*. So we pin them down here, against the
-# oracle of design.md: Hugging Face `transformers`, on the same weights, in float32 on the CPU. And the sizes we
+# oracle of this book: Hugging Face `transformers`, on the same weights, in float32 on the CPU. And the sizes we
 # read off the configs (bytes of weights, bytes of KV cache per token) are the physical limits that every
 # throughput number in this book is later compared with.
 #
@@ -590,7 +590,7 @@ for f in sorted(embedded_dir.iterdir()):
 # %% [markdown]
 # ## 5. The oracle: Hugging Face transformers on the same weights
 #
-# Design.md's model oracle: load the same folder into `transformers` and into our code, both in float32 on the CPU,
+# The model oracle: load the same folder into `transformers` and into our code, both in float32 on the CPU,
 # run the same prompts, compare logits at **every** position with the relative error
 # $\lVert \mathrm{ours} - \mathrm{ref} \rVert / \lVert \mathrm{ref} \rVert$, and require it to be at most
 # $10^{-4}$. Ours runs all prompts as *one* flat batch; transformers runs them one at a time, so the comparison
@@ -657,7 +657,7 @@ del hf_model
 # tensor-parallel rank generates the same full tensor and keeps its own slice, as it would from a real file.
 #
 # `checkpoint_shapes` also answers "how big is it?" without allocating a single weight. Two numbers decide what
-# serving a model costs (design.md, "Physical limits"): every decode step must read **all weights once**, plus the
+# serving a model costs (the physical limits that chapter 11 builds on): every decode step must read **all weights once**, plus the
 # KV cache of every running request, `kv_bytes_per_token = 2 (K and V) x layers x kv_heads x head_dim x
 # dtype_bytes` per token of context. At the H100's ~3.35 TB/s of HBM bandwidth, the weight bytes alone give a floor
 # on the time of one decode step, and thus a ceiling on a single request's decode speed:
@@ -665,7 +665,7 @@ del hf_model
 # %%
 from minisgl_ref.models.weights import checkpoint_shapes
 
-H100_BYTES_PER_S = 3.35e12  # design.md: H100 SXM HBM bandwidth
+H100_BYTES_PER_S = 3.35e12  # H100 SXM HBM bandwidth (datasheet)
 print(f"{'model':<14}{'params':>9}{'bf16 weights':>14}{'KV B/token':>12}{'H100 floor/step':>17}"
       f"{'1-request tok/s':>17}{'KV = weights at':>17}")
 sizes = {}
@@ -679,7 +679,7 @@ for name, cfg in shipped.items():
     sizes[name] = (params, weight_bytes, kv)
     print(f"{name:<14}{params / 1e9:>8.3f}B{weight_bytes / 1e9:>11.2f} GB{kv:>12,}{floor_s * 1e3:>14.2f} ms"
           f"{1 / floor_s:>17,.0f}{weight_bytes / kv:>11,.0f} tok")
-assert sizes["qwen3-0.6b"][2] == 114_688  # design.md's number for Qwen3-0.6B
+assert sizes["qwen3-0.6b"][2] == 114_688  # 2 x 28 layers x 8 KV heads x 128 x 2 bytes
 
 # %% [markdown]
 # Read the last column as: once the requests of a batch hold that many tokens of context *in total*, reading their
@@ -751,7 +751,7 @@ plt.show()
 # %% [markdown]
 # Going from 1 to 256 tokens per pass multiplies the time by far less than 256: a single token spends its time
 # reading weights, many tokens spend it computing. On a GPU the effect is far larger. An H100 does about 300 bf16
-# FLOPs in the time it reads one byte (design.md: ~990 TFLOP/s against 3.35 TB/s), and each 2-byte weight costs 2
+# FLOPs in the time it reads one byte (H100 datasheet: ~990 TFLOP/s against 3.35 TB/s), and each 2-byte weight costs 2
 # FLOPs per token, so a step stays bound by reading weights until it carries a few hundred tokens: section 6's
 # 0.36 ms floor for Qwen3-0.6B is the same for one request as for two hundred (KV cache aside). That is why
 # chapter 03 runs the decode steps of many requests together.

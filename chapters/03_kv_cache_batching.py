@@ -183,7 +183,7 @@ plt.show()
 # request reads its own cached K and V, so that part does grow with the batch and with the context.)
 #
 # On a GPU the gap is much wider. An H100 does about 990 TFLOP/s of dense bf16 math but reads only ~3.35 TB/s
-# from its memory (the yardsticks of `design.md`), so a pass is memory-bound until it carries roughly
+# from its memory (the yardsticks of chapter 11), so a pass is memory-bound until it carries roughly
 # `990 / 3.35 ≈ 300` tokens (in bf16 a pass does about one FLOP per weight byte per token). A decode batch needs
 # hundreds of requests before the arithmetic units are even busy. And each of those requests holds its KV cache
 # in GPU memory the whole time: *memory for the KV cache is what limits the batch*, which is why the rest of this
@@ -201,7 +201,7 @@ pool = llm.engine.kv_pool
 print(f"LLM's default CPU pool: {llm.engine.max_total_tokens:,} token slots (+ the dummy page) = "
       f"{pool.num_slots * per_token / 2**20:,.0f} MiB, allocated once; per layer K and V are "
       f"{tuple(pool.k[0].shape)} tensors")
-print(f"for comparison, Qwen3-0.6B in bf16 needs 114,688 bytes per token (design.md): 10 GiB of KV holds "
+print(f"for comparison, Qwen3-0.6B in bf16 needs 114,688 bytes per token (chapter 01): 10 GiB of KV holds "
       f"{10 * 2**30 // 114688:,} tokens, e.g. 45 requests of 2,048 tokens")
 
 # %% [markdown]
@@ -373,7 +373,7 @@ assert toy_alloc.num_free_pages == toy_alloc.capacity_pages
 #   a multiple of the page size.
 #
 # How much memory is the waste? Take the final lengths (prompt + output) of the 256 requests of the canonical
-# workload of `design.md`:
+# workload shared by the book's benchmarks (chapter 11):
 
 # %%
 import random

@@ -659,7 +659,7 @@ fresh_engine.run_until_done()
 #
 # ## 9. Measure: a shared-prefix workload
 #
-# The workload of `design.md`: `G` groups of `P` requests; each prompt is its group's system prompt of `S`
+# SGLang's shared-prefix workload: `G` groups of `P` requests; each prompt is its group's system prompt of `S`
 # tokens followed by a question of `Q` tokens; `O` output tokens each. Requests arrive one per engine step, in
 # random order, the way a server receives them. We serve it through `LLM`'s engine twice, with
 # `disable_radix_cache=True` and with the default configuration (radix cache and overlap scheduling on), and

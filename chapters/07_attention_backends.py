@@ -496,8 +496,7 @@ for shape in sorted({(r["batch"], r["prefix"], r["extend"]) for r in prefill_row
 # python chapters/07_attention_backends.py                                  # this chapter (CPU, interpreter)
 # python -m pytest tests/test_attention_backends.py -q -p no:cacheprovider  # CPU: tasks 7.1-7.2 and more
 # ./minisgl generate --attention-backend triton "Hello"                     # on a GPU (CPU: TRITON_INTERPRET=1)
-# # on an H100 with flashinfer-python and FlashAttention-3 installed (the project's GPU machine: see
-# # scripts/gpu/attention.sh for the carry set-up):
+# # on an H100 with flashinfer-python and FlashAttention-3 installed:
 # bash scripts/gpu/attention.sh                     # pytest -m gpu + python -m minisgl_ref bench kernels
 # python -m minisgl_ref bench kernels --output docs/data/gpu_kernels_h100.json
 # ```

@@ -266,8 +266,8 @@ plt.show()
 # kernels still costs at least ~2-3 µs of GPU time (launch latency and tail of tiny kernels), which is why
 # fusing kernels matters even with graphs: merging Qwen3's two QK-norms and RoPE into one Triton kernel and the
 # K and V stores into another (`minisgl_ref/layers/triton_fused.py`) took 56 kernels out of each step and batch-1
-# decode from 1.62 to 1.40 ms (measured in two GPU calls; the earlier numbers are kept under `before_this_session`
-# in `docs/data/gpu_offline_h100.json`).
+# decode from 1.62 to 1.40 ms (measured in two runs; the earlier numbers are kept in
+# `docs/data/gpu_offline_h100.json`).
 
 # %% [markdown]
 # ## 6. The other per-token costs

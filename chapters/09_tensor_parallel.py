@@ -370,7 +370,7 @@ print("byte counts match (2L+1) T h b and B ceil(V/N) b exactly")
 #
 # `scripts/gpu/tp_bench.sh` runs on a machine with two H200s (NVLink, NCCL with NVLink multicast off) and writes
 # one JSON file, committed as `docs/data/tp_bench_h200.json`: the check of tp=2 against tp=1 in bf16 (a small
-# Qwen3, dummy weights), the decode step time at batch 1 and 64, and the canonical offline workload (design.md)
+# Qwen3, dummy weights), the decode step time at batch 1 and 64, and the canonical offline workload (chapter 11)
 # on a Qwen3-14B config with dummy weights, at tp=1 and tp=2. The numbers are read here, not measured again.
 
 # %%
@@ -479,8 +479,8 @@ else:
 # python -m pytest tests/test_tensor_parallel.py        # 20 tests, ~2 min: logits at tp=2/4, LLM, 2 nodes, server
 # python -m minisgl_ref generate --tp-size 2 "What is the capital of France?"
 # python -m minisgl_ref serve --tp-size 2               # one scheduler process per rank
-# # two GPUs (see ../shared/gpu/README.md for the carry set-up):
-# GPU_CARRY_DIR=.gpu . .gpu/prelude.sh && export PYTHONPATH=$PWD:$PYTHONPATH && bash scripts/gpu/tp_bench.sh
+# # two GPUs with flashinfer-python and FlashAttention-3 installed:
+# export PYTHONPATH=$PWD:$PYTHONPATH && bash scripts/gpu/tp_bench.sh
 # ```
 #
 # Measured here: 2-core x86_64 CPU shared with other jobs, no GPU, Python 3.11, torch 2.13 (CPU), one torch

@@ -127,9 +127,9 @@ for name, bw in (("measured copy (this H100)", measured_bw), ("datasheet", 3.35e
 
 # %% [markdown]
 # The KV reads are 92% of the bytes: on this workload the engine's speed is, to first order, the attention
-# kernel's bandwidth. design.md's "~4.6 s, ~29k tok/s" is the datasheet figure; we divide by the bandwidth
+# kernel's bandwidth. "~4.5 s, ~29.7k tok/s" is the datasheet figure; we divide by the bandwidth
 # *measured* in the same GPU call (a 2 GiB device-to-device copy, bytes read plus written), which gives the
-# slightly higher floor of 5.03 s (26.6k tok/s). The target of 17,000 tok/s is 60% of the datasheet
+# slightly higher floor of 5.03 s (26.6k tok/s). Our target of 17,000 tok/s is 60% of the datasheet
 # floor, 64% of the measured one.
 #
 # ## 3. The ladder on this CPU (`--quick`)
@@ -272,7 +272,7 @@ for line in table[6:]:
 # %% [markdown]
 # Three quarters of the GPU time is the decode attention kernel, and it already reads the KV cache at ~2.7 TB/s
 # (231 µs per layer for 256 requests x ~590 tokens x 4 KiB): the GPU part of a step is near its floor, and the
-# GPU is now busy ~94% of a decode step with 256 requests running (it was ~73% before the token-copy fix: `before_this_session` in the results file). The
+# GPU is now busy ~94% of a decode step with 256 requests running (it was ~73% before the token-copy fix, as the earlier numbers in the results file show). The
 # rest of the distance to the floor is spread thin: the ~1.5 ms of fixed cost per step (313 small kernels: the
 # projections of 28 layers, norms, sampling) that the floor does not count and that dominates the long tail of the
 # workload where few requests run; the prefill phases, during which decode stops (mixed chunks are off by
@@ -280,7 +280,7 @@ for line in table[6:]:
 # (`docs/data/gpu_offline_h100_host_profile.txt`) leaves unexplained at this resolution.
 #
 # **Where this leaves the target.** 17,700-17,850 output tok/s (two runs of one process) is 67% of the floor at
-# the measured bandwidth and 60% of design.md's datasheet floor (4.50 s, ~29,700 tok/s): the target of 17,000
+# the measured bandwidth and 60% of the datasheet floor (4.50 s, ~29,700 tok/s): the target of 17,000
 # (about 60%) is reached, by a few percent. Next steps worth measuring: capture the sampler into the decode graph
 # (one replay per step instead of a replay plus ~30 eager kernels), mixed prefill+decode steps so that decode does
 # not stop during prefill, and vectorising `Engine._process`, now the largest per-request Python per step.
@@ -289,7 +289,7 @@ for line in table[6:]:
 # ## 6. Reproduce
 #
 # ```bash
-# # on one H100 with flashinfer-python and FlashAttention-3 (see shared/gpu/README.md for the lent machines):
+# # on one H100 with flashinfer-python and FlashAttention-3 installed:
 # bash scripts/gpu/offline.sh                 # tests, step times, canonical, ladder, profiles -> $OUT
 # python -m minisgl_ref bench offline         # canonical workload, full engine, Qwen3-0.6B dummy bf16
 # python -m minisgl_ref bench offline --disable-cuda-graph
@@ -300,7 +300,7 @@ for line in table[6:]:
 #
 # Expected on an H100 80GB HBM3: about 17,700 output tok/s on the canonical workload (67% of the 5.03 s floor
 # at the measured 3.0 TB/s, 60% of the datasheet floor); 8,200 with `--disable-cuda-graph`. Run to run, in
-# separate GPU calls of the same session, the default engine varied by about 4% (16,700-17,600 tok/s before
+# separate processes on the same machine, the default engine varied by about 4% (16,700-17,600 tok/s before
 # the last change).
 
 # %%

@@ -59,9 +59,9 @@ def offline_section() -> list[str]:
         f"The floor is {floor:.2f} s: every decode step reads the weights once and each request's KV context "
         "(`bytes = max(O_i) * W + sum_i sum_j (P_i + j) * kv_bytes_per_token`, chapter 11) at the device-to-device "
         f"copy bandwidth measured in the same call, {g['copy_bandwidth_Bps'] / 1e12:.2f} TB/s. At the datasheet's "
-        f"3.35 TB/s it is {floor_ds:.2f} s (design.md's \"~29k tok/s\"). The issue's target, 17,000 tok/s (~60% of "
-        f"the datasheet floor), is **{'reached' if best >= 17_000 else 'not reached'}** in this run. Across the GPU "
-        "calls of the session that made the last changes, the default engine varied by about 4% from call to call "
+        f"3.35 TB/s it is {floor_ds:.2f} s (~29.7k tok/s). The target, 17,000 tok/s (~60% of "
+        f"the datasheet floor), is **{'reached' if best >= 17_000 else 'not reached'}** in this run. Across separate "
+        "runs on the same machine, the default engine varied by about 4% from run to run "
         "(see the history below).",
         "",
         "**The stage ladder, attention backends and CUDA graphs.** " + g["ladder_note"][0].upper() + g["ladder_note"][1:] + ".",

@@ -41,7 +41,7 @@ DTYPE = torch.bfloat16
 DECODE_BATCHES = (1, 8, 32, 64, 128, 256)
 DECODE_CONTEXTS = (512, 1024, 2048, 4096, 8192)
 GQA_RATIOS = (1, 2, 4, 8)
-TARGET = dict(batch=64, context=2048, gqa=2)  # the target: triton >= 80% of flashinfer here
+TARGET = dict(batch=64, context=2048, gqa=2)  # the target: triton >= 80% of flashinfer here
 # (batch, cached prefix per request, new tokens per request)
 PREFILL_SHAPES = ((1, 0, 1024), (1, 0, 4096), (1, 0, 8192), (8, 0, 1024), (4, 2048, 512), (16, 1000, 100),
                   (64, 100, 64))  # fmt: skip

@@ -23,7 +23,7 @@ measurement worth publishing:
    rate and the number of retractions: the *why* behind a time.
 
 3. **The roofline.** A decode step must at least read every weight once and every running request's KV cache
-   once (design.md, "Physical limits"). :func:`roofline_floor_seconds` turns that into the least time any
+   once (chapter 11). :func:`roofline_floor_seconds` turns that into the least time any
    engine could take on a workload at a given memory bandwidth; on CUDA every run is also reported as a
    fraction of that floor.
 
@@ -59,7 +59,7 @@ from minisgl_ref.models.weights import checkpoint_shapes
 
 STAGES = ("naive", "paged", "radix", "chunked", "overlap")
 
-#: H100 SXM HBM bandwidth measured by a device-to-device copy (design.md); the datasheet says 3.35e12.
+#: H100 SXM HBM bandwidth measured by a device-to-device copy; the datasheet says 3.35e12.
 H100_MEASURED_BANDWIDTH = 3.0e12
 
 #: The model of the published canonical numbers (random weights: throughput does not depend on their values).
@@ -196,7 +196,7 @@ def roofline_floor_seconds(
 
     For the canonical workload on Qwen3-0.6B in bf16 (1.19 GB of weights, 114,688 KV bytes per token) this is
     5.03 s at the H100's measured 3.0 TB/s (26.6k output tok/s) and 4.50 s at its datasheet 3.35 TB/s
-    (29.7k tok/s): design.md's "about 4.6 s, ~29k tok/s" is the datasheet figure."""
+    (29.7k tok/s): that is the datasheet figure."""
     steps = max(output_lens, default=0)
     total = steps * weight_bytes + context_token_sum(prompt_lens, output_lens) * kv_bytes_per_token
     return total / bandwidth

@@ -6,7 +6,7 @@ all GPU memory free, and a phase that runs out of time does not lose the others'
 * ``check``: the sharded model against the unsharded one. Logits of a few prompts at tp=N versus tp=1 (relative
   error), and the engine's greedy tokens at tp=N versus tp=1.
 * ``run``: one tensor-parallel size on a big model: decode step time at given batch sizes (the engine stepping a
-  batch that is all decode), then the canonical offline workload (design.md) timed like ``bench offline``.
+  batch that is all decode), then the canonical offline workload (chapter 11) timed like ``bench offline``.
 * ``merge``: the phases' JSON files into one results file with provenance.
 
 ``--phase comm`` counts the bytes every collective moves in one prefill and one decode forward pass (the

@@ -76,7 +76,7 @@ def canonical_workload(
     temperature: float = 0.6,
     seed: int = 0,
 ) -> Workload:
-    """The nano-vllm / Mini-SGLang offline workload (design.md, "Workloads").
+    """The nano-vllm / Mini-SGLang offline workload (chapter 11).
 
     With the defaults this is *the* canonical workload: ``random.seed(0)``; 256 prompts of
     ``randint(100, 1024)`` token ids each drawn by ``randint(0, 10000)``; then 256 output lengths

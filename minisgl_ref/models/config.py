@@ -40,7 +40,7 @@ class ModelConfig:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V for every layer: the unit in which KV-cache memory is budgeted (design.md's roofline uses it)."""
+        """K and V for every layer: the unit in which KV-cache memory is budgeted (chapter 11's roofline uses it)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
 
     @classmethod

@@ -2,8 +2,8 @@
 # Chapter 07's GPU run: attention backends against torch_native (pytest -m gpu), the engine on a Qwen3 dummy model
 # with every backend, and the kernel microbenchmark. Everything lands in $OUT.
 #
-# On the project's lent GPU machine (see ../shared/gpu/README.md), from the repository root:
-#   GPU_CARRY_DIR=.gpu . .gpu/prelude.sh && bash scripts/gpu/attention.sh            # tests + full benchmark
+# On a GPU machine with flashinfer-python and FlashAttention-3 installed, from the repository root:
+#   bash scripts/gpu/attention.sh            # tests + full benchmark
 #   ... && bash scripts/gpu/attention.sh tests                                       # tests only
 #   ... && bash scripts/gpu/attention.sh bench                                       # benchmark only
 # Anywhere else with CUDA, flashinfer-python and FlashAttention-3 installed: OUT=results bash scripts/gpu/attention.sh

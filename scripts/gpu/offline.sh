@@ -3,12 +3,12 @@
 # canonical offline workload with the full engine, the stage ladder by attention backend and CUDA graphs, and
 # profiles. Everything lands in $OUT (gpu_offline_h100.json, logs, profile tables).
 #
-# On the project's lent GPU machine (see ../shared/gpu/README.md), from the repository root:
-#   GPU_CARRY_DIR=.gpu . .gpu/prelude.sh && bash scripts/gpu/offline.sh                 # tests + everything
+# On a GPU machine with flashinfer-python and FlashAttention-3 installed, from the repository root:
+#   bash scripts/gpu/offline.sh                 # tests + everything
 #   ... && bash scripts/gpu/offline.sh quick       # tests, step times, canonical run, profiles (no ladder)
 #   ... && PARTS=ladder bash scripts/gpu/offline.sh bench                                # one part only
 # Anywhere else with CUDA and flashinfer / FA3 installed: OUT=results bash scripts/gpu/offline.sh
-# The lent machines receive the working tree with a stale .git: pass the commit in, as
+# On a copy of the working tree whose .git is stale, pass the commit in, as
 #   MINISGL_GIT_COMMIT=<output of git rev-parse HEAD here>, so the results' provenance names the right one.
 set -o pipefail
 what=${1:-all}

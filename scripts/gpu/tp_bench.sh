@@ -5,16 +5,16 @@
 # Every phase runs in its own process under its own time limit and writes its own JSON, so a slow phase costs
 # only its own numbers; the last step merges them into $OUT/tp_bench.json (with provenance).
 #
-# On the project's lent 2-GPU machine (see ../shared/gpu/README.md), from the repository root:
-#   GPU_CARRY_DIR=.gpu . .gpu/prelude.sh && export PYTHONPATH=$PWD:$PYTHONPATH && bash scripts/gpu/tp_bench.sh
-# The prelude sets NCCL_NVLS_ENABLE=0 (NVLink multicast off); this script refuses to run without it.
+# On a machine with two GPUs and flashinfer-python and FlashAttention-3 installed, from the repository root:
+#   export PYTHONPATH=$PWD:$PYTHONPATH && bash scripts/gpu/tp_bench.sh
+# Set NCCL_NVLS_ENABLE=0 (NVLink multicast off) first; this script refuses to run without it.
 # Knobs (environment): NUM_PROMPTS (canonical workload size, default 256), MODEL (default qwen3-14b),
 # CHECK_MODEL (default qwen3-0.6b), DECODE_BS (default 1,64), ENGINE_ARGS (JSON engine keyword arguments, default
 # {}; e.g. '{"disable_cuda_graph": true}'), OUT (default results), and the time limits CHECK_LIMIT (120 s), RUN_LIMIT (190 s
 # for each tp size) and COMM_DEADLINE (480: the comm phase runs only if less time than this has passed). If the tp=2 run fails to produce decode times with
 # the default engine, it is retried once with CUDA graphs off (a CUDA graph that captures NCCL calls is the likeliest
 # thing to break), as tp2_run_eager.
-# The lent machines receive the working tree with a stale .git: pass the commit in, as
+# On a copy of the working tree whose .git is stale, pass the commit in, as
 #   MINISGL_GIT_COMMIT=<output of git rev-parse HEAD here>, so the results' provenance names the right one.
 set -o pipefail
 OUT=${OUT:-results}
