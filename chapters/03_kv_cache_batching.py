@@ -84,16 +84,15 @@ def task_source(obj, task_id: str) -> str:
 
 
 def record_batches(engine: Engine) -> list:
-    """Instrument (not part of the package): keep every ScheduledBatch the engine's model runner executes.
-
-    The batch object carries the scheduler's rows (requests, prefix and extend lengths, decode flags) and, after
-    the run, the ForwardBatch the runner built from them."""
+    """Instrument (not part of the package): keep every step the engine's model runner executes, as
+    ``(batch, forward_batch)``: the scheduler's plan (one row per request: prefix and extend lengths, decode flag)
+    and the ForwardBatch the runner built from it (returned inside the runner's ``StepOutput``)."""
     log = []
     run = engine.runner.run
 
     def recording_run(batch):
         out = run(batch)
-        log.append(batch)
+        log.append((batch, out.forward_batch))
         return out
 
     engine.runner.run = recording_run
@@ -275,7 +274,7 @@ for r in demo:
         print(f"{r.rid}: finished, its row and slots are free again")
         continue
     row = small.req_to_token.read(r.req_pool_idx, r.kv_allocated_len)
-    print(f"{r.rid}: page-table row {r.req_pool_idx}, {len(r.all_ids)} tokens, {r.kv_committed_len} with K/V -> "
+    print(f"{r.rid}: page-table row {r.req_pool_idx}, {len(r.all_ids)} tokens, {r.kv_scheduled_len} with K/V -> "
           f"slots {row.tolist()}")
 
 # %% tags=["hide"]
@@ -394,10 +393,11 @@ for ps in [1, 16, 64, 256]:
 #
 # ## 5. One step, one flat batch (task 3.3)
 #
-# The scheduler describes a step as a `ScheduledBatch` (`minisgl_ref/core/batch.py`): a list of rows, one
-# per request, each with `prefix_lens` (tokens of the request already in the cache), `extend_lens` (new tokens
-# this step: the whole prompt for a prefill row, 1 for a decode row) and whether it is a decode row. The model
-# runner turns that into the `ForwardBatch` of chapter 00, now with two more fields:
+# The scheduler describes a step as a `ScheduledBatch` (`minisgl_ref/core/batch.py`): a list of `Row`s, one
+# per request, each with `prefix_len` (tokens of the request already in the cache), `extend_len` (new tokens
+# this step: the whole prompt for a prefill row, 1 for a decode row) and `is_decode`. The batch is only a plan:
+# it never changes once scheduled. The model runner turns it into the `ForwardBatch` of chapter 00, now with two
+# more fields:
 #
 # * `out_cache_loc [T]`: the slot each new token's K and V must be written to, read from the page table;
 # * `req_pool_indices [B]`: each request's page-table row, through which attention finds its whole context.
@@ -417,8 +417,7 @@ print(task_source(ModelRunner.prepare, "3.3"))
 # `N`'s tokens, and this buffer is what makes that possible. The batches the small engine ran above:
 
 # %%
-for i, b in enumerate(small_log):
-    fb = b.forward_batch
+for i, (b, fb) in enumerate(small_log):
     print(f"step {i}: {fb.mode.value:<6} rows {[r.rid for r in b.reqs]}")
     print(f"   prefix_lens {fb.prefix_lens_cpu}  extend_lens {fb.extend_lens_cpu}  req_pool_indices "
           f"{fb.req_pool_indices.tolist()}")
@@ -569,10 +568,11 @@ tight_wall, tight_cpu = time.perf_counter() - w0, time.process_time() - c0
 assert len(tight_log) == step  # every step ran a batch
 print(f"{step} steps, {tight.scheduler.num_retractions} retraction(s), wall {tight_wall:.1f} s, CPU {tight_cpu:.1f} s; "
       f"{tight.stats}")
-for i, b in enumerate(tight_log):
-    rows = ", ".join(f"{r.rid}:{'decode' if d else ('RE-PREFILL' if e else 'prefill') + f' {n}'}"
-                     for r, n, d, e in zip(b.reqs, b.extend_lens, b.is_decode_row, b.epochs))
-    if not b.is_decode or i in (1, step - 1) or len(b.reqs) != len(tight_log[i - 1].reqs):
+for i, (b, _) in enumerate(tight_log):
+    rows = ", ".join(f"{row.req.rid}:"
+                     f"{'decode' if row.is_decode else ('RE-PREFILL' if row.epoch else 'prefill') + f' {row.extend_len}'}"
+                     for row in b.rows)
+    if not b.is_decode or i in (1, step - 1) or len(b.rows) != len(tight_log[i - 1][0].rows):
         print(f"step {i:>2} ({pages_used[i]}/7 pages): {rows}")
 assert tight.scheduler.num_retractions >= 1
 
@@ -580,8 +580,8 @@ assert tight.scheduler.num_retractions >= 1
 STATES = ["waiting (no KV)", "running, sits out this step", "prefill", "decode", "prefill again after retraction"]
 state_colors = ["#e8e8e8", "#bcd7ef", "#ff9f1c", "#1f77b4", "#d62728"]
 grid = np.full((len(tight_reqs), step), np.nan)
-for i, b in enumerate(tight_log):
-    in_batch = {r.rid: (d, e) for r, d, e in zip(b.reqs, b.is_decode_row, b.epochs)}
+for i, (b, _) in enumerate(tight_log):
+    in_batch = {row.req.rid: (row.is_decode, row.epoch) for row in b.rows}
     for j, r in enumerate(tight_reqs):
         if i < arrival[r.rid] or i > finished_at[r.rid]:
             continue

@@ -451,7 +451,7 @@ pair = [llm.make_request(chat_ids(COOKING, q), greedy(4)) for q in ["I have eggs
 eng = engine()
 rows_log = []
 run = eng.runner.run
-eng.runner.run = lambda batch: rows_log.append(list(batch.extend_lens)) or run(batch)  # instrument: rows per step
+eng.runner.run = lambda batch: rows_log.append([row.extend_len for row in batch.rows]) or run(batch)  # instrument: rows per step
 for r in pair:
     eng.add_request(r)
 free_before = eng.allocator.num_free_tokens
@@ -503,7 +503,7 @@ for threshold in (32, -1):
     eng = engine(in_batch_prefix_threshold=threshold)
     prefill_rows, run = [], eng.runner.run
     eng.runner.run = lambda b, run=run, rows=prefill_rows: rows.append(
-        [n for n, d in zip(b.extend_lens, b.is_decode_row) if not d]) or run(b)  # instrument
+        [row.extend_len for row in b.rows if not row.is_decode]) or run(b)  # instrument
     reqs = [llm.make_request(ids, greedy(3)) for ids in long_pair_ids]
     for r in reqs:
         eng.add_request(r)
@@ -552,7 +552,7 @@ def run_policy(policy: str):
     order, run = [], e.runner.run
     reqs = [llm.make_request(ids, greedy(3, ignore_eos=True)) for _, ids in interleaved]
     group_of = {r.rid: g for r, (g, _) in zip(reqs, interleaved)}
-    e.runner.run = lambda b: order.extend(group_of[r.rid] for r, d in zip(b.reqs, b.is_decode_row) if not d) or run(b)
+    e.runner.run = lambda b: order.extend(group_of[row.req.rid] for row in b.rows if not row.is_decode) or run(b)
     for r in reqs:
         e.add_request(r)
     e.run_until_done()

@@ -157,7 +157,8 @@ class StepRecord:
     start: float  # seconds since the run began
     end: float
     rows: list  # (name, tokens, is_decode, emits) per batch row
-    batch: object = None
+    batch: object = None  # the scheduler's plan
+    forward_batch: object = None  # what the model runner ran
 
 
 @dataclass
@@ -182,15 +183,15 @@ def run_scenario(model_llm: LLM, label: str, short_prompts, long_prompt, short_p
     long_req = model_llm.make_request(long_prompt, long_params)
     names[long_req] = "L"
 
-    scheduled = []  # every batch the scheduler hands out
-    schedule = engine.scheduler.schedule
+    launched = []  # every (batch, forward batch) the model runner ran; one per step, since nothing overlaps
+    run = engine.runner.run
 
-    def recording_schedule():
-        batch = schedule()
-        scheduled.append(batch)
-        return batch
+    def recording_run(batch):
+        out = run(batch)
+        launched.append((batch, out.forward_batch))
+        return out
 
-    engine.scheduler.schedule = recording_schedule
+    engine.runner.run = recording_run
 
     trace = Trace(label, token_steps={n: [] for n in names.values()})
     t0 = time.perf_counter()
@@ -199,15 +200,15 @@ def run_scenario(model_llm: LLM, label: str, short_prompts, long_prompt, short_p
         if i == arrival_step:
             engine.add_request(long_req)
             trace.arrival_time = time.perf_counter() - t0
-        n_before = len(scheduled)
+        n_before = len(launched)
         start = time.perf_counter() - t0
         events = engine.step()
         end = time.perf_counter() - t0
-        batch = scheduled[-1] if len(scheduled) > n_before else None
+        batch, fb = launched[-1] if len(launched) > n_before else (None, None)
         rows = [] if batch is None else [
-            (names[r], n, d, e) for r, n, d, e in zip(batch.reqs, batch.extend_lens, batch.is_decode_row, batch.emits)
+            (names[row.req], row.extend_len, row.is_decode, row.emits) for row in batch.rows
         ]
-        trace.steps.append(StepRecord(start, end, rows, batch))
+        trace.steps.append(StepRecord(start, end, rows, batch, fb))
         for ev in events:
             trace.token_steps[names[ev.req]].append((i, end))
     trace.outputs = {n: list(r.output_ids) for r, n in names.items()}
@@ -245,7 +246,10 @@ def first_token_after_arrival(trace: Trace) -> float:
 # starts at 0.7 and decays while nothing goes wrong). The running requests' reserves are subtracted first.
 # Reserving less than the worst case is a bet; when it is lost, chapter 03's retraction pays for it.
 #
-# `Scheduler._schedule_prefill` applies all of them. Read it first:
+# `Scheduler._schedule_prefill` applies all of them: a short loop over the candidates, a small function per
+# request (`_admit`: how many tokens, does the memory fit, allocate, add a row), and a `PrefillAdder` that carries
+# what the step still has room for (its token budget, the KV slots left after the reserves, and the tokens its
+# rows are computing). Read them first:
 
 # %%
 print(task_source(Scheduler._schedule_prefill, "5.1"))
@@ -303,11 +307,12 @@ for step in range(6):
     demo.step()
     b = demo_batches[-1]
     rows = []
-    for r, pre, n, dec, emits in zip(b.reqs, b.prefix_lens, b.extend_lens, b.is_decode_row, b.emits):
-        kind = "decode" if dec else ("whole" if pre == 0 and emits else ("last chunk" if emits else "chunk"))
-        rows.append(f"{demo_names[r]}: {n} [{pre}] {kind}")
+    for row in b.rows:
+        pre, n, emits = row.prefix_len, row.extend_len, row.emits
+        kind = "decode" if row.is_decode else ("whole" if pre == 0 and emits else ("last chunk" if emits else "chunk"))
+        rows.append(f"{demo_names[row.req]}: {n} [{pre}] {kind}")
     print(f"{step:>4}  {', '.join(rows):<70} {b.num_prefill_tokens}")
-    assert b.num_prefill_tokens <= 512 and all(n <= 256 for n, d in zip(b.extend_lens, b.is_decode_row) if not d)
+    assert b.num_prefill_tokens <= 512 and all(row.extend_len <= 256 for row in b.rows if not row.is_decode)
 demo.run_until_done()
 
 # %% [markdown]
@@ -426,14 +431,14 @@ assert summary["chunking (256) + mixing"][0] == 1  # a token at every single ste
 
 # %%
 mixed_step = next(s for s in traces["chunking (256) + mixing"].steps
-                  if any(not d for _, _, d, _ in s.rows) and any(d for _, _, d, _ in s.rows) and s.batch.prefix_lens[0] > 0)
-fb = mixed_step.batch.forward_batch
+                  if any(not d for _, _, d, _ in s.rows) and any(d for _, _, d, _ in s.rows) and s.batch.rows[0].prefix_len > 0)
+fb = mixed_step.forward_batch
 print("rows            ", [(name, "decode" if d else "prefill") for name, _, d, _ in mixed_step.rows])
 print("mode            ", fb.mode.name, " (any prompt row makes the step an extend; decode rows are 1-token extends)")
 print("prefix_lens_cpu ", fb.prefix_lens_cpu)
 print("extend_lens_cpu ", fb.extend_lens_cpu, f"-> T = {sum(fb.extend_lens_cpu)} tokens")
 print("positions       ", fb.positions[:3].tolist(), "...", fb.positions[-4:].tolist())
-print("emits           ", mixed_step.batch.emits, " (a partial chunk's sampled token is thrown away)")
+print("emits           ", [row.emits for row in mixed_step.batch.rows], " (a partial chunk's sampled token is thrown away)")
 
 # %% [markdown]
 # ## 5. The chunk size is a trade-off

@@ -16,7 +16,7 @@
 #
 # **What you will build.** The engine loop that prepares step N+1 on the CPU *while the device is still running
 # step N*, and looks at step N's tokens only afterwards: `Engine.step` with overlap (the default) and the result
-# processing it relies on, `Engine._process` (task 6.1).
+# processing it relies on, `Engine._process` (together, task 6.1).
 #
 # **Why it matters.** Every step has a CPU part that is pure Python bookkeeping: choose the batch (chapters
 # 03-05), build its metadata, read the sampled tokens back and apply the stop rules. In a plain loop the device
@@ -43,8 +43,8 @@
 #    stop on EOS, stop strings and stop tokens in the middle of a batch.
 #
 # Modules: `minisgl_ref/engine/engine.py` (task 6.1, `Engine.step`), `minisgl_ref/engine/model_runner.py` (the
-# token buffer), `minisgl_ref/scheduler/cache_manager.py` (deferred frees), `minisgl_ref/scheduler/scheduler.py`
-# (`NeedSync`).
+# token buffer, `StepOutput`), `minisgl_ref/kvcache/inflight.py` (`InflightFrees`: frees that wait for the step in
+# flight), `minisgl_ref/scheduler/scheduler.py` (`NEED_SYNC`).
 
 # %% tags=["setup"]
 import inspect
@@ -64,7 +64,8 @@ from transformers.utils import logging as hf_logging
 from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.engine.engine import Engine
-from minisgl_ref.engine.model_runner import ModelRunner
+from minisgl_ref.engine.model_runner import ModelRunner, StepOutput
+from minisgl_ref.kvcache.inflight import InflightFrees
 from minisgl_ref.scheduler.scheduler import NeedSync
 
 CHAPTER_START = time.perf_counter()
@@ -210,14 +211,15 @@ print("(medians per decode step, in ms)")
 #     CPU->>Dev: wait for N's tokens (.tolist(): the one sync)
 #     Dev-->>CPU: tokens of N
 #     CPU->>CPU: process(N): append, stop rules, release finished requests
+#     CPU->>CPU: frees.processed(N): give back the slots that waited for N
 #     Note over CPU,Dev: step() call k+1
 #     CPU->>CPU: schedule(N+2)  (N+1 is still running)
 # ```
 #
-# Here is `Engine.step`:
+# Here is `Engine.step`, with `_process`, which it calls one step late: together they are **task 6.1**.
 
 # %%
-print(inspect.getsource(Engine.step))
+print(task_source(Engine.step, "6.1"))
 
 # %% [markdown]
 # Four mechanisms make this possible.
@@ -233,19 +235,19 @@ print(inspect.getsource(ModelRunner.run))
 
 # %% [markdown]
 # **One host sync per step, on the right event.** The only place the CPU waits for the device is the first line
-# of `_process`, `batch.tokens()`. Everything before it (scheduling, metadata, launching) is work the device can
+# of `_process`, `out.tokens()`. Everything before it (scheduling, metadata, launching) is work the device can
 # run ahead of. *What* it waits for matters as much as how often. The obvious `batch.next_tokens.tolist()` queues
 # its device-to-host copy on the stream **behind step N+1**, which was launched a moment earlier; the CPU then
 # waits for N+1 to finish before it can process N, and the GPU sits idle while the CPU processes, schedules and
 # launches: overlap in name only. So `ModelRunner.run` starts the copy into pinned host memory right after
-# sampling and records a CUDA event behind it; `batch.tokens()` waits for that event alone. On an H100 this one
-# line was a quarter of every decode step (chapter 11). `_process` is **task 6.1**:
+# sampling and records a CUDA event behind it, and returns both in its result, a `StepOutput`; `out.tokens()`
+# waits for that event alone. On an H100 this one line was a quarter of every decode step (chapter 11):
 
 # %%
-print(task_source(Engine._process, "6.1"))
+print(inspect.getsource(StepOutput.tokens))
 
 # %% [markdown]
-# **Bookkeeping that runs ahead.** The scheduler updates `kv_committed_len` when it *schedules* a row, not when
+# **Bookkeeping that runs ahead.** The scheduler updates `kv_scheduled_len` when it *schedules* a row, not when
 # the row's tokens come back, and counts tokens sampled but not yet appended in `req.num_inflight`. So at
 # schedule time it knows how long each request will be once the step in flight lands. It uses that to skip
 # requests that will certainly have reached `max_new_tokens` (the `decodable` filter in `Scheduler.schedule`), and
@@ -266,7 +268,7 @@ print(inspect.getsource(Engine._commit_launched))
 # so it reads the KV after it was written. Two subtleties remain, both handled there: the page-table rows of
 # this step were already read by `runner.run`, so repointing them at the tree's slots changes nothing for it;
 # and duplicate copies (two rows of one step computing the same new prefix, chapter 04) are written *by this
-# step*, so they are freed only once it has been processed (`batch.free_when_done`).
+# step*, so their frees wait, like every free, until it has been processed (race 2 below).
 #
 # What `_process` has to guard against is the rest of this chapter: a row whose request finished (or was
 # retracted, which bumps `req.retractions`) after the row was scheduled is skipped, so its token is dropped; a
@@ -429,7 +431,7 @@ plt.show()
 # ### Race 1: one token too many
 #
 # Step N+1 is scheduled before the CPU knows that a request stopped at step N, so the request gets a row in step
-# N+1, which computes a token for it. `_process` drops it (`if req.finished ... continue`). Requests that stop by
+# N+1, which computes a token for it. `_process` drops it (`if ... not row.is_live: continue`). Requests that stop by
 # *length* never get that row, because the scheduler can predict them (`decodable`); the ones that stop on EOS, a
 # stop token or a stop string cannot be predicted. We run a batch of six chat requests that end in all four ways,
 # with overlap on and off, and count the rows `_process` finds already finished.
@@ -451,8 +453,8 @@ def run_batch(overlap: bool) -> tuple[list, int]:
     """Run the six requests in one engine; return them and the number of rows dropped by _process."""
     engine = make_engine(real, disable_overlap_schedule=not overlap, max_total_tokens=1024)
     dropped = []
-    wrap(engine, "_process", before=lambda batch: dropped.append(
-        sum(r.finished or r.retractions != e for r, e in zip(batch.reqs, batch.epochs))))
+    wrap(engine, "_process", before=lambda launched: dropped.append(
+        sum(not row.is_live for row in launched.batch.rows)))
     reqs = [real.make_request(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
     for r in reqs:
         engine.add_request(r)
@@ -482,26 +484,34 @@ assert results[False][1] == 0 and results[True][1] > 0
 # request owns. If the slot went straight back to the allocator, step N+2 could hand it to a new request while
 # step N+1 may still write it.
 #
-# The cache manager therefore parks frees while a step is in flight (`defer_frees`, `pending_free`), and
-# `Engine.step` gives them to the allocator only after the *next* step has been processed, when the device is
-# certainly done with them. We watch it on the same six requests with overlap on, without the radix cache
+# Every free therefore goes through one object, `InflightFrees`, which the engine owns and hands to the cache
+# manager as its way to free. The engine tells it when a step is launched (`launch()`) and when one has been
+# processed (`processed(step)`); a free made while a step is in flight is parked, tagged with the newest launched
+# step, and reaches the allocator only once that step has been processed, when the device is certainly done with
+# it. Without overlap the same object frees right after the step, so one mechanism serves both loops:
+
+# %%
+print(inspect.getsource(InflightFrees))
+
+# %% [markdown]
+# We watch it on the same six requests with overlap on, without the radix cache
 # (`disable_radix_cache=True`: with it, a finished request's KV moves into the tree instead of being freed, and
 # the question moves with it, see exercise 4). At each `_process` we compare the slots it parked with the slots
 # that the step in flight is writing.
 
 # %%
 engine = make_engine(real, disable_radix_cache=True, max_total_tokens=1024)
-launched = []
-wrap(engine.scheduler, "schedule", after=lambda batch: launched.append(batch))
+launched = []  # (batch, StepOutput) of every step the runner ran
+wrap(engine.runner, "run", after=lambda out, batch: launched.append((batch, out)))
 overlapping_slots = []
 
 
-def check_parked(_, batch) -> None:
-    in_flight = launched[-1]  # step N+1, launched before step N is processed
-    if in_flight is None or in_flight is batch:
-        return
-    parked = {s for t in engine.cache.pending_free for s in t.tolist()}
-    written = set(in_flight.forward_batch.out_cache_loc.tolist())
+def check_parked(_, processed) -> None:
+    batch, out = launched[-1]  # the newest step: N+1, launched before step N was processed
+    if batch is processed.batch:
+        return  # nothing was launched after step N
+    parked = {s for t in engine.frees.parked_slots for s in t.tolist()}
+    written = set(out.forward_batch.out_cache_loc.tolist())
     if parked & written:
         overlapping_slots.append(sorted(parked & written))
 
@@ -514,7 +524,7 @@ engine.run_until_done()
 print(f"{len(overlapping_slots)} times a _process parked slots that the step in flight was writing: "
       f"{overlapping_slots}")
 print("free pages after the run:", engine.allocator.num_free_pages, "of", engine.allocator.capacity_pages,
-      "| parked:", len(engine.cache.pending_free), "| waiting for the step in flight:", len(engine._waiting_for_inflight))
+      "| still parked:", engine.frees.num_parked)
 assert overlapping_slots and engine.allocator.num_free_pages == engine.allocator.capacity_pages
 assert [r.output_ids for r in reqs] == [r.output_ids for r in results[True][0]]
 
@@ -535,10 +545,11 @@ assert [r.output_ids for r in reqs] == [r.output_ids for r in results[True][0]]
 # When decode needs more KV than is free, the scheduler retracts the newest requests (chapter 03): releases their
 # KV and sends them back to the waiting queue. Under overlap that is a problem twice over: the victims' KV is
 # still in use by the step in flight, and because frees are deferred, retracting would not even make room for the
-# step being scheduled, so the scheduler would keep retracting. Instead `_add_decode_rows` raises `NeedSync`
-# when it would retract while frees are deferred. `Engine.step` catches it, finishes the step in flight first
-# (`_finish_inflight`: process it, free everything parked) and schedules again with nothing in flight, where
-# retraction frees immediately. Often the finished step also ended some requests, and nobody has to be retracted.
+# step being scheduled, so the scheduler would keep retracting. Instead `_add_decode_rows` answers `NEED_SYNC`
+# when it would retract while a step is in flight (`cache.frees.in_flight`), and `Scheduler.schedule` returns
+# that instead of a batch. `Engine.step` then finishes the step in flight first (`_finish_inflight`: process it,
+# which releases everything parked) and schedules again with nothing in flight, where retraction frees
+# immediately. Often the finished step also ended some requests, and nobody has to be retracted.
 #
 # We force it with the tiny model: twelve requests of 20-token prompts and 40 new tokens each, in a pool of 360
 # KV slots (they need 720).
@@ -555,11 +566,10 @@ def squeeze(overlap: bool):
     syncs = []
 
     def count_needsync():
-        try:
-            return schedule()
-        except NeedSync:
+        plan = schedule()
+        if isinstance(plan, NeedSync):
             syncs.append(len(syncs))
-            raise
+        return plan
 
     engine.scheduler.schedule = count_needsync
     reqs = [tiny.make_request(p, SQUEEZE_PARAMS) for p in SQUEEZE_PROMPTS]
@@ -574,13 +584,13 @@ tiny.engine.run(oracle_reqs)
 for overlap in (False, True):
     reqs, n_sync, n_retract = squeeze(overlap)
     same = [r.output_ids for r in reqs] == [r.output_ids for r in oracle_reqs]
-    print(f"overlap {'on ' if overlap else 'off'}: {n_retract} retractions, {n_sync} NeedSync, "
+    print(f"overlap {'on ' if overlap else 'off'}: {n_retract} retractions, {n_sync} NEED_SYNC, "
           f"outputs identical to the naive engine: {same}")
     assert same and n_retract > 0 and (n_sync > 0) == overlap
 
 # %% [markdown]
 # Without overlap retraction simply happens; with overlap, each time the scheduler hit the wall while a step was in
-# flight it raised `NeedSync`, the engine drained that step, and scheduling continued without it. The retracted
+# flight it answered `NEED_SYNC`, the engine drained that step, and scheduling continued without it. The retracted
 # requests were prefilled again later (reusing what the radix tree still held, chapter 04) and produced exactly
 # the oracle's tokens.
 #
@@ -617,10 +627,10 @@ assert any(r.finish_reason.matched in eos for r in naive_reqs)
 #
 # ## Exercises
 #
-# 1. **Task 6.1.** Rewrite `Engine._process`. Then delete the `if req.finished or req.retractions != epoch`
-#    check and run section 5: what fails, and with which message? Grade it with
+# 1. **Task 6.1.** Rewrite `Engine.step` and `Engine._process`. Then delete the `not row.is_live` check in
+#    `_process` and run section 5: what fails, and with which message? Grade it with
 #    `python -m pytest tests/test_engine_core.py -k overlap`.
-# 2. **Deferred frees.** Make `CacheManager._free_later` free immediately even when `defer_frees` is set. Do the
+# 2. **Deferred frees.** Make `InflightFrees.free` give slots back at once even while a step is in flight. Do the
 #    outputs change on this CPU? Explain why not, using the ordering argument of race 2, and describe a change to
 #    the engine (a second stream, or a reused pinned host buffer) after which they could.
 # 3. **Hidden syncs.** List every place that `Scheduler.schedule`, `ModelRunner.prepare`,
@@ -654,7 +664,7 @@ assert any(r.finish_reason.matched in eos for r in naive_reqs)
 # | tiny model, 32 requests: ms per step without / with overlap (this CPU) | 16.8 / 14.8 ms (medians of 3 alternating runs: noise, nothing overlaps on a CPU) |
 # | estimate, Qwen3-0.6B on an H100 at batch 64: sequential / overlapped step | 4.05 / 2.55 ms (37% saved; computed, not measured) |
 # | race 1: extra rows dropped without / with overlap | 0 / 5 (six chat requests, five end on EOS, a stop string or a stop token) |
-# | race 3: retractions / NeedSync, overlap off and on | 1 / 0 and 1 / 1; outputs identical to the naive engine |
+# | race 3: retractions / NEED_SYNC, overlap off and on | 1 / 0 and 1 / 1; outputs identical to the naive engine |
 # | overlap on and off vs the naive engine | 6/6 requests identical, including EOS, stop string and stop token endings |
 # | whole chapter, `python chapters/06_overlap_scheduling.py` | 46 s (other jobs loading both cores) |
 

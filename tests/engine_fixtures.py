@@ -133,11 +133,12 @@ def drive(engine: Engine, reqs: Sequence[Req], *, check_every_step: bool = True,
     def recording_run(batch: ScheduledBatch):
         trace.launched.append(batch)
         out = run(batch)
-        fb = batch.forward_batch
+        fb = out.forward_batch
         ids, pos, start = fb.input_ids.tolist(), fb.positions.tolist(), 0
-        for req, n in zip(batch.reqs, batch.extend_lens):
-            trace.fed.append((req, pos[start : start + n], ids[start : start + n]))
-            start += n
+        for row in batch.rows:
+            end = start + row.extend_len
+            trace.fed.append((row.req, pos[start:end], ids[start:end]))
+            start = end
         return out
 
     engine.runner.run = recording_run  # type: ignore[method-assign]
@@ -148,7 +149,7 @@ def drive(engine: Engine, reqs: Sequence[Req], *, check_every_step: bool = True,
         while engine.has_work:
             trace.events.append(engine.step())
             sched = engine.scheduler
-            trace.max_running = max(trace.max_running, len(sched.running) + (sched.chunked is not None))
+            trace.max_running = max(trace.max_running, sched.num_running)
             if check_every_step:
                 check_live_invariants(engine)
             if on_step is not None:
@@ -207,7 +208,7 @@ def live_request_pages(engine: Engine) -> dict[int, Req]:
     sched = engine.scheduler
     reqs = list(sched.running) + list(sched.waiting) + ([sched.chunked] if sched.chunked else [])
     if engine.inflight is not None:
-        reqs += engine.inflight.reqs
+        reqs += engine.inflight.batch.reqs
     for r in reqs:
         if r.req_pool_idx is None or r.finished:
             continue
@@ -237,7 +238,7 @@ def assert_pool_accounting(engine: Engine) -> None:
     assert engine.inflight is None and not engine.has_work
     assert not sched.waiting and not sched.running and sched.chunked is None and not sched.aborted
     assert not sched.arrival, "the scheduler still tracks finished requests"
-    assert engine.cache.pending_free == [] and engine._waiting_for_inflight == [], "frees still pending"
+    assert not engine.frees.in_flight and engine.frees.num_parked == 0, "frees still pending"
     assert engine.req_to_token.num_free == engine.req_to_token.max_requests, "a request slot leaked"
     assert sorted(engine.req_to_token._free) == list(range(engine.req_to_token.max_requests))
     check_free_list(engine)

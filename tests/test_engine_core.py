@@ -48,7 +48,7 @@ def greedy(max_new: int, **kw) -> SamplingParams:
 
 def emitting_rows(trace: Trace, req: Req) -> int:
     """How many launched rows were going to produce a token for ``req`` (the extra overlap rows included)."""
-    return sum(e for b in trace.launched for r, e in zip(b.reqs, b.emits) if r is req)
+    return sum(row.emits for b in trace.launched for row in b.rows if row.req is req)
 
 
 # ------------------------------------------------------------------------------------------------ 1. matrix
@@ -204,7 +204,7 @@ def test_shared_new_prefix_in_one_prefill_batch(tiny_llm, page_size, overlap):
 
     def snapshot_rows_at_first_launch(batch):
         if not rows_at_launch:  # the first (prefill) step, before anything was committed
-            assert set(batch.reqs) == {a, b} and not any(batch.is_decode_row), "both prefilled in one batch"
+            assert set(batch.reqs) == {a, b} and not any(r.is_decode for r in batch.rows), "both prefilled"
             for r in (a, b):
                 rows_at_launch[r] = engine.req_to_token.read(r.req_pool_idx, len(r.input_ids)).clone()
             # each computes the shared prefix into its own slots: nothing was cached
@@ -226,10 +226,7 @@ def test_shared_new_prefix_in_one_prefill_batch(tiny_llm, page_size, overlap):
         # b's duplicate copy is released: free now, or parked until the step that wrote it has been processed
         # (the step in flight, under overlap), exactly once
         dup_pages = pages_of(rows_at_launch[b][:aligned], page_size)
-        waiting = eng.cache.pending_free + eng._waiting_for_inflight
-        if eng.inflight is not None:
-            waiting = waiting + eng.inflight.free_when_done
-        parked = [p for s in waiting for p in pages_of(s, page_size)]
+        parked = [p for s in eng.frees.parked_slots for p in pages_of(s, page_size)]
         released = list(eng.allocator._free) + parked
         assert all(released.count(p) == 1 for p in dup_pages), "a duplicate page was not freed exactly once"
         check_free_list(eng)
@@ -311,21 +308,21 @@ class ReuseLog:
         self.events: list[tuple] = []
         self.processing: object = None
         ps = engine.allocator.page_size
-        run, process, alloc_pages, free_later = (engine.runner.run, engine._process, engine.allocator.alloc_pages,
-                                                 engine.cache._free_later)
+        run, process, alloc_pages, free = (engine.runner.run, engine._process, engine.allocator.alloc_pages,
+                                           engine.frees.free)
 
         def run_(batch):
             out = run(batch)
-            self.events.append(("launch", id(batch), pages_of(batch.forward_batch.out_cache_loc, ps)))
+            self.events.append(("launch", id(batch), pages_of(out.forward_batch.out_cache_loc, ps)))
             return out
 
-        def process_(batch):
-            self.processing = id(batch)
-            self.events.append(("process_start", id(batch)))
+        def process_(launched):
+            self.processing = id(launched.batch)
+            self.events.append(("process_start", id(launched.batch)))
             try:
-                return process(batch)
+                return process(launched)
             finally:
-                self.events.append(("process_end", id(batch)))
+                self.events.append(("process_end", id(launched.batch)))
                 self.processing = None
 
         def alloc_pages_(n):
@@ -333,13 +330,13 @@ class ReuseLog:
             self.events.append(("alloc", set(pages)))
             return pages
 
-        def free_later_(slots):
+        def free_(slots):
             if len(slots) and self.processing is not None:
                 self.events.append(("release", self.processing, pages_of(slots, ps)))
-            return free_later(slots)
+            return free(slots)
 
         engine.runner.run, engine._process = run_, process_
-        engine.allocator.alloc_pages, engine.cache._free_later = alloc_pages_, free_later_
+        engine.allocator.alloc_pages, engine.frees.free = alloc_pages_, free_
 
     def violations(self) -> tuple[list[str], int, int]:
         """(problems, releases made while the next step was in flight, pages later reused)."""
@@ -415,7 +412,7 @@ def test_reuse_log_catches_immediate_frees(tiny_llm):
     prompts, params = reuse_workload(tiny_llm)
     engine = make_engine(tiny_llm, disable_radix_cache=True, max_running_requests=3)
     allocator = engine.allocator
-    engine.cache._free_later = lambda slots: allocator.free_slots(slots) if len(slots) else None  # the bug
+    engine.frees.free = lambda slots: allocator.free_slots(slots) if len(slots) else None  # the bug
     log = ReuseLog(engine)
     drive(engine, make_reqs(tiny_llm, prompts, params), check_every_step=False)
     problems, _, _ = log.violations()
@@ -585,10 +582,11 @@ def test_long_prompt_chunks_alongside_decoding_requests(tiny_llm, mixed, overlap
             eng.add_request(long_req)
 
     trace = drive(engine, short_reqs, on_step=add_long_once_decoding)
-    chunk_batches = [b for b in trace.launched if any(r is long_req and not d for r, d in zip(b.reqs, b.is_decode_row))]
-    assert len(chunk_batches) == 25 and [b.extend_lens[b.reqs.index(long_req)] for b in chunk_batches] == [16] * 25
+    chunk_rows = [(b, row) for b in trace.launched for row in b.rows if row.req is long_req and not row.is_decode]
+    chunk_batches = [b for b, _ in chunk_rows]
+    assert [row.extend_len for _, row in chunk_rows] == [16] * 25
     for b in chunk_batches:
-        decode_rows = [r for r, d in zip(b.reqs, b.is_decode_row) if d]
+        decode_rows = [row.req for row in b.rows if row.is_decode]
         assert decode_rows == (short_reqs if mixed else []), "mixed steps carry every decoding request"
     if not overlap:  # tokens arrive in the same step: count them per step while the long prompt is prefilled
         first = next(i for i, b in enumerate(trace.launched) if b is chunk_batches[0])
@@ -680,7 +678,7 @@ def test_in_batch_prefix_caching_defers_the_second_request(tiny_llm, policy, pag
         first = trace.launched[0]
         if deferred:
             assert set(first.reqs) == {a, c}, "the request sharing a's new prefix waits one step"
-            assert trace.launched[1].reqs[0] is b and not trace.launched[1].is_decode_row[0]
+            assert trace.launched[1].reqs[0] is b and not trace.launched[1].rows[0].is_decode
             assert b.cached_tokens == aligned
             assert engine.stats.prefill_tokens == sum(map(len, prompts)) - aligned
         else:
@@ -705,8 +703,7 @@ def test_without_chunking_an_oversized_prompt_is_prefilled_whole_and_alone(tiny_
         trace = drive(engine, reqs)
         assert_matches_oracle(reqs, expected)
         assert_pool_accounting(engine)
-        prefill_rows = [(r, n) for b in trace.launched for r, n, d in zip(b.reqs, b.extend_lens, b.is_decode_row)
-                        if not d]
+        prefill_rows = [(row.req, row.extend_len) for b in trace.launched for row in b.rows if not row.is_decode]
         if chunk == -1:
             assert [(r, n) for r, n in prefill_rows] == [(reqs[0], 50), (reqs[1], 20), (reqs[2], 10)]
             assert trace.launched[0].reqs == [reqs[0]]
@@ -736,14 +733,14 @@ def test_prefix_is_shared_with_the_very_next_step(tiny_llm, page_size, overlap):
     def add_second_after_first_step(eng, trace: Trace) -> None:
         if len(trace.events) == 1:
             if overlap:  # the first step is launched but not processed, and the tree holds its prompt already
-                assert eng.inflight is trace.launched[0] and not first.output_ids
+                assert eng.inflight.batch is trace.launched[0] and not first.output_ids
                 assert eng.cache.tree.match_prefix(system).length == 64
                 seen_in_flight.append(True)
             eng.add_request(second)
 
     trace = drive(engine, [first], on_step=add_second_after_first_step)
     assert seen_in_flight == ([True] if overlap else [])
-    assert trace.launched[1].reqs[0] is second and trace.launched[1].prefix_lens[0] == 64
+    assert trace.launched[1].reqs[0] is second and trace.launched[1].rows[0].prefix_len == 64
     assert second.cached_tokens == 64
     assert engine.stats.prefill_tokens == len(prompts[0]) + len(prompts[1]) - 64
     assert_matches_oracle(reqs, oracle(tiny_llm, prompts, params))
@@ -765,7 +762,7 @@ def test_abort_while_a_step_is_in_flight_frees_after_that_step(tiny_llm, radix):
         engine.add_request(r)
     for _ in range(3):
         engine.step()
-    assert engine.inflight is not None and victim in engine.inflight.reqs
+    assert engine.inflight is not None and victim in engine.inflight.batch.reqs
     own = engine.req_to_token.read(victim.req_pool_idx, victim.kv_allocated_len, start=victim.tree_len)
     assert len(own) > 0
     n_out = len(victim.output_ids)
@@ -773,9 +770,9 @@ def test_abort_while_a_step_is_in_flight_frees_after_that_step(tiny_llm, radix):
     assert victim.finish_reason.kind == "abort"
     assert not pages_of(own, 1) & set(engine.allocator._free), "freed while the step in flight writes them"
     engine.step()  # processes the step in flight: now they are released (parked until the next step is done)
-    parked = {p for s in engine._waiting_for_inflight + engine.cache.pending_free for p in pages_of(s, 1)}
+    parked = {p for s in engine.frees.parked_slots for p in pages_of(s, 1)}
     assert pages_of(own, 1) <= set(engine.allocator._free) | set(tree_pages_of(engine)) | parked
-    assert victim.req_pool_idx is None and not engine._release_after_inflight
+    assert victim.req_pool_idx is None and engine.frees.num_parked == len(engine.frees.parked_slots)
     engine.run_until_done()
     assert len(victim.output_ids) == n_out
     assert other.output_ids == oracle(tiny_llm, [prompts[1]], params)[0].ids

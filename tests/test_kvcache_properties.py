@@ -147,13 +147,13 @@ class CacheMachine(RuleBasedStateMachine):
         fresh = set(pages(row[before:], self.page_size)) - set(pages(row[:before], self.page_size))
         assert not fresh & self.written_in_flight, "handed out a page that the step in flight may still write"
         row = row.tolist()
-        for i in range(req.kv_committed_len, req.kv_committed_len + n):
+        for i in range(req.kv_scheduled_len, req.kv_scheduled_len + n):
             self.label[row[i]] = tuple(req.all_ids[: i + 1])
-        if self.cache.defer_frees:
-            self.written_in_flight |= {row[i] // self.page_size for i in range(req.kv_committed_len,
-                                                                                req.kv_committed_len + n)}
+        if self.cache.frees.in_flight:
+            self.written_in_flight |= {row[i] // self.page_size for i in range(req.kv_scheduled_len,
+                                                                                req.kv_scheduled_len + n)}
             self.computed_in_flight.add(req)
-        req.kv_committed_len += n
+        req.kv_scheduled_len += n
         return True
 
     def pick(self, i: int) -> Req:
@@ -166,9 +166,9 @@ class CacheMachine(RuleBasedStateMachine):
     def admit(self, prompt: list[int], chunk: int) -> None:
         req = Req(list(prompt), SamplingParams(max_new_tokens=1000))
         matched = self.cache.match(req)
-        assert matched == req.kv_committed_len == req.tree_len and matched <= len(prompt) - 1
+        assert matched == req.kv_scheduled_len == req.tree_len and matched <= len(prompt) - 1
         assert matched % self.page_size == 0
-        n = min(chunk, len(req.all_ids) - req.kv_committed_len)
+        n = min(chunk, len(req.all_ids) - req.kv_scheduled_len)
         if not self.compute(req, n):
             self.cache.release(req)  # the scheduler gives the pinned prefix back and tries later
             return
@@ -181,7 +181,7 @@ class CacheMachine(RuleBasedStateMachine):
         """One engine step for one request: its next prefill chunk or, once the prompt is in, one decode token
         (the KV of the last sampled token)."""
         req = self.pick(i)
-        if not self.compute(req, min(chunk, len(req.all_ids) - req.kv_committed_len)):
+        if not self.compute(req, min(chunk, len(req.all_ids) - req.kv_scheduled_len)):
             return
         if commit:
             self.cache.commit(req)  # the engine commits every prefill row right after launch
@@ -192,7 +192,7 @@ class CacheMachine(RuleBasedStateMachine):
     def decode_step(self, token: int) -> None:
         """One decode step of every request whose prompt is in: one slot each from ``alloc_decode``, as the
         scheduler allocates a decode batch."""
-        reqs = [r for r in self.live if r.kv_committed_len == len(r.all_ids) - 1]
+        reqs = [r for r in self.live if r.kv_scheduled_len == len(r.all_ids) - 1]
         try:
             self.cache.alloc_decode(reqs)
         except OutOfPages:
@@ -203,7 +203,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def maybe_sample(self, req: Req, token: int) -> None:
         """A row that computed the request's last token samples the next one (its KV comes next step)."""
-        if req.kv_committed_len == len(req.all_ids):
+        if req.kv_scheduled_len == len(req.all_ids):
             req.output_ids.append(token)
 
     @precondition(lambda self: self.live)
@@ -216,14 +216,14 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.release(req)
         assert req.req_pool_idx is None and req.last_node is None
 
-    @precondition(lambda self: self.cache.defer_frees and self.live)
+    @precondition(lambda self: self.cache.frees.in_flight and self.live)
     @rule(i=st.integers(0, 99))
     def finish_with_an_extra_row_in_flight(self, i: int) -> None:
         """Overlap's pitfall: the request finished in the step just processed, but the step in flight was
         scheduled before anyone knew and computes one more token for it. Its slot must not go into the tree
         (which may evict and hand it out at once), only to the frees that wait for the step."""
         req = self.pick(i)
-        if req in self.computed_in_flight or req.kv_committed_len != len(req.all_ids) - 1:
+        if req in self.computed_in_flight or req.kv_scheduled_len != len(req.all_ids) - 1:
             return
         if not self.compute(req, 1):  # the extra row; its token is never sampled
             return
@@ -246,18 +246,18 @@ class CacheMachine(RuleBasedStateMachine):
         assert ok == (pinned == 0)
         if ok:
             assert self.cache.tree.total_size == 0
-            assert not self.cache.pending_free or self.cache.defer_frees
+            assert not self.cache.frees.parked_slots or self.cache.frees.in_flight
 
-    @precondition(lambda self: not self.cache.defer_frees)
+    @precondition(lambda self: not self.cache.frees.in_flight)
     @rule()
     def begin_step(self) -> None:
-        self.cache.defer_frees = True
+        self.step = self.cache.frees.launch()
 
-    @precondition(lambda self: self.cache.defer_frees)
+    @precondition(lambda self: self.cache.frees.in_flight)
     @rule()
     def end_step(self) -> None:
-        self.cache.defer_frees = False
-        self.cache.flush_pending()
+        self.cache.frees.processed(self.step)
+        assert not self.cache.frees.parked_slots
         self.written_in_flight.clear()
         self.computed_in_flight.clear()
 
@@ -283,10 +283,10 @@ class CacheMachine(RuleBasedStateMachine):
             assert len(node.key) == len(node.value) and len(node.key) % ps == 0
             places.append(("tree", pages(node.value, ps)))
         for req in self.live:
-            assert req.tree_len % ps == 0 and req.kv_committed_len <= req.kv_allocated_len
+            assert req.tree_len % ps == 0 and req.kv_scheduled_len <= req.kv_allocated_len
             own = self.req_to_token.read(req.req_pool_idx, req.kv_allocated_len, start=req.tree_len)
             places.append((req.rid, pages(own, ps)))
-        for slots in self.cache.pending_free:
+        for slots in self.cache.frees.parked_slots:
             places.append(("pending", pages(slots, ps)))
         seen: dict[int, str] = {}
         for where, ps_list in places:
@@ -298,7 +298,7 @@ class CacheMachine(RuleBasedStateMachine):
         in_use = tree.protected_size + sum(
             len(pages(self.req_to_token.read(r.req_pool_idx, r.kv_allocated_len, start=r.tree_len), ps)) * ps
             for r in self.live)
-        parked = sum(len(pages(s, ps)) for s in self.cache.pending_free) * ps
+        parked = sum(len(pages(s, ps)) for s in self.cache.frees.parked_slots) * ps
         assert self.alloc.num_free_tokens + self.cache.evictable_tokens + in_use + parked == \
             self.alloc.capacity_pages * ps
 
@@ -342,7 +342,7 @@ class CacheMachine(RuleBasedStateMachine):
 
         walk(self.cache.tree.root, [])
         for req in self.live:
-            row = self.req_to_token.read(req.req_pool_idx, req.kv_committed_len).tolist()
+            row = self.req_to_token.read(req.req_pool_idx, req.kv_scheduled_len).tolist()
             for i, slot in enumerate(row):
                 assert self.label[slot] == tuple(req.all_ids[: i + 1]), f"{req.rid} reads wrong KV at {i}"
 
@@ -350,8 +350,7 @@ class CacheMachine(RuleBasedStateMachine):
         for req in list(self.live):
             self.cache.release(req)
         self.live.clear()
-        self.cache.defer_frees = False
-        self.cache.flush_pending()
+        self.cache.frees.drain()
         assert self.cache.flush_cache()
         assert sorted(self.alloc._free) == list(range(1, self.num_pages)), "pages leaked or freed twice"
         assert self.req_to_token.num_free == self.req_to_token.max_requests

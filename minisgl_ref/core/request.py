@@ -68,8 +68,10 @@ class Req:
     sampling_seed: int = field(default_factory=lambda: secrets.randbits(62))
     # KV bookkeeping, owned by the cache manager and scheduler (chapters 03-06); unused by the naive oracle.
     req_pool_idx: int | None = None  # row in the page table
-    kv_committed_len: int = 0  # tokens whose K/V has been computed
-    kv_allocated_len: int = 0  # tokens that have a slot (one more than committed while a decode is in flight)
+    # tokens whose K/V has been computed or is being computed by a scheduled step: the scheduler moves it when it
+    # schedules a row, before the step runs, so that the next step (under overlap) can be planned at once
+    kv_scheduled_len: int = 0
+    kv_allocated_len: int = 0  # tokens that have a slot
     tree_len: int = 0  # leading tokens whose slots belong to the radix tree
     last_node: Any = None  # deepest radix node this request pins
     num_inflight: int = 0  # tokens sampled on the device but not yet appended (overlap scheduling)

@@ -15,7 +15,13 @@ Three consequences, each handled explicitly here or in the scheduler:
    them. ``process`` drops every token of a request that has already finished (or was retracted since).
 2. Step N+1's decode inputs are step N's sampled tokens, which the CPU has not seen: the model runner reads them
    from a device-side token buffer.
-3. KV slots freed while processing step N may still be written by step N+1: frees are released one step late.
+3. KV slots freed while processing step N may still be written by step N+1: every free goes through one
+   :class:`~minisgl_ref.kvcache.inflight.InflightFrees`, which releases it once the steps in flight have been
+   processed. The engine tells it when a step is launched and when one has been processed.
+
+And one rare case needs a synchronisation: when memory is so short that the scheduler must retract requests, it
+returns ``NEED_SYNC`` while a step is in flight (their KV could not be freed before that step completes); the
+engine then processes the step in flight first and schedules again.
 
 **Failures stay inside the request that caused them.** A server cannot let one bad request take down every
 other one. Each request is checked at the door (:meth:`Engine.request_problem`: every token id it carries must
@@ -45,8 +51,9 @@ from minisgl_ref.core.batch import ScheduledBatch
 from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.core.request import Req, TokenLogprob
 from minisgl_ref.distributed.group import min_over_ranks
-from minisgl_ref.engine.model_runner import ModelRunner
+from minisgl_ref.engine.model_runner import ModelRunner, PromptLogprobPlan, StepOutput
 from minisgl_ref.kvcache.allocator import PageAllocator
+from minisgl_ref.kvcache.inflight import InflightFrees
 from minisgl_ref.kvcache.pool import KVPool
 from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
 from minisgl_ref.models.config import ModelConfig
@@ -61,9 +68,18 @@ log = logging.getLogger(__name__)
 class LaunchFailed(Exception):
     """Running a scheduled step failed; the engine rolls that step back (see :meth:`Engine._recover`)."""
 
-    def __init__(self, batch: ScheduledBatch, error: Exception) -> None:
+    def __init__(self, batch: ScheduledBatch, step: int, error: Exception) -> None:
         super().__init__(f"{type(error).__name__}: {error}")
-        self.batch, self.error = batch, error
+        self.batch, self.step, self.error = batch, step, error
+
+
+@dataclass
+class Launched:
+    """A step on its way: its number (in launch order), its plan, and what the device will produce."""
+
+    step: int
+    batch: ScheduledBatch
+    output: StepOutput
 
 
 @dataclass
@@ -121,6 +137,7 @@ class Engine:
         tokens = min_over_ranks(kv_pool_tokens(self.config, model_config, self.device, dtype))
         num_pages = tokens // page + 1  # + the reserved dummy page 0
         self.allocator = PageAllocator(num_pages, page, self.device)
+        self.frees = InflightFrees(self.allocator)  # every free waits for the steps in flight (chapter 06)
         context = context_length or model_config.max_position_embeddings
         self.req_to_token = ReqToTokenPool(self.config.max_running_requests + 1, context + 1, self.device)
         from minisgl_ref.layers.attention import AttentionLayer
@@ -129,7 +146,7 @@ class Engine:
         self.kv_pool = KVPool(model_config.num_layers, num_pages * page, num_kv_heads, model_config.head_dim,
                               dtype, self.device)
         manager_cls = NaiveCacheManager if self.config.disable_radix_cache else CacheManager
-        self.cache = manager_cls(self.allocator, self.req_to_token)
+        self.cache = manager_cls(self.allocator, self.req_to_token, self.frees)
         self.scheduler = Scheduler(self.config, self.cache)
         num_q_heads = next(m for m in model.modules() if isinstance(m, AttentionLayer)).num_heads  # per rank
         backend = create_attention_backend(self.config, self.kv_pool, self.req_to_token, num_q_heads=num_q_heads,
@@ -139,9 +156,7 @@ class Engine:
                                   use_cuda_graph=not self.config.disable_cuda_graph and self.device.type == "cuda",
                                   cuda_graph_max_bs=graph_max_bs)
         self.overlap = not self.config.disable_overlap_schedule
-        self.inflight: ScheduledBatch | None = None
-        self._waiting_for_inflight: list[torch.Tensor] = []
-        self._release_after_inflight: list[Req] = []  # aborted while a step writing their KV was in flight
+        self.inflight: Launched | None = None
         self.stats = EngineStats()
 
     @property
@@ -165,78 +180,79 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work or self.inflight is not None or bool(self.scheduler.aborted)
 
+    def run_until_done(self) -> None:
+        while self.has_work:
+            self.step()
+
     # ------------------------------------------------------------------------------------------------ steps
 
+    # BEGIN TASK 6.1: the overlapped step and its results, processed one step late
     def step(self) -> list[StepEvent]:
-        """Advance the engine by one scheduled batch; return what happened to requests."""
-        if not self.overlap:
-            try:
-                batch = self._schedule_and_launch()
-            except LaunchFailed as failed:
-                self._recover(failed)
-                return self._drain_aborted()
-            events = self._drain_aborted()
-            if batch is not None:
-                events += self._process(batch)
-            return events
+        """Advance the engine by one scheduled batch; return what happened to requests.
 
-        # Overlap: launch the next batch first, then process the one in flight. Slots freed while a batch is in
-        # flight wait until that batch has been processed (and so has certainly completed).
-        self.cache.defer_frees = self.inflight is not None
+        Without overlap: schedule and launch step N, then process it. With overlap: schedule and launch step
+        N+1, then process step N, which has been in flight since the previous call."""
+        events: list[StepEvent] = []
         try:
-            batch = self._schedule_and_launch()
-        except NeedSync:
-            # Memory is short and the scheduler wants to retract: let the step in flight finish first so that
-            # everything it holds can be freed at once, then schedule again with nothing in flight.
-            events = self._finish_inflight()
-            batch = self._schedule_and_launch()
-            self.inflight = batch
-            return events + self._drain_aborted()
+            launched = self._schedule_and_launch()
+            if isinstance(launched, NeedSync):  # retracting needs the memory the step in flight holds
+                events += self._finish_inflight()
+                launched = self._schedule_and_launch()
         except LaunchFailed as failed:
-            events = self._finish_inflight()
-            self._recover(failed)
-            return events + self._drain_aborted()
-        waits_for_inflight = self.cache.take_pending()
-        events = self._drain_aborted()
-        if self.inflight is not None:
-            self.cache.defer_frees = batch is not None
-            events += self._process(self.inflight)
-            self._release_aborted()
-        self._free(self._waiting_for_inflight + waits_for_inflight)
-        self._waiting_for_inflight = self.cache.take_pending()  # these may still be touched by `batch`
-        self.inflight = batch
+            events += self._finish_inflight()
+            return events + self._recover(failed) + self._take_aborted()
+        events += self._take_aborted()
+        if not self.overlap:
+            return events + (self._process(launched) if isinstance(launched, Launched) else [])
+        events += self._finish_inflight()
+        self.inflight = launched if isinstance(launched, Launched) else None
         return events
+
+    def _process(self, launched: Launched) -> list[StepEvent]:
+        batch, out = launched.batch, launched.output
+        tokens = out.tokens()  # the one wait for the device per step: after it, the step's tokens are here
+        if out.prompt_logprobs is not None:
+            self._record_prompt_logprobs(batch, *out.prompt_logprobs)
+        logprobs = _rows(out.logprobs) if out.logprobs is not None else None
+        events = []
+        for i, (row, token) in enumerate(zip(batch.rows, tokens)):
+            req = row.req
+            if not row.emits or not row.is_live:
+                # a partial prefill chunk (its KV was committed at launch), the extra token overlap computed
+                # after the end, or a retracted request's old step
+                continue
+            req.num_inflight -= 1
+            if logprobs is not None and req.return_logprob:
+                req.output_logprobs.append(logprobs(i, req.top_logprobs_num))
+            delta = self._append(req, token)
+            if req.finished:
+                self.scheduler.finish(req)
+            events.append(StepEvent(req, delta, req.finished))
+        self.frees.processed(launched.step)  # this step has completed: what waited for it can be freed
+        return events
+    # END TASK 6.1
 
     def _finish_inflight(self) -> list[StepEvent]:
-        self.cache.defer_frees = False
-        events = self._process(self.inflight) if self.inflight is not None else []
-        self._release_aborted()
-        self.inflight = None
-        self._free(self._waiting_for_inflight + self.cache.take_pending())
-        self._waiting_for_inflight = []
-        return events
+        launched, self.inflight = self.inflight, None
+        return self._process(launched) if launched is not None else []
 
-    def _free(self, pending: list[torch.Tensor]) -> None:
-        for slots in pending:
-            self.allocator.free_slots(slots)
+    def _take_aborted(self) -> list[StepEvent]:
+        return [StepEvent(r, "", True) for r in self.scheduler.take_aborted()]
 
-    def _drain_aborted(self) -> list[StepEvent]:
-        aborted, self.scheduler.aborted = self.scheduler.aborted, []
-        return [StepEvent(r, "", True) for r in aborted]
-
-    def _schedule_and_launch(self) -> ScheduledBatch | None:
+    def _schedule_and_launch(self) -> Launched | NeedSync | None:
         batch = self.scheduler.schedule()
-        if batch is None:
-            return None
+        if batch is None or isinstance(batch, NeedSync):
+            return batch
+        step = self.frees.launch()
         try:
-            self.runner.run(batch)
+            output = self.runner.run(batch)
         except Exception as e:  # noqa: BLE001 - one request's bad data must not end the engine
-            raise LaunchFailed(batch, e) from e
+            raise LaunchFailed(batch, step, e) from e
         self._commit_launched(batch)
         self.stats.steps += 1
         self.stats.prefill_tokens += batch.num_prefill_tokens
         self.stats.decode_tokens += batch.num_tokens - batch.num_prefill_tokens
-        return batch
+        return Launched(step, batch, output)
 
     def _commit_launched(self, batch: ScheduledBatch) -> None:
         """Offer the prompt tokens that ``batch`` computes to the radix tree as soon as the step is launched.
@@ -246,46 +262,22 @@ class Engine:
         every later step is launched after this one (on one CUDA stream, in order; on the CPU, synchronously),
         so any request that matches these slots reads them after this step has written them. The page-table
         rows may be repointed now too: this step's slots were already read by ``runner.run``. Duplicate copies
-        (two rows of this step computing the same new prefix) are written by this step, so they are freed only
-        once it has been processed."""
-        for req, is_decode in zip(batch.reqs, batch.is_decode_row):
-            if not is_decode:
-                self.cache.commit(req, free=batch.free_when_done.append)
+        (two rows of this step computing the same new prefix) are written by this step, so their frees wait
+        until it has been processed."""
+        for row in batch.rows:
+            if not row.is_decode:
+                self.cache.commit(row.req)
 
-    # BEGIN TASK 6.1: process a step's results (one step late under overlap)
-    def _process(self, batch: ScheduledBatch) -> list[StepEvent]:
-        tokens = batch.tokens()  # the one wait for the device per step: after it, the step's tokens are here
-        self._free(batch.free_when_done)
-        if batch.prompt_logprobs is not None:
-            self._record_prompt_logprobs(batch)
-        logprobs = _rows(batch.logprobs) if batch.logprobs is not None else None
-        events = []
-        for i, (req, token, emits, epoch) in enumerate(zip(batch.reqs, tokens, batch.emits, batch.epochs)):
-            if not emits or req.finished or req.retractions != epoch:
-                # a partial prefill chunk (its KV was committed at launch), the extra token overlap computed
-                # after the end, or a retracted request's old step
-                continue
-            req.num_inflight -= 1
-            if logprobs is not None and req.return_logprob:
-                req.output_logprobs.append(logprobs(i, req.top_logprobs_num))
-            delta = self._append(req, token)
-            if req.finished:
-                self.scheduler.remove_finished(req)
-            events.append(StepEvent(req, delta, req.finished))
-        return events
-    # END TASK 6.1
-
-    def _record_prompt_logprobs(self, batch: ScheduledBatch) -> None:
+    def _record_prompt_logprobs(self, batch: ScheduledBatch, plan: PromptLogprobPlan, computed: StepLogprobs) -> None:
         """Append the prompt log probabilities this step computed to their requests, in prompt order. A position
         already recorded (a retracted request computing its prompt again) is skipped."""
-        plan, computed = batch.prompt_logprobs  # type: ignore[misc]
         entry = _rows(computed)
         j = 0
-        for row, first, count in plan.spans:
-            req = batch.reqs[row]
-            live = not req.finished and req.retractions == batch.epochs[row]
+        for i, first, count in plan.spans:
+            row = batch.rows[i]
+            req = row.req
             for pos in range(first, first + count):
-                if live and pos == req.logprob_start_len + len(req.input_logprobs):
+                if row.is_live and pos == req.logprob_start_len + len(req.input_logprobs):
                     req.input_logprobs.append(entry(j, req.top_logprobs_num))
                 j += 1
 
@@ -298,7 +290,9 @@ class Engine:
             req.abort(f"this request failed while processing its output: {type(e).__name__}: {e}")
             return ""
 
-    def _recover(self, failed: LaunchFailed) -> None:
+    # ----------------------------------------------------------------------------------------------- failures
+
+    def _recover(self, failed: LaunchFailed) -> list[StepEvent]:
         """Undo a step whose launch failed (nothing is in flight any more) and decide who pays for it.
 
         Each row gets back the KV length it had before the step, so nothing this step may have half-written
@@ -307,86 +301,48 @@ class Engine:
         anyone and all of its requests are aborted with the error. The others are retracted: back to the
         waiting queue with their tokens, to be prefilled again (from the cache) by a later step."""
         batch, sched = failed.batch, self.scheduler
-        log.error("a step of %d requests failed: %s", len(batch.reqs), failed, exc_info=failed.error)
+        log.error("a step of %d requests failed: %s", len(batch.rows), failed, exc_info=failed.error)
         problems = {id(r): p for r in batch.reqs if (p := self.request_problem(r)) is not None}
-        for req, prefix_len, emits, epoch in zip(batch.reqs, batch.prefix_lens, batch.emits, batch.epochs):
-            if req.finished or req.retractions != epoch or req.req_pool_idx is None:
+        events = []
+        for row in batch.rows:
+            req = row.req
+            if not row.is_live or req.req_pool_idx is None:
                 continue  # finished or retracted meanwhile: its KV has been given back already
-            req.kv_committed_len = prefix_len
-            req.num_inflight -= emits
-            if req in sched.running:
-                sched.running.remove(req)
-            if sched.chunked is req:
-                sched.chunked = None
+            req.kv_scheduled_len = row.prefix_len
+            req.num_inflight -= row.emits
             if problems and id(req) not in problems:
                 sched.retract(req)
                 continue
             reason = problems.get(id(req)) or f"the engine step failed: {failed}"
-            req.abort(f"this request could not be processed: {reason}")
-            sched.remove_finished(req)
-            sched.aborted.append(req)  # reported by this step's events
-
-    def run_until_done(self) -> None:
-        while self.has_work:
-            self.step()
+            if sched.abort(req, f"this request could not be processed: {reason}"):
+                self.cache.release(req)
+            events.append(StepEvent(req, "", True))
+        self.frees.processed(failed.step)  # nothing of the failed step is in flight
+        return events
 
     def abort(self, req: Req, message: str = "aborted") -> None:
-        """Stop a request wherever it is (the server calls this when a client disconnects)."""
-        sched = self.scheduler
-        if self.inflight is not None and req in self.inflight.reqs:
-            # The step in flight still writes this request's KV, and the prompt tokens it computes are already
-            # in the radix tree (committed at launch). Released now, they would be unpinned and could be evicted
-            # and handed out while still being written. So: out of the queues now, released once that step has
-            # been processed (``_release_aborted``).
-            if req in sched.running:
-                sched.running.remove(req)
-            if sched.chunked is req:
-                sched.chunked = None
-            sched.arrival.pop(req, None)
-            self._release_after_inflight.append(req)
-            req.abort(message)
-            return
-        # Nothing in flight writes its slots; any frees still wait for the step in flight, as all frees do.
-        self.cache.defer_frees = self.inflight is not None
-        if req in sched.waiting:
-            sched.waiting.remove(req)
-            if req.req_pool_idx is not None:
-                self.cache.release(req)
-            sched.arrival.pop(req, None)
-        elif req in sched.running or sched.chunked is req:
-            sched.remove_finished(req)
-        if self.inflight is not None:
-            self._waiting_for_inflight += self.cache.take_pending()
-        req.abort(message)
+        """Stop a request wherever it is (the server calls this when a client disconnects).
+
+        A step in flight may still write the request's KV, and the prompt tokens that step computes are already
+        in the radix tree (committed at launch): released now, they would be unpinned and could be evicted and
+        handed out while still being written. So the release waits until the steps in flight are processed."""
+        if self.scheduler.abort(req, message):
+            self.frees.later(lambda: self.cache.release(req))
 
     def abort_all(self, message: str) -> list[StepEvent]:
         """Last resort after a failure that :meth:`step` could not contain: abort every request and start
         afresh with empty queues. Nothing whose KV may be half-written enters the radix cache: each request
         gives back only the prefix it already shared with the tree."""
-        sched = self.scheduler
-        held = [*sched.running, *sched.waiting, *([sched.chunked] if sched.chunked else []),
-                *(self.inflight.reqs if self.inflight else []), *self._release_after_inflight]
-        self.inflight, self._release_after_inflight = None, []
-        self.cache.defer_frees = False
-        self._free(self._waiting_for_inflight + self.cache.take_pending())
-        self._waiting_for_inflight = []
+        held = self.scheduler.clear() + (self.inflight.batch.reqs if self.inflight else [])
+        self.inflight = None
         reqs = list({id(r): r for r in held}.values())
         for req in reqs:
             req.abort(message)
-            if req.req_pool_idx is not None:
-                req.kv_committed_len = req.tree_len
-                self.cache.release(req)
-        sched.running.clear()
-        sched.waiting.clear()
-        sched.chunked = None
-        sched.arrival.clear()
-        return [StepEvent(r, "", True) for r in reqs] + self._drain_aborted()
-
-    def _release_aborted(self) -> None:
-        """Release the requests aborted while a step that writes their KV was in flight (it has been processed)."""
-        for req in self._release_after_inflight:
+            req.kv_scheduled_len = req.tree_len
+        self.frees.drain()  # nothing is in flight any more: deferred frees and releases run now
+        for req in reqs:
             self.cache.release(req)
-        self._release_after_inflight = []
+        return [StepEvent(r, "", True) for r in reqs] + self._take_aborted()
 
 
 def _rows(logprobs: StepLogprobs) -> Callable[[int, int], TokenLogprob]:

@@ -21,7 +21,7 @@ Log probabilities (chapter 10) are computed only in steps where some request ask
 tokens by the sampler, a prompt's from the hidden states of its positions, a few hundred rows at a time so that a
 long prompt never needs a [prompt, vocab] tensor at once.
 
-The only wait for the device per step is the engine's ``batch.tokens()``, one step late under overlap; on a GPU it
+The only wait for the device per step is the engine's ``StepOutput.tokens()``, one step late under overlap; on a GPU it
 waits for an event recorded right after this step's token copy, not for the step launched after it.
 """
 
@@ -64,8 +64,9 @@ class PromptLogprobPlan:
         index: list[int] = []
         targets: list[int] = []
         top_k, offset = 0, 0
-        for i, (req, start, n) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens)):
-            if req.wants_input_logprobs and not batch.is_decode_row[i]:
+        for i, row in enumerate(batch.rows):
+            req, start, n = row.req, row.prefix_len, row.extend_len
+            if req.wants_input_logprobs and not row.is_decode:
                 first = max(start, req.logprob_start_len - 1, 0)
                 last = min(start + n, len(req.input_ids) - 1)  # the last prompt position predicts the output
                 if last > first:
@@ -77,17 +78,40 @@ class PromptLogprobPlan:
         return PromptLogprobPlan(spans, index, targets, top_k) if spans else None
 
 
+@dataclass
+class StepOutput:
+    """What a launched step produces. It lives on the device until :meth:`tokens` reads the sampled tokens back."""
+
+    forward_batch: ForwardBatch  # the device inputs the step ran with
+    next_tokens: torch.Tensor  # [B] on the device
+    # Log probabilities, only in steps where some request asked for them (chapter 10): of each row's sampled
+    # token, and of the prompt positions that the plan lists.
+    logprobs: StepLogprobs | None = None
+    prompt_logprobs: tuple[PromptLogprobPlan, StepLogprobs] | None = None
+    # On a GPU, a copy of the tokens in pinned host memory, and the event that marks the end of that copy.
+    host_tokens: torch.Tensor | None = None
+    copy_done: torch.cuda.Event | None = None
+
+    def tokens(self) -> list[int]:
+        """The sampled tokens on the host: the one wait for the device per step.
+
+        On a GPU this waits for *this* step's copy event only. ``next_tokens.tolist()`` would queue its copy on
+        the stream behind everything launched since, which under overlap is the whole next step: the CPU would
+        then wait for step N+1 to finish before it could process step N, and the GPU would idle while the CPU
+        processed, scheduled and launched (a quarter of every decode step on an H100, chapter 11)."""
+        if self.copy_done is not None and self.host_tokens is not None:
+            self.copy_done.synchronize()
+            return self.host_tokens.tolist()
+        return self.next_tokens.tolist()
+
+
 class ModelRunner:
-    """Turns a :class:`ScheduledBatch` into device work and returns the sampled tokens.
+    """Turns a :class:`ScheduledBatch` into device work and returns a :class:`StepOutput`.
 
     ``use_cuda_graph`` (CUDA only) captures decode steps for padded batch sizes up to ``cuda_graph_max_bs``
     (:mod:`~minisgl_ref.engine.cuda_graph`) and replays them; other steps, and every step on the CPU, run
     eagerly. Graphs are skipped, with a log line, when the attention backend cannot be captured.
     """
-
-    #: Copy each step's tokens to pinned host memory behind an event (see ``ScheduledBatch.tokens``). Only chapter
-    #: 11's benchmark turns it off, to measure what it buys.
-    async_token_copy: bool = True
 
     def __init__(
         self,
@@ -131,12 +155,14 @@ class ModelRunner:
 
         Decode rows have no input id on the host (their token was sampled on the device and may not have reached
         the CPU yet): they carry -1 here and read ``token_buffer`` on the device instead."""
-        rows = [r.req_pool_idx for r in batch.reqs]
+        rows = [row.req.req_pool_idx for row in batch.rows]
+        prefix_lens = [row.prefix_len for row in batch.rows]
+        extend_lens = [row.extend_len for row in batch.rows]
         host_table = self.req_to_token.host
+        rows_t = torch.tensor(rows, dtype=torch.int64)
         if batch.is_decode:
             # One token per request, at position prefix_len: no per-request loop at all.
-            rows_t = torch.tensor(rows, dtype=torch.int64)
-            pos_t = torch.tensor(batch.prefix_lens, dtype=torch.int64)
+            pos_t = torch.tensor(prefix_lens, dtype=torch.int64)
             ids_t = torch.full_like(pos_t, -1)
             slots_t = host_table[rows_t, pos_t].to(torch.int64)
             token_rows_t, last_t = rows_t, torch.arange(len(rows), dtype=torch.int64)
@@ -144,18 +170,18 @@ class ModelRunner:
             ids: list[int] = []
             positions: list[int] = []
             slots: list[torch.Tensor] = []
-            for req, start, n, is_decode in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.is_decode_row):
-                ids.extend([-1] if is_decode else req.all_ids[start : start + n])
-                positions.extend(range(start, start + n))
-                slots.append(host_table[req.req_pool_idx, start : start + n])
-            rows_t = torch.tensor(rows, dtype=torch.int64)
+            for row in batch.rows:
+                start, end = row.prefix_len, row.prefix_len + row.extend_len
+                ids.extend([-1] if row.is_decode else row.req.all_ids[start:end])
+                positions.extend(range(start, end))
+                slots.append(host_table[row.req.req_pool_idx, start:end])
             pos_t = torch.tensor(positions, dtype=torch.int64)
             ids_t = torch.tensor(ids, dtype=torch.int64)
             slots_t = torch.cat(slots).to(torch.int64)
-            ext_t = torch.tensor(batch.extend_lens, dtype=torch.int64)
+            ext_t = torch.tensor(extend_lens, dtype=torch.int64)
             token_rows_t = torch.repeat_interleave(rows_t, ext_t)
             last_t = ext_t.cumsum(0) - 1
-        seq_lens_t = torch.tensor(batch.prefix_lens, dtype=torch.int64) + torch.tensor(batch.extend_lens)
+        seq_lens_t = torch.tensor(prefix_lens, dtype=torch.int64) + torch.tensor(extend_lens)
         # One host tensor, one copy: [ids | positions | slots | token rows | rows | seq lens | last index].
         host = torch.cat([ids_t, pos_t, slots_t, token_rows_t, rows_t, seq_lens_t, last_t])
         if self._pin:
@@ -168,14 +194,14 @@ class ModelRunner:
             self.req_to_token.table[token_rows_d, pos_d] = slots_d.to(torch.int32)
         # Decode rows take the token sampled by the previous step, straight from the device buffer.
         input_ids = ids_d if not batch.is_decode else self.token_buffer[rows_d]
-        if not batch.is_decode and any(batch.is_decode_row):
+        if not batch.is_decode and any(row.is_decode for row in batch.rows):
             input_ids = torch.where(ids_d < 0, self.token_buffer[token_rows_d], ids_d)
         fb = ForwardBatch(
             mode=ForwardMode.DECODE if batch.is_decode else ForwardMode.EXTEND,
             input_ids=input_ids,
             positions=pos_d,
-            extend_lens_cpu=list(batch.extend_lens),
-            prefix_lens_cpu=list(batch.prefix_lens),
+            extend_lens_cpu=extend_lens,
+            prefix_lens_cpu=prefix_lens,
             attn_backend=self.attn_backend,
             req_pool_indices=rows_d,
             out_cache_loc=slots_d,
@@ -205,7 +231,7 @@ class ModelRunner:
         # With overlap, a request may have one token sampled on the device that its Python lists do not show
         # yet. Its sampling step and penalty counts must include it, or seeded streams and penalties would
         # differ from the non-overlapped engine.
-        pending = [i for i, r in enumerate(reqs) if r.num_inflight > (1 if batch.emits[i] else 0)]
+        pending = [i for i, row in enumerate(batch.rows) if row.req.num_inflight > row.emits]
         if pending:
             rows = to_device(torch.tensor(pending), self.device)
             info.steps[rows] += 1
@@ -266,41 +292,38 @@ class ModelRunner:
         return StepLogprobs(*(torch.cat(ts) for ts in zip(*((p.chosen, p.top_values, p.top_ids) for p in parts))))
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Launch the batch; returns the sampled tokens [B] (on the device; nobody waits for them here)."""
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        """Launch the batch. Nothing here waits for the device: the result's tokens are read by the engine."""
         fb = self.prepare(batch)
-        batch.forward_batch = fb
         plan = PromptLogprobPlan.of(batch) if not batch.is_decode else None
         if plan is not None:
             fb.extra["prompt_logprobs"] = plan
         logits = self.forward(fb)
         info = self.sampling_info(batch)
-        batch.sampling_info = info
         # -1: nobody asked for log probabilities in this step (the common case: not a single extra kernel)
         top_k = max((r.top_logprobs_num for r in batch.reqs if r.return_logprob), default=-1)
-        next_tokens, batch.logprobs = self.sampler.sample(logits, info, top_k)
+        next_tokens, logprobs = self.sampler.sample(logits, info, top_k)
+        out = StepOutput(fb, next_tokens, logprobs)
         if plan is not None:
-            batch.prompt_logprobs = (plan, fb.extra.pop("prompt_logprobs"))
+            out.prompt_logprobs = (plan, fb.extra.pop("prompt_logprobs"))
         # Rows that emit a token publish it where the next decode step will look for it.
-        if all(batch.emits):
+        emits = [row.emits for row in batch.rows]
+        if all(emits):
             self.token_buffer[fb.req_pool_indices] = next_tokens
-        else:
-            emit_rows = [i for i, e in enumerate(batch.emits) if e]
-            if emit_rows:
-                idx = to_device(torch.tensor(emit_rows), self.device)
-                self.token_buffer[fb.req_pool_indices[idx]] = next_tokens[idx]
-        batch.next_tokens = next_tokens
-        if next_tokens.is_cuda and self.async_token_copy:
-            # Start the device-to-host copy now, in stream order right after sampling, and mark its end with an
-            # event: the engine waits for that event, not for whatever is launched after this step.
-            batch.next_tokens_host = _to_pinned_host(next_tokens)
-            if batch.logprobs is not None:
-                batch.logprobs = batch.logprobs.to(_to_pinned_host)
-            if batch.prompt_logprobs is not None:
-                batch.prompt_logprobs = (batch.prompt_logprobs[0], batch.prompt_logprobs[1].to(_to_pinned_host))
-            batch.copy_done = torch.cuda.Event()
-            batch.copy_done.record()
-        return next_tokens
+        elif any(emits):
+            idx = to_device(torch.tensor([i for i, e in enumerate(emits) if e]), self.device)
+            self.token_buffer[fb.req_pool_indices[idx]] = next_tokens[idx]
+        if next_tokens.is_cuda:
+            # Start the device-to-host copies now, in stream order right after sampling, and mark their end with
+            # an event: the engine waits for that event, not for whatever is launched after this step.
+            out.host_tokens = _to_pinned_host(next_tokens)
+            if out.logprobs is not None:
+                out.logprobs = out.logprobs.to(_to_pinned_host)
+            if out.prompt_logprobs is not None:
+                out.prompt_logprobs = (plan, out.prompt_logprobs[1].to(_to_pinned_host))  # type: ignore[assignment]
+            out.copy_done = torch.cuda.Event()
+            out.copy_done.record()
+        return out
 
 
 def _to_pinned_host(t: torch.Tensor) -> torch.Tensor:

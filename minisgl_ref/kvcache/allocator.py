@@ -80,6 +80,3 @@ class PageAllocator:
         if 0 in pages:
             raise ValueError("slot 0 is the reserved dummy slot and was never allocated")
         self._free.extend(pages)
-
-    def reset(self) -> None:
-        self._free = list(range(self.num_pages - 1, 0, -1))

@@ -141,6 +141,18 @@ class RadixCache:
         return MatchResult(slots, node)
     # END TASK 4.1
 
+    def peek_prefix_len(self, tokens: list[int], salt: str | None = None) -> int:
+        """How many leading tokens :meth:`match_prefix` would find, without changing the tree: no edge is split
+        and no LRU clock moves, so sorting a queue by it does not refresh prefixes nobody uses yet."""
+        tokens = tokens[: len(tokens) - len(tokens) % self.page_size]
+        node, i = self.root_for(salt), 0
+        while node is not None and i < len(tokens):
+            child = node.children.get(self._child_key(tokens[i:]))
+            n = self._common_len(child.key, tokens[i:]) if child is not None else 0
+            i += n
+            node = child if child is not None and n == len(child.key) else None
+        return i
+
     # BEGIN TASK 4.2: insert a computed sequence
     def insert(self, tokens: list[int], slots: torch.Tensor, salt: str | None = None) -> int:
         """Store ``tokens`` (whole pages only) with their KV ``slots``. Returns how many leading tokens were

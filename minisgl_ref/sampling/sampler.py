@@ -583,8 +583,10 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int,
 class Sampler:
     """Turns a batch of logits into one token id per row; stateless (all state lives in ``SamplingBatchInfo``).
 
-    The caller records the result with ``info.update(tokens)`` before the next step, which is what advances
-    penalty counts and the per-request noise stream.
+    Between steps the per-request step counters (the noise stream) and penalty counts must move on: a loop that
+    calls the sampler directly does it with ``info.update(tokens)`` (chapter 02); the engine's model runner
+    rebuilds or advances the state itself (``ModelRunner.sampling_info``), because under overlap it schedules the
+    next step before it has seen this step's tokens.
 
     ``fuse_on_cuda`` (default on) runs the random draw through ``torch.compile`` when the logits are on a GPU;
     on the CPU, and with it off, the plain eager functions of this file run, which is what the tests read.

@@ -2,17 +2,16 @@
 
 A request's KV lives in the slots listed in its page-table row (:class:`ReqToTokenPool`). The first
 ``req.tree_len`` of them belong to the radix tree (shared, pinned while the request runs); the rest belong to the
-request alone. The scheduler drives five calls:
+request alone. Four calls make up a request's life:
 
-* ``match(req)`` on admission: reuse a cached prefix, if any;
-* ``alloc(req, n)`` before a step: slots for the next ``n`` tokens (evicting cached prefixes if needed);
-* ``commit(req)`` once a prefill step is launched: offer its tokens to the cache so others can share them;
-* ``release(req)`` when the request finishes or is retracted: cache what is reusable, free the rest;
-* ``flush_pending()`` once no step in flight can touch freed slots any more.
+* ``match(req)`` on admission (scheduler): reuse a cached prefix, if any;
+* ``alloc(req, n)`` before a step (scheduler): slots for the next ``n`` tokens, evicting cached prefixes if needed;
+* ``commit(req)`` once a prefill step is launched (engine): offer its tokens to the cache so others can share them;
+* ``release(req)`` when the request finishes or is retracted (scheduler): cache what is reusable, free the rest.
 
-While ``defer_frees`` is set, frees are parked until ``flush_pending``: with overlap scheduling (chapter 06) the
-step already running on the device may still write the slots of a request the CPU has just seen finish. Freeing
-them only after that step completes means no other request can be handed those slots too early.
+Every slot it frees goes through ``frees``, an :class:`~minisgl_ref.kvcache.inflight.InflightFrees` that the
+engine owns: with overlap scheduling (chapter 06) the step already running on the device may still write the slots
+of a request the CPU has just seen finish, so they are given back only once that step has been processed.
 
 This module lives with the scheduler, not in ``minisgl_ref.kvcache``: every call takes a request (its prompt,
 its cache salt, how far it has been scheduled) and decides policy over memory (what to share, what to evict, when
@@ -22,13 +21,12 @@ ids) and knows nothing of requests, so it can be read and tested without the sch
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
 from minisgl_ref.core.request import Req
 from minisgl_ref.kvcache.allocator import OutOfPages, PageAllocator
+from minisgl_ref.kvcache.inflight import InflightFrees
 from minisgl_ref.kvcache.radix import RadixCache
 from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
 
@@ -38,14 +36,15 @@ class CacheManager:
 
     shares_prefixes = True
 
-    def __init__(self, allocator: PageAllocator, req_to_token: ReqToTokenPool) -> None:
+    def __init__(self, allocator: PageAllocator, req_to_token: ReqToTokenPool,
+                 frees: InflightFrees | None = None) -> None:
         self.allocator = allocator
         self.req_to_token = req_to_token
         self.page_size = allocator.page_size
         self.tree = RadixCache(allocator)
-        # While a step is in flight (overlap scheduling), freed slots are parked here instead of being reused.
-        self.defer_frees = False
-        self.pending_free: list[torch.Tensor] = []
+        # The engine's: frees wait while a step that may write the slots is in flight. Alone (no engine launching
+        # steps), a cache manager frees at once.
+        self.frees = frees or InflightFrees(allocator)
 
     # ------------------------------------------------------------------------------------------------ memory
 
@@ -58,21 +57,13 @@ class CacheManager:
         """Tokens that could be allocated right now: free pages plus what eviction could free."""
         return self.allocator.num_free_tokens + self.evictable_tokens
 
-    def _free_later(self, slots: torch.Tensor) -> None:
-        if not len(slots):
-            return
-        if self.defer_frees:
-            self.pending_free.append(slots.clone())
-        else:
-            self.allocator.free_slots(slots)
+    def cached_prefix_len(self, req: Req) -> int:
+        """How much of ``req`` the cache holds now, without touching the tree (the lpm policy sorts by it)."""
+        return self.tree.peek_prefix_len(req.all_ids[:-1], req.cache_salt)
 
-    def take_pending(self) -> list[torch.Tensor]:
-        out, self.pending_free = self.pending_free, []
-        return out
-
-    def flush_pending(self) -> None:
-        for slots in self.take_pending():
-            self.allocator.free_slots(slots)
+    def record_lookup(self, req: Req) -> None:
+        """Count an admitted request's prompt against the hit rate (once, however often it was matched)."""
+        self.tree.record_lookup(len(req.all_ids), req.kv_scheduled_len)
 
     # -------------------------------------------------------------------------------------------- life cycle
 
@@ -85,7 +76,7 @@ class CacheManager:
         self.tree.inc_lock(result.node)
         self.req_to_token.write(req.req_pool_idx, 0, result.slots)
         req.last_node = result.node
-        req.tree_len = req.kv_committed_len = req.kv_allocated_len = result.length
+        req.tree_len = req.kv_scheduled_len = req.kv_allocated_len = result.length
         # cached_tokens counts *prompt* tokens (OpenAI's usage.prompt_tokens_details): a retracted request that
         # re-matches its own output tokens must not report more cached tokens than its prompt has.
         req.cached_tokens = max(req.cached_tokens, min(result.length, len(req.input_ids)))
@@ -142,17 +133,16 @@ class CacheManager:
             raise OutOfPages(f"needed {num_tokens} more KV slots; eviction found only {freed}")
 
     # BEGIN TASK 4.4: share a request's computed prefix
-    def commit(self, req: Req, *, upto: int | None = None,
-               free: Callable[[torch.Tensor], None] | None = None) -> None:
+    def commit(self, req: Req, *, upto: int | None = None) -> None:
         """Put the request's computed tokens (whole pages, the first ``upto`` at most) into the tree.
 
         The engine calls it right after launching a prefill step (the KV exists once that step has run, before any
         later step reads it) and on release. If another request inserted the same tokens first (two requests
-        with a common *new* prefix in one batch), the tree keeps its own copy: our duplicate slots are handed to
-        ``free`` (default: freed, or parked while a step is in flight) and our page-table row is pointed at the
-        tree's slots, whose KV is identical."""
+        with a common *new* prefix in one batch), the tree keeps its own copy: our duplicate slots are freed once
+        the steps in flight (which may be writing them) have been processed, and our page-table row is pointed at
+        the tree's slots, whose KV is identical."""
         assert req.req_pool_idx is not None and req.last_node is not None
-        n = req.kv_committed_len if upto is None else min(upto, req.kv_committed_len)
+        n = req.kv_scheduled_len if upto is None else min(upto, req.kv_scheduled_len)
         n -= n % self.page_size
         if n <= req.tree_len:
             return
@@ -161,7 +151,7 @@ class CacheManager:
         already = self.tree.insert(tokens, row, req.cache_salt)
         duplicates = row[req.tree_len : max(already, req.tree_len)]
         if len(duplicates):
-            (free or self._free_later)(duplicates)
+            self.frees.free(duplicates)
         result = self.tree.match_prefix(tokens, req.cache_salt)
         assert result.length == n
         self.req_to_token.write(req.req_pool_idx, 0, result.slots)
@@ -180,7 +170,7 @@ class CacheManager:
         # with the request's own slots below, which wait for the step in flight.
         self.commit(req, upto=len(req.all_ids) - 1)
         own = self.req_to_token.read(req.req_pool_idx, req.kv_allocated_len, start=req.tree_len)
-        self._free_later(own)
+        self.frees.free(own)
         assert req.last_node is not None
         self.tree.dec_lock(req.last_node)
         self._forget(req)
@@ -189,14 +179,12 @@ class CacheManager:
         assert req.req_pool_idx is not None
         self.req_to_token.free(req.req_pool_idx)
         req.req_pool_idx, req.last_node = None, None
-        req.tree_len = req.kv_committed_len = req.kv_allocated_len = 0
+        req.tree_len = req.kv_scheduled_len = req.kv_allocated_len = 0
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix (the server's /flush_cache). Refused while requests pin some of it."""
         if self.tree.protected_size:
             return False
-        if not self.defer_frees:  # parked frees wait for the step in flight, flush or no flush
-            self.flush_pending()
         self.tree.flush()
         return True
 
@@ -217,15 +205,17 @@ class NaiveCacheManager(CacheManager):
     def match(self, req: Req) -> int:
         req.req_pool_idx = self.req_to_token.alloc()
         req.last_node = self.tree.root
-        req.tree_len = req.kv_committed_len = req.kv_allocated_len = 0
+        req.tree_len = req.kv_scheduled_len = req.kv_allocated_len = 0
         return 0
 
-    def commit(self, req: Req, *, upto: int | None = None,
-               free: Callable[[torch.Tensor], None] | None = None) -> None:
+    def record_lookup(self, req: Req) -> None:
+        pass
+
+    def commit(self, req: Req, *, upto: int | None = None) -> None:
         pass
 
     def release(self, req: Req) -> None:
         if req.req_pool_idx is None:
             return
-        self._free_later(self.req_to_token.read(req.req_pool_idx, req.kv_allocated_len))
+        self.frees.free(self.req_to_token.read(req.req_pool_idx, req.kv_allocated_len))
         self._forget(req)

@@ -6,12 +6,15 @@ The scheduler owns three groups of requests:
 * ``chunked``: at most one request whose long prompt is being prefilled a chunk at a time (chapter 05);
 * ``running``: prefilled requests that decode one token per step.
 
-Each step it builds one :class:`ScheduledBatch`. Prefill has priority: if waiting requests fit (token budget,
-request slots, KV memory), the step prefills them; with ``enable_mixed_chunk`` the running requests' decode
-tokens ride along in the same step, otherwise they wait one step. Otherwise the step decodes every running
-request, retracting the most recently admitted ones if the KV pool cannot hold one more token for each. With the
-radix cache, a waiting request that would recompute a long prefix another request of the same step is computing
-waits one step and then finds it cached (in-batch prefix caching, chapter 04).
+Each step it builds one :class:`ScheduledBatch`, a list of rows (one per request, all added by ``_add_row``).
+Prefill has priority: waiting requests are admitted one at a time (``_admit``) while the step's
+:class:`PrefillAdder` has token budget, request slots and KV memory left; with ``enable_mixed_chunk`` the running
+requests' decode tokens ride along in the same step, otherwise they wait one step. Otherwise the step decodes
+every running request, retracting the most recently admitted ones if the KV pool cannot hold one more token for
+each. With the radix cache, a waiting request that would recompute a long prefix another request of the same step
+is computing waits one step and then finds it cached (in-batch prefix caching, chapter 04).
+
+The scheduler owns its queues: requests leave them only through ``finish``, ``abort``, ``retract`` and ``clear``.
 
 The scheduler never touches the device except through the cache manager's page table: it is plain Python
 bookkeeping, which is exactly the work that overlap scheduling (chapter 06) hides behind the GPU.
@@ -21,8 +24,9 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from dataclasses import dataclass, field
 
-from minisgl_ref.core.batch import ScheduledBatch
+from minisgl_ref.core.batch import Row, ScheduledBatch
 from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.core.request import Req
 from minisgl_ref.kvcache.allocator import OutOfPages
@@ -30,9 +34,24 @@ from minisgl_ref.kvcache.radix import common_prefix_len
 from minisgl_ref.scheduler.cache_manager import CacheManager
 
 
-class NeedSync(Exception):
-    """Raised by :meth:`Scheduler.schedule` when it would have to retract while a step is in flight (overlap):
-    the engine then finishes that step first, so the retracted requests' KV can be freed immediately."""
+class NeedSync:
+    """What :meth:`Scheduler.schedule` returns when it would have to retract while a step is in flight
+    (overlap): the retracted requests' KV could not be freed before that step completes, so the engine
+    finishes the step first and asks again (chapter 06)."""
+
+
+NEED_SYNC = NeedSync()
+
+
+@dataclass
+class PrefillAdder:
+    """What one prefill step still has room for while requests are admitted one by one (chapter 05)."""
+
+    budget: int  # new tokens the step may still compute
+    available: int  # KV slots still free for it, after the running requests' reservations
+    rows: list[Row] = field(default_factory=list)
+    # per prefill row: its cache salt and the tokens it will have computed after this step (chapter 04)
+    computing: list[tuple[str | None, list[int]]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -48,7 +67,7 @@ class Scheduler:
         self.num_retractions = 0
         self.aborted: list[Req] = []  # requests the scheduler had to give up on, reported by the engine
 
-    # ------------------------------------------------------------------------------------------------ queue
+    # ------------------------------------------------------------------------------------------------ queues
 
     def add(self, req: Req) -> None:
         capacity = self.cache.allocator.capacity_pages * self.cache.page_size
@@ -63,32 +82,73 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
 
-    def remove_finished(self, req: Req) -> None:
-        """The request is done: give its KV back (into the radix tree where it can be shared)."""
+    @property
+    def num_running(self) -> int:
+        """Requests that hold KV: decoding, or with a prompt part-way through chunked prefill."""
+        return len(self.running) + (self.chunked is not None)
+
+    def _dequeue(self, req: Req) -> None:
         if req in self.running:
             self.running.remove(req)
-        if self.chunked is req:
+        elif self.chunked is req:
             self.chunked = None
-        self.cache.release(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def finish(self, req: Req) -> None:
+        """The request is done: give its KV back (into the radix tree where it can be shared)."""
+        self._dequeue(req)
         self.arrival.pop(req, None)
+        self.cache.release(req)
+
+    def abort(self, req: Req, message: str) -> bool:
+        """Take ``req`` out of the queues, finished with ``message``. Returns whether it still holds KV, which
+        the caller releases (at once, or once a step in flight that writes it has been processed)."""
+        self._dequeue(req)
+        self.arrival.pop(req, None)
+        req.abort(message)
+        return req.req_pool_idx is not None
+
+    def retract(self, req: Req) -> None:
+        """Send a request that holds KV back to the waiting queue, keeping its tokens: it will be prefilled again
+        (reusing whatever of its KV the radix cache still holds) and continue where it stopped."""
+        self._dequeue(req)
+        self.cache.release(req)
+        req.retractions += 1
+        req.num_inflight = 0
+        self.num_retractions += 1
+        self.waiting.appendleft(req)
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
+
+    def clear(self) -> list[Req]:
+        """Empty every queue (the engine's last resort); returns the requests that were in them."""
+        reqs = [*self.running, *self.waiting, *([self.chunked] if self.chunked else [])]
+        self.running, self.chunked = [], None
+        self.waiting.clear()
+        self.arrival.clear()
+        return reqs
+
+    def take_aborted(self) -> list[Req]:
+        aborted, self.aborted = self.aborted, []
+        return aborted
 
     # --------------------------------------------------------------------------------------------- schedule
 
-    def schedule(self) -> ScheduledBatch | None:
+    def schedule(self) -> ScheduledBatch | NeedSync | None:
         # Requests that will certainly finish by length once their in-flight token lands need no further step.
         decodable = [r for r in self.running if len(r.output_ids) + r.num_inflight < r.params.max_new_tokens]
-        batch = self._schedule_prefill()
-        if batch is not None:
+        rows = self._schedule_prefill()
+        if rows:
             if self.config.enable_mixed_chunk and decodable:
-                self._add_decode_rows(batch, decodable, allow_retract=False)
-            return batch
-        if decodable:
-            batch = ScheduledBatch([], [], [], [], [], [])
-            self._add_decode_rows(batch, decodable, allow_retract=True)
-            self.new_token_ratio = max(self.config.min_new_token_ratio,
-                                       self.new_token_ratio - self.config.new_token_ratio_decay)
-            return batch if batch.reqs else None
-        return None
+                self._add_decode_rows(rows, decodable, allow_retract=False)
+            return ScheduledBatch(rows)
+        if not decodable:
+            return None
+        if self._add_decode_rows(rows, decodable, allow_retract=True) is NEED_SYNC:
+            return NEED_SYNC
+        self.new_token_ratio = max(self.config.min_new_token_ratio,
+                                   self.new_token_ratio - self.config.new_token_ratio_decay)
+        return ScheduledBatch(rows) if rows else None
 
     def _future_tokens(self, req: Req) -> int:
         """The most KV slots ``req`` can still need for its output: its remaining ``max_new_tokens``, but never
@@ -106,170 +166,134 @@ class Scheduler:
         if self.config.schedule_policy == "fcfs" or not self.cache.shares_prefixes:
             return list(self.waiting)
         # lpm: requests with the longest cached prefix first, so shared prefixes are reused while still cached.
-        tree = self.cache.tree
-        lengths = {r: tree.match_prefix(r.all_ids[:-1], r.cache_salt).length for r in self.waiting}
+        lengths = {r: self.cache.cached_prefix_len(r) for r in self.waiting}
         return sorted(self.waiting, key=lambda r: -lengths[r])
+
+    def _add_row(self, rows: list[Row], req: Req, n: int, *, decode: bool, emits: bool) -> None:
+        rows.append(Row(req, req.kv_scheduled_len, n, decode, emits, req.retractions))
+        req.kv_scheduled_len += n
+        if emits:
+            req.num_inflight += 1
 
     # BEGIN TASK 4.5: in-batch prefix caching
     def _defer_for_in_batch_prefix(self, req: Req, computing: list[tuple[str | None, list[int]]]) -> bool:
         """Should ``req`` (just matched against the tree) wait one step because a request already admitted to
         this prefill step is computing a long stretch of ``req``'s own uncached prefix?
 
-        ``computing`` holds, for each prefill row of the step so far, its cache salt and the tokens whose KV that request will have
-        once the step has run. Right after launch those tokens enter the radix tree (``Engine._commit_launched``),
-        so next step ``req`` finds them cached instead of computing a second copy. Short overlaps (below the
-        threshold) are not worth a step of latency."""
+        ``computing`` holds, for each prefill row of the step so far, its cache salt and the tokens whose KV that
+        request will have once the step has run. Right after launch those tokens enter the radix tree
+        (``Engine._commit_launched``), so next step ``req`` finds them cached instead of computing a second
+        copy. Short overlaps (below the threshold) are not worth a step of latency."""
         threshold = self.config.in_batch_prefix_threshold
         if threshold < 0 or not self.cache.shares_prefixes or not computing:
             return False
         tokens = req.all_ids[: req.reusable_prefix_len]
         overlap = max((common_prefix_len(tokens, other) for salt, other in computing if salt == req.cache_salt),
                       default=0)
-        return overlap - req.kv_committed_len >= threshold
+        return overlap - req.kv_scheduled_len >= threshold
     # END TASK 4.5
 
+    def _has_room_for_new(self, adder: PrefillAdder) -> bool:
+        """A request slot and a page-table row for one more request."""
+        return (self.num_running + len(adder.rows) < self.config.max_running_requests
+                and self.cache.req_to_token.num_free > 0)
+
     # BEGIN TASK 5.1: admission with token budgets and chunking
-    def _schedule_prefill(self) -> ScheduledBatch | None:
+    def _schedule_prefill(self) -> list[Row]:
+        """The prefill rows of this step: the chunked request first, then waiting requests while they fit."""
         if self.chunked is None and not self.waiting:
             # Nothing to prefill (most decode steps). Returning before _reserved_tokens(), which walks every
             # running request, saves ~1 ms of host time per step at 256 running requests (chapter 08, G2).
-            return None
-        cfg = self.config
-        budget = cfg.max_prefill_tokens
-        chunking = cfg.chunked_prefill_size > 0
-        batch = ScheduledBatch([], [], [], [], [], [])
-        available = self.cache.available_tokens - self._reserved_tokens()
-        # per prefill row: its cache salt and the tokens it will have computed after this step
-        computing: list[tuple[str | None, list[int]]] = []
-
-        candidates = ([self.chunked] if self.chunked else []) + self._ordered_waiting()
-        for req in candidates:
-            is_new = req is not self.chunked
-            if is_new and len(self.running) + len(batch.reqs) + (self.chunked is not None) >= cfg.max_running_requests:
-                break
-            if is_new and self.cache.req_to_token.num_free == 0:
-                break
-            if is_new:
+            return []
+        adder = PrefillAdder(self.config.max_prefill_tokens, self.cache.available_tokens - self._reserved_tokens())
+        for req in ([self.chunked] if self.chunked else []) + self._ordered_waiting():
+            if req is not self.chunked:
+                if not self._has_room_for_new(adder):
+                    break
                 self.cache.match(req)  # reuse a cached prefix; pins it
-                if self._defer_for_in_batch_prefix(req, computing):
+                if self._defer_for_in_batch_prefix(req, adder.computing):
                     self.cache.release(req)  # unpin; it keeps its place in the queue and matches again next step
                     continue
-            remaining = len(req.all_ids) - req.kv_committed_len
-            if chunking:
-                n = min(remaining, budget, cfg.chunked_prefill_size)
-            elif remaining <= budget or not batch.reqs:
-                n = remaining  # without chunking a prompt goes whole: alone in its step if it exceeds the budget
-            else:
-                if is_new:
-                    self.cache.release(req)
-                break
-            # Admission reserves room for the request's future output (the bet of chapter 03). A request that
-            # would run alone reserves only what the pool has left: if it outgrows the pool it is aborted then,
-            # with a clear message, instead of never being admitted at all.
-            alone = not batch.reqs and not self.running and self.chunked in (None, req)
-            reserve = 0 if n < remaining else int(self._future_tokens(req) * self.new_token_ratio)
-            needed = self.cache.allocator.pages_needed(req.kv_allocated_len, n) * self.cache.page_size
-            if alone:
-                reserve = min(reserve, max(available - needed, 0))
-            if n <= 0 or needed + reserve > available:
-                if is_new:
-                    self.cache.release(req)  # give the pinned prefix back; try again next step
-                break
+            row = self._admit(req, adder)
+            if row is None or not row.emits or adder.budget <= 0:
+                break  # out of room, or a partial chunk (it goes on first next step), or out of budget
+        return adder.rows
+
+    def _admit(self, req: Req, adder: PrefillAdder) -> Row | None:
+        """Add ``req``'s next prefill chunk to the step if budget and memory allow; None (and the request left
+        where it was, unpinned) if not."""
+        cfg, is_new = self.config, req is not self.chunked
+        remaining = len(req.all_ids) - req.kv_scheduled_len
+        if cfg.chunked_prefill_size > 0:
+            n = min(remaining, adder.budget, cfg.chunked_prefill_size)
+        elif remaining <= adder.budget or not adder.rows:
+            n = remaining  # without chunking a prompt goes whole: alone in its step if it exceeds the budget
+        else:
+            n = 0
+        # Admission reserves room for the request's future output (the bet of chapter 03). A request that would
+        # run alone reserves only what the pool has left: if it outgrows the pool it is aborted then, with a
+        # clear message, instead of never being admitted at all.
+        reserve = 0 if n < remaining else int(self._future_tokens(req) * self.new_token_ratio)
+        needed = self.cache.allocator.pages_needed(req.kv_allocated_len, n) * self.cache.page_size
+        if not adder.rows and not self.running and self.chunked in (None, req):
+            reserve = min(reserve, max(adder.available - needed, 0))
+        if n <= 0 or needed + reserve > adder.available:
             if is_new:
-                self.waiting.remove(req)
-                self.cache.tree.record_lookup(len(req.all_ids), req.kv_committed_len)
-            try:
-                self.cache.alloc(req, n)
-            except OutOfPages:  # the estimate above was optimistic: put it back and stop admitting
-                self.cache.release(req)
-                self.waiting.appendleft(req)
-                if self.chunked is req:
-                    self.chunked = None
-                break
-            available -= needed + reserve
-            budget -= n
-            done = n == remaining
-            self._add_row(batch, req, n, decode=False, emits=done)
-            computing.append((req.cache_salt, req.all_ids[: req.kv_committed_len]))
-            if done:
-                if self.chunked is req:
-                    self.chunked = None
-                self.running.append(req)
-            else:
-                self.chunked = req  # a partial prefill: continue it first next step
-                break
-            if budget <= 0:
-                break
-        return batch if batch.reqs else None
+                self.cache.release(req)  # give the pinned prefix back; try again next step
+            return None
+        try:
+            self.cache.alloc(req, n)
+        except OutOfPages:  # the estimate above was optimistic about eviction: back to the queue's front
+            self._dequeue(req)
+            self.cache.release(req)
+            self.waiting.appendleft(req)
+            return None
+        if is_new:
+            self.waiting.remove(req)
+            self.cache.record_lookup(req)
+        adder.available -= needed + reserve
+        adder.budget -= n
+        done = n == remaining
+        self._add_row(adder.rows, req, n, decode=False, emits=done)
+        adder.computing.append((req.cache_salt, req.all_ids[: req.kv_scheduled_len]))
+        if done:
+            self.chunked = None
+            self.running.append(req)
+        else:
+            self.chunked = req  # a partial prefill: continue it first next step
+        return adder.rows[-1]
     # END TASK 5.1
 
-    def _add_row(self, batch: ScheduledBatch, req: Req, n: int, *, decode: bool, emits: bool) -> None:
-        batch.reqs.append(req)
-        batch.prefix_lens.append(req.kv_committed_len)
-        batch.extend_lens.append(n)
-        batch.is_decode_row.append(decode)
-        batch.emits.append(emits)
-        batch.epochs.append(req.retractions)
-        req.kv_committed_len += n
-        if emits:
-            req.num_inflight += 1
-
     # BEGIN TASK 3.2: decode rows and retraction
-    def _add_decode_rows(self, batch: ScheduledBatch, reqs: list[Req], *, allow_retract: bool) -> None:
+    def _add_decode_rows(self, rows: list[Row], reqs: list[Req], *, allow_retract: bool) -> NeedSync | None:
         """One new token for each request; if the pool cannot hold them, retract the newest requests.
 
         A partially prefilled (chunked) request holds KV too and counts as the newest candidate: retracting it is
         cheaper than retracting a request that is already decoding, and without that a long prompt growing chunk
         by chunk could squeeze out the last running request. Only a request that has the whole pool to itself and
-        still cannot grow is aborted."""
-        reqs = [r for r in reqs if r not in batch.reqs]
+        still cannot grow is aborted. While a step is in flight nothing retracted could be freed before it
+        completes, so the scheduler asks the engine to finish that step first (``NEED_SYNC``)."""
+        in_batch = {id(row.req) for row in rows}
+        reqs = [r for r in reqs if id(r) not in in_batch]
         alloc = self.cache.allocator
-
-        def pages_for(rs: list[Req]) -> int:
-            return sum(alloc.pages_needed(r.kv_allocated_len, 1) for r in rs)
-
-        while reqs and pages_for(reqs) * self.cache.page_size > self.cache.available_tokens:
+        while reqs and sum(alloc.pages_needed(r.kv_allocated_len, 1) for r in reqs) * alloc.page_size \
+                > self.cache.available_tokens:
             if not allow_retract:
-                return  # mixed step: the decode rows simply wait for the next step
-            if self.cache.defer_frees:
-                raise NeedSync
+                return None  # mixed step: the decode rows simply wait for the next step
+            if self.cache.frees.in_flight:
+                return NEED_SYNC
             holders = reqs + ([self.chunked] if self.chunked is not None else [])
-            if len(holders) == 1 and len(self.running) == 1:
-                victim = reqs.pop()
-                self.running.remove(victim)
-                victim.abort("the KV cache pool is too small for this request's context")
-                self.cache.release(victim)
-                self.arrival.pop(victim, None)
-                self.aborted.append(victim)
-                return
             victim = max(holders, key=lambda r: self.arrival.get(r, 0))
-            if victim is self.chunked:
-                self.chunked = None
-            else:
+            if victim is not self.chunked:
                 reqs.remove(victim)
-                self.running.remove(victim)
+            if len(holders) == 1 and len(self.running) == 1:
+                self.abort(victim, "the KV cache pool is too small for this request's context")
+                self.cache.release(victim)
+                self.aborted.append(victim)
+                return None
             self.retract(victim)
         self.cache.alloc_decode(reqs)
-        # _add_row(batch, req, 1, decode=True, emits=True) for each request, a list at a time
-        n = len(reqs)
-        batch.reqs += reqs
-        batch.prefix_lens += [r.kv_committed_len for r in reqs]
-        batch.extend_lens += [1] * n
-        batch.is_decode_row += [True] * n
-        batch.emits += [True] * n
-        batch.epochs += [r.retractions for r in reqs]
         for req in reqs:
-            req.kv_committed_len += 1
-            req.num_inflight += 1
+            self._add_row(rows, req, 1, decode=True, emits=True)
+        return None
     # END TASK 3.2
-
-    def retract(self, req: Req) -> None:
-        """Send a request that holds KV back to the waiting queue, keeping its tokens: it will be prefilled again
-        (reusing whatever of its KV the radix cache still holds) and continue where it stopped. The caller has
-        already taken it out of ``running`` (or ``chunked``)."""
-        self.cache.release(req)
-        req.retractions += 1
-        req.num_inflight = 0
-        self.num_retractions += 1
-        self.waiting.appendleft(req)
-        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)

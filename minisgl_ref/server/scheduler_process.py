@@ -162,9 +162,6 @@ class SchedulerWorker:
         req = self.reqs.get(rid)
         if req is None or req.finished:
             return  # already done: the abort crossed the last output on the wire
-        # Under overlap a batch may be in flight that still writes this request's KV slots: park the frees until
-        # that batch has been processed (the engine's next step releases them), exactly as for a normal finish.
-        self.engine.cache.defer_frees = self.engine.inflight is not None
         self.engine.abort(req, "aborted by the client")
         rows.append((req, [], True))
 

@@ -104,15 +104,6 @@ class RankZeroTokens:
         return broadcast_tensor(tokens.contiguous(), src=0), logprobs
 
 
-class _Gone:
-    """Stands in for a request that a follower has already finished when the leader aborts it."""
-
-    finished = True
-
-    def abort(self, message: str) -> None:
-        pass
-
-
 class TPEngine(Engine):
     """An :class:`Engine` that is one rank of a tensor-parallel group: the leader (rank 0) broadcasts each step's
     ops, the followers replay them (see the module docstring). At tp=1 it is never used."""
@@ -145,7 +136,7 @@ class TPEngine(Engine):
 
     def abort(self, req: Req, message: str = "aborted") -> None:
         if self.is_leader:
-            self._ops.append(("abort", req.rid, message, self.cache.defer_frees))
+            self._ops.append(("abort", req.rid, message))
         super().abort(req, message)
 
     def step(self) -> list[StepEvent]:
@@ -178,11 +169,10 @@ class TPEngine(Engine):
                     reqs[req.rid] = req
                     super().add_request(req)
                 elif kind == "abort":
-                    _, rid, message, defer_frees = op
-                    # A request this rank has already finished is aborted too (as a stand-in), so that the
-                    # engine's side effects of an abort are the same as on the leader.
-                    self.cache.defer_frees = defer_frees
-                    super().abort(reqs.pop(rid, None) or _Gone(), message)
+                    _, rid, message = op
+                    req = reqs.pop(rid, None)
+                    if req is not None:  # else finished here already; aborting it would change nothing
+                        super().abort(req, message)
                 elif kind == "flush":
                     self._local_flush()
                 else:
