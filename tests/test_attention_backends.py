@@ -273,6 +273,26 @@ def test_cuda_graph_hooks_refill_static_buffers_in_place():
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "extend"])
+def test_hybrid_stores_kv_once_then_attends(decode):
+    """AttentionBackend.forward stores each layer's new K/V exactly once (one kernel in decode) before the backend
+    attends, also behind a HybridAttnBackend; and the hybrid's answer is the chosen backend's."""
+    from minisgl_ref.attention.registry import HybridAttnBackend
+
+    specs = [(30, 1), (7, 1)] if decode else [(12, 5), (0, 9)]
+    case = make_case(specs, num_kv_heads=2, gqa=2, head_dim=64, page_size=4, decode=decode)
+    ref = oracle(case)
+    hybrid = HybridAttnBackend(TorchNativeBackend(case.pool, case.table),
+                               TritonAttnBackend(case.pool, case.table, **CPU_SPLITS))
+    calls, store = [], case.pool.store
+    case.pool.store = lambda *args, **kw: calls.append(kw) or store(*args, **kw)  # type: ignore[method-assign]
+    case.batch.attn_backend = hybrid
+    hybrid.init_forward_metadata(case.batch)
+    out = hybrid.forward(case.q, case.k, case.v, case.layer, case.batch)
+    assert calls == [{"one_kernel": decode}]
+    torch.testing.assert_close(out.float(), ref, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.skipif(not NEEDS_SUBPROCESS, reason="the CPU tests ran in this process")
 def test_cpu_tests_in_a_fresh_interpreter():
     import subprocess
