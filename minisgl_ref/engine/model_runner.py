@@ -115,7 +115,7 @@ class ModelRunner:
         if use_cuda_graph:
             self.graph_runner = self._make_graph_runner(cuda_graph_max_bs or req_to_token.max_requests - 1)
 
-    def _make_graph_runner(self, max_bs: int):  # type: ignore[no-untyped-def]
+    def _make_graph_runner(self, max_bs: int) -> CudaGraphRunner | None:
         if self.device.type != "cuda":
             logger.info("CUDA graphs need a CUDA device; running %s eagerly", self.device)
             return None
