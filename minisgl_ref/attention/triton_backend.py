@@ -32,13 +32,13 @@ import torch
 import triton
 
 from minisgl_ref.attention.base import AttentionBackend
-from minisgl_ref.attention.utils import indptr
 from minisgl_ref.attention.triton_kernels import (
     build_kv_indices,
     decode_attention_fwd,
     extend_attention_fwd,
     extend_launch_config,
 )
+from minisgl_ref.attention.utils import indptr
 
 if TYPE_CHECKING:
     from minisgl_ref.core.forward_batch import ForwardBatch
