@@ -374,10 +374,10 @@ class ProbeBackend(NoCacheAttentionBackend):
         super().__init__()
         self.layer_ids, self.seen = layer_ids, {}
 
-    def forward_extend(self, q, k, v, layer, batch):
+    def forward(self, q, k, v, layer, batch):
         if layer.layer_id in self.layer_ids:
             self.seen[layer.layer_id] = (q.clone(), k.clone(), layer.scale)
-        return super().forward_extend(q, k, v, layer, batch)
+        return super().forward(q, k, v, layer, batch)
 
 
 def attention_probs(q, k, scale) -> torch.Tensor:

@@ -441,18 +441,19 @@ print("token_buffer[row] == the last sampled token of every running request: OK"
 #
 # The attention backend is where the cache is finally used. `TorchNativeBackend` (`minisgl_ref/attention/
 # torch_native.py`) is the paged twin of chapter 00's backend and the reference that chapter 07's fast kernels are
-# checked against. Once per step it reads each request's context slots out of the page table; in every layer it
-# first stores the new tokens' K and V at `out_cache_loc`, then gathers each request's full context from the pool
-# and runs the same `reference_attention` (task 0.1) as chapter 00:
+# checked against. Once per step it reads each request's context slots out of the page table; in every layer the
+# base class's `forward` first stores the new tokens' K and V at `out_cache_loc` (the same for every backend), then
+# the backend gathers each request's full context from the pool and runs the same `reference_attention` (task 0.1)
+# as chapter 00:
 
 # %%
 print(inspect.getsource(TorchNativeBackend.init_forward_metadata))
-print(inspect.getsource(TorchNativeBackend.forward_extend))
+print(inspect.getsource(TorchNativeBackend.attend_extend))
 
 # %% [markdown]
 # The new tokens are written *before* the gather, so they see themselves (and, in a prefill, each other) through
 # the causal mask of `reference_attention`, whose queries are the last `extend_len` positions of the context. A
-# decode step is just an extend of one token per request, which is why `forward_decode = forward_extend` here.
+# decode step is just an extend of one token per request, which is why `attend_decode` calls `attend_extend` here.
 #
 # ## 6. Giving memory back: the naive cache manager
 #

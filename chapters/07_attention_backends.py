@@ -35,7 +35,7 @@
 #
 # In this chapter you will:
 #
-# 1. read the interface (`init_forward_metadata` once per step, `forward_extend` / `forward_decode` per layer, and
+# 1. read the interface (`init_forward_metadata` once per step, `attend_extend` / `attend_decode` per layer, and
 #    three CUDA-graph hooks) and see what each backend plans per step (task 7.2 is the Triton backend's plan);
 # 2. take the split-KV ("flash-decoding") decode kernel apart: why the context is cut into pieces and why the
 #    pieces can be merged exactly (a figure and a numerical check);
@@ -145,14 +145,16 @@ def rel_error(out, ref) -> float:
 # ## 1. The interface
 #
 # A model's attention layer computes q, k and v for the step's new tokens and calls `batch.attn_backend.forward`.
-# Everything else is the backend's business: where the new K/V are stored (the pool slots `out_cache_loc`), how the
-# context is found (the page table), which kernel runs. The interface has the shape SGLang documents for its
-# backends:
+# That one method is the same for every backend: it stores the new K/V into the pool at the slots `out_cache_loc`
+# (decode steps with one kernel for K and V) and then calls the backend's attention for the step's mode. How the
+# context is found (the page table) and which kernel runs is the backend's business. So a new backend is one file
+# of about four methods: a constructor, `init_forward_metadata`, `attend_extend` and `attend_decode` (plus three
+# small hooks if it wants CUDA graphs):
 
 # %%
-for name in ["init_forward_metadata", "forward", "forward_extend", "forward_decode", "init_cuda_graph_state",
-             "init_forward_metadata_capture_cuda_graph", "init_forward_metadata_replay_cuda_graph",
-             "get_cuda_graph_seq_len_fill_value"]:  # fmt: skip
+print(inspect.getsource(AttentionBackend.forward))
+for name in ["init_forward_metadata", "attend_extend", "attend_decode", "init_graph_buffers", "prepare_capture",
+             "prepare_replay"]:  # fmt: skip
     doc = (inspect.getdoc(getattr(AttentionBackend, name)) or "").split("\n\n")[0].replace("\n", " ")
     print(f"{name}{inspect.signature(getattr(AttentionBackend, name))}\n    {doc[:230]}\n")
 
@@ -166,9 +168,11 @@ for name in ["init_forward_metadata", "forward", "forward_extend", "forward_deco
 #   cached prefix, a chunk of a chunked prefill, a mixed batch) have many new tokens per request and need a
 #   causal mask over them; decode rows have exactly one, which allows a much simpler, memory-bound kernel.
 # * **CUDA graphs (chapter 08).** A graph replays recorded kernels with recorded addresses, so the metadata must
-#   live in buffers that never move: allocated once (`init_cuda_graph_state`), pointed at before capture,
-#   refilled *in place* before each replay. `torch_native` cannot be recorded (a Python loop over requests with
-#   host-side lengths) and keeps the base class's `NotImplementedError`; the engine then runs decode eagerly.
+#   live in buffers that never move: allocated once (`init_graph_buffers`), pointed at before capture
+#   (`prepare_capture`), refilled *in place* before each replay (`prepare_replay`). Both hooks receive an
+#   ordinary decode batch (the graph runner pads it with dummy requests itself), so they need no special case.
+#   `torch_native` cannot be recorded (a Python loop over requests with host-side lengths) and keeps
+#   `supports_cuda_graph = False`; the engine then runs decode eagerly.
 #
 # What each backend plans per step, for the same batch:
 #
@@ -487,8 +491,11 @@ for shape in sorted({(r["batch"], r["prefix"], r["extend"]) for r in prefill_row
 # 3. **Pages.** The FlashInfer and FA3 backends show the pool as pages of one token. Write the metadata for real
 #    pages of 16 tokens (FA3: `table[rows, ::16] // 16`; FlashInfer: page indices and `last_page_len`) and
 #    check it against `torch_native` in `tests/test_attention_backends.py`.
-# 4. **A fifth backend.** Add `sdpa` (PyTorch's `scaled_dot_product_attention` over gathered K/V) to the registry;
-#    which of the three CUDA-graph hooks can it support?
+# 4. **A fifth backend.** Add `sdpa` (PyTorch's `scaled_dot_product_attention` over gathered K/V): one file,
+#    `minisgl_ref/attention/sdpa_backend.py`, with a constructor, `init_forward_metadata`, `attend_extend` and
+#    `attend_decode` (the base class already stores K/V), one entry in `registry.BACKENDS` and its name in
+#    `ATTENTION_BACKENDS`. Check it against `torch_native` as the tests do. Which of the three CUDA-graph hooks
+#    could it support?
 #
 # ## Reproduce
 #

@@ -159,35 +159,33 @@ for n in (1, 3, 5, 13, 100, 250):
 # The waste is largest for small odd batches, but there a step is launch-bound, not compute-bound, so the extra
 # rows cost almost nothing; at large batches the ladder steps by 8, so padding stays under 8 rows.
 #
-# **What a padding row may not do.** It runs through every kernel like a real row, so it writes K and V for its
-# "token" and reads a context. Both must be harmless:
+# **Padding is data.** The padding rows are not a special case inside the kernels or the attention backends: the
+# graph runner appends *dummy requests* to the batch itself, and from then on everybody sees an ordinary decode
+# batch of the captured size. A dummy request runs through every kernel like a real one, so it writes K and V for
+# its "token" and reads a context. Both must be harmless, which decides its values (`DUMMY_ROW`):
 #
 # * its KV goes to **slot 0**, which the allocator never hands out (page 0 is reserved, chapter 03);
-# * it reads **page-table row 0** with **length 1**: one valid slot, whatever it holds;
+# * it reads **page-table row 0** with **length 1** (prefix 0, one new token): one valid slot, whatever it holds;
 # * its token id and position are 0; its logits row is dropped.
+
+# %%
+print("DUMMY_ROW =", cuda_graph.DUMMY_ROW)
 
 # %% [markdown]
 # ## 3. What a replay copies (task 8.2)
 #
 # A graph replays the addresses it recorded, so the step's inputs must be *copied into* buffers that never move.
-# Here is the replay code, then the same copies done on CPU tensors for our decode batch of 5 requests padded
-# to a graph of 8, to show exactly what the static buffers hold.
+# Here is the replay code, then the padded batch it builds, on CPU tensors for our decode batch of 5 requests
+# padded to a graph of 8, to show exactly what the static buffers hold.
 
 # %%
 print(task_source(cuda_graph, "8.2"))
 
 # %%
-def simulate_replay(fb, graph_bs: int, max_bs: int = 8) -> dict:
-    """The copies ``CudaGraphRunner.replay`` makes, onto CPU tensors of the same shapes."""
-    static = {"input_ids": torch.zeros(max_bs, dtype=torch.int64), "positions": torch.zeros(max_bs, dtype=torch.int64),
-              "out_cache_loc": torch.zeros(max_bs, dtype=torch.int64),
-              "req_pool_indices": torch.zeros(max_bs, dtype=torch.int64),
-              "seq_lens": torch.ones(max_bs, dtype=torch.int32)}
-    n = fb.batch_size
-    for name, src in (("input_ids", fb.input_ids), ("positions", fb.positions), ("out_cache_loc", fb.out_cache_loc),
-                      ("req_pool_indices", fb.req_pool_indices), ("seq_lens", fb.extra["seq_lens"])):
-        static[name][:n] = src
-    return {k: v[:graph_bs].tolist() for k, v in static.items()}
+def simulate_replay(fb, graph_bs: int) -> dict:
+    """What ``CudaGraphRunner.replay`` writes into the static buffers: the real requests, then dummy ones."""
+    pad = graph_bs - fb.batch_size
+    return {name: getattr(fb, name).tolist() + [dummy] * pad for name, dummy in cuda_graph.DUMMY_ROW.items()}
 
 
 for i in range(5):  # five requests of 30 prompt tokens: prefill them, then schedule their decode step
@@ -199,18 +197,17 @@ for name, values in simulate_replay(fb, padded_batch_size(capture_batch_sizes(8)
 
 # %% [markdown]
 # Rows 0-4 are the real requests (their token from the device token buffer, their position = context length - 1,
-# a freshly allocated KV slot, their page-table row, their length); rows 5-7 are padding with the harmless
-# values above.
+# a freshly allocated KV slot, their page-table row, their length); rows 5-7 are the dummy requests.
 #
 # ## 4. The attention backend's three hooks
 #
 # The model's own tensors are covered by the static buffers, but attention also reads per-step *metadata*
 # (`kv_indptr` / `kv_indices` for the Triton and FlashInfer kernels, a page table for FA3). A backend that
-# supports graphs implements three hooks (SGLang's names), declared on the base class:
+# supports graphs implements three hooks, declared on the base class. The capture and replay hooks receive the
+# padded batch, an ordinary decode batch, so none of them knows about padding:
 
 # %%
-for hook in ("init_cuda_graph_state", "init_forward_metadata_capture_cuda_graph",
-             "init_forward_metadata_replay_cuda_graph"):
+for hook in ("init_graph_buffers", "prepare_capture", "prepare_replay"):
     doc = inspect.getdoc(getattr(AttentionBackend, hook)).split("\n\n")[0]
     print(f"{hook}{inspect.signature(getattr(AttentionBackend, hook))}\n    {doc}\n")
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -248,38 +249,48 @@ def test_cuda_graph_hooks_refill_static_buffers_in_place():
     On the CPU nothing is captured, but the decode kernels read exactly what a replayed graph would."""
     case = make_case([(30, 1), (70, 1), (3, 1)], num_kv_heads=2, gqa=2, head_dim=64, page_size=16, decode=True)
     backend = TritonAttnBackend(case.pool, case.table, num_q_heads=4, **CPU_SPLITS)
-    backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
-    bs = 4  # padded: the 4th row is a dummy (page-table row of request 0, length 1); its output is ignored
-    rows = torch.cat([case.batch.req_pool_indices, case.batch.req_pool_indices[:1]])
-    seq_lens = torch.tensor([1, 1, 1, 1], device=DEVICE)
-    backend.init_forward_metadata_capture_cuda_graph(bs, bs, rows, seq_lens, ForwardMode.DECODE)
+    backend.init_graph_buffers(max_bs=4)
+    # padded: the 4th row is a dummy (page-table row 0, slot 0, length 1); its output is ignored
+    rows = torch.cat([case.batch.req_pool_indices, torch.zeros(1, dtype=torch.int64, device=DEVICE)])
+    pad = lambda t: torch.cat([t, torch.zeros_like(t[:1])])  # noqa: E731
+    dummies = ForwardBatch(
+        mode=ForwardMode.DECODE, input_ids=pad(case.batch.input_ids), positions=pad(case.batch.positions),
+        extend_lens_cpu=[1] * 4, prefix_lens_cpu=[0] * 4, attn_backend=backend, req_pool_indices=rows,
+        out_cache_loc=pad(case.batch.out_cache_loc), seq_lens=torch.ones(4, dtype=torch.int32, device=DEVICE),
+    )  # fmt: skip
+    backend.prepare_capture(dummies)
     md = backend.forward_metadata
     buffers = [md.kv_indptr, md.kv_indices, md.mid_o, md.mid_lse]
     ptrs = [t.data_ptr() for t in buffers]
 
-    real = torch.tensor(case.batch.seq_lens_cpu + [1], device=DEVICE)
-    backend.init_forward_metadata_replay_cuda_graph(bs, rows, real, forward_mode=ForwardMode.DECODE)
+    padded = dataclasses.replace(dummies, prefix_lens_cpu=[30, 70, 3, 0],
+                                 seq_lens=torch.tensor([31, 71, 4, 1], dtype=torch.int32, device=DEVICE))
+    backend.prepare_replay(padded)
     assert backend.forward_metadata is md and [t.data_ptr() for t in buffers] == ptrs
     assert md.kv_indptr.tolist() == [0, 31, 102, 106, 107]
-
-    pad = lambda t: torch.cat([t, t[:1]])  # noqa: E731
-    padded = ForwardBatch(
-        mode=ForwardMode.DECODE, input_ids=pad(case.batch.input_ids), positions=pad(case.batch.positions),
-        extend_lens_cpu=[1] * 4, prefix_lens_cpu=[30, 70, 3, 0], attn_backend=backend, req_pool_indices=rows,
-        out_cache_loc=torch.cat([case.batch.out_cache_loc, torch.zeros(1, dtype=torch.int64, device=DEVICE)]),
-    )  # fmt: skip
     ref = oracle(case)  # stores the real rows' new K/V into the pool
     out = backend.forward(pad(case.q), pad(case.k), pad(case.v), case.layer, padded)[:3]
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_extend_is_not_captured():
-    case = make_case([(3, 1)], num_kv_heads=1, gqa=1, head_dim=64, page_size=1, decode=True)
-    backend = TritonAttnBackend(case.pool, case.table, num_q_heads=1)
-    backend.init_cuda_graph_state(max_bs=1, max_num_tokens=1)
-    with pytest.raises(NotImplementedError):
-        backend.init_forward_metadata_capture_cuda_graph(1, 1, case.batch.req_pool_indices,
-                                                         torch.tensor([4], device=DEVICE), ForwardMode.EXTEND)
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "extend"])
+def test_hybrid_stores_kv_once_then_attends(decode):
+    """AttentionBackend.forward stores each layer's new K/V exactly once (one kernel in decode) before the backend
+    attends, also behind a HybridAttnBackend; and the hybrid's answer is the chosen backend's."""
+    from minisgl_ref.attention.registry import HybridAttnBackend
+
+    specs = [(30, 1), (7, 1)] if decode else [(12, 5), (0, 9)]
+    case = make_case(specs, num_kv_heads=2, gqa=2, head_dim=64, page_size=4, decode=decode)
+    ref = oracle(case)
+    hybrid = HybridAttnBackend(TorchNativeBackend(case.pool, case.table),
+                               TritonAttnBackend(case.pool, case.table, **CPU_SPLITS))
+    calls, store = [], case.pool.store
+    case.pool.store = lambda *args, **kw: calls.append(kw) or store(*args, **kw)  # type: ignore[method-assign]
+    case.batch.attn_backend = hybrid
+    hybrid.init_forward_metadata(case.batch)
+    out = hybrid.forward(case.q, case.k, case.v, case.layer, case.batch)
+    assert calls == [{"one_kernel": decode}]
+    torch.testing.assert_close(out.float(), ref, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.skipif(not NEEDS_SUBPROCESS, reason="the CPU tests ran in this process")
@@ -443,7 +454,7 @@ def test_torch_native_has_no_cuda_graph_hooks():
     backend = TorchNativeBackend(case.pool, case.table)
     assert not backend.supports_cuda_graph
     with pytest.raises(NotImplementedError, match="torch_native attention backend does not support CUDA graphs"):
-        backend.init_cuda_graph_state(4, 4)
+        backend.init_graph_buffers(4)
 
 
 # --------------------------------------------------------------------------------------------------- GPU grid
@@ -547,7 +558,7 @@ def test_gpu_backends_match_torch_native(gqa, head_dim, page, dtype, mode, reque
             specs = random_specs(rng, *shape)
         case = make_case(specs, num_kv_heads=NUM_HEADS // gqa, gqa=gqa, head_dim=head_dim, page_size=page,
                          dtype=dtype, decode=mode == "decode", seed=sum(shape), device="cuda")  # fmt: skip
-        case.pool.store(0, case.batch.out_cache_loc, case.k, case.v)  # what every backend does first
+        case.pool.store(0, case.batch.out_cache_loc, case.k, case.v)  # what AttentionBackend.forward does first
         ref = chunked_oracle(case)
         for name in names:
             out = run_backend(make_backend(name, case, page), case)
@@ -571,12 +582,12 @@ def test_gpu_decode_cuda_graph_replay_matches_eager(name):
     case = make_case(specs, num_kv_heads=8, gqa=2, head_dim=128, page_size=16, dtype=torch.bfloat16, decode=True,
                      device="cuda")  # fmt: skip
     backend = make_backend(name, case, 16)
-    backend.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
+    backend.init_graph_buffers(max_bs=8)
     rows = case.batch.req_pool_indices
     q, k, v = case.q.clone(), case.k.clone(), case.v.clone()
     case.batch.attn_backend = backend
-    backend.init_forward_metadata_capture_cuda_graph(8, 8, rows, torch.ones(8, dtype=torch.int64, device="cuda"),
-                                                     ForwardMode.DECODE)  # fmt: skip
+    backend.prepare_capture(dataclasses.replace(case.batch, prefix_lens_cpu=[0] * 8,
+                                                seq_lens=torch.ones(8, dtype=torch.int32, device="cuda")))
     backend.forward(q, k, v, case.layer, case.batch)  # warm up (compiles, loads modules) outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -588,16 +599,15 @@ def test_gpu_decode_cuda_graph_replay_matches_eager(name):
             for row, n, slot in zip(rows.tolist(), lens, case.batch.out_cache_loc.tolist()):
                 case.table.table[row, n - 1] = slot
         real = torch.tensor(lens, device="cuda")
-        backend.init_forward_metadata_replay_cuda_graph(8, rows, real, forward_mode=ForwardMode.DECODE,
-                                                        seq_lens_sum=sum(lens),
-                                                        seq_lens_cpu=torch.tensor(lens, dtype=torch.int32))
-        graph.replay()
-        # The same question asked eagerly, with a fresh backend.
+        # The same question, asked of the graph and eagerly with a fresh backend.
         eager_case = Case(ForwardBatch(mode=ForwardMode.DECODE, input_ids=case.batch.input_ids,
                                        positions=real - 1, extend_lens_cpu=[1] * 8,
                                        prefix_lens_cpu=[n - 1 for n in lens], attn_backend=None,  # type: ignore
-                                       req_pool_indices=rows, out_cache_loc=case.batch.out_cache_loc),
+                                       req_pool_indices=rows, out_cache_loc=case.batch.out_cache_loc,
+                                       seq_lens=real),
                           case.pool, case.table, case.layer, q, k, v)  # fmt: skip
+        backend.prepare_replay(eager_case.batch)
+        graph.replay()
         eager = run_backend(make_backend(name, eager_case, 16), eager_case)
         torch.cuda.synchronize()
         assert rel_error(out, chunked_oracle(eager_case)) < 1e-2, (name, trial)
@@ -635,10 +645,10 @@ def engine_logits(path, **engine_kw) -> dict[tuple[int, ...], list[torch.Tensor]
     seen: list[torch.Tensor] = []
     rows: dict[tuple[int, ...], list[torch.Tensor]] = {}
 
-    def forward_recording(fb):  # type: ignore[no-untyped-def]
-        logits = forward(fb)
+    def forward_recording(fb, prompt_plan=None):  # type: ignore[no-untyped-def]
+        logits, prompt_logprobs = forward(fb, prompt_plan)
         seen.append(logits.float().cpu())
-        return logits
+        return logits, prompt_logprobs
 
     def run_recording(batch):  # type: ignore[no-untyped-def]
         out = run(batch)

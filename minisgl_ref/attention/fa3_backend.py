@@ -7,8 +7,8 @@ table* ``[B, max_pages]`` instead of FlashInfer's CSR lists: row ``b`` lists req
 - decode: ``q`` is ``[B, 1, H, D]`` (one new token per request);
 - extend: ``q`` is the flat ``[T, H, D]`` of all new tokens with ``cu_seqlens_q`` (where each request's new
   tokens start) and ``max_seqlen_q``; ``causal=True`` aligns the mask to the bottom right, so new token ``i`` of
-  ``n`` sees the whole cached prefix and new tokens ``0..i``. As in the FlashInfer backend the new K/V are
-  stored into the pool first and the kernel then reads each whole context from the pool.
+  ``n`` sees the whole cached prefix and new tokens ``0..i``. The base class has stored the new K/V into the
+  pool already, so the kernel reads each whole context from the pool.
 
 The page table is the batch's rows of our token-granular table, ``req_to_token[req_pool_indices, :max_len]``:
 one gather per step. It treats the pool as pages of one token (``[num_slots, 1, kv_heads, head_dim]``, a view),
@@ -21,8 +21,8 @@ multiple of 256. (That path is written to FA2's documented API but was not run h
 project has no FA2 build.)
 
 CUDA graphs: decode, FA3 only. Static ``page_table`` ``[max_bs, max_context]`` and ``cache_seqlens`` buffers;
-replay copies the new lengths and the first ``max(seq_lens)`` columns of the batch's page-table rows into them
-(no host sync when ``seq_lens_cpu`` is given; otherwise the whole width is copied).
+replay copies the new lengths and the first ``max(seq_lens_cpu)`` columns of the batch's page-table rows into them
+(the host-side lengths: no sync).
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from minisgl_ref.attention.base import AttentionBackend
+from minisgl_ref.attention.utils import indptr
 
 if TYPE_CHECKING:
-    from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
+    from minisgl_ref.core.forward_batch import ForwardBatch
     from minisgl_ref.kvcache.pool import KVPool
     from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
     from minisgl_ref.layers.attention import AttentionLayer
@@ -75,12 +76,12 @@ class FlashAttentionBackend(AttentionBackend):
     name = "fa3"
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, *, page_size: int = 1) -> None:
-        self.device = kv_pool.k[0].device
+        super().__init__(kv_pool, req_to_token)
         if self.device.type != "cuda":
             raise ValueError("the fa3 attention backend needs a CUDA device")
         self.version, self.fa = import_flash_attention(torch.cuda.get_device_capability(self.device)[0] == 9)
-        self.kv_pool = kv_pool
-        self.req_to_token = req_to_token
+        # CUDA graphs record FA3's decode call; FA2's varlen call is not captured here.
+        self.supports_cuda_graph = self.version == "fa3"
         if self.version == "fa2" and page_size % FA2_PAGE_MULTIPLE:
             raise ValueError(
                 f"only FlashAttention-2 (flash_attn) is installed, and its paged kernels need pages of a multiple "
@@ -112,10 +113,10 @@ class FlashAttentionBackend(AttentionBackend):
             max_seqlen_k=max(lens),
         )
         if not batch.mode.is_decode or self.version == "fa2":
-            md.cu_seqlens_q = _indptr(batch.extend_lens_cpu).pin_memory().to(dev, non_blocking=True)
+            md.cu_seqlens_q = indptr(batch.extend_lens_cpu).pin_memory().to(dev, non_blocking=True)
             md.max_seqlen_q = max(batch.extend_lens_cpu)
         if self.version == "fa2":
-            md.cu_seqlens_k = _indptr(lens).pin_memory().to(dev, non_blocking=True)
+            md.cu_seqlens_k = indptr(lens).pin_memory().to(dev, non_blocking=True)
         self.forward_metadata = md
 
     # -------------------------------------------------------------------------------------------- forward
@@ -143,74 +144,39 @@ class FlashAttentionBackend(AttentionBackend):
             cu_seqlens_q=md.cu_seqlens_q, max_seqlen_q=md.max_seqlen_q, softmax_scale=layer.scale, causal=True,
         )  # fmt: skip
 
-    def forward_extend(
+    def attend_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
-        assert batch.out_cache_loc is not None
-        self.kv_pool.store(layer.layer_id, batch.out_cache_loc, k, v)
         return self._attend(q.contiguous(), layer, decode=False).reshape(q.shape[0], -1)
 
-    def forward_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
-    ) -> torch.Tensor:
-        assert batch.out_cache_loc is not None
-        self.kv_pool.store(layer.layer_id, batch.out_cache_loc, k, v, one_kernel=True)
+    def attend_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         return self._attend(q.contiguous(), layer, decode=True).reshape(q.shape[0], -1)
 
     # ---------------------------------------------------------------------------------------- CUDA graphs
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+    def init_graph_buffers(self, max_bs: int) -> None:
         """A page table as wide as the page-table pool (any context fits) and a lengths buffer."""
-        if self.version != "fa3":
-            raise NotImplementedError("CUDA graphs need FlashAttention-3 (flash_attn_interface) in this backend")
         dev = self.device
         self.graph_state = {
             "page_table": torch.zeros(max_bs, self.req_to_token.max_context_len, dtype=torch.int32, device=dev),
             "cache_seqlens": torch.ones(max_bs, dtype=torch.int32, device=dev),
         }
 
-    def init_forward_metadata_capture_cuda_graph(
-        self,
-        bs: int,
-        num_tokens: int,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        forward_mode: ForwardMode | None = None,
-    ) -> None:
-        if forward_mode is not None and not forward_mode.is_decode:
-            raise NotImplementedError("the fa3 backend captures CUDA graphs for decode only")
-        assert self.graph_state is not None, "call init_cuda_graph_state first"
-        g = self.graph_state
+    def prepare_capture(self, batch: ForwardBatch) -> None:
+        assert self.graph_state is not None, "call init_graph_buffers first"
+        g, bs = self.graph_state, batch.batch_size
         # The kernel sees the full-width table: its shape (hence FA3's launch heuristics) is fixed per bs.
         self.forward_metadata = FlashAttentionMetadata(cache_seqlens=g["cache_seqlens"][:bs],
                                                        page_table=g["page_table"][:bs])  # fmt: skip
-        self._fill_graph(bs, req_pool_indices, seq_lens, width=self.req_to_token.max_context_len)
+        self._fill_graph(batch, width=self.req_to_token.max_context_len)
 
-    def init_forward_metadata_replay_cuda_graph(
-        self,
-        bs: int,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        *,
-        forward_mode: ForwardMode | None = None,
-        seq_lens_sum: int | None = None,
-        seq_lens_cpu: torch.Tensor | None = None,
-    ) -> None:
+    def prepare_replay(self, batch: ForwardBatch) -> None:
         """Copy the lengths and the used columns of the page-table rows into the static buffers. Columns past a
         request's length are never read, so only ``max(seq_lens_cpu)`` columns need refreshing."""
-        if forward_mode is not None and not forward_mode.is_decode:
-            raise NotImplementedError("the fa3 backend replays CUDA graphs for decode only")
-        width = self.req_to_token.max_context_len if seq_lens_cpu is None else int(seq_lens_cpu[:bs].max())
-        self._fill_graph(bs, req_pool_indices, seq_lens, width)
+        self._fill_graph(batch, width=max(batch.seq_lens_cpu))
 
-    def _fill_graph(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, width: int) -> None:
-        assert self.graph_state is not None
-        g = self.graph_state
-        g["cache_seqlens"][:bs].copy_(seq_lens[:bs])
-        g["page_table"][:bs, :width].copy_(self.req_to_token.table[req_pool_indices[:bs], :width])
-
-
-def _indptr(lens: list[int]) -> torch.Tensor:
-    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    out[1:] = torch.tensor(lens, dtype=torch.int32).cumsum(0)
-    return out
+    def _fill_graph(self, batch: ForwardBatch, width: int) -> None:
+        assert self.graph_state is not None and batch.seq_lens is not None and batch.req_pool_indices is not None
+        g, bs = self.graph_state, batch.batch_size
+        g["cache_seqlens"][:bs].copy_(batch.seq_lens)
+        g["page_table"][:bs, :width].copy_(self.req_to_token.table[batch.req_pool_indices, :width])

@@ -7,7 +7,7 @@ FlashInfer splits every attention call into two halves, and this backend maps th
   pieces, how big the tiles are, where partial results go in the workspace buffer. That decision is the same
   for every layer, so it runs once per step, in :meth:`FlashInferBackend.init_forward_metadata`.
 - ``wrapper.run(q, (k_cache, v_cache))`` executes the plan for one layer's tensors: once per layer, in
-  ``forward_extend`` / ``forward_decode``.
+  ``attend_extend`` / ``attend_decode``.
 
 How our pool is shown to FlashInfer. FlashInfer reads a paged cache in CSR form: ``kv_indptr`` [B + 1],
 ``kv_indices`` (page ids) and ``kv_last_page_len`` [B]. Our page table is token-granular (entry ``[r, i]`` is the
@@ -19,8 +19,8 @@ cost is a 4-byte index per token instead of per page, small next to the 2 x kv_h
 each token carries.
 
 Extend (prefill, with or without a cached prefix, chunks of a chunked prefill) is done the simplest correct way:
-store the new tokens' K/V into the pool *first*, then run FlashInfer's paged prefill over each request's whole
-context with a causal mask. FlashInfer aligns the causal mask to the bottom right (query ``i`` of ``n`` new tokens
+the new tokens' K/V are already in the pool (the base class stores them first), so FlashInfer's paged prefill
+runs over each request's whole context with a causal mask. FlashInfer aligns the causal mask to the bottom right (query ``i`` of ``n`` new tokens
 sits at position ``ctx - n + i``), which is exactly "the prefix is fully visible, the new tokens causally".
 
 Host syncs. ``plan`` needs the lengths on the host: we hand it CPU tensors built from the scheduler's Python
@@ -31,8 +31,7 @@ int workspace and, in the versions we use, waits for that copy: a short host syn
 CUDA graphs: decode only. For each captured batch size a separate wrapper is created with ``use_cuda_graph=True``
 and fixed ``kv_indptr`` / ``kv_indices`` / ``last_page_len`` buffers (FlashInfer's requirement: a graph wrapper's
 batch size never changes and its kernels read those buffers); replay re-plans into the same buffers. Planning is
-host work, so replay needs the batch's lengths on the host: pass ``seq_lens_cpu`` (the engine has it), otherwise
-the hook reads ``seq_lens`` back from the GPU (a sync).
+host work, so replay reads the batch's lengths on the host (``seq_lens_cpu``, the scheduler's numbers: no sync).
 """
 
 from __future__ import annotations
@@ -42,9 +41,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from minisgl_ref.attention.base import AttentionBackend
+from minisgl_ref.attention.utils import indptr
 
 if TYPE_CHECKING:
-    from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
+    from minisgl_ref.core.forward_batch import ForwardBatch
     from minisgl_ref.kvcache.pool import KVPool
     from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
     from minisgl_ref.layers.attention import AttentionLayer
@@ -53,33 +53,23 @@ if TYPE_CHECKING:
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
 
-def _cpu_indptr(lens: list[int]) -> torch.Tensor:
-    """[0, l0, l0 + l1, ...] as an int32 *host* tensor: FlashInfer's planner reads indptrs on the host."""
-    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    out[1:] = torch.tensor(lens, dtype=torch.int32).cumsum(0)
-    return out
-
-
 class FlashInferBackend(AttentionBackend):
     """Paged attention through flashinfer-python's ``BatchPrefillWithPagedKVCacheWrapper`` (extend) and
     ``BatchDecodeWithPagedKVCacheWrapper`` (decode). ``num_q_heads`` is the query heads per rank: the plan needs
     it before the first layer runs."""
 
     name = "flashinfer"
+    supports_cuda_graph = True
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, *, num_q_heads: int) -> None:
         import flashinfer  # the registry turns an ImportError into one clear line
 
+        super().__init__(kv_pool, req_to_token)
         self.flashinfer = flashinfer
-        self.kv_pool = kv_pool
-        self.req_to_token = req_to_token
-        k0 = kv_pool.k[0]
-        self.device = k0.device
         if self.device.type != "cuda":
             raise ValueError("the flashinfer attention backend needs a CUDA device")
-        self.dtype = k0.dtype
+        self.dtype = kv_pool.k[0].dtype
         self.num_q_heads = num_q_heads
-        self.num_kv_heads, self.head_dim = k0.shape[1], k0.shape[2]
         self.sm_scale = self.head_dim**-0.5
         # FlashInfer recommends its tensor-core (prefill-style) decode kernel once several query heads share a
         # KV head: with GQA >= 4 the per-KV-head query block is tall enough for the MMA units to pay off.
@@ -101,9 +91,9 @@ class FlashInferBackend(AttentionBackend):
         from minisgl_ref.attention.triton_kernels import build_kv_indices
 
         lens = torch.tensor(lens_cpu, dtype=torch.int32).to(self.device, non_blocking=True)
-        indptr = kv_indptr_cpu.to(self.device, non_blocking=True)
+        kv_indptr = kv_indptr_cpu.to(self.device, non_blocking=True)
         kv_indices = torch.empty(max(1, int(kv_indptr_cpu[-1])), dtype=torch.int32, device=self.device)
-        build_kv_indices(self.req_to_token.table, rows, lens, indptr, kv_indices)
+        build_kv_indices(self.req_to_token.table, rows, lens, kv_indptr, kv_indices)
         return kv_indices
 
     def _plan_kwargs(self) -> dict[str, Any]:
@@ -112,7 +102,7 @@ class FlashInferBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         assert batch.req_pool_indices is not None
         lens = batch.seq_lens_cpu  # whole contexts, new tokens included: they are stored before attention runs
-        kv_indptr = _cpu_indptr(lens)
+        kv_indptr = indptr(lens)  # on the host: FlashInfer's planner reads indptrs there
         kv_indices = self._kv_indices(batch.req_pool_indices, lens, kv_indptr)
         last_page_len = torch.ones(batch.batch_size, dtype=torch.int32)  # pages of one token
         H, KVH, D = self.num_q_heads, self.num_kv_heads, self.head_dim  # noqa: N806
@@ -120,7 +110,7 @@ class FlashInferBackend(AttentionBackend):
             self.decode_wrapper.plan(kv_indptr, kv_indices, last_page_len, H, KVH, D, 1, **self._plan_kwargs())
             self.active_decode_wrapper = self.decode_wrapper
         else:
-            qo_indptr = _cpu_indptr(batch.extend_lens_cpu)
+            qo_indptr = indptr(batch.extend_lens_cpu)
             self.prefill_wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, H, KVH, D, 1,
                                       causal=True, **self._plan_kwargs())  # fmt: skip
 
@@ -137,27 +127,21 @@ class FlashInferBackend(AttentionBackend):
                 f"{layer.layer_id} has {q.shape[1]} heads and scale {layer.scale}"
             )
 
-    def forward_extend(
+    def attend_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
-        assert batch.out_cache_loc is not None
         self._check_layer(q, layer)
-        self.kv_pool.store(layer.layer_id, batch.out_cache_loc, k, v)
         o = self.prefill_wrapper.run(q.contiguous(), self._paged_cache(layer.layer_id))
         return o.view(q.shape[0], -1)
 
-    def forward_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
-    ) -> torch.Tensor:
-        assert batch.out_cache_loc is not None
+    def attend_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         self._check_layer(q, layer)
-        self.kv_pool.store(layer.layer_id, batch.out_cache_loc, k, v, one_kernel=True)
         o = self.active_decode_wrapper.run(q.contiguous(), self._paged_cache(layer.layer_id))
         return o.view(q.shape[0], -1)
 
     # ---------------------------------------------------------------------------------------- CUDA graphs
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+    def init_graph_buffers(self, max_bs: int) -> None:
         """Static CSR buffers for every captured batch size: ``kv_indices`` must hold ``max_bs`` whole contexts
         of the page table's width (the worst case; a graph cannot grow it later)."""
         dev = self.device
@@ -168,64 +152,33 @@ class FlashInferBackend(AttentionBackend):
             "last_page_len": torch.ones(max_bs, dtype=torch.int32, device=dev),
         }
 
-    def init_forward_metadata_capture_cuda_graph(
-        self,
-        bs: int,
-        num_tokens: int,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        forward_mode: ForwardMode | None = None,
-    ) -> None:
-        if forward_mode is not None and not forward_mode.is_decode:
-            raise NotImplementedError("the flashinfer backend captures CUDA graphs for decode only")
-        assert self.graph_state is not None, "call init_cuda_graph_state first"
-        g = self.graph_state
+    def prepare_capture(self, batch: ForwardBatch) -> None:
+        """A graph wrapper per batch size, reading the static buffers (FlashInfer's rule: its size never changes)."""
+        assert self.graph_state is not None, "call init_graph_buffers first"
+        g, bs = self.graph_state, batch.batch_size
         if bs not in self.graph_wrappers:
             self.graph_wrappers[bs] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
                 paged_kv_indptr_buffer=g["kv_indptr"][: bs + 1], paged_kv_indices_buffer=g["kv_indices"],
                 paged_kv_last_page_len_buffer=g["last_page_len"][:bs],
             )  # fmt: skip
-        self.active_decode_wrapper = self.graph_wrappers[bs]
-        self._plan_graph(bs, req_pool_indices, seq_lens, seq_lens.cpu())  # capture time: a sync is fine
+        self.prepare_replay(batch)
 
-    def init_forward_metadata_replay_cuda_graph(
-        self,
-        bs: int,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        *,
-        forward_mode: ForwardMode | None = None,
-        seq_lens_sum: int | None = None,
-        seq_lens_cpu: torch.Tensor | None = None,
-    ) -> None:
+    def prepare_replay(self, batch: ForwardBatch) -> None:
         """Re-plan the captured wrapper for the new lengths. The indices are written straight into the static
-        buffer on the GPU; the plan itself is host work and needs ``seq_lens_cpu`` (read back, with a sync, if
-        it is not given)."""
-        if forward_mode is not None and not forward_mode.is_decode:
-            raise NotImplementedError("the flashinfer backend replays CUDA graphs for decode only")
-        if seq_lens_cpu is None:
-            seq_lens_cpu = seq_lens[:bs].cpu()
-        self.active_decode_wrapper = self.graph_wrappers[bs]
-        self._plan_graph(bs, req_pool_indices, seq_lens, seq_lens_cpu)
-
-    def _plan_graph(
-        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor
-    ) -> None:
+        buffer on the GPU; the plan itself is host work and reads the host-side lengths."""
         from minisgl_ref.attention.triton_kernels import build_kv_indices
 
-        assert self.graph_state is not None
-        g = self.graph_state
-        lens_cpu = seq_lens_cpu[:bs].to(torch.int32)
+        assert self.graph_state is not None and batch.seq_lens is not None and batch.req_pool_indices is not None
+        g, bs = self.graph_state, batch.batch_size
+        self.active_decode_wrapper = self.graph_wrappers[bs]
         # Pinned host tensors: FlashInfer copies them to the GPU with non_blocking=True, and a copy from pageable
         # memory waits for the GPU to finish the step in flight, which would undo overlap scheduling (G2).
         pin = self.device.type == "cuda"
-        kv_indptr_cpu = torch.zeros(bs + 1, dtype=torch.int32, pin_memory=pin)
-        kv_indptr_cpu[1:] = lens_cpu.cumsum(0)
-        dev_indptr = g["kv_indptr_dev"][: bs + 1]
-        torch.cumsum(seq_lens[:bs], dim=0, dtype=torch.int32, out=dev_indptr[1:])
-        build_kv_indices(self.req_to_token.table, req_pool_indices[:bs], seq_lens[:bs].to(torch.int32), dev_indptr,
-                         g["kv_indices"])  # fmt: skip
+        kv_indptr_cpu = indptr(batch.seq_lens_cpu, out=torch.zeros(bs + 1, dtype=torch.int32, pin_memory=pin))
+        dev_indptr = indptr(batch.seq_lens, out=g["kv_indptr_dev"][: bs + 1])
+        build_kv_indices(self.req_to_token.table, batch.req_pool_indices, batch.seq_lens.to(torch.int32),
+                         dev_indptr, g["kv_indices"])  # fmt: skip
         total = int(kv_indptr_cpu[-1])
         self.active_decode_wrapper.plan(
             kv_indptr_cpu, g["kv_indices"][:total], torch.ones(bs, dtype=torch.int32, pin_memory=pin), self.num_q_heads,

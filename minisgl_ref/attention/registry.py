@@ -32,7 +32,7 @@ from minisgl_ref.attention.base import AttentionBackend
 from minisgl_ref.core.config import EngineConfig, validate_backend_name
 
 if TYPE_CHECKING:
-    from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
+    from minisgl_ref.core.forward_batch import ForwardBatch
     from minisgl_ref.kvcache.pool import KVPool
     from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
     from minisgl_ref.layers.attention import AttentionLayer
@@ -123,6 +123,16 @@ def check_backend_can_run(name: str, device: torch.device, dtype: torch.dtype | 
     )
 
 
+#: name -> (module of this package, class, the engine facts its constructor takes). Modules are imported only
+#: when their backend is built, so a CPU-only install never imports triton, flashinfer or flash-attn.
+BACKENDS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "torch_native": ("torch_native", "TorchNativeBackend", ()),
+    "triton": ("triton_backend", "TritonAttnBackend", ("num_q_heads",)),
+    "flashinfer": ("flashinfer_backend", "FlashInferBackend", ("num_q_heads",)),
+    "fa3": ("fa3_backend", "FlashAttentionBackend", ("page_size",)),
+}
+
+
 def build_backend(
     name: str,
     kv_pool: KVPool,
@@ -134,21 +144,10 @@ def build_backend(
 ) -> AttentionBackend:
     """One backend by name (after :func:`check_backend_can_run`)."""
     check_backend_can_run(name, device)
-    if name == "torch_native":
-        from minisgl_ref.attention.torch_native import TorchNativeBackend
-
-        return TorchNativeBackend(kv_pool, req_to_token)
-    if name == "triton":
-        from minisgl_ref.attention.triton_backend import TritonAttnBackend
-
-        return TritonAttnBackend(kv_pool, req_to_token, num_q_heads=num_q_heads)
-    if name == "flashinfer":
-        from minisgl_ref.attention.flashinfer_backend import FlashInferBackend
-
-        return FlashInferBackend(kv_pool, req_to_token, num_q_heads=num_q_heads)
-    from minisgl_ref.attention.fa3_backend import FlashAttentionBackend
-
-    return FlashAttentionBackend(kv_pool, req_to_token, page_size=page_size)
+    module, class_name, wants = BACKENDS[name]
+    cls = getattr(importlib.import_module(f"minisgl_ref.attention.{module}"), class_name)
+    facts = {"num_q_heads": num_q_heads, "page_size": page_size}
+    return cls(kv_pool, req_to_token, **{fact: facts[fact] for fact in wants})
 
 
 def create_attention_backend(
@@ -183,58 +182,23 @@ class HybridAttnBackend(AttentionBackend):
     the other. CUDA graphs capture decode only, so the graph hooks go to the decode backend."""
 
     def __init__(self, prefill: AttentionBackend, decode: AttentionBackend) -> None:
-        self.prefill = prefill
-        self.decode = decode
+        self.prefill, self.decode = prefill, decode
         self.name = f"{prefill.name}+{decode.name}"
-
-    def _pick(self, batch: ForwardBatch) -> AttentionBackend:
-        return self.decode if batch.mode.is_decode else self.prefill
+        self.supports_cuda_graph = decode.supports_cuda_graph
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        self._pick(batch).init_forward_metadata(batch)
+        (self.decode if batch.mode.is_decode else self.prefill).init_forward_metadata(batch)
 
-    def forward_extend(
+    def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
-        return self.prefill.forward_extend(q, k, v, layer, batch)
+        return (self.decode if batch.mode.is_decode else self.prefill).forward(q, k, v, layer, batch)
 
-    def forward_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
-    ) -> torch.Tensor:
-        return self.decode.forward_decode(q, k, v, layer, batch)
+    def init_graph_buffers(self, max_bs: int) -> None:
+        self.decode.init_graph_buffers(max_bs)
 
-    @property
-    def supports_cuda_graph(self) -> bool:
-        return self.decode.supports_cuda_graph
+    def prepare_capture(self, batch: ForwardBatch) -> None:
+        self.decode.prepare_capture(batch)
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        self.decode.init_cuda_graph_state(max_bs, max_num_tokens)
-
-    def init_forward_metadata_capture_cuda_graph(
-        self,
-        bs: int,
-        num_tokens: int,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        forward_mode: ForwardMode | None = None,
-    ) -> None:
-        self.decode.init_forward_metadata_capture_cuda_graph(bs, num_tokens, req_pool_indices, seq_lens,
-                                                             forward_mode)  # fmt: skip
-
-    def init_forward_metadata_replay_cuda_graph(
-        self,
-        bs: int,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        *,
-        forward_mode: ForwardMode | None = None,
-        seq_lens_sum: int | None = None,
-        seq_lens_cpu: torch.Tensor | None = None,
-    ) -> None:
-        self.decode.init_forward_metadata_replay_cuda_graph(
-            bs, req_pool_indices, seq_lens, forward_mode=forward_mode, seq_lens_sum=seq_lens_sum,
-            seq_lens_cpu=seq_lens_cpu,
-        )  # fmt: skip
-
-    def get_cuda_graph_seq_len_fill_value(self) -> int:
-        return self.decode.get_cuda_graph_seq_len_fill_value()
+    def prepare_replay(self, batch: ForwardBatch) -> None:
+        self.decode.prepare_replay(batch)

@@ -14,8 +14,6 @@ from minisgl_ref.attention.base import AttentionBackend
 
 if TYPE_CHECKING:
     from minisgl_ref.core.forward_batch import ForwardBatch
-    from minisgl_ref.kvcache.pool import KVPool
-    from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
     from minisgl_ref.layers.attention import AttentionLayer
 
 
@@ -44,13 +42,16 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
 
 class NoCacheAttentionBackend(AttentionBackend):
     """The chapter-00 backend: no KV cache. Every step feeds each request's *whole* sequence, so a sequence's
-    keys and values are exactly the k and v of this forward pass."""
+    keys and values are exactly the k and v of this forward pass: nothing is stored, and there is no decode."""
 
-    def forward_extend(
+    def __init__(self) -> None:  # no pool and no page table to hold
+        pass
+
+    def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
-        if any(batch.prefix_lens_cpu):
-            raise ValueError("NoCacheAttentionBackend cannot attend to a cached prefix: it stores no KV")
+        if batch.mode.is_decode or any(batch.prefix_lens_cpu):
+            raise ValueError("NoCacheAttentionBackend stores no KV: every step must feed whole sequences")
         outs = []
         start = 0
         for length in batch.extend_lens_cpu:
@@ -59,45 +60,34 @@ class NoCacheAttentionBackend(AttentionBackend):
             start = end
         return torch.cat(outs).flatten(1)
 
-    def forward_decode(self, q, k, v, layer, batch):  # type: ignore[no-untyped-def]
-        raise ValueError("NoCacheAttentionBackend has no decode mode: the oracle recomputes whole sequences")
-
 
 class TorchNativeBackend(AttentionBackend):
-    """The paged oracle (chapter 03): new K/V go into the pool at ``out_cache_loc``; each request then gathers
-    its whole context through its page-table row and runs :func:`reference_attention`. One loop iteration per
-    request: slow, simple, and the reference for the Triton/FlashInfer/FA3 backends of chapter 07.
+    """The paged oracle (chapter 03): the base class stores the new K/V at ``out_cache_loc``; each request then
+    gathers its whole context through its page-table row and runs :func:`reference_attention`. One loop iteration
+    per request: slow, simple, and the reference for the Triton/FlashInfer/FA3 backends of chapter 07.
 
-    No CUDA graphs: the per-request Python loop and the host-side lengths it slices with cannot be recorded
-    into a graph, so the CUDA-graph hooks keep the base class's ``NotImplementedError`` and the engine runs
-    decode eagerly with this backend."""
+    No CUDA graphs: the per-request Python loop and the host-side lengths it slices with cannot be recorded into a
+    graph, so the engine runs decode eagerly with this backend."""
 
     name = "torch_native"
-
-    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool) -> None:
-        self.kv_pool = kv_pool
-        self.req_to_token = req_to_token
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         # Computed once per step, used by every layer: where each request's context lives in the pool.
         assert batch.req_pool_indices is not None
         rows = batch.req_pool_indices.tolist()
         table = self.req_to_token.table
-        batch.extra["context_slots"] = [
-            table[r, :n].to(torch.int64) for r, n in zip(rows, batch.seq_lens_cpu)
-        ]
+        self.context_slots = [table[r, :n].to(torch.int64) for r, n in zip(rows, batch.seq_lens_cpu)]
 
-    def forward_extend(
+    def attend_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
-        assert batch.out_cache_loc is not None
-        self.kv_pool.store(layer.layer_id, batch.out_cache_loc, k, v)
         k_all, v_all = self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id]
         outs, start = [], 0
-        for slots, length in zip(batch.extra["context_slots"], batch.extend_lens_cpu):
+        for slots, length in zip(self.context_slots, batch.extend_lens_cpu):
             end = start + length
             outs.append(reference_attention(q[start:end], k_all[slots], v_all[slots], layer.scale))
             start = end
         return torch.cat(outs).flatten(1)
 
-    forward_decode = forward_extend  # a decode step is an extend of one token per request
+    def attend_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+        return self.attend_extend(q, None, None, layer, batch)  # type: ignore[arg-type]  # one token per request

@@ -11,12 +11,13 @@ What the backend does per step, and why it is split that way (the same split SGL
   length (the grid size, a host integer the scheduler already knows);
 - decode: the split-KV scratch buffers and how many pieces to cut each context into at most.
 
-``forward_extend`` / ``forward_decode``, once per layer: store the new K/V in the pool at ``out_cache_loc``, then
-launch the kernels with that metadata. Nothing per layer depends on the batch layout, so nothing is recomputed.
+``attend_extend`` / ``attend_decode``, once per layer (after the base class stored the new K/V): launch the
+kernels with that metadata. Nothing per layer depends on the batch layout, so nothing is recomputed.
 
 CUDA graphs (chapter 08) replay a recorded decode step, so its kernels must read metadata from buffers that
-never move: :meth:`init_cuda_graph_state` allocates them once, the capture hook points the metadata at slices of
-them, and the replay hook refills them in place (a cumsum and one kernel, no allocation, no device-to-host copy).
+never move: :meth:`init_graph_buffers` allocates them once, :meth:`prepare_capture` points the metadata at slices
+of them, and :meth:`prepare_replay` refills them in place (a cumsum and one kernel, no allocation, no
+device-to-host copy).
 
 The kernels run on the GPU, or on the CPU through Triton's interpreter when ``TRITON_INTERPRET=1`` is set before
 this module is first imported (slow, for tests).
@@ -37,9 +38,10 @@ from minisgl_ref.attention.triton_kernels import (
     extend_attention_fwd,
     extend_launch_config,
 )
+from minisgl_ref.attention.utils import indptr
 
 if TYPE_CHECKING:
-    from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
+    from minisgl_ref.core.forward_batch import ForwardBatch
     from minisgl_ref.kvcache.pool import KVPool
     from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
     from minisgl_ref.layers.attention import AttentionLayer
@@ -68,14 +70,6 @@ class TritonMetadata:
     mid_lse: torch.Tensor | None = None
 
 
-def _indptr(lens: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """[0, l0, l0 + l1, ...] as int32 (into ``out`` when given: the replay path allocates nothing)."""
-    if out is None:
-        out = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=lens.device)
-    torch.cumsum(lens, dim=0, dtype=torch.int32, out=out[1:])
-    return out
-
-
 class TritonAttnBackend(AttentionBackend):
     """Paged attention through this project's Triton kernels, for any page size and GQA ratio.
 
@@ -86,6 +80,7 @@ class TritonAttnBackend(AttentionBackend):
     """
 
     name = "triton"
+    supports_cuda_graph = True
 
     def __init__(
         self,
@@ -96,14 +91,10 @@ class TritonAttnBackend(AttentionBackend):
         max_kv_splits: int = 64,
         min_kv_split_len: int = 128,
     ) -> None:
-        self.kv_pool = kv_pool
-        self.req_to_token = req_to_token
+        super().__init__(kv_pool, req_to_token)
         self.num_q_heads = num_q_heads
         self.max_kv_splits = max_kv_splits
         self.min_kv_split_len = min_kv_split_len
-        k0 = kv_pool.k[0]
-        self.device = k0.device
-        self.num_kv_heads, self.head_dim = k0.shape[1], k0.shape[2]
         if self.device.type == "cpu" and not triton_interpret_mode():
             raise RuntimeError(
                 "the triton attention backend needs a GPU, or TRITON_INTERPRET=1 set before triton kernels are "
@@ -138,7 +129,7 @@ class TritonAttnBackend(AttentionBackend):
         else:
             lens_cpu = batch.prefix_lens_cpu
         lens = torch.tensor(lens_cpu, dtype=torch.int32).to(dev, non_blocking=True)
-        kv_indptr = _indptr(lens)
+        kv_indptr = indptr(lens)
         # The total is known on the host (the scheduler's lengths), so sizing kv_indices needs no sync.
         kv_indices = torch.empty(max(1, sum(lens_cpu)), dtype=torch.int32, device=dev)
         build_kv_indices(self.req_to_token.table, rows, lens, kv_indptr, kv_indices)
@@ -149,7 +140,7 @@ class TritonAttnBackend(AttentionBackend):
                 md.mid_o, md.mid_lse = self._split_scratch(batch.batch_size, self.num_q_heads, md.max_splits)
         else:
             ext = torch.tensor(batch.extend_lens_cpu, dtype=torch.int32).to(dev, non_blocking=True)
-            md.qo_indptr = _indptr(ext)
+            md.qo_indptr = indptr(ext)
             md.max_extend_len = max(batch.extend_lens_cpu)
             md.extend_config = extend_launch_config(max(batch.prefix_lens_cpu))
         self.forward_metadata = md
@@ -162,14 +153,12 @@ class TritonAttnBackend(AttentionBackend):
 
     # -------------------------------------------------------------------------------------------- forward
 
-    def forward_extend(
+    def attend_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         md = self.forward_metadata
         assert md is not None and md.qo_indptr is not None, "init_forward_metadata was not called for this step"
-        assert batch.out_cache_loc is not None
         lid = layer.layer_id
-        self.kv_pool.store(lid, batch.out_cache_loc, k, v)  # later steps read these tokens from the pool
         k_buf, v_buf = self.kv_pool.k[lid], self.kv_pool.v[lid]
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         extend_attention_fwd(
@@ -179,14 +168,10 @@ class TritonAttnBackend(AttentionBackend):
         )  # fmt: skip
         return o.flatten(1)
 
-    def forward_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
-    ) -> torch.Tensor:
+    def attend_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         md = self.forward_metadata
         assert md is not None and md.qo_indptr is None, "init_forward_metadata was not called for this step"
-        assert batch.out_cache_loc is not None
         lid = layer.layer_id
-        self.kv_pool.store(lid, batch.out_cache_loc, k, v, one_kernel=True)  # the new token is part of its own context
         bs, num_heads = q.shape[0], q.shape[1]
         if md.mid_o is None or md.mid_o.shape[1] != num_heads:  # eager, head count not given: first layer
             md.mid_o, md.mid_lse = self._split_scratch(bs, num_heads, md.max_splits)
@@ -200,7 +185,7 @@ class TritonAttnBackend(AttentionBackend):
 
     # ---------------------------------------------------------------------------------------- CUDA graphs
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+    def init_graph_buffers(self, max_bs: int) -> None:
         """Allocate the static buffers every captured decode graph reads its metadata from. The split-KV scratch
         is one flat buffer that each batch size views as ``[bs, H, num_kv_splits(bs), D]``: small batches use
         many pieces, large ones few, so the largest ``bs x splits`` (not ``max_bs x max_kv_splits``) sizes it."""
@@ -216,19 +201,11 @@ class TritonAttnBackend(AttentionBackend):
             "mid_lse": torch.empty(rows * self.num_q_heads, dtype=torch.float32, device=dev),
         }
 
-    def init_forward_metadata_capture_cuda_graph(
-        self,
-        bs: int,
-        num_tokens: int,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        forward_mode: ForwardMode | None = None,
-    ) -> None:
-        """Before capturing the graph for batch size ``bs``: metadata that lives in the static buffers."""
-        if forward_mode is not None and not forward_mode.is_decode:
-            raise NotImplementedError("the triton backend captures CUDA graphs for decode only")
-        assert self.cuda_graph is not None, "call init_cuda_graph_state first"
-        g, heads, splits = self.cuda_graph, self.num_q_heads, self.num_kv_splits(bs)
+    def prepare_capture(self, batch: ForwardBatch) -> None:
+        """Metadata that lives in the static buffers, viewed for this batch size."""
+        assert self.cuda_graph is not None, "call init_graph_buffers first"
+        g, heads, bs = self.cuda_graph, self.num_q_heads, batch.batch_size
+        splits = self.num_kv_splits(bs)
         assert heads is not None
         self.forward_metadata = TritonMetadata(
             kv_indptr=g["kv_indptr"][: bs + 1],
@@ -237,34 +214,17 @@ class TritonAttnBackend(AttentionBackend):
             mid_o=g["mid_o"][: bs * heads * splits * self.head_dim].view(bs, heads, splits, self.head_dim),
             mid_lse=g["mid_lse"][: bs * heads * splits].view(bs, heads, splits),
         )
-        self._fill_graph_metadata(bs, req_pool_indices, seq_lens)
+        self.prepare_replay(batch)
 
-    def init_forward_metadata_replay_cuda_graph(
-        self,
-        bs: int,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        *,
-        forward_mode: ForwardMode | None = None,
-        seq_lens_sum: int | None = None,
-        seq_lens_cpu: torch.Tensor | None = None,
-    ) -> None:
-        """Before each replay: refill the static buffers in place. ``req_pool_indices`` and ``seq_lens`` are the
-        padded batch's device tensors (padding rows: any valid row, e.g. 0, and length >= 1). The host-side
-        ``seq_lens_sum`` / ``seq_lens_cpu`` (SGLang passes them) are not needed: everything is computed on the
-        device from ``seq_lens``."""
-        if forward_mode is not None and not forward_mode.is_decode:
-            raise NotImplementedError("the triton backend replays CUDA graphs for decode only")
-        self._fill_graph_metadata(bs, req_pool_indices, seq_lens)
-
-    def _fill_graph_metadata(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        assert self.cuda_graph is not None
-        kv_indptr = self.cuda_graph["kv_indptr"][: bs + 1]
-        _indptr(seq_lens[:bs], out=kv_indptr)  # kv_indptr[0] stays 0 from allocation
-        build_kv_indices(self.req_to_token.table, req_pool_indices[:bs], seq_lens[:bs], kv_indptr,
+    def prepare_replay(self, batch: ForwardBatch) -> None:
+        """Refill ``kv_indptr`` / ``kv_indices`` in place, all on the device from ``batch.seq_lens``: a cumsum and
+        one kernel."""
+        assert self.cuda_graph is not None and batch.seq_lens is not None and batch.req_pool_indices is not None
+        kv_indptr = self.cuda_graph["kv_indptr"][: batch.batch_size + 1]
+        indptr(batch.seq_lens, out=kv_indptr)  # kv_indptr[0] stays 0 from allocation
+        build_kv_indices(self.req_to_token.table, batch.req_pool_indices, batch.seq_lens, kv_indptr,
                          self.cuda_graph["kv_indices"])  # fmt: skip
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
-

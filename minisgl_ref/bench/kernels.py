@@ -157,7 +157,6 @@ class Problem:
             req_pool_indices=torch.arange(len(specs), device=dev),
             out_cache_loc=out_cache_loc,
         )
-        self.pool.store = lambda *args: None  # type: ignore[method-assign]  # time attention, not the store
         kv_tokens = total
         elem = torch.finfo(DTYPE).bits // 8
         self.bytes = (2 * kv_tokens * num_kv_heads * HEAD_DIM + 2 * num_tokens * NUM_Q_HEADS * HEAD_DIM) * elem
@@ -172,7 +171,10 @@ class Problem:
                                 device=torch.device("cuda"))  # fmt: skip
         self.batch.attn_backend = backend
         backend.init_forward_metadata(self.batch)
-        return lambda: backend.forward(self.q, self.k, self.v, self.layer, self.batch)
+        # attend_* and not forward: time attention, not the K/V store that forward does first
+        if self.batch.mode.is_decode:
+            return lambda: backend.attend_decode(self.q, self.layer, self.batch)
+        return lambda: backend.attend_extend(self.q, self.k, self.v, self.layer, self.batch)
 
 
 def measure(problem: Problem, names: list[str], repeats: int, copy_bw: float, peak_flops: float,

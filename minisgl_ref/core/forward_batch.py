@@ -9,7 +9,7 @@ and in the backend's ``init_forward_metadata``, not once per layer.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -44,10 +44,13 @@ class ForwardBatch:
     extend_lens_cpu: list[int]  # new tokens per request
     prefix_lens_cpu: list[int]  # tokens already cached per request
     attn_backend: AttentionBackendProtocol
-    # Set by engines with a KV cache (chapter 03): each request's page-table row and each new token's slot.
+    # Set by engines with a KV cache (chapter 03): each request's page-table row, each new token's slot, and each
+    # request's whole length (prefix + new tokens) on the device.
     req_pool_indices: torch.Tensor | None = None  # [B]
     out_cache_loc: torch.Tensor | None = None  # [T]
-    extra: dict[str, Any] = field(default_factory=dict)  # backend-specific metadata
+    seq_lens: torch.Tensor | None = None  # [B]
+    # Index of each request's last new token in the flat [T] layout: only those rows need logits.
+    last_token_indices: torch.Tensor | None = None  # [B]
 
     @property
     def batch_size(self) -> int:
@@ -57,12 +60,6 @@ class ForwardBatch:
     def seq_lens_cpu(self) -> list[int]:
         return [p + e for p, e in zip(self.prefix_lens_cpu, self.extend_lens_cpu)]
 
-    @property
-    def last_token_indices(self) -> torch.Tensor:
-        """Index of each request's last new token in the flat [T] layout: only those rows need logits."""
-        ends = torch.tensor(self.extend_lens_cpu, device=self.input_ids.device).cumsum(0)
-        return ends - 1
-
     @classmethod
     def for_full_sequences(
         cls, sequences: list[list[int]], attn_backend: AttentionBackendProtocol, device: torch.device | str = "cpu"
@@ -70,11 +67,13 @@ class ForwardBatch:
         """A prefill of whole sequences with nothing cached: the oracle's every step."""
         flat = [t for seq in sequences for t in seq]
         positions = [p for seq in sequences for p in range(len(seq))]
+        lens = [len(s) for s in sequences]
         return cls(
             mode=ForwardMode.EXTEND,
             input_ids=torch.tensor(flat, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
-            extend_lens_cpu=[len(s) for s in sequences],
+            extend_lens_cpu=lens,
             prefix_lens_cpu=[0] * len(sequences),
             attn_backend=attn_backend,
+            last_token_indices=torch.tensor(lens, device=device).cumsum(0) - 1,
         )

@@ -11,13 +11,14 @@ What that demands:
 * **Static buffers.** A replay uses the addresses recorded at capture time, so every input lives in a buffer
   allocated once (``input_ids``, ``positions``, ``out_cache_loc``, ``req_pool_indices``, ``seq_lens``) and each
   step copies its values *into* them. The attention backend does the same for its metadata through three hooks:
-  ``init_cuda_graph_state`` (allocate), ``init_forward_metadata_capture_cuda_graph`` (point the metadata at the
-  buffers before capture) and ``init_forward_metadata_replay_cuda_graph`` (refill them in place before replay).
+  ``init_graph_buffers`` (allocate), ``prepare_capture`` (point the metadata at the buffers before capture) and
+  ``prepare_replay`` (refill them in place before replay).
 * **Fixed shapes.** A graph is captured for one batch size. We capture a ladder of sizes (1, 2, 4, 8, 16, 24,
   32, ... up to ``max_bs``, SGLang's list) and run a batch of ``n`` requests in the smallest captured size
-  ``>= n``. The extra *padding rows* compute garbage that is thrown away, but they must be harmless: each writes
-  its K/V to slot 0 (page 0 is reserved by the allocator for exactly this), reads page-table row 0 with a
-  length of 1 (a valid slot), and its logits row is dropped.
+  ``>= n``. **Padding is data**: the missing rows are dummy requests appended to the batch itself, so the
+  backend sees an ordinary decode batch and needs no special case. A dummy request must be harmless: its token
+  0 at position 0 writes its K/V to slot 0 (page 0 is reserved by the allocator for exactly this), it reads
+  page-table row 0 with a length of 1 (a valid slot), and its logits row is dropped.
 * **No host work inside.** Anything that reads a device value on the host, allocates, or branches on data
   would be frozen at capture time. The eager decode path was written with that rule already.
 * **One memory pool.** The graphs share one private memory pool, captured largest first, so the activations
@@ -68,17 +69,18 @@ def padded_batch_size(sizes: list[int], bs: int) -> int | None:
 # END TASK 8.1
 
 
-def backend_supports_cuda_graph(backend: AttentionBackend) -> bool:
-    """Whether ``backend`` implements the capture/replay hooks (a property of the backend base class)."""
-    return bool(getattr(backend, "supports_cuda_graph", False))
+#: The values of a dummy (padding) request in each static input: token 0 at position 0, writing the reserved slot
+#: 0, reading page-table row 0 with a length of 1.
+DUMMY_ROW = {"input_ids": 0, "positions": 0, "out_cache_loc": 0, "req_pool_indices": 0, "seq_lens": 1}
 
 
 class CudaGraphRunner:
     """Captures decode steps of ``model`` (run with attention ``backend``) at padded batch sizes and replays them.
 
     ``can_run(fb)`` says whether a forward batch is a decode step small enough for a captured graph;
-    ``replay(fb)`` copies the batch into the static buffers, refills the backend's metadata, replays the graph
-    and returns the real rows' logits ``[fb.batch_size, V]`` (a view into the static output).
+    ``replay(fb)`` copies the batch, padded with dummy requests, into the static buffers, refills the backend's
+    metadata, replays the graph and returns the real rows' logits ``[fb.batch_size, V]`` (a view into the static
+    output).
     """
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, device: torch.device, max_bs: int) -> None:
@@ -87,37 +89,26 @@ class CudaGraphRunner:
         self.device = device
         self.batch_sizes = capture_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
-        self.seq_len_fill = self.backend.get_cuda_graph_seq_len_fill_value()
-        dev, n = self.device, self.max_bs
-        # The static inputs. Their contents at rest are the padding values (token 0, position 0, dummy slot 0,
-        # page-table row 0, length 1); replay overwrites the first rows with the real batch.
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.full((n,), self.seq_len_fill, dtype=torch.int32, device=dev)
+        # The static inputs, at rest all dummy rows; replay overwrites the first rows with the real batch.
+        self.static = {name: torch.full((self.max_bs,), value, dtype=torch.int64, device=device)
+                       for name, value in DUMMY_ROW.items()}  # fmt: skip
+        self.static["seq_lens"] = self.static["seq_lens"].int()  # the backends' kernels read int32 lengths
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
-        self.backend.init_cuda_graph_state(n, n)
+        self.backend.init_graph_buffers(self.max_bs)
         start = time.perf_counter()
         self.capture()
         self.capture_seconds = time.perf_counter() - start
         logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s", len(self.batch_sizes),
                     self.batch_sizes[0], self.max_bs, self.capture_seconds)
 
-    def _static_batch(self, bs: int) -> ForwardBatch:
-        """A decode ForwardBatch whose tensors are views of the static buffers (what the graph reads)."""
-        return ForwardBatch(
-            mode=ForwardMode.DECODE,
-            input_ids=self.input_ids[:bs],
-            positions=self.positions[:bs],
-            extend_lens_cpu=[1] * bs,
-            prefix_lens_cpu=[self.seq_len_fill - 1] * bs,
-            attn_backend=self.backend,
-            req_pool_indices=self.req_pool_indices[:bs],
-            out_cache_loc=self.out_cache_loc[:bs],
-        )
+    def _static_batch(self, prefix_lens: list[int]) -> ForwardBatch:
+        """A decode ForwardBatch of ``len(prefix_lens)`` requests whose tensors are views of the static buffers
+        (what the graph reads)."""
+        views = {name: buf[: len(prefix_lens)] for name, buf in self.static.items()}
+        return ForwardBatch(mode=ForwardMode.DECODE, extend_lens_cpu=[1] * len(prefix_lens),
+                            prefix_lens_cpu=prefix_lens, attn_backend=self.backend, **views)  # fmt: skip
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -126,9 +117,8 @@ class CudaGraphRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         self.pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.batch_sizes):
-            fb = self._static_batch(bs)
-            self.backend.init_forward_metadata_capture_cuda_graph(
-                bs, bs, self.req_pool_indices[:bs], self.seq_lens[:bs], ForwardMode.DECODE)
+            fb = self._static_batch([0] * bs)  # dummy requests only
+            self.backend.prepare_capture(fb)
             with torch.cuda.stream(stream):
                 # Warm-up runs outside the graph: lazy initialisation (cuBLAS handles, Triton autotuning and
                 # compilation) must not happen during capture.
@@ -155,25 +145,15 @@ class CudaGraphRunner:
         """Run decode batch ``fb`` through the graph of the smallest captured size that holds it."""
         raw_bs = fb.batch_size
         bs = padded_batch_size(self.batch_sizes, raw_bs)
-        assert bs is not None and fb.req_pool_indices is not None and fb.out_cache_loc is not None
-        seq_lens = fb.extra["seq_lens"]
-        # Real rows: this step's values. Padding rows: reset to the harmless values (a bigger earlier batch may
-        # have left real slots there, which the padding rows would otherwise overwrite).
-        self.input_ids[:raw_bs].copy_(fb.input_ids)
-        self.positions[:raw_bs].copy_(fb.positions)
-        self.out_cache_loc[:raw_bs].copy_(fb.out_cache_loc)
-        self.req_pool_indices[:raw_bs].copy_(fb.req_pool_indices)
-        self.seq_lens[:raw_bs].copy_(seq_lens)
-        if bs > raw_bs:
-            self.input_ids[raw_bs:bs].zero_()
-            self.positions[raw_bs:bs].zero_()
-            self.out_cache_loc[raw_bs:bs].zero_()  # the reserved dummy slot
-            self.req_pool_indices[raw_bs:bs].zero_()
-            self.seq_lens[raw_bs:bs].fill_(self.seq_len_fill)
-        lens_cpu = fb.seq_lens_cpu + [self.seq_len_fill] * (bs - raw_bs)
-        self.backend.init_forward_metadata_replay_cuda_graph(
-            bs, self.req_pool_indices[:bs], self.seq_lens[:bs], forward_mode=ForwardMode.DECODE,
-            seq_lens_sum=sum(lens_cpu), seq_lens_cpu=torch.tensor(lens_cpu, dtype=torch.int32))
+        assert bs is not None
+        # The padded batch: the real requests, then dummy ones (prefix 0 + 1 new token = length 1).
+        padded = self._static_batch(fb.prefix_lens_cpu + [0] * (bs - raw_bs))
+        for name, value in DUMMY_ROW.items():
+            static = getattr(padded, name)
+            static[:raw_bs].copy_(getattr(fb, name))
+            if bs > raw_bs:  # a bigger earlier batch may have left real slots in the dummy rows
+                static[raw_bs:].fill_(value)
+        self.backend.prepare_replay(padded)
         self.graphs[bs].replay()
         return self.outputs[bs][:raw_bs]
     # END TASK 8.2

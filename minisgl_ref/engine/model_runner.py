@@ -36,7 +36,7 @@ from torch import nn
 from minisgl_ref.attention.base import AttentionBackend
 from minisgl_ref.core.batch import ScheduledBatch
 from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
-from minisgl_ref.engine.cuda_graph import CudaGraphRunner, backend_supports_cuda_graph
+from minisgl_ref.engine.cuda_graph import CudaGraphRunner
 from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
 from minisgl_ref.sampling.sampler import Sampler, SamplingBatchInfo, StepLogprobs, to_device, token_logprobs
 
@@ -139,11 +139,11 @@ class ModelRunner:
         if use_cuda_graph:
             self.graph_runner = self._make_graph_runner(cuda_graph_max_bs or req_to_token.max_requests - 1)
 
-    def _make_graph_runner(self, max_bs: int):  # type: ignore[no-untyped-def]
+    def _make_graph_runner(self, max_bs: int) -> CudaGraphRunner | None:
         if self.device.type != "cuda":
             logger.info("CUDA graphs need a CUDA device; running %s eagerly", self.device)
             return None
-        if not backend_supports_cuda_graph(self.attn_backend):
+        if not self.attn_backend.supports_cuda_graph:
             logger.info("attention backend %s has no CUDA-graph hooks; decode runs eagerly",
                         type(self.attn_backend).__name__)
             return None
@@ -205,9 +205,9 @@ class ModelRunner:
             attn_backend=self.attn_backend,
             req_pool_indices=rows_d,
             out_cache_loc=slots_d,
+            seq_lens=seq_lens_d,
+            last_token_indices=last_d,
         )
-        fb.extra["seq_lens"] = seq_lens_d  # [B] on the device: what CUDA-graph replay copies into its buffers
-        fb.extra["last_token_indices"] = last_d
         return fb
     # END TASK 3.3
 
@@ -271,17 +271,19 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------------- running
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Logits [B, V] (float32) of each request's last new token: a CUDA-graph replay when one fits."""
+    def forward(
+        self, fb: ForwardBatch, prompt_plan: PromptLogprobPlan | None = None
+    ) -> tuple[torch.Tensor, StepLogprobs | None]:
+        """Logits [B, V] (float32) of each request's last new token: a CUDA-graph replay when one fits. With a
+        ``prompt_plan`` (extend steps only), also the log probabilities of the prompt tokens it names."""
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
-            return self.graph_runner.replay(fb)
+            return self.graph_runner.replay(fb), None
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb)
-        if "prompt_logprobs" in fb.extra:  # a PromptLogprobPlan: its positions need the hidden states too
-            fb.extra["prompt_logprobs"] = self._prompt_logprobs(hidden, fb.extra["prompt_logprobs"])
+        prompt_logprobs = None if prompt_plan is None else self._prompt_logprobs(hidden, prompt_plan)
         if not fb.mode.is_decode:
-            hidden = hidden[fb.extra["last_token_indices"]]
-        return self.model.compute_logits(hidden)
+            hidden = hidden[fb.last_token_indices]
+        return self.model.compute_logits(hidden), prompt_logprobs
 
     def _prompt_logprobs(self, hidden: torch.Tensor, plan: PromptLogprobPlan) -> StepLogprobs:
         index = to_device(torch.tensor(plan.index), self.device)
@@ -296,16 +298,11 @@ class ModelRunner:
         """Launch the batch. Nothing here waits for the device: the result's tokens are read by the engine."""
         fb = self.prepare(batch)
         plan = PromptLogprobPlan.of(batch) if not batch.is_decode else None
-        if plan is not None:
-            fb.extra["prompt_logprobs"] = plan
-        logits = self.forward(fb)
+        logits, prompt_logprobs = self.forward(fb, plan)
         info = self.sampling_info(batch)
         # -1: nobody asked for log probabilities in this step (the common case: not a single extra kernel)
         top_k = max((r.top_logprobs_num for r in batch.reqs if r.return_logprob), default=-1)
         next_tokens, logprobs = self.sampler.sample(logits, info, top_k)
-        out = StepOutput(fb, next_tokens, logprobs)
-        if plan is not None:
-            out.prompt_logprobs = (plan, fb.extra.pop("prompt_logprobs"))
         # Rows that emit a token publish it where the next decode step will look for it.
         emits = [row.emits for row in batch.rows]
         if all(emits):
@@ -313,17 +310,17 @@ class ModelRunner:
         elif any(emits):
             idx = to_device(torch.tensor([i for i, e in enumerate(emits) if e]), self.device)
             self.token_buffer[fb.req_pool_indices[idx]] = next_tokens[idx]
+        host_tokens = copy_done = None
         if next_tokens.is_cuda:
             # Start the device-to-host copies now, in stream order right after sampling, and mark their end with
             # an event: the engine waits for that event, not for whatever is launched after this step.
-            out.host_tokens = _to_pinned_host(next_tokens)
-            if out.logprobs is not None:
-                out.logprobs = out.logprobs.to(_to_pinned_host)
-            if out.prompt_logprobs is not None:
-                out.prompt_logprobs = (plan, out.prompt_logprobs[1].to(_to_pinned_host))  # type: ignore[assignment]
-            out.copy_done = torch.cuda.Event()
-            out.copy_done.record()
-        return out
+            host_tokens = _to_pinned_host(next_tokens)
+            logprobs = logprobs.to(_to_pinned_host) if logprobs is not None else None
+            prompt_logprobs = prompt_logprobs.to(_to_pinned_host) if prompt_logprobs is not None else None
+            copy_done = torch.cuda.Event()
+            copy_done.record()
+        prompt = (plan, prompt_logprobs) if plan is not None and prompt_logprobs is not None else None
+        return StepOutput(fb, next_tokens, logprobs, prompt, host_tokens, copy_done)
 
 
 def _to_pinned_host(t: torch.Tensor) -> torch.Tensor:

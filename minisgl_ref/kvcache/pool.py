@@ -36,8 +36,8 @@ class KVPool:
               one_kernel: bool = False) -> None:
         """Write the new tokens' keys and values [T, kv_heads, head_dim] into their slots [T].
 
-        ``one_kernel=True`` (decode steps of the kernel backends) writes K and V with one Triton kernel where it can
-        run: one kernel fewer per layer inside a CUDA graph. Other steps keep PyTorch's indexing (why:
+        ``one_kernel=True`` (decode steps: ``AttentionBackend.forward`` decides) writes K and V with one Triton
+        kernel where it can run: one kernel fewer per layer inside a CUDA graph. Other steps keep PyTorch's indexing (why:
         :mod:`minisgl_ref.layers.triton_fused`)."""
         pool_k, pool_v = self.k[layer_id], self.v[layer_id]
         if one_kernel and triton_fused.available(k) and k.dtype == pool_k.dtype and v.dtype == pool_v.dtype:

@@ -11,12 +11,16 @@ the two agree bit for bit before the final multiply.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from minisgl_ref.layers import fused
+from minisgl_ref.layers import fused, triton_fused
+
+if TYPE_CHECKING:
+    from minisgl_ref.core.forward_batch import ForwardBatch
+    from minisgl_ref.layers.norm import RMSNorm
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -66,6 +70,19 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin_cache[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
         # END TASK 1.1
+
+    def norm_and_rotate(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, batch: ForwardBatch,
+        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """QK-norm (when the model has one, Qwen3) and then RoPE. In decode steps on a CUDA half-precision ``q``,
+        one Triton kernel does both in place (why decode only: :mod:`minisgl_ref.layers.triton_fused`)."""
+        if batch.mode.is_decode and triton_fused.available(q) and q.shape[-1] == self.head_dim:
+            norm = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None and k_norm is not None else ()
+            return triton_fused.qk_norm_rope_(positions, q, k, self.cos_cache, self.sin_cache, *norm)
+        if q_norm is not None and k_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        return self(positions, q, k)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from minisgl_ref.core.forward_batch import ForwardBatch
-from minisgl_ref.layers import triton_fused
 from minisgl_ref.layers.activation import SiluAndMul
 from minisgl_ref.layers.attention import AttentionLayer
 from minisgl_ref.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -40,24 +39,14 @@ class LlamaAttention(nn.Module):
                                         shard=self.qkv_proj.q_shard)
         self.rotary = rotary  # one cos/sin table shared by every layer
         self.attn = AttentionLayer(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, config.head_dim)
-        if self.use_qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if self.use_qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if self.use_qk_norm else None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        head_dim = self.attn.head_dim
-        q = q.reshape(-1, self.attn.num_heads, head_dim)
-        k = k.reshape(-1, self.attn.num_kv_heads, head_dim)
-        if batch.mode.is_decode and triton_fused.available(q) and self.rotary.head_dim == head_dim:
-            # QK-norm (if any) and RoPE in one kernel, in place; decode steps only (why: layers/triton_fused.py).
-            # Everything else takes the lines below.
-            norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.use_qk_norm else (None, None)
-            q, k = triton_fused.qk_norm_rope_(positions, q, k, self.rotary.cos_cache, self.rotary.sin_cache, *norm)
-        else:
-            if self.use_qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary(positions, q, k)
+        q = q.reshape(-1, self.attn.num_heads, self.attn.head_dim)
+        k = k.reshape(-1, self.attn.num_kv_heads, self.attn.head_dim)
+        q, k = self.rotary.norm_and_rotate(positions, q, k, batch, self.q_norm, self.k_norm)  # QK-norm: Qwen3 only
         return self.o_proj(self.attn(q, k, v, batch))
 
 
