@@ -449,7 +449,7 @@ else:
 # exit, then left the process group. On two GPUs that hung for the 30 s join time-out: NCCL's teardown waits for
 # every rank of the communicator, so the follower sat in its teardown waiting for the leader, which was waiting
 # for the follower. Now every rank drops its CUDA graphs (their captured all-reduces use the communicator),
-# synchronises, and leaves the group before anyone joins anyone (`TPHandle.close`, `quiesce_for_teardown`).
+# synchronises, and leaves the group before anyone joins anyone (`TPGroup.close` and `TPGroup.leave` in `tp/group.py`).
 
 # %% [markdown]
 # ## Exercises

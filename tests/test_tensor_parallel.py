@@ -167,7 +167,7 @@ def test_llm_tp2_generates_the_same_tokens_as_tp1(tiny_checkpoints):
             llm.engine.step()
         llm.engine.abort(a, "aborted by the test")
         llm.engine.run_until_done()
-        flushed = llm.engine.cache.flush_cache()
+        flushed = llm.engine.flush_cache()
         return a.output_ids, a.finish_reason.kind, b.output_ids, flushed
 
     ref_llm = LLM(path, **kw)

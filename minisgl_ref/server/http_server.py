@@ -146,7 +146,7 @@ class Gate:
 
 def create_app(manager: TokenizerManager, args: ServerArgs, model_name: str) -> FastAPI:
     app = FastAPI(title="minisgl_ref", version=minisgl_ref.__version__, docs_url=None, redoc_url=None)
-    accepted_names = {model_name, "default"} | ({args.model_path} if args.model_path else set())
+    accepted_names = {model_name, "default"} | ({args.model.model_path} if args.model.model_path else set())
 
     # ---------------------------------------------------------------------------------------- errors
 
