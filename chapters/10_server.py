@@ -145,7 +145,9 @@ def alive(pid: int) -> bool:
 # * The **scheduler** owns the engine and nothing else. Its loop drains whatever messages have arrived, runs one
 #   `engine.step()`, and sends every request's new token ids on. It never waits for a client and never decodes
 #   text for one. With tensor parallelism (chapter 09) there is one scheduler per rank; rank 0 talks to the
-#   other processes.
+#   other processes. It builds its engine with `build_runtime` (`minisgl_ref/runtime.py`), the very function
+#   behind `LLM(...)`, from the same settings objects (`ModelArgs`, `EngineConfig`, `TPArgs`) that the
+#   command-line flags are generated from: an HTTP request and an `LLM.generate` call run the same engine.
 # * The **detokenizer** turns ids into text, one `IncrementalDetokenizer` (chapter 02) per request. Decoding is
 #   cheap per token but not free, and here it costs the scheduler nothing.
 #

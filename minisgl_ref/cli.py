@@ -86,10 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     serving = bench_sub.add_parser("serving", help="online load generator against a running server (chapter 10)")
     add_serving_args(serving)
-    from minisgl_ref.bench.kernels import add_kernels_args
-
-    kernels = bench_sub.add_parser("kernels", help="attention kernel microbenchmarks vs the memory roofline (ch. 07)")
-    add_kernels_args(kernels)
 
     from minisgl_ref.server.args import add_server_args  # light: argparse only
 
@@ -166,10 +162,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.bench_command == "kernels":
-        from minisgl_ref.bench import kernels as bench_kernels
-
-        return bench_kernels.main(args)
     if args.bench_command == "serving":
         from minisgl_ref.bench import serving as bench_serving
 

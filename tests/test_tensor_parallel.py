@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minisgl_ref.bench.tp import model_logits, relative_error
+from benchmarks.tp import model_logits, relative_error
 from minisgl_ref.layers.linear import HeadShard, shard_heads
 from minisgl_ref.tp.launch import run_on_ranks
 

@@ -165,7 +165,8 @@ class DataParallelLauncher:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per readiness poll
         from minisgl_ref.models.loader import resolve_model_path
 
-        resolve_model_path(self.args.model.model_path, self.args.model.load_format)  # fail fast; convert the embedded model once
+        # fail fast; convert the embedded model once
+        resolve_model_path(self.args.model.model_path, self.args.model.load_format)
         envs = worker_envs(self.args)
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:

@@ -109,7 +109,8 @@ class TPEngine(Engine):
         self.tokenizer = tokenizer
         self._ops: list[tuple[Any, ...]] = []
         self._stopped = False
-        self.runner.sampler = RankZeroTokens(self.runner.sampler)  # the runner's sampler is a public part
+        # Every rank samples, then takes rank 0's tokens: the runner's sampler is a part the engine composes.
+        self.runner.sampler = RankZeroTokens(self.runner.sampler)
 
     # ------------------------------------------------------------------------------------------ leader side
 
