@@ -23,6 +23,7 @@ from minisgl_ref.engine.naive import NaiveEngine
 from minisgl_ref.runtime import build_runtime
 from minisgl_ref.sampling.params import SamplingParams
 from minisgl_ref.tokenizer import IncrementalDetokenizer
+from minisgl_ref.tp.group import TPGroup
 
 Prompt = str | Sequence[int]
 Messages = Sequence[Mapping[str, Any]]
@@ -63,7 +64,8 @@ class LLM:
     1..N-1 as child processes (one GPU each, or CPU processes talking through gloo), which follow it step by
     step. ``nnodes``, ``node_rank`` and ``dist_init_addr`` spread the ranks over machines, as in SGLang; on a
     node other than 0, call :meth:`follow` instead of generating. :meth:`shutdown` (or a ``with`` block, or the
-    end of the program) stops the other ranks. :func:`~minisgl_ref.runtime.build_runtime` does the building."""
+    end of the program) stops the other ranks. ``tp_rank`` is for processes started by someone else, one per
+    rank. :func:`~minisgl_ref.runtime.build_runtime` does the building."""
 
     def __init__(
         self,
@@ -79,12 +81,14 @@ class LLM:
         nnodes: int = 1,
         node_rank: int = 0,
         dist_init_addr: str | None = None,
+        tp_rank: int | None = None,
         **engine_kwargs: Any,
     ) -> None:
         model = ModelArgs(None if model_path is None else str(model_path), load_format, dtype,  # type: ignore[arg-type]
                           device, context_length, skip_tokenizer_init)
-        rt = build_runtime(model, EngineConfig(**engine_kwargs), TPArgs(tp_size, nnodes, node_rank, dist_init_addr),
-                           kind=engine)
+        tp = TPArgs(tp_size, nnodes, node_rank, dist_init_addr)
+        group = TPGroup.member(tp, tp_rank) if tp_rank is not None and tp.enabled else None  # started elsewhere
+        rt = build_runtime(model, EngineConfig(**engine_kwargs), tp, kind=engine, group=group)
         self.runtime, self.engine_kind, self.tp_size, self.tp_rank = rt, engine, tp_size, rt.tp_rank
         self.model, self.config, self.model_path, self.device = rt.model, rt.model_config, rt.model_path, rt.device
         self.tokenizer, self.eos_token_ids, self.context_length = rt.tokenizer, rt.eos_token_ids, rt.context_length

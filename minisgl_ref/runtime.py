@@ -84,11 +84,10 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
     (the server starts one scheduler process per rank)."""
     if kind not in ENGINE_KINDS:
         raise ValueError(f"engine must be 'paged' or 'naive', got {kind!r}")
+    if (group is not None or tp.enabled) and kind != "paged":
+        raise ValueError(f"tp_size={tp.tp_size} needs engine='paged' (the naive oracle runs on one device)")
     if group is None and tp.enabled:
-        if kind != "paged":
-            raise ValueError(f"tp_size={tp.tp_size} needs engine='paged' (the naive oracle runs on one device)")
-        DistConfig.of(tp)  # bad flags fail before anything starts
-        group = TPGroup.launch(tp, follow_leader, (model, engine))
+        group = TPGroup.launch(tp, follow_leader, (model, engine))  # checks the flags before it starts anything
     try:
         device = group.device(model.device) if group else torch.device(model.device or default_device())
         net, config, folder = load_model(model.model_path, load_format=model.load_format, dtype=model.dtype,
