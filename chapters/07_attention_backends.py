@@ -45,7 +45,7 @@
 #    bandwidth against the measured copy bandwidth (the roofline), our Triton kernel as a fraction of FlashInfer.
 #
 # Modules: `minisgl_ref/attention/` (`base.py`, `torch_native.py`, `triton_backend.py` + `triton_kernels/`,
-# `flashinfer_backend.py`, `fa3_backend.py`, `registry.py`), `minisgl_ref/bench/kernels.py`.
+# `flashinfer_backend.py`, `fa3_backend.py`, `registry.py`), `benchmarks/kernels.py`.
 
 # %% tags=["setup"]
 import inspect
@@ -504,8 +504,8 @@ for shape in sorted({(r["batch"], r["prefix"], r["extend"]) for r in prefill_row
 # python -m pytest tests/test_attention_backends.py -q -p no:cacheprovider  # CPU: tasks 7.1-7.2 and more
 # ./minisgl generate --attention-backend triton "Hello"                     # on a GPU (CPU: TRITON_INTERPRET=1)
 # # on an H100 with flashinfer-python and FlashAttention-3 installed:
-# bash scripts/gpu/attention.sh                     # pytest -m gpu + python -m minisgl_ref bench kernels
-# python -m minisgl_ref bench kernels --output docs/data/gpu_kernels_h100.json
+# bash scripts/gpu/attention.sh                     # pytest -m gpu + python -m benchmarks.kernels
+# python -m benchmarks.kernels --output docs/data/gpu_kernels_h100.json
 # ```
 #
 # Measured on an NVIDIA H100 80GB HBM3 (driver 580.159.04, torch 2.11.0+cu130, triton 3.6.0, flashinfer-python

@@ -49,6 +49,7 @@ import inspect
 import json
 import os
 import re
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -58,7 +59,6 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from transformers.utils import logging as hf_logging
 
 from minisgl_ref import LLM, SamplingParams
-from minisgl_ref.bench.tp import comm_profile, expected_bytes, model_logits, relative_error
 from minisgl_ref.distributed import set_tp_info
 from minisgl_ref.layers.linear import shard_heads
 from minisgl_ref.models.config import ModelConfig
@@ -69,6 +69,8 @@ from minisgl_ref.tp.launch import call_each, run_on_ranks
 CHAPTER_START = time.perf_counter()
 hf_logging.disable_progress_bar()
 ROOT = Path.cwd() if (Path.cwd() / "minisgl_ref").is_dir() else Path.cwd().parent
+sys.path.insert(0, str(ROOT))  # the measurements live beside the engine, in the repository's benchmarks/ folder
+from benchmarks.tp import comm_profile, expected_bytes, model_logits, relative_error  # noqa: E402
 GPU_RESULTS = ROOT / "docs" / "data" / "tp_bench_h200.json"
 
 # One CPU thread per process, as in the other chapters: here every rank is a process, and two ranks on a small
@@ -338,9 +340,10 @@ for name in ("qwen3-0.6b", "qwen3-14b", "llama-3.1-8b"):
 # weight reads promise, and why real engines fuse the all-reduce with the next norm, or use custom one-shot all-
 # reduce kernels for small tensors.
 #
-# Now measured on this CPU: `comm_profile` (run on both ranks in section 3) wraps the collectives
-# (`count_communication` in `parallel_state.py`), runs one prefill pass of 64 tokens and one decode-shaped pass of
-# 8 rows on each rank, and reports the bytes, the calls and the time spent inside them. The byte counts must equal
+# Now measured on this CPU: `comm_profile` (run on both ranks in section 3) counts the collectives from the
+# outside (`count_communication` in `benchmarks/tp.py` stands in for `torch.distributed` inside `parallel_state.py`
+# while it runs, so the collectives themselves carry no measuring code), runs one prefill pass of 64 tokens and one
+# decode-shaped pass of 8 rows on each rank, and reports the bytes, the calls and the time spent inside them. The byte counts must equal
 # the formula:
 
 # %%
@@ -449,7 +452,7 @@ else:
 # exit, then left the process group. On two GPUs that hung for the 30 s join time-out: NCCL's teardown waits for
 # every rank of the communicator, so the follower sat in its teardown waiting for the leader, which was waiting
 # for the follower. Now every rank drops its CUDA graphs (their captured all-reduces use the communicator),
-# synchronises, and leaves the group before anyone joins anyone (`TPHandle.close`, `quiesce_for_teardown`).
+# synchronises, and leaves the group before anyone joins anyone (`TPGroup.close` and `TPGroup.leave` in `tp/group.py`).
 
 # %% [markdown]
 # ## Exercises

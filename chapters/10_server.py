@@ -72,6 +72,7 @@ from minisgl_ref.bench.serving import (
     run_benchmark,
 )
 from minisgl_ref.server import messages
+from minisgl_ref.core.config import ModelArgs
 from minisgl_ref.server.args import Addresses, ServerArgs
 from minisgl_ref.server.detokenizer_process import DetokenizerWorker, load_tokenizer
 
@@ -144,7 +145,9 @@ def alive(pid: int) -> bool:
 # * The **scheduler** owns the engine and nothing else. Its loop drains whatever messages have arrived, runs one
 #   `engine.step()`, and sends every request's new token ids on. It never waits for a client and never decodes
 #   text for one. With tensor parallelism (chapter 09) there is one scheduler per rank; rank 0 talks to the
-#   other processes.
+#   other processes. It builds its engine with `build_runtime` (`minisgl_ref/runtime.py`), the very function
+#   behind `LLM(...)`, from the same settings objects (`ModelArgs`, `EngineConfig`, `TPArgs`) that the
+#   command-line flags are generated from: an HTTP request and an `LLM.generate` call run the same engine.
 # * The **detokenizer** turns ids into text, one `IncrementalDetokenizer` (chapter 02) per request. Decoding is
 #   cheap per token but not free, and here it costs the scheduler nothing.
 #
@@ -841,7 +844,7 @@ os.unlink(server_log.name)
 # %%
 from minisgl_ref.server.data_parallel import router_command, worker_command
 
-dp_args = ServerArgs(dp_size=2, device="cpu")
+dp_args = ServerArgs(dp_size=2, model=ModelArgs(device="cpu"))
 dp_urls = [f"http://127.0.0.1:{port}" for port in (41001, 41002)]
 for url in dp_urls:
     print("python", " ".join(worker_command(dp_args, int(url.rsplit(":", 1)[1]))[1:]))
@@ -871,8 +874,8 @@ print("python", " ".join(router_command(dp_args, dp_urls, metrics_port=41003)[1:
 # 2. **Load curve.** Run `bench serving` against a server at request rates 0.5, 1, 2 and 4 (keep
 #    `--num-prompts` small on a CPU). Plot median TTFT and output throughput against the rate. Where does the
 #    server saturate, and what happens to TTFT beyond that point? Compare `--max-concurrency 2` at rate `inf`.
-# 3. **Abort under overlap.** `SchedulerWorker._abort` sets `engine.cache.defer_frees` before it aborts. Explain,
-#    with chapter 06's timeline, which step could still write the aborted request's KV slots, and what another
+# 3. **Abort under overlap.** `SchedulerWorker._abort` calls `engine.abort`, which holds back the aborted
+#    request's frees while a step is in flight. Explain, with chapter 06's timeline, which step could still write the aborted request's KV slots, and what another
 #    request that received those slots would see if the frees were not deferred.
 # 4. **Another metric.** Add a Prometheus counter for requests that finished on a stop string
 #    (`finish_reason.type == "stop"` with a string `matched`) and check that it moves in `test_metrics_move`.

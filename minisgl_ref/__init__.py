@@ -3,8 +3,8 @@
 Start with ``from minisgl_ref import LLM, SamplingParams``; the book's chapters explain every module.
 
 The subpackages are floors, and a module imports only from its own floor or one below. ``LAYERS`` in
-``tests/test_layering.py`` is the one list of them (bottom first: sampling and tokenizer, core, distributed,
-layers, kvcache, models, attention, scheduler, engine, tp, llm, this package's API, server and bench, cli), and
+``tests/test_layering.py`` is the one list of them (bottom first: env, sampling and tokenizer, core, distributed,
+layers, kvcache, models, attention, scheduler, engine, tp, runtime, llm, this package's API, server and bench, cli), and
 that test fails on any upward import or import cycle.
 """
 

@@ -14,78 +14,20 @@ import sys
 from collections.abc import Sequence
 
 from minisgl_ref.bench import offline as bench_offline
+from minisgl_ref.core.config import EngineConfig, ModelArgs, TPArgs, add_flags, from_flags
 from minisgl_ref.sampling.params import SamplingParams
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--model-path", default=None,
-                   help="local HF folder, or a shipped config name with --load-format dummy "
-                        "(default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--context-length", type=int, default=None)
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The engine's knobs, with SGLang's flag names (chapters 03-06)."""
+def add_model_and_engine_args(p: argparse.ArgumentParser) -> None:
+    """The model, engine and tensor-parallel flags, with SGLang's names, generated from the settings classes
+    (chapters 02-09). ``--chunked-prefill-size`` and ``--enable-mixed-chunk`` default to None here: ``serve``
+    on a CPU picks its own values for them (see ``server/args.py``)."""
+    add_flags(p.add_argument_group("model"), ModelArgs)
     g = p.add_argument_group("engine (SGLang names)")
     g.add_argument("--engine", default="paged", choices=["paged", "naive"],
                    help="paged: the real engine; naive: the chapter-00 oracle (no KV cache)")
-    g.add_argument("--max-running-requests", type=int, default=256)
-    g.add_argument("--max-prefill-tokens", type=int, default=16384)
-    g.add_argument("--chunked-prefill-size", type=int, default=None,
-                   help="most prompt tokens of one request per step; -1 disables chunking (default: 8192; "
-                        "serve on a CPU: 32, see chapter 10)")
-    g.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"])
-    g.add_argument("--enable-mixed-chunk", action=argparse.BooleanOptionalAction, default=None,
-                   help="decode rows ride along in prefill steps (default: off; serve on a CPU: on)")
-    g.add_argument("--in-batch-prefix-threshold", type=int, default=32,
-                   help="hold back a request sharing this many uncached prompt tokens with one admitted in the same "
-                        "prefill step, so it hits the radix cache next step (chapter 04); -1 disables")
-    g.add_argument("--page-size", type=int, default=1)
-    g.add_argument("--disable-radix-cache", action="store_true")
-    g.add_argument("--disable-overlap-schedule", action="store_true")
-    g.add_argument("--max-total-tokens", type=int, default=None)
-    g.add_argument("--mem-fraction-static", type=float, default=0.85)
-    t = p.add_argument_group("tensor parallelism (SGLang names, chapter 09)")
-    t.add_argument("--tp-size", type=int, default=1, help="ranks that share the model (one GPU, or CPU process, each)")
-    t.add_argument("--nnodes", type=int, default=1, help="machines the --tp-size ranks are spread over")
-    t.add_argument("--node-rank", type=int, default=0, help="this machine's index among the --nnodes")
-    t.add_argument("--dist-init-addr", default=None,
-                   help="host:port on node 0 where the ranks meet (required with --nnodes > 1)")
-    g.add_argument("--cuda-graph-max-bs", type=int, default=None,
-                   help="capture decode CUDA graphs up to this batch size (default: max running requests, <= 256)")
-    g.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly (chapter 08)")
-    from minisgl_ref.core.config import ATTENTION_BACKENDS
-
-    for flag, what in (("--attention-backend", "both phases"), ("--prefill-attention-backend", "extend steps"),
-                       ("--decode-attention-backend", "decode steps")):  # fmt: skip
-        g.add_argument(flag, default=None, choices=ATTENTION_BACKENDS,
-                       help=f"attention kernels for {what} (chapter 07; default: by device)")
-
-
-ENGINE_ARG_NAMES = (
-    "max_running_requests", "max_prefill_tokens", "chunked_prefill_size", "schedule_policy", "enable_mixed_chunk",
-    "in_batch_prefix_threshold",
-    "page_size", "disable_radix_cache", "disable_overlap_schedule", "max_total_tokens", "mem_fraction_static",
-    "cuda_graph_max_bs", "disable_cuda_graph",
-    "attention_backend", "prefill_attention_backend", "decode_attention_backend",
-)
-
-
-TP_ARG_NAMES = ("tp_size", "nnodes", "node_rank", "dist_init_addr")
-
-
-def tp_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    """The tensor-parallel flags, as ``LLM`` keyword arguments (chapter 09)."""
-    return {name: getattr(args, name) for name in TP_ARG_NAMES}
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    """The engine flags given (a flag left at None takes :class:`EngineConfig`'s default)."""
-    return {name: getattr(args, name) for name in ENGINE_ARG_NAMES if getattr(args, name) is not None}
+    add_flags(g, EngineConfig, chunked_prefill_size=None, enable_mixed_chunk=None)
+    add_flags(p.add_argument_group("tensor parallelism (SGLang names, chapter 09)"), TPArgs)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, default_temperature: float) -> None:
@@ -127,36 +69,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--system", default=None, help="system message for the chat template")
-    _add_model_args(gen)
-    add_engine_args(gen)
+    add_model_and_engine_args(gen)
     _add_sampling_args(gen, default_temperature=0.0)
 
     chat = sub.add_parser("chat", help="interactive chat; /reset clears the history, /exit quits")
     chat.add_argument("--system", default=None)
-    _add_model_args(chat)
-    add_engine_args(chat)
+    add_model_and_engine_args(chat)
     _add_sampling_args(chat, default_temperature=0.7)
 
     bench = sub.add_parser("bench", help="benchmarks (chapter 11)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     offline = bench_sub.add_parser("offline", help="offline throughput of one generate call over a fixed workload")
-    _add_model_args(offline)
-    add_engine_args(offline)
+    add_model_and_engine_args(offline)
     bench_offline.add_offline_args(offline)
     from minisgl_ref.bench.serving import add_serving_args  # light: no torch
 
     serving = bench_sub.add_parser("serving", help="online load generator against a running server (chapter 10)")
     add_serving_args(serving)
-    from minisgl_ref.bench.kernels import add_kernels_args
-
-    kernels = bench_sub.add_parser("kernels", help="attention kernel microbenchmarks vs the memory roofline (ch. 07)")
-    add_kernels_args(kernels)
 
     from minisgl_ref.server.args import add_server_args  # light: argparse only
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible and SGLang-native HTTP server (chapter 10)")
-    _add_model_args(serve)
-    add_engine_args(serve)
+    add_model_and_engine_args(serve)
     add_server_args(serve)
     return parser
 
@@ -164,16 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from minisgl_ref.llm import LLM
 
-    return LLM(
-        args.model_path,
-        load_format=args.load_format,
-        dtype=args.dtype,
-        device=args.device,
-        context_length=args.context_length,
-        engine=args.engine,
-        **tp_kwargs(args),
-        **(engine_kwargs(args) if args.engine == "paged" else {}),
-    )
+    return LLM(args.model_path, load_format=args.load_format, dtype=args.dtype, device=args.device,
+               context_length=args.context_length, engine=args.engine, **vars(from_flags(TPArgs, args)),
+               **(engine_kwargs(args) if args.engine == "paged" else {}))
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """The engine flags given, as ``LLM`` keyword arguments (a flag left at None takes the default)."""
+    return {k: v for k, v in vars(from_flags(EngineConfig, args)).items() if getattr(args, k, None) is not None}
 
 
 def _messages(system: str | None, turns: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -230,17 +162,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.bench_command == "kernels":
-        from minisgl_ref.bench import kernels as bench_kernels
-
-        return bench_kernels.main(args)
     if args.bench_command == "serving":
         from minisgl_ref.bench import serving as bench_serving
 
         return bench_serving.main(args)
     kwargs = engine_kwargs(args)
-    if args.tp_size > 1 or args.nnodes > 1:  # bench offline --tp-size N: the LLM takes the TP flags too (ch. 09)
-        kwargs |= tp_kwargs(args)
+    if from_flags(TPArgs, args).enabled:  # bench offline --tp-size N: the LLM takes the TP flags too (ch. 09)
+        kwargs |= vars(from_flags(TPArgs, args))
     return bench_offline.main(args, kwargs)
 
 
@@ -248,7 +176,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from minisgl_ref.server.args import ServerArgs
     from minisgl_ref.server.launch import run_server
 
-    return run_server(ServerArgs.from_cli(args, engine_kwargs(args)))
+    return run_server(ServerArgs.from_cli(args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

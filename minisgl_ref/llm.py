@@ -7,36 +7,23 @@ faster chapter by chapter; this interface does not change.
 
 from __future__ import annotations
 
-import faulthandler
-import gc
-import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from minisgl_ref.core.config import EngineConfig
+from minisgl_ref.core.config import EngineConfig, ModelArgs, TPArgs
 from minisgl_ref.core.request import Req
-from minisgl_ref.distributed import set_tp_info
-from minisgl_ref.distributed.group import (
-    DistConfig,
-    destroy_distributed,
-    exit_with_parent,
-    init_distributed,
-    rank_device,
-)
 from minisgl_ref.engine.engine import Engine
 from minisgl_ref.engine.naive import NaiveEngine
-from minisgl_ref.models.loader import load_model
+from minisgl_ref.runtime import build_runtime
 from minisgl_ref.sampling.params import SamplingParams
-from minisgl_ref.tokenizer import IncrementalDetokenizer, Tokenizer
-from minisgl_ref.tokenizer.tokenizer import TOKENIZER_FILES
-from minisgl_ref.tp.engine import TPEngine, spawn_local_ranks, stop_local_ranks, wait_ready
+from minisgl_ref.tokenizer import IncrementalDetokenizer
+from minisgl_ref.tp.group import TPGroup
 
 Prompt = str | Sequence[int]
 Messages = Sequence[Mapping[str, Any]]
@@ -64,72 +51,6 @@ class GenerateOutput:
         return asdict(self)
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def quiesce_for_teardown(engine: Any) -> None:
-    """Before a rank leaves its process group: drop the engine's CUDA graphs (their captured all-reduces use the
-    NCCL communicator about to be destroyed) and wait for the device, so that no collective is pending.
-
-    ``MINISGL_SHUTDOWN_TRACE_S=N`` prints every thread's Python stack if teardown still runs N seconds later:
-    how to find out where a rank hangs on a machine without a debugger."""
-    trace_after = float(os.environ.get("MINISGL_SHUTDOWN_TRACE_S", "0") or 0)
-    if trace_after > 0:
-        faulthandler.dump_traceback_later(trace_after, exit=False)
-    runner = getattr(engine, "runner", None)
-    if runner is not None and getattr(runner, "graph_runner", None) is not None:
-        runner.graph_runner = None
-        gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-@dataclass
-class TPHandle:
-    """What an ``LLM`` must clean up at tp > 1: the ranks it spawned and the process group (chapter 09)."""
-
-    size: int
-    procs: list[Any] = field(default_factory=list)
-    engine: Any = None
-
-    def close(self) -> None:
-        connected = dist.is_initialized()
-        if isinstance(self.engine, TPEngine) and self.engine.is_leader and connected:
-            self.engine.stop_followers()
-        # Leave the group *before* waiting for the followers to exit: NCCL's teardown waits for every rank of
-        # the communicator, so a leader that joined its followers first would wait on them while they wait in
-        # their own teardown for it (on two H200s that cost the 30 s join time-out at every shutdown; gloo's
-        # teardown is local, which is why the CPU tests never saw it).
-        if self.size > 1:
-            quiesce_for_teardown(self.engine)
-            destroy_distributed()
-            faulthandler.cancel_dump_traceback_later()
-        if self.procs:
-            stop_local_ranks(self.procs, timeout_s=30.0 if connected else 0.0)
-            self.procs = []
-        self.engine = None
-
-
-def _tp_follower_main(rank: int, dist_cfg: DistConfig, llm_kwargs: dict[str, Any], ready: Any) -> None:
-    """Entry point of a spawned follower of an offline ``LLM(tp_size=N)``: build the same LLM as rank ``rank``,
-    then follow the leader until it stops."""
-    exit_with_parent()
-    threads = os.environ.get("MINISGL_THREADS")
-    if threads:
-        torch.set_num_threads(int(threads))
-    try:
-        llm = LLM(**llm_kwargs, tp_size=dist_cfg.tp_size, nnodes=dist_cfg.nnodes, node_rank=dist_cfg.node_rank,
-                  dist_init_addr=dist_cfg.dist_init_addr, tp_rank=rank, _ready=ready)
-    except Exception as e:  # noqa: BLE001 - reported to the leader, which raises it
-        try:
-            ready.send({"error": f"rank {rank}: {type(e).__name__}: {e}"})
-        except (OSError, ValueError):
-            pass
-        raise SystemExit(1) from e
-    llm.follow()
-
-
 class LLM:
     """An engine in a Python object. ``LLM()`` loads the embedded SmolLM2-135M-Instruct; ``LLM(model_path=...)``
     any local HF folder; ``LLM(model_path="qwen3-0.6b", load_format="dummy")`` a shipped config with random
@@ -143,8 +64,8 @@ class LLM:
     1..N-1 as child processes (one GPU each, or CPU processes talking through gloo), which follow it step by
     step. ``nnodes``, ``node_rank`` and ``dist_init_addr`` spread the ranks over machines, as in SGLang; on a
     node other than 0, call :meth:`follow` instead of generating. :meth:`shutdown` (or a ``with`` block, or the
-    end of the program) stops the other ranks. ``tp_rank`` is for processes started by someone else (the server
-    starts one scheduler process per rank)."""
+    end of the program) stops the other ranks. ``tp_rank`` is for processes started by someone else, one per
+    rank. :func:`~minisgl_ref.runtime.build_runtime` does the building."""
 
     def __init__(
         self,
@@ -161,121 +82,33 @@ class LLM:
         node_rank: int = 0,
         dist_init_addr: str | None = None,
         tp_rank: int | None = None,
-        _ready: Any = None,
         **engine_kwargs: Any,
     ) -> None:
-        if engine not in ("paged", "naive"):
-            raise ValueError(f"engine must be 'paged' or 'naive', got {engine!r}")
-        engine_config = EngineConfig(**engine_kwargs)
-        self.device = torch.device(device or default_device())
-        # Tensor parallelism (chapter 09): this process is one rank; at tp_size=1 nothing below starts anything.
-        self.tp_size, self.tp_rank = tp_size, 0
-        self._tp = TPHandle(tp_size)
-        dist_cfg = None
-        if tp_size > 1 or nnodes > 1:
-            if engine != "paged":
-                raise ValueError(f"tp_size={tp_size} needs engine='paged' (the naive oracle runs on one device)")
-            dist_cfg, ready_conns = self._start_tp(
-                DistConfig(tp_size, 0, nnodes, node_rank, dist_init_addr), tp_rank,
-                dict(model_path=None if model_path is None else str(model_path), load_format=load_format,
-                     dtype=dtype, device=device, context_length=context_length, engine=engine,
-                     skip_tokenizer_init=skip_tokenizer_init, **engine_kwargs),
-            )
-            # Stop the other ranks when this object goes away (or at exit), even without shutdown().
-            self._tp_finalizer = weakref.finalize(self, self._tp.close)
-        try:
-            self.model, self.config, folder = load_model(
-                None if model_path is None else str(model_path), load_format=load_format, dtype=dtype,
-                device=self.device,
-            )
-            if dist_cfg is not None:
-                self._join_tp(dist_cfg, ready_conns, _ready)
-        except BaseException:
-            self.shutdown()
-            raise
-        self.model_path = folder
-        self.tokenizer: Tokenizer | None = None
-        if folder is not None and load_format != "dummy" and not skip_tokenizer_init:
-            if any((folder / name).is_file() for name in TOKENIZER_FILES):
-                self.tokenizer = Tokenizer.from_pretrained(folder)
-            # else: a weights-only folder; like SGLang's --skip-tokenizer-init, prompts must be token ids
-        eos = set(self.config.eos_token_ids)
-        if self.tokenizer is not None:
-            eos |= self.tokenizer.eos_token_ids
-        self.eos_token_ids = frozenset(eos)
-        self.context_length = context_length or self.config.max_position_embeddings
-        if self.context_length < 2:
-            raise ValueError(f"context_length must be at least 2, got {self.context_length}")
-        self.engine_kind = engine
-        self.engine: Engine | NaiveEngine
-        if engine == "naive":
-            self.engine = NaiveEngine(self.model, self.config.vocab_size, self.device)
-        elif dist_cfg is not None:
-            self.engine = TPEngine(self.model, self.config, engine_config, device=self.device,
-                                   context_length=self.context_length, tokenizer=self.tokenizer)
-            self._tp.engine = self.engine
-        else:
-            self.engine = Engine(self.model, self.config, engine_config, device=self.device,
-                                 context_length=self.context_length)
-
-    # ------------------------------------------------------------------------------ tensor parallelism (ch. 09)
-
-    def _start_tp(self, cfg: DistConfig, tp_rank: int | None, llm_kwargs: dict[str, Any]) -> tuple[DistConfig, list]:
-        """Take this process's rank and, when it launches its node (``tp_rank is None``), spawn the node's other
-        ranks. They load their shards while this process loads its own; the process group starts afterwards."""
-        launcher = tp_rank is None
-        if launcher:
-            if cfg.nnodes == 1:
-                cfg = cfg.with_free_port()
-            cfg = cfg.with_rank(cfg.node_ranks()[0])
-        else:
-            cfg = cfg.with_rank(tp_rank)
-        self.tp_rank = cfg.tp_rank
-        self.device = rank_device(cfg, self.device)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        else:
-            # Ranks on one CPU share its cores; more threads than cores makes every rank spin at each barrier.
-            threads = os.environ.get("MINISGL_THREADS") or max(1, (os.cpu_count() or 1) // cfg.ranks_per_node)
-            torch.set_num_threads(int(threads))
-        set_tp_info(cfg.tp_rank, cfg.tp_size)
-        conns: list = []
-        if launcher:
-            others = [r for r in cfg.node_ranks() if r != cfg.tp_rank]
-            self._tp.procs, conns = spawn_local_ranks(cfg, others, _tp_follower_main, llm_kwargs)
-        return cfg, conns
-
-    def _join_tp(self, cfg: DistConfig, conns: list, ready: Any) -> None:
-        if ready is not None:  # a spawned rank: tell the launcher that the weights are loaded
-            ready.send({"ok": cfg.tp_rank})
-            ready.close()
-        wait_ready(self._tp.procs, conns)
-        init_distributed(cfg, self.device)
+        model = ModelArgs(None if model_path is None else str(model_path), load_format, dtype,  # type: ignore[arg-type]
+                          device, context_length, skip_tokenizer_init)
+        tp = TPArgs(tp_size, nnodes, node_rank, dist_init_addr)
+        group = TPGroup.member(tp, tp_rank) if tp_rank is not None and tp.enabled else None  # started elsewhere
+        rt = build_runtime(model, EngineConfig(**engine_kwargs), tp, kind=engine, group=group)
+        self.runtime, self.engine_kind, self.tp_size, self.tp_rank = rt, engine, tp_size, rt.tp_rank
+        self.model, self.config, self.model_path, self.device = rt.model, rt.model_config, rt.model_path, rt.device
+        self.tokenizer, self.eos_token_ids, self.context_length = rt.tokenizer, rt.eos_token_ids, rt.context_length
+        self.engine: Engine | NaiveEngine = rt.engine
+        # Stop the other ranks when this object goes away (or at exit), even without shutdown().
+        self._finalizer = weakref.finalize(self, rt.shutdown)
 
     @property
     def is_leader(self) -> bool:
         """Only rank 0 takes requests; the other ranks :meth:`follow` it."""
-        return self.tp_rank == 0
+        return self.runtime.is_leader
 
     def follow(self) -> None:
-        """On a rank other than 0: replay rank 0's steps until it shuts down, then leave the process group."""
-        if not isinstance(self.engine, TPEngine) or self.is_leader:
-            raise ValueError("follow() is for tensor-parallel ranks other than 0")
-        try:
-            self.engine.follow()
-        finally:
-            quiesce_for_teardown(self.engine)
-            destroy_distributed()
-            faulthandler.cancel_dump_traceback_later()
+        """On a rank other than 0 (``node_rank > 0``): replay rank 0's steps until it shuts down."""
+        self.runtime.follow()
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks and leave the process group (a no-op at tp=1). Also runs at exit
         and at the end of a ``with LLM(...) as llm:`` block."""
-        finalizer = getattr(self, "_tp_finalizer", None)
-        if finalizer is not None:
-            finalizer()  # runs TPHandle.close once
-        else:
-            self._tp.close()
+        self._finalizer()
 
     def __enter__(self) -> LLM:
         return self

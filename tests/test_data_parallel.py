@@ -23,7 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
-from minisgl_ref.cli import build_parser, engine_kwargs, main
+from minisgl_ref.cli import build_parser, main
+from minisgl_ref.core.config import ModelArgs, TPArgs
 from minisgl_ref.server.args import ServerArgs
 from minisgl_ref.server.data_parallel import ROUTER_INSTALL, worker_command, worker_envs
 from tests.server_utils import ServerProcess, alive, descendants_of, wait_for_log
@@ -66,7 +67,7 @@ def wait_all_gone(pids: list[int], groups: list[int], timeout: float = 10) -> li
 
 def server_args(argv: list[str]) -> ServerArgs:
     ns = build_parser().parse_args(argv)
-    return ServerArgs.from_cli(ns, engine_kwargs(ns))
+    return ServerArgs.from_cli(ns)
 
 
 # ---------------------------------------------------------------------------------------------- fast: flags
@@ -89,13 +90,13 @@ def test_worker_envs(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a CPU the workers share the cores; on a GPU machine each gets its own --tp-size GPUs."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = len(os.sched_getaffinity(0))
-    envs = worker_envs(ServerArgs(dp_size=2, device="cpu"))
+    envs = worker_envs(ServerArgs(dp_size=2, model=ModelArgs(device="cpu")))
     assert [e["OMP_NUM_THREADS"] for e in envs] == [str(max(1, (cores - 1) // 2))] * 2
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")
-    envs = worker_envs(ServerArgs(dp_size=2, tp_size=2, device="cuda"))
+    envs = worker_envs(ServerArgs(dp_size=2, model=ModelArgs(device="cuda"), tp=TPArgs(tp_size=2)))
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["3,5", "6,7"]
     with pytest.raises(ValueError, match="needs 6 GPUs, 4 visible"):
-        worker_envs(ServerArgs(dp_size=3, tp_size=2, device="cuda"))
+        worker_envs(ServerArgs(dp_size=3, model=ModelArgs(device="cuda"), tp=TPArgs(tp_size=2)))
 
 
 def test_dp_size_errors(capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 # The floors of the engine, bottom first. A package imports only from its own floor or a lower one.
 LAYERS: tuple[tuple[str, ...], ...] = (
+    ("env",),  # every environment variable the package reads
     ("sampling", "tokenizer"),  # sampling parameters and the sampler; tokenizer and incremental detokenizer
     ("core",),  # the shared vocabulary: Req, ForwardBatch, EngineConfig, ScheduledBatch
     ("distributed",),  # process groups and collectives
@@ -27,7 +28,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("attention",),  # attention backends
     ("scheduler",),  # the scheduler and the cache manager it drives
     ("engine",),  # the engine loop, model runner, CUDA graphs
-    ("tp",),  # the tensor-parallel engine and rank launching
+    ("tp",),  # the tensor-parallel engine, group membership and rank launching
+    ("runtime",),  # build_runtime: model, tokenizer and engine for one process (offline, server, followers)
     ("llm",),  # the offline LLM
     ("minisgl_ref",),  # the package's public API (`from minisgl_ref import LLM, SamplingParams`)
     ("server", "bench"),  # the HTTP server processes; the benchmarks

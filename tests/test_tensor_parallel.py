@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minisgl_ref.bench.tp import model_logits, relative_error
+from benchmarks.tp import model_logits, relative_error
 from minisgl_ref.layers.linear import HeadShard, shard_heads
 from minisgl_ref.tp.launch import run_on_ranks
 
@@ -167,7 +167,7 @@ def test_llm_tp2_generates_the_same_tokens_as_tp1(tiny_checkpoints):
             llm.engine.step()
         llm.engine.abort(a, "aborted by the test")
         llm.engine.run_until_done()
-        flushed = llm.engine.cache.flush_cache()
+        flushed = llm.engine.flush_cache()
         return a.output_ids, a.finish_reason.kind, b.output_ids, flushed
 
     ref_llm = LLM(path, **kw)

@@ -23,11 +23,11 @@ engine at start-up with one ``ValueError`` line that says what to do instead.
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import TYPE_CHECKING
 
 import torch
 
+from minisgl_ref import env
 from minisgl_ref.attention.base import AttentionBackend
 from minisgl_ref.core.config import EngineConfig, validate_backend_name
 
@@ -88,7 +88,7 @@ def check_backend_can_run(name: str, device: torch.device, dtype: torch.dtype | 
     if name == "triton":
         if not _importable("triton"):
             raise ValueError(f"attention backend 'triton' needs the triton package ({INSTALL_HINT})")
-        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        if device.type == "cpu" and not env.triton_interpreter():
             raise ValueError(
                 "attention backend 'triton' needs a CUDA device; on the CPU it runs only in Triton's interpreter "
                 "(set TRITON_INTERPRET=1 before starting; slow, for tests), else use torch_native"

@@ -291,7 +291,7 @@ class RunResult:
     total_throughput: float
     prefill_tokens: int  # prompt tokens whose KV was computed (the naive oracle: every token it fed the model)
     cached_tokens: int  # prompt tokens served from the radix cache
-    radix_hit_rate: float | None  # cached / looked-up prompt tokens at admission; None without a radix cache
+    radix_hit_rate: float | None  # cached / prompt tokens of the run; None without a radix cache
     retractions: int
     steps: int | None
     aborted: int = 0
@@ -306,17 +306,13 @@ class _Counters:
     prefill_tokens: int = 0
     steps: int = 0
     retractions: int = 0
-    hit_tokens: int = 0
-    query_tokens: int = 0
 
     @classmethod
     def read(cls, llm) -> _Counters:  # type: ignore[no-untyped-def]
         engine = llm.engine
-        if not hasattr(engine, "stats"):  # the naive oracle keeps no statistics
+        if llm.engine_kind == "naive":  # the oracle keeps no statistics
             return cls()
-        tree = engine.cache.tree
-        return cls(engine.stats.prefill_tokens, engine.stats.steps, engine.scheduler.num_retractions,
-                   tree.hit_tokens, tree.query_tokens)
+        return cls(engine.stats.prefill_tokens, engine.stats.steps, engine.scheduler.num_retractions)
 
     def __sub__(self, other: _Counters) -> _Counters:
         return _Counters(*(a - b for a, b in zip(asdict(self).values(), asdict(other).values())))
@@ -329,9 +325,8 @@ def _synchronize(device: torch.device) -> None:
 
 def _forget_warmup(llm) -> None:  # type: ignore[no-untyped-def]
     """Empty the radix cache after the warm-up, so the timed run starts as cold as it would without one."""
-    cache = getattr(llm.engine, "cache", None)
-    if cache is not None:
-        cache.flush_cache()
+    if llm.engine_kind != "naive":
+        llm.engine.flush_cache()  # through the engine: at tp > 1 the followers flush theirs too
 
 
 def time_generate(llm, workload: Workload, *, warmup: Workload | None = None):  # type: ignore[no-untyped-def]
@@ -349,11 +344,11 @@ def time_generate(llm, workload: Workload, *, warmup: Workload | None = None):  
     return outputs, wall, _Counters.read(llm) - before
 
 
-def _hit_rate(engine_args: dict[str, Any], counters: _Counters) -> float | None:
-    """Prompt tokens found in the radix cache / prompt tokens looked up; ``None`` for engines without one."""
+def _hit_rate(engine_args: dict[str, Any], cached: int, prompt: int) -> float | None:
+    """Prompt tokens served from the radix cache / prompt tokens; ``None`` for engines without one."""
     if not engine_args or engine_args.get("disable_radix_cache", False):
         return None
-    return counters.hit_tokens / counters.query_tokens if counters.query_tokens else 0.0
+    return cached / prompt if prompt else 0.0
 
 
 def summarize(  # type: ignore[no-untyped-def]
@@ -364,6 +359,7 @@ def summarize(  # type: ignore[no-untyped-def]
     naive = llm.engine_kind == "naive"
     engine_args = {} if naive else asdict(llm.engine.config)
     in_tokens = sum(o.prompt_tokens for o in outputs)
+    cached = sum(o.cached_tokens for o in outputs)
     out_tokens = sum(o.completion_tokens for o in outputs)
     if naive:
         prefill = context_token_sum([o.prompt_tokens for o in outputs], [o.completion_tokens for o in outputs])
@@ -374,7 +370,7 @@ def summarize(  # type: ignore[no-untyped-def]
         dtype=str(llm.config.dtype).removeprefix("torch."), requests=len(outputs), input_tokens=in_tokens,
         output_tokens=out_tokens, wall_s=wall, output_throughput=out_tokens / wall,
         total_throughput=(in_tokens + out_tokens) / wall, prefill_tokens=prefill,
-        cached_tokens=sum(o.cached_tokens for o in outputs), radix_hit_rate=_hit_rate(engine_args, counters),
+        cached_tokens=cached, radix_hit_rate=_hit_rate(engine_args, cached, in_tokens),
         retractions=counters.retractions, steps=None if naive else counters.steps,
         aborted=sum(o.finish_reason == "abort" for o in outputs),
     )

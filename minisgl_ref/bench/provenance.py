@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from minisgl_ref import env
+
 #: Distributions whose versions every results file records (missing ones are recorded as ``None``).
 PACKAGES = ("minisgl_ref", "torch", "transformers", "tokenizers", "safetensors", "numpy",
             "triton", "flashinfer-python", "flash-attn")
@@ -151,9 +153,9 @@ def _common_dir(git_dir: Path) -> Path:
 
 def git_commit(start: Path | None = None) -> str | None:
     """The checked-out commit (40 hex digits), read from the files under ``.git``; ``None`` outside a checkout
-    or before the first commit. ``MINISGL_GIT_COMMIT``, when set, wins: the lent GPU machines receive the working tree with a
-    stale ``.git``. Uncommitted changes are not detected: commit before publishing numbers."""
-    pinned = os.environ.get("MINISGL_GIT_COMMIT")
+    or before the first commit. ``MINISGL_GIT_COMMIT``, when set, wins: a copy of the working tree on another
+    machine may carry a stale ``.git``. Uncommitted changes are not detected: commit before publishing numbers."""
+    pinned = env.pinned_git_commit()
     if pinned:  # given explicitly, e.g. on a machine that received the working tree but not a current .git
         return pinned
     git_dir = find_git_dir(start)

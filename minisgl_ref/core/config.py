@@ -1,14 +1,65 @@
-"""Engine settings, named after SGLang's server arguments so that flags carry over (chapters 03-07).
+"""What to load and how to run it: the model, engine and tensor-parallel settings (chapters 02-09).
 
-The list of attention backend names lives here, beside the settings that are checked against it.
+The fields are named after SGLang's server arguments so that flags carry over, and each field that is a
+command-line flag says so with :func:`flag`, which carries its help text: :func:`add_flags` turns a dataclass into
+an argparse group and :func:`from_flags` turns the parsed flags back into the dataclass, so a default is written
+down once, here. The list of attention backend names lives here too, beside the settings checked against it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 #: Every name ``--attention-backend`` accepts (the backends themselves: ``minisgl_ref.attention``, chapter 07).
 ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer", "fa3")
+
+T = TypeVar("T")
+
+
+def flag(default: Any, help: str | None = None, **argparse_kwargs: Any) -> Any:
+    """A dataclass field that is also the command-line flag ``--field-name`` (``argparse_kwargs``: ``type``,
+    ``choices``, ``action``; booleans default to ``store_true``, other types are read off the default)."""
+    return field(default=default, metadata={"flag": {"help": help, **argparse_kwargs}})
+
+
+def add_flags(group: Any, cls: type, **defaults: Any) -> None:
+    """Add one flag per :func:`flag` field of ``cls`` to ``group``; ``defaults`` overrides a flag's default
+    (``None``: "decided later", e.g. by the device, see ``serve``)."""
+    for f in dataclasses.fields(cls):
+        if "flag" not in f.metadata:
+            continue
+        kwargs = dict(f.metadata["flag"])
+        if isinstance(f.default, bool) and "action" not in kwargs:
+            kwargs["action"] = "store_true"
+        elif "type" not in kwargs and "action" not in kwargs and f.default is not None:
+            kwargs["type"] = type(f.default)
+        group.add_argument("--" + f.name.replace("_", "-"), default=defaults.get(f.name, f.default), **kwargs)
+
+
+def from_flags(cls: type[T], args: argparse.Namespace, **fixed: Any) -> T:
+    """``cls`` built from the parsed flags; a flag left at ``None`` takes the field's default."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+             if "flag" in f.metadata and getattr(args, f.name, None) is not None}
+    return cls(**{**given, **fixed})
+
+
+def to_argv(obj: Any, skip: frozenset[str] = frozenset()) -> list[str]:
+    """The command line that parses back into ``obj``'s flag fields (what another process is started with)."""
+    argv: list[str] = []
+    for f in dataclasses.fields(obj):
+        value, name = getattr(obj, f.name), "--" + f.name.replace("_", "-")
+        if "flag" not in f.metadata or f.name in skip or value is None:
+            continue
+        if f.metadata["flag"].get("action") is argparse.BooleanOptionalAction:
+            argv.append(name if value else "--no-" + name[2:])
+        elif isinstance(value, bool):
+            argv += [name] if value else []
+        else:
+            argv += [name, str(value)]
+    return argv
 
 
 def validate_backend_name(field: str, value: str | None) -> None:
@@ -17,34 +68,67 @@ def validate_backend_name(field: str, value: str | None) -> None:
         raise ValueError(f"{field} must be one of {', '.join(ATTENTION_BACKENDS)} (or unset for auto), got {value!r}")
 
 
+@dataclass(frozen=True)
+class ModelArgs:
+    """Which model to load, and where (chapter 02)."""
+
+    model_path: str | None = flag(None, "local HF folder, or a shipped config name with --load-format dummy "
+                                        "(default: the embedded SmolLM2-135M-Instruct)")
+    load_format: str = flag("auto", choices=["auto", "dummy"])
+    dtype: str = flag("auto", choices=["auto", "float32", "float16", "bfloat16"])
+    device: str | None = flag(None, "cpu or cuda (default: cuda when available)")
+    context_length: int | None = flag(None, type=int)
+    skip_tokenizer_init: bool = False  # prompts are token ids only (SGLang's --skip-tokenizer-init)
+
+
+@dataclass(frozen=True)
+class TPArgs:
+    """How many ranks share the model and where they meet (chapter 09; checked by ``DistConfig``)."""
+
+    tp_size: int = flag(1, "ranks that share the model (one GPU, or CPU process, each)")
+    nnodes: int = flag(1, "machines the --tp-size ranks are spread over")
+    node_rank: int = flag(0, "this machine's index among the --nnodes")
+    dist_init_addr: str | None = flag(None, "host:port on node 0 where the ranks meet (required with --nnodes > 1)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.tp_size > 1 or self.nnodes > 1
+
+
 @dataclass
 class EngineConfig:
-    max_running_requests: int = 256
-    max_prefill_tokens: int = 16384  # new tokens per prefill step, summed over requests
-    chunked_prefill_size: int = 8192  # most new tokens of one request per step; -1 disables chunking
-    schedule_policy: str = "fcfs"  # or "lpm": longest cached prefix first
-    enable_mixed_chunk: bool = False  # let decode tokens ride along in prefill steps
-    # In-batch prefix caching (chapter 04): a waiting request that would compute at least this many uncached
-    # prompt tokens that another request of the same prefill step is computing waits one step instead, and then
-    # finds them in the radix tree. SGLang uses 32 (under lpm). -1 disables it.
-    in_batch_prefix_threshold: int = 32
-    page_size: int = 1
-    disable_radix_cache: bool = False
-    disable_overlap_schedule: bool = False
-    max_total_tokens: int | None = None  # KV pool size in tokens; default: from memory (GPU) or 16384 (CPU)
-    mem_fraction_static: float = 0.85  # GPU: fraction of memory for weights + KV pool
+    max_running_requests: int = flag(256, "most requests decoding at once")
+    max_prefill_tokens: int = flag(16384, "new tokens per prefill step, summed over requests")
+    chunked_prefill_size: int = flag(8192, "most prompt tokens of one request per step; -1 disables chunking "
+                                           "(default: 8192; serve on a CPU: 32, see chapter 10)")
+    schedule_policy: str = flag("fcfs", "fcfs, or lpm: longest cached prefix first", choices=["fcfs", "lpm"])
+    enable_mixed_chunk: bool = flag(False, "decode rows ride along in prefill steps (default: off; serve on a "
+                                           "CPU: on)", action=argparse.BooleanOptionalAction)
+    # In-batch prefix caching (chapter 04): SGLang uses 32 (under lpm).
+    in_batch_prefix_threshold: int = flag(32, "hold back a request sharing this many uncached prompt tokens with "
+                                              "one admitted in the same prefill step, so it hits the radix cache "
+                                              "next step (chapter 04); -1 disables")
+    page_size: int = flag(1, "tokens per KV page")
+    disable_radix_cache: bool = flag(False, "no prefix sharing between requests (chapter 04)")
+    disable_overlap_schedule: bool = flag(False, "schedule the next step only after this one's tokens are back "
+                                                 "(chapter 06)")
+    max_total_tokens: int | None = flag(None, "KV pool size in tokens (default: from memory on a GPU, 16384 on a "
+                                              "CPU)", type=int)
+    mem_fraction_static: float = flag(0.85, "GPU: fraction of memory for weights + KV pool")
     init_new_token_ratio: float = 0.7  # admission reserves this fraction of each request's remaining output
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001
-    # CUDA graphs for decode (chapter 08): captured for padded batch sizes up to cuda_graph_max_bs (default:
-    # max_running_requests, at most 256). CUDA only, and only with a backend that has the graph hooks.
-    cuda_graph_max_bs: int | None = None
-    disable_cuda_graph: bool = False
-    # Attention backends (chapter 07): torch_native, triton, flashinfer or fa3; None = the device's default.
-    # attention_backend sets both phases; the prefill/decode flags override it for one phase.
-    attention_backend: str | None = None
-    prefill_attention_backend: str | None = None
-    decode_attention_backend: str | None = None
+    # CUDA graphs for decode (chapter 08): CUDA only, and only with a backend that has the graph hooks.
+    cuda_graph_max_bs: int | None = flag(None, "capture decode CUDA graphs up to this batch size (default: max "
+                                               "running requests, <= 256)", type=int)
+    disable_cuda_graph: bool = flag(False, "run decode eagerly (chapter 08)")
+    # Attention backends (chapter 07): attention_backend sets both phases; the prefill/decode flags override it.
+    attention_backend: str | None = flag(None, "attention kernels for both phases (chapter 07; default: by "
+                                               "device)", choices=ATTENTION_BACKENDS)
+    prefill_attention_backend: str | None = flag(None, "attention kernels for extend steps (chapter 07; default: "
+                                                       "by device)", choices=ATTENTION_BACKENDS)
+    decode_attention_backend: str | None = flag(None, "attention kernels for decode steps (chapter 07; default: "
+                                                      "by device)", choices=ATTENTION_BACKENDS)
 
     def __post_init__(self) -> None:
         def need(cond: bool, field: str, what: str, value: object) -> None:

@@ -6,17 +6,14 @@
 """
 
 from minisgl_ref.distributed.parallel_state import (
-    CommCounter,
     TPInfo,
     all_gather_last_dim,
     all_reduce,
     broadcast_tensor,
-    count_communication,
     get_tp_info,
     set_tp_info,
 )
 
 __all__ = [
-    "CommCounter", "TPInfo", "all_gather_last_dim", "all_reduce", "broadcast_tensor", "count_communication",
-    "get_tp_info", "set_tp_info",
+    "TPInfo", "all_gather_last_dim", "all_reduce", "broadcast_tensor", "get_tp_info", "set_tp_info",
 ]

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from minisgl_ref.core.config import TPArgs
 from minisgl_ref.distributed.parallel_state import get_tp_info, set_tp_info
 
 #: The control group waits as long as a server may sit idle: a follower blocks in it between requests.
@@ -69,6 +70,11 @@ class DistConfig:
     def node_ranks(self) -> range:
         """The tensor-parallel ranks that run on this node."""
         return range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node)
+
+    @classmethod
+    def of(cls, tp: TPArgs, tp_rank: int = 0) -> DistConfig:
+        """Rank ``tp_rank`` of the group the ``--tp-size``/``--nnodes``/... flags describe (checks them)."""
+        return cls(tp.tp_size, tp_rank, tp.nnodes, tp.node_rank, tp.dist_init_addr)
 
     def with_rank(self, tp_rank: int) -> DistConfig:
         return DistConfig(self.tp_size, tp_rank, self.nnodes, self.node_rank, self.dist_init_addr)

@@ -25,15 +25,16 @@ the GPU they agree with the plain ops to bf16 rounding, not bit for bit (``tests
 from __future__ import annotations
 
 import functools
-import os
 from types import ModuleType
 
 import torch
 
+from minisgl_ref import env
+
 
 @functools.cache
 def _flashinfer() -> ModuleType | None:
-    if os.environ.get("MINISGL_FUSED", "1") == "0":
+    if not env.fused_kernels_enabled():
         return None
     try:
         import flashinfer.activation

@@ -29,14 +29,15 @@ ops run. See :mod:`minisgl_ref.attention.triton_kernels` for the conventions (in
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from minisgl_ref import env
 
 
 @functools.cache
 def _triton_ok() -> bool:
-    if os.environ.get("MINISGL_FUSED", "1") == "0":
+    if not env.fused_kernels_enabled():
         return False
     try:
         import triton  # noqa: F401

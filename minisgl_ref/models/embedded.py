@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from minisgl_ref import env
+
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _COMPLETE = ".complete"
@@ -28,10 +30,7 @@ class EmbeddedModelMissing(FileNotFoundError):
 
 def cache_root() -> Path:
     """``$MINISGL_REF_CACHE``, else ``$XDG_CACHE_HOME/minisgl_ref``, else ``~/.cache/minisgl_ref``."""
-    if os.environ.get("MINISGL_REF_CACHE"):
-        return Path(os.environ["MINISGL_REF_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "minisgl_ref"
+    return env.model_cache_root()
 
 
 def gguf_path() -> Path:

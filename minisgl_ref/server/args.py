@@ -7,10 +7,12 @@ pickle it), which is how the scheduler learns the engine settings and the detoke
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from minisgl_ref import env
+from minisgl_ref.core.config import EngineConfig, ModelArgs, TPArgs, add_flags, flag, from_flags
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -23,40 +25,39 @@ CPU_SERVER_ENGINE_DEFAULTS: dict[str, Any] = {"chunked_prefill_size": 32, "enabl
 
 @dataclass
 class ServerArgs:
-    model_path: str | None = None
-    load_format: str = "auto"
-    dtype: str = "auto"
-    device: str | None = None
-    context_length: int | None = None
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    host: str = "127.0.0.1"
-    port: int = 30000
-    tp_size: int = 1  # tensor parallelism (chapter 09): one scheduler process per rank
-    dp_size: int = 1  # data parallelism: N whole servers behind SGLang's router (data_parallel.py)
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str | None = None  # host:port where the ranks meet; None: a free local port
-    served_model_name: str | None = None
-    api_key: str | None = None
+    """The model, engine and tensor-parallel settings every ``LLM`` takes, plus the server's own flags."""
+
+    model: ModelArgs = field(default_factory=ModelArgs)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    tp: TPArgs = field(default_factory=TPArgs)  # tensor parallelism (chapter 09): one scheduler process per rank
+    host: str = flag("127.0.0.1")
+    port: int = flag(30000)
+    served_model_name: str | None = flag(None, "the model name clients must use (default: the path)")
+    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on every API route")
     # The largest request body read, in MiB; a larger one gets 413 before it is read. The largest legitimate body
     # is a full-context prompt, as text or as token ids, at most ~8 bytes a token either way: 1 MiB for a 128k
     # context, 8 MiB for a million tokens. The limit also bounds how long one body can pause every stream, as
     # parsing JSON holds the GIL (~30 ms per MiB of token ids on a laptop core).
-    max_request_body_mb: float = 32.0
-    enable_metrics: bool = False
-    log_level: str = "info"
-    shell: bool = False
+    max_request_body_mb: float = flag(32.0, "refuse request bodies larger than this many MiB with 413, before "
+                                            "reading them")
+    enable_metrics: bool = flag(False, "serve Prometheus metrics at /metrics")
+    log_level: str = flag("info", choices=LOG_LEVELS)
+    shell: bool = flag(False, "chat in this terminal instead of serving HTTP")
+    # data parallelism: N whole servers behind SGLang's router (data_parallel.py)
+    dp_size: int = flag(1, "data parallelism: this many whole servers behind SGLang's cache-aware router "
+                           "(needs: pip install 'minisgl_ref[router]')")
     # How long a server whose child died keeps answering 503 (so that clients and /health can see why) before
-    # it exits with a non-zero status.
-    dead_child_grace_s: float = 2.0
+    # it exits with a non-zero status (``MINISGL_DEAD_CHILD_GRACE_S``).
+    dead_child_grace_s: float = field(default_factory=env.dead_child_grace_s)
 
     @classmethod
-    def from_cli(cls, args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> ServerArgs:
+    def from_cli(cls, args: argparse.Namespace) -> ServerArgs:
         if args.engine != "paged":
             raise ValueError("serve needs --engine paged (the naive oracle cannot batch, abort or share a cache)")
         from minisgl_ref.distributed.group import DistConfig
 
-        DistConfig(args.tp_size, 0, args.nnodes, args.node_rank, args.dist_init_addr)  # bad TP flags fail here
+        tp = from_flags(TPArgs, args)
+        DistConfig.of(tp)  # bad TP flags fail here
         if not 0 < args.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {args.port}")
         if args.context_length is not None and args.context_length < 2:
@@ -71,44 +72,23 @@ class ServerArgs:
             raise ValueError("--shell chats with one server; it cannot be combined with --dp-size > 1")
         if args.dp_size > 1 and args.nnodes > 1:
             raise ValueError("--dp-size > 1 runs its servers on this machine; it cannot be combined with --nnodes")
-        from minisgl_ref.core.config import EngineConfig
-
-        engine_kwargs = dict(engine_kwargs)
-        if _resolved_device(args.device) == "cpu":
-            for key, value in CPU_SERVER_ENGINE_DEFAULTS.items():
-                engine_kwargs.setdefault(key, value)
-        EngineConfig(**engine_kwargs)  # a bad engine flag fails here, before any process starts
-        _check_attention_backends(args.device, engine_kwargs)
-        grace = float(os.environ.get("MINISGL_DEAD_CHILD_GRACE_S", "2.0"))
-        return cls(
-            model_path=args.model_path,
-            load_format=args.load_format,
-            dtype=args.dtype,
-            device=args.device,
-            context_length=args.context_length,
-            engine_kwargs=dict(engine_kwargs),
-            host=args.host,
-            port=args.port,
-            tp_size=args.tp_size,
-            dp_size=args.dp_size,
-            nnodes=args.nnodes,
-            node_rank=args.node_rank,
-            dist_init_addr=args.dist_init_addr,
-            served_model_name=args.served_model_name,
-            api_key=args.api_key,
-            max_request_body_mb=args.max_request_body_mb,
-            enable_metrics=args.enable_metrics,
-            log_level=args.log_level,
-            shell=args.shell,
-            dead_child_grace_s=grace,
-        )
+        cpu = CPU_SERVER_ENGINE_DEFAULTS if _resolved_device(args.device) == "cpu" else {}
+        given = {k: v for k, v in cpu.items() if getattr(args, k) is None}
+        engine = from_flags(EngineConfig, args, **given)  # a bad engine flag fails here, before any process starts
+        _check_attention_backends(args.device, engine)
+        return from_flags(cls, args, model=from_flags(ModelArgs, args), engine=engine, tp=tp)
 
     def public_dict(self) -> dict[str, Any]:
-        """For ``/get_server_info``: everything but the API key."""
-        d = asdict(self)
-        d.pop("api_key")
-        d.update(d.pop("engine_kwargs"))
+        """For ``/get_server_info``: every setting but the API key, in one flat dictionary."""
+        d = {**asdict(self.model), **asdict(self.tp), **asdict(self.engine), **asdict(self)}
+        for name in ("api_key", "model", "engine", "tp", "skip_tokenizer_init"):
+            d.pop(name)
         return d
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """The flags of ``serve`` beyond the model and engine ones, with SGLang's names."""
+    add_flags(p.add_argument_group("server (SGLang names)"), ServerArgs)
 
 
 def _resolved_device(device: str | None) -> str:
@@ -120,12 +100,11 @@ def _resolved_device(device: str | None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _check_attention_backends(device: str | None, engine_kwargs: dict[str, Any]) -> None:
+def _check_attention_backends(device: str | None, engine: EngineConfig) -> None:
     """An attention backend that was asked for but cannot run here (a GPU backend on the CPU, a package that is
     not installed) fails now, in one line, rather than after the children have spent a minute loading the model.
     (The engine checks again with the model's dtype known; see :mod:`minisgl_ref.attention.registry`.)"""
-    names = {engine_kwargs.get(k) for k in ("attention_backend", "prefill_attention_backend",
-                                            "decode_attention_backend")} - {None}
+    names = {engine.attention_backend, engine.prefill_attention_backend, engine.decode_attention_backend} - {None}
     if not names:
         return
     import torch
@@ -155,20 +134,3 @@ class Addresses:
             api=f"ipc://{folder}/api",
             folder=folder,
         )
-
-
-def add_server_args(p: argparse.ArgumentParser) -> None:
-    """The flags of ``serve`` beyond the model and engine ones, with SGLang's names."""
-    g = p.add_argument_group("server (SGLang names)")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=30000)
-    g.add_argument("--served-model-name", default=None, help="the model name clients must use (default: the path)")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every API route")
-    g.add_argument("--max-request-body-mb", type=float, default=ServerArgs.max_request_body_mb,
-                   help="refuse request bodies larger than this many MiB with 413, before reading them")
-    g.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
-    g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
-    g.add_argument("--shell", action="store_true", help="chat in this terminal instead of serving HTTP")
-    g.add_argument("--dp-size", type=int, default=1,
-                   help="data parallelism: this many whole servers behind SGLang's cache-aware router "
-                        "(needs: pip install 'minisgl_ref[router]')")

@@ -42,7 +42,6 @@ uvicorn "Invalid HTTP request received" warnings, which are harmless.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import logging
 import os
@@ -56,6 +55,8 @@ from typing import Any
 
 import httpx
 
+from minisgl_ref.core.config import to_argv
+from minisgl_ref.env import cpu_threads
 from minisgl_ref.server.args import ServerArgs
 from minisgl_ref.server.process_utils import configure_logging
 
@@ -67,8 +68,7 @@ POLL_S = 0.2
 STOP_TIMEOUT_S = 30.0
 # ServerArgs fields that are not forwarded as worker flags: the public address and the DP size belong to the router,
 # --shell is refused with DP, and the multi-node fields are refused too (see ServerArgs.from_cli).
-NOT_FORWARDED = frozenset({"host", "port", "dp_size", "shell", "nnodes", "node_rank", "dist_init_addr",
-                           "engine_kwargs", "dead_child_grace_s"})
+NOT_FORWARDED = frozenset({"host", "port", "dp_size", "shell", "nnodes", "node_rank", "dist_init_addr"})
 # our --log-level -> the router's, one step quieter: its "info" logs every step of every worker registration, and
 # its "warn" notes at start-up that our workers lack SGLang's newer routes (it falls back to the older ones).
 ROUTER_LOG_LEVEL = {"debug": "debug", "info": "warn", "warning": "error", "error": "error", "critical": "error"}
@@ -90,17 +90,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 def worker_command(args: ServerArgs, port: int) -> list[str]:
     """The ``serve`` command line of one worker: every model, engine and server flag of ``args`` (SGLang's flag
     names are the field names with dashes), on a private loopback port, without ``--dp-size``."""
-    values: dict[str, Any] = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
-                              if f.name not in NOT_FORWARDED}
-    values.update(args.engine_kwargs)
-    cmd = [sys.executable, "-m", "minisgl_ref", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    for name, value in values.items():
-        flag = "--" + name.replace("_", "-")
-        if value is True:
-            cmd.append(flag)
-        elif value is not None and value is not False:
-            cmd += [flag, str(value)]
-    return cmd
+    return [sys.executable, "-m", "minisgl_ref", "serve", "--host", "127.0.0.1", "--port", str(port),
+            *[a for obj in (args.model, args.engine, args.tp, args) for a in to_argv(obj, NOT_FORWARDED)]]
 
 
 def router_command(args: ServerArgs, worker_urls: list[str], metrics_port: int) -> list[str]:
@@ -123,18 +114,16 @@ def router_command(args: ServerArgs, worker_urls: list[str], metrics_port: int) 
 def worker_envs(args: ServerArgs) -> list[dict[str, str]]:
     """Each worker's environment: its own GPUs on a CUDA machine, a share of the cores on a CPU."""
     env = dict(os.environ)
-    n = args.dp_size
-    device = args.device
+    n, tp_size = args.dp_size, args.tp.tp_size
+    device = args.model.device
     if device is None:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cpu"):
-        # Each worker's engine would take all cores but one (scheduler_process.cpu_threads); N of them would
+        # Each worker's engine would take all cores but one (minisgl_ref.env.cpu_threads); N of them would
         # oversubscribe the machine and spin at every OpenMP barrier. Share the cores out instead.
-        if "OMP_NUM_THREADS" not in env:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-            env["OMP_NUM_THREADS"] = str(max(1, (cores - 1) // n))
+        env.setdefault("OMP_NUM_THREADS", str(cpu_threads(ranks=n, spare=1)))
         return [dict(env) for _ in range(n)]
     if ":" in device:
         raise ValueError(f"--device {device} names one GPU; with --dp-size, choose the GPUs with CUDA_VISIBLE_DEVICES")
@@ -142,10 +131,10 @@ def worker_envs(args: ServerArgs) -> list[dict[str, str]]:
 
     visible = env.get("CUDA_VISIBLE_DEVICES")
     gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    need = n * args.tp_size
+    need = n * tp_size
     if len(gpus) < need:
-        raise ValueError(f"--dp-size {n} x --tp-size {args.tp_size} needs {need} GPUs, {len(gpus)} visible")
-    return [{**env, "CUDA_VISIBLE_DEVICES": ",".join(gpus[i * args.tp_size:(i + 1) * args.tp_size])}
+        raise ValueError(f"--dp-size {n} x --tp-size {tp_size} needs {need} GPUs, {len(gpus)} visible")
+    return [{**env, "CUDA_VISIBLE_DEVICES": ",".join(gpus[i * tp_size:(i + 1) * tp_size])}
             for i in range(n)]
 
 
@@ -176,7 +165,8 @@ class DataParallelLauncher:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per readiness poll
         from minisgl_ref.models.loader import resolve_model_path
 
-        resolve_model_path(self.args.model_path, self.args.load_format)  # fail fast; convert the embedded model once
+        # fail fast; convert the embedded model once
+        resolve_model_path(self.args.model.model_path, self.args.model.load_format)
         envs = worker_envs(self.args)
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:

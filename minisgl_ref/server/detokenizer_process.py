@@ -90,16 +90,12 @@ class DetokenizerWorker:
 
 def load_tokenizer(args: ServerArgs) -> Any:
     """The model folder's tokenizer, or None when the folder has none (dummy weights, weights-only folders)."""
-    if args.load_format == "dummy":
+    if args.model.load_format == "dummy":
         return None
     from minisgl_ref.models.loader import resolve_model_path
     from minisgl_ref.tokenizer import Tokenizer
-    from minisgl_ref.tokenizer.tokenizer import TOKENIZER_FILES
 
-    folder = resolve_model_path(args.model_path, args.load_format).path
-    if folder is None or not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        return None
-    return Tokenizer.from_pretrained(folder)
+    return Tokenizer.find(resolve_model_path(args.model.model_path, args.model.load_format).path)
 
 
 def run_detokenizer_process(args: ServerArgs, addrs: Addresses, ready_conn: Any) -> None:

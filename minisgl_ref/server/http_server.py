@@ -38,6 +38,7 @@ fail is a bug in those checks (tests/test_server.py's ``BAD_REQUESTS`` lists wha
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -45,7 +46,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -144,277 +145,317 @@ class Gate:
         return counted
 
 
-def create_app(manager: TokenizerManager, args: ServerArgs, model_name: str) -> FastAPI:
-    app = FastAPI(title="minisgl_ref", version=minisgl_ref.__version__, docs_url=None, redoc_url=None)
-    accepted_names = {model_name, "default"} | ({args.model_path} if args.model_path else set())
+@dataclass
+class ServerState:
+    """What every route needs: the tokenizer manager (the way to the scheduler), the server's arguments and the
+    model's public name. One per app, at ``app.state.server``."""
 
-    # ---------------------------------------------------------------------------------------- errors
+    manager: TokenizerManager
+    args: ServerArgs
+    model_name: str
+    names: TokenText = field(init=False)  # token id -> text, for log probabilities
+    accepted_names: set[str] = field(init=False)  # the model names a request may give
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+    def __post_init__(self) -> None:
+        self.names = TokenText(self.manager.tokenizer)
+        path = self.args.model.model_path
+        self.accepted_names = {self.model_name, "default"} | ({path} if path else set())
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(e.detail), kind, code=e.status_code), status_code=e.status_code)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
-        # A bug in this server, never a client's doing (see the module docstring); uvicorn logs the traceback.
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"),
-                            status_code=500)
-
-    app.add_middleware(Gate, manager=manager, api_key=args.api_key, max_body_mb=args.max_request_body_mb)
-
-    async def validated(request: Request, prepare: Callable[[dict[str, Any]], T]) -> T:
-        """Step 1 of the module docstring: read the body (the :class:`Gate` has capped its size), then parse,
-        validate and tokenize it with ``prepare`` in a worker thread."""
-        try:
-            raw = await request.body()
-        except ClientDisconnect as e:  # it left mid-upload: nobody to answer, but no error of ours either
-            raise APIError(499, "client disconnected") from e
-        return await asyncio.to_thread(lambda: prepare(parse_json_body(raw)))
-
-    def check_model(name: str | None) -> None:
-        if name is not None and name not in accepted_names and name != ROUTER_NO_MODEL:
-            raise APIError(404, f"The model '{name}' does not exist; this server serves '{model_name}' "
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.accepted_names and name != ROUTER_NO_MODEL:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}' "
                                 "(see /v1/models)", param="model", code="model_not_found")
 
-    # ----------------------------------------------------------------------------------- health & info
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": int(START_TIME), "owned_by": "minisgl_ref",
+                "root": self.manager.info.get("model_path"), "max_model_len": self.manager.context_length}
 
-    @app.get("/health")
-    async def health() -> Response:
-        if manager.dead is not None:
-            return JSONResponse(error_body(manager.dead, "service_unavailable", code=503), status_code=503)
-        return Response(status_code=200)
 
-    @app.get("/health_generate")
-    async def health_generate() -> Response:
-        params = SamplingParams(max_new_tokens=1, temperature=0.0)
-
-        async def one_token() -> None:
-            async for _, chunk in manager.generate([([0], params)], internal=True):
-                reason = chunk.finish_reason or {}
-                if chunk.finished and reason.get("type") == "abort":
-                    raise APIError(503, str(reason.get("message", "aborted")), "service_unavailable")
-
-        try:
-            await asyncio.wait_for(one_token(), 60)
-        except asyncio.TimeoutError as e:
-            raise APIError(503, "no token within 60 s", "service_unavailable") from e
-        return Response(status_code=200)
-
-    def model_card() -> dict[str, Any]:
-        return {"id": model_name, "object": "model", "created": int(START_TIME), "owned_by": "minisgl_ref",
-                "root": manager.info.get("model_path"), "max_model_len": manager.context_length}
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str) -> dict[str, Any]:
-        check_model(model_id)
-        return model_card()
-
-    @app.get("/model_info")
-    @app.get("/get_model_info")
-    async def model_info() -> dict[str, Any]:
-        path = manager.info.get("model_path")
-        return {
-            "model_path": path, "tokenizer_path": path if manager.tokenizer is not None else None,
-            "is_generation": True, "served_model_name": model_name, "architecture": manager.info["architecture"],
-            "context_length": manager.context_length, "vocab_size": manager.vocab_size,
-        }
-
-    @app.get("/server_info")
-    @app.get("/get_server_info")
-    async def server_info() -> dict[str, Any]:
-        stats = (await manager.rpc("get_stats")).result
-        return {**args.public_dict(), **{k: v for k, v in manager.info.items() if k not in ("model_path",)},
-                "served_model_name": model_name, "version": minisgl_ref.__version__,
-                "internal_states": [stats], **stats}
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        resp = await manager.rpc("flush_cache")
-        if not resp.ok:
-            raise APIError(400, str(resp.result), code="cache_busy")
-        return PlainTextResponse(str(resp.result))
-
-    if args.enable_metrics:
-        assert manager.metrics is not None
-        metrics = manager.metrics
-
-        @app.get("/metrics")
-        async def prometheus() -> Response:
-            if manager.dead is None:
-                try:
-                    metrics.set_scheduler_stats((await manager.rpc("get_stats", timeout=5)).result)
-                except APIError:
-                    pass  # a scheduler deep in a long step: serve the last known values
-            return Response(metrics.render(), media_type=metrics.content_type)
-
-    # -------------------------------------------------------------------------------- OpenAI: chat
-
-    names = TokenText(manager.tokenizer)
-
-    def chat_request(body: dict[str, Any]) -> tuple[ChatCompletionRequest, list[int], list[Sub]]:
-        req = validate(ChatCompletionRequest, body)
-        check_model(req.model)
-        if req.top_logprobs and not req.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        messages = [{"role": m.role, "content": m.text(i), **({"name": m.name} if m.name else {})}
-                    for i, m in enumerate(req.messages)]
-        ids = manager.chat_ids(messages, continue_final_message=req.continue_final_message,
-                               **(req.chat_template_kwargs or {}))
-        requested = req.max_completion_tokens or req.max_tokens
-        manager.check_prompt(ids, requested, param="messages")
-        params = req.to_sampling_params(requested or manager.context_length - len(ids))
-        manager.check_params(params)
-        return req, ids, _fan_out([ids], params, req.n)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        req, ids, subs = await validated(request, chat_request)
-        manager.check_alive()
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        options = RequestOptions(return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
-                                 cache_salt=req.cache_salt)
-        top_n = options.top_logprobs_num
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            gen = _chat_stream(manager, subs, options, rid, created, model_name, include_usage, req.n,
-                               names if req.logprobs else None)
-            return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
-        outs = await _collect(manager, subs, request, options)
-        finals = [_final(o) for o in outs]
-        choices = [{
-            "index": i,
-            "message": {"role": "assistant", "content": f["text"]},
-            "logprobs": {"content": chat_content(names, *o.answer_logprobs(), top_n)} if req.logprobs else None,
-            "finish_reason": f["finish_reason"],
-            "matched_stop": f["matched_stop"],
-        } for i, (o, f) in enumerate(zip(outs, finals))]
-        return JSONResponse({
-            "id": rid, "object": "chat.completion", "created": created, "model": model_name,
-            "choices": choices, "usage": _usage(finals, [len(ids)]),
-        })
-
-    # ------------------------------------------------------------------------------- OpenAI: completions
-
-    def completion_request(body: dict[str, Any]) -> tuple[CompletionRequest, list[list[int]], list[Sub]]:
-        req = validate(CompletionRequest, body)
-        check_model(req.model)
-        if req.best_of not in (None, 1, req.n):
-            raise APIError(400, "best_of is not supported (use n)", param="best_of")
-        params = req.to_sampling_params(req.max_tokens or 16)
-        manager.check_params(params)
-        prompts = _prompt_list(req.prompt)
-        _check_fan_out(len(prompts) * req.n, param="prompt")
-        id_lists = [manager.encode(p) if isinstance(p, str) else p for p in prompts]
-        for ids in id_lists:
-            manager.check_prompt(ids, req.max_tokens, param="prompt")
-        return req, id_lists, _fan_out(id_lists, params, req.n)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        req, id_lists, subs = await validated(request, completion_request)
-        manager.check_alive()
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        want = req.logprobs is not None
-        options = RequestOptions(return_logprob=want, top_logprobs_num=req.logprobs or 0,
-                                 logprob_start_len=0 if want and req.echo else -1, cache_salt=req.cache_salt)
-        # With echo, the answer starts with the prompt's text: the string sent, or the decode of the ids sent.
-        prompts = _prompt_list(req.prompt)
-        echoed = [p if isinstance(p, str) else manager.tokenizer.decode(p) if manager.tokenizer else ""
-                  for p in prompts] if req.echo else None
-        per_prompt = len(subs) // len(id_lists)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            gen = _completion_stream(manager, subs, options, rid, created, model_name, include_usage,
-                                     [len(ids) for ids in id_lists], names if want else None,
-                                     [echoed[k // per_prompt] for k in range(len(subs))] if echoed else None)
-            return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
-        outs = await _collect(manager, subs, request, options)
-        finals = [_final(o) for o in outs]
-        choices = []
-        for i, (o, f) in enumerate(zip(outs, finals)):
-            prefix = echoed[i // per_prompt] if echoed else ""
-            logprobs = None
-            if want:
-                parts = [completion_logprobs(names, o.input_logprobs, subs[i][0], options.top_logprobs_num)
-                         ] if req.echo else []
-                parts.append(completion_logprobs(names, *o.answer_logprobs(), options.top_logprobs_num,
-                                                 text_start=len(prefix)))
-                logprobs = merge_completion_logprobs(parts)
-            choices.append({"index": i, "text": prefix + f["text"], "logprobs": logprobs,
-                            "finish_reason": f["finish_reason"], "matched_stop": f["matched_stop"]})
-        return JSONResponse({
-            "id": rid, "object": "text_completion", "created": created, "model": model_name,
-            "choices": choices, "usage": _usage(finals, [len(ids) for ids in id_lists]),
-        })
-
-    # ----------------------------------------------------------------------------------- native /generate
-
-    def generate_request(body: dict[str, Any]) -> tuple[GenerateRequest, bool, list[Sub]]:
-        """The request, whether its answer is a batch (a list), and its sub-requests."""
-        req = validate(GenerateRequest, body)
-        if (req.text is None) == (req.input_ids is None):
-            raise APIError(400, "give exactly one of 'text' and 'input_ids'", param="text")
-        single = isinstance(req.text, str) or (req.input_ids is not None and (
-            not req.input_ids or isinstance(req.input_ids[0], int)))
-        if req.text is not None:
-            prompts: list[Any] = [req.text] if isinstance(req.text, str) else list(req.text)
-            param = "text"
-        else:
-            prompts = [req.input_ids] if single else list(req.input_ids)  # type: ignore[arg-type]
-            param = "input_ids"
-        if not prompts:
-            raise APIError(400, f"{param} is an empty batch", param=param)
-        raw = req.sampling_params if req.sampling_params is not None else {}
-        raw_list = raw if isinstance(raw, list) else [raw] * len(prompts)
-        if len(raw_list) != len(prompts):
-            raise APIError(400, f"sampling_params has {len(raw_list)} entries for {len(prompts)} prompts",
-                           param="sampling_params")
-        params_list = [native_sampling_params(sp) for sp in raw_list]  # cheap checks before tokenizing
-        _check_fan_out(sum(p.n for p in params_list), param=param)
-        subs: list[Sub] = []
-        for prompt, params in zip(prompts, params_list):
-            manager.check_params(params)
-            ids = manager.encode(prompt) if param == "text" else prompt
-            manager.check_prompt(ids, params.max_new_tokens, param=param)
-            if req.return_logprob and req.logprob_start_len >= len(ids):
-                raise APIError(400, f"logprob_start_len ({req.logprob_start_len}) must be below the prompt's "
-                                    f"{len(ids)} tokens", param="logprob_start_len")
-            subs += _fan_out([ids], params, params.n)
-        return req, not single or len(subs) > 1, subs
-
-    @app.post("/generate")
-    async def generate(request: Request) -> Response:
-        req, batch, subs = await validated(request, generate_request)
-        manager.check_alive()
-        # Without return_logprob the other logprob fields mean nothing (as in SGLang), and are not passed on.
-        options = RequestOptions(return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
-                                 logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
-                                 cache_salt=req.cache_salt)
-        texts = (names if req.return_text_in_logprobs else None) if req.return_logprob else False
-        if req.stream:
-            return StreamingResponse(_generate_stream(manager, subs, options, batch, texts),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
-        outs = [_native(o, subs[i][0], options, texts) for i, o in
-                enumerate(await _collect(manager, subs, request, options))]
-        return JSONResponse(outs if batch else outs[0])
-
+def create_app(manager: TokenizerManager, args: ServerArgs, model_name: str) -> FastAPI:
+    """The HTTP app: the routes below (one :data:`router`), the error handlers and the :class:`Gate`."""
+    app = FastAPI(title="minisgl_ref", version=minisgl_ref.__version__, docs_url=None, redoc_url=None)
+    app.state.server = ServerState(manager, args, model_name)
+    app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _unexpected)
+    app.add_middleware(Gate, manager=manager, api_key=args.api_key, max_body_mb=args.max_request_body_mb)
+    app.include_router(router)
     return app
 
 
+router = APIRouter()
 START_TIME = time.time()
 #: The model name SGLang's router writes into a request that named none (``serve --dp-size``): "no model given".
 ROUTER_NO_MODEL = "unknown"
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+# -------------------------------------------------------------------------------------------------- errors
+
+
+async def _api_error(_: Request, e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    return JSONResponse(error_body(str(e.detail), kind, code=e.status_code), status_code=e.status_code)
+
+
+async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+    # A bug in this server, never a client's doing (see the module docstring); uvicorn logs the traceback.
+    return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), status_code=500)
+
+
+async def validated(request: Request, prepare: Callable[[ServerState, dict[str, Any]], T]
+                    ) -> tuple[ServerState, T]:
+    """Step 1 of the module docstring: read the body (the :class:`Gate` has capped its size), then parse,
+    validate and tokenize it with ``prepare`` in a worker thread."""
+    s = _state(request)
+    try:
+        raw = await request.body()
+    except ClientDisconnect as e:  # it left mid-upload: nobody to answer, but no error of ours either
+        raise APIError(499, "client disconnected") from e
+    return s, await asyncio.to_thread(lambda: prepare(s, parse_json_body(raw)))
+
+
+# ----------------------------------------------------------------------------------- health & info
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    manager = _state(request).manager
+    if manager.dead is not None:
+        return JSONResponse(error_body(manager.dead, "service_unavailable", code=503), status_code=503)
+    return Response(status_code=200)
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    manager = _state(request).manager
+    params = SamplingParams(max_new_tokens=1, temperature=0.0)
+
+    async def one_token() -> None:
+        async for _, chunk in manager.generate([([0], params)], internal=True):
+            reason = chunk.finish_reason or {}
+            if chunk.finished and reason.get("type") == "abort":
+                raise APIError(503, str(reason.get("message", "aborted")), "service_unavailable")
+
+    try:
+        await asyncio.wait_for(one_token(), 60)
+    except asyncio.TimeoutError as e:
+        raise APIError(503, "no token within 60 s", "service_unavailable") from e
+    return Response(status_code=200)
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_state(request).model_card()]}
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request) -> dict[str, Any]:
+    s = _state(request)
+    s.check_model(model_id)
+    return s.model_card()
+
+@router.get("/model_info")
+@router.get("/get_model_info")
+async def model_info(request: Request) -> dict[str, Any]:
+    s = _state(request)
+    manager, model_name = s.manager, s.model_name
+    path = manager.info.get("model_path")
+    return {
+        "model_path": path, "tokenizer_path": path if manager.tokenizer is not None else None,
+        "is_generation": True, "served_model_name": model_name, "architecture": manager.info["architecture"],
+        "context_length": manager.context_length, "vocab_size": manager.vocab_size,
+    }
+
+@router.get("/server_info")
+@router.get("/get_server_info")
+async def server_info(request: Request) -> dict[str, Any]:
+    s = _state(request)
+    stats = (await s.manager.rpc("get_stats")).result
+    return {**s.args.public_dict(), **{k: v for k, v in s.manager.info.items() if k not in ("model_path",)},
+            "served_model_name": s.model_name, "version": minisgl_ref.__version__,
+            "internal_states": [stats], **stats}
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> Response:
+    resp = await _state(request).manager.rpc("flush_cache")
+    if not resp.ok:
+        raise APIError(400, str(resp.result), code="cache_busy")
+    return PlainTextResponse(str(resp.result))
+
+@router.get("/metrics")
+async def prometheus(request: Request) -> Response:
+    manager = _state(request).manager
+    metrics = manager.metrics
+    if metrics is None:  # served only with --enable-metrics
+        raise StarletteHTTPException(404, "Not Found")
+    if manager.dead is None:
+        try:
+            metrics.set_scheduler_stats((await manager.rpc("get_stats", timeout=5)).result)
+        except APIError:
+            pass  # a scheduler deep in a long step: serve the last known values
+    return Response(metrics.render(), media_type=metrics.content_type)
+
+# -------------------------------------------------------------------------------- OpenAI: chat
+
+def chat_request(s: ServerState, body: dict[str, Any]) -> tuple[ChatCompletionRequest, list[int], list[Sub]]:
+    manager = s.manager
+    req = validate(ChatCompletionRequest, body)
+    s.check_model(req.model)
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    messages = [{"role": m.role, "content": m.text(i), **({"name": m.name} if m.name else {})}
+                for i, m in enumerate(req.messages)]
+    ids = manager.chat_ids(messages, continue_final_message=req.continue_final_message,
+                           **(req.chat_template_kwargs or {}))
+    requested = req.max_completion_tokens or req.max_tokens
+    manager.check_prompt(ids, requested, param="messages")
+    params = req.to_sampling_params(requested or manager.context_length - len(ids))
+    manager.check_params(params)
+    return req, ids, _fan_out([ids], params, req.n)
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    s, (req, ids, subs) = await validated(request, chat_request)
+    manager, model_name, names = s.manager, s.model_name, s.names
+    manager.check_alive()
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    options = RequestOptions(return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
+                             cache_salt=req.cache_salt)
+    top_n = options.top_logprobs_num
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        gen = _chat_stream(manager, subs, options, rid, created, model_name, include_usage, req.n,
+                           names if req.logprobs else None)
+        return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
+    outs = await _collect(manager, subs, request, options)
+    finals = [_final(o) for o in outs]
+    choices = [{
+        "index": i,
+        "message": {"role": "assistant", "content": f["text"]},
+        "logprobs": {"content": chat_content(names, *o.answer_logprobs(), top_n)} if req.logprobs else None,
+        "finish_reason": f["finish_reason"],
+        "matched_stop": f["matched_stop"],
+    } for i, (o, f) in enumerate(zip(outs, finals))]
+    return JSONResponse({
+        "id": rid, "object": "chat.completion", "created": created, "model": model_name,
+        "choices": choices, "usage": _usage(finals, [len(ids)]),
+    })
+
+# ------------------------------------------------------------------------------- OpenAI: completions
+
+def completion_request(s: ServerState, body: dict[str, Any]
+                       ) -> tuple[CompletionRequest, list[list[int]], list[Sub]]:
+    manager = s.manager
+    req = validate(CompletionRequest, body)
+    s.check_model(req.model)
+    if req.best_of not in (None, 1, req.n):
+        raise APIError(400, "best_of is not supported (use n)", param="best_of")
+    params = req.to_sampling_params(req.max_tokens or 16)
+    manager.check_params(params)
+    prompts = _prompt_list(req.prompt)
+    _check_fan_out(len(prompts) * req.n, param="prompt")
+    id_lists = [manager.encode(p) if isinstance(p, str) else p for p in prompts]
+    for ids in id_lists:
+        manager.check_prompt(ids, req.max_tokens, param="prompt")
+    return req, id_lists, _fan_out(id_lists, params, req.n)
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    s, (req, id_lists, subs) = await validated(request, completion_request)
+    manager, model_name, names = s.manager, s.model_name, s.names
+    manager.check_alive()
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    want = req.logprobs is not None
+    options = RequestOptions(return_logprob=want, top_logprobs_num=req.logprobs or 0,
+                             logprob_start_len=0 if want and req.echo else -1, cache_salt=req.cache_salt)
+    # With echo, the answer starts with the prompt's text: the string sent, or the decode of the ids sent.
+    prompts = _prompt_list(req.prompt)
+    echoed = [p if isinstance(p, str) else manager.tokenizer.decode(p) if manager.tokenizer else ""
+              for p in prompts] if req.echo else None
+    per_prompt = len(subs) // len(id_lists)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        gen = _completion_stream(manager, subs, options, rid, created, model_name, include_usage,
+                                 [len(ids) for ids in id_lists], names if want else None,
+                                 [echoed[k // per_prompt] for k in range(len(subs))] if echoed else None)
+        return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
+    outs = await _collect(manager, subs, request, options)
+    finals = [_final(o) for o in outs]
+    choices = []
+    for i, (o, f) in enumerate(zip(outs, finals)):
+        prefix = echoed[i // per_prompt] if echoed else ""
+        logprobs = None
+        if want:
+            parts = [completion_logprobs(names, o.input_logprobs, subs[i][0], options.top_logprobs_num)
+                     ] if req.echo else []
+            parts.append(completion_logprobs(names, *o.answer_logprobs(), options.top_logprobs_num,
+                                             text_start=len(prefix)))
+            logprobs = merge_completion_logprobs(parts)
+        choices.append({"index": i, "text": prefix + f["text"], "logprobs": logprobs,
+                        "finish_reason": f["finish_reason"], "matched_stop": f["matched_stop"]})
+    return JSONResponse({
+        "id": rid, "object": "text_completion", "created": created, "model": model_name,
+        "choices": choices, "usage": _usage(finals, [len(ids) for ids in id_lists]),
+    })
+
+# ----------------------------------------------------------------------------------- native /generate
+
+def generate_request(s: ServerState, body: dict[str, Any]) -> tuple[GenerateRequest, bool, list[Sub]]:
+    """The request, whether its answer is a batch (a list), and its sub-requests."""
+    manager = s.manager
+    req = validate(GenerateRequest, body)
+    if (req.text is None) == (req.input_ids is None):
+        raise APIError(400, "give exactly one of 'text' and 'input_ids'", param="text")
+    single = isinstance(req.text, str) or (req.input_ids is not None and (
+        not req.input_ids or isinstance(req.input_ids[0], int)))
+    if req.text is not None:
+        prompts: list[Any] = [req.text] if isinstance(req.text, str) else list(req.text)
+        param = "text"
+    else:
+        prompts = [req.input_ids] if single else list(req.input_ids)  # type: ignore[arg-type]
+        param = "input_ids"
+    if not prompts:
+        raise APIError(400, f"{param} is an empty batch", param=param)
+    raw = req.sampling_params if req.sampling_params is not None else {}
+    raw_list = raw if isinstance(raw, list) else [raw] * len(prompts)
+    if len(raw_list) != len(prompts):
+        raise APIError(400, f"sampling_params has {len(raw_list)} entries for {len(prompts)} prompts",
+                       param="sampling_params")
+    params_list = [native_sampling_params(sp) for sp in raw_list]  # cheap checks before tokenizing
+    _check_fan_out(sum(p.n for p in params_list), param=param)
+    subs: list[Sub] = []
+    for prompt, params in zip(prompts, params_list):
+        manager.check_params(params)
+        ids = manager.encode(prompt) if param == "text" else prompt
+        manager.check_prompt(ids, params.max_new_tokens, param=param)
+        if req.return_logprob and req.logprob_start_len >= len(ids):
+            raise APIError(400, f"logprob_start_len ({req.logprob_start_len}) must be below the prompt's "
+                                f"{len(ids)} tokens", param="logprob_start_len")
+        subs += _fan_out([ids], params, params.n)
+    return req, not single or len(subs) > 1, subs
+
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    s, (req, batch, subs) = await validated(request, generate_request)
+    manager, names = s.manager, s.names
+    manager.check_alive()
+    # Without return_logprob the other logprob fields mean nothing (as in SGLang), and are not passed on.
+    options = RequestOptions(return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
+                             logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
+                             cache_salt=req.cache_salt)
+    texts = (names if req.return_text_in_logprobs else None) if req.return_logprob else False
+    if req.stream:
+        return StreamingResponse(_generate_stream(manager, subs, options, batch, texts),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    outs = [_native(o, subs[i][0], options, texts) for i, o in
+            enumerate(await _collect(manager, subs, request, options))]
+    return JSONResponse(outs if batch else outs[0])
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -450,11 +491,8 @@ def _fan_out(id_lists: Sequence[list[int]], params: SamplingParams, n: int) -> l
         for j in range(n):
             p = params
             if n > 1 or params.n != 1:
-                d = params.to_dict()
-                d["n"] = 1
-                if params.seed is not None:
-                    d["seed"] = (params.seed + j) % 2**64
-                p = SamplingParams.from_dict(d)
+                seed = None if params.seed is None else (params.seed + j) % 2**64
+                p = dataclasses.replace(params, n=1, seed=seed)
             subs.append((list(ids), p))
     return subs
 

@@ -22,6 +22,7 @@ they were re-parented and exit on their own.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -58,9 +59,9 @@ class Launcher:
             from minisgl_ref.models.loader import resolve_model_path
             from minisgl_ref.server.detokenizer_process import load_tokenizer
 
-            resolve_model_path(self.args.model_path, self.args.load_format)  # fail fast; convert once
+            resolve_model_path(self.args.model.model_path, self.args.model.load_format)  # fail fast; convert once
             self._start_children()
-            if self.args.node_rank > 0:
+            if self.args.tp.node_rank > 0:
                 return self._follow_node()  # another machine's ranks of a multi-node group: no HTTP here
             tokenizer = load_tokenizer(self.args)
             info = self._wait_until_ready()
@@ -94,14 +95,14 @@ class Launcher:
         ctx = mp.get_context("spawn")
         # One scheduler per tensor-parallel rank of this node (chapter 09); rank 0's is "scheduler", and only
         # node 0 runs the detokenizer (and, in the parent, the HTTP server).
-        dist_cfg = DistConfig(self.args.tp_size, 0, self.args.nnodes, self.args.node_rank, self.args.dist_init_addr)
-        if self.args.tp_size > 1 and self.args.dist_init_addr is None:
-            self.args.dist_init_addr = dist_cfg.with_free_port().dist_init_addr
+        dist_cfg = DistConfig.of(self.args.tp)
+        if self.args.tp.tp_size > 1 and self.args.tp.dist_init_addr is None:
+            self.args.tp = dataclasses.replace(self.args.tp, dist_init_addr=dist_cfg.with_free_port().dist_init_addr)
         targets: dict[str, tuple[Any, tuple[Any, ...]]] = {
             ("scheduler" if rank == 0 else f"scheduler-tp{rank}"): (run_scheduler_process, (rank,))
             for rank in dist_cfg.node_ranks()
         }
-        if self.args.node_rank == 0:
+        if self.args.tp.node_rank == 0:
             targets["detokenizer"] = (run_detokenizer_process, ())
         for name, (target, extra) in targets.items():
             receiver, sender = ctx.Pipe(duplex=False)
@@ -138,7 +139,7 @@ class Launcher:
 
         if self._wait_until_ready() is None:
             return 0
-        log.info("ranks %s ready; following node 0 at %s", list(self.procs), self.args.dist_init_addr)
+        log.info("ranks %s ready; following node 0 at %s", list(self.procs), self.args.tp.dist_init_addr)
         while self.stop_signal is None:
             dead = self.dead_child()
             if dead is not None:
@@ -184,7 +185,7 @@ class Launcher:
     def model_name(self) -> str:
         from minisgl_ref.models.embedded import EMBEDDED_NAME
 
-        return self.args.served_model_name or self.args.model_path or EMBEDDED_NAME
+        return self.args.served_model_name or self.args.model.model_path or EMBEDDED_NAME
 
     async def watchdog(self, manager: Any, on_dead: Any) -> None:
         while True:

@@ -26,14 +26,16 @@ scheduler decodes a tail of each request to check stop strings, its detokenizer 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import time
 from typing import Any
 
 import zmq
 
+from minisgl_ref import env
 from minisgl_ref.core.request import FinishReason, Req
+from minisgl_ref.engine.engine import Engine
+from minisgl_ref.runtime import Runtime, build_runtime
 from minisgl_ref.sampling.params import SamplingParams
 from minisgl_ref.server.args import Addresses, ServerArgs
 from minisgl_ref.server.messages import (
@@ -56,18 +58,12 @@ log = logging.getLogger("minisgl_ref.scheduler")
 
 
 class SchedulerWorker:
-    def __init__(self, args: ServerArgs, addrs: Addresses) -> None:
-        from minisgl_ref.engine.engine import Engine
-        from minisgl_ref.llm import LLM
-
-        # The offline LLM class loads exactly what the server needs (model, tokenizer, EOS ids, engine), so an
-        # HTTP request and an LLM.generate call with the same settings run the very same engine code.
-        self.llm = LLM(
-            args.model_path, load_format=args.load_format, dtype=args.dtype, device=args.device,
-            context_length=args.context_length, engine="paged", **tp_kwargs(args, 0), **args.engine_kwargs,
-        )
-        assert isinstance(self.llm.engine, Engine)
-        self.engine = self.llm.engine
+    def __init__(self, rt: Runtime, addrs: Addresses) -> None:
+        # The runtime is built exactly as the offline LLM builds its own (build_runtime), so an HTTP request and
+        # an LLM.generate call with the same settings run the very same engine code.
+        self.rt = rt
+        self.engine = rt.engine
+        assert isinstance(self.engine, Engine)
         self.reqs: dict[str, Any] = {}  # rid -> Req, while the engine has it
         self.sent: dict[str, int] = {}  # rid -> output ids already sent on
         self.sent_logprobs: dict[str, tuple[int, int]] = {}  # rid -> (input, output) logprob entries sent
@@ -82,18 +78,18 @@ class SchedulerWorker:
         self.watch = ParentWatch()
 
     def info(self) -> dict[str, Any]:
-        cfg = self.llm.config
+        cfg = self.rt.model_config
         return {
-            "model_path": str(self.llm.model_path) if self.llm.model_path else None,
+            "model_path": str(self.rt.model_path) if self.rt.model_path else None,
             "architecture": cfg.architecture,
-            "context_length": self.llm.context_length,
+            "context_length": self.rt.context_length,
             "vocab_size": cfg.vocab_size,
             "dtype": str(cfg.dtype).removeprefix("torch."),
-            "device": str(self.llm.device),
+            "device": str(self.rt.device),
             "max_total_num_tokens": self.engine.max_total_tokens,
             "max_running_requests": self.engine.config.max_running_requests,
             "page_size": self.engine.config.page_size,
-            "has_tokenizer": self.llm.tokenizer is not None,
+            "has_tokenizer": self.rt.tokenizer is not None,
         }
 
     # ---------------------------------------------------------------------------------------------------- loop
@@ -137,19 +133,18 @@ class SchedulerWorker:
         try:
             params = SamplingParams.from_dict(msg.sampling_params)
             detok = None
-            if (params.stop or params.stop_regex) and self.llm.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.llm.tokenizer, skip_special_tokens=params.skip_special_tokens,
+            if (params.stop or params.stop_regex) and self.rt.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.rt.tokenizer, skip_special_tokens=params.skip_special_tokens,
                                                stop=params.stop, stop_regex=params.stop_regex,
                                                prompt_ids=msg.input_ids)
-            req = Req(input_ids=list(msg.input_ids), params=params, eos_token_ids=self.llm.eos_token_ids,
-                      detokenizer=detok, context_len=self.llm.context_length, rid=msg.rid,
+            req = Req(input_ids=list(msg.input_ids), params=params, eos_token_ids=self.rt.eos_token_ids,
+                      detokenizer=detok, context_len=self.rt.context_length, rid=msg.rid,
                       cache_salt=msg.cache_salt, return_logprob=msg.return_logprob,
                       top_logprobs_num=msg.top_logprobs_num, logprob_start_len=msg.logprob_start_len)
             self.engine.add_request(req)  # raises ValueError for a request this model cannot run
         except (ValueError, TypeError) as e:
             # The API server validates first, so this is a bug or a race; answer rather than leave it hanging.
-            req = _Failed(msg.rid, msg.sampling_params, FinishReason("abort", message=str(e)))
-            rows.append((req, [], True))
+            self._refuse(msg.rid, str(e))
             return
         self.reqs[req.rid] = req
         self.sent[req.rid] = 0
@@ -162,7 +157,7 @@ class SchedulerWorker:
         req = self.reqs.get(rid)
         if req is None or req.finished:
             return  # already done: the abort crossed the last output on the wire
-        self.engine.abort(req, "aborted by the client")
+        self.engine.abort(req, "aborted by the client")  # frees wait for any step in flight (the engine decides)
         rows.append((req, [], True))
 
     def _rpc(self, msg: RpcReq) -> None:
@@ -170,7 +165,7 @@ class SchedulerWorker:
             if msg.method == "get_stats":
                 resp = RpcResp(msg.rpc_id, True, self.stats())
             elif msg.method == "flush_cache":
-                ok = not self.engine.has_work and self.engine.cache.flush_cache()
+                ok = self.engine.flush_cache()
                 resp = RpcResp(msg.rpc_id, ok, "Cache flushed." if ok else
                                "the cache was not flushed: requests are running or waiting")
             else:
@@ -226,7 +221,7 @@ class SchedulerWorker:
             out.finished.append(finished)
             out.finish_reasons.append(req.finish_reason.to_dict() if finished else None)
             out.cached_tokens.append(req.cached_tokens)
-            out.logprobs.append(self._new_logprobs(req) if getattr(req, "return_logprob", False) else None)
+            out.logprobs.append(self._new_logprobs(req) if req.return_logprob else None)
             out.inits.append({
                 "stop": list(req.params.stop),
                 "stop_regex": list(req.params.stop_regex),
@@ -242,6 +237,12 @@ class SchedulerWorker:
             out.logprobs = None
         self.to_detok.send(encode(out))
 
+    def _refuse(self, rid: str, message: str) -> None:
+        """Answer a request that never entered the engine: one final row of its own, with no tokens."""
+        init = {"stop": [], "stop_regex": [], "skip_special_tokens": True, "prompt_tail": []}
+        reason = FinishReason("abort", message=message).to_dict()
+        self.to_detok.send(encode(BatchTokenOut([rid], [[]], [True], [reason], [0], [init])))
+
     def _new_logprobs(self, req: Req) -> dict[str, Any]:
         """The log-probability entries ``req`` gained since its last row."""
         n_in, n_out = self.sent_logprobs.get(req.rid, (0, 0))
@@ -253,71 +254,36 @@ class SchedulerWorker:
         self.ctx.destroy(linger=0)
 
 
-class _Failed:
-    """Stands in for a request that could not even be built, so it can be answered like any other."""
-
-    def __init__(self, rid: str, params: dict[str, Any], reason: Any) -> None:
-        self.rid, self.finish_reason, self.cached_tokens = rid, reason, 0
-        self.input_ids: list[int] = []
-        try:
-            self.params = SamplingParams.from_dict(params)
-        except (ValueError, TypeError):
-            self.params = SamplingParams()
-
-
-def cpu_threads() -> int:
-    """Intra-op threads for a CPU engine: one core is left to the API server and the detokenizer. An engine that
-    competes with them for every core loses badly: OpenMP threads spin at each barrier, waiting for a sibling
-    that the OS has descheduled (on a busy 2-core machine, 2 threads decode ~6x slower than 1). ``OMP_NUM_THREADS``
-    overrides this, as usual."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return int(os.environ["OMP_NUM_THREADS"])
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-    return max(1, cores - 1)
-
-
-def tp_kwargs(args: ServerArgs, tp_rank: int) -> dict[str, Any]:
-    """The ``LLM`` arguments that make this process tensor-parallel rank ``tp_rank`` (chapter 09)."""
-    if args.tp_size == 1 and args.nnodes == 1:
-        return {}
-    return dict(tp_size=args.tp_size, nnodes=args.nnodes, node_rank=args.node_rank,
-                dist_init_addr=args.dist_init_addr, tp_rank=tp_rank)
-
-
-def run_follower_rank(args: ServerArgs, ready_conn: Any, tp_rank: int, log: Any) -> None:
-    """Ranks 1..N-1 (chapter 09): no sockets, no outputs. Load this rank's shard, then replay rank 0's steps
-    (broadcast to us at the top of each of its steps) until rank 0 stops or dies."""
-    from minisgl_ref.llm import LLM
-
+def run_follower_rank(rt: Runtime, args: ServerArgs, log: Any) -> None:
+    """Ranks 1..N-1 (chapter 09): no sockets, no outputs. Replay rank 0's steps (broadcast to us at the top of
+    each of its steps) until rank 0 stops or dies."""
+    log.info("ready: tensor-parallel rank %d of %d on %s", rt.tp_rank, args.tp.tp_size, rt.device)
     try:
-        llm = LLM(args.model_path, load_format=args.load_format, dtype=args.dtype, device=args.device,
-                  context_length=args.context_length, engine="paged", **tp_kwargs(args, tp_rank),
-                  **args.engine_kwargs)
-    except Exception as e:  # noqa: BLE001 - the parent prints this one line and exits
-        report_ready(ready_conn, {"error": f"{type(e).__name__}: {e}"})
-        return
-    report_ready(ready_conn, {"ok": {"tp_rank": tp_rank, "device": str(llm.device)}})
-    log.info("ready: tensor-parallel rank %d of %d on %s", tp_rank, args.tp_size, llm.device)
-    try:
-        llm.follow()
+        rt.follow()
     except RuntimeError as e:  # rank 0 went away (its sockets closed): nothing left to follow
         log.info("stopping: %s", e)
 
 
 def run_scheduler_process(args: ServerArgs, addrs: Addresses, ready_conn: Any, tp_rank: int = 0) -> None:
-    """The child process's entry point (``multiprocessing`` spawn target)."""
+    """The child process's entry point (``multiprocessing`` spawn target): build this rank's runtime, then run
+    the scheduler loop (rank 0) or follow rank 0 (the others)."""
     log = child_process_setup(args.log_level, f"scheduler TP{tp_rank}")
     try:
         import torch
 
-        if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu"):
-            torch.set_num_threads(cpu_threads())
-        if tp_rank > 0:
-            return run_follower_rank(args, ready_conn, tp_rank, log)
-        worker = SchedulerWorker(args, addrs)
+        from minisgl_ref.tp.group import TPGroup
+
+        if (args.model.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu"):
+            torch.set_num_threads(env.cpu_threads(spare=1))  # one core for the API server and the detokenizer
+        group = TPGroup.member(args.tp, tp_rank) if args.tp.enabled else None
+        rt = build_runtime(args.model, args.engine, args.tp, group=group)
+        worker = SchedulerWorker(rt, addrs) if tp_rank == 0 else None
     except Exception as e:  # noqa: BLE001 - the parent prints this one line and exits
         report_ready(ready_conn, {"error": f"{type(e).__name__}: {e}"})
         return
+    if worker is None:
+        report_ready(ready_conn, {"ok": {"tp_rank": tp_rank, "device": str(rt.device)}})
+        return run_follower_rank(rt, args, log)
     t0 = time.perf_counter()
     report_ready(ready_conn, {"ok": worker.info()})
     log.info("ready: %s", worker.info())
@@ -328,3 +294,4 @@ def run_scheduler_process(args: ServerArgs, addrs: Addresses, ready_conn: Any, t
             shutil.rmtree(addrs.folder, ignore_errors=True)
         log.info("stopping after %.0f s", time.perf_counter() - t0)
         worker.close()
+        rt.shutdown()  # tensor parallelism: tell the other ranks to stop, and leave the group

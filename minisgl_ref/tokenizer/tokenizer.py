@@ -52,6 +52,14 @@ class Tokenizer:
     # ------------------------------------------------------------------ loading
 
     @classmethod
+    def find(cls, folder: Path | None) -> Tokenizer | None:
+        """The tokenizer of a model folder, or None when it has none (a weights-only folder: like SGLang's
+        ``--skip-tokenizer-init``, prompts must then be token ids)."""
+        if folder is None or not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            return None
+        return cls.from_pretrained(folder)
+
+    @classmethod
     def from_pretrained(cls, path: str | Path, *, gguf_file: str | None = None) -> Tokenizer:
         """Load the tokenizer of the local model folder ``path``.
 

@@ -22,27 +22,21 @@ news costs one 8-byte broadcast. Only rank 0 reports results.
              Engine.step()                     replay ops; Engine.step()
              (all-reduces inside the model <-> all-reduces inside the model)
 
-:class:`TPEngine` is the engine for both roles; :func:`spawn_local_ranks` starts the followers of an offline
-``LLM(tp_size=N)`` as child processes (torch.multiprocessing, spawn start method).
+:class:`TPEngine` is the engine for both roles; :mod:`minisgl_ref.tp.group` starts the ranks and joins the group.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from minisgl_ref.core.request import Req
-from minisgl_ref.distributed.group import DistConfig, broadcast_object
+from minisgl_ref.distributed.group import broadcast_object
 from minisgl_ref.distributed.parallel_state import broadcast_tensor, get_tp_info
 from minisgl_ref.engine.engine import Engine, StepEvent
 from minisgl_ref.sampling.params import SamplingParams
-from minisgl_ref.tp.launch import main_not_reimported
-
-log = logging.getLogger("minisgl_ref.tp")
 
 
 @dataclass(frozen=True)
@@ -115,17 +109,8 @@ class TPEngine(Engine):
         self.tokenizer = tokenizer
         self._ops: list[tuple[Any, ...]] = []
         self._stopped = False
+        # Every rank samples, then takes rank 0's tokens: the runner's sampler is a part the engine composes.
         self.runner.sampler = RankZeroTokens(self.runner.sampler)
-        local_flush = self.cache.flush_cache
-
-        def flush_cache() -> bool:
-            ok = local_flush()
-            if ok and self.is_leader:
-                self._ops.append(("flush",))
-            return ok
-
-        self.cache.flush_cache = flush_cache  # type: ignore[method-assign]
-        self._local_flush = local_flush
 
     # ------------------------------------------------------------------------------------------ leader side
 
@@ -138,6 +123,12 @@ class TPEngine(Engine):
         if self.is_leader:
             self._ops.append(("abort", req.rid, message))
         super().abort(req, message)
+
+    def flush_cache(self) -> bool:
+        ok = super().flush_cache()
+        if ok and self.is_leader:
+            self._ops.append(("flush",))
+        return ok
 
     def step(self) -> list[StepEvent]:
         if self.is_leader:
@@ -170,73 +161,14 @@ class TPEngine(Engine):
                     super().add_request(req)
                 elif kind == "abort":
                     _, rid, message = op
-                    req = reqs.pop(rid, None)
-                    if req is not None:  # else finished here already; aborting it would change nothing
-                        super().abort(req, message)
+                    # The leader aborts only requests it still runs, and so does this rank, in lock-step.
+                    if rid in reqs:
+                        super().abort(reqs.pop(rid), message)
                 elif kind == "flush":
-                    self._local_flush()
+                    super().flush_cache()
                 else:
                     raise RuntimeError(f"unknown op from the leader: {op!r}")
             for event in super().step():
                 if event.finished:
                     reqs.pop(event.req.rid, None)
         # END TASK 9.2
-
-
-# ------------------------------------------------------------------------------------ offline: local ranks
-
-
-def spawn_local_ranks(
-    dist_cfg: DistConfig, ranks: list[int], worker: Callable[..., None], worker_kwargs: dict[str, Any]
-) -> tuple[list, list]:
-    """Start one process per rank in ``ranks`` (this node's followers), each running
-    ``worker(rank, dist_cfg, worker_kwargs, ready)``. Returns (processes, ready pipes): each child sends
-    ``{"ok": rank}`` on its ``ready`` pipe once its model is loaded, or ``{"error": ...}``.
-
-    The offline ``LLM`` passes its own follower entry point as ``worker`` (it builds the same ``LLM`` as rank
-    ``rank``), so this module, a floor below ``llm``, never imports it."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    procs, conns = [], []
-    for rank in ranks:
-        receiver, sender = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=worker, args=(rank, dist_cfg, worker_kwargs, sender), daemon=True,
-                           name=f"minisgl-tp{rank}")
-        with main_not_reimported():
-            proc.start()
-        sender.close()
-        procs.append(proc)
-        conns.append(receiver)
-    return procs, conns
-
-
-def wait_ready(procs: list, conns: list, timeout_s: float | None = None) -> None:
-    """Block until every spawned rank has loaded its model; raise with the first error (or death) reported."""
-    import time
-
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    pending = dict(zip(conns, procs))
-    while pending:
-        for conn, proc in list(pending.items()):
-            if conn.poll(0.1):
-                try:
-                    msg = conn.recv()
-                except EOFError:
-                    msg = {"error": f"{proc.name} exited with code {proc.exitcode} while loading"}
-                if "error" in msg:
-                    raise RuntimeError(f"a tensor-parallel rank failed to start: {msg['error']}")
-                del pending[conn]
-            elif not proc.is_alive():
-                raise RuntimeError(f"{proc.name} exited with code {proc.exitcode} while loading")
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError("tensor-parallel ranks did not start in time")
-
-
-def stop_local_ranks(procs: list, timeout_s: float = 30.0) -> None:
-    for proc in procs:
-        proc.join(timeout_s)
-        if proc.is_alive():
-            log.warning("%s did not exit; terminating it", proc.name)
-            proc.terminate()
-            proc.join(5.0)

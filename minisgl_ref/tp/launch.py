@@ -10,7 +10,6 @@ calls ``fn(*args)`` in each, and returns every rank's result, rank 0 first. It i
 from __future__ import annotations
 
 import io
-import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from minisgl_ref import env
 from minisgl_ref.distributed.group import (
     DistConfig,
     destroy_distributed,
@@ -76,7 +76,7 @@ def run_on_ranks(fn: Callable[..., Any], tp_size: int, *args: Any, device: str =
     import torch.multiprocessing as mp
 
     if threads is None:
-        threads = int(os.environ.get("MINISGL_THREADS", max(1, (os.cpu_count() or 1) // tp_size)))
+        threads = env.cpu_threads(ranks=tp_size)
     cfg = DistConfig(tp_size=tp_size).with_free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()

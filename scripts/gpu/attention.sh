@@ -8,7 +8,7 @@
 #   ... && bash scripts/gpu/attention.sh bench                                       # benchmark only
 # Anywhere else with CUDA, flashinfer-python and FlashAttention-3 installed: OUT=results bash scripts/gpu/attention.sh
 # The GPU machine's copy of the checkout has no usable .git: pass the commit for the results' provenance with
-#   MINISGL_GIT_COMMIT=$(git rev-parse HEAD) (and MINISGL_GIT_NOTE="..." if the tree had uncommitted changes).
+#   MINISGL_GIT_COMMIT=$(git rev-parse HEAD).
 # Publishing (here, after fetching $OUT): merge the test errors into the benchmark file that chapter 07 reads:
 #   python3 scripts/gpu/attention_publish.py OUT/gpu_kernels_h100.json OUT/attention_errors.jsonl OUT/pytest.log \
 #       docs/data/gpu_kernels_h100.json
@@ -33,7 +33,7 @@ fi
 if [ "$what" = all ] || [ "$what" = bench ] || [ "$what" = quick ]; then
     extra=""
     [ "$what" = quick ] && extra="--quick"
-    python3 -m minisgl_ref bench kernels $extra --output "$OUT/gpu_kernels_h100.json" 2>&1 | tee "$OUT/bench.log" \
+    python3 -m benchmarks.kernels $extra --output "$OUT/gpu_kernels_h100.json" 2>&1 | tee "$OUT/bench.log" \
         || status=1
 fi
 echo "=== summary ==="

@@ -142,7 +142,7 @@ def decode_step_times(batch_sizes: list[int], ctx: int = 512, iters: int = 50, b
             llm.engine.abort(req)
         while llm.engine.has_work:
             llm.engine.step()
-        llm.engine.cache.flush_cache()
+        llm.engine.flush_cache()
     info = {"attention_backend": type(runner.attn_backend).__name__,
             "capture_seconds": getattr(graphs, "capture_seconds", None)}
     del runner, graphs, batch, fb, llm

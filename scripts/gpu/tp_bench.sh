@@ -41,7 +41,7 @@ DECODE_BS=${DECODE_BS:-1,64}
 ENGINE_ARGS=${ENGINE_ARGS:-"{}"}
 DTYPE=${DTYPE:-bfloat16}
 DEVICE=${DEVICE:-cuda}  # (DEVICE=cpu DTYPE=float32 with a fake nvidia-smi is how the script was dry-run on a CPU)
-bench="python3 -m minisgl_ref.bench.tp"
+bench="python3 -m benchmarks.tp"
 status=0
 
 phase() {  # phase NAME TIMEOUT_S ARGS...: run one phase, log it, remember a failure

@@ -1,4 +1,4 @@
-"""Tensor parallelism, checked and measured (chapter 09): ``python -m minisgl_ref.bench.tp``.
+"""Tensor parallelism, checked and measured (chapter 09): ``python -m benchmarks.tp``, from the repository root.
 
 Three things, each a ``--phase`` so that a GPU script can run them in separate processes (every phase starts with
 all GPU memory free, and a phase that runs out of time does not lose the others' results):
@@ -13,7 +13,9 @@ all GPU memory free, and a phase that runs out of time does not lose the others'
 chapter's table; on CPU with gloo it runs in seconds).
 
 The helpers are importable: :func:`sharded_logits` (what rank 0 computes at a given tp size) and
-:func:`comm_profile` are what the tests and the chapter call.
+:func:`comm_profile` are what the tests and the chapter call. :func:`count_communication` counts the collectives
+from the outside: the engine's collectives call ``torch.distributed`` through one module attribute, and for the
+length of a ``with`` block a counting stand-in takes its place.
 """
 
 from __future__ import annotations
@@ -24,13 +26,85 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed
 
-from minisgl_ref.distributed.parallel_state import count_communication, get_tp_info, set_tp_info
+from minisgl_ref.distributed import parallel_state
+from minisgl_ref.distributed.parallel_state import get_tp_info, set_tp_info
 from minisgl_ref.tp.launch import run_on_ranks
+
+# ------------------------------------------------------------------------------------- counting collectives
+
+
+@dataclass
+class CommCounter:
+    """Bytes each rank *contributes* to each kind of collective, and the wall time spent inside them.
+
+    For an all-reduce that is the size of the tensor being summed; for an all-gather, the size of this rank's
+    slice. (How many bytes actually cross the wire depends on the algorithm: a ring all-reduce of ``n`` bytes
+    over ``p`` ranks sends ``2 n (p - 1) / p`` from every rank.)
+    """
+
+    calls: dict[str, int] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def record(self, kind: str, tensor: torch.Tensor, seconds: float) -> None:
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.bytes[kind] = self.bytes.get(kind, 0) + tensor.numel() * tensor.element_size()
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
+
+
+class _CountingDist:
+    """Stands in for ``torch.distributed`` inside ``parallel_state``: the collectives the layers issue are timed
+    and counted (``sync`` waits for the device around each, so the time is the collective's own), everything
+    else passes through."""
+
+    def __init__(self, counter: CommCounter, sync: bool) -> None:
+        self.counter, self.sync = counter, sync
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.distributed, name)
+
+    def _timed(self, kind: str, x: torch.Tensor, call: Callable[[], Any]) -> Any:
+        if self.sync and x.is_cuda:
+            torch.cuda.synchronize(x.device)
+        t0 = time.perf_counter()
+        result = call()
+        if self.sync and x.is_cuda:
+            torch.cuda.synchronize(x.device)
+        self.counter.record(kind, x, time.perf_counter() - t0)
+        return result
+
+    def all_reduce(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return self._timed("all_reduce", x, lambda: torch.distributed.all_reduce(x, *args, **kwargs))
+
+    def all_gather_into_tensor(self, out: torch.Tensor, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return self._timed("all_gather", x, lambda: torch.distributed.all_gather_into_tensor(out, x, *args, **kwargs))
+
+    def all_gather(self, outs: list[torch.Tensor], x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return self._timed("all_gather", x, lambda: torch.distributed.all_gather(outs, x, *args, **kwargs))
+
+    def broadcast(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return self._timed("broadcast", x, lambda: torch.distributed.broadcast(x, *args, **kwargs))
+
+
+@contextmanager
+def count_communication(sync: bool = True) -> Iterator[CommCounter]:
+    """Count (and time) every collective the model issues inside the ``with`` block (only for measuring: with
+    ``sync`` it serialises the device)."""
+    counter, previous = CommCounter(), parallel_state.dist
+    parallel_state.dist = _CountingDist(counter, sync)  # type: ignore[assignment]
+    try:
+        yield counter
+    finally:
+        parallel_state.dist = previous
 
 # ---------------------------------------------------------------------------------------- logits per rank
 
@@ -174,9 +248,7 @@ def decode_step_time(llm: Any, batch_size: int, prompt_len: int = 256, steps: in
     dt = (time.perf_counter() - t0) / steps
     decoded = engine.stats.decode_tokens - before
     engine.run_until_done()
-    cache = getattr(engine, "cache", None)
-    if cache is not None:
-        cache.flush_cache()
+    engine.flush_cache()  # through the engine: at tp > 1 the followers flush theirs too
     return {"batch_size": batch_size, "prompt_len": prompt_len, "steps": steps, "step_s": dt,
             "decode_rows_per_step": decoded / steps, "tokens_per_s": batch_size / dt}
 
@@ -317,7 +389,7 @@ def phase_merge(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m minisgl_ref.bench.tp", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tp", description=__doc__.split("\n\n")[0])
     p.add_argument("--phase", required=True, choices=["check", "run", "comm", "merge"])
     p.add_argument("--tp-size", type=int, default=2)
     p.add_argument("--model-path", default="qwen3-14b")

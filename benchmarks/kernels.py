@@ -1,4 +1,4 @@
-"""``python -m minisgl_ref bench kernels``: attention kernels alone, against the memory roofline (chapter 07).
+"""``python -m benchmarks.kernels``: attention kernels alone, against the memory roofline (chapter 07).
 
 Decode attention reads each request's whole KV cache once per step and does two small matrix-vector products
 per key, so it is *memory bound*: the fastest possible kernel streams the KV bytes at the device's memory
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -260,7 +259,7 @@ def run(names: list[str], quick: bool, repeats: int, log: Callable[[str], None] 
 
 def main(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
-        raise ValueError("bench kernels needs a CUDA device (it times GPU attention kernels)")
+        raise ValueError("benchmarks.kernels needs a CUDA device (it times GPU attention kernels)")
     from minisgl_ref.attention.registry import check_backend_can_run
     from minisgl_ref.bench.provenance import collect_provenance
 
@@ -277,12 +276,6 @@ def main(args: argparse.Namespace) -> int:
 
     kernel_packages = {n: package_version(n) for n in ("triton", "flashinfer-python", "tokenspeed-fa3", "flash-attn")}
     prov = collect_provenance(backends=usable, quick=args.quick, repeats=args.repeats, kernel_packages=kernel_packages)
-    if os.environ.get("MINISGL_GIT_COMMIT"):
-        # A copy of the working tree (as on the lent GPU machine) may carry no or a stale .git: the launcher
-        # passes the commit it was started from.
-        prov["software"]["git_commit_seen_here"] = prov["software"].get("git_commit")
-        prov["software"]["git_commit"] = os.environ["MINISGL_GIT_COMMIT"]
-        prov["software"]["git_commit_note"] = os.environ.get("MINISGL_GIT_NOTE", "passed in by the launcher")
     out = {"provenance": prov, **results}
     t = results["target"]
     print(f"target bs={t['batch']} ctx={t['context']} gqa={t['gqa']}: triton/flashinfer = "
@@ -292,3 +285,9 @@ def main(args: argparse.Namespace) -> int:
         Path(args.output).write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {args.output}")
     return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.split("\n\n")[0])
+    add_kernels_args(parser)
+    sys.exit(main(parser.parse_args()))

@@ -1,0 +1,126 @@
+"""One way to build an engine: load the model and its tokenizer, start the tensor-parallel ranks, build the engine
+(chapters 02, 09 and 10).
+
+The offline :class:`~minisgl_ref.llm.LLM`, the server's scheduler process and every tensor-parallel follower call
+:func:`build_runtime` with the same three settings objects (:class:`ModelArgs`, :class:`EngineConfig`,
+:class:`TPArgs`), so an ``LLM.generate`` call and an HTTP request with the same settings run the very same engine,
+and a follower builds exactly what its leader built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from minisgl_ref.core.config import EngineConfig, ModelArgs, TPArgs
+from minisgl_ref.distributed.group import DistConfig, exit_with_parent
+from minisgl_ref.engine.engine import Engine
+from minisgl_ref.engine.naive import NaiveEngine
+from minisgl_ref.models.config import ModelConfig
+from minisgl_ref.models.loader import load_model
+from minisgl_ref.tokenizer import Tokenizer
+from minisgl_ref.tp.engine import TPEngine
+from minisgl_ref.tp.group import TPGroup
+
+ENGINE_KINDS = ("paged", "naive")
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class Runtime:
+    """Everything one process needs to serve: the model, its tokenizer and EOS ids, the engine, and (with tensor
+    parallelism) its place in the group."""
+
+    model: nn.Module
+    model_config: ModelConfig
+    model_path: Path | None  # the folder the model came from (None: a shipped config with dummy weights)
+    tokenizer: Tokenizer | None  # None: dummy weights or a weights-only folder; prompts must be token ids
+    eos_token_ids: frozenset[int]
+    context_length: int
+    device: torch.device
+    engine: Engine | NaiveEngine
+    group: TPGroup | None = None
+
+    @property
+    def tp_rank(self) -> int:
+        return 0 if self.group is None else self.group.rank
+
+    @property
+    def is_leader(self) -> bool:
+        """Only rank 0 takes requests; the other ranks :meth:`follow` it."""
+        return self.tp_rank == 0
+
+    def follow(self) -> None:
+        """On a rank other than 0: replay rank 0's steps until it shuts down, then leave the process group."""
+        if not isinstance(self.engine, TPEngine) or self.is_leader:
+            raise ValueError("follow() is for tensor-parallel ranks other than 0")
+        assert self.group is not None
+        try:
+            self.engine.follow()
+        finally:
+            self.group.leave()
+
+    def shutdown(self) -> None:
+        """Stop the ranks this process started and leave the process group (nothing at tp=1)."""
+        group, self.group = self.group, None
+        if group is not None:
+            group.close()
+
+
+def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = None, tp: TPArgs = TPArgs(), *,
+                  kind: str = "paged", group: TPGroup | None = None) -> Runtime:
+    """Load ``model`` and build a ``kind`` engine (``paged``: the real engine of chapters 03-08; ``naive``: the
+    chapter-00 oracle) configured by ``engine``.
+
+    With ``tp.tp_size > 1`` this process becomes its node's first rank and starts the node's other ranks, which
+    build the same runtime (:func:`follow_leader`); pass ``group`` instead when someone else starts the ranks
+    (the server starts one scheduler process per rank)."""
+    if kind not in ENGINE_KINDS:
+        raise ValueError(f"engine must be 'paged' or 'naive', got {kind!r}")
+    if (group is not None or tp.enabled) and kind != "paged":
+        raise ValueError(f"tp_size={tp.tp_size} needs engine='paged' (the naive oracle runs on one device)")
+    if group is None and tp.enabled:
+        group = TPGroup.launch(tp, follow_leader, (model, engine))  # checks the flags before it starts anything
+    try:
+        device = group.device(model.device) if group else torch.device(model.device or default_device())
+        net, config, folder = load_model(model.model_path, load_format=model.load_format, dtype=model.dtype,
+                                         device=device)
+        if group is not None:
+            group.join(device)  # every rank has loaded its shard: meet the others
+        tokenizer = None if model.load_format == "dummy" or model.skip_tokenizer_init else Tokenizer.find(folder)
+        eos = frozenset(config.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else frozenset())
+        context = model.context_length or config.max_position_embeddings
+        if context < 2:
+            raise ValueError(f"context_length must be at least 2, got {context}")
+        if kind == "naive":
+            built: Engine | NaiveEngine = NaiveEngine(net, config.vocab_size, device)
+        elif group is not None:
+            built = group.engine = TPEngine(net, config, engine, device=device, context_length=context,
+                                            tokenizer=tokenizer)
+        else:
+            built = Engine(net, config, engine, device=device, context_length=context)
+    except BaseException as e:
+        if group is not None:
+            group.report_failure(e)
+            group.close()
+        raise
+    return Runtime(net, config, folder, tokenizer, eos, context, device, built, group)
+
+
+def follow_leader(rank: int, cfg: DistConfig, settings: tuple[ModelArgs, EngineConfig | None], announce: Any) -> None:
+    """A follower rank started by :func:`build_runtime`: build the same runtime as rank ``rank``, then replay the
+    leader's steps until it stops."""
+    exit_with_parent()
+    model, engine = settings
+    try:
+        runtime = build_runtime(model, engine, group=TPGroup(cfg.with_rank(rank), announce=announce))
+    except Exception as e:  # already reported to the leader, which raises it
+        raise SystemExit(1) from e
+    runtime.follow()
