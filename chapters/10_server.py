@@ -875,8 +875,9 @@ print("python", " ".join(router_command(dp_args, dp_urls, metrics_port=41003)[1:
 #    `--num-prompts` small on a CPU). Plot median TTFT and output throughput against the rate. Where does the
 #    server saturate, and what happens to TTFT beyond that point? Compare `--max-concurrency 2` at rate `inf`.
 # 3. **Abort under overlap.** `SchedulerWorker._abort` calls `engine.abort`, which holds back the aborted
-#    request's frees while a step is in flight. Explain, with chapter 06's timeline, which step could still write the aborted request's KV slots, and what another
-#    request that received those slots would see if the frees were not deferred.
+#    request's release while a step is in flight (`InflightFrees.later`). Explain, with chapter 06's timeline,
+#    which step could still write the aborted request's KV slots, and what another request that received those
+#    slots would see if they were given back at once.
 # 4. **Another metric.** Add a Prometheus counter for requests that finished on a stop string
 #    (`finish_reason.type == "stop"` with a string `matched`) and check that it moves in `test_metrics_move`.
 # 5. **Bursts.** In the GPU table, the median ITL at rate `inf` is 0.05 ms. Find where the chunks of one stream

@@ -229,7 +229,7 @@ print(GPU["history_note"])
 # * `next_tokens.tolist()`, the one read of the sampled tokens per step, queues its copy on the stream *behind
 #   step N+1*, launched a moment earlier, so the host waited for N+1 to finish before processing N and the GPU
 #   idled while the host processed, scheduled and launched. The fix is three lines (`ModelRunner.run` starts a
-#   non-blocking copy into pinned memory right after sampling and records an event; `ScheduledBatch.tokens`
+#   non-blocking copy into pinned memory right after sampling and records an event; `StepOutput.tokens`
 #   waits for that event only), and each call measured the engine with `.tolist()` again: 11,700-14,900
 #   against 16,700-17,800 tok/s (the `without_token_copy_event` numbers above).
 #
