@@ -22,7 +22,7 @@ for round in $(seq 1 "$ROUNDS"); do
     done
 done
 python3 - "$rows" "$OUT/canonical_ab.json" <<'PY'
-import json, sys
+import json, os, sys
 from minisgl_ref.bench.provenance import collect_provenance
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
 by = {}
@@ -31,7 +31,9 @@ for r in rows:
 summary = {k: {"runs_tok_s": v, "min": min(v), "max": max(v), "median": sorted(v)[len(v) // 2]} for k, v in by.items()}
 json.dump({"benchmark": "canonical_ab", "workload": "canonical offline, 256 requests, 133,966 output tokens",
            "model": "qwen3-0.6b (dummy weights, bf16)", "processes": rows, "summary": summary,
-           "provenance": collect_provenance(sys.argv)}, open(sys.argv[2], "w"), indent=1)
+           "provenance": collect_provenance(["scripts/gpu/canonical_ab.sh"], base=os.environ.get("BASE_LABEL"),
+                                            new=os.environ.get("NEW_LABEL"), rounds=os.environ.get("ROUNDS"))},
+          open(sys.argv[2], "w"), indent=1)
 for k, s in summary.items():
     print(f"{k:>12}: {', '.join(f'{x:,.0f}' for x in s['runs_tok_s'])} tok/s (median {s['median']:,.0f})")
 PY
