@@ -69,9 +69,7 @@
 # wasteful; it is also trivially correct, which is the point.
 
 # %% tags=["setup"]
-import inspect
 import os
-import re
 import time
 
 import matplotlib.pyplot as plt
@@ -82,6 +80,7 @@ from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.attention.torch_native import NoCacheAttentionBackend, reference_attention
 from minisgl_ref.core.forward_batch import ForwardBatch
 from minisgl_ref.core.request import FinishReason, Req
+from minisgl_ref.course import task_source
 from minisgl_ref.engine.naive import NaiveEngine
 from minisgl_ref.tokenizer import IncrementalDetokenizer
 
@@ -91,16 +90,6 @@ CHAPTER_START = time.perf_counter()
 # jobs), two OpenMP threads that must wait for each other at every matmul make step times erratic, often slower
 # than one thread. Set MINISGL_THREADS to try more.
 torch.set_num_threads(int(os.environ.get("MINISGL_THREADS", "1")))
-
-
-def task_source(obj, task_id: str) -> str:
-    """The lines of ``obj``'s source between ``# BEGIN TASK <id>`` and ``# END TASK <id>``, markers included."""
-    lines = inspect.getsource(obj).splitlines()
-    begin = next(i for i, line in enumerate(lines) if re.search(rf"# BEGIN TASK {re.escape(task_id)}\b", line))
-    end = next(i for i, line in enumerate(lines) if re.search(rf"# END TASK {re.escape(task_id)}\b", line))
-    body = lines[begin : end + 1]
-    indent = min(len(line) - len(line.lstrip()) for line in body if line.strip())
-    return "\n".join(line[indent:] for line in body)
 
 
 # %%
@@ -256,8 +245,8 @@ print(task_source(NaiveEngine.step, "0.3"))
 #    independently, so it does not care which request a token belongs to; attention does, and asks the batch.
 # 3. **Logits.** Only each request's *last* position predicts its next token, so only those rows
 #    (`last_token_indices`) go through the LM head: `[B, vocab]` instead of `[T, vocab]`.
-# 4. **Sample.** `SamplingBatchInfo` packs every request's knobs into tensors; the `Sampler` takes an argmax for
-#    greedy rows and draws for the others (chapter 02).
+# 4. **Sample.** `sampling_batch` (`minisgl_ref/core/request.py`) packs every request's knobs into the tensors of
+#    a `SamplingBatchInfo`; the `Sampler` takes an argmax for greedy rows and draws for the others (chapter 02).
 #
 # Here is the packing for three toy sequences:
 

@@ -43,7 +43,6 @@
 # %% tags=["setup"]
 import inspect
 import os
-import re
 import time
 
 import matplotlib.pyplot as plt
@@ -57,6 +56,7 @@ from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.attention.torch_native import TorchNativeBackend
 from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.core.forward_batch import ForwardBatch
+from minisgl_ref.course import task_source
 from minisgl_ref.engine.engine import Engine
 from minisgl_ref.engine.model_runner import ModelRunner
 from minisgl_ref.kvcache import KVPool, PageAllocator, ReqToTokenPool
@@ -69,18 +69,6 @@ CHAPTER_START = time.perf_counter()
 # shared with other jobs) two OpenMP threads that wait for each other at every matmul make step times erratic.
 # Set MINISGL_THREADS to try more.
 torch.set_num_threads(int(os.environ.get("MINISGL_THREADS", "1")))
-
-
-def task_source(obj, task_id: str) -> str:
-    """The lines of ``obj``'s module between ``# BEGIN TASK <id>`` and ``# END TASK <id>``, markers included.
-
-    (The markers may sit just outside a function, so we search the whole module's source.)"""
-    lines = inspect.getsource(inspect.getmodule(obj)).splitlines()
-    begin = next(i for i, line in enumerate(lines) if re.search(rf"# BEGIN TASK {re.escape(task_id)}\b", line))
-    end = next(i for i, line in enumerate(lines) if re.search(rf"# END TASK {re.escape(task_id)}\b", line))
-    body = lines[begin : end + 1]
-    indent = min(len(line) - len(line.lstrip()) for line in body if line.strip())
-    return "\n".join(line[indent:] for line in body)
 
 
 def record_batches(engine: Engine) -> list:

@@ -47,7 +47,6 @@ import inspect
 import json
 import os
 import random
-import re
 import time
 from pathlib import Path
 
@@ -57,6 +56,7 @@ import torch
 
 from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.core.config import EngineConfig
+from minisgl_ref.course import task_source
 from minisgl_ref.engine.engine import Engine
 from minisgl_ref.kvcache import PageAllocator, RadixCache
 from minisgl_ref.scheduler.cache_manager import CacheManager
@@ -68,18 +68,6 @@ CHAPTER_START = time.perf_counter()
 # shared with other jobs) two OpenMP threads that wait for each other at every matmul make step times erratic.
 # Set MINISGL_THREADS to try more.
 torch.set_num_threads(int(os.environ.get("MINISGL_THREADS", "1")))
-
-
-def task_source(obj, task_id: str) -> str:
-    """The lines of ``obj``'s module between ``# BEGIN TASK <id>`` and ``# END TASK <id>``, markers included.
-
-    (The markers may sit just outside a function, so we search the whole module's source.)"""
-    lines = inspect.getsource(inspect.getmodule(obj)).splitlines()
-    begin = next(i for i, line in enumerate(lines) if re.search(rf"# BEGIN TASK {re.escape(task_id)}\b", line))
-    end = next(i for i, line in enumerate(lines) if re.search(rf"# END TASK {re.escape(task_id)}\b", line))
-    body = lines[begin : end + 1]
-    indent = min(len(line) - len(line.lstrip()) for line in body if line.strip())
-    return "\n".join(line[indent:] for line in body)
 
 
 def edge_text(tokenizer, ids, limit: int = 28) -> str:

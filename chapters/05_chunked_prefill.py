@@ -44,7 +44,6 @@
 import inspect
 import os
 import random
-import re
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -59,6 +58,7 @@ from transformers.utils import logging as hf_logging
 from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.core.request import Req
+from minisgl_ref.course import task_source
 from minisgl_ref.engine.engine import Engine
 from minisgl_ref.scheduler.scheduler import Scheduler
 
@@ -69,16 +69,6 @@ hf_logging.disable_progress_bar()
 # shared with other jobs) two OpenMP threads that wait for each other at every matmul make step times erratic.
 # Set MINISGL_THREADS to try more.
 torch.set_num_threads(int(os.environ.get("MINISGL_THREADS", "1")))
-
-
-def task_source(obj, task_id: str) -> str:
-    """The lines of ``obj``'s module between ``# BEGIN TASK <id>`` and ``# END TASK <id>``, markers included."""
-    lines = inspect.getsource(inspect.getmodule(obj)).splitlines()
-    begin = next(i for i, line in enumerate(lines) if re.search(rf"# BEGIN TASK {re.escape(task_id)}\b", line))
-    end = next(i for i, line in enumerate(lines) if re.search(rf"# END TASK {re.escape(task_id)}\b", line))
-    body = lines[begin : end + 1]
-    indent = min(len(line) - len(line.lstrip()) for line in body if line.strip())
-    return "\n".join(line[indent:] for line in body)
 
 
 # %% [markdown]

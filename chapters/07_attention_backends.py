@@ -52,7 +52,6 @@ import inspect
 import json
 import math
 import os
-import re
 import time
 from pathlib import Path
 
@@ -78,6 +77,7 @@ from minisgl_ref.attention.torch_native import TorchNativeBackend
 from minisgl_ref.attention.triton_backend import TritonAttnBackend
 from minisgl_ref.core.config import ATTENTION_BACKENDS, EngineConfig
 from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
+from minisgl_ref.course import task_source
 from minisgl_ref.kvcache.allocator import PageAllocator
 from minisgl_ref.kvcache.pool import KVPool
 from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
@@ -87,16 +87,6 @@ CHAPTER_START = time.perf_counter()
 torch.set_num_threads(int(os.environ.get("MINISGL_THREADS", "1")))
 ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "minisgl_ref").is_dir())
 RESULTS = ROOT / "docs" / "data" / "gpu_kernels_h100.json"
-
-
-def task_source(obj, task_id: str) -> str:
-    """The lines of ``obj``'s module between ``# BEGIN TASK <id>`` and ``# END TASK <id>``, markers included."""
-    lines = inspect.getsource(inspect.getmodule(obj)).splitlines()
-    begin = next(i for i, line in enumerate(lines) if re.search(rf"# BEGIN TASK {re.escape(task_id)}\b", line))
-    end = next(i for i, line in enumerate(lines) if re.search(rf"# END TASK {re.escape(task_id)}\b", line))
-    body = lines[begin : end + 1]
-    indent = min(len(line) - len(line.lstrip()) for line in body if line.strip())
-    return "\n".join(line[indent:] for line in body)
 
 
 def make_step(specs, *, kv_heads=2, gqa=2, head_dim=64, page_size=4, dtype=torch.float32, decode=False, seed=0):

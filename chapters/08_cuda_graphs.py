@@ -41,7 +41,6 @@
 import inspect
 import json
 import os
-import re
 import tempfile
 import time
 from pathlib import Path
@@ -53,6 +52,7 @@ from torch.profiler import ProfilerActivity, profile
 from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.attention.base import AttentionBackend
 from minisgl_ref.bench.offline import QUICK_MODEL_CONFIG
+from minisgl_ref.course import task_source
 from minisgl_ref.engine import cuda_graph
 from minisgl_ref.engine.cuda_graph import capture_batch_sizes, padded_batch_size
 
@@ -71,16 +71,6 @@ def find_root() -> Path:
 
 ROOT = find_root()
 GPU = json.loads((ROOT / "docs" / "data" / "gpu_offline_h100.json").read_text())
-
-
-def task_source(obj, task_id: str) -> str:
-    """The lines of ``obj``'s module between ``# BEGIN TASK <id>`` and ``# END TASK <id>``, markers included."""
-    lines = inspect.getsource(inspect.getmodule(obj)).splitlines()
-    begin = next(i for i, line in enumerate(lines) if re.search(rf"# BEGIN TASK {re.escape(task_id)}\b", line))
-    end = next(i for i, line in enumerate(lines) if re.search(rf"# END TASK {re.escape(task_id)}\b", line))
-    body = lines[begin : end + 1]
-    indent = min(len(line) - len(line.lstrip()) for line in body if line.strip())
-    return "\n".join(line[indent:] for line in body)
 
 
 # %% [markdown]

@@ -48,7 +48,6 @@
 import inspect
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -76,16 +75,6 @@ GPU_RESULTS = ROOT / "docs" / "data" / "tp_bench_h200.json"
 # One CPU thread per process, as in the other chapters: here every rank is a process, and two ranks on a small
 # shared machine must not fight over its cores. Set MINISGL_THREADS to try more.
 torch.set_num_threads(int(os.environ.get("MINISGL_THREADS", "1")))
-
-
-def task_source(obj, task_id: str) -> str:
-    """The lines of ``obj``'s module between ``# BEGIN TASK <id>`` and ``# END TASK <id>``, markers included."""
-    lines = inspect.getsource(inspect.getmodule(obj)).splitlines()
-    begin = next(i for i, line in enumerate(lines) if re.search(rf"# BEGIN TASK {re.escape(task_id)}\b", line))
-    end = next(i for i, line in enumerate(lines) if re.search(rf"# END TASK {re.escape(task_id)}\b", line))
-    body = lines[begin : end + 1]
-    indent = min(len(line) - len(line.lstrip()) for line in body if line.strip())
-    return "\n".join(line[indent:] for line in body)
 
 
 def shipped(name: str) -> ModelConfig:
@@ -187,6 +176,7 @@ assert param_bytes[2, 0] == param_bytes[2, 1] and abs(2 * param_bytes[2, 0] - pa
 # `get_slice`:
 
 # %%
+from minisgl_ref.course import task_source
 from minisgl_ref.models.weights import CheckpointTensor  # noqa: E402
 
 print(inspect.getsource(CheckpointTensor.narrow))

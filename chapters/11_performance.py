@@ -35,7 +35,6 @@
 
 # %% tags=["setup"]
 import dataclasses
-import inspect
 import json
 import os
 import re
@@ -48,6 +47,7 @@ import torch
 from minisgl_ref.bench import offline as bo
 from minisgl_ref.bench import workloads
 from minisgl_ref.bench.workloads import canonical_workload
+from minisgl_ref.course import task_source
 from minisgl_ref.models.config import ModelConfig
 from minisgl_ref.models.loader import resolve_model_path
 
@@ -65,16 +65,6 @@ def find_root() -> Path:
 
 ROOT = find_root()
 GPU = json.loads((ROOT / "docs" / "data" / "gpu_offline_h100.json").read_text())
-
-
-def task_source(obj, task_id: str) -> str:
-    """The lines of ``obj``'s module between ``# BEGIN TASK <id>`` and ``# END TASK <id>``, markers included."""
-    lines = inspect.getsource(inspect.getmodule(obj)).splitlines()
-    begin = next(i for i, line in enumerate(lines) if re.search(rf"# BEGIN TASK {re.escape(task_id)}\b", line))
-    end = next(i for i, line in enumerate(lines) if re.search(rf"# END TASK {re.escape(task_id)}\b", line))
-    body = lines[begin : end + 1]
-    indent = min(len(line) - len(line.lstrip()) for line in body if line.strip())
-    return "\n".join(line[indent:] for line in body)
 
 
 # %% [markdown]

@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("llm",),  # the offline LLM
     ("minisgl_ref",),  # the package's public API (`from minisgl_ref import LLM, SamplingParams`)
     ("server", "bench"),  # the HTTP server processes; the benchmarks
-    ("cli", "__main__"),  # the command line
+    ("cli", "__main__", "course"),  # the command line; the course tasks' regions
 )
 
 ROOT = Path(__file__).resolve().parent.parent / "minisgl_ref"

@@ -13,7 +13,10 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import torch
+
 from minisgl_ref.sampling.params import SamplingParams
+from minisgl_ref.sampling.sampler import SamplingBatchInfo
 from minisgl_ref.tokenizer.detokenizer import IncrementalDetokenizer
 
 _next_id = itertools.count()
@@ -173,3 +176,17 @@ class Req:
 
     def _flush(self) -> str:
         return self.detokenizer.finish() if self.detokenizer else ""
+
+
+def sampling_batch(reqs: list[Req], vocab_size: int, device: torch.device | str) -> SamplingBatchInfo:
+    """The sampling state of a batch of requests, one row each, in order (chapter 02): what every engine builds
+    from its requests before it samples."""
+    return SamplingBatchInfo.build(
+        params_list=[r.params for r in reqs],
+        prompt_ids_list=[r.input_ids for r in reqs],
+        output_ids_list=[r.output_ids for r in reqs],
+        eos_token_ids_list=[r.eos_token_ids for r in reqs],
+        vocab_size=vocab_size,
+        device=device,
+        seeds=[r.sampling_seed for r in reqs],
+    )

@@ -184,6 +184,10 @@ class Engine:
         while self.has_work:
             self.step()
 
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix (the server's /flush_cache); refused (False) while requests run or wait."""
+        return not self.has_work and self.cache.flush_cache()
+
     # ------------------------------------------------------------------------------------------------ steps
 
     # BEGIN TASK 6.1: the overlapped step and its results, processed one step late
@@ -319,10 +323,6 @@ class Engine:
             events.append(StepEvent(req, "", True))
         self.frees.processed(failed.step)  # nothing of the failed step is in flight
         return events
-
-    def flush_cache(self) -> bool:
-        """Drop every cached prefix (the server's /flush_cache); refused (False) while requests run or wait."""
-        return not self.has_work and self.cache.flush_cache()
 
     def abort(self, req: Req, message: str = "aborted") -> None:
         """Stop a request wherever it is (the server calls this when a client disconnects).

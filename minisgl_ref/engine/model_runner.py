@@ -36,6 +36,7 @@ from torch import nn
 from minisgl_ref.attention.base import AttentionBackend
 from minisgl_ref.core.batch import ScheduledBatch
 from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
+from minisgl_ref.core.request import sampling_batch
 from minisgl_ref.engine.cuda_graph import CudaGraphRunner
 from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
 from minisgl_ref.sampling.sampler import Sampler, SamplingBatchInfo, StepLogprobs, to_device, token_logprobs
@@ -219,15 +220,7 @@ class ModelRunner:
         cached = self._reuse_sampling_info(batch)
         if cached is not None:
             return cached
-        info = SamplingBatchInfo.build(
-            params_list=[r.params for r in reqs],
-            prompt_ids_list=[r.input_ids for r in reqs],
-            output_ids_list=[r.output_ids for r in reqs],
-            eos_token_ids_list=[r.eos_token_ids for r in reqs],
-            vocab_size=self.vocab_size,
-            device=self.device,
-            seeds=[r.sampling_seed for r in reqs],
-        )
+        info = sampling_batch(reqs, self.vocab_size, self.device)
         # With overlap, a request may have one token sampled on the device that its Python lists do not show
         # yet. Its sampling step and penalty counts must include it, or seeded streams and penalties would
         # differ from the non-overlapped engine.

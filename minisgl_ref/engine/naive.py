@@ -13,8 +13,8 @@ from torch import nn
 
 from minisgl_ref.attention.torch_native import NoCacheAttentionBackend
 from minisgl_ref.core.forward_batch import ForwardBatch
-from minisgl_ref.core.request import Req
-from minisgl_ref.sampling.sampler import Sampler, SamplingBatchInfo
+from minisgl_ref.core.request import Req, sampling_batch
+from minisgl_ref.sampling.sampler import Sampler
 
 
 class NaiveEngine:
@@ -36,15 +36,7 @@ class NaiveEngine:
         self.backend.init_forward_metadata(batch)
         hidden = self.model(batch.input_ids, batch.positions, batch)
         logits = self.model.compute_logits(hidden[batch.last_token_indices])  # [B, vocab]
-        info = SamplingBatchInfo.build(
-            params_list=[r.params for r in running],
-            prompt_ids_list=[r.input_ids for r in running],
-            output_ids_list=[r.output_ids for r in running],
-            eos_token_ids_list=[r.eos_token_ids for r in running],
-            vocab_size=self.vocab_size,
-            device=self.device,
-            seeds=[r.sampling_seed for r in running],
-        )
+        info = sampling_batch(running, self.vocab_size, self.device)
         next_ids = self.sampler(logits, info).tolist()
         # END TASK 0.3
         return [(r, r.append_token(t)) for r, t in zip(running, next_ids)]

@@ -47,7 +47,6 @@ from typing import Any
 
 import regex
 
-
 #: Temperatures below this count as greedy. Dividing logits by 1e-40 overflows float32 to inf and turns the
 #: softmax into NaN; SGLang draws the same line. ``temperature=0`` is the documented way to ask for greedy.
 GREEDY_TEMPERATURE_EPS = 1e-6

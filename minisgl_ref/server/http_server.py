@@ -54,6 +54,13 @@ from starlette.requests import ClientDisconnect
 import minisgl_ref
 from minisgl_ref.sampling.params import SamplingParams
 from minisgl_ref.server.args import ServerArgs
+from minisgl_ref.server.logprobs import (
+    TokenText,
+    chat_content,
+    completion_logprobs,
+    merge_completion_logprobs,
+    sglang_logprobs,
+)
 from minisgl_ref.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -63,13 +70,6 @@ from minisgl_ref.server.protocol import (
     native_sampling_params,
     parse_json_body,
     validate,
-)
-from minisgl_ref.server.logprobs import (
-    TokenText,
-    chat_content,
-    completion_logprobs,
-    merge_completion_logprobs,
-    sglang_logprobs,
 )
 from minisgl_ref.server.tokenizer_manager import Chunk, RequestOptions, TokenizerManager
 

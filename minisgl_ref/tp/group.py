@@ -14,7 +14,6 @@ from __future__ import annotations
 import faulthandler
 import gc
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 

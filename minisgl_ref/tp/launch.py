@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import io
 import sys
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-import traceback
 from typing import Any, Callable
 
 import torch

@@ -232,7 +232,8 @@ def profile(out_dir: Path) -> dict:
     """(1) kernel table of eager decode steps at batch 256, context 512; (2) the canonical workload in its
     decode phase with the default engine: kernel table of 10 engine steps, GPU busy time vs wall time, and a
     cProfile of the engine's host code over 100 steps."""
-    from torch.profiler import ProfilerActivity, profile as tprofile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
 
     from minisgl_ref import SamplingParams
 
