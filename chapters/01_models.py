@@ -768,6 +768,23 @@ print("this run:",
       f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s")
 
 # %% [markdown]
+# ## Exercises
+#
+# 1. **Task 1.1 (RoPE).** Replace the body of the `TASK 1.1` region in `minisgl_ref/layers/rotary.py` with your own
+#    version, then run `python -m pytest tests/test_models.py -k rotary`. Then swap the NeoX pairing for the
+#    interleaved one (pair `i` with `i + 1`) and watch `python -m pytest tests/test_models.py -k transformers`
+#    fail: the checkpoint's q/k weights were laid out for one convention.
+# 2. **Task 1.2 (Llama 3 scaling).** Rewrite `rope_inv_freq`'s `TASK 1.2` region and check it with
+#    `python -m pytest tests/test_models.py -k llama3`. Which of the 64 pairs of Llama-3.1-8B change, and by how
+#    much? (The plot in 3.3 is the answer to compare with.)
+# 3. **The whole model (task 1.3).** The tests marked `task("1.3")` compare complete models with `transformers`:
+#    `python -m pytest tests/test_models.py -k logits_match`. Break one thing at a time (drop Qwen3's QK-norm, use
+#    `eps=1e-2` in RMSNorm, forget the `residual` in the final norm) and note which of the four tiny architectures
+#    each mistake breaks, and by how much the relative error grows.
+# 4. **Sizes.** Extend the table of section 6 with the KV-cache bytes of a batch of 64 requests of 2,048 tokens for
+#    each model, and the H100 floor of one decode step for that batch (weights + KV). For which model does the KV
+#    cache dominate?
+#
 # ## Reproduce
 #
 # ```bash
@@ -800,20 +817,3 @@ print("this run:",
 # both cores busy (load average ~5) the chapter took 57 s, and under that load with two threads instead of one it
 # took over three minutes: two OpenMP threads that must meet at every operation keep waiting for a free core. The
 # last code cell above prints your run's numbers in the same form.
-#
-# ## Exercises
-#
-# 1. **Task 1.1 (RoPE).** Replace the body of the `TASK 1.1` region in `minisgl_ref/layers/rotary.py` with your own
-#    version, then run `python -m pytest tests/test_models.py -k rotary`. Then swap the NeoX pairing for the
-#    interleaved one (pair `i` with `i + 1`) and watch `python -m pytest tests/test_models.py -k transformers`
-#    fail: the checkpoint's q/k weights were laid out for one convention.
-# 2. **Task 1.2 (Llama 3 scaling).** Rewrite `rope_inv_freq`'s `TASK 1.2` region and check it with
-#    `python -m pytest tests/test_models.py -k llama3`. Which of the 64 pairs of Llama-3.1-8B change, and by how
-#    much? (The plot in 3.3 is the answer to compare with.)
-# 3. **The whole model (task 1.3).** The tests marked `task("1.3")` compare complete models with `transformers`:
-#    `python -m pytest tests/test_models.py -k logits_match`. Break one thing at a time (drop Qwen3's QK-norm, use
-#    `eps=1e-2` in RMSNorm, forget the `residual` in the final norm) and note which of the four tiny architectures
-#    each mistake breaks, and by how much the relative error grows.
-# 4. **Sizes.** Extend the table of section 6 with the KV-cache bytes of a batch of 64 requests of 2,048 tokens for
-#    each model, and the H100 floor of one decode step for that batch (weights + KV). For which model does the KV
-#    cache dominate?

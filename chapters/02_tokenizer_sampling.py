@@ -828,6 +828,21 @@ print(f"this run: detokenizer {us_inc:.0f} us/token incremental vs {us_full:.0f}
       + f"; chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s (after imports)")
 
 # %% [markdown]
+# ## Exercises
+#
+# 1. **Task 2.1.** Replace `_advance` by the naive rule (`emit decode([new_id])`) and run
+#    `python -m pytest tests/test_tokenizer.py -k "detok or stop"`. Which tests fail first, and which of the three
+#    rules of the module docstring does each one protect? Then put the window back but drop the U+FFFD check.
+# 2. **Task 2.2.** Swap the order of the repetition penalty and the frequency/presence penalties in
+#    `apply_penalties`. Find a two-token example where the greedy choice changes, then run
+#    `python -m pytest tests/test_sampling.py -k "penalt or min_new_tokens"`.
+# 3. **Task 2.3.** Change top-p's rule from "mass strictly above the token is below p" to "mass up to and
+#    including the token is at most p". What happens when the top token alone has probability 0.95 and
+#    `top_p=0.9`? Check with `python -m pytest tests/test_sampling.py -k filter`.
+# 4. **Task 2.4.** Replace the body of `seeded_uniform` by
+#    `return torch.rand(len(seeds), vocab_size, generator=torch.Generator().manual_seed(7))` and run `python -m pytest tests/test_sampling.py -k "seed or noise"`. Which property breaks, and why does
+#    the batch-layout cell of this chapter catch it too?
+#
 # ## Reproduce
 #
 # ```bash
@@ -836,7 +851,7 @@ print(f"this run: detokenizer {us_inc:.0f} us/token incremental vs {us_full:.0f}
 # python -m pytest tests/test_tokenizer.py tests/test_sampling.py -q   # the oracle tests of tasks 2.1-2.4
 # ```
 #
-# Measured on this machine: a 2-core x86_64 CPU, no GPU, Python 3.11, torch 2.13 (CPU build), one torch thread
+# Measured on a 2-core x86_64 CPU, no GPU, Python 3.11, torch 2.13 (CPU build), one torch thread
 # (set in the setup cell), with other jobs sharing the cores — so timings moved by up to 3x between runs; the
 # table gives the range over five runs of the chapter, and the chapter's last cell prints this run's numbers.
 #
@@ -861,18 +876,3 @@ print(f"this run: detokenizer {us_inc:.0f} us/token incremental vs {us_full:.0f}
 # The Unseen City, the language of the mind,
 # A tokenizer's realm, where language's silence lies.
 # ```
-#
-# ## Exercises
-#
-# 1. **Task 2.1.** Replace `_advance` by the naive rule (`emit decode([new_id])`) and run
-#    `python -m pytest tests/test_tokenizer.py -k "detok or stop"`. Which tests fail first, and which of the three
-#    rules of the module docstring does each one protect? Then put the window back but drop the U+FFFD check.
-# 2. **Task 2.2.** Swap the order of the repetition penalty and the frequency/presence penalties in
-#    `apply_penalties`. Find a two-token example where the greedy choice changes, then run
-#    `python -m pytest tests/test_sampling.py -k "penalt or min_new_tokens"`.
-# 3. **Task 2.3.** Change top-p's rule from "mass strictly above the token is below p" to "mass up to and
-#    including the token is at most p". What happens when the top token alone has probability 0.95 and
-#    `top_p=0.9`? Check with `python -m pytest tests/test_sampling.py -k filter`.
-# 4. **Task 2.4.** Replace the body of `seeded_uniform` by
-#    `return torch.rand(len(seeds), vocab_size, generator=torch.Generator().manual_seed(7))` and run `python -m pytest tests/test_sampling.py -k "seed or noise"`. Which property breaks, and why does
-#    the batch-layout cell of this chapter catch it too?

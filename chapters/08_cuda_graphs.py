@@ -213,7 +213,7 @@ for hook in ("init_graph_buffers", "prepare_capture", "prepare_replay"):
 #
 # ## 5. GPU results: decode step time, eager vs graph
 #
-# Measured on an H100 80GB HBM3 with `bash scripts/gpu/offline.sh` (section 7); Qwen3-0.6B config, bf16, dummy
+# Measured on an H100 80GB HBM3 with `bash scripts/gpu/offline.sh` (see Reproduce); Qwen3-0.6B config, bf16, dummy
 # weights, every request at a context of 512 tokens, default attention backends (FA3 prefill, FlashInfer
 # decode). Step = attention metadata + model forward + logits, timed with CUDA events over 50 steps (launch
 # gaps included: they are the point).
@@ -296,18 +296,55 @@ for label in ("overlap / fa3+flashinfer (default) / graphs off", "overlap / fa3+
     print(f"{r['output_throughput']:>9,.0f} tok/s  {label}")
 
 # %% [markdown]
-# ## 7. Reproduce
+# ## Exercises
 #
-# On one H100 (or any CUDA GPU with FlashInfer and FA3 installed), from the repository root:
+# 1. **Task 8.1 (the ladder).** Rewrite the `TASK 8.1` region of `minisgl_ref/engine/cuda_graph.py` and check it
+#    with `python -m pytest tests/test_cuda_graph.py -k "capture_batch_sizes or padded_batch_size"`. Then try a
+#    ladder of powers of two only (1, 2, 4, ..., 256): how many graphs does it capture, and what is the average
+#    share of wasted rows over every batch size from 1 to 256, against the ladder above? At which batch sizes
+#    would the extra rows cost real GPU time (hint: the graph step time in section 5 starts to grow with batch)?
+# 2. **Padding is data.** Change `DUMMY_ROW["out_cache_loc"]` from 0 to 5 and explain, without a GPU, which
+#    real request's KV a padded replay would now overwrite, and why page 0 is the only safe slot. Which test
+#    catches it on a GPU? (`python -m pytest -m gpu tests/test_cuda_graph.py` compares graphed and eager greedy
+#    tokens.) What would go wrong with `"seq_lens": 0` instead of 1, for a kernel that divides by the length
+#    or reads the last valid slot?
+# 3. **Task 8.2 (the replay).** Rewrite the `TASK 8.2` region. On the CPU, use `simulate_replay` of section 3
+#    to print the static buffers for a decode batch of 13 requests: how many dummy rows, and what does each
+#    buffer hold in them? On a GPU, `python -m pytest -m gpu tests/test_cuda_graph.py -k bitwise` checks that
+#    a replay is bit-identical to the eager step.
+# 4. **Launch cost from the data.** From `GPU["decode_steps"]` (section 5) compute, per batch size,
+#    `(eager_ms - graph_ms) / kernels`, with the 369 kernels per step of section 1. Is the result inside the
+#    5-10 µs per launch of the introduction? Why does it shrink at batch 256?
+# 5. **Where the kernels are.** Rebuild section 1's model with `num_hidden_layers=14` and count again. Fit
+#    `count = a * layers + b`: `a` is the per-layer cost, `b` the per-step constant (embedding, final norm,
+#    logits). Which of the two does a CUDA graph remove, and which do the fused kernels of section 6 shrink?
+
+# %% [markdown]
+# ## Reproduce
+#
+# On any machine, the CPU part (sections 1-4) and the CPU tests of tasks 8.1 and 8.2:
 #
 # ```bash
-# bash scripts/gpu/offline.sh          # GPU tests, step times, canonical run, ladder, profiles -> $OUT
-# python -m pytest -m gpu tests/test_cuda_graph.py tests/test_fused_ops.py
-# python -m minisgl_ref bench offline --disable-cuda-graph      # the canonical workload without graphs
+# python chapters/08_cuda_graphs.py
+# python -m pytest tests/test_cuda_graph.py -q          # the GPU tests are skipped without CUDA
 # ```
 #
-# Expected (H100 80GB HBM3): decode step at batch 1 about 11 ms eager (host-dependent) and 1.4 ms with graphs
-# (~8x); on the canonical workload about 17,800 output tok/s with graphs and 8,200 without.
+# Expected anywhere (deterministic): 35 graphs for a maximum batch of 256 (1, 2, 4, 8, then every multiple of
+# 8), a batch of 13 padded to 16 and a batch of 100 to 104.
+#
+# On one H100 (or any CUDA GPU with FlashInfer and FlashAttention-3 installed), from the repository root:
+#
+# ```bash
+# bash scripts/gpu/offline.sh          # GPU tests, step times, canonical run, ladder, profiles
+# python -m pytest -m gpu tests/test_cuda_graph.py tests/test_fused_ops.py
+# python -m minisgl_ref bench offline                           # the canonical workload, graphs on
+# python -m minisgl_ref bench offline --disable-cuda-graph      # the same without graphs
+# ```
+#
+# Expected on an H100 80GB HBM3 (`docs/data/gpu_offline_h100.json`, Qwen3-0.6B config, bf16, dummy weights):
+# a decode step at batch 1 and context 512 takes 11.1 ms eager (this part depends on the host CPU) and 1.40 ms
+# with graphs (7.9x); at batch 256, 19.3 ms against 9.2 ms (2.1x). On the canonical workload the engine makes
+# about 17,800 output tok/s with graphs and 8,200 without.
 
 # %%
 print(f"chapter ran in {time.perf_counter() - CHAPTER_START:.1f} s")

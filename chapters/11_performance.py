@@ -276,22 +276,56 @@ for line in table[6:]:
 # not stop during prefill, and vectorising `Engine._process`, now the largest per-request Python per step.
 
 # %% [markdown]
-# ## 6. Reproduce
+# ## Exercises
+#
+# 1. **Task 11.1 (the workload).** Rewrite the `TASK 11.1` region of `minisgl_ref/bench/workloads.py` and run
+#    `python -m pytest tests/test_bench.py -k canonical`. Then draw each request's output length right after its
+#    prompt (interleaved, not all prompts first): how far does the total move from 133,966 output tokens, and
+#    why is a workload with the same *distribution* not the same workload for comparing engines?
+# 2. **Task 11.2 (the floor).** Rewrite the `TASK 11.2` region of `minisgl_ref/bench/offline.py` and run
+#    `python -m pytest tests/test_bench.py -k roofline`. Then compute the floor of the canonical workload on an
+#    H200 (4.8 TB/s) and for Qwen3-14B (`resolve_model_path("qwen3-14b", "dummy")`) on an H100. For which of the
+#    two does the weight term stop being negligible?
+# 3. **A less favourable schedule.** The floor assumes all 256 requests run from the first step. Redo it with at
+#    most 64 requests running at once, taken in order, each new one admitted when one finishes: how many decode
+#    steps read the weights now, and how much higher is the floor? Does the KV term change?
+# 4. **The ladder on a shared prefix.** Run `python -m minisgl_ref bench offline --quick --workload shared-prefix
+#    --stage all` and compare the `radix` row with the `paged` row: prefill tokens, cached tokens, hit rate and
+#    throughput. Why did the radix stage gain almost nothing on the canonical workload of section 3?
+# 5. **Backends against the floor (GPU).** On a GPU, run `python -m minisgl_ref bench offline` once per
+#    `--attention-backend` (`triton`, `flashinfer`, `fa3`) and place each throughput as a fraction of the floor
+#    at your GPU's measured copy bandwidth (`--hbm-bandwidth`). Compare with the ladder of section 4: which
+#    backend gains most from CUDA graphs, and why (section 5)?
+
+# %% [markdown]
+# ## Reproduce
+#
+# Anywhere, on a CPU, in seconds:
 #
 # ```bash
-# # on one H100 with flashinfer-python and FlashAttention-3 installed:
-# bash scripts/gpu/offline.sh                 # tests, step times, canonical, ladder, profiles -> $OUT
+# python chapters/11_performance.py
+# python -m minisgl_ref bench offline --quick --stage all --cpu-threads 1
+# python -m pytest tests/test_bench.py -q               # tasks 11.1 and 11.2
+# ```
+#
+# Expected on a 2-core x86_64 CPU, one torch thread (8 requests, 195 output tokens, tiny random Qwen3-shaped
+# model): about 110 output tok/s for the naive oracle and 300-370 for every stage with a KV cache, about 10 s for
+# the whole command. The canonical workload has 133,966 output tokens on every machine, and its floor is 5.03 s
+# (26.6k tok/s) at 3.0 TB/s, 4.50 s at the H100's datasheet 3.35 TB/s.
+#
+# On one H100 with flashinfer-python and FlashAttention-3 installed:
+#
+# ```bash
+# bash scripts/gpu/offline.sh                 # tests, step times, canonical, ladder, profiles
 # python -m minisgl_ref bench offline         # canonical workload, full engine, Qwen3-0.6B dummy bf16
 # python -m minisgl_ref bench offline --disable-cuda-graph
 # python -m minisgl_ref bench offline --attention-backend triton
-# # anywhere, in seconds (CPU):
-# python -m minisgl_ref bench offline --quick --stage all
 # ```
 #
-# Expected on an H100 80GB HBM3: about 17,700 output tok/s on the canonical workload (67% of the 5.03 s floor
-# at the measured 3.0 TB/s, 60% of the datasheet floor); 8,200 with `--disable-cuda-graph`. Run to run, in
-# separate processes on the same machine, the default engine varied by about 4% (16,700-17,600 tok/s before
-# the last change).
+# Expected on an H100 80GB HBM3 (`docs/data/gpu_offline_h100.json`): about 17,700-17,850 output tok/s on the
+# canonical workload with the default engine (67% of the 5.03 s floor at the measured 3.0 TB/s, 60% of the
+# datasheet floor), about 8,200 with `--disable-cuda-graph`, about 18,000 with `--attention-backend triton`.
+# Separate processes on the same machine vary by about 4%.
 
 # %%
 print(f"chapter ran in {time.perf_counter() - CHAPTER_START:.1f} s")
