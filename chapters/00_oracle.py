@@ -330,8 +330,8 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Is `reference_attention` right? It is itself an oracle (design notes: *torch_native is the reference for
-# every kernel backend*), so we check it against the most independent thing at hand, PyTorch's fused
+# Is `reference_attention` right? It is itself an oracle (the [method page](../method.md#oracles-what-correct-means): *torch_native is the
+# reference for every kernel backend*), so we check it against the most independent thing at hand, PyTorch's fused
 # `scaled_dot_product_attention`, with the shapes of this model, both for a full sequence and for "3 new
 # queries over 8 keys":
 
@@ -412,8 +412,8 @@ assert above == 0.0
 # %% [markdown]
 # ## 6. The oracle check: our loop against `transformers`
 #
-# The naive loop is the reference for every faster engine, but what is *its* reference? The design notes name
-# one: Hugging Face `transformers` on the same weights, in float32 on CPU, is the oracle for our model code
+# The naive loop is the reference for every faster engine, but what is *its* reference? The [method page](../method.md#oracles-what-correct-means)
+# names one: Hugging Face `transformers` on the same weights, in float32 on CPU, is the oracle for our model code
 # (chapter 01 compares their logits at every position). Here we compare what matters to a user: the tokens. We ask both
 # for exactly 16 greedy tokens (`min_new_tokens=16` masks EOS in both, so neither can stop early) and require
 # them to be identical.

@@ -476,7 +476,8 @@ plt.show()
 #
 # Chunking changes *when* each part of a prompt is computed and mixing changes *what it is batched with*; neither
 # may change a single output token. The chapter-00 naive engine, which recomputes every sequence from scratch at
-# every step, is the reference (design notes, oracle 3: equal greedy tokens on CPU in float32).
+# every step, is the reference ([method page](../method.md#oracles-what-correct-means), the engine oracle: equal greedy tokens on CPU in
+# float32).
 
 # %%
 t0 = time.perf_counter()

@@ -361,8 +361,8 @@ print(f"CPU work {measured['cpu']:.1f} ms + forward {measured['forward']:.1f} ms
 # overlapped one the CPU's schedule and prepare for step N+1 happen during forward N, and the device runs back to
 # back. The time per step drops from `CPU + forward` to about `max(CPU, forward)`.
 #
-# **An estimate for a GPU.** On a GPU the forward is short. For a lower bound on it we use the design notes'
-# yardstick: a decode step must read every weight once plus each request's KV, at the H100's 3.35 TB/s. For the
+# **An estimate for a GPU.** On a GPU the forward is short. For a lower bound on it we use the book's
+# [yardstick](../method.md#yardsticks-physical-limits): a decode step must read every weight once plus each request's KV, at the H100's 3.35 TB/s. For the
 # book's benchmark model, Qwen3-0.6B in bf16 (about 1.2 GB of weights, 114,688 bytes of KV per token), with 1,000
 # tokens of context per request, that is `(1.2e9 + B * 1000 * 114688) / 3.35e12` seconds. The CPU work is the one
 # measured on this CPU in section 1: it depends on the batch size, not on the model. This is an **estimate**, not
@@ -371,7 +371,7 @@ print(f"CPU work {measured['cpu']:.1f} ms + forward {measured['forward']:.1f} ms
 # %%
 H100_BYTES_PER_S = 3.35e12
 QWEN3_06B_WEIGHT_BYTES = 1.2e9
-KV_BYTES_PER_TOKEN = 114_688  # 2 * 28 layers * 8 KV heads * 128 head dim * 2 bytes (design notes)
+KV_BYTES_PER_TOKEN = 114_688  # 2 * 28 layers * 8 KV heads * 128 head dim * 2 bytes (Method page)
 CONTEXT = 1000
 
 sizes = [1, 16, 64, 256]
@@ -586,7 +586,7 @@ for overlap in (False, True):
 #
 # ## 5. The oracle check
 #
-# The design notes' oracle for every engine configuration: the chapter-00 naive loop, equal greedy tokens on CPU in
+# The [oracle](../method.md#oracles-what-correct-means) for every engine configuration: the chapter-00 naive loop, equal greedy tokens on CPU in
 # float32. For the six requests of race 1, with overlap on and off: the same tokens, the same finish reasons and
 # matched stops, the same text, and no token after a stop.
 

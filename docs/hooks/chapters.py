@@ -48,8 +48,8 @@ NOTEBOOKS_DIR = ROOT / "notebooks"
 NAV_SECTION = "Chapters"
 TABLE_PLACEHOLDER = "<!-- chapters:table -->"
 
-#: The book's plan (design notes, "Chapters"): number, title, the stage the chapter adds. A chapter file whose
-#: number is listed here fills that row; one that is not gets a row of its own.
+#: The book's chapters: number, title, the stage the chapter adds (docs/method.md states the conventions every
+#: chapter follows). The chapters index shows one row per chapter file, with its description from here.
 CHAPTER_PLAN: tuple[tuple[str, str, str], ...] = (
     ("00", "The oracle", "a request's lifecycle; a naive generation loop (no KV cache, recompute every step, "
      "torch_native attention): the reference every later stage must reproduce"),
@@ -203,23 +203,17 @@ def render_chapter(chapter: Chapter) -> str:
 
 
 def chapter_table(chapters: list[Chapter], from_page: str) -> str:
-    """The book's plan as a markdown table; written chapters link to their page, the others say *coming*.
+    """One row per chapter file: its number, a link to its page, and the stage it adds (from ``CHAPTER_PLAN``).
 
-    ``from_page`` is the ``src_uri`` of the page the table goes on: links are made relative to it.
+    ``from_page`` is the ``src_uri`` of the page the table goes on: links are made relative to it. A chapter
+    file missing from ``CHAPTER_PLAN`` still gets its row, with its own title and no description.
     """
     here = posixpath.dirname(from_page)
-    written = {c.number: c for c in chapters}
+    stages = {number: stage for number, _, stage in CHAPTER_PLAN}
     rows = ["| # | Chapter | The stage it adds |", "| --- | --- | --- |"]
-    planned = {number for number, _, _ in CHAPTER_PLAN}
-    entries = [(n, t, s) for n, t, s in CHAPTER_PLAN]
-    entries += [(c.number, c.title, "") for c in chapters if c.number not in planned]
-    for number, title, stage in sorted(entries):
-        chapter = written.get(number)
-        if chapter is None:
-            cell = f"{title} *(coming)*"
-        else:
-            cell = f"[{chapter.title}]({posixpath.relpath(chapter.page_uri, here or '.')})"
-        rows.append(f"| {number} | {cell} | {stage} |")
+    for chapter in sorted(chapters, key=lambda c: c.number):
+        cell = f"[{chapter.title}]({posixpath.relpath(chapter.page_uri, here or '.')})"
+        rows.append(f"| {chapter.number} | {cell} | {stages.get(chapter.number, '')} |")
     return "\n".join(rows)
 
 
@@ -238,7 +232,10 @@ Every chapter exists in three forms with the same cells:
 
 {table}
 
-Chapters marked *coming* are planned but not written yet.
+Every chapter ends the same way: **Exercises** (concrete changes to make, with the test that checks each one
+where there is one), then **Reproduce** (the exact commands, the hardware, and the numbers to expect, on a CPU
+and, where the chapter has one, on a GPU). The conventions behind them (the oracles, the workloads, the physical
+limits every throughput is compared with, the course's task markers) are on the [Method](../method.md) page.
 """
 
 
