@@ -627,12 +627,12 @@ plt.show()
 # ## Reproduce
 #
 # ```bash
-# python chapters/00_oracle.py                          # this chapter, end to end: 34-42 s here
+# python chapters/00_oracle.py                          # this chapter, end to end: 34-42 s on a 2-core CPU
 # ./minisgl generate "What is the capital of France?"   # same greedy answer, from the CLI's (default) engine
 # python -m pytest tests/test_engine_oracle.py          # the oracle tests of this chapter
 # ```
 #
-# Measured here: 2-core x86_64 CPU (AMD EPYC, shared with other jobs), no GPU, Python 3.11, torch 2.13 (CPU),
+# Measured on a 2-core x86_64 CPU (AMD EPYC, shared with other jobs), no GPU, Python 3.11, torch 2.13 (CPU),
 # transformers 5.23, one torch thread, SmolLM2-135M-Instruct in float32.
 #
 # | what | measured |

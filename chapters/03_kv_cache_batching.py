@@ -707,7 +707,7 @@ assert naive_cpu > paged_cpu
 # python -m pytest tests/test_engine_core.py tests/test_kvcache_properties.py -q   # tasks 3.1-3.3 (and more)
 # ```
 #
-# Measured here: 2-core x86_64 CPU (shared with other jobs), no GPU, Python 3.11, torch 2.13 (CPU), one torch
+# Measured on a 2-core x86_64 CPU (shared with other jobs), no GPU, Python 3.11, torch 2.13 (CPU), one torch
 # thread, SmolLM2-135M-Instruct in float32.
 #
 # | what | measured |
@@ -722,7 +722,7 @@ assert naive_cpu > paged_cpu
 # | naive vs paged, same 6 requests, CPU time | 8.5-9.2 s (11-12 tok/s) vs 3.8-4.2 s (24-27 tok/s): 2.1-2.3x |
 # | whole chapter, `python chapters/03_kv_cache_batching.py` | 37 s wall on a quiet machine; 70-80 s while other jobs loaded both cores |
 #
-# Wall-clock times on this shared machine vary from run to run (often 1.5-2.5x the CPU time); CPU times much
+# Wall-clock times on a shared machine vary from run to run (often 1.5-2.5x the CPU time); CPU times much
 # less. The last cell prints this run's numbers.
 
 # %%

@@ -784,7 +784,7 @@ assert paged_run["prefill_tokens"] >= 3 * radix_run["prefill_tokens"]
 # python -m pytest tests/test_kvcache_properties.py       # property tests of the tree and the allocator
 # ```
 #
-# Measured here: 2-core x86_64 CPU (shared with other jobs), no GPU, Python 3.11, torch 2.13 (CPU), one torch
+# Measured on a 2-core x86_64 CPU (shared with other jobs), no GPU, Python 3.11, torch 2.13 (CPU), one torch
 # thread, SmolLM2-135M-Instruct in float32.
 #
 # | what | measured |
@@ -800,7 +800,7 @@ assert paged_run["prefill_tokens"] >= 3 * radix_run["prefill_tokens"]
 # | same workload, CPU time | 7.5-8.5 s vs 4.2-4.4 s (1.8-2.0x); wall 1.8-2.4x |
 # | whole chapter, `python chapters/04_radix_cache.py` | 46-63 s wall (42 s of CPU time), other jobs sharing the cores |
 #
-# Wall-clock times on this shared machine vary from run to run; token counts do not. The last cell prints this
+# Wall-clock times on a shared machine vary from run to run; token counts do not. The last cell prints this
 # run's numbers.
 
 # %%

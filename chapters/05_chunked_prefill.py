@@ -573,7 +573,7 @@ print(f"longest stall of a running request: {stall_none:.2f} s without chunking,
 # python -m pytest tests/test_notebooks.py -q -k 05            # the notebook runs top to bottom
 # ```
 #
-# Measured here: 2-core x86_64 CPU (shared with other jobs), no GPU, Python 3.11, torch 2.13 (CPU), one torch
+# Measured on a 2-core x86_64 CPU (shared with other jobs), no GPU, Python 3.11, torch 2.13 (CPU), one torch
 # thread. The tiny model is a random 2-layer Llama (hidden 64); the real one is SmolLM2-135M-Instruct in float32.
 #
 # | what | measured |

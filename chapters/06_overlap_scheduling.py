@@ -644,7 +644,7 @@ assert any(r.finish_reason.matched in eos for r in naive_reqs)
 # python -m pytest tests/test_notebooks.py -q -k 06             # the notebook runs top to bottom
 # ```
 #
-# Measured here: 2-core x86_64 CPU (shared with other jobs), no GPU, Python 3.11, torch 2.13 (CPU), one torch
+# Measured on a 2-core x86_64 CPU (shared with other jobs), no GPU, Python 3.11, torch 2.13 (CPU), one torch
 # thread; SmolLM2-135M-Instruct in float32 and the random 2-layer tiny Llama.
 #
 # | what | measured |

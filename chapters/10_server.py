@@ -917,7 +917,7 @@ print("python", " ".join(router_command(dp_args, dp_urls, metrics_port=41003)[1:
 # The committed CPU numbers above come from the third command, against the second, on the machine named in the
 # JSON file.
 #
-# Measured here: 2-core x86_64 CPU (AMD EPYC) shared with other jobs (load average 6-8 while measuring), no GPU,
+# Measured on a 2-core x86_64 CPU (AMD EPYC) shared with other jobs (load average 6-8 while measuring), no GPU,
 # Python 3.11, torch 2.13 (CPU), SmolLM2-135M-Instruct in float32; the server's engine uses one torch thread.
 #
 # | what | measured |
@@ -927,15 +927,23 @@ print("python", " ".join(router_command(dp_args, dp_urls, metrics_port=41003)[1:
 # | oracle: 2 prompts x 12 greedy tokens through `/generate` vs chapter 00's loop | identical token ids (2/2) |
 # | a client leaves a 2,000-token stream after 3 events | the pool is back to 4096/4096 free or evictable within ~0.3 s |
 # | a 3,000-token prompt arrives while a stream runs (one core, 32-token chunks mixed with decode) | longest pause of the stream 0.3-0.45 s (37 s if prefilled in one step) |
-# | GPU (committed JSON): log probabilities for 64 requests x 128 tokens, top 5 | 19.7k vs 21.4k output tok/s without (about 8%) |
-# | `bench serving`, 16 requests, 64-128 prompt and 16-32 output tokens, 1 req/s (committed JSON) | 0.53 req/s, 13.6 output tok/s; TTFT median 2.7 s; ITL median 0.56 s, p99 7.5 s; TPOT median 0.73 s |
+# | GPU (`docs/data/gpu_request_features_h100.json`): log probabilities for 64 requests x 128 tokens, top 5 | 19.7k vs 21.4k output tok/s without (about 8%) |
+# | `bench serving`, 16 requests, 64-128 prompt and 16-32 output tokens, 1 req/s (`docs/data/bench_serving_cpu.json`) | 0.53 req/s, 13.6 output tok/s; TTFT median 2.7 s; ITL median 0.56 s, p99 7.5 s; TPOT median 0.73 s |
 # | `bench serving` in this chapter, 8 x (32 -> 8 tokens) at 4 req/s | TTFT median 2.3 s, ITL median 0.51 s, 9.2 output tok/s |
 # | the whole chapter, `python chapters/10_server.py` | 87-119 s wall on the loaded machine, most of it the server's start |
-# | GPU (committed JSON): one H100, Qwen3-0.6B dummy bf16, 200 requests of 512-1024 -> 128-256 tokens | 16 req/s: TTFT p50 42 ms, TPOT p50 5.2 ms; all at once: 10.2k output tok/s, TTFT p50 0.57 s, TPOT p50 14 ms |
 #
 # On an idle machine every time above shrinks several-fold: a decode step of this model at batch 16 is CPU work
 # that the other jobs were sharing. The ITL tail (p99) is where new requests' prefills cut into the running
 # decode batch (chapter 05's trade-off, seen from the client). The last cell prints this run's numbers.
+#
+# Expected on one H100 80GB HBM3 (`docs/data/bench_serving_h100.json`; Qwen3-0.6B config, bf16, dummy weights;
+# 200 requests of 512-1024 prompt and 128-256 output tokens):
+#
+# | request rate | output tok/s | TTFT median | ITL median / p99 | TPOT median |
+# | --- | --- | --- | --- | --- |
+# | 4 req/s | 814 | 25 ms | 2.4 / 13.4 ms | 2.7 ms |
+# | 16 req/s | 3,078 | 42 ms | 3.9 / 37.8 ms | 5.2 ms |
+# | all at once | 10,200 | 568 ms | 0.05 / 113 ms | 14.0 ms |
 
 # %%
 print(f"this run: server ready in {startup_s:.0f} s; greedy chat answer in {chat_s:.2f} s; bench serving "
