@@ -50,7 +50,6 @@ build logs one info line saying so (``--strict`` is not affected). Run
 from __future__ import annotations
 
 import base64
-import html
 import logging
 import posixpath
 import re
@@ -244,8 +243,8 @@ def _output_block(body: str, markdown: bool = True) -> str:
 
 
 def _text_block(text: str) -> str:
-    """Printed text as a preformatted HTML block (raw HTML, so that it renders inside folds as well)."""
-    return _output_block(f"<pre><code>{html.escape(_truncate(text))}</code></pre>", markdown=False)
+    """Printed text as a fenced ``text`` block (a fence, unlike raw ``<pre>``, keeps its blank lines in folds)."""
+    return _output_block(_fence(_truncate(text), "text"))
 
 
 def _without_warnings(text: str) -> str:
