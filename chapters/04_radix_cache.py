@@ -713,6 +713,45 @@ plt.show()
 # pass are unchanged; with longer system prompts (thousands of tokens are common) prefill dominates and the
 # time ratio approaches the token ratio.
 #
+# How much the cache saves depends on how much the requests share. The toy tree of section 2 shows it without a
+# model: groups of `P` requests whose prompts (128 tokens) start with a common part, a fraction `f` of the
+# prompt, arrive in random order; each is matched against the tree, then inserted. Look at the dots against the
+# lines `(P-1)/P x f`: the first request of a group always misses, every later one hits its whole shared part.
+
+# %%
+def sharing_hit_rate(group_size: int, shared_frac: float, groups: int = 4, length: int = 128) -> float:
+    """Token-weighted hit rate of a RadixCache on a shared-prefix workload (no model: the tree alone)."""
+    rng = random.Random(group_size * 1000 + round(100 * shared_frac))
+    shared = round(shared_frac * length)
+    heads = [[rng.randint(1000, 20000) for _ in range(shared)] for _ in range(groups)]
+    prompts = [h + [rng.randint(1000, 20000) for _ in range(length - shared)]
+               for h in heads for _ in range(group_size)]
+    rng.shuffle(prompts)
+    alloc = PageAllocator(num_pages=len(prompts) * length + 1, page_size=1)  # page 0 is reserved
+    tree, hits = RadixCache(alloc), 0
+    for tokens in prompts:
+        hits += tree.match_prefix(tokens).length
+        slots = alloc.alloc_tokens(0, 0, len(tokens))
+        alloc.free_slots(slots[: tree.insert(tokens, slots)])
+    return hits / (len(prompts) * length)
+
+
+fracs = [0.0, 0.25, 0.5, 0.75, 0.9, 1.0]
+fig, ax = plt.subplots(figsize=(7, 3.8))
+for i, group_size in enumerate((1, 2, 4, 8)):
+    ax.plot(fracs, [(group_size - 1) / group_size * f for f in fracs], color=f"C{i}", lw=1, alpha=0.6)
+    ax.plot(fracs, [sharing_hit_rate(group_size, f) for f in fracs], "o", color=f"C{i}",
+            label=f"{group_size} request{'s' if group_size > 1 else ''} per prefix")
+ax.set_xlabel("shared fraction of each prompt, f")
+ax.set_ylabel("radix hit rate (prompt tokens)")
+ax.set_title("Radix cache hit rate against sharing (dots: measured on the tree; lines: (P-1)/P x f)",
+             fontsize=9)
+ax.legend(fontsize=8)
+ax.grid(alpha=0.3)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
 # One detail of the default configuration matters here. It runs with overlap scheduling (chapter 06): the CPU
 # schedules step `N+1` *before* it processes step `N`'s results. Had `commit` waited for that processing, a
 # request would be matched against a tree that does not yet hold the prefix computed one step earlier, and two

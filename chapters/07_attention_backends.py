@@ -431,6 +431,38 @@ fig.suptitle(f"{prov['hardware']['gpu']}: decode attention, Qwen3-0.6B heads (16
 fig.tight_layout()
 plt.show()
 
+# %% [markdown]
+# The same measurements on a roofline: each point is one kernel call, placed by its arithmetic intensity (FLOPs
+# per byte moved) and the FLOP/s it achieved. The slanted line is what the measured copy bandwidth allows, the
+# flat one what the dense matmul measured in the same run reaches. Decode (filled markers) sits far left, under
+# the bandwidth line: it can only go as fast as it reads the KV cache. Prefill (open markers) does far more work
+# per byte and climbs toward the compute roof.
+
+# %%
+peak_tflops = results["matmul_tflops"]
+fig, ax = plt.subplots(figsize=(8, 5))
+for phase, rows, fill in (("decode", results["decode"], True), ("prefill", results["prefill"], False)):
+    for name in names:
+        pts = [(r["tflops"] * 1e12 / (r["bandwidth_GBps"] * 1e9), r["tflops"]) for r in rows
+               if r["backend"] == name and r.get("bandwidth_GBps") and r.get("tflops")]  # fmt: skip
+        if pts:
+            color, marker = style[name]
+            ax.scatter(*zip(*pts), color=color if fill else "none", edgecolors=color, marker=marker, s=28,
+                       label=f"{name} {phase}")
+intensity = np.logspace(-1, 4, 200)
+for gbps, ls, label in ((copy_gbps, "-", "measured copy"), (DATASHEET_GBPS, ":", "HBM3 datasheet")):
+    ax.plot(intensity, np.minimum(intensity * gbps / 1e3, peak_tflops), "k", ls=ls, lw=1,
+            label=f"roof: {label} {gbps:.0f} GB/s, matmul {peak_tflops:.0f} TFLOP/s")
+ax.set_xscale("log")
+ax.set_yscale("log")
+ax.set_xlabel("arithmetic intensity (FLOP per byte of Q, K, V and output moved)")
+ax.set_ylabel("achieved TFLOP/s")
+ax.set_title(f"{prov['hardware']['gpu']}: attention kernels on the roofline", fontsize=10)
+ax.grid(alpha=0.3, which="both")
+ax.legend(fontsize=7, loc="upper left")
+fig.tight_layout()
+plt.show()
+
 # %%
 target = results["target"]
 print(f"target: batch {target['batch']}, context {target['context']}, GQA {target['gqa']}: triton / flashinfer = "

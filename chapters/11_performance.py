@@ -38,6 +38,7 @@ import dataclasses
 import json
 import os
 import re
+import textwrap
 import time
 from pathlib import Path
 
@@ -209,6 +210,31 @@ for h in GPU["history"]:
                                                for k, v in extra.items()))
     print()
 print(GPU["history_note"])
+
+# %% [markdown]
+# The same history as a picture: each bar is one change, in order, and the dashed line is the roofline ceiling
+# of section 2 (output tokens divided by the floor time at the measured copy bandwidth). Look at how far each
+# step moves the bar toward the line, and at how much of the gap is left.
+
+# %%
+ceiling = GPU["canonical_output_tokens"] / GPU["roofline_floor_s"]
+steps = GPU["history"]
+labels = [textwrap.shorten(h["change"].removeprefix("+ ").split(" (")[0], 60, placeholder="...") for h in steps]
+fig, ax = plt.subplots(figsize=(10, 4.4))
+ax.barh([f"{i + 1}. {textwrap.fill(t, 42)}" for i, t in enumerate(labels)],
+        [h["output_throughput"] for h in steps], color="tab:blue")
+for y, h in enumerate(steps):
+    ax.text(h["output_throughput"], y, f" {h['output_throughput']:,.0f} ({100 * h['roofline_fraction']:.0f}%)",
+            va="center", fontsize=8)
+ax.axvline(ceiling, color="tab:red", ls="--", lw=1)
+ax.text(ceiling, len(steps) - 0.6, f"roofline {ceiling:,.0f} tok/s ", color="tab:red", fontsize=8, ha="right")
+ax.invert_yaxis()
+ax.tick_params(axis="y", labelsize=7)
+ax.set_xlim(0, ceiling * 1.12)
+ax.set_xlabel("output tokens/s, canonical workload (label: fraction of the roofline)")
+ax.set_title(f"Optimization history on {GPU['provenance']['hardware']['gpu']}, Qwen3-0.6B bf16", fontsize=10)
+fig.tight_layout()
+plt.show()
 
 # %% [markdown]
 # The largest wins after CUDA graphs were all **hidden waits**, places where the host waited for more of the GPU's

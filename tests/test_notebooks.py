@@ -9,7 +9,10 @@ Each chapter is written once, as ``chapters/NN_slug.py`` (jupytext percent forma
 * ``test_notebook_runs`` (``slow``): the notebook is executed in memory, in a fresh ``python3`` kernel of the
   interpreter running pytest, from the repository root, on CPU (``CUDA_VISIBLE_DEVICES`` is emptied). The
   first cell that raises fails the test with that cell and its traceback. Nothing is written back to
-  ``notebooks/``.
+  ``notebooks/``: the executed notebook, outputs and figures included, is saved as ``build/executed/NN_slug.ipynb``
+  (ignored by git), which the site build (``docs/hooks/chapters.py``) renders after each cell. A notebook that
+  fails leaves no executed copy behind. Figures are recorded with the inline matplotlib backend, so every
+  ``plt.show()`` becomes a PNG output.
 
 With no chapter written yet, both tests report a single skip.
 """
@@ -33,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.py"))
 CELL_TIMEOUT_S = 600
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+EXECUTED_DIR = ROOT / "build" / "executed"  # build artefacts: the site renders their outputs
 SYNC_HINT = "run scripts/sync_notebooks.sh to regenerate the notebook from its chapter"
 
 
@@ -140,9 +144,14 @@ def test_notebook_runs(chapter: Path, kernel_name: str) -> None:
         timeout=CELL_TIMEOUT_S,
         resources={"metadata": {"path": str(ROOT)}},  # the kernel's working directory
     )
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MPLBACKEND": "Agg"}
+    # The inline backend records each figure as an image/png output when it is shown (Agg would drop it).
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
+    executed = EXECUTED_DIR / notebook.name
+    executed.unlink(missing_ok=True)  # a stale copy must not outlive a failing run
     try:
-        client.execute(env=env)  # executes `nb` in memory; the file on disk is never written
+        client.execute(env=env)  # executes `nb` in memory; the file in notebooks/ is never written
+        EXECUTED_DIR.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, executed)
         return
     except CellExecutionError as err:
         problem = f"a cell raised\n{err}"

@@ -28,12 +28,28 @@ How a chapter becomes a page (:func:`render_chapter`):
 * a "Run this chapter" box goes right after the chapter's ``# Title`` (one is made up from the file name if the
   chapter does not start with a title).
 
-The page shows code, not outputs: the site is built without executing anything. The notebook test
-(``tests/test_notebooks.py``) is what proves that every chapter runs.
+Outputs. The site is built without executing anything: the outputs come from the notebook test
+(``tests/test_notebooks.py``), which executes every notebook on CPU and saves the executed copy as
+``build/executed/NN_slug.ipynb`` (ignored by git). When that copy exists and its code cells have the same sources
+as the chapter's, every code cell is followed by what it printed, displayed and drew (:func:`render_outputs`),
+each output wrapped in ``<div class="chapter-output">``:
+
+* streams and ``text/plain`` results become a preformatted block (very long ones are cut in the middle, with a
+  note saying how many lines were left out); Python warnings on stderr and reprs of matplotlib objects
+  (``<Figure size ...>``) are dropped;
+* ``text/html`` (tables) is inserted as HTML, ``text/markdown`` as markdown;
+* ``image/png`` (every ``plt.show()``) becomes a file ``chapters/NN_slug/fig-K.png`` of the site, shown with an
+  ``<img>`` and alt text; ``image/svg+xml`` is inlined;
+* outputs of folded cells (``setup``, ``hide``, ...) stay in the fold; removed cells show nothing.
+
+With no executed copy, or a stale one (the chapter changed since the test ran), the page shows code only and the
+build logs one info line saying so (``--strict`` is not affected). Run
+``pytest tests/test_notebooks.py -k "runs"`` before ``mkdocs build`` to get a page with outputs.
 """
 
 from __future__ import annotations
 
+import base64
 import logging
 import posixpath
 import re
@@ -45,6 +61,7 @@ log = logging.getLogger("mkdocs.hooks.chapters")
 ROOT = Path(__file__).resolve().parents[2]
 CHAPTERS_DIR = ROOT / "chapters"
 NOTEBOOKS_DIR = ROOT / "notebooks"
+EXECUTED_DIR = ROOT / "build" / "executed"  # written by tests/test_notebooks.py::test_notebook_runs
 NAV_SECTION = "Chapters"
 TABLE_PLACEHOLDER = "<!-- chapters:table -->"
 
@@ -170,7 +187,129 @@ def run_box(chapter: Chapter) -> str:
     return f'!!! tip "Run this chapter"\n\n{_indent(body)}'
 
 
-def _render_cell(cell) -> str | None:  # type: ignore[no-untyped-def]
+#: Text outputs longer than this many lines keep their head and tail, with a note in between.
+MAX_OUTPUT_LINES = 120
+_KEEP_HEAD, _KEEP_TAIL = 90, 20
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+#: ``text/plain`` reprs that are noise on a page: matplotlib objects returned by a cell's last expression.
+_WARNING_LINE = re.compile(r"^\S.*:\d+: \w*Warning: ")
+_MPL_REPR = re.compile(r"^\[?<(Figure size|matplotlib\.|[A-Za-z]*(Container|Text|Line2D|Legend)\b)|^Text\(")
+
+
+@dataclass
+class RenderedChapter:
+    """A chapter's page and the figure files it links to (``(src_uri, png bytes)``)."""
+
+    markdown: str
+    figures: list[tuple[str, bytes]]
+    outputs: int = 0  # number of ``chapter-output`` blocks on the page
+
+
+def load_executed(chapter: Chapter, nb, executed_dir: Path = EXECUTED_DIR):  # type: ignore[no-untyped-def]
+    """The executed copy of ``chapter`` if it exists and its code cells match ``nb``'s, else ``None`` (logged)."""
+    import nbformat
+
+    path = executed_dir / f"{chapter.stem}.ipynb"
+    if not path.is_file():
+        log.info("%s: no executed notebook in %s (run `pytest tests/test_notebooks.py -k runs` first); the page "
+                 "shows code without outputs", chapter.stem, executed_dir)
+        return None
+    executed = nbformat.read(path, as_version=4)
+    ours = [c.source for c in nb.cells if c.cell_type == "code"]
+    theirs = [c.source for c in executed.cells if c.cell_type == "code"]
+    if ours != theirs:
+        log.info("%s: the executed notebook is older than the chapter (code cells differ); the page shows code "
+                 "without outputs", chapter.stem)
+        return None
+    return executed
+
+
+def _text(value) -> str:  # type: ignore[no-untyped-def]
+    return "".join(value) if isinstance(value, list) else str(value)
+
+
+def _truncate(text: str) -> str:
+    lines = text.splitlines()
+    if len(lines) <= MAX_OUTPUT_LINES:
+        return text
+    left_out = len(lines) - _KEEP_HEAD - _KEEP_TAIL
+    note = f"... ({left_out} lines left out here; run the chapter to see them all) ..."
+    return "\n".join(lines[:_KEEP_HEAD] + [note] + lines[-_KEEP_TAIL:])
+
+
+def _output_block(body: str, markdown: bool = True) -> str:
+    attr = " markdown" if markdown else ""
+    return f'<div class="chapter-output"{attr}>\n\n{body}\n\n</div>'
+
+
+def _text_block(text: str) -> str:
+    """Printed text as a fenced ``text`` block (a fence, unlike raw ``<pre>``, keeps its blank lines in folds)."""
+    return _output_block(_fence(_truncate(text), "text"))
+
+
+def _without_warnings(text: str) -> str:
+    """stderr without Python warnings (``file.py:12: SomeWarning: ...`` and the source line under it)."""
+    kept, skip_next = [], False
+    for line in text.splitlines():
+        if _WARNING_LINE.match(line):
+            skip_next = True
+            continue
+        if skip_next and line.startswith("  "):
+            continue
+        skip_next = False
+        kept.append(line)
+    return "\n".join(kept)
+
+
+def _merged_streams(outputs) -> list:  # type: ignore[no-untyped-def]
+    """Consecutive stream outputs of the same name joined into one (a loop of prints is one block)."""
+    merged: list = []
+    for out in outputs:
+        if (out.get("output_type") == "stream" and merged and merged[-1].get("output_type") == "stream"
+                and merged[-1].get("name") == out.get("name")):
+            merged[-1] = {**merged[-1], "text": _text(merged[-1]["text"]) + _text(out["text"])}
+        else:
+            merged.append(out)
+    return merged
+
+
+def render_outputs(outputs, chapter: Chapter, figures: list[tuple[str, bytes]]) -> list[str]:  # type: ignore[no-untyped-def]
+    """One ``chapter-output`` block per output of a code cell; PNG figures are appended to ``figures``."""
+    blocks = []
+    for out in _merged_streams(outputs):
+        kind = out.get("output_type")
+        if kind == "stream":
+            text = _ANSI_ESCAPE.sub("", _text(out.get("text", "")))
+            if out.get("name") == "stderr":
+                text = _without_warnings(text)
+            text = text.strip("\n")
+            if text.strip():
+                blocks.append(_text_block(text))
+            continue
+        if kind not in ("display_data", "execute_result"):
+            continue  # errors never reach a page: the notebook test fails on them
+        data = out.get("data", {})
+        if "image/png" in data:
+            k = len(figures) + 1
+            uri = f"chapters/{chapter.stem}/fig-{k}.png"
+            figures.append((uri, base64.b64decode(_text(data["image/png"]))))
+            alt = f"Figure {k} of chapter {chapter.number}, {chapter.title}"
+            blocks.append(_output_block(f"![{alt}]({chapter.stem}/fig-{k}.png)"))
+        elif "image/svg+xml" in data:
+            blocks.append(_output_block(_text(data["image/svg+xml"]), markdown=False))
+        elif "text/html" in data:
+            blocks.append(_output_block(_text(data["text/html"]), markdown=False))
+        elif "text/markdown" in data:
+            blocks.append(_output_block(_text(data["text/markdown"])))
+        elif "text/plain" in data:
+            text = _ANSI_ESCAPE.sub("", _text(data["text/plain"])).strip("\n")
+            if text.strip() and not _MPL_REPR.match(text):
+                blocks.append(_text_block(text))
+    return blocks
+
+
+def _render_cell(cell, outputs=None, chapter: Chapter | None = None,  # type: ignore[no-untyped-def]
+                 figures: list[tuple[str, bytes]] | None = None) -> str | None:
     tags = set(cell.metadata.get("tags", []))
     source = cell.source.strip("\n")
     if not source.strip() or tags & REMOVED_TAGS:
@@ -179,24 +318,41 @@ def _render_cell(cell) -> str | None:  # type: ignore[no-untyped-def]
         return source
     if cell.cell_type != "code":
         return None  # raw cells are for other tools (e.g. nbconvert), not for readers
-    block = _fence(source)
+    parts = [_fence(source)]
+    if outputs and chapter is not None and figures is not None:
+        parts += render_outputs(outputs, chapter, figures)
+    block = "\n\n".join(parts)
     if tags & HIDDEN_TAGS:
         label = "setup" if "setup" in tags else "hidden code"
         return f'??? note "{label}"\n\n{_indent(block)}'
     return block
 
 
-def render_chapter(chapter: Chapter) -> str:
-    """The markdown of a chapter's page."""
+def render_chapter_page(chapter: Chapter, executed_dir: Path = EXECUTED_DIR) -> RenderedChapter:
+    """The markdown of a chapter's page, with the outputs of its executed notebook when there is a current one."""
     nb = read_notebook(chapter.source)
-    blocks = [b for b in (_render_cell(cell) for cell in nb.cells) if b is not None]
+    executed = load_executed(chapter, nb, executed_dir)
+    outputs_of = iter([c.get("outputs", []) for c in executed.cells if c.cell_type == "code"]) if executed else None
+    figures: list[tuple[str, bytes]] = []
+    blocks = []
+    for cell in nb.cells:
+        outputs = next(outputs_of) if outputs_of is not None and cell.cell_type == "code" else None
+        block = _render_cell(cell, outputs, chapter, figures)
+        if block is not None:
+            blocks.append(block)
     if blocks and blocks[0].startswith("# "):  # the chapter opens with its title (code blocks start with a fence)
         title_line, _, rest = blocks[0].partition("\n")
         head = [title_line, run_box(chapter)] + ([rest.strip("\n")] if rest.strip() else [])
         blocks = head + blocks[1:]
     else:
         blocks = [f"# {chapter.number} · {chapter.title}", run_box(chapter)] + blocks
-    return "\n\n".join(blocks) + "\n"
+    markdown = "\n\n".join(blocks) + "\n"
+    return RenderedChapter(markdown, figures, markdown.count('<div class="chapter-output"'))
+
+
+def render_chapter(chapter: Chapter) -> str:
+    """The markdown of a chapter's page (see :func:`render_chapter_page` for the figures that go with it)."""
+    return render_chapter_page(chapter).markdown
 
 
 # -------------------------------------------------------------------------------------------- the chapter table
@@ -265,12 +421,17 @@ def _is_chapter_entry(entry) -> bool:  # type: ignore[no-untyped-def]
 
 
 def on_files(files, config):  # type: ignore[no-untyped-def]
-    """Add the generated pages: ``chapters/index.md`` and one page per chapter."""
+    """Add the generated pages: ``chapters/index.md``, one page per chapter and the figures of its outputs."""
     from mkdocs.structure.files import File
 
     index = CHAPTERS_INDEX.format(table=chapter_table(_chapters, "chapters/index.md"))
-    generated = [("chapters/index.md", index)]
-    generated += [(c.page_uri, render_chapter(c)) for c in _chapters]
+    generated: list[tuple[str, str | bytes]] = [("chapters/index.md", index)]
+    for chapter in _chapters:
+        page = render_chapter_page(chapter)
+        if page.outputs:
+            log.info("%s: %d output blocks, %d figures", chapter.stem, page.outputs, len(page.figures))
+        generated.append((chapter.page_uri, page.markdown))
+        generated += page.figures
     for uri, content in generated:
         existing = files.get_file_from_path(uri)
         if existing is not None:  # a hand-written page of the same name would be shadowed: say so
@@ -288,7 +449,9 @@ def on_page_markdown(markdown, page, config, files):  # type: ignore[no-untyped-
 
 
 def on_serve(server, config, builder):  # type: ignore[no-untyped-def]
-    """``mkdocs serve``: rebuild when a chapter changes (the folder may not exist yet in a fresh checkout)."""
+    """``mkdocs serve``: rebuild when a chapter or an executed notebook changes (the folders may not exist yet)."""
     if CHAPTERS_DIR.is_dir():
         server.watch(str(CHAPTERS_DIR))
+    if EXECUTED_DIR.is_dir():  # a notebook test run refreshes the outputs
+        server.watch(str(EXECUTED_DIR))
     return server

@@ -1,0 +1,88 @@
+"""The chapter pages of the site show each code cell's outputs, from the executed notebook the notebook test saves.
+
+``docs/hooks/chapters.py`` renders ``chapters/NN_slug.py`` as a page; when ``build/executed/NN_slug.ipynb`` (written
+by ``tests/test_notebooks.py::test_notebook_runs``) has the same code cells, every code cell is followed by its
+outputs. These tests build a small executed notebook by hand and check what the page gets from it.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import sys
+from pathlib import Path
+
+import jupytext
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+)
+SCRIPT = '''# %% [markdown]
+# # 42 · A test chapter
+
+# %% tags=["setup"]
+import warnings
+
+# %%
+print("hello")
+
+# %%
+show_a_figure()
+
+# %% tags=["remove"]
+print("not on the page")
+'''
+
+
+@pytest.fixture(scope="module")
+def hook():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("chapters_hook", ROOT / "docs" / "hooks" / "chapters.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def _executed(script: Path, tmp: Path) -> Path:
+    """An "executed" copy of ``script``: the outputs a kernel would have recorded, written by hand."""
+    nb = jupytext.read(script, fmt="py:percent")
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    code[0].outputs = [nbformat.v4.new_output("stream", name="stderr", text="x.py:1: UserWarning: w\n  warn()\n")]
+    code[1].outputs = [nbformat.v4.new_output("stream", name="stdout", text="hello <b>\n"),
+                       nbformat.v4.new_output("stream", name="stdout", text="\n".join(map(str, range(500))))]
+    code[2].outputs = [nbformat.v4.new_output("display_data", data={
+        "image/png": base64.b64encode(PNG).decode(), "text/plain": "<Figure size 640x480 with 1 Axes>"})]
+    code[3].outputs = [nbformat.v4.new_output("stream", name="stdout", text="not on the page\n")]
+    path = tmp / "executed" / f"{script.stem}.ipynb"
+    path.parent.mkdir()
+    nbformat.write(nb, path)
+    return path.parent
+
+
+def test_outputs_follow_their_cells(hook, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = tmp_path / "42_test.py"
+    script.write_text(SCRIPT)
+    chapter = hook.Chapter(number="42", stem="42_test", source=script, title="A test chapter")
+    page = hook.render_chapter_page(chapter, _executed(script, tmp_path))
+    md = page.markdown
+    assert page.outputs == 2 == md.count('<div class="chapter-output"')  # the two prints are one block; the figure
+    assert md.index('print("hello")') < md.index("hello <b>") < md.index("show_a_figure()") < md.index("fig-1.png")
+    assert "lines left out" in md and "499" in md and "\n250\n" not in md  # long text keeps its head and tail
+    assert "UserWarning" not in md and "not on the page" not in md and "<Figure size" not in md
+    assert page.figures == [("chapters/42_test/fig-1.png", PNG)]
+    assert "![Figure 1 of chapter 42, A test chapter](42_test/fig-1.png)" in md
+
+
+def test_stale_or_missing_executed_copy_gives_code_only(hook, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = tmp_path / "42_test.py"
+    script.write_text(SCRIPT)
+    chapter = hook.Chapter(number="42", stem="42_test", source=script, title="A test chapter")
+    executed = _executed(script, tmp_path)
+    script.write_text(SCRIPT.replace('print("hello")', 'print("hello again")'))  # the chapter changed since
+    for folder in (executed, tmp_path / "nothing-here"):
+        page = hook.render_chapter_page(chapter, folder)
+        assert page.outputs == 0 and page.figures == [] and 'print("hello again")' in page.markdown
