@@ -92,10 +92,14 @@ def browser():
         browser.close()
 
 
-# Material draws each diagram into a closed shadow root; opening it lets the test look inside.
-_OPEN_SHADOW_ROOTS = """
+# Material draws each diagram into a closed shadow root; opening it lets the test look inside. Uncaught
+# errors are also noted in the page, so that a wait for a drawing stops as soon as one has failed.
+_INIT_SCRIPT = """
 const attach = Element.prototype.attachShadow;
 Element.prototype.attachShadow = function (init) { return attach.call(this, {...init, mode: "open"}); };
+window.__uncaught = 0;
+window.addEventListener("error", () => { window.__uncaught += 1; });
+window.addEventListener("unhandledrejection", () => { window.__uncaught += 1; });
 """
 
 
@@ -108,7 +112,7 @@ class PageVisit:
         self.failed: list[str] = []
         self.blocked: list[str] = []
         self.context = browser.new_context(viewport=VIEWPORT, service_workers="block")
-        self.context.add_init_script(_OPEN_SHADOW_ROOTS)
+        self.context.add_init_script(_INIT_SCRIPT)
         self.context.route("**/*", self._route)
         self.page = self.context.new_page()
         self.page.on("console", lambda m: m.type == "error" and self.console_errors.append(m.text))
@@ -150,13 +154,14 @@ class PageVisit:
     def wait_for_diagrams(self, expected: int) -> list[dict]:
         """Wait until Material has replaced every diagram source by its drawing; one entry per diagram."""
         self.page.wait_for_function(
-            """(n) => document.querySelectorAll('pre.mermaid').length === 0
+            """(n) => window.__uncaught > 0 || document.querySelectorAll('pre.mermaid').length === 0
                      && document.querySelectorAll('div.mermaid').length >= n
                      && [...document.querySelectorAll('div.mermaid')].every(d => d.shadowRoot
                             && d.shadowRoot.querySelector('svg'))""",
             arg=expected, timeout=60_000)
         return self.page.evaluate("""() => [...document.querySelectorAll('div.mermaid')].map(d => {
-            const svg = d.shadowRoot.querySelector('svg');
+            const svg = d.shadowRoot && d.shadowRoot.querySelector('svg');
+            if (!svg) return {width: 0, height: 0, text: 'no drawing'};
             const box = svg.getBoundingClientRect();
             return {width: box.width, height: box.height, text: svg.textContent.slice(0, 200)};
         })""")
@@ -229,6 +234,7 @@ def check_page(browser, site: Path, base: str, path: str, *, expect_outputs: boo
     problems: list[str] = []
     static = _static_counts(site, path)
     visit = PageVisit(browser, base, path)
+    step = "math"
     try:
         if static["math"]:
             math = visit.wait_for_math()
@@ -236,6 +242,7 @@ def check_page(browser, site: Path, base: str, path: str, *, expect_outputs: boo
                 problems.append(f"math not typeset: {math}")
             if math["raw_tex"]:
                 problems.append(f"raw TeX delimiters left in the text: {math}")
+        step = "diagrams"
         if static["mermaid"]:
             diagrams = visit.wait_for_diagrams(static["mermaid"])
             if len(diagrams) != static["mermaid"]:
@@ -243,6 +250,7 @@ def check_page(browser, site: Path, base: str, path: str, *, expect_outputs: boo
             for d in diagrams:
                 if d["width"] < 20 or d["height"] < 20 or "Syntax error" in d["text"]:
                     problems.append(f"diagram not drawn properly: {d}")
+        step = "images"
         for img in visit.images():
             if not img["complete"] or img["natural"] <= 0:
                 problems.append(f"image did not load: {img}")
@@ -252,6 +260,7 @@ def check_page(browser, site: Path, base: str, path: str, *, expect_outputs: boo
             for block in visit.wide_code():
                 if block["longest_line"] <= CODE_COLUMNS:
                     problems.append(f"code block wider than the column at {VIEWPORT['width']} px: {block}")
+        step = "search"
         hits = visit.search(SEARCH_QUERY)
         if hits == 0:
             problems.append(f"search for {SEARCH_QUERY!r} found nothing")
@@ -260,7 +269,7 @@ def check_page(browser, site: Path, base: str, path: str, *, expect_outputs: boo
         problems += [f"failed request: {f}" for f in visit.failed]
         problems += [f"request off the local server (blocked): {u}" for u in visit.blocked]
     except Exception as exc:  # a wait that timed out: report it with what was seen so far
-        problems.append(f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+        problems.append(f"{step}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
         problems += [f"console error: {e}" for e in visit.console_errors]
         problems += [f"failed request: {f}" for f in visit.failed]
         problems += [f"request off the local server (blocked): {u}" for u in visit.blocked]
