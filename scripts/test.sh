@@ -11,4 +11,4 @@ site_dir=${SITE_DIR:-site}
 "$venv/bin/python" -m pytest --ignore=tests/test_site_browser.py "$@"
 "$venv/bin/python" -m mkdocs build --strict --quiet --site-dir "$site_dir"
 echo "docs: built into $site_dir/"
-SITE_DIR="$site_dir" "$venv/bin/python" -m pytest -p no:cacheprovider tests/test_site_browser.py
+SITE_DIR="$site_dir" "$venv/bin/python" -m pytest tests/test_site_browser.py

@@ -171,7 +171,7 @@ class PageVisit:
             img.loading = 'eager';
             return img.complete ? null : new Promise(r => { img.onload = img.onerror = r; setTimeout(r, 10000); });
         }))""")
-        return self.page.evaluate("""() => [...document.querySelectorAll('article img')].map(img =>
+        return self.page.evaluate("""() => [...document.images].map(img =>
             ({src: img.currentSrc || img.src, natural: img.naturalWidth, complete: img.complete}))""")
 
     def chapter_outputs(self) -> int:
