@@ -319,14 +319,15 @@ def test_chapter_outputs_are_rendered(browser, served):
 
 
 def test_output_and_image_checks_catch_problems(browser, tmp_path):
-    """The output and image checks on a small synthetic site: they pass on a page that has an output and a
-    loaded image, and report a page without outputs and a page with a broken image."""
+    """The checks on a small synthetic site: they pass on a page that has an output and a loaded image, and
+    report a page without outputs, a page with a broken image and a page that reaches for a CDN."""
     site = tmp_path / "site"
     png = (ROOT / "docs" / "data").rglob("*.png")
     image = next(png, None)
     (site / "chapters" / "01_good").mkdir(parents=True)
     (site / "chapters" / "02_bare").mkdir(parents=True)
     (site / "chapters" / "03_broken").mkdir(parents=True)
+    (site / "chapters" / "04_online").mkdir(parents=True)
     if image is None:  # a 1x1 PNG
         import base64
         data = base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg==")
@@ -342,17 +343,21 @@ def test_output_and_image_checks_catch_problems(browser, tmp_path):
         "<pre><code>x = 1</code></pre>"))
     (site / "chapters" / "03_broken" / "index.html").write_text(page.format(search=search, body=
         '<div class="chapter-output"><img src="missing.png"></div>'))
+    (site / "chapters" / "04_online" / "index.html").write_text(page.format(search=search, body=
+        '<div class="chapter-output">1</div><script src="https://unpkg.com/mermaid@11/dist/mermaid.min.js"></script>'))
     server, base = _serve(site)
     try:
         good = check_page(browser, site, base, "chapters/01_good/", expect_outputs=True)
         bare = check_page(browser, site, base, "chapters/02_bare/", expect_outputs=True)
         broken = check_page(browser, site, base, "chapters/03_broken/", expect_outputs=True)
+        online = check_page(browser, site, base, "chapters/04_online/", expect_outputs=True)
     finally:
         server.shutdown()
     assert good == []
     assert bare == ["no executed output (div.chapter-output) on this chapter page"]
     assert any(p.startswith("image did not load") for p in broken), broken
     assert any("missing.png" in p and "HTTP 404" in p for p in broken), broken
+    assert "request off the local server (blocked): https://unpkg.com/mermaid@11/dist/mermaid.min.js" in online
 
 
 def test_screenshots(browser, served):
