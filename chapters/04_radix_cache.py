@@ -337,9 +337,9 @@ assert paged_tree.match_prefix(seq[:7]).length == 4 and paged_tree.match_prefix(
 #     Note over S: the prefill step is launched: it computes only the new tokens
 #     S->>C: commit(req) right after the launch (the engine, chapter 06)
 #     C->>T: insert(computed tokens, row), then free our duplicates
-#     C->>P: repoint the row at the tree's slots; move the lock down
+#     C->>P: repoint the row at the tree's slots, then move the lock down
 #     S->>C: release(req) when it finishes (or is retracted)
-#     C->>T: commit what was computed; dec_lock
+#     C->>T: commit what was computed, then dec_lock
 #     C->>C: free the slots the tree did not take
 # ```
 #

@@ -1,0 +1,381 @@
+"""The built site as a reader sees it: headless Chromium, with every request off the local server blocked.
+
+For every page of the site (chapters first): math is typeset by MathJax, every mermaid diagram is drawn as
+SVG, no script logs an error, no request fails or leaves the machine, every image has loaded, no code block
+needs horizontal scrolling on a 1440-px screen, and a search returns results. Every chapter page also shows
+at least one executed cell's output (``<div class="chapter-output">``). Screenshots of the landing page and
+of a chapter are saved under ``build/screenshots/``.
+
+    scripts/test.sh                                   builds the site, then runs this file on it
+    SITE_DIR=site pytest tests/test_site_browser.py   on a site already built (else it builds one)
+
+Chromium comes from the OS packages (``/usr/bin/chromium``; scripts/setup.sh dev installs it where it can);
+without it the tests are skipped. Playwright drives it; its own browser download is never used.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCREENSHOTS = ROOT / "build" / "screenshots"
+VIEWPORT = {"width": 1440, "height": 900}
+SEARCH_QUERY = "radix"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+# At VIEWPORT's width a code line of up to this many characters fits in the content column
+# (docs/stylesheets/extra.css); only a block with a longer line may scroll sideways.
+CODE_COLUMNS = 120
+
+pytestmark = pytest.mark.browser
+
+
+def _chromium() -> str | None:
+    for candidate in (os.environ.get("CHROMIUM"), "/usr/bin/chromium", shutil.which("chromium"),
+                      shutil.which("chromium-browser")):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+# --- the site and a server for it ------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def site_dir(tmp_path_factory) -> Path:
+    """The built site: $SITE_DIR when it holds one, else a fresh strict build."""
+    given = os.environ.get("SITE_DIR")
+    if given and (Path(given) / "index.html").is_file():
+        return Path(given).resolve()
+    out = tmp_path_factory.mktemp("site")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1", PYTHONPATH=str(ROOT))
+    subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(out)],
+                   cwd=ROOT, env=env, check=True)
+    return out
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def _serve(directory: Path):
+    handler = functools.partial(_QuietHandler, directory=str(directory))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/"
+
+
+@pytest.fixture(scope="session")
+def browser():
+    executable = _chromium()
+    if executable is None:
+        pytest.skip("no Chromium here (/usr/bin/chromium): install the OS package `chromium` "
+                    "(scripts/setup.sh dev does so when it runs as root) to run the browser tests")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+# Material draws each diagram into a closed shadow root; opening it lets the test look inside. Uncaught
+# errors are also noted in the page, so that a wait for a drawing stops as soon as one has failed.
+_INIT_SCRIPT = """
+const attach = Element.prototype.attachShadow;
+Element.prototype.attachShadow = function (init) { return attach.call(this, {...init, mode: "open"}); };
+window.__uncaught = 0;
+window.addEventListener("error", () => { window.__uncaught += 1; });
+window.addEventListener("unhandledrejection", () => { window.__uncaught += 1; });
+"""
+
+
+class PageVisit:
+    """One page loaded with the network blocked, and everything that went wrong while it loaded."""
+
+    def __init__(self, browser, base: str, path: str):
+        self.base, self.path = base, path
+        self.console_errors: list[str] = []
+        self.failed: list[str] = []
+        self.blocked: list[str] = []
+        self.context = browser.new_context(viewport=VIEWPORT, service_workers="block")
+        self.context.add_init_script(_INIT_SCRIPT)
+        self.context.route("**/*", self._route)
+        self.page = self.context.new_page()
+        self.page.on("console", lambda m: m.type == "error" and self.console_errors.append(m.text))
+        self.page.on("pageerror", lambda e: self.console_errors.append(f"uncaught: {e}"))
+        self.page.on("requestfailed", lambda r: self.failed.append(f"{r.url} ({r.failure})"))
+        self.page.on("response", lambda r: r.status >= 400 and self.failed.append(f"{r.url} (HTTP {r.status})"))
+        self.page.goto(base + path, wait_until="load")
+
+    def _route(self, route):
+        url = route.request.url
+        if url.startswith(self.base) or url.startswith(("data:", "blob:")):
+            route.continue_()
+        else:
+            self.blocked.append(url)
+            route.abort("blockedbyclient")
+
+    def close(self):
+        self.context.close()
+
+    # -- what a reader sees --
+
+    def wait_for_math(self) -> dict:
+        """Wait until MathJax has typeset the page; returns counts and any raw TeX left in the text."""
+        self.page.wait_for_function("() => window.MathJax && MathJax.startup && MathJax.startup.promise",
+                                    timeout=60_000)
+        self.page.evaluate("() => Promise.race([MathJax.startup.promise.then(() => MathJax.typesetPromise()),"
+                           " new Promise((_, no) => setTimeout(() => no(new Error('MathJax timed out')), 60000))])")
+        return self.page.evaluate("""() => {
+            const spans = [...document.querySelectorAll('.arithmatex')];
+            const article = document.querySelector('article').cloneNode(true);
+            article.querySelectorAll('pre, code, mjx-container').forEach(e => e.remove());
+            const raw = article.textContent.match(/\\\\[\\(\\[]/g) || [];
+            return {arithmatex: spans.length,
+                    typeset: spans.filter(s => s.querySelector('mjx-container')).length,
+                    mjx: document.querySelectorAll('mjx-container').length,
+                    raw_tex: raw.length};
+        }""")
+
+    def wait_for_diagrams(self, expected: int) -> list[dict]:
+        """Wait until Material has replaced every diagram source by its drawing; one entry per diagram."""
+        self.page.wait_for_function(
+            """(n) => window.__uncaught > 0 || document.querySelectorAll('pre.mermaid').length === 0
+                     && document.querySelectorAll('div.mermaid').length >= n
+                     && [...document.querySelectorAll('div.mermaid')].every(d => d.shadowRoot
+                            && d.shadowRoot.querySelector('svg'))""",
+            arg=expected, timeout=60_000)
+        return self.page.evaluate("""() => [...document.querySelectorAll('div.mermaid')].map(d => {
+            const svg = d.shadowRoot && d.shadowRoot.querySelector('svg');
+            if (!svg) return {width: 0, height: 0, text: 'no drawing'};
+            const box = svg.getBoundingClientRect();
+            return {width: box.width, height: box.height, text: svg.textContent.slice(0, 200)};
+        })""")
+
+    def images(self) -> list[dict]:
+        self.page.evaluate("""() => Promise.all([...document.images].map(img => {
+            img.loading = 'eager';
+            return img.complete ? null : new Promise(r => { img.onload = img.onerror = r; setTimeout(r, 10000); });
+        }))""")
+        return self.page.evaluate("""() => [...document.images].map(img =>
+            ({src: img.currentSrc || img.src, natural: img.naturalWidth, complete: img.complete}))""")
+
+    def chapter_outputs(self) -> int:
+        return self.page.locator("article .chapter-output").count()
+
+    def wide_code(self) -> list[dict]:
+        return self.page.evaluate("""() => [...document.querySelectorAll('article pre > code')]
+            .filter(c => c.scrollWidth > c.clientWidth + 1)
+            .map(c => ({first_line: c.textContent.split('\\n')[0].trim(),
+                        longest_line: Math.max(...c.textContent.split('\\n').map(l => l.length)),
+                        scroll: c.scrollWidth, client: c.clientWidth}))""")
+
+    def search(self, query: str) -> int:
+        box = self.page.locator("input.md-search__input")
+        box.click()
+        box.fill(query)
+        self.page.wait_for_function(
+            "() => document.querySelectorAll('.md-search-result__item').length > 0", timeout=60_000)
+        return self.page.locator(".md-search-result__item").count()
+
+
+def _pages(site: Path) -> list[str]:
+    pages = sorted(p.parent.relative_to(site).as_posix() + "/" for p in site.rglob("index.html")
+                   if "vendor" not in p.parts)
+    pages = ["" if p == "./" else p for p in pages]
+    return sorted(pages, key=lambda p: (not p.startswith("chapters/"), p))
+
+
+def _is_chapter(path: str) -> bool:
+    return re.fullmatch(r"chapters/\d\d_[a-z0-9_]+/", path) is not None
+
+
+def _static_counts(site: Path, path: str) -> dict:
+    html = (site / path / "index.html").read_text(encoding="utf-8")
+    return {"mermaid": len(re.findall(r'<pre class="mermaid"', html)),
+            "math": len(re.findall(r'class="arithmatex"', html))}
+
+
+def _outputs_expected() -> bool:
+    """Whether this build renders executed cell outputs: its chapter renderer wraps each one in
+    ``<div class="chapter-output">``, so the class name appears in the repository's own files (outside this
+    test). A build whose renderer shows code only has nothing to look for."""
+    try:
+        found = subprocess.run(["git", "grep", "--untracked", "-l", "-F", "chapter-output", "--", ".",
+                                ":(exclude)tests/test_site_browser.py"],
+                               cwd=ROOT, capture_output=True, text=True, check=False)
+        if found.returncode in (0, 1):
+            return bool(found.stdout.strip())
+    except OSError:
+        pass
+    for path in (ROOT / "docs").rglob("*"):  # no git: the renderer lives under docs/
+        if path.is_file() and path.suffix in {".py", ".html", ".md", ".js", ".css", ".yml"}:
+            if "chapter-output" in path.read_text(encoding="utf-8", errors="replace"):
+                return True
+    return False
+
+
+# --- the tests ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def served(site_dir):
+    server, base = _serve(site_dir)
+    yield site_dir, base
+    server.shutdown()
+
+
+def check_page(browser, site: Path, base: str, path: str, *, expect_outputs: bool) -> list[str]:
+    """Every reader-facing check on one page; returns the problems found (empty when the page is right)."""
+    problems: list[str] = []
+    static = _static_counts(site, path)
+    visit = PageVisit(browser, base, path)
+    step = "math"
+    try:
+        if static["math"]:
+            math = visit.wait_for_math()
+            if math["typeset"] < math["arithmatex"] or math["mjx"] == 0:
+                problems.append(f"math not typeset: {math}")
+            if math["raw_tex"]:
+                problems.append(f"raw TeX delimiters left in the text: {math}")
+        step = "diagrams"
+        if static["mermaid"]:
+            diagrams = visit.wait_for_diagrams(static["mermaid"])
+            if len(diagrams) != static["mermaid"]:
+                problems.append(f"{static['mermaid']} diagrams in the page, {len(diagrams)} drawn")
+            for d in diagrams:
+                if d["width"] < 20 or d["height"] < 20 or "Syntax error" in d["text"]:
+                    problems.append(f"diagram not drawn properly: {d}")
+        step = "images"
+        for img in visit.images():
+            if not img["complete"] or img["natural"] <= 0:
+                problems.append(f"image did not load: {img}")
+        if expect_outputs and visit.chapter_outputs() == 0:
+            problems.append("no executed output (div.chapter-output) on this chapter page")
+        if _is_chapter(path):
+            for block in visit.wide_code():
+                if block["longest_line"] <= CODE_COLUMNS:
+                    problems.append(f"code block wider than the column at {VIEWPORT['width']} px: {block}")
+        step = "search"
+        hits = visit.search(SEARCH_QUERY)
+        if hits == 0:
+            problems.append(f"search for {SEARCH_QUERY!r} found nothing")
+        visit.page.wait_for_load_state("networkidle")
+        problems += [f"console error: {e}" for e in visit.console_errors]
+        problems += [f"failed request: {f}" for f in visit.failed]
+        problems += [f"request off the local server (blocked): {u}" for u in visit.blocked]
+    except Exception as exc:  # a wait that timed out: report it with what was seen so far
+        problems.append(f"{step}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+        problems += [f"console error: {e}" for e in visit.console_errors]
+        problems += [f"failed request: {f}" for f in visit.failed]
+        problems += [f"request off the local server (blocked): {u}" for u in visit.blocked]
+    finally:
+        visit.close()
+    return problems
+
+
+def test_every_page_reads_offline(browser, served):
+    site, base = served
+    pages = _pages(site)
+    chapters = [p for p in pages if _is_chapter(p)]
+    assert len(chapters) >= 12, f"expected the twelve chapter pages, found {chapters}"
+    expect_outputs = _outputs_expected()
+    report = {}
+    for path in pages:
+        problems = check_page(browser, site, base, path, expect_outputs=expect_outputs and _is_chapter(path))
+        if problems:
+            report[path or "/"] = problems
+    assert not report, "pages a reader would see broken:\n" + "\n".join(
+        f"  {page}:\n" + "\n".join(f"    - {p}" for p in problems) for page, problems in report.items())
+
+
+def test_chapter_outputs_are_rendered(browser, served):
+    """Every chapter page shows at least one executed cell's output."""
+    site, base = served
+    if not _outputs_expected():
+        pytest.skip("this build's chapter renderer shows code only (no 'chapter-output' in the repository)")
+    missing = []
+    for path in filter(_is_chapter, _pages(site)):
+        visit = PageVisit(browser, base, path)
+        try:
+            if visit.chapter_outputs() == 0:
+                missing.append(path)
+        finally:
+            visit.close()
+    assert not missing, f"chapter pages without any executed output: {missing}"
+
+
+def test_output_and_image_checks_catch_problems(browser, tmp_path):
+    """The checks on a small synthetic site: they pass on a page that has an output and a loaded image, and
+    report a page without outputs, a page with a broken image and a page that reaches for a CDN."""
+    site = tmp_path / "site"
+    png = (ROOT / "docs" / "data").rglob("*.png")
+    image = next(png, None)
+    (site / "chapters" / "01_good").mkdir(parents=True)
+    (site / "chapters" / "02_bare").mkdir(parents=True)
+    (site / "chapters" / "03_broken").mkdir(parents=True)
+    (site / "chapters" / "04_online").mkdir(parents=True)
+    if image is None:  # a 1x1 PNG
+        import base64
+        data = base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg==")
+    else:
+        data = image.read_bytes()
+    (site / "chapters" / "01_good" / "figure.png").write_bytes(data)
+    search = """<input class="md-search__input">
+        <div class="md-search-result__item">hit</div>"""
+    page = "<!doctype html><html><body>{search}<article>{body}</article></body></html>"
+    (site / "chapters" / "01_good" / "index.html").write_text(page.format(search=search, body=
+        '<pre><code>x = 1</code></pre><div class="chapter-output"><pre>1</pre><img src="figure.png"></div>'))
+    (site / "chapters" / "02_bare" / "index.html").write_text(page.format(search=search, body=
+        "<pre><code>x = 1</code></pre>"))
+    (site / "chapters" / "03_broken" / "index.html").write_text(page.format(search=search, body=
+        '<div class="chapter-output"><img src="missing.png"></div>'))
+    (site / "chapters" / "04_online" / "index.html").write_text(page.format(search=search, body=
+        '<div class="chapter-output">1</div><script src="https://unpkg.com/mermaid@11/dist/mermaid.min.js"></script>'))
+    server, base = _serve(site)
+    try:
+        good = check_page(browser, site, base, "chapters/01_good/", expect_outputs=True)
+        bare = check_page(browser, site, base, "chapters/02_bare/", expect_outputs=True)
+        broken = check_page(browser, site, base, "chapters/03_broken/", expect_outputs=True)
+        online = check_page(browser, site, base, "chapters/04_online/", expect_outputs=True)
+    finally:
+        server.shutdown()
+    assert good == []
+    assert bare == ["no executed output (div.chapter-output) on this chapter page"]
+    assert any(p.startswith("image did not load") for p in broken), broken
+    assert any("missing.png" in p and "HTTP 404" in p for p in broken), broken
+    assert "request off the local server (blocked): https://unpkg.com/mermaid@11/dist/mermaid.min.js" in online
+
+
+def test_screenshots(browser, served):
+    """The landing page and a chapter as a reader first sees them, saved as build artefacts."""
+    site, base = served
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    shots = {"landing.png": ("", False), "chapter-04-radix-cache.png": ("chapters/04_radix_cache/", False),
+             "chapter-04-radix-cache-full.png": ("chapters/04_radix_cache/", True),
+             "chapter-01-models-full.png": ("chapters/01_models/", True)}
+    for name, (path, full) in shots.items():
+        visit = PageVisit(browser, base, path)
+        try:
+            static = _static_counts(site, path)
+            if static["math"]:
+                visit.wait_for_math()
+            if static["mermaid"]:
+                visit.wait_for_diagrams(static["mermaid"])
+            visit.page.screenshot(path=str(SCREENSHOTS / name), full_page=full)
+        finally:
+            visit.close()
+        assert (SCREENSHOTS / name).stat().st_size > 10_000, name
