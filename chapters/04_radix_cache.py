@@ -47,12 +47,14 @@ import inspect
 import json
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
+from IPython.display import Markdown, display
 
 from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.core.config import EngineConfig
@@ -105,6 +107,14 @@ def tree_as_mermaid(tree: RadixCache, tokenizer) -> str:
 
     walk(tree.root)
     return "\n".join(out)
+
+
+def show_mermaid(source: str) -> None:
+    """Draw mermaid source: as a diagram in a notebook (and on this book's page), as text in a terminal."""
+    if "ipykernel" in sys.modules:
+        display(Markdown(f"```mermaid\n{source}\n```"))
+    else:
+        print(source, end="\n\n")
 
 
 def greedy(n: int, **kw) -> SamplingParams:
@@ -390,13 +400,13 @@ assert eng.cache.tree.protected_size == 0
 # off request 1's edge at the first token where the prompts differ) and its own new tokens, which `commit`
 # inserted right after its prefill so that any later request could already share them. Request 1's branch,
 # finished, sits there unlocked, evictable if memory runs short. Request 3 shares `What is` with request 1 as
-# well, so it matched two more tokens and split that branch once more. As mermaid (the helper `tree_as_mermaid`
-# printed this source for the tree after each step; here it is before request 2 and after request 3):
+# well, so it matched two more tokens and split that branch once more. Drawn from the live tree by the helper
+# `tree_as_mermaid` (mermaid source, printed as text when the chapter runs in a terminal), before request 2 and
+# after request 3:
 
 # %%
-print(tree_before)
-print()
-print(tree_after)
+show_mermaid(tree_before)
+show_mermaid(tree_after)
 
 # %% [markdown]
 # ```mermaid
