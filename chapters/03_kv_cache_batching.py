@@ -559,7 +559,8 @@ print(f"{step} steps, {tight.scheduler.num_retractions} retraction(s), wall {tig
       f"{tight.stats}")
 for i, (b, _) in enumerate(tight_log):
     rows = ", ".join(f"{row.req.rid}:"
-                     f"{'decode' if row.is_decode else ('RE-PREFILL' if row.epoch else 'prefill') + f' {row.extend_len}'}"
+                     + ("decode" if row.is_decode
+                        else ("RE-PREFILL" if row.epoch else "prefill") + f" {row.extend_len}")
                      for row in b.rows)
     if not b.is_decode or i in (1, step - 1) or len(b.rows) != len(tight_log[i - 1][0].rows):
         print(f"step {i:>2} ({pages_used[i]}/7 pages): {rows}")

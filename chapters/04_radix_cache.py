@@ -449,7 +449,8 @@ pair = [llm.make_request(chat_ids(COOKING, q), greedy(4)) for q in ["I have eggs
 eng = engine()
 rows_log = []
 run = eng.runner.run
-eng.runner.run = lambda batch: rows_log.append([row.extend_len for row in batch.rows]) or run(batch)  # instrument: rows per step
+# instrument: the rows of every step
+eng.runner.run = lambda batch: rows_log.append([row.extend_len for row in batch.rows]) or run(batch)
 for r in pair:
     eng.add_request(r)
 free_before = eng.allocator.num_free_tokens

@@ -421,14 +421,16 @@ assert summary["chunking (256) + mixing"][0] == 1  # a token at every single ste
 
 # %%
 mixed_step = next(s for s in traces["chunking (256) + mixing"].steps
-                  if any(not d for _, _, d, _ in s.rows) and any(d for _, _, d, _ in s.rows) and s.batch.rows[0].prefix_len > 0)
+                  if any(not d for _, _, d, _ in s.rows) and any(d for _, _, d, _ in s.rows)
+                  and s.batch.rows[0].prefix_len > 0)
 fb = mixed_step.forward_batch
 print("rows            ", [(name, "decode" if d else "prefill") for name, _, d, _ in mixed_step.rows])
 print("mode            ", fb.mode.name, " (any prompt row makes the step an extend; decode rows are 1-token extends)")
 print("prefix_lens_cpu ", fb.prefix_lens_cpu)
 print("extend_lens_cpu ", fb.extend_lens_cpu, f"-> T = {sum(fb.extend_lens_cpu)} tokens")
 print("positions       ", fb.positions[:3].tolist(), "...", fb.positions[-4:].tolist())
-print("emits           ", [row.emits for row in mixed_step.batch.rows], " (a partial chunk's sampled token is thrown away)")
+print("emits           ", [row.emits for row in mixed_step.batch.rows],
+      " (a partial chunk's sampled token is thrown away)")
 
 # %% [markdown]
 # ## 5. The chunk size is a trade-off
@@ -534,7 +536,8 @@ for label, trace in real_traces.items():
     gap_steps, gap_s = longest_gaps(trace)
     real_summary[label] = (gap_steps, gap_s, first_token_after_arrival(trace))
     same = trace.outputs == {n: r.output_ids for n, r in real_oracle.items()}
-    print(f"{label:<26} {gap_steps:>20} {gap_s:>16.2f} {real_summary[label][2]:>12.2f}  {'identical' if same else 'DIFFERS'}")
+    print(f"{label:<26} {gap_steps:>20} {gap_s:>16.2f} {real_summary[label][2]:>12.2f}  "
+          f"{'identical' if same else 'DIFFERS'}")
     assert same
 print("A's answer:", repr(real.tokenizer.decode(real_oracle["A"].output_ids)))
 assert real_summary["chunking (128) + mixing"][0] == 1

@@ -145,7 +145,8 @@ def make_engine(model_llm: LLM, **kwargs) -> Engine:
 
 def decode_clock(model_llm: LLM, batch_size: int, steps: int, prompt_len: int = 32) -> dict:
     """Prefill ``batch_size`` random prompts, then time ``steps`` pure decode steps (overlap off)."""
-    engine = make_engine(model_llm, disable_overlap_schedule=True, max_total_tokens=batch_size * (prompt_len + steps + 4))
+    engine = make_engine(model_llm, disable_overlap_schedule=True,
+                         max_total_tokens=batch_size * (prompt_len + steps + 4))
     gen = random.Random(batch_size)
     params = SamplingParams(temperature=0, max_new_tokens=steps + 2, ignore_eos=True)
     reqs = [model_llm.make_request([gen.randrange(model_llm.config.vocab_size) for _ in range(prompt_len)], params)
@@ -168,7 +169,8 @@ for name, model_llm, sizes, steps in [("SmolLM2", real, (8,), 4), ("tiny", tiny,
     for b in sizes:
         m = clocks[name, b] = decode_clock(model_llm, b, steps)
         print(f"{name:<10} {b:>5} | {m['schedule']:>8.2f} {m['prepare']:>8.2f} {m['sampling_info']:>8.2f} "
-              f"{m['process']:>8.2f} | {m['cpu']:>9.2f} {m['forward']:>9.2f} | {m['cpu'] / (m['cpu'] + m['forward']):>8.0%}")
+              f"{m['process']:>8.2f} | {m['cpu']:>9.2f} {m['forward']:>9.2f} | "
+              f"{m['cpu'] / (m['cpu'] + m['forward']):>8.0%}")
 print("(medians per decode step, in ms)")
 
 # %% [markdown]
@@ -659,6 +661,7 @@ assert any(r.finish_reason.matched in eos for r in naive_reqs)
 # | whole chapter, `python chapters/06_overlap_scheduling.py` | 46 s (other jobs loading both cores) |
 
 # %%
-print(f"this run: tiny batch 64 CPU work {clocks['tiny', 64]['cpu']:.1f} ms vs forward {clocks['tiny', 64]['forward']:.1f} ms; "
+print(f"this run: tiny batch 64 CPU work {clocks['tiny', 64]['cpu']:.1f} ms "
+      f"vs forward {clocks['tiny', 64]['forward']:.1f} ms; "
       f"overlap off/on on this CPU {seq_ms:.1f}/{ovl_ms:.1f} ms per step; "
       f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s")

@@ -188,7 +188,8 @@ triton_backend = TritonAttnBackend(pool, table)
 triton_backend.init_forward_metadata(batch)
 md = triton_backend.forward_metadata
 print("seq_lens              ", batch.seq_lens_cpu)
-print("page-table rows       ", [table.table[r, :n].tolist() for r, n in zip(batch.req_pool_indices.tolist(), batch.seq_lens_cpu)])
+print("page-table rows       ",
+      [table.table[r, :n].tolist() for r, n in zip(batch.req_pool_indices.tolist(), batch.seq_lens_cpu)])
 print("triton/flashinfer CSR  kv_indptr =", md.kv_indptr.tolist(), " kv_indices =", md.kv_indices.tolist())
 fa3_page_table = table.table[batch.req_pool_indices, : max(batch.seq_lens_cpu)]
 print("fa3 page_table (pages of one token; entries past a length are never read):")
@@ -268,7 +269,8 @@ assert torch.allclose(merged, full, atol=1e-12)
 # %%
 checks = []
 for label, specs, decode, splits in [
-    ("decode, 3 requests, up to 4 pieces", [(40, 1), (99, 1), (6, 1)], True, dict(max_kv_splits=4, min_kv_split_len=16)),
+    ("decode, 3 requests, up to 4 pieces", [(40, 1), (99, 1), (6, 1)], True,
+     dict(max_kv_splits=4, min_kv_split_len=16)),
     ("extend, prefill + prefix + 1-token row", [(0, 30), (13, 20), (50, 1)], False, {}),
 ]:  # fmt: skip
     for dtype in (torch.float32, torch.bfloat16):
@@ -489,7 +491,8 @@ print(f"bf16 matmul in the same run: {results['matmul_tflops']:.0f} TFLOP/s")
 print(f"{'batch x (prefix + new)':>24s}  " + "".join(f"{n:>12s}" for n in names) + "   triton/flashinfer")
 for shape in sorted({(r["batch"], r["prefix"], r["extend"]) for r in prefill_rows}):
     row = {r["backend"]: r for r in prefill_rows if (r["batch"], r["prefix"], r["extend"]) == shape}
-    ratio = row["flashinfer"]["time_us"] / row["triton"]["time_us"] if {"triton", "flashinfer"} <= row.keys() else math.nan
+    both = {"triton", "flashinfer"} <= row.keys()
+    ratio = row["flashinfer"]["time_us"] / row["triton"]["time_us"] if both else math.nan
     print(f"{shape[0]:>10d} x ({shape[1]:>4d} + {shape[2]:>4d})  "
           + "".join(f"{row[n]['tflops']:>9.0f} TF" if n in row else f"{'-':>12s}" for n in names) + f"   {ratio:8.2f}")
 

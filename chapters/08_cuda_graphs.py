@@ -121,7 +121,8 @@ if gpu_kernels:
 # %%
 launches = int(gpu_kernels or 370)
 for us_per_launch in (5, 8, 10):
-    print(f"{launches} launches x {us_per_launch:2d} us = {launches * us_per_launch / 1000:.1f} ms of CPU time per step")
+    print(f"{launches} launches x {us_per_launch:2d} us = "
+          f"{launches * us_per_launch / 1000:.1f} ms of CPU time per step")
 weight_bytes = 1.19e9  # Qwen3-0.6B in bf16 (chapter 11 counts it exactly)
 print(f"reading the weights once at 3.0 TB/s: {weight_bytes / 3.0e12 * 1e3:.2f} ms")
 engine.abort(engine.scheduler.running[0])

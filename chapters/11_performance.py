@@ -147,7 +147,8 @@ print(bo.format_table(quick))
 # %%
 prov = GPU["provenance"]
 print(f"{prov['hardware']['gpu']}, driver {prov['hardware']['nvidia_driver']}, torch {prov['software']['torch']}, "
-      f"triton {prov['software']['packages']['triton']}, flashinfer {prov['software']['packages']['flashinfer-python']}, "
+      f"triton {prov['software']['packages']['triton']}, "
+      f"flashinfer {prov['software']['packages']['flashinfer-python']}, "
       f"{prov['date'][:16]}")
 print(f"copy bandwidth measured in the same call: {GPU['copy_bandwidth_Bps'] / 1e12:.2f} TB/s\n")
 print(f"{'configuration':<50} {'reqs':>4} {'out tok/s':>10} {'wall s':>7} {'of floor':>8}")
@@ -270,7 +271,8 @@ p = GPU["profile"]
 d = p["canonical_decode"]
 print(f"decode phase of the canonical workload, {d['running']} running requests, default engine:")
 print(f"  wall time per step  {d['wall_ms_per_step']:.2f} ms")
-print(f"  GPU busy per step   {d['gpu_busy_ms_per_step']:.2f} ms  ({100 * d['gpu_busy_ms_per_step'] / d['wall_ms_per_step']:.0f}% busy)")
+busy = d["gpu_busy_ms_per_step"] / d["wall_ms_per_step"]
+print(f"  GPU busy per step   {d['gpu_busy_ms_per_step']:.2f} ms  ({100 * busy:.0f}% busy)")
 print(f"  eager decode forward at batch 256: {p['eager_bs256_kernels_per_forward']:.0f} kernels, "
       f"{p['eager_bs256_gpu_ms_per_forward']:.2f} ms of GPU time")
 # The top of the profiler's table (10 steps): kernel, its share of GPU time, calls.
