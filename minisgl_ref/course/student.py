@@ -45,13 +45,17 @@ def clear_outputs(text: str) -> str:
 
 
 def solution_lines(root: Path, regions: Iterable[Region]) -> set[str]:
-    """Distinctive lines of the regions' reference bodies: long enough, and not found anywhere else in the
-    package (a line that also appears outside every region is not a solution)."""
+    """Distinctive lines of the regions' reference bodies: long enough, and found nowhere else in the package or
+    the tests (a line that also appears outside every region, such as a call a test makes, gives nothing away;
+    one that appears in a chapter, a page or a notebook output does)."""
     outside: set[str] = set()
     for path in sorted((root / "minisgl_ref").rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         text = path.read_text(encoding="utf-8")
         outside |= {line.strip() for line in blank_text(text, scan_text(text, rel)).splitlines()}
+    for folder in ("tests", "benchmarks"):
+        for path in sorted((root / folder).rglob("*.py")):
+            outside |= {line.strip() for line in path.read_text(encoding="utf-8").splitlines()}
     found = set()
     for r in regions:
         for line in r.body((root / r.path).read_text(encoding="utf-8").splitlines()):
