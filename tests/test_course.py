@@ -114,7 +114,7 @@ def test_student_copy_is_a_fresh_repository_without_solutions(copy_3_to_6: Path,
 def test_student_copy_installs_and_imports(copy_3_to_6: Path, tmp_path: Path) -> None:
     proc = _import_everything(copy_3_to_6)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    wheel = subprocess.run([PY, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+    wheel = subprocess.run([PY, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
                             str(tmp_path), str(copy_3_to_6)], capture_output=True, text=True)
     assert wheel.returncode == 0, wheel.stderr[-2000:]
     built = list(tmp_path.glob("minisgl_ref-*.whl"))
