@@ -35,6 +35,29 @@ def main() -> int:
     from minisgl_ref.bench.provenance import collect_provenance
     from minisgl_ref.bench.workloads import canonical_workload, shared_prefix_workload, warmup_workload
 
+    compiles: list[dict] = []
+    phase = {"now": "build"}
+    try:  # record every Triton kernel compile, with the phase it happened in
+        from triton.runtime import jit as triton_jit
+
+        original = triton_jit.JITFunction._do_compile
+
+        def traced(self, *a, **k):  # type: ignore[no-untyped-def]
+            t = time.perf_counter()
+            out = original(self, *a, **k)
+            compiles.append({"phase": phase["now"], "kernel": getattr(self, "__name__", str(self.fn)),
+                             "seconds": round(time.perf_counter() - t, 3)})
+            return out
+
+        triton_jit.JITFunction._do_compile = traced
+    except Exception as e:  # noqa: BLE001 - a probe reports what it can
+        print("cannot trace triton compiles:", e, file=sys.stderr)
+    from torch._dynamo.utils import counters
+
+    def graphs() -> int:
+        return int(counters["stats"]["unique_graphs"])
+
+    dynamo: dict[str, int] = {}
     extra = {}
     for item in args.kv:
         k, v = item.split("=", 1)
@@ -52,6 +75,8 @@ def main() -> int:
     workload = (canonical_workload(256) if args.workload == "canonical"
                 else shared_prefix_workload(**offline.FULL_SHARED_PREFIX))
     warm_s = None
+    dynamo["build"] = graphs()
+    phase["now"] = "warmup"
     if not args.no_warmup:
         t0 = time.perf_counter()
         w = warmup_workload()
@@ -59,20 +84,29 @@ def main() -> int:
         offline._forget_warmup(llm)
         torch.cuda.synchronize()
         warm_s = time.perf_counter() - t0
+    dynamo["warmup"] = graphs() - dynamo["build"]
     runs = []
     for i in range(args.runs):
+        phase["now"] = f"run{i + 1}"
+        before = graphs()
         outputs, wall, counters = offline.time_generate(llm, workload)
         tokens = sum(o.completion_tokens for o in outputs)
         floor = offline.workload_floor_seconds(workload, llm.config, offline.H100_MEASURED_BANDWIDTH)
         runs.append({"run": i + 1, "wall_s": round(wall, 3), "output_tok_s": round(tokens / wall, 1),
-                     "roofline_fraction": round(floor / wall, 3), "steps": counters.steps})
+                     "roofline_fraction": round(floor / wall, 3), "steps": counters.steps,
+                     "new_dynamo_graphs": graphs() - before,
+                     "triton_compiles": sum(c["phase"] == phase["now"] for c in compiles)})
         print(f"[probe {args.label}] run {i + 1}: {wall:.2f} s, {tokens / wall:,.0f} tok/s", file=sys.stderr)
         offline._forget_warmup(llm)
     result = {"label": args.label, "workload": workload.name, "engine_kwargs": kwargs, "import_s": round(import_s, 2),
               "build_s": round(build_s, 2), "warmup_s": warm_s and round(warm_s, 2), "runs": runs,
+              "dynamo_graphs": dynamo, "triton_compiles": compiles,
               "provenance": collect_provenance(), "command": " ".join(sys.argv)}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: result[k] for k in ("label", "build_s", "warmup_s", "runs")}))
+    print(json.dumps({k: result[k] for k in ("label", "build_s", "warmup_s", "runs", "dynamo_graphs")}))
+    for c in compiles:
+        if c["phase"].startswith("run") or c["seconds"] > 0.5:
+            print("  triton compile", c, file=sys.stderr)
     return 0
 
 
