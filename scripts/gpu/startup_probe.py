@@ -25,7 +25,7 @@ def main() -> int:
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--workload", default="canonical", choices=["canonical", "shared-prefix"])
     p.add_argument("kv", nargs="*", help="engine flags as key=value (python literals)")
-    args = p.parse_args()
+    args = p.parse_intermixed_args()
     t_import = time.perf_counter()
     import ast
 
