@@ -23,6 +23,7 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--label", default="")
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--quick", action="store_true", help="the tiny model and workload (a CPU smoke test of this script)")
     p.add_argument("--workload", default="canonical", choices=["canonical", "shared-prefix"])
     p.add_argument("kv", nargs="*", help="engine flags as key=value (python literals)")
     args = p.parse_intermixed_args()
@@ -52,10 +53,10 @@ def main() -> int:
         triton_jit.JITFunction._do_compile = traced
     except Exception as e:  # noqa: BLE001 - a probe reports what it can
         print("cannot trace triton compiles:", e, file=sys.stderr)
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters as dynamo_counters
 
     def graphs() -> int:
-        return int(counters["stats"]["unique_graphs"])
+        return int(dynamo_counters["stats"]["unique_graphs"])
 
     dynamo: dict[str, int] = {}
     extra = {}
@@ -66,13 +67,15 @@ def main() -> int:
         except (ValueError, SyntaxError):
             extra[k] = v
     import_s = time.perf_counter() - t_import
-    model = offline.resolve_model(None, None, quick=False)
-    kwargs = offline.resolve_engine_kwargs(extra, False)
+    model = offline.resolve_model(None, None, quick=args.quick)
+    kwargs = offline.resolve_engine_kwargs(extra, args.quick)
     t0 = time.perf_counter()
     llm = offline.build_llm(model, "paged", kwargs)
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
     build_s = time.perf_counter() - t0
-    workload = (canonical_workload(256) if args.workload == "canonical"
+    workload = (canonical_workload(**offline.QUICK_CANONICAL) if args.quick else canonical_workload(256)
+                if args.workload == "canonical"
                 else shared_prefix_workload(**offline.FULL_SHARED_PREFIX))
     warm_s = None
     dynamo["build"] = graphs()
@@ -82,7 +85,7 @@ def main() -> int:
         w = warmup_workload()
         llm.generate(w.prompts, w.sampling_params, use_tqdm=False)
         offline._forget_warmup(llm)
-        torch.cuda.synchronize()
+        sync()
         warm_s = time.perf_counter() - t0
     dynamo["warmup"] = graphs() - dynamo["build"]
     runs = []
