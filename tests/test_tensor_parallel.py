@@ -8,6 +8,7 @@ Spawning ranks is the slow part (each is a fresh interpreter), so one spawn comp
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -320,9 +321,11 @@ def test_a_failed_follower_is_named_by_the_leader(tiny_checkpoints):
     with LLM(str(tiny_checkpoints["llama"]), device="cpu", tp_size=2) as llm:
         llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=2), use_tqdm=False)
         llm.engine._ops.append(("teleport",))  # an op no follower knows: it raises "unknown op" and leaves
+        deadline = time.monotonic() + 60
         with pytest.raises(FollowerFailed, match=r"rank 1: RuntimeError: unknown op from the leader"):
-            for _ in range(50):  # the follower fails on the first of these steps; the leader notices at once
-                llm.engine.step()
+            while time.monotonic() < deadline:  # the follower fails on the first step; the leader's next
+                llm.engine.step()  # broadcast or collective after it has gone raises the follower's error
+                time.sleep(0.02)
 
 
 # ----------------------------------------------------------------------------------- the engine, two ranks

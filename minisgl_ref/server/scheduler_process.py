@@ -330,11 +330,18 @@ def run_scheduler_process(args: ServerArgs, addrs: Addresses, ready_conn: Any, t
         report_ready(ready_conn, {"ok": {"tp_rank": tp_rank, "device": str(rt.device)}}, close=False)
         return run_follower_rank(rt, args, log, ready_conn)
     t0 = time.perf_counter()
-    report_ready(ready_conn, {"ok": worker.info()})
+    report_ready(ready_conn, {"ok": worker.info()}, close=False)
     log.info("ready: %s", worker.info())
     try:
         worker.run()
+    except Exception as e:
+        # The loop itself failed (it contains engine failures, so this is a bug in the loop): its last words
+        # go to the launcher, which names them when it reports this process's death.
+        report_ready(ready_conn, {"error": f"{type(e).__name__}: {e}"})
+        raise
     finally:
+        if not ready_conn.closed:
+            ready_conn.close()
         if not worker.watch.alive():  # orphaned (the parent was killed outright): clean up its socket folder
             shutil.rmtree(addrs.folder, ignore_errors=True)
         log.info("stopping after %.0f s", time.perf_counter() - t0)

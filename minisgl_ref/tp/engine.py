@@ -168,7 +168,23 @@ class TPEngine(Engine):
     # ---------------------------------------------------------------------------------------- follower side
 
     def follow(self) -> None:
-        """A follower's whole life: receive the step's ops, replay them, step; until the leader says stop."""
+        """A follower's whole life: receive the step's ops, replay them, step; until the leader says stop.
+
+        Each turn, ``broadcast_object(None)`` returns the leader's ops for its next step: a list, or None when
+        nothing happened (a step with no news, which the follower must take all the same). Replay them in order,
+        with the :class:`Engine` methods (``super().add_request`` and so on: this class's own ``add_request``
+        records ops for the leader to send):
+
+        * ``("add", spec)``: ``spec.build(self.tokenizer)`` rebuilds the leader's request (same rid, sampling seed,
+          stop rules); add it;
+        * ``("abort", rid, message)``: abort this rank's request with that rid, if it is still running here;
+        * ``("flush",)``: flush the cache;
+        * ``("stop",)``: return at once, without another step;
+        * anything else: raise ``RuntimeError("unknown op from the leader: ...")`` (a follower that skipped it would
+          drift out of step with the leader).
+
+        Then take exactly one ``super().step()``, as the leader does after sending the ops. Keep a rid -> request
+        map for the aborts, and drop a request from it once a step reports it finished."""
         assert not self.is_leader, "rank 0 leads; only ranks 1..N-1 follow"
         # BEGIN TASK 9.2: replay the leader's ops, then step
         reqs: dict[str, Req] = {}
