@@ -139,8 +139,7 @@ class Neighbours:
         while not all(self.rows.get(r) and self.rows[r][-1][1] for r in rids):
             if guard is not None:
                 guard()
-            if self.error is not None or (self.thread is not None and not self.thread.is_alive()):
-                raise AssertionError(f"the scheduler loop ended: {self.error!r}") from self.error
+            self.check_alive()
             if self._take(100):
                 quiet_since = time.monotonic()
                 continue
@@ -150,6 +149,19 @@ class Neighbours:
                                      f"(rows so far: {self.rows})")
             assert time.monotonic() < deadline, f"{missing} did not finish within {timeout} s: {self.rows}"
         return self.rows
+
+    def check_alive(self) -> None:
+        """Raise what ended the loop, if it has ended: a loop must run until it is told to stop."""
+        if self.error is not None:
+            raise self.error
+        assert self.thread is None or self.thread.is_alive(), "the scheduler loop returned before it was stopped"
+
+    def wait_first_row(self, rid: str, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.rows.get(rid):
+            self.check_alive()
+            assert time.monotonic() < deadline, f"no row for request {rid} within {timeout} s"
+            self._take(100)
 
     def rpc(self, method: str, rpc_id: int = 1) -> RpcResp:
         self.send(RpcReq(rpc_id, method))
@@ -249,10 +261,7 @@ def test_an_abort_ends_a_running_request_at_once(runtime, neighbours):
     expected = offline_ids(runtime, {"a": PROMPTS["a"]}, {"a": 3})["a"]
     neighbours.start()
     neighbours.generate("b", 400)
-    deadline = time.monotonic() + 10
-    while not neighbours.rows.get("b"):  # running: it has had its first token
-        assert time.monotonic() < deadline, "no first token for the request within 10 s"
-        neighbours._take(100)
+    neighbours.wait_first_row("b")  # running: it has had its first token
     neighbours.send(AbortReq("b"))
     rows = neighbours.collect(["b"])
     assert rows["b"][-1][2]["type"] == "abort", f"the aborted request ended with {rows['b'][-1][2]}"
