@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from minisgl_ref.core.config import EngineConfig, ModelArgs, TPArgs
-from minisgl_ref.distributed.group import DistConfig, exit_with_parent
+from minisgl_ref.distributed.group import DistConfig, exit_with_parent, report_failure
 from minisgl_ref.engine.engine import Engine
 from minisgl_ref.engine import warmup
 from minisgl_ref.engine.naive import NaiveEngine
@@ -65,6 +65,9 @@ class Runtime:
         assert self.group is not None
         try:
             self.engine.follow()
+        except BaseException as e:
+            report_failure(e)  # where rank 0 looks when its next collective fails: it raises this message
+            raise
         finally:
             self.group.leave()
 
