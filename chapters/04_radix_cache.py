@@ -862,8 +862,8 @@ assert paged_run["prefill_tokens"] >= 3 * radix_run["prefill_tokens"]
 # | two new prompts sharing 40 tokens, in-batch check on / off | prefill 58 tokens (the second waits one step, 40 cached) / 98 tokens |
 # | offline bench, quick shared-prefix (4 x 8, S=480, Q=32), paged vs radix, one CPU run | prefill 16,384 vs 2,944 tokens (5.6x); 17.5 vs 65.3 output tok/s (3.7x) |
 # | shared-prefix workload (3 x 3, S=192, Q=8, O=3), prefill tokens | 1,800 without the radix cache, 648 with it (2.8x; the ideal is 648) |
-# | same workload, CPU time | 7.5-8.5 s vs 4.2-4.4 s (1.8-2.0x); wall 1.8-2.4x |
-# | whole chapter, `python chapters/04_radix_cache.py` | 46-63 s wall (42 s of CPU time), other jobs sharing the cores |
+# | same workload, CPU time | 5.7-5.9 s vs 2.7-2.8 s (2.1-2.2x); wall 2.1-2.2x |
+# | whole chapter, `python chapters/04_radix_cache.py` | 33 s of CPU time; 76-118 s wall, the cores heavily shared |
 #
 # Wall-clock times on a shared machine vary from run to run; token counts do not. The last cell prints this
 # run's numbers.

@@ -737,8 +737,7 @@ def test_defer_only_for_rows_of_the_same_salt():
 
 
 @pytest.mark.task("4.5")
-@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
-@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("policy,page_size", [("fcfs", 1), ("lpm", 4)])
 def test_in_batch_prefix_caching_in_the_engine(tiny_llm, policy, page_size):
     """Two requests share a new 42-token prefix, a third is unrelated; all arrive together (overlap off, no
     chunking). With the default threshold (32) the second one waits a step and then finds the prefix in the tree,
