@@ -13,13 +13,11 @@ freed while still in use, a stale page-table entry. After *every* operation the 
 * every slot the tree or a live request's page table points at carries the label of the tokens in front of it
   (a matched prefix's KV equals freshly computed KV).
 
-When all requests have ended, flushing the tree gives back every page: nothing leaked. The last test checks the
-same promise with real KV: the tiny Llama through the engine, cached prefix against a fresh prefill.
+When all requests have ended, flushing the tree gives back every page: nothing leaked. tests/test_radix.py checks
+the same promise with real KV: the tiny Llama through the engine, cached prefix against a fresh prefill.
 """
 
 from __future__ import annotations
-
-import random
 
 import pytest
 import torch
@@ -32,7 +30,6 @@ from minisgl_ref.core.request import Req
 from minisgl_ref.kvcache import OutOfPages, PageAllocator, ReqToTokenPool
 from minisgl_ref.kvcache.radix import common_prefix_len
 from minisgl_ref.scheduler.cache_manager import CacheManager, NaiveCacheManager
-from tests.engine_fixtures import make_engine, tiny_engine_path, tiny_llm  # noqa: F401  (fixtures)
 
 # A small alphabet and a few shared openings make prompts overlap often, in whole pages and in parts of pages.
 SYSTEMS = [[], [1, 2, 3, 1, 2, 3, 1, 2], [1, 2, 3, 3], [0, 0, 0, 0, 0, 0, 0]]
@@ -380,60 +377,3 @@ del _case
 # minutes, and the deterministic tests of tests/test_radix.py point at the bug faster.
 TestRadixCachePage1.settings = TestRadixCachePage4.settings = settings(
     MACHINE_SETTINGS, phases=[Phase.explicit, Phase.reuse, Phase.generate])
-
-
-# ------------------------------------------------------------------------------------------------ real KV
-
-
-def check_cached_kv_equals_fresh_kv(llm, seed: int, page_size: int, **config) -> None:
-    """Prompts with shared openings go through a radix engine, all at once, so that later ones reuse earlier
-    ones' cached KV. Then every cached prefix in the tree is prefilled again, alone, by an engine without a cache;
-    the two copies of K and V agree in every layer."""
-    rng = random.Random(seed)
-    opening = [rng.randrange(3, 320) for _ in range(rng.randrange(16, 40))]
-    batch = [opening[: rng.randrange(8, len(opening) + 1)] + [rng.randrange(3, 320) for _ in range(rng.randrange(1, 9))]
-             for _ in range(4)]
-    engine = make_engine(llm, page_size=page_size, **config)
-    reqs = [Req(p, SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)) for p in batch]
-    for r in reqs:
-        engine.add_request(r)
-    engine.run_until_done()
-    tree = engine.cache.tree
-    leaves, stack = [], [(tree.root, [])]
-    while stack:
-        node, prefix = stack.pop()
-        for child in node.children.values():
-            stack.append((child, prefix + child.key))
-        if not node.children and node is not tree.root:
-            leaves.append(prefix)
-    assert leaves, "nothing was cached"
-    for tokens in leaves:
-        cached = tree.match_prefix(tokens)
-        assert cached.length == len(tokens)
-        fresh_engine = make_engine(llm, disable_radix_cache=True, disable_overlap_schedule=True,
-                                   chunked_prefill_size=-1)
-        fresh = Req(tokens + [5], SamplingParams(temperature=0, max_new_tokens=2))  # its prefill covers `tokens`
-        fresh_engine.add_request(fresh)
-        fresh_engine.step()  # the prefill (the request still runs: it wants a second token)
-        fresh_slots = fresh_engine.req_to_token.read(fresh.req_pool_idx, len(tokens))
-        pools = [(engine.kv_pool.k, fresh_engine.kv_pool.k), (engine.kv_pool.v, fresh_engine.kv_pool.v)]
-        for layer in range(len(engine.kv_pool.k)):
-            for pool, fresh_pool in pools:
-                torch.testing.assert_close(pool[layer][cached.slots], fresh_pool[layer][fresh_slots])
-
-
-@pytest.mark.task("4.4")
-@pytest.mark.parametrize("seed,page_size", [(0, 1), (1, 4), (2, 16), (3, 1)])
-def test_matched_prefix_kv_equals_freshly_computed_kv(tiny_llm, seed, page_size):
-    """Real KV through the plainest radix engine (overlap off, no chunking, in-batch deferral off, so requests
-    that share a new opening compute it in the same step and commit keeps one copy)."""
-    check_cached_kv_equals_fresh_kv(tiny_llm, seed, page_size, disable_overlap_schedule=True,
-                                    chunked_prefill_size=-1, in_batch_prefix_threshold=-1)
-
-
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**16), page_size=st.sampled_from([1, 4, 16]), chunk=st.sampled_from([-1, 5, 24]))
-def test_matched_prefix_kv_equals_freshly_computed_kv_overlap_chunked(tiny_llm, seed, page_size, chunk):
-    """The same with the default engine (overlap on, in-batch deferral on), chunked or not: prefixes committed
-    at launch, a chunk at a time, or a step late are still the KV a fresh prefill computes."""
-    check_cached_kv_equals_fresh_kv(tiny_llm, seed, page_size, chunked_prefill_size=chunk)
