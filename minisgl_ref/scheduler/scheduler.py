@@ -175,7 +175,6 @@ class Scheduler:
         if emits:
             req.num_inflight += 1
 
-    # BEGIN TASK 4.5: in-batch prefix caching
     def _defer_for_in_batch_prefix(self, req: Req, computing: list[tuple[str | None, list[int]]]) -> bool:
         """Should ``req`` (just matched against the tree) wait one step because a request already admitted to
         this prefill step is computing a long stretch of ``req``'s own uncached prefix?
@@ -183,15 +182,22 @@ class Scheduler:
         ``computing`` holds, for each prefill row of the step so far, its cache salt and the tokens whose KV that
         request will have once the step has run. Right after launch those tokens enter the radix tree
         (``Engine._commit_launched``), so next step ``req`` finds them cached instead of computing a second
-        copy. Short overlaps (below the threshold) are not worth a step of latency."""
+        copy. Short overlaps (below the threshold) are not worth a step of latency.
+
+        What to compute: the longest common prefix (``common_prefix_len``) of the part of ``req`` that the cache
+        could ever give it (``req.all_ids[: req.reusable_prefix_len]``) with the tokens of any row of the same
+        cache salt (other salts never share). Of that overlap, the first ``req.kv_scheduled_len`` tokens are
+        cached for ``req`` already (its match): only the rest would be computed twice. Defer (return True) when
+        that rest is at least ``self.config.in_batch_prefix_threshold`` tokens."""
         threshold = self.config.in_batch_prefix_threshold
         if threshold < 0 or not self.cache.shares_prefixes or not computing:
-            return False
+            return False  # the check is off, there is no cache to wait for, or no one else in this step yet
+        # BEGIN TASK 4.5: in-batch prefix caching
         tokens = req.all_ids[: req.reusable_prefix_len]
         overlap = max((common_prefix_len(tokens, other) for salt, other in computing if salt == req.cache_salt),
                       default=0)
         return overlap - req.kv_scheduled_len >= threshold
-    # END TASK 4.5
+        # END TASK 4.5
 
     def _has_room_for_new(self, adder: PrefillAdder) -> bool:
         """A request slot and a page-table row for one more request."""
