@@ -25,6 +25,7 @@ from minisgl_ref.core.batch import Row, ScheduledBatch
 from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.core.forward_batch import ForwardMode
 from minisgl_ref.core.request import Req
+from minisgl_ref.engine.engine import Engine, LaunchFailed, Launched
 from minisgl_ref.engine.model_runner import ModelRunner
 from minisgl_ref.kvcache import KVPool, OutOfPages, PageAllocator, ReqToTokenPool
 from minisgl_ref.kvcache.inflight import InflightFrees
@@ -500,6 +501,67 @@ def test_deferred_acts_run_after_their_step_and_may_park_again():
     assert sorted(alloc._free) == list(range(1, 6)) and frees.num_parked == 0
 
 
+class StandInEngine:
+    """The overlapped step with stand-ins for everything it calls: scheduling and launching follow a script
+    (``plans``: "launch", None for nothing to run, "need-sync", or an exception to raise), processing a step
+    returns one event naming it, and every call is logged in order. The frees are real."""
+
+    step = Engine._step_overlap
+    _finish_inflight = Engine._finish_inflight
+
+    def __init__(self, plans: list) -> None:
+        self.plans, self.log, self.inflight = list(plans), [], None
+        self.frees = InflightFrees(PageAllocator(num_pages=4))
+
+    def _schedule_and_launch(self):
+        plan = self.plans.pop(0)
+        if isinstance(plan, Exception):
+            self.log.append("launch fails")
+            raise plan
+        if plan is None or plan == "need-sync":
+            self.log.append("nothing to run" if plan is None else "NEED_SYNC")
+            return None if plan is None else NEED_SYNC
+        step = self.frees.launch()
+        self.log.append(f"launch {step}")
+        return Launched(step, ScheduledBatch([]), None)
+
+    def _process(self, launched: Launched) -> list:
+        assert self.frees.processed_through < launched.step, "a step was marked processed before processing it"
+        self.log.append(f"process {launched.step}")
+        return [f"tokens of {launched.step}"]
+
+    def _take_aborted(self) -> list:
+        return []
+
+    def _recover(self, failed: LaunchFailed) -> list:
+        self.log.append(f"recover {failed.step}")
+        return [f"rolled back {failed.step}"]
+
+
+@pytest.mark.task("6.1")
+def test_overlapped_step_launches_the_next_step_before_processing_the_last():
+    """Call by call: launch step N+1, then process step N and tell the frees it is processed; keep N+1 in flight.
+    NEED_SYNC: process the step in flight first, then schedule again. A failed launch: process the step in flight,
+    then roll the failed one back."""
+    eng = StandInEngine(["launch", "launch", None])
+    assert eng.step() == [] and eng.log == ["launch 1"] and eng.inflight.step == 1
+    assert eng.step() == ["tokens of 1"] and eng.log[1:] == ["launch 2", "process 1"]
+    assert eng.inflight.step == 2 and eng.frees.processed_through == 1 and eng.frees.in_flight
+    assert eng.step() == ["tokens of 2"] and eng.log[3:] == ["nothing to run", "process 2"]
+    assert eng.inflight is None and eng.frees.processed_through == 2 and not eng.frees.in_flight
+
+    eng = StandInEngine(["launch", "need-sync", "launch"])
+    eng.step()
+    assert eng.step() == ["tokens of 1"]
+    assert eng.log == ["launch 1", "NEED_SYNC", "process 1", "launch 2"] and eng.inflight.step == 2
+
+    batch = ScheduledBatch([])
+    eng = StandInEngine(["launch", LaunchFailed(batch, 2, RuntimeError("boom"))])
+    eng.step()
+    assert eng.step() == ["tokens of 1", "rolled back 2"]
+    assert eng.log == ["launch 1", "launch fails", "process 1", "recover 2"] and eng.inflight is None
+
+
 @pytest.mark.task("6.1")
 def test_overlap_processes_each_step_one_call_late(tiny_llm):
     """With overlap, call k of ``step()`` launches step k and returns the tokens of step k-1: the first call
@@ -939,7 +1001,6 @@ def test_reuse_log_catches_immediate_frees(tiny_llm):
 # ------------------------------------------------------------------------------------------------ 3. memory
 
 
-@pytest.mark.task("3.2")
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_decode_retracts_under_memory_pressure(tiny_llm, page_size):
     check_decode_retracts_under_memory_pressure(tiny_llm, page_size, **CH03)
@@ -992,7 +1053,6 @@ def test_prompt_larger_than_pool_is_aborted_alone(tiny_engine_path, tiny_llm, ov
     assert_pool_accounting(engine)
 
 
-@pytest.mark.task("3.2")
 def test_context_longer_than_pool_is_aborted_while_decoding(tiny_llm):
     """A request whose prompt fits but whose output would overflow the whole pool is aborted when it is the only
     one left: its tokens so far are the oracle's, and the other requests finish normally."""
@@ -1012,7 +1072,6 @@ def test_context_longer_than_pool_is_aborted_while_decoding(tiny_llm):
     assert_pool_accounting(engine)
 
 
-@pytest.mark.task("3.2")
 @pytest.mark.parametrize("how", ["decode-abort", "engine-abort-while-waiting"])
 def test_aborted_requests_are_forgotten_by_the_scheduler(tiny_llm, how):
     """Every way out of the scheduler must drop the request from its bookkeeping, or a long-running server keeps

@@ -17,7 +17,8 @@ Three consequences, each handled explicitly here or in the scheduler:
    from a device-side token buffer.
 3. KV slots freed while processing step N may still be written by step N+1: every free goes through one
    :class:`~minisgl_ref.kvcache.inflight.InflightFrees`, which releases it once the steps in flight have been
-   processed. The engine tells it when a step is launched and when one has been processed.
+   processed. The overlapped engine tells it when a step is launched and when one has been processed; without
+   overlap nothing is ever in flight, and it frees at once.
 
 And one rare case needs a synchronisation: when memory is so short that the scheduler must retract requests, it
 returns ``NEED_SYNC`` while a step is in flight (their KV could not be freed before that step completes); the
