@@ -1,173 +1,212 @@
-"""MkDocs hook: the table of course tasks, built from the code at every build.
+"""MkDocs hook: the course's tables, built from the code, the tests and ``tasks.toml`` at every build.
 
-A course task is a region of ``minisgl_ref`` between two comment lines::
+Placeholders it fills (HTML comments, so a page without the hook still renders):
 
-    # BEGIN TASK 2.3: top-k / top-p / min-p filtering
-    ...the reference solution...
-    # END TASK 2.3
+- ``<!-- course:tasks -->``: every task with its points, time, difficulty, dependencies, code and checks;
+- ``<!-- course:assignment 3-4 -->``: the tasks of chapters 3-4 for a handout, with hints and CPU grading time;
+- ``<!-- course:checks -->``: what each task's tests check (test names and their docstrings' first lines);
+- ``<!-- course:mutants -->``: the wrong answers kept per task and whether the grader caught each.
 
-and the tests that grade it carry the same id: ``@pytest.mark.task("2.3")``. This hook scans both, pairs them
-by id, and replaces the placeholder ``<!-- course:tasks -->`` on a page (``docs/course.md``) with a table. An id
-found on one side only is shown with what is missing, so the table doubles as a checklist for authors.
-
-A ``BEGIN`` without its ``END`` (or the reverse) would break the tool that makes the student copy, so it is
-logged as a warning, which fails ``mkdocs build --strict``.
+The regions come from :mod:`minisgl_ref.course.regions` (the same scanner the student copy uses), the points
+from :mod:`minisgl_ref.course.table`. A marker that cannot be blanked, a task missing from the table or a task
+without tests is logged as a warning, which fails ``mkdocs build --strict``.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import logging
 import re
-from collections import defaultdict
-from dataclasses import dataclass, field
+import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 log = logging.getLogger("mkdocs.hooks.course_tasks")
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGE_DIR = ROOT / "minisgl_ref"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from minisgl_ref.course import regions as course_regions  # noqa: E402
+from minisgl_ref.course import table as course_table  # noqa: E402
+
 TESTS_DIR = ROOT / "tests"
-PLACEHOLDER = "<!-- course:tasks -->"
-
-BEGIN = re.compile(r"^\s*# BEGIN TASK (?P<id>\d+\.\d+)\s*:\s*(?P<title>.*?)\s*$")
-END = re.compile(r"^\s*# END TASK (?P<id>\d+\.\d+)\s*$")
-
-
-@dataclass
-class Task:
-    id: str
-    title: str = ""
-    where: str = ""  # "minisgl_ref/x/y.py:12-30"
-    problems: list[str] = field(default_factory=list)
-    tests: dict[str, int] = field(default_factory=dict)  # test file -> number of test functions marked
-
-    @property
-    def sort_key(self) -> tuple[int, ...]:
-        return tuple(int(part) for part in self.id.split("."))
+GRADING_TIMES = ROOT / "docs" / "data" / "course_grading_cpu.json"
+MUTANT_RESULTS = ROOT / "docs" / "data" / "course_mutants_cpu.json"
+PLACEHOLDER = re.compile(r"<!-- course:(?P<what>tasks|checks|mutants|assignment (?P<chapters>[\d,\- ]+)) -->")
 
 
-def scan_markers(package_dir: Path = PACKAGE_DIR) -> dict[str, Task]:
-    """Every ``BEGIN TASK``/``END TASK`` pair in the package, by task id."""
-    tasks: dict[str, Task] = {}
-    for path in sorted(package_dir.rglob("*.py")):
-        rel = path.relative_to(ROOT).as_posix()
-        open_tasks: dict[str, int] = {}
-        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            if m := BEGIN.match(line):
-                task = tasks.setdefault(m["id"], Task(m["id"]))
-                if task.where:
-                    task.problems.append(f"second BEGIN in {rel}:{lineno}")
-                task.title, task.where = m["title"], f"{rel}:{lineno}"
-                open_tasks[m["id"]] = lineno
-            elif m := END.match(line):
-                start = open_tasks.pop(m["id"], None)
-                if start is None:
-                    tasks.setdefault(m["id"], Task(m["id"])).problems.append(f"END without BEGIN in {rel}:{lineno}")
-                else:
-                    tasks[m["id"]].where = f"{rel}:{start}-{lineno}"
-        for task_id, lineno in open_tasks.items():
-            tasks[task_id].problems.append(f"BEGIN without END in {rel}:{lineno}")
-    return tasks
+@dataclass(frozen=True)
+class TestCheck:
+    task: str
+    file: str
+    name: str
+    doc: str
+    gpu: bool
 
 
-def _task_ids_in(node: ast.AST) -> set[str]:
-    """Ids of every ``<anything>.mark.task("c.n")`` call inside ``node``."""
-    ids = set()
+def _marks(node: ast.AST, attr: str) -> list[ast.Call | ast.Attribute]:
+    """``pytest.mark.<attr>`` uses (calls or bare attributes) inside ``node``."""
+    found: list[ast.Call | ast.Attribute] = []
     for sub in ast.walk(node):
-        if (
-            isinstance(sub, ast.Call)
-            and isinstance(sub.func, ast.Attribute)
-            and sub.func.attr == "task"
-            and isinstance(sub.func.value, ast.Attribute)
-            and sub.func.value.attr == "mark"
-            and sub.args
-            and isinstance(sub.args[0], ast.Constant)
-            and isinstance(sub.args[0].value, str)
-        ):
-            ids.add(sub.args[0].value)
-    return ids
+        target = sub.func if isinstance(sub, ast.Call) else sub
+        if (isinstance(target, ast.Attribute) and target.attr == attr and isinstance(target.value, ast.Attribute)
+                and target.value.attr == "mark"):
+            found.append(sub)  # type: ignore[arg-type]
+    return found
 
 
-def scan_test_marks(tests_dir: Path = TESTS_DIR) -> dict[str, dict[str, int]]:
-    """task id -> {test file: number of test functions that carry the mark}.
+def _task_ids(node: ast.AST) -> list[str]:
+    return [c.args[0].value for c in _marks(node, "task") if isinstance(c, ast.Call) and c.args
+            and isinstance(c.args[0], ast.Constant) and isinstance(c.args[0].value, str)]
 
-    Marks are found on test functions and classes (decorators, including ``pytest.param(..., marks=...)``
-    inside ``parametrize``) and in a module-level ``pytestmark``, which marks every test in the file.
-    """
-    found: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+def scan_checks(tests_dir: Path = TESTS_DIR) -> list[TestCheck]:
+    """Every test function that grades a task (marks on the function, its class or the module's pytestmark)."""
+    out = []
     for path in sorted(tests_dir.rglob("test_*.py")):
         rel = path.relative_to(ROOT).as_posix()
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=rel)
-        module_ids: set[str] = set()
+        module_ids: list[str] = []
+        module_gpu = False
         for node in tree.body:
-            if isinstance(node, ast.Assign) and any(
-                isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets
-            ):
-                module_ids |= _task_ids_in(node.value)
-        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark"
+                                                    for t in node.targets):
+                module_ids += _task_ids(node.value)
+                module_gpu |= bool(_marks(node.value, "gpu"))
+
+        def visit(fn: ast.FunctionDef | ast.AsyncFunctionDef, ids: list[str], gpu: bool) -> None:
+            own = ids + [i for d in fn.decorator_list for i in _task_ids(d)]
+            gpu = gpu or any(_marks(d, "gpu") for d in fn.decorator_list)
+            if own:
+                doc = (ast.get_docstring(fn) or "").strip().split("\n\n")[0].replace("\n", " ")
+                out.append(TestCheck(own[0], rel, fn.name, doc, gpu))
+
+        for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
-                ids = set(module_ids)
-                for deco in node.decorator_list:
-                    ids |= _task_ids_in(deco)
-                for task_id in ids:
-                    found[task_id][rel] += 1
+                visit(node, module_ids, module_gpu)
             elif isinstance(node, ast.ClassDef):
-                class_ids = set().union(*(_task_ids_in(d) for d in node.decorator_list))
-                n_tests = sum(
-                    isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and m.name.startswith("test")
-                    for m in node.body
-                )
-                for task_id in class_ids:
-                    found[task_id][rel] += n_tests
-    return {task_id: dict(files) for task_id, files in found.items()}
+                ids = module_ids + [i for d in node.decorator_list for i in _task_ids(d)]
+                gpu = module_gpu or any(_marks(d, "gpu") for d in node.decorator_list)
+                for m in node.body:
+                    if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and m.name.startswith("test"):
+                        visit(m, ids, gpu)
+    return out
 
 
-def collect_tasks() -> list[Task]:
-    tasks = scan_markers()
-    for task_id, files in scan_test_marks().items():
-        tasks.setdefault(task_id, Task(task_id)).tests = files
-    return sorted(tasks.values(), key=lambda t: t.sort_key)
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
 
 
-def task_table(tasks: list[Task]) -> str:
-    if not tasks:
-        return "*No task markers in `minisgl_ref/` yet.*"
-    rows = ["| Task | Title | Reference solution | Graded by |", "| --- | --- | --- | --- |"]
-    for t in tasks:
-        where = f"`{t.where}`" if t.where else "**no marker in the code yet**"
-        if t.tests:
-            graded = "<br>".join(
-                f"`{f}` ({n} test{'s' if n != 1 else ''})" for f, n in sorted(t.tests.items())
-            )
-        else:
-            graded = "**no tests yet**"
-        title = (t.title or "—").replace("|", "\\|")
-        if t.problems:
-            title += " ⚠ " + "; ".join(t.problems)
-        rows.append(f"| {t.id} | {title} | {where} | {graded} |")
-    n_tests = sum(sum(t.tests.values()) for t in tasks)
-    chapters = sorted({t.sort_key[0] for t in tasks})
-    summary = (
-        f"{len(tasks)} tasks over {len(chapters)} chapter{'s' if len(chapters) != 1 else ''}, "
-        f"graded by {n_tests} test functions (parametrized tests count once)."
-    )
-    return "\n".join(rows) + "\n\n" + summary
+def _load() -> tuple[course_table.Table, list[TestCheck]]:
+    regions = course_regions.scan(ROOT)
+    for problem in course_regions.problems(ROOT, regions):
+        log.warning("course: %s", problem)
+    return course_table.load(regions), scan_checks()
+
+
+def _json(path: Path) -> object:
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+
+
+def tasks_table(t: course_table.Table, checks: list[TestCheck]) -> str:
+    rows = ["| Task | Title | Points | Time | Difficulty | Needs | Code | Checks (CPU + GPU) |",
+            "| --- | --- | ---: | ---: | :---: | --- | --- | --- |"]
+    for task in t.tasks.values():
+        mine = [c for c in checks if c.task == task.id]
+        cpu, gpu = sum(not c.gpu for c in mine), sum(c.gpu for c in mine)
+        files = sorted({c.file for c in mine})
+        where = "<br>".join(f"`{r.where}`" for r in task.regions)
+        needs = ", ".join(task.depends) or "—"
+        rows.append(f"| {task.id} | {_cell(task.title)} | {task.points:g} | {task.minutes} min | "
+                    f"{'★' * task.difficulty} | {needs} | {where} | {cpu} + {gpu} in "
+                    f"{', '.join(f'`{f}`' for f in files) or '**none**'} |")
+    total = sum(x.points for x in t.tasks.values())
+    hours = sum(x.minutes for x in t.tasks.values()) / 60
+    return "\n".join(rows) + (f"\n\n{len(t.tasks)} tasks in {len({x.chapter for x in t.tasks.values()})} "
+                              f"chapters, {total:g} points, about {hours:.0f} hours of work.")
+
+
+def assignment_table(t: course_table.Table, chapters: str) -> str:
+    wanted = course_table.parse_chapters(chapters)
+    times = _json(GRADING_TIMES) or {}
+    tasks = [x for x in t.tasks.values() if x.chapter in wanted]
+    rows = ["| Task | What you write | Points | Time | Difficulty | Needs | Hint |",
+            "| --- | --- | ---: | ---: | :---: | --- | --- |"]
+    for x in tasks:
+        rows.append(f"| {x.id} | {_cell(x.title)} | {x.points:g} | {x.minutes} min | {'★' * x.difficulty} | "
+                    f"{', '.join(x.depends) or '—'} | {_cell(x.hint)} |")
+    out = "\n".join(rows)
+    out += f"\n\nTotal: **{sum(x.points for x in tasks):g} points**, about {sum(x.minutes for x in tasks) / 60:.1f} " \
+           f"hours of work."
+    measured = [(c, times["chapters"][str(c)]) for c in sorted(wanted)
+                if isinstance(times, dict) and str(c) in times.get("chapters", {})]
+    if measured:
+        where = times.get("machine", "a CPU machine")
+        parts = ", ".join(f"chapter {c:02d} in {s['seconds']:.0f} s" for c, s in measured)
+        out += f" Grading the reference on {where} takes: {parts}."
+    return out
+
+
+def checks_list(t: course_table.Table, checks: list[TestCheck]) -> str:
+    out = []
+    for task in t.tasks.values():
+        out.append(f"**{task.id} {task.title}**\n")
+        for c in (c for c in checks if c.task == task.id):
+            gpu = " *(GPU)*" if c.gpu else ""
+            doc = c.doc or c.name.removeprefix("test_").replace("_", " ")
+            out.append(f"- `{c.name}`{gpu}: {doc} (`{c.file}`)")
+        out.append("")
+    return "\n".join(out)
+
+
+def mutants_table(t: course_table.Table) -> str:
+    rows = ["| Task | Wrong answer | Why it is wrong | Caught by | Seconds |", "| --- | --- | --- | --- | ---: |"]
+    results = {f"{r['task']}/{r['name']}": r for r in (_json(MUTANT_RESULTS) or [])}
+    for path in sorted((ROOT / "course" / "mutants").glob("*.toml")):
+        for m in tomllib.loads(path.read_text(encoding="utf-8")).get("mutant", []):
+            r = results.get(f"{m['task']}/{m['name']}")
+            caught = ("`" + r["detail"].split("::")[-1] + "`" if r["caught"] else "**missed**") if r else "not run"
+            secs = f"{r['seconds']:.0f}" if r else ""
+            rows.append(f"| {m['task']} | `{m['name']}` | {_cell(m.get('why', ''))} | {caught} | {secs} |")
+    if len(rows) == 2:
+        return "*No mutants in this copy (they stay with the instructor).*"
+    return "\n".join(rows)
 
 
 def on_page_markdown(markdown, page, config, files):  # type: ignore[no-untyped-def]
-    if PLACEHOLDER not in markdown:
+    if "<!-- course:" not in markdown:
         return markdown
-    tasks = collect_tasks()
-    for t in tasks:
-        for problem in t.problems:
-            log.warning("course task %s: %s", t.id, problem)
-    return markdown.replace(PLACEHOLDER, task_table(tasks))
+    t, checks = _load()
+    for task in t.tasks.values():
+        mine = [c for c in checks if c.task == task.id]
+        if not mine:
+            log.warning("course task %s has no tests", task.id)
+        elif all(c.gpu for c in mine):
+            log.warning("course task %s has no CPU check", task.id)
+
+    def fill(m: re.Match[str]) -> str:
+        what = m["what"]
+        if what == "tasks":
+            return tasks_table(t, checks)
+        if what == "checks":
+            return checks_list(t, checks)
+        if what == "mutants":
+            return mutants_table(t)
+        return assignment_table(t, m["chapters"])
+
+    return PLACEHOLDER.sub(fill, markdown)
 
 
 def on_serve(server, config, builder):  # type: ignore[no-untyped-def]
-    """``mkdocs serve``: rebuild when the package or the tests change (task markers, docstrings)."""
-    for folder in (PACKAGE_DIR, TESTS_DIR):
+    """``mkdocs serve``: rebuild when the package, the tests or the mutants change."""
+    for folder in (ROOT / "minisgl_ref", TESTS_DIR, ROOT / "course"):
         if folder.is_dir():
             server.watch(str(folder))
     return server

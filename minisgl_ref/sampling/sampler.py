@@ -651,3 +651,16 @@ class Sampler:
         if top_logprobs < 0:
             return tokens, None
         return tokens, token_logprobs(logits, tokens, top_logprobs, temperatures)
+
+
+def compile_fused(vocab_size: int, device: torch.device) -> None:
+    """Compile the fused sampling kernels before the first request needs them (the engine's start-up warm-up).
+
+    ``torch.compile`` specialises a dimension of size 1, so a batch of one row and a batch of several are two
+    compiles: both are run here, for both fused paths, on rows of the real vocabulary size."""
+    for rows in (1, 2):
+        logits = torch.zeros(rows, vocab_size, dtype=torch.float32, device=device)
+        ones = torch.ones(rows, dtype=torch.float32, device=device)
+        zeros = torch.zeros(rows, dtype=torch.int64, device=device)
+        _fused_temperature_sample()(logits, ones, zeros, zeros)
+        _fused_sample_from_probs()(logits.softmax(dim=-1), zeros, zeros)

@@ -1,0 +1,120 @@
+"""The grader's pytest plugin: runs only the tests of the chosen tasks and records what happened to each.
+
+Loaded with ``pytest -p minisgl_ref.course.plugin --course-tasks 4.1,4.2 --course-report out.json``. It keeps the
+tests whose ``@pytest.mark.task`` id is chosen, makes hypothesis derandomized (the same examples on every run, so
+a grade never depends on luck), and writes one record per test: its task, its check (the test function, all
+parametrized cases together), whether it needs a GPU, the outcome and the line of the error a student needs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("course")
+    group.addoption("--course-tasks", default="", help="comma-separated task ids to run (e.g. 4.1,4.2); * for all")
+    group.addoption("--course-report", default="", help="write one JSON record per test here")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    try:
+        from hypothesis import HealthCheck, settings
+    except ImportError:  # pragma: no cover - hypothesis is a dev dependency
+        return
+    settings.register_profile(
+        "course", derandomize=True, deadline=None, print_blob=False,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    settings.load_profile("course")
+    config.stash[_RECORDS] = {}
+
+
+_RECORDS = pytest.StashKey[dict[str, dict[str, Any]]]()
+
+
+def task_of(item: pytest.Item) -> str | None:
+    marks = [m.args[0] for m in item.iter_markers("task") if m.args]
+    return marks[0] if marks else None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    wanted = {t.strip() for t in config.getoption("--course-tasks").split(",") if t.strip()}
+    if not wanted:
+        return
+    keep, drop = [], []
+    for item in items:
+        task = task_of(item)
+        (keep if task is not None and ("*" in wanted or task in wanted) else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+    items[:] = keep
+    records = config.stash[_RECORDS]
+    for item in keep:
+        records[item.nodeid] = {
+            "nodeid": item.nodeid,
+            "check": item.nodeid.split("[", 1)[0],
+            "task": task_of(item),
+            "marks": [m.args[0] for m in item.iter_markers("task") if m.args],
+            "gpu": "gpu" in item.keywords,
+            "outcome": "not run",
+            "message": "",
+            "seconds": 0.0,
+        }
+
+
+def _message(report: pytest.TestReport) -> str:
+    """The error line a student needs: the exception (for a failure) or the reason (for a skip)."""
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple):  # a skip: (file, line, reason)
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    crash = getattr(longrepr, "reprcrash", None)
+    text = report.longreprtext
+    if crash is not None and crash.message:
+        head = crash.message
+        # the whole text too, for errors raised in another process and re-raised here with their message inside
+        return head if "Task " in head or "Task " not in text else head + "\n" + _task_lines(text)
+    return text[-2000:]
+
+
+def _task_lines(text: str) -> str:
+    return "\n".join(line.strip() for line in text.splitlines() if "NotImplementedError: Task " in line)[:2000]
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    config = _CONFIG.get("config")
+    if config is None:
+        return
+    record = config.stash[_RECORDS].get(report.nodeid)
+    if record is None:
+        return
+    record["seconds"] += report.duration
+    if report.failed:
+        if record["outcome"] != "failed":
+            record["message"] = _message(report)
+        record["outcome"] = "failed"
+    elif report.skipped and record["outcome"] != "failed":
+        record["outcome"] = "skipped"
+        record["message"] = _message(report)
+    elif report.when == "call" and report.passed and record["outcome"] == "not run":
+        record["outcome"] = "passed"
+
+
+_CONFIG: dict[str, pytest.Config] = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _CONFIG["config"] = session.config
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    path = session.config.getoption("--course-report")
+    if path:
+        records = list(session.config.stash.get(_RECORDS, {}).values())
+        Path(path).write_text(json.dumps(records, indent=1), encoding="utf-8")

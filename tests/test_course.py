@@ -1,0 +1,201 @@
+"""The course kit: regions blank by the rule, a student copy holds no solution and runs, the grader's report is
+what Gradescope reads, a copy of chapters 03-06 fails on exactly those tasks and gets full marks once the
+reference is pasted back, and every kept wrong answer (mutant) is caught by its task's tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minisgl_ref.course import grade, mutants, regions, student, table
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+DEPENDS = grade.DEPENDS
+
+
+def course(*args: str, cwd: Path = ROOT, check: bool = True) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(cwd), PYTHONDONTWRITEBYTECODE="1")
+    proc = subprocess.run([PY, "-m", "minisgl_ref.course", *args], cwd=cwd, env=env, capture_output=True, text=True)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def task_table() -> table.Table:
+    return table.load(regions.scan(ROOT))
+
+
+def test_every_region_blanks_by_the_rule_and_the_table_matches_the_code(task_table: table.Table) -> None:
+    assert regions.problems(ROOT) == []
+    assert list(task_table.tasks) == sorted(task_table.tasks, key=regions.task_key)
+    for task in task_table.tasks.values():
+        assert task.points > 0 and task.minutes > 0 and task.hint, task.id
+        assert all(regions.task_key(d) < regions.task_key(task.id) for d in task.depends), task.id
+
+
+def test_blank_and_fill_are_inverse() -> None:
+    for path in sorted({r.path for r in regions.scan(ROOT)}):
+        text = (ROOT / path).read_text(encoding="utf-8")
+        rs = regions.scan_text(text, path)
+        blanked = regions.blank_text(text, rs)
+        assert "NotImplementedError(\"Task" in blanked
+        assert regions.fill_text(blanked, regions.scan_text(blanked, path), regions.bodies_by_file(text, rs)) == text
+
+
+def test_every_graded_test_has_one_task_and_every_task_a_cpu_check(tmp_path: Path, task_table: table.Table) -> None:
+    out = tmp_path / "records.json"
+    proc = subprocess.run(
+        [PY, "-m", "pytest", "--collect-only", "-q", "-p", "minisgl_ref.course.plugin", "--course-tasks=*",
+         f"--course-report={out}", "--ignore=tests/test_site_browser.py", "-p", "no:cacheprovider", "tests"],
+        cwd=ROOT, capture_output=True, text=True)
+    assert out.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
+    records = json.loads(out.read_text())
+    several = sorted({r["nodeid"] for r in records if len(r["marks"]) != 1})
+    assert not several, f"tests credited to several tasks: {several[:5]}"
+    for task in task_table.tasks:
+        mine = [r for r in records if r["task"] == task]
+        assert any(not r["gpu"] for r in mine), f"task {task} has no CPU check"
+
+
+def _import_everything(root: Path) -> subprocess.CompletedProcess[str]:
+    code = (
+        "import importlib, pkgutil, sys, minisgl_ref\n"
+        "bad = []\n"
+        "for m in pkgutil.walk_packages(minisgl_ref.__path__, 'minisgl_ref.', onerror=lambda n: bad.append(n)):\n"
+        "    try: importlib.import_module(m.name)\n"
+        "    except ModuleNotFoundError as e:\n"
+        "        if not (e.name or '').startswith('minisgl_ref'): continue  # an optional GPU package\n"
+        "        bad.append(f'{m.name}: {e!r}')\n"
+        "    except Exception as e: bad.append(f'{m.name}: {e!r}')\n"
+        "print('\\n'.join(bad)); sys.exit(1 if bad else 0)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(root), PYTHONDONTWRITEBYTECODE="1")
+    return subprocess.run([PY, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def copy_3_to_6(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("student") / "copy"
+    course("student", str(out), "--chapters", "3-6")
+    return out
+
+
+def test_student_copy_is_a_fresh_repository_without_solutions(copy_3_to_6: Path, task_table: table.Table) -> None:
+    out = copy_3_to_6
+    log = subprocess.run(["git", "log", "--oneline"], cwd=out, capture_output=True, text=True, check=True).stdout
+    assert len(log.splitlines()) == 1
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=out, capture_output=True, text=True).stdout == ""
+    assert not (out / "course").exists(), "the mutants are near-solutions"
+    assert not list(out.rglob("*.pyc")) and not list(out.rglob("__pycache__"))
+    for nb in (out / "notebooks").glob("*.ipynb"):
+        cells = json.loads(nb.read_text())["cells"]
+        assert all(not c.get("outputs") for c in cells if c["cell_type"] == "code"), nb.name
+    blank = {t.id for t in task_table.tasks.values() if 3 <= t.chapter <= 6}
+    assert json.loads((out / "COURSE.json").read_text())["blank_tasks"] == sorted(blank, key=regions.task_key)
+    copy_regions = regions.scan(out)
+    for r in copy_regions:
+        body = r.body((out / r.path).read_text().splitlines())
+        if r.task in blank:
+            assert body == [r.stub()], r.where
+        else:
+            assert body != [r.stub()], r.where
+    ref = [r for r in regions.scan(ROOT) if r.task in blank]
+    assert student.leaks(out, student.solution_lines(ROOT, ref)) == []
+    assert regions.problems(out) == []
+
+
+def test_student_copy_installs_and_imports(copy_3_to_6: Path, tmp_path: Path) -> None:
+    proc = _import_everything(copy_3_to_6)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    wheel = subprocess.run([PY, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+                            str(tmp_path), str(copy_3_to_6)], capture_output=True, text=True)
+    assert wheel.returncode == 0, wheel.stderr[-2000:]
+    built = list(tmp_path.glob("minisgl_ref-*.whl"))
+    assert built
+    import zipfile
+
+    names = zipfile.ZipFile(built[0]).namelist()
+    assert "minisgl_ref/course/tasks.toml" in names
+
+
+def test_a_copy_with_every_task_blank_still_imports(tmp_path: Path) -> None:
+    out = tmp_path / "all"
+    student.make_copy(ROOT, out, [r.task for r in regions.scan(ROOT)], commit=False)
+    proc = _import_everything(out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_grader_report_is_gradescopes_format(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    course("grade", "--task", "0.1", "--json", str(out))
+    result = json.loads(out.read_text())
+    assert result["score"] == result["max_score"] > 0
+    assert {"score", "tests", "output", "execution_time", "extra_data"} <= set(result)
+    for t in result["tests"]:
+        assert {"name", "score", "max_score", "status", "output", "visibility"} <= set(t)
+        assert t["status"] in ("passed", "failed")
+    env = result["extra_data"]["environment"]
+    assert env["python"] and env["torch"] and "gpu" in env
+
+
+@pytest.mark.slow
+def test_copy_of_chapters_3_to_6_fails_on_those_tasks_only_and_the_reference_gets_full_marks(
+    copy_3_to_6: Path, task_table: table.Table, tmp_path: Path
+) -> None:
+    blank = {t for t, x in task_table.tasks.items() if 3 <= x.chapter <= 6}
+    out = tmp_path / "blank.json"
+    course("grade", "--json", str(out), cwd=copy_3_to_6)
+    result = json.loads(out.read_text())
+    summary = {s["task"]: s for s in result["extra_data"]["tasks"]}
+    for task, s in summary.items():
+        failing = [t for t in result["tests"] if t["extra_data"]["task"] == task and t.get("status") == "failed"]
+        named = {n for t in failing for n in DEPENDS.findall(t["output"])}
+        if task in blank:
+            assert s["score"] == 0 and named and named <= blank, (task, [t["output"][:300] for t in failing])
+        else:
+            # an unchosen task passes, or fails only because it runs a blank task (and says which)
+            assert all(DEPENDS.findall(t["output"]) for t in failing), (task, [t["output"][:300] for t in failing])
+            assert named <= blank, (task, named)
+    for task in (t for t, x in task_table.tasks.items() if x.chapter < 3):
+        assert summary[task]["score"] == summary[task]["max_score"] > 0, task
+
+    course("solutions", str(copy_3_to_6), "--chapters", "3-6")
+    full = tmp_path / "full.json"
+    course("grade", "--chapters", "3-6", "--json", str(full), cwd=copy_3_to_6)
+    result = json.loads(full.read_text())
+    assert result["score"] == result["max_score"] > 0, [t["output"][:300] for t in result["tests"]
+                                                        if t.get("status") == "failed"]
+    assert {s["task"] for s in result["extra_data"]["tasks"]} == blank
+
+
+@pytest.mark.slow
+def test_every_mutant_is_caught_quickly() -> None:
+    known = mutants.load(ROOT)
+    assert known, "no mutants under course/mutants"
+    t = table.load(regions.scan(ROOT))
+    without = sorted(set(t.tasks) - {m.task for m in known}, key=regions.task_key)
+    assert not without, f"tasks without mutants: {without}"
+    outcomes = mutants.run(ROOT, known, jobs=2, timeout_s=60)
+    missed = [f"{o.mutant.id}: {o.detail}" for o in outcomes if not o.caught]
+    assert not missed, missed
+    slow = [f"{o.mutant.id}: {o.seconds:.0f} s" for o in outcomes if o.seconds > 90]
+    assert not slow, slow
+
+
+def test_updating_a_copy_commits_on_top_and_never_unblanks_by_accident(tmp_path: Path) -> None:
+    out = tmp_path / "course"
+    student.make_copy(ROOT, out, ["0.1"])
+    with pytest.raises(ValueError, match="publish the solutions of tasks 0.1"):
+        student.make_copy(ROOT, out, ["0.2"])
+    student.make_copy(ROOT, out, ["0.1", "0.2"])
+    log = subprocess.run(["git", "log", "--format=%s"], cwd=out, capture_output=True, text=True).stdout.splitlines()
+    assert len(log) == 2 and log[0].startswith("Reference update")
+    student.make_copy(ROOT, out, ["0.2"], unblank=True)
+    assert 'NotImplementedError("Task 0.1' not in (out / "minisgl_ref/attention/torch_native.py").read_text()
