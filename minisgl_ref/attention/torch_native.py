@@ -21,8 +21,13 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     """Causal attention of one sequence's ``Lq`` newest queries over all its ``Lk`` keys.
 
     q: [Lq, H, D]; k, v: [Lk, KVH, D] with ``Lk >= Lq``; the queries are the last ``Lq`` positions, so query i may
-    see keys ``0 .. Lk - Lq + i``. Grouped-query attention: query head h reads KV head ``h // (H // KVH)``.
-    Returns [Lq, H, D] in q's dtype.
+    see keys ``0 .. Lk - Lq + i`` and no later one (a prefill has ``Lq == Lk``; a decode step ``Lq == 1`` sees every
+    key). Grouped-query attention: ``H`` is a multiple of ``KVH`` and query head h reads KV head ``h // (H // KVH)``,
+    so consecutive query heads share a KV head. Scores are ``q . k * scale`` (the caller passes
+    ``scale = 1 / sqrt(D)``); a key a query may not see gets the score ``-inf`` before the softmax over keys.
+
+    Compute in float32 whatever the input dtype (a bf16 softmax over thousands of keys loses digits) and return
+    [Lq, H, D] in q's dtype.
     """
     # BEGIN TASK 0.1: causal attention with grouped-query heads
     lq, num_heads, _ = q.shape
@@ -36,8 +41,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     scores.masked_fill_(k_pos > q_pos, float("-inf"))
     probs = scores.softmax(dim=-1)
     out = torch.einsum("hqk,khd->qhd", probs, v.float())
-    # END TASK 0.1
     return out.to(q.dtype)
+    # END TASK 0.1
 
 
 class NoCacheAttentionBackend(AttentionBackend):
