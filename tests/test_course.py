@@ -69,6 +69,7 @@ def _import_everything(root: Path) -> subprocess.CompletedProcess[str]:
         "import importlib, pkgutil, sys, minisgl_ref\n"
         "bad = []\n"
         "for m in pkgutil.walk_packages(minisgl_ref.__path__, 'minisgl_ref.', onerror=lambda n: bad.append(n)):\n"
+        "    if m.name.endswith('__main__'): continue  # a command line: importing it runs it\n"
         "    try: importlib.import_module(m.name)\n"
         "    except ModuleNotFoundError as e:\n"
         "        if not (e.name or '').startswith('minisgl_ref'): continue  # an optional GPU package\n"
