@@ -9,6 +9,7 @@ took: a task's tests are strong enough when every one of its mutants is caught w
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import sys
 import tempfile
@@ -42,6 +43,11 @@ class Mutant:
     @property
     def id(self) -> str:
         return f"{self.task}/{self.name}"
+
+    @property
+    def digest(self) -> str:
+        """A fingerprint of the edit, so that a recorded run can be told apart from one of an older mutant."""
+        return hashlib.sha1(f"{self.find}\0{self.replace}".encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True)
