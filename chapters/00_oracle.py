@@ -612,13 +612,15 @@ plt.show()
 #
 # 1. **Task 0.1.** Rewrite the body of `reference_attention` your own way (for example: loop over query heads
 #    and index KV head `h // group` instead of repeating the KV heads). Grade it with
-#    `python -m pytest tests/test_models.py -k reference_attention`.
+#    `python -m minisgl_ref.course grade --task 0.1`.
 # 2. **Task 0.2.** Rewrite the stop rules of `Req.append_token`. Before you do: what would go wrong if stop
 #    strings were checked before stop token ids, or `max_new_tokens` before both? The replay trick of section 3
-#    is a quick way to test your answer. Grade it with `python -m pytest tests/test_engine_oracle.py -k "stop or eos"`.
-# 3. **Task 0.3.** Write `NaiveEngine.step` yourself. Then break it on purpose (take the logits at each request's
-#    *first* position, or give the packed batch positions that do not restart at 0 for each request) and watch
-#    the oracle catch it: `python -m pytest tests/test_engine_oracle.py -k transformers`.
+#    is a quick way to test your answer. Grade it with `python -m minisgl_ref.course grade --task 0.2`.
+# 3. **Task 0.3.** Write `NaiveEngine.step` yourself and grade it with
+#    `python -m minisgl_ref.course grade --task 0.3` (its tests drive the loop with a stand-in model whose next
+#    token is known in advance). Then break it on purpose (take the logits at each request's *first* position,
+#    or feed only the prompt) and watch both those tests and the oracle of section 6 catch it:
+#    `python -m pytest tests/test_engine_oracle.py -k transformers`.
 # 4. **Measure.** Rerun section 8 with `N_GEN = 256`. Does the CPU time per step stay a straight line in the
 #    sequence length, or does attention's quadratic term start to show? (`MINISGL_THREADS=2 python
 #    chapters/00_oracle.py` also lets you see what a second thread buys on your machine.)
@@ -629,6 +631,7 @@ plt.show()
 # ```bash
 # python chapters/00_oracle.py                          # this chapter, end to end: 34-42 s on a 2-core CPU
 # ./minisgl generate "What is the capital of France?"   # same greedy answer, from the CLI's (default) engine
+# python -m minisgl_ref.course grade --chapter 0        # grade tasks 0.1-0.3
 # python -m pytest tests/test_engine_oracle.py          # the oracle tests of this chapter
 # ```
 #

@@ -770,17 +770,21 @@ print("this run:",
 # %% [markdown]
 # ## Exercises
 #
-# 1. **Task 1.1 (RoPE).** Replace the body of the `TASK 1.1` region in `minisgl_ref/layers/rotary.py` with your own
-#    version, then run `python -m pytest tests/test_models.py -k rotary`. Then swap the NeoX pairing for the
-#    interleaved one (pair `i` with `i + 1`) and watch `python -m pytest tests/test_models.py -k transformers`
-#    fail: the checkpoint's q/k weights were laid out for one convention.
+# 1. **Task 1.1 (RoPE).** Replace the body of the `TASK 1.1` regions in `minisgl_ref/layers/rotary.py` (the
+#    gather in `RotaryEmbedding.forward` and the rotation in `_rotate`) with your own version, then run
+#    `python -m minisgl_ref.course grade --task 1.1`. Then swap the NeoX pairing for the interleaved one (pair `i`
+#    with `i + 1`) and watch `python -m pytest tests/test_models.py -k transformers` fail: the checkpoint's q/k
+#    weights were laid out for one convention.
 # 2. **Task 1.2 (Llama 3 scaling).** Rewrite `rope_inv_freq`'s `TASK 1.2` region and check it with
-#    `python -m pytest tests/test_models.py -k llama3`. Which of the 64 pairs of Llama-3.1-8B change, and by how
+#    `python -m minisgl_ref.course grade --task 1.2`. Which of the 64 pairs of Llama-3.1-8B change, and by how
 #    much? (The plot in 3.3 is the answer to compare with.)
-# 3. **The whole model (task 1.3).** The tests marked `task("1.3")` compare complete models with `transformers`:
-#    `python -m pytest tests/test_models.py -k logits_match`. Break one thing at a time (drop Qwen3's QK-norm, use
+# 3. **Task 1.3 (the decoder layer).** Rewrite `LlamaDecoderLayer.forward` and grade it with
+#    `python -m minisgl_ref.course grade --task 1.3`: its tests compare one layer with the plain pre-norm formula
+#    and whole models with `transformers`, with transformers' own RoPE standing in for yours, so a RoPE bug cannot
+#    hide a layer bug or the other way round. Then break one thing at a time (drop Qwen3's QK-norm, use
 #    `eps=1e-2` in RMSNorm, forget the `residual` in the final norm) and note which of the four tiny architectures
-#    each mistake breaks, and by how much the relative error grows.
+#    each mistake breaks in `python -m pytest tests/test_models.py -k logits_match`, and by how much the relative
+#    error grows.
 # 4. **Sizes.** Extend the table of section 6 with the KV-cache bytes of a batch of 64 requests of 2,048 tokens for
 #    each model, and the H100 floor of one decode step for that batch (weights + KV). For which model does the KV
 #    cache dominate?
@@ -791,7 +795,8 @@ print("this run:",
 # scripts/setup.sh dev                                  # once: .venv with torch (CPU), transformers, the embedded model
 # . .venv/bin/activate
 # python chapters/01_models.py                          # this chapter, top to bottom
-# python -m pytest tests/test_models.py -q              # the model oracle tests (tasks 1.1, 1.2, 1.3)
+# python -m minisgl_ref.course grade --chapter 1        # grade tasks 1.1-1.3
+# python -m pytest tests/test_models.py -q              # the model oracle tests
 # python -m pytest tests/test_notebooks.py -q -k 01     # what CI runs: the notebook, on CPU
 # ```
 #

@@ -57,6 +57,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+from minisgl_ref.course import task_source
 from minisgl_ref.models.embedded import embedded_model_path
 from minisgl_ref.sampling import Sampler, SamplingBatchInfo, SamplingParams
 from minisgl_ref.sampling.sampler import (
@@ -73,15 +74,6 @@ torch.manual_seed(0)
 # threads that wait on each other at every op then made a batch-1 decode step ~10x slower here. One thread gives
 # steadier timings (every number below is per core). Set MINISGL_THREADS to try more.
 torch.set_num_threads(int(os.environ.get("MINISGL_THREADS", "1")))
-
-
-def show_task(fn, task_id: str) -> None:
-    """Print the lines of ``fn`` between its ``# BEGIN TASK`` and ``# END TASK`` markers (the graded part)."""
-    lines = inspect.getsource(fn).splitlines()
-    begin = next(i for i, line in enumerate(lines) if f"BEGIN TASK {task_id}" in line)
-    end = next(i for i, line in enumerate(lines) if f"END TASK {task_id}" in line)
-    print(f"# {inspect.getsourcefile(fn).split('minisgl_ref/')[-1]} :: {fn.__qualname__}")
-    print("\n".join(lines[begin : end + 1]))
 
 
 def best_ms(fn, reps: int = 3, warmup: int = 1) -> float:
@@ -280,7 +272,7 @@ _ = trace(korean_ids)
 # syllable's tokens plus the current ones. This is the heart of task 2.1:
 
 # %%
-show_task(IncrementalDetokenizer._advance, "2.1")
+print(task_source(IncrementalDetokenizer._advance, "2.1"))
 
 # %% [markdown]
 # ### Stop strings: search the text, hold back what could still become one
@@ -525,7 +517,7 @@ print("after  :", [round(x, 4) for x in after.tolist()])
 print("by hand:", [round(x, 4) for x in expected6])
 assert torch.allclose(after, torch.tensor(expected6))
 print(f"greedy choice moves from token {int(logits6.argmax())} to token {int(after.argmax())}")
-show_task(apply_penalties, "2.2")
+print(task_source(apply_penalties, "2.2"))
 
 # %% [markdown]
 # Token 4 had the highest logit, but it was already generated once: divided by 1.5, minus 0.5 + 0.25, it falls
@@ -548,7 +540,7 @@ show_task(apply_penalties, "2.2")
 # rank order, and scatters the mask back to vocabulary order:
 
 # %%
-show_task(top_k_top_p_min_p_filter, "2.3")
+print(task_source(top_k_top_p_min_p_filter, "2.3"))
 
 # %% [markdown]
 # ### Drawing the token: an exponential race on hashed noise (task 2.4)
@@ -571,7 +563,7 @@ show_task(top_k_top_p_min_p_filter, "2.3")
 
 # %%
 print(inspect.getsource(sample_from_probs))
-show_task(seeded_uniform, "2.4")
+print(task_source(seeded_uniform, "2.4"))
 
 # %% [markdown]
 # ### The oracle: sampled frequencies match the filtered, renormalised softmax
@@ -777,13 +769,18 @@ for name, ms in {**timings, **stage}.items():
 # through the sampler with the request's seed, and each sampled id goes through the request's detokenizer, which
 # also watches for stop strings. The same seed must give the same answer twice; with a stop string the text must
 # end just before it, with `finish_reason == "stop"`.
+#
+# The engine is still chapter 00's naive loop (`engine="naive"`): it recomputes every sequence at every step,
+# which is slow but needs nothing from the chapters ahead. The paged engine of chapter 03 (`LLM()`'s default,
+# and the CLI's) gives the same tokens, seeded draws included, because the noise depends on the seed and the
+# step alone.
 
 # %%
 from minisgl_ref import LLM  # noqa: E402
 
 t0 = time.perf_counter()
-llm = LLM()
-print(f"LLM() loaded in {time.perf_counter() - t0:.1f} s")
+llm = LLM(engine="naive")
+print(f"LLM(engine='naive') loaded in {time.perf_counter() - t0:.1f} s")
 question = [{"role": "user", "content": "Write a haiku about a tokenizer."}]
 chat_ids = llm.chat_prompt_ids(question)
 
@@ -831,24 +828,26 @@ print(f"this run: detokenizer {us_inc:.0f} us/token incremental vs {us_full:.0f}
 # ## Exercises
 #
 # 1. **Task 2.1.** Replace `_advance` by the naive rule (`emit decode([new_id])`) and run
-#    `python -m pytest tests/test_tokenizer.py -k "detok or stop"`. Which tests fail first, and which of the three
-#    rules of the module docstring does each one protect? Then put the window back but drop the U+FFFD check.
+#    `python -m minisgl_ref.course grade --task 2.1`. Which tests fail first, and which of the three rules of the
+#    module docstring does each one protect? Then put the window back but drop the U+FFFD check.
 # 2. **Task 2.2.** Swap the order of the repetition penalty and the frequency/presence penalties in
 #    `apply_penalties`. Find a two-token example where the greedy choice changes, then run
-#    `python -m pytest tests/test_sampling.py -k "penalt or min_new_tokens"`.
+#    `python -m minisgl_ref.course grade --task 2.2`.
 # 3. **Task 2.3.** Change top-p's rule from "mass strictly above the token is below p" to "mass up to and
 #    including the token is at most p". What happens when the top token alone has probability 0.95 and
-#    `top_p=0.9`? Check with `python -m pytest tests/test_sampling.py -k filter`.
+#    `top_p=0.9`? Check with `python -m minisgl_ref.course grade --task 2.3`.
 # 4. **Task 2.4.** Replace the body of `seeded_uniform` by
-#    `return torch.rand(len(seeds), vocab_size, generator=torch.Generator().manual_seed(7))` and run `python -m pytest tests/test_sampling.py -k "seed or noise"`. Which property breaks, and why does
-#    the batch-layout cell of this chapter catch it too?
+#    `return torch.rand(len(seeds), vocab_size, generator=torch.Generator().manual_seed(7))` and run
+#    `python -m minisgl_ref.course grade --task 2.4`. Which property breaks, and why does the batch-layout cell of
+#    this chapter catch it too?
 #
 # ## Reproduce
 #
 # ```bash
 # python chapters/02_tokenizer_sampling.py           # this chapter, top to bottom
 # ./minisgl generate --temperature 0.8 --top-p 0.9 --seed 7 "Write a haiku about a tokenizer."
-# python -m pytest tests/test_tokenizer.py tests/test_sampling.py -q   # the oracle tests of tasks 2.1-2.4
+# python -m minisgl_ref.course grade --chapter 2                        # grade tasks 2.1-2.4
+# python -m pytest tests/test_tokenizer.py tests/test_sampling.py -q   # every test of this chapter
 # ```
 #
 # Measured on a 2-core x86_64 CPU, no GPU, Python 3.11, torch 2.13 (CPU build), one torch thread
@@ -864,13 +863,14 @@ print(f"this run: detokenizer {us_inc:.0f} us/token incremental vs {us_full:.0f}
 # | sampler, batch 64 x 49,152 vocab, greedy | 3–9 ms per step |
 # | sampler, same, temperature 0.8 (hashed noise alone: 75–120 ms) | 120–420 ms per step |
 # | sampler, same, temperature 0.8 + top-p 0.9 (top-p filter alone: 320–470 ms) | 420–670 ms per step |
-# | `LLM()` load, then 2 x 20 seeded tokens | 1.0–1.5 s, then 3–5 s |
-# | `python chapters/02_tokenizer_sampling.py`, whole chapter | 21–32 s wall (18–26 s after imports) |
-# | `python -m pytest tests/test_tokenizer.py tests/test_sampling.py -q` | 192 passed, 1 skipped (the GPU test) in 22 s |
+# | `LLM(engine="naive")` load, then 2 x 20 seeded tokens | 1.2 s, then 23 s (one run, load average 12) |
+# | `python chapters/02_tokenizer_sampling.py`, whole chapter | 68 s wall, 61 s after imports (the same run) |
+# | `python -m pytest tests/test_tokenizer.py tests/test_sampling.py -q` | 205 passed, 1 skipped (GPU) in 31 s, same run |
 #
 # `./minisgl generate --temperature 0.8 --top-p 0.9 --seed 7 "Write a haiku about a tokenizer."` printed the
 # same answer on every run (42 s wall including the model load: the CLI runs with torch's default two threads,
-# on cores shared with other jobs; the last cell of section 4, one thread, produces it in ~3 s):
+# on cores shared with other jobs; the last cell of section 4, one thread, the naive loop, produces the same
+# text in 15 s under a load average of 12):
 #
 # ```text
 # The Unseen City, the language of the mind,

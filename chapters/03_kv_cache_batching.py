@@ -88,11 +88,16 @@ def record_batches(engine: Engine) -> list:
 
 
 # %%
+# The engine as this chapter builds it. The three switches turn off what the next chapters add: prefix sharing
+# (the radix cache, chapter 04), chunked prefill (05) and overlap scheduling (06); with all three off, each
+# engine.step() is simply schedule, run, process, and a prompt is always prefilled whole.
+CH03 = dict(disable_radix_cache=True, chunked_prefill_size=-1, disable_overlap_schedule=True)
+
 t0 = time.perf_counter()
-# Two engines around the same weights file: the chapter-00 oracle, and LLM's default paged engine (this chapter
-# and the next three). Every other engine in this chapter is built around llm.model, so weights load only twice.
+# Two engines around the same weights file: the chapter-00 oracle, and LLM's paged engine in this chapter's
+# configuration. Every other engine in this chapter is built around llm.model, so weights load only twice.
 naive = LLM(device="cpu", engine="naive")
-llm = LLM(device="cpu")
+llm = LLM(device="cpu", **CH03)
 cfg = llm.config
 n_params = sum(p.numel() for p in llm.model.parameters())
 print(f"loaded two copies of {cfg.architecture} in {time.perf_counter() - t0:.1f} s: {n_params / 1e6:.0f}M parameters, "
@@ -185,7 +190,7 @@ per_token = KVPool.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
 print(f"KV per token: 2 (K and V) x {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims x "
       f"{torch.finfo(cfg.dtype).bits // 8} bytes = {per_token:,} bytes")
 pool = llm.engine.kv_pool
-print(f"LLM's default CPU pool: {llm.engine.max_total_tokens:,} token slots (+ the dummy page) = "
+print(f"LLM's CPU pool: {llm.engine.max_total_tokens:,} token slots (+ the dummy page) = "
       f"{pool.num_slots * per_token / 2**20:,.0f} MiB, allocated once; per layer K and V are "
       f"{tuple(pool.k[0].shape)} tensors")
 print(f"for comparison, Qwen3-0.6B in bf16 needs 114,688 bytes per token (chapter 01): 10 GiB of KV holds "
@@ -225,14 +230,13 @@ print(f"for comparison, Qwen3-0.6B in bf16 needs 114,688 bytes per token (chapte
 # ## 3. A live pool
 #
 # Let us look at a real pool. We build an engine around the same weights with a small pool (64 slots in pages of
-# 4, so the picture fits on a screen), no prefix sharing (`disable_radix_cache=True`, the subject of chapter 04)
-# and no overlap (`disable_overlap_schedule=True`, the subject of chapter 06), so that each `engine.step()` is
-# simply *schedule, run, process*. Three requests start together; the third wants only two tokens; after three
-# steps a fourth request arrives.
+# 4, so the picture fits on a screen), in this chapter's configuration (`CH03`: no prefix sharing, no chunking, no
+# overlap). Three requests start together; the third wants only two tokens; after three steps a fourth request
+# arrives.
 
 # %%
-small = Engine(llm.model, cfg, EngineConfig(page_size=4, max_total_tokens=64, disable_radix_cache=True,
-                                            disable_overlap_schedule=True), context_length=llm.context_length)
+small = Engine(llm.model, cfg, EngineConfig(page_size=4, max_total_tokens=64, **CH03),
+               context_length=llm.context_length)
 small_log = record_batches(small)
 
 
@@ -318,7 +322,10 @@ plt.show()
 #
 # Every step, the scheduler asks the cache manager for slots for each scheduled request's new tokens (the whole
 # prompt for a prefill, one token for a decode), and the cache manager asks the allocator. The allocator's job is
-# a small calculation: fill what is left of the request's last page, then take fresh pages for the rest.
+# a small calculation: fill what is left of the request's last page, then take fresh pages for the rest. Around
+# it sits the free list, a stack of page ids: `alloc_pages` takes pages off its top and `free_slots` pushes the
+# pages of a finished request back, each page once however many of its slots the request used. Together they
+# are task 3.1.
 
 # %%
 print(task_source(PageAllocator.alloc_tokens, "3.1"))
@@ -510,8 +517,10 @@ assert small.req_to_token.num_free == small.req_to_token.max_requests
 # with a clear message rather than retried forever. Once every remaining request fits, `CacheManager.alloc_decode`
 # gives each its one slot in a single numpy operation, and the rows are appended a list at a time: the same as
 # calling `alloc(req, 1)` and `_add_row` per request, which is how you may write it, but that per-request Python
-# runs for every running request at every step, and on a GPU it was worth 5% of throughput (chapter 11). This is
-# task 3.2:
+# runs for every running request at every step, and on a GPU it was worth 5% of throughput (chapter 11). One case
+# only matters from chapter 06 on: while a step is still running on the device, the KV of a retracted request
+# could not be freed before it ends, so instead of retracting the method answers `NEED_SYNC` and the engine
+# finishes that step first. Without overlap, as here, that never happens. This is task 3.2:
 
 # %%
 print(task_source(Scheduler._add_decode_rows, "3.2"))
@@ -535,8 +544,8 @@ WORKLOAD = [  # (prompt, max_new_tokens, arrival step)
 ]
 PARAMS = [greedy(n) for _, n, _ in WORKLOAD]
 
-tight = Engine(llm.model, cfg, EngineConfig(page_size=16, max_total_tokens=112, disable_radix_cache=True,
-                                            disable_overlap_schedule=True), context_length=llm.context_length)
+tight = Engine(llm.model, cfg, EngineConfig(page_size=16, max_total_tokens=112, **CH03),
+               context_length=llm.context_length)
 tight_log = record_batches(tight)
 tight_reqs = [llm.make_request(p, sp) for (p, _, _), sp in zip(WORKLOAD, PARAMS)]
 arrival = {r.rid: a for r, (_, _, a) in zip(tight_reqs, WORKLOAD)}
@@ -622,9 +631,10 @@ plt.show()
 # ## 8. The oracle check, and what the cache saves
 #
 # The engine is right if it produces, on CPU in float32, exactly the greedy tokens of chapter 00's loop. We run
-# the same six requests three ways: the naive oracle, all at once; `LLM`'s default paged engine, all at once
-# (page size 1, a 16,384-token pool, radix cache and overlap on: the configuration later chapters build on); and
-# the tight run above, with pages of 16, staggered arrivals and a retraction.
+# the same six requests three ways: the naive oracle, all at once; `LLM`'s paged engine, all at once (page size 1
+# and a 16,384-token pool, in this chapter's configuration: the later chapters switch on prefix sharing,
+# chunking and overlap, and check the same oracle); and the tight run above, with pages of 16, staggered
+# arrivals and a retraction.
 
 # %%
 prompts = [p for p, _, _ in WORKLOAD]
@@ -644,7 +654,7 @@ agree_tight = sum(o.output_ids == r.output_ids for o, r in zip(oracle, tight_req
 for o, p, r in zip(oracle, paged, tight_reqs):
     print(f"{o.prompt_tokens:>2}+{o.completion_tokens:<2} paged {'==' if o.output_ids == p.output_ids else '!='} "
           f"naive, tight {'==' if o.output_ids == r.output_ids else '!='} naive  {o.text!r}")
-print(f"identical greedy outputs: default paged {agree_paged}/{len(oracle)}, "
+print(f"identical greedy outputs: paged {agree_paged}/{len(oracle)}, "
       f"page 16 + 112-token pool + retraction {agree_tight}/{len(oracle)}")
 assert agree_paged == agree_tight == len(oracle), "the paged engine disagrees with the naive oracle"
 assert all(o.finish_reason == p.finish_reason == r.finish_reason.kind for o, p, r in zip(oracle, paged, tight_reqs))
@@ -681,18 +691,17 @@ assert naive_cpu > paged_cpu
 #
 # ## Exercises
 #
-# 1. **Task 3.1.** Write `PageAllocator.alloc_tokens` yourself. Edge cases: `new_tokens = 0`, a last page that is
-#    exactly full, a request that fits entirely in its last page. Grade it with
-#    `python -m pytest tests/test_kvcache_properties.py -k alloc`, then end to end against the oracle with
-#    `python -m pytest tests/test_engine_core.py -k oracle_matrix`.
+# 1. **Task 3.1.** Write `PageAllocator.alloc_pages`, `alloc_tokens` and `free_slots` yourself. Edge cases:
+#    `new_tokens = 0`, a last page that is exactly full, a request that fits entirely in its last page, a page
+#    named by several slots in one free. Grade it with `python -m minisgl_ref.course grade --task 3.1`.
 # 2. **Task 3.3.** Write `ModelRunner.prepare`. Then break it on purpose: give decode rows position `0`, or take
 #    `out_cache_loc` from the start of the page-table row instead of from `prefix_len`. Which of the two does the
 #    oracle of section 8 catch, and why does the other one go unnoticed on a *single* step? Grade it with
-#    `python -m pytest tests/test_engine_core.py -k oracle_matrix` (every engine configuration against the
-#    naive loop).
+#    `python -m minisgl_ref.course grade --task 3.3`.
 # 3. **Task 3.2.** Write `Scheduler._add_decode_rows`. What would go wrong if it retracted the *oldest* request
 #    instead of the newest? (Think about how much work is thrown away, and about a request that is retracted
-#    again and again.) Grade it with `python -m pytest tests/test_engine_core.py -k "retract or aborted"`.
+#    again and again.) Grade it with `python -m minisgl_ref.course grade --task 3.2`, and the whole chapter with
+#    `python -m minisgl_ref.course grade --chapter 3`.
 # 4. **Measure.** Rerun section 7 with `max_total_tokens=96`, and then with `init_new_token_ratio=0.3`. How many
 #    retractions, how many steps, how many recomputed tokens? Is the output still identical to the oracle?
 
@@ -705,7 +714,8 @@ assert naive_cpu > paged_cpu
 #     "Once upon a time, in a small village by the sea, there lived a"   # the paged engine from the CLI
 # ./minisgl generate --raw --max-new-tokens 24 --engine naive \
 #     "Once upon a time, in a small village by the sea, there lived a"   # the same tokens, from the oracle
-# python -m pytest tests/test_engine_core.py tests/test_kvcache_properties.py -q   # tasks 3.1-3.3 (and more)
+# python -m minisgl_ref.course grade --chapter 3          # the tests of tasks 3.1-3.3
+# python -m pytest tests/test_engine_core.py tests/test_kvcache_properties.py -q   # and every engine configuration
 # ```
 #
 # Measured on a 2-core x86_64 CPU (shared with other jobs), no GPU, Python 3.11, torch 2.13 (CPU), one torch
@@ -717,7 +727,7 @@ assert naive_cpu > paged_cpu
 # | what a one-token pass reads | 538 MB of float32 weights: 6-8 GB/s effective |
 # | KV cache per token, SmolLM2-135M float32 | 46,080 bytes (2 x 30 layers x 3 KV heads x 64 x 4 B) |
 # | page waste, canonical workload (256 requests) | 0 / 0.65% / 2.58% / 9.33% of slots at page size 1 / 16 / 64 / 256 |
-# | oracle: 6 requests, 100 greedy tokens, default paged engine | 6/6 identical to the naive loop |
+# | oracle: 6 requests, 100 greedy tokens, paged engine (page 1) | 6/6 identical to the naive loop |
 # | oracle: same, page 16, 112-token pool, staggered arrivals | 6/6 identical; 1 retraction, 37 steps, 146 tokens computed (11 of them twice) |
 # | tokens pushed through the model, same 6 requests | naive 1,626; paged 135 (12.0x fewer) |
 # | naive vs paged, same 6 requests, CPU time | 8.5-9.2 s (11-12 tok/s) vs 3.8-4.2 s (24-27 tok/s): 2.1-2.3x |

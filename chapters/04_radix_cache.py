@@ -122,21 +122,29 @@ def greedy(n: int, **kw) -> SamplingParams:
 
 
 # %%
+# This chapter's engines: the radix cache on (the default), without what chapters 05 and 06 add. No chunked
+# prefill, so a prompt is prefilled whole; no overlap scheduling, so each step() is schedule, run, process, and the
+# tree we print is the tree after that step.
+PLAIN = dict(chunked_prefill_size=-1, disable_overlap_schedule=True)
+
 t0 = time.perf_counter()
 naive = LLM(device="cpu", engine="naive")  # the chapter-00 oracle
-llm = LLM(device="cpu")  # the default paged engine: radix cache on (and overlap, chapter 06)
+llm = LLM(device="cpu", **PLAIN)  # the paged engine, radix cache on
 tok, cfg = llm.tokenizer, llm.config
 print(f"loaded the oracle and the paged engine in {time.perf_counter() - t0:.1f} s; "
       f"paged engine cache manager: {type(llm.engine.cache).__name__}")
-llm.generate("Hi", greedy(2), use_tqdm=False)  # one-time costs out of later timings
-llm.engine.cache.flush_cache()  # ... and out of the cache
 
 
 def engine(**overrides) -> Engine:
-    """A fresh paged engine around the same weights: radix cache on, overlap off (each step() is schedule, run,
-    process, so the tree we print is the tree after that step), a 4,096-token pool unless told otherwise."""
-    config = dict(disable_overlap_schedule=True, max_total_tokens=4096) | overrides
+    """A fresh paged engine around the same weights: radix cache on, no chunking, no overlap, a 4,096-token pool
+    unless told otherwise."""
+    config = PLAIN | dict(max_total_tokens=4096) | overrides
     return Engine(llm.model, cfg, EngineConfig(**config), context_length=llm.context_length)
+
+
+warm = engine(disable_radix_cache=True)  # one-time costs out of later timings, before any cache is involved
+warm.add_request(llm.make_request([1, 2, 3], greedy(2)))
+warm.run_until_done()
 
 
 # %% [markdown]
@@ -446,7 +454,7 @@ show_mermaid(tree_after)
 # %%
 COOKING = "You are a friendly cooking assistant. Suggest one simple recipe."
 pair = [llm.make_request(chat_ids(COOKING, q), greedy(4)) for q in ["I have eggs and rice.", "I have pasta."]]
-eng = engine()
+eng = engine(in_batch_prefix_threshold=-1)  # the in-batch check of task 4.5 (below) off: the pitfall on its own
 rows_log = []
 run = eng.runner.run
 # instrument: the rows of every step
@@ -489,9 +497,9 @@ print(task_source(Scheduler._defer_for_in_batch_prefix, "4.5"))
 
 # %% [markdown]
 # Waiting costs the held-back request one step of latency, which is only worth it for a long shared stretch:
-# `EngineConfig.in_batch_prefix_threshold` (32 tokens, as in SGLang; `-1` switches the check off). The cooking
-# pair above shares 22 tokens, below the threshold, so both computed them. With a longer system prompt the
-# second request is held back:
+# `EngineConfig.in_batch_prefix_threshold` (32 tokens, as in SGLang; `-1` switches the check off, as we did for
+# the cooking pair above). That pair shares only 22 tokens, below the threshold: with the check on, both would
+# still have computed them. With a longer system prompt the second request is held back:
 
 # %%
 LONG_COOKING = COOKING + " Always list the ingredients first, then the steps, and keep every step short and clear."
@@ -600,9 +608,9 @@ print("salted roots:", sorted(salted.cache.tree.salted_roots))
 #
 # ## 8. The oracle check
 #
-# Two checks. First, the tokens: the three physics questions and the two cooking questions go to the default
-# engine (radix cache and overlap on) one after another, so that the later ones hit the cache; and again to an
-# engine with pages of 4. Both must give exactly the naive loop's greedy tokens, which has no cache at all.
+# Two checks. First, the tokens: the three physics questions and the two cooking questions go to `llm`'s engine
+# (radix cache on) one after another, so that the later ones hit the cache; and again to an engine with pages of
+# 4. Both must give exactly the naive loop's greedy tokens, which has no cache at all.
 
 # %%
 oracle_prompts = physics + [chat_ids(COOKING, q) for q in ["I have eggs and rice.", "I have pasta."]]
@@ -615,7 +623,7 @@ for r in page4_reqs:
     page4.add_request(r)
     page4.run_until_done()
 for o, d, r in zip(oracle, default_out, page4_reqs):
-    print(f"{o.prompt_tokens} prompt tokens, cached: default {d.cached_tokens:>2}, page 4 {r.cached_tokens:>2} | "
+    print(f"{o.prompt_tokens} prompt tokens, cached: page 1 {d.cached_tokens:>2}, page 4 {r.cached_tokens:>2} | "
           f"same as oracle: {d.output_ids == o.output_ids}, {r.output_ids == o.output_ids} | {o.text!r}")
 agree = sum(d.output_ids == o.output_ids for o, d in zip(oracle, default_out))
 agree4 = sum(r.output_ids == o.output_ids for o, r in zip(oracle, page4_reqs))
@@ -625,7 +633,7 @@ assert agree == agree4 == len(oracle)
 assert sum(d.cached_tokens for d in default_out) > 0 and all(r.cached_tokens % 4 == 0 for r in page4_reqs)
 
 # %% [markdown]
-# Second, the cache itself. The physics system prompt is now in the default engine's tree, its KV computed as
+# Second, the cache itself. The physics system prompt is now in `llm`'s tree, its KV computed as
 # part of the first question's prefill. We compute it again from scratch, alone, in a fresh engine without a
 # radix cache, and compare the two copies in the pool, layer by layer.
 
@@ -661,9 +669,9 @@ fresh_engine.run_until_done()
 # SGLang's shared-prefix workload: `G` groups of `P` requests; each prompt is its group's system prompt of `S`
 # tokens followed by a question of `Q` tokens; `O` output tokens each. Requests arrive one per engine step, in
 # random order, the way a server receives them. We serve it through `LLM`'s engine twice, with
-# `disable_radix_cache=True` and with the default configuration (radix cache and overlap scheduling on), and
-# compare the tokens prefilled (`engine.stats.prefill_tokens`) and the time. If each system prompt were computed
-# exactly once, prefill would be `G(S+Q) + (GP-G)Q` tokens; that is the ideal to compare with.
+# `disable_radix_cache=True` and with the radix cache on (no chunking, no overlap, as everywhere in this
+# chapter), and compare the tokens prefilled (`engine.stats.prefill_tokens`) and the time. If each system prompt
+# were computed exactly once, prefill would be `G(S+Q) + (GP-G)Q` tokens; that is the ideal to compare with.
 
 # %%
 G, P, S, Q, O = 3, 3, 192, 8, 3
@@ -689,8 +697,8 @@ def serve(**config):
     return dict(reqs=reqs, prefill=llm.engine.stats.prefill_tokens, wall=wall, cpu=cpu, hit=hit)
 
 
-runs = {"radix off": serve(disable_radix_cache=True), "default (radix on)": serve()}
-off, on = runs["radix off"], runs["default (radix on)"]
+runs = {"radix off": serve(**PLAIN, disable_radix_cache=True), "radix on": serve(**PLAIN)}
+off, on = runs["radix off"], runs["radix on"]
 ideal = G * (S + Q) + (G * P - G) * Q
 print(f"{G} groups x {P} requests, system prompt {S} + question {Q} tokens, {O} output tokens; "
       f"arrival order by group: {' '.join(str(g) for g, _ in workload)}")
@@ -698,12 +706,12 @@ for name, r in runs.items():
     print(f"{name:<26} prefill {r['prefill']:>5} tokens, wall {r['wall']:5.1f} s, CPU {r['cpu']:5.1f} s, "
           f"hit rate {r['hit']:4.0%}, cached per request {[q.cached_tokens for q in r['reqs']]}")
 print(f"ideal: {ideal} prefill tokens (each system prompt computed once)")
-print(f"default vs radix off: {off['prefill'] / on['prefill']:.1f}x fewer prefill tokens, "
+print(f"radix on vs off: {off['prefill'] / on['prefill']:.1f}x fewer prefill tokens, "
       f"{off['wall'] / on['wall']:.1f}x wall, {off['cpu'] / on['cpu']:.1f}x CPU time")
 for r in runs.values():
     assert [q.output_ids for q in r["reqs"]] == [q.output_ids for q in off["reqs"]]
 assert on["prefill"] < off["prefill"] and off["prefill"] == G * P * (S + Q)
-assert on["prefill"] == ideal  # true for this arrival order: see the caveat about overlap below
+assert on["prefill"] == ideal  # true for this arrival order: see the note about overlap below
 
 # %%
 fig, ax = plt.subplots(figsize=(8, 2.8))
@@ -763,11 +771,12 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# One detail of the default configuration matters here. It runs with overlap scheduling (chapter 06): the CPU
-# schedules step `N+1` *before* it processes step `N`'s results. Had `commit` waited for that processing, a
-# request would be matched against a tree that does not yet hold the prefix computed one step earlier, and two
-# requests of one group arriving back to back would both miss. The engine therefore commits prefill rows when
-# their step is *launched*: any later step that reads those slots runs after the step that writes them.
+# One detail matters once overlap scheduling (chapter 06) is on, as it is by default: the CPU then schedules step
+# `N+1` *before* it processes step `N`'s results. Had `commit` waited for that processing, a request would be
+# matched against a tree that does not yet hold the prefix computed one step earlier, and two requests of one
+# group arriving back to back would both miss. The engine therefore commits prefill rows when their step is
+# *launched*: any later step that reads those slots runs after the step that writes them. With overlap on, this
+# workload reaches the ideal all the same.
 #
 # The same comparison at a larger scale, and across the whole stage ladder of chapter 11, comes from the offline
 # benchmark: `python -m minisgl_ref bench offline --quick --workload shared-prefix --stage all` (4 groups x 8
@@ -804,34 +813,40 @@ assert paged_run["prefill_tokens"] >= 3 * radix_run["prefill_tokens"]
 #
 # ## Exercises
 #
-# 1. **Tasks 4.1 and 4.2.** Write `RadixCache.match_prefix` and `RadixCache.insert` (and `_split`, which both
-#    use). Check your version against the toy sequences of section 2, then grade it with
-#    `python -m pytest tests/test_kvcache_properties.py -k radix` and, end to end,
-#    `python -m pytest tests/test_engine_core.py -k radix`.
-# 2. **Task 4.3.** Write `inc_lock`, `dec_lock` and `evict`. What breaks if `evict` may take a locked leaf?
-#    Construct the failure with the toy tree: which request's KV is overwritten, and by whom? Grade with
-#    `python -m pytest tests/test_kvcache_properties.py -k RadixCache`.
-# 3. **Task 4.4.** Write `CacheManager.commit`. Then break it on purpose: skip the repointing of the page-table
-#    row (`req_to_token.write`). Which check of this chapter fails first, the slot count of section 6 or the
-#    oracle of section 8, and what would happen on a long-running server? Grade with
-#    `python -m pytest tests/test_engine_core.py -k "shared_new_prefix or radix"` and
-#    `python -m pytest tests/test_kvcache_properties.py` (its state machine checks, after every operation, that a
-#    row's shared part points at the tree). Then move the commit from `Engine._commit_launched` back to
-#    `Engine._process` and rerun section 9 with the arrival order `0 0 1 1 2 2 0 1 2`: count the misses with
-#    overlap on and off.
-# 4. **Task 4.5.** Write `Scheduler._defer_for_in_batch_prefix`. Then submit section 9's workload all at once
-#    with `llm.generate` (a fresh `LLM`), with `in_batch_prefix_threshold` set to -1, 8, 32 and 256: how do the
-#    prefill tokens and the number of steps change? What would a threshold of 1 cost a request whose only
-#    overlap is a one-token chat-template prefix? Grade with `python -m pytest tests/test_engine_core.py -k
-#    in_batch`.
+# Each task is a marked region (`# BEGIN TASK 4.n` ... `# END TASK 4.n`) whose function's docstring says what
+# to write; `python -m minisgl_ref.course grade --task 4.n` runs its tests, and `--chapter 4` runs all five.
+#
+# 1. **Task 4.1 (match).** Write the body of `RadixCache.match_prefix` (`_split` and `_common_len` are given).
+#    Check it against the toy sequences of section 2, then grade it with
+#    `python -m minisgl_ref.course grade --task 4.1`. Its tests build small trees by hand, so they do not need
+#    your `insert`.
+# 2. **Task 4.2 (insert).** Write the body of `RadixCache.insert`, then grade it with
+#    `python -m minisgl_ref.course grade --task 4.2`. Why must it return the number of tokens it already had,
+#    rather than the number it added?
+# 3. **Task 4.3 (locks and eviction).** Write the bodies of `inc_lock`, `dec_lock` and `evict`, then grade them
+#    with `python -m minisgl_ref.course grade --task 4.3`. What breaks if `evict` may take a locked leaf?
+#    Construct the failure with the toy tree: which request's KV is overwritten, and by whom?
+# 4. **Task 4.4 (commit).** Write the body of `CacheManager.commit`, then grade it with
+#    `python -m minisgl_ref.course grade --task 4.4` (among its checks, a state machine that checks after every
+#    operation that a request's row points at the tree for its shared part, and the engine against the oracle).
+#    Then break it on purpose: skip the repointing of the page-table row (`req_to_token.write`). Which check of
+#    this chapter fails first, the slot count of section 6 or the oracle of section 8, and what would happen on a
+#    long-running server? Once chapter 06's overlap scheduling is in, move the commit from
+#    `Engine._commit_launched` to `Engine._process` and rerun section 9 with the arrival order
+#    `0 0 1 1 2 2 0 1 2`, with overlap off and on: count the misses.
+# 5. **Task 4.5 (in-batch prefix caching).** Write the body of `Scheduler._defer_for_in_batch_prefix`, then grade
+#    it with `python -m minisgl_ref.course grade --task 4.5`. Then submit section 9's workload all at once with
+#    `generate` of a fresh `LLM(device="cpu", **PLAIN)`, with `in_batch_prefix_threshold` set to -1, 8, 32 and
+#    256: how do the prefill tokens and the number of steps change? What would a threshold of 1 cost a request
+#    whose only overlap is a one-token chat-template prefix?
 
 # %% [markdown]
 # ## Reproduce
 #
 # ```bash
 # python chapters/04_radix_cache.py                       # this chapter, end to end
-# python -m pytest tests/test_engine_core.py -k radix     # the graded tests of tasks 4.1-4.4
-# python -m pytest tests/test_kvcache_properties.py       # property tests of the tree and the allocator
+# python -m minisgl_ref.course grade --chapter 4          # the graded tests of tasks 4.1-4.5
+# python -m pytest tests/test_radix.py tests/test_kvcache_properties.py   # the same tests, and the allocator's
 # ```
 #
 # Measured on a 2-core x86_64 CPU (shared with other jobs), no GPU, Python 3.11, torch 2.13 (CPU), one torch
@@ -847,8 +862,8 @@ assert paged_run["prefill_tokens"] >= 3 * radix_run["prefill_tokens"]
 # | two new prompts sharing 40 tokens, in-batch check on / off | prefill 58 tokens (the second waits one step, 40 cached) / 98 tokens |
 # | offline bench, quick shared-prefix (4 x 8, S=480, Q=32), paged vs radix, one CPU run | prefill 16,384 vs 2,944 tokens (5.6x); 17.5 vs 65.3 output tok/s (3.7x) |
 # | shared-prefix workload (3 x 3, S=192, Q=8, O=3), prefill tokens | 1,800 without the radix cache, 648 with it (2.8x; the ideal is 648) |
-# | same workload, CPU time | 7.5-8.5 s vs 4.2-4.4 s (1.8-2.0x); wall 1.8-2.4x |
-# | whole chapter, `python chapters/04_radix_cache.py` | 46-63 s wall (42 s of CPU time), other jobs sharing the cores |
+# | same workload, CPU time | 5.7-5.9 s vs 2.7-2.8 s (2.1-2.2x); wall 2.1-2.2x |
+# | whole chapter, `python chapters/04_radix_cache.py` | 33 s of CPU time; 76-118 s wall, the cores heavily shared |
 #
 # Wall-clock times on a shared machine vary from run to run; token counts do not. The last cell prints this
 # run's numbers.

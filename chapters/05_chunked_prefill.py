@@ -16,9 +16,10 @@
 #
 # **What you will build.** The part of the scheduler that decides *how much prompt* to prefill in one step:
 # token budgets (`max_prefill_tokens`, `chunked_prefill_size`, `max_running_requests`), the admission loop that
-# applies them (`Scheduler._schedule_prefill`, task 5.1), prompts cut into chunks that are prefilled over several
-# steps, and *mixed* steps in which those chunks share a forward pass with the decode tokens of the requests
-# that are already generating (`enable_mixed_chunk`).
+# applies them (`Scheduler._schedule_prefill`; how much of a prompt one step takes and what it costs the step,
+# `Scheduler._admit_chunk`, is task 5.1), prompts cut into chunks that are prefilled over several steps, and
+# *mixed* steps in which those chunks share a forward pass with the decode tokens of the requests that are
+# already generating (`enable_mixed_chunk`).
 #
 # **Why it matters.** Chapter 03's scheduler gives prefill priority: whenever a new request fits, the next step
 # prefills it, and the running requests wait for that step to finish. For a short prompt that costs them one
@@ -239,10 +240,20 @@ def first_token_after_arrival(trace: Trace) -> float:
 # `Scheduler._schedule_prefill` applies all of them: a short loop over the candidates, a small function per
 # request (`_admit`: how many tokens, does the memory fit, allocate, add a row), and a `PrefillAdder` that carries
 # what the step still has room for (its token budget, the KV slots left after the reserves, and the tokens its
-# rows are computing). Read them first:
+# rows are computing). Without chunking (`chunked_prefill_size=-1`, chapter 03's engine) `_admit` sends the rest
+# of a prompt whole; with chunking it hands over to `_admit_chunk`. Read the loop and the whole-prompt admission
+# first:
 
 # %%
-print(task_source(Scheduler._schedule_prefill, "5.1"))
+print(inspect.getsource(Scheduler._schedule_prefill))
+print(inspect.getsource(Scheduler._admit))
+
+# %% [markdown]
+# and then the chunked admission, task 5.1 (its docstring, in `minisgl_ref/scheduler/scheduler.py`, spells out
+# the steps; `_add_prefill_row` allocates the slots, adds the row and moves the request on):
+
+# %%
+print(task_source(Scheduler._admit_chunk, "5.1"))
 
 # %% [markdown]
 # The loop in words:
@@ -553,13 +564,13 @@ print(f"longest stall of a running request: {stall_none:.2f} s without chunking,
 #
 # ## Exercises
 #
-# 1. **Task 5.1.** Rewrite `Scheduler._schedule_prefill` from the description in section 3. Before you do,
-#    answer: why must the chunked request be the first candidate, and why does the loop stop after a partial
-#    chunk instead of trying the next waiting request? Grade it with
-#    `python -m pytest tests/test_engine_core.py -k chunk`.
-# 2. **Break it on purpose.** Give a partial chunk `emits=True` (sample a token after the first chunk). Which
-#    assertion of this chapter fails first, and what does the wrong token mean for the user? Put it back and
-#    rerun the same pytest command.
+# 1. **Task 5.1.** Write `Scheduler._admit_chunk` from the description in section 3. Before you do, answer: why
+#    must the chunked request be the first candidate, why does the loop stop after a partial chunk instead of
+#    trying the next waiting request, and why does a partial chunk reserve nothing for the output? Grade it with
+#    `python -m minisgl_ref.course grade --task 5.1`.
+# 2. **Break it on purpose.** Give a partial chunk `emits=True` in `Scheduler._add_prefill_row` (sample a token
+#    after the first chunk). Which assertion of this chapter fails first, and what does the wrong token mean for
+#    the user? Put it back and grade again.
 # 3. **Starvation without mixing.** Section 4 shows chunking alone starves decode while one prompt is chunked.
 #    Add a knob that forces a decode step after every `k` consecutive prefill steps (SGLang has discussed such a
 #    "consecutive prefill budget"). Plot the longest gap of A-C and L's TTFT for `k` = 1, 2, 4, and check the
@@ -572,7 +583,7 @@ print(f"longest stall of a running request: {stall_none:.2f} s without chunking,
 #
 # ```bash
 # python chapters/05_chunked_prefill.py                        # this chapter, end to end
-# python -m pytest tests/test_engine_core.py -k chunk          # the tests of task 5.1
+# python -m minisgl_ref.course grade --task 5.1              # the tests of task 5.1
 # python -m pytest tests/test_notebooks.py -q -k 05            # the notebook runs top to bottom
 # ```
 #

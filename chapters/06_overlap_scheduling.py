@@ -15,8 +15,9 @@
 # # Chapter 06 — Overlap scheduling
 #
 # **What you will build.** The engine loop that prepares step N+1 on the CPU *while the device is still running
-# step N*, and looks at step N's tokens only afterwards: `Engine.step` with overlap (the default) and the result
-# processing it relies on, `Engine._process` (together, task 6.1).
+# step N*, and looks at step N's tokens only afterwards: the overlapped step (`Engine._step_overlap`, which
+# `Engine.step` runs when overlap is on, the default), the processing of the step in flight one call late
+# (`Engine._finish_inflight`), and the frees that wait for that step (`InflightFrees`): together, task 6.1.
 #
 # **Why it matters.** Every step has a CPU part that is pure Python bookkeeping: choose the batch (chapters
 # 03-05), build its metadata, read the sampled tokens back and apply the stop rules. In a plain loop the device
@@ -43,8 +44,8 @@
 #    stop on EOS, stop strings and stop tokens in the middle of a batch.
 #
 # Modules: `minisgl_ref/engine/engine.py` (task 6.1, `Engine.step`), `minisgl_ref/engine/model_runner.py` (the
-# token buffer, `StepOutput`), `minisgl_ref/kvcache/inflight.py` (`InflightFrees`: frees that wait for the step in
-# flight), `minisgl_ref/scheduler/scheduler.py` (`NEED_SYNC`).
+# token buffer, `StepOutput`), `minisgl_ref/kvcache/inflight.py` (task 6.1, `InflightFrees`: frees that wait for
+# the step in flight), `minisgl_ref/scheduler/scheduler.py` (`NEED_SYNC`).
 
 # %% tags=["setup"]
 import inspect
@@ -208,10 +209,18 @@ print("(medians per decode step, in ms)")
 #     CPU->>CPU: schedule(N+2)  (N+1 is still running)
 # ```
 #
-# Here is `Engine.step`, with `_process`, which it calls one step late: together they are **task 6.1**.
+# `Engine.step` runs `_step_sync` without overlap (chapter 03's loop) and `_step_overlap` with it. Here is the
+# overlapped step, with `_finish_inflight`, which processes the step in flight one call late: they are the
+# engine's part of **task 6.1** (the frees of race 2 below are the rest).
 
 # %%
 print(task_source(Engine.step, "6.1"))
+
+# %% [markdown]
+# Processing a step is the same with and without overlap, so `_process` is shared by both loops:
+
+# %%
+print(inspect.getsource(Engine._process))
 
 # %% [markdown]
 # Four mechanisms make this possible.
@@ -477,10 +486,12 @@ assert results[False][1] == 0 and results[True][1] > 0
 # step N+1 may still write it.
 #
 # Every free therefore goes through one object, `InflightFrees`, which the engine owns and hands to the cache
-# manager as its way to free. The engine tells it when a step is launched (`launch()`) and when one has been
-# processed (`processed(step)`); a free made while a step is in flight is parked, tagged with the newest launched
-# step, and reaches the allocator only once that step has been processed, when the device is certainly done with
-# it. Without overlap the same object frees right after the step, so one mechanism serves both loops:
+# manager as its way to free. The overlapped engine tells it when a step is launched (`launch()`) and when one has
+# been processed (`processed(step)`); a free made while a step is in flight is parked, tagged with the newest
+# launched step, and reaches the allocator only once that step has been processed, when the device is certainly
+# done with it. Without overlap the engine reports no step to it, nothing is ever in flight, and every free is
+# immediate, so one object serves both loops. Parking (`free`, `later`) and releasing (`processed`) are the other
+# part of task 6.1:
 
 # %%
 print(inspect.getsource(InflightFrees))
@@ -619,9 +630,9 @@ assert any(r.finish_reason.matched in eos for r in naive_reqs)
 #
 # ## Exercises
 #
-# 1. **Task 6.1.** Rewrite `Engine.step` and `Engine._process`. Then delete the `not row.is_live` check in
-#    `_process` and run section 5: what fails, and with which message? Grade it with
-#    `python -m pytest tests/test_engine_core.py -k overlap`.
+# 1. **Task 6.1.** Write `Engine._step_overlap`, `Engine._finish_inflight` and the parking and releasing of
+#    `InflightFrees` (`free`, `later`, `processed`). Grade it with `python -m minisgl_ref.course grade --task 6.1`.
+#    Then delete the `not row.is_live` check in `_process` and run section 5: what fails, and with which message?
 # 2. **Deferred frees.** Make `InflightFrees.free` give slots back at once even while a step is in flight. Do the
 #    outputs change on this CPU? Explain why not, using the ordering argument of race 2, and describe a change to
 #    the engine (a second stream, or a reused pinned host buffer) after which they could.
@@ -642,7 +653,7 @@ assert any(r.finish_reason.matched in eos for r in naive_reqs)
 #
 # ```bash
 # python chapters/06_overlap_scheduling.py                      # this chapter, end to end
-# python -m pytest tests/test_engine_core.py -k overlap         # the tests of task 6.1
+# python -m minisgl_ref.course grade --task 6.1               # the tests of task 6.1
 # python -m pytest tests/test_notebooks.py -q -k 06             # the notebook runs top to bottom
 # ```
 #

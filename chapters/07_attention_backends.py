@@ -38,9 +38,9 @@
 # 1. read the interface (`init_forward_metadata` once per step, `attend_extend` / `attend_decode` per layer, and
 #    three CUDA-graph hooks) and see what each backend plans per step (task 7.2 is the Triton backend's plan);
 # 2. take the split-KV ("flash-decoding") decode kernel apart: why the context is cut into pieces and why the
-#    pieces can be merged exactly (a figure and a numerical check);
+#    pieces can be merged exactly (a figure and a numerical check), then the merge as a Triton kernel (task 7.1);
 # 3. run our Triton kernels on this CPU in Triton's interpreter against `torch_native`, on tiny shapes;
-# 4. choose backends with SGLang's flags, including a different backend per phase (task 7.1);
+# 4. choose backends with SGLang's flags, including a different backend per phase;
 # 5. read the H100 results: every backend against `torch_native` on a grid of shapes, and each backend's decode
 #    bandwidth against the measured copy bandwidth (the roofline), our Triton kernel as a fraction of FlashInfer.
 #
@@ -75,6 +75,7 @@ from minisgl_ref.attention.registry import (
 )
 from minisgl_ref.attention.torch_native import TorchNativeBackend
 from minisgl_ref.attention.triton_backend import TritonAttnBackend
+from minisgl_ref.attention.triton_kernels import decode_attention, merge_kv_splits
 from minisgl_ref.core.config import ATTENTION_BACKENDS, EngineConfig
 from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
 from minisgl_ref.course import task_source
@@ -258,6 +259,40 @@ print(f"max |merged - full| = {(merged - full).abs().max().item():.1e} (float64)
 assert torch.allclose(merged, full, atol=1e-12)
 
 # %% [markdown]
+# ### The merge as a kernel (task 7.1)
+#
+# Stage 2 of our decode kernel is exactly that merge, for every request and head at once: grid `(B, H)`, one
+# program per request and head, all of its pieces loaded in one tile. Two details make it a kernel rather than
+# the ten lines above. It does not receive the pieces' boundaries: it recomputes from the context length how
+# stage 1 cut it (`min(max_splits, cdiv(n, min_split_len))` pieces of `cdiv(n, pieces)` tokens, the last one
+# shorter), so a CUDA graph needs no per-request split metadata; a short request uses fewer pieces, and the
+# scratch slots of the pieces it did not use hold garbage that must get weight 0. And it works in base 2 like
+# stage 1: `lse` is a log2-sum-exp2 and the weights are `exp2(lse - max)`.
+
+# %%
+print(task_source(decode_attention, "7.1"))
+
+# %% [markdown]
+# The same 1000 scores, cut the way stage 1 cuts a context of 1000 tokens with `max_splits=8` and
+# `min_split_len=150`: 7 pieces (six of 143 tokens and one of 142), the 8th scratch slot unused (NaN here), then
+# merged by the kernel (in Triton's interpreter on this CPU):
+
+# %%
+n_ctx, max_splits, min_split_len = 1000, 8, 150
+split_len = -(-n_ctx // min(max_splits, -(-n_ctx // min_split_len)))
+mid_o = torch.full((1, 1, max_splits, 64), float("nan"))  # [B, H, splits, D]; unused slots hold garbage
+mid_lse = torch.full((1, 1, max_splits), float("nan"))
+for i, lo in enumerate(range(0, n_ctx, split_len)):
+    piece = slice(lo, min(lo + split_len, n_ctx))
+    mid_o[0, 0, i] = (torch.softmax(scores[piece], 0) @ values[piece]).float()
+    mid_lse[0, 0, i] = torch.logsumexp(scores[piece], 0) / math.log(2)  # log2 units, as stage 1 stores it
+out = torch.empty(1, 1, 64)
+merge_kv_splits(mid_o, mid_lse, out, torch.tensor([0, n_ctx], dtype=torch.int32), max_splits, min_split_len)
+print(f"{len(range(0, n_ctx, split_len))} pieces of up to {split_len} tokens; max |kernel - full softmax| = "
+      f"{(out[0, 0].double() - full).abs().max().item():.1e} (float32 pieces)")
+assert torch.allclose(out[0, 0].double(), full, atol=1e-5)
+
+# %% [markdown]
 # ## 3. Our Triton kernels on this CPU
 #
 # With `TRITON_INTERPRET=1` set before `triton` is imported, `@triton.jit` kernels run in Triton's interpreter:
@@ -298,10 +333,10 @@ for label, specs, decode, splits in [
 #
 # SGLang's three flags, on every command (`generate`, `bench offline`, `serve`) and as `LLM(...)` keywords:
 # `--attention-backend` for both phases, `--prefill-attention-backend` / `--decode-attention-backend` to override
-# one phase. With no flag the device decides (task 7.1):
+# one phase. With no flag the device decides:
 
 # %%
-print(task_source(default_backends, "7.1"))
+print(inspect.getsource(default_backends))
 
 # %% [markdown]
 # Why two backends by default on a Hopper GPU? Prefill is matrix work, where FA3's Hopper kernels (warpgroup
@@ -508,15 +543,24 @@ for shape in sorted({(r["batch"], r["prefix"], r["extend"]) for r in prefill_row
 #
 # ## Exercises
 #
-# 1. **Splits.** `TritonAttnBackend.num_kv_splits` aims at 4 programs per SM. Time the decode kernel at batch 1
+# 1. **Task 7.1 (the merge).** Rewrite the `TASK 7.1` region of `_decode_stage2_kernel` in
+#    `minisgl_ref/attention/triton_kernels/decode_attention.py` from its docstring and section 2. Work one request
+#    through on paper first: 10 tokens, `max_splits=4`, `min_split_len=4`; how many pieces, of which lengths,
+#    and which scratch slots must get weight 0? Grade it with `python -m minisgl_ref.course grade --task 7.1`
+#    (on the CPU, in Triton's interpreter: the checks feed the merge pieces computed in float64, with NaN in the
+#    slots it must not read).
+# 2. **Task 7.2 (the plan).** Rewrite `TritonAttnBackend.init_forward_metadata` (section 1 shows what it builds).
+#    Why does decode read `seq_lens` through the page table but extend only `prefix_lens`? Grade it with
+#    `python -m minisgl_ref.course grade --task 7.2`.
+# 3. **Splits.** `TritonAttnBackend.num_kv_splits` aims at 4 programs per SM. Time the decode kernel at batch 1
 #    and 64 (context 2048) with `max_kv_splits=1` and with the default on a GPU. Where does splitting pay, and why
 #    does it matter less at batch 256?
-# 2. **GQA.** At GQA 4 our decode kernel reaches a lower fraction of FlashInfer than at GQA 2 (section 5). Count
+# 4. **GQA.** At GQA 4 our decode kernel reaches a lower fraction of FlashInfer than at GQA 2 (section 5). Count
 #    the programs of stage 1 at batch 64 for both ratios and propose a change to `num_kv_splits`.
-# 3. **Pages.** The FlashInfer and FA3 backends show the pool as pages of one token. Write the metadata for real
+# 5. **Pages.** The FlashInfer and FA3 backends show the pool as pages of one token. Write the metadata for real
 #    pages of 16 tokens (FA3: `table[rows, ::16] // 16`; FlashInfer: page indices and `last_page_len`) and
 #    check it against `torch_native` in `tests/test_attention_backends.py`.
-# 4. **A fifth backend.** Add `sdpa` (PyTorch's `scaled_dot_product_attention` over gathered K/V): one file,
+# 6. **A fifth backend.** Add `sdpa` (PyTorch's `scaled_dot_product_attention` over gathered K/V): one file,
 #    `minisgl_ref/attention/sdpa_backend.py`, with a constructor, `init_forward_metadata`, `attend_extend` and
 #    `attend_decode` (the base class already stores K/V), one entry in `registry.BACKENDS` and its name in
 #    `ATTENTION_BACKENDS`. Check it against `torch_native` as the tests do. Which of the three CUDA-graph hooks
@@ -526,7 +570,8 @@ for shape in sorted({(r["batch"], r["prefix"], r["extend"]) for r in prefill_row
 #
 # ```bash
 # python chapters/07_attention_backends.py                                  # this chapter (CPU, interpreter)
-# python -m pytest tests/test_attention_backends.py -q -p no:cacheprovider  # CPU: tasks 7.1-7.2 and more
+# python -m minisgl_ref.course grade --chapter 7                            # tasks 7.1 and 7.2 (CPU checks)
+# python -m pytest tests/test_attention_backends.py -q -p no:cacheprovider  # every CPU test of the backends
 # ./minisgl generate --attention-backend triton "Hello"                     # on a GPU (CPU: TRITON_INTERPRET=1)
 # # on an H100 with flashinfer-python and FlashAttention-3 installed:
 # bash scripts/gpu/attention.sh                     # pytest -m gpu + python -m benchmarks.kernels

@@ -28,8 +28,8 @@
 # In this chapter you will:
 #
 # 1. count the kernels of a decode step and turn launch overhead into a time budget;
-# 2. build the batch-size ladder and the padding rule (task 8.1), and see what a replay copies (task 8.2), on
-#    this CPU;
+# 2. build the batch-size ladder and capture a graph per size (task 8.1), then replay a padded batch (task
+#    8.2), on this CPU with stand-in graphs that re-run what they captured on the same static buffers;
 # 3. read the three attention-backend hooks that let a graph's metadata change between replays;
 # 4. read the GPU measurements: decode step time with and without graphs, per batch size (H100);
 # 5. look at the other per-token costs of a step, and what removing each one bought.
@@ -51,10 +51,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.attention.base import AttentionBackend
+from minisgl_ref.attention.torch_native import TorchStaticBackend
 from minisgl_ref.bench.offline import QUICK_MODEL_CONFIG
 from minisgl_ref.course import task_source
 from minisgl_ref.engine import cuda_graph
-from minisgl_ref.engine.cuda_graph import capture_batch_sizes, padded_batch_size
+from minisgl_ref.engine.cuda_graph import CudaGraphRunner, RerunGraphFactory, capture_batch_sizes, padded_batch_size
 
 CHAPTER_START = time.perf_counter()
 torch.set_num_threads(int(os.environ.get("MINISGL_THREADS", "1")))
@@ -130,14 +131,14 @@ while engine.has_work:
     engine.step()
 
 # %% [markdown]
-# ## 2. Capture sizes and padding (task 8.1)
+# ## 2. Capture sizes, padding, and the capture itself (task 8.1)
 #
 # A graph has fixed shapes, so it is captured per batch size. Capturing every size from 1 to 256 would take
 # hundreds of captures and memory for each; SGLang captures a ladder instead and pads: a batch of 13 runs in
-# the graph for 16, with 3 padding rows.
+# the graph for 16, with 3 padding rows. The ladder is the first part of task 8.1:
 
 # %%
-print(task_source(cuda_graph, "8.1"))
+print(inspect.getsource(capture_batch_sizes))
 
 # %%
 sizes = capture_batch_sizes(256)
@@ -163,32 +164,69 @@ for n in (1, 3, 5, 13, 100, 250):
 print("DUMMY_ROW =", cuda_graph.DUMMY_ROW)
 
 # %% [markdown]
+# **Capturing.** The runner allocates its static inputs once, `max_bs` rows each, all dummy rows at rest. For
+# each size of the ladder, largest first (the graphs share one memory pool, which the largest sizes), it builds a
+# decode batch of dummy requests whose tensors are *views* of those buffers, lets the attention backend point its
+# metadata at its own static buffers (`prepare_capture`), runs the step twice outside any graph (the warm-up:
+# library handles, kernel compilation and autotuning must not happen while recording), then records it. The
+# recorded graph keeps the addresses of those views and of its output, which is why every later step has to be
+# copied *into* them. Task 8.1 is both parts, the ladder and this loop:
+
+# %%
+print(task_source(cuda_graph, "8.1"))
+
+# %% [markdown]
+# The graphs come from a *graph factory*. On a GPU, `CudaGraphFactory` records real CUDA graphs on a side stream
+# into one shared pool. Here there is no GPU, so we use the stand-in `RerunGraphFactory`: "capturing" runs the
+# step once and keeps the function and its batch, and "replaying" runs the same function on the same batch again
+# and writes the result into the output tensor returned at capture. Since that batch's tensors are the static
+# buffers, a stand-in replay sees exactly what was copied into them, as a real one would. The model is section
+# 1's; the attention backend is `TorchStaticBackend`, `torch_native` with its decode metadata in static buffers
+# (section 4 shows its hooks), over the engine's own KV pool and page table.
+
+# %%
+static_backend = TorchStaticBackend(engine.runner.attn_backend.kv_pool, engine.runner.req_to_token)
+factory = RerunGraphFactory()
+graphs = CudaGraphRunner(engine.runner.model, static_backend, torch.device("cpu"), max_bs=8,
+                         graph_factory=factory)  # fmt: skip
+print(f"captured sizes {graphs.batch_sizes} in {graphs.capture_seconds:.2f} s; the factory saw, in order:")
+print("  " + ", ".join(f"{what} {bs}" for what, bs in factory.log))
+print("static inputs at rest:", {name: buf.tolist() for name, buf in graphs.static.items()})
+
+# %% [markdown]
 # ## 3. What a replay copies (task 8.2)
 #
-# A graph replays the addresses it recorded, so the step's inputs must be *copied into* buffers that never move.
-# Here is the replay code, then the padded batch it builds, on CPU tensors for our decode batch of 5 requests
-# padded to a graph of 8, to show exactly what the static buffers hold.
+# A replay picks the graph of the smallest captured size that holds the batch, copies the batch into the first
+# rows of the static inputs and the dummy request into the rest, lets the backend refill its metadata
+# (`prepare_replay`), replays, and returns the real rows of the graph's output:
 
 # %%
 print(task_source(cuda_graph, "8.2"))
 
+# %% [markdown]
+# Five requests of 30 prompt tokens: prefill them with the engine, schedule their decode step, and run it
+# through the graph for 8 (stand-in) and eagerly (the engine's own `torch_native` step).
+
 # %%
-def simulate_replay(fb, graph_bs: int) -> dict:
-    """What ``CudaGraphRunner.replay`` writes into the static buffers: the real requests, then dummy ones."""
-    pad = graph_bs - fb.batch_size
-    return {name: getattr(fb, name).tolist() + [dummy] * pad for name, dummy in cuda_graph.DUMMY_ROW.items()}
-
-
-for i in range(5):  # five requests of 30 prompt tokens: prefill them, then schedule their decode step
+for i in range(5):
     engine.add_request(llm.make_request(list(range(10 + i, 40 + i)), greedy))
 engine.step()
 fb = engine.runner.prepare(engine.scheduler.schedule())
-for name, values in simulate_replay(fb, padded_batch_size(capture_batch_sizes(8), fb.batch_size)).items():
-    print(f"{name:>17}: {values}")
+with torch.inference_mode():
+    replayed = graphs.replay(fb).clone()
+    eager, _ = engine.runner.forward(fb)
+print(f"replayed logits {tuple(replayed.shape)} (a view of the graph's {tuple(graphs.outputs[8].shape)} output); "
+      f"max |replay - eager| = {(replayed - eager).abs().max().item():.1e}")
+assert replayed.shape == eager.shape and torch.allclose(replayed, eager, atol=1e-4, rtol=1e-4)
+for name, buf in graphs.static.items():
+    print(f"{name:>17}: {buf.tolist()}")
 
 # %% [markdown]
-# Rows 0-4 are the real requests (their token from the device token buffer, their position = context length - 1,
-# a freshly allocated KV slot, their page-table row, their length); rows 5-7 are the dummy requests.
+# Rows 0-4 of the static inputs are the real requests (their token from the device token buffer, their position
+# = context length - 1, a freshly allocated KV slot, their page-table row, their length); rows 5-7 are dummy
+# requests again. The replay is the same computation as the eager step (two attention implementations, so the
+# logits agree to rounding); the tests of task 8.2 also replay smaller batches after larger ones, where a
+# forgotten refill of the dummy rows would leave an earlier request's slot in a padding row.
 #
 # ## 4. The attention backend's three hooks
 #
@@ -203,14 +241,25 @@ for hook in ("init_graph_buffers", "prepare_capture", "prepare_replay"):
     print(f"{hook}{inspect.signature(getattr(AttentionBackend, hook))}\n    {doc}\n")
 
 # %% [markdown]
+# The smallest example is the `TorchStaticBackend` of sections 2 and 3: its decode reads two device tensors,
+# each request's page-table row and length, and under graphs those are views of two buffers of `max_bs` entries:
+
+# %%
+for hook in ("init_graph_buffers", "prepare_capture", "prepare_replay"):
+    print(inspect.getsource(getattr(TorchStaticBackend, hook)))
+
+# %% [markdown]
 # The replay hook runs before *every* graphed decode step, so it must refill the buffers in place and must not
 # wait for the GPU: the Triton backend does it with a cumsum and one small kernel (`build_kv_indices`); the
 # FlashInfer backend also re-plans its split-KV schedule on the host, from the lengths the scheduler already
 # knows (`seq_lens_cpu`), so that no device-to-host copy is needed.
 #
-# Correctness check (`tests/test_cuda_graph.py`, on the GPU): a replay gives **bit-identical** logits to the
-# same padded batch run eagerly (Triton and FlashInfer backends, batch sizes 1, 3, 8, 13, 16), and a whole
-# engine with graphs generates exactly the same greedy tokens as without.
+# Correctness checks (`tests/test_cuda_graph.py`). On the CPU, with stand-in graphs and a toy model: the capture
+# records every size, largest first, each after its backend hook and a warm-up, on the static buffers; a replay
+# returns the eager step's logits for batches of every size, in an order where smaller batches follow larger
+# ones, and leaves dummy rows in the padding. On the GPU, with real graphs: a replay gives **bit-identical**
+# logits to the same padded batch run eagerly (Triton and FlashInfer backends, batch sizes 1, 3, 8, 13, 16), and
+# a whole engine with graphs generates exactly the same greedy tokens as without.
 #
 # ## 5. GPU results: decode step time, eager vs graph
 #
@@ -299,20 +348,23 @@ for label in ("overlap / fa3+flashinfer (default) / graphs off", "overlap / fa3+
 # %% [markdown]
 # ## Exercises
 #
-# 1. **Task 8.1 (the ladder).** Rewrite the `TASK 8.1` region of `minisgl_ref/engine/cuda_graph.py` and check it
-#    with `python -m pytest tests/test_cuda_graph.py -k "capture_batch_sizes or padded_batch_size"`. Then try a
-#    ladder of powers of two only (1, 2, 4, ..., 256): how many graphs does it capture, and what is the average
-#    share of wasted rows over every batch size from 1 to 256, against the ladder above? At which batch sizes
-#    would the extra rows cost real GPU time (hint: the graph step time in section 5 starts to grow with batch)?
-# 2. **Padding is data.** Change `DUMMY_ROW["out_cache_loc"]` from 0 to 5 and explain, without a GPU, which
-#    real request's KV a padded replay would now overwrite, and why page 0 is the only safe slot. Which test
-#    catches it on a GPU? (`python -m pytest -m gpu tests/test_cuda_graph.py` compares graphed and eager greedy
-#    tokens.) What would go wrong with `"seq_lens": 0` instead of 1, for a kernel that divides by the length
-#    or reads the last valid slot?
-# 3. **Task 8.2 (the replay).** Rewrite the `TASK 8.2` region. On the CPU, use `simulate_replay` of section 3
-#    to print the static buffers for a decode batch of 13 requests: how many dummy rows, and what does each
-#    buffer hold in them? On a GPU, `python -m pytest -m gpu tests/test_cuda_graph.py -k bitwise` checks that
-#    a replay is bit-identical to the eager step.
+# 1. **Task 8.1 (capture).** Rewrite both `TASK 8.1` regions of `minisgl_ref/engine/cuda_graph.py`: the ladder
+#    in `capture_batch_sizes` and the loop in `CudaGraphRunner.capture`. Grade them with
+#    `python -m minisgl_ref.course grade --task 8.1` (on the CPU, with the stand-in graphs of section 2). Then
+#    try a ladder of powers of two only (1, 2, 4, ..., 256): how many graphs does it capture, and what is the
+#    average share of wasted rows over every batch size from 1 to 256, against the ladder above? At which batch
+#    sizes would the extra rows cost real GPU time (hint: the graph step time in section 5 starts to grow with
+#    batch)?
+# 2. **Task 8.2 (replay).** Rewrite the `TASK 8.2` region of `CudaGraphRunner.replay` and grade it with
+#    `python -m minisgl_ref.course grade --task 8.2` (the CPU checks; on a GPU the same command also runs the
+#    bitwise replay-vs-eager check). Then replay a batch of 13 requests with `max_bs=16` as in section 3: how
+#    many dummy rows, and what does each static buffer hold in them? What does a stand-in replay check, and
+#    which mistakes would only a real graph expose (think of host-side values read during the step, and tensors
+#    allocated anew)?
+# 3. **Padding is data.** Change `DUMMY_ROW["out_cache_loc"]` from 0 to 5 and explain, without a GPU, which
+#    real request's KV a padded replay would now overwrite, and why page 0 is the only safe slot. What would go
+#    wrong with `"seq_lens": 0` instead of 1, for a kernel that divides by the length or reads the last valid
+#    slot? (`python -m pytest -m gpu tests/test_cuda_graph.py` compares graphed and eager greedy tokens on a GPU.)
 # 4. **Launch cost from the data.** From `GPU["decode_steps"]` (section 5) compute, per batch size,
 #    `(eager_ms - graph_ms) / kernels`, with the 369 kernels per step of section 1. Is the result inside the
 #    5-10 µs per launch of the introduction? Why does it shrink at batch 256?
@@ -327,11 +379,13 @@ for label in ("overlap / fa3+flashinfer (default) / graphs off", "overlap / fa3+
 #
 # ```bash
 # python chapters/08_cuda_graphs.py
+# python -m minisgl_ref.course grade --chapter 8        # tasks 8.1 and 8.2 (their GPU check is blocked on a CPU)
 # python -m pytest tests/test_cuda_graph.py -q          # the GPU tests are skipped without CUDA
 # ```
 #
 # Expected anywhere (deterministic): 35 graphs for a maximum batch of 256 (1, 2, 4, 8, then every multiple of
-# 8), a batch of 13 padded to 16 and a batch of 100 to 104.
+# 8), a batch of 13 padded to 16 and a batch of 100 to 104; with stand-in graphs, four captures (8, 4, 2, 1, each
+# after two warm-ups) and a replay of 5 requests in the graph for 8 that matches the eager step to rounding.
 #
 # On one H100 (or any CUDA GPU with FlashInfer and FlashAttention-3 installed), from the repository root:
 #

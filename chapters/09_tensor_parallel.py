@@ -193,6 +193,9 @@ print(inspect.getsource(CheckpointTensor.narrow))
 #   input columns of its rank's query heads (`QKVParallelLinear.q_shard`), so the split need not be even.
 # * **Fewer KV heads than ranks**: each KV head is **replicated** on `tp / kv_heads` ranks, which split its query
 #   heads. Replicated KV heads cost memory (every copy caches the same K and V) but no communication.
+#
+# At tp=1 there is nothing to split: `shard_heads` returns the whole model before the split begins, so every
+# chapter before this one loads its models without ever running it.
 
 # %%
 print(task_source(shard_heads, "9.1"))
@@ -280,6 +283,13 @@ print(task_source(TPEngine, "9.2"))
 # scheduler process per rank, where only rank 0 reads requests from the tokenizer process and sends results on;
 # `python -m minisgl_ref generate --tp-size 2` goes through `LLM`. Across machines the flags are SGLang's: on each
 # of two nodes, `--tp-size 16 --nnodes 2 --node-rank {0,1} --dist-init-addr HOST0:PORT`.
+#
+# A follower that fails (an exception in its loop, a `NotImplementedError` in an unfinished one) cannot tell the
+# leader through the broadcast, which only goes from rank 0 outwards, and the leader would otherwise see only
+# its own socket closing ("connection closed by peer"). So before it exits, the follower writes its error into
+# the process group's key-value store (the one the ranks met through, hosted by rank 0's process), and the
+# leader, when a broadcast or a collective fails, reads it and raises `FollowerFailed` with the follower's own
+# message.
 #
 # Greedy, seeded sampling and a stop token, at tp=2 against tp=1:
 
@@ -447,11 +457,15 @@ else:
 # %% [markdown]
 # ## Exercises
 #
-# 1. **Task 9.1.** Rewrite `shard_heads`. `python -m pytest tests/test_tensor_parallel.py -k "shard_heads or
-#    logits"` grades it. Why must the first ranks (not the last) take the extra group when the KV heads do not
+# 1. **Task 9.1.** Rewrite the split in `shard_heads` (`minisgl_ref/layers/linear.py`) and grade it with
+#    `python -m minisgl_ref.course grade --task 9.1` (the head tables first, then the logits of real ranks at
+#    tp=2 and tp=4). Why must the first ranks (not the last) take the extra group when the KV heads do not
 #    divide, for `RowParallelLinear`'s `shard` to line up? (Hint: it does not matter, as long as `q_shard` follows
 #    the same rule. Check that claim by flipping the rule.)
-# 2. **Task 9.2.** Rewrite `TPEngine.follow`. Then remove `RankZeroTokens` from `TPEngine.__init__`: do the tests
+# 2. **Task 9.2.** Rewrite `TPEngine.follow` (`minisgl_ref/tp/engine.py`) and grade it with
+#    `python -m minisgl_ref.course grade --task 9.2`. The first checks run a leader and a follower in one process
+#    (the follower is fed exactly what the leader broadcast, and must add, abort, flush and step as the leader
+#    did); the others start real ranks. Then remove `RankZeroTokens` from `TPEngine.__init__`: do the tests
 #    still pass on this CPU? Argue why they would, and name something on a GPU that could make them fail.
 # 3. **An op we forgot.** The server's `/flush_cache` empties the radix cache on rank 0. Trace how the followers
 #    learn of it. What would happen, several requests later, if they did not?
@@ -469,7 +483,8 @@ else:
 #
 # ```bash
 # python chapters/09_tensor_parallel.py                 # this chapter, end to end, on CPU (gloo, 2 ranks)
-# python -m pytest tests/test_tensor_parallel.py        # 20 tests, ~2 min: logits at tp=2/4, LLM, 2 nodes, server
+# python -m minisgl_ref.course grade --chapter 9        # tasks 9.1 and 9.2, about a minute
+# python -m pytest tests/test_tensor_parallel.py        # every test, ~2 min: logits at tp=2/4, LLM, 2 nodes, server
 # python -m minisgl_ref generate --tp-size 2 "What is the capital of France?"
 # python -m minisgl_ref serve --tp-size 2               # one scheduler process per rank
 # # two GPUs with flashinfer-python and FlashAttention-3 installed:

@@ -17,8 +17,9 @@
 # **What you will build.** `python -m minisgl_ref serve`: the engine of chapters 03-09 behind an HTTP server that
 # speaks OpenAI's API (`/v1/chat/completions`, `/v1/completions`, `/v1/models`) and SGLang's native one
 # (`/generate` and friends), streams tokens as they are made, notices clients that leave, and reports Prometheus
-# metrics. Then `python -m minisgl_ref bench serving`, the load generator that measures a server the way its users
-# experience it (task 10.1).
+# metrics. Its heartbeat is the scheduler's loop, which feeds the engine and drains it (task 10.2). Then
+# `python -m minisgl_ref bench serving`, the load generator that measures a server the way its users experience
+# it (task 10.1).
 #
 # **Why it matters.** Up to now one Python call owned the engine: `LLM.generate` handed it every request at once
 # and waited for all of them. A server is different in every way that matters. Requests arrive one by one, at
@@ -34,7 +35,8 @@
 #
 # 1. see the four processes and why the work is split that way;
 # 2. encode the messages they exchange, and count their bytes;
-# 3. follow one request end to end, from the HTTP handler to the scheduler to the detokenizer and back;
+# 3. follow one request end to end, from the HTTP handler to the scheduler to the detokenizer and back, and write
+#    the scheduler's loop: receive, step, send (task 10.2);
 # 4. start the real server on the embedded model and watch it refuse connections until the model is loaded;
 # 5. talk to it with the official `openai` client, check it against the oracle, and read a raw SSE stream;
 # 6. send it bad requests, walk away from a stream mid-way, and read its metrics;
@@ -71,7 +73,9 @@ from minisgl_ref.bench.serving import (
     format_report,
     run_benchmark,
 )
-from minisgl_ref.server import messages
+from minisgl_ref.bench import serving
+from minisgl_ref.course import task_source
+from minisgl_ref.server import messages, scheduler_process
 from minisgl_ref.core.config import ModelArgs
 from minisgl_ref.server.args import Addresses, ServerArgs
 from minisgl_ref.server.detokenizer_process import DetokenizerWorker, load_tokenizer
@@ -267,6 +271,33 @@ shutil.rmtree(addrs.folder)  # the socket folder of this demo
 # tokens. Step 1 ends in the middle of the first one, so decoding its ids would end in a broken character; the
 # incremental detokenizer (chapter 02) then sends nothing at all and waits, and step 2 carries the whole rest.
 # A client never receives half a character, at the price of an occasional empty step.
+#
+# ### The scheduler's loop (task 10.2)
+#
+# The scheduler process is one loop around the engine, `SchedulerWorker.run`, and it is where continuous batching
+# meets the outside world. Three rules make it work:
+#
+# * **Never wait while there is work.** If the engine has requests running, the loop takes whatever messages have
+#   arrived (zero or more, without blocking) and steps at once. Only an idle engine sleeps on the socket, and
+#   even then with a timeout (`IDLE_POLL_MS`, 200 ms), so that the process notices when its parent is gone. A
+#   loop that waited for a message before each step would add that wait to every token of every stream.
+# * **Take every waiting message before the step.** Ten requests that arrive together must enter the engine
+#   together, so that one prefill step computes all ten; taking one message per turn would prefill them one step
+#   apart, and cost nine extra steps.
+# * **Send each token once.** After a step, each request that advanced gets one row with the ids it gained since
+#   its last row (`self.sent[rid]` counts what went out), all rows of the step in one `BatchTokenOut`. The row
+#   that finishes a request is its last one; a request answered at the door (`max_new_tokens=0`, or refused)
+#   gets a single final row; and a step that raises ends in an abort of everything in flight, not in a dead
+#   process.
+
+# %%
+print(task_source(scheduler_process, "10.2"))
+
+# %% [markdown]
+# `tests/test_server_scheduler.py` grades it the way the server uses it, but in one process: a real
+# `SchedulerWorker` on a tiny model with its loop in a thread, and the test on the other ends of its sockets,
+# sending requests and aborts as the API server does and reading the rows as the detokenizer does. What the rows
+# add up to must be exactly the offline engine's tokens.
 #
 # ## 4. Start the real server
 #
@@ -653,7 +684,15 @@ print("TTFT histogram (cumulative counts, le = upper bound in s):", ", ".join(f"
 # | throughputs | completed requests, input and output tokens per second of the run | how busy the engine is kept |
 # | concurrency | sum of E2E latencies / duration | requests in flight on average (Little's law) |
 #
-# Task 10.1 is `compute_metrics`, the reduction. On synthetic timings whose answers we know:
+# Task 10.1 is the client's arithmetic: each stream's arrival times turned into a TTFT and a list of gaps
+# (`_StreamReader.event`; a chunk without a token, such as the first chunk of a chat stream that only names the
+# assistant's role, moves no clock), percentiles as NumPy computes them, and `compute_metrics`, the reduction:
+
+# %%
+print(task_source(serving, "10.1"))
+
+# %% [markdown]
+# On synthetic timings whose answers we know:
 
 # %%
 synthetic = [RequestOutput(True, 100, 5, ttft=0.2, itl=[0.1] * 4, latency=0.6),
@@ -739,7 +778,7 @@ for r in gpu["runs"]:
 #   tokens/s. The median ITL of 0.05 ms is not a fast decode step: with 200 streams, a stream's chunks often
 #   reach the client *together*, in one read, and the gaps inside such a burst are nearly zero. (Most likely the
 #   API server, one Python process writing 200 SSE streams, falls behind the engine now and then and catches up
-#   in bursts; exercise 5 asks you to find out.) TPOT, computed from
+#   in bursts; exercise 6 asks you to find out.) TPOT, computed from
 #   each request's first and last token, is the honest per-token pace here; this is why both are reported.
 #
 # The engine's offline throughput on this GPU is chapter 11's subject; here what matters is the shape: latency
@@ -867,24 +906,32 @@ print("python", " ".join(router_command(dp_args, dp_urls, metrics_port=41003)[1:
 #
 # ## Exercises
 #
-# 1. **Task 10.1.** Write `compute_metrics` in `minisgl_ref/bench/serving.py` and grade it with
-#    `python -m pytest tests/test_bench_serving.py -m task`. Why is TPOT left undefined for a request with
+# 1. **Task 10.1.** Write the three `TASK 10.1` regions of `minisgl_ref/bench/serving.py` (the stream reader's
+#    timestamps, `percentile` and `compute_metrics`) and grade them with
+#    `python -m minisgl_ref.course grade --task 10.1`. Why is TPOT left undefined for a request with
 #    one output token, and why is ITL pooled over requests while TPOT is averaged per request? Find a workload in
 #    which mean ITL and mean TPOT differ by a factor of two.
-# 2. **Load curve.** Run `bench serving` against a server at request rates 0.5, 1, 2 and 4 (keep
+# 2. **Task 10.2.** Write the three `TASK 10.2` regions of `minisgl_ref/server/scheduler_process.py` (`run`,
+#    `_drain_messages`, `_rows_for`) and grade them with `python -m minisgl_ref.course grade --task 10.2`: the
+#    checks run a real `SchedulerWorker` on a tiny model in the test's process, play the API server and the
+#    detokenizer on its sockets, and compare what arrives with the offline engine's tokens. Then measure what
+#    blocking costs: make the loop wait on its socket for up to 5 ms before every step, and time a 64-token
+#    stream on the embedded model. Where does the time go, and how would the answer change on a GPU whose decode
+#    step takes 3 ms?
+# 3. **Load curve.** Run `bench serving` against a server at request rates 0.5, 1, 2 and 4 (keep
 #    `--num-prompts` small on a CPU). Plot median TTFT and output throughput against the rate. Where does the
 #    server saturate, and what happens to TTFT beyond that point? Compare `--max-concurrency 2` at rate `inf`.
-# 3. **Abort under overlap.** `SchedulerWorker._abort` calls `engine.abort`, which holds back the aborted
+# 4. **Abort under overlap.** `SchedulerWorker._abort` calls `engine.abort`, which holds back the aborted
 #    request's release while a step is in flight (`InflightFrees.later`). Explain, with chapter 06's timeline,
 #    which step could still write the aborted request's KV slots, and what another request that received those
 #    slots would see if they were given back at once.
-# 4. **Another metric.** Add a Prometheus counter for requests that finished on a stop string
+# 5. **Another metric.** Add a Prometheus counter for requests that finished on a stop string
 #    (`finish_reason.type == "stop"` with a string `matched`) and check that it moves in `test_metrics_move`.
-# 5. **Bursts.** In the GPU table, the median ITL at rate `inf` is 0.05 ms. Find where the chunks of one stream
+# 6. **Bursts.** In the GPU table, the median ITL at rate `inf` is 0.05 ms. Find where the chunks of one stream
 #    bunch up: add timestamps to `BatchStrOut` (when the scheduler sent the row, when the detokenizer forwarded
 #    it) and compare them with the client's arrival times in `bench serving`. SGLang's `--stream-interval`
 #    sends a stream's chunks every N tokens instead of every token: what would it do to these numbers?
-# 6. **Routing policies.** Start two servers and the router by hand (`python -m sglang_router.launch_router
+# 7. **Routing policies.** Start two servers and the router by hand (`python -m sglang_router.launch_router
 #    --worker-urls URL1 URL2 --policy round_robin`), then `--policy cache_aware`, and send both the same mix:
 #    three groups of requests, each group sharing its own long system prompt. Compare the workers' `prefill_tokens`
 #    and `cache_hit_rate` in `/get_server_info`. Then send many requests of one group at once: at what imbalance
@@ -900,6 +947,7 @@ print("python", " ".join(router_command(dp_args, dp_urls, metrics_port=41003)[1:
 #   -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0}'
 # python -m minisgl_ref bench serving --num-prompts 16 --random-input-len 128 --random-output-len 32 \
 #   --random-range-ratio 0.5 --request-rate 1 --output-file docs/data/bench_serving_cpu.json
+# python -m minisgl_ref.course grade --chapter 10      # tasks 10.1 and 10.2, well under a minute
 # python -m pytest tests/test_server.py tests/test_server_hardening.py tests/test_bench_serving.py  # 3-8 minutes
 # python -m pytest tests/test_server_fuzz.py tests/test_server_soak.py   # fuzz and soak: about 5 minutes
 # python -m pytest tests/test_logprobs.py tests/test_request_isolation.py   # logprobs oracle, failure isolation

@@ -23,7 +23,7 @@
 #
 # In this chapter you will:
 #
-# 1. build the canonical workload and count what it asks for;
+# 1. build the canonical workload and count what it asks for (task 11.1);
 # 2. derive the roofline floor: the least time any engine needs, bytes over bandwidth (task 11.2);
 # 3. run the stage ladder on this CPU (`bench offline --quick`: ratios, not speed);
 # 4. read the GPU ladder (H100): every stage, every attention backend, CUDA graphs on and off;
@@ -306,12 +306,13 @@ for line in table[6:]:
 # %% [markdown]
 # ## Exercises
 #
-# 1. **Task 11.1 (the workload).** Rewrite the `TASK 11.1` region of `minisgl_ref/bench/workloads.py` and run
-#    `python -m pytest tests/test_bench.py -k canonical`. Then draw each request's output length right after its
+# 1. **Task 11.1 (the workload).** Rewrite the `TASK 11.1` region of `minisgl_ref/bench/workloads.py` and grade
+#    it with `python -m minisgl_ref.course grade --task 11.1`. Then draw each request's output length right after its
 #    prompt (interleaved, not all prompts first): how far does the total move from 133,966 output tokens, and
 #    why is a workload with the same *distribution* not the same workload for comparing engines?
-# 2. **Task 11.2 (the floor).** Rewrite the `TASK 11.2` region of `minisgl_ref/bench/offline.py` and run
-#    `python -m pytest tests/test_bench.py -k roofline`. Then compute the floor of the canonical workload on an
+# 2. **Task 11.2 (the floor).** Rewrite the three `TASK 11.2` regions of `minisgl_ref/bench/offline.py` (the
+#    weight bytes, the context sum and the floor) and grade them with
+#    `python -m minisgl_ref.course grade --task 11.2`. Then compute the floor of the canonical workload on an
 #    H200 (4.8 TB/s) and for Qwen3-14B (`resolve_model_path("qwen3-14b", "dummy")`) on an H100. For which of the
 #    two does the weight term stop being negligible?
 # 3. **A less favourable schedule.** The floor assumes all 256 requests run from the first step. Redo it with at
@@ -324,6 +325,15 @@ for line in table[6:]:
 #    `--attention-backend` (`triton`, `flashinfer`, `fa3`) and place each throughput as a fraction of the floor
 #    at your GPU's measured copy bandwidth (`--hbm-bandwidth`). Compare with the ladder of section 4: which
 #    backend gains most from CUDA graphs, and why (section 5)?
+# 6. **The floor of this CPU.** Measure this machine's memory bandwidth the way the GPU run does (time a copy of
+#    a tensor much larger than the caches, count bytes read plus written), then compute the floor of the quick
+#    workload on the quick model (`bo.workload_floor_seconds(quick_wl, config, bandwidth)`, with the config
+#    written from `bo.QUICK_MODEL_CONFIG`). What fraction of it does the `overlap` row of section 3 reach, and
+#    why is a CPU so much further from its floor than the H100 (count the Python work per step against the bytes)?
+# 7. **Prefill is not free.** The floor treats prefill as free. Add a compute term: at a sustained rate of F
+#    FLOP/s, prefilling P tokens costs about 2 * parameters * P FLOPs (attention aside). Measure F with a large
+#    bf16 matmul on the GPU (the H100 SXM datasheet gives 989 TFLOP/s dense): how much does the canonical
+#    workload's prefill add to the floor, and at what ratio of prompt to output tokens would it dominate?
 
 # %% [markdown]
 # ## Reproduce
@@ -333,7 +343,8 @@ for line in table[6:]:
 # ```bash
 # python chapters/11_performance.py
 # python -m minisgl_ref bench offline --quick --stage all --cpu-threads 1
-# python -m pytest tests/test_bench.py -q               # tasks 11.1 and 11.2
+# python -m minisgl_ref.course grade --chapter 11       # tasks 11.1 and 11.2
+# python -m pytest tests/test_bench.py -q               # every test of the benchmarks
 # ```
 #
 # Expected on a 2-core x86_64 CPU, one torch thread (8 requests, 195 output tokens, tiny random Qwen3-shaped

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from minisgl_ref.core.config import EngineConfig, ModelArgs, TPArgs
-from minisgl_ref.distributed.group import DistConfig, exit_with_parent
+from minisgl_ref.distributed.group import DistConfig, exit_with_parent, report_failure
 from minisgl_ref.engine.engine import Engine
+from minisgl_ref.engine import warmup
 from minisgl_ref.engine.naive import NaiveEngine
 from minisgl_ref.models.config import ModelConfig
 from minisgl_ref.models.loader import load_model
@@ -64,6 +65,9 @@ class Runtime:
         assert self.group is not None
         try:
             self.engine.follow()
+        except BaseException as e:
+            report_failure(e)  # where rank 0 looks when its next collective fails: it raises this message
+            raise
         finally:
             self.group.leave()
 
@@ -99,6 +103,9 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
         context = model.context_length or config.max_position_embeddings
         if context < 2:
             raise ValueError(f"context_length must be at least 2, got {context}")
+        if kind == "paged" and device.type == "cuda":  # compile kernels now, in parallel, not in the first steps
+            engine_config = engine or EngineConfig()
+            warmup.start(warmup.shapes_of(net, config, engine_config, device), device).wait()
         if kind == "naive":
             built: Engine | NaiveEngine = NaiveEngine(net, config.vocab_size, device)
         elif group is not None:

@@ -13,10 +13,11 @@ CUDA-graph hooks, and a whole engine generating the same greedy tokens as with t
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import random
 import sys
-import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -35,7 +36,12 @@ NEEDS_SUBPROCESS = not HAS_CUDA and type(triton.language.cdiv).__name__ == "JITF
 
 from minisgl_ref.attention.torch_native import TorchNativeBackend, reference_attention  # noqa: E402
 from minisgl_ref.attention.triton_backend import TritonAttnBackend  # noqa: E402
-from minisgl_ref.attention.triton_kernels import build_kv_indices  # noqa: E402
+from minisgl_ref.attention.triton_kernels import (  # noqa: E402
+    build_kv_indices,
+    decode_attention_fwd,
+    extend_launch_config,
+    merge_kv_splits,
+)
 from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from minisgl_ref.kvcache.allocator import PageAllocator  # noqa: E402
 from minisgl_ref.kvcache.pool import KVPool  # noqa: E402
@@ -161,6 +167,44 @@ def check(case: Case, tol: float | None = None, **backend_kw: int) -> float:
     return err
 
 
+def plain_attention(case: Case) -> torch.Tensor:
+    """The attention the kernels must compute, written out in float64 from the page table (no backend, so the
+    tests of one task need no other task): [T, H * D] float32. The new K/V must be in the pool already."""
+    k_all, v_all = case.pool.k[0].double(), case.pool.v[0].double()
+    group = case.layer.num_heads // case.layer.num_kv_heads
+    rows = case.batch.req_pool_indices.tolist()
+    outs, start = [], 0
+    for row, prefix, extend in zip(rows, case.batch.prefix_lens_cpu, case.batch.extend_lens_cpu):
+        slots = case.table.table[row, : prefix + extend].long()
+        k = k_all[slots].repeat_interleave(group, dim=1)  # [L, H, D]
+        v = v_all[slots].repeat_interleave(group, dim=1)
+        q = case.q[start : start + extend].double()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * case.layer.scale
+        visible = torch.arange(prefix + extend)[None, :] <= prefix + torch.arange(extend)[:, None]  # [E, L]
+        scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+        start += extend
+    return torch.cat(outs).flatten(1).float()
+
+
+def decode_kernel(case: Case, max_splits: int, min_split_len: int, scratch_fill: float = float("nan")) -> torch.Tensor:
+    """Store the new K/V, then run the split-KV decode kernels (stage 1 + the merge) directly, with ``kv_indptr`` /
+    ``kv_indices`` built here in plain PyTorch. The scratch starts as NaN, so a merge that reads a piece stage 1
+    did not write shows up as NaN."""
+    b = case.batch
+    case.pool.store(0, b.out_cache_loc, case.k, case.v)
+    lens = b.seq_lens_cpu
+    kv_indptr = torch.tensor([0] + lens, dtype=torch.int32, device=DEVICE).cumsum(0, dtype=torch.int32)
+    kv_indices = torch.cat([case.table.table[r, :n] for r, n in zip(b.req_pool_indices.tolist(), lens)])
+    bs, heads, dim = case.q.shape
+    mid_o = torch.full((bs, heads, max_splits, dim), scratch_fill, dtype=torch.float32, device=DEVICE)
+    mid_lse = torch.full((bs, heads, max_splits), scratch_fill, dtype=torch.float32, device=DEVICE)
+    o = torch.empty_like(case.q)
+    decode_attention_fwd(case.q, case.pool.k[0], case.pool.v[0], o, kv_indptr, kv_indices, mid_o, mid_lse,
+                         case.layer.scale, max_splits, min_split_len=min_split_len)  # fmt: skip
+    return o.flatten(1)
+
+
 # ---------------------------------------------------------------------------------------------- CPU (or GPU)
 
 DECODE_CASES = [
@@ -173,22 +217,86 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.task("7.2")
+def split_pieces(n: int, max_splits: int, min_split_len: int) -> list[tuple[int, int]]:
+    """The pieces ``[lo, hi)`` that stage 1 cuts a context of ``n`` tokens into (the kernels' own rule)."""
+    num_splits = min(max_splits, -(-n // min_split_len))
+    split_len = -(-n // num_splits)
+    return [(lo, min(lo + split_len, n)) for lo in range(0, n, split_len)]
+
+
+# (context lengths, max_splits, min_split_len): with (4, 4) a length of 10 is cut 4 + 4 + 2 and 17 is cut 5+5+5+2;
+# with (4, 1) a length of 9 is cut 3 + 3 + 3, one piece short of max_splits; max_splits 3 leaves the merge's
+# power-of-two tile with a masked slot for every request.
+MERGE_CASES = [([1, 5, 10, 13, 16, 17, 40], 4, 4), ([5, 2, 9, 1], 4, 1), ([7, 30, 3], 3, 4)]
+
+
+@pytest.mark.task("7.1")
+@pytest.mark.parametrize("lens,max_splits,min_split_len", MERGE_CASES)
+def test_merge_kv_splits_matches_one_softmax(lens, max_splits, min_split_len):
+    """Stage 2 alone, on pieces computed here in float64 exactly as stage 1 defines them (normalised outputs,
+    log2-sum-exp2). The scores are spread (several units of log2 between pieces, some pieces' lse below 0), so
+    each piece's weight matters; slots of pieces that do not exist hold NaN."""
+    gen = torch.Generator().manual_seed(len(lens) * 10 + max_splits)
+    heads, dim = 2, 16
+    mid_o = torch.full((len(lens), heads, max_splits + 1, dim), float("nan"), dtype=torch.float64)
+    mid_lse = torch.full((len(lens), heads, max_splits + 1), float("nan"), dtype=torch.float64)
+    expected = torch.empty(len(lens), heads, dim, dtype=torch.float64)
+    for b, n in enumerate(lens):
+        x = 3 * torch.randn(heads, n, generator=gen, dtype=torch.float64) - 2  # scores, log2 units
+        x += 4 * torch.arange(n, dtype=torch.float64) / n  # later pieces weigh more
+        v = torch.randn(heads, n, dim, generator=gen, dtype=torch.float64)
+        for s, (lo, hi) in enumerate(split_pieces(n, max_splits, min_split_len)):
+            lse = torch.logsumexp(x[:, lo:hi] * math.log(2), dim=1) / math.log(2)
+            mid_lse[b, :, s] = lse
+            mid_o[b, :, s] = torch.einsum("hn,hnd->hd", torch.exp2(x[:, lo:hi] - lse[:, None]), v[:, lo:hi])
+        expected[b] = torch.einsum("hn,hnd->hd", torch.softmax(x * math.log(2), dim=1), v)
+    kv_indptr = torch.tensor([0] + lens, dtype=torch.int32, device=DEVICE).cumsum(0, dtype=torch.int32)
+    o = torch.full((len(lens), heads, dim), float("nan"), dtype=torch.float32, device=DEVICE)
+    merge_kv_splits(mid_o.float().to(DEVICE), mid_lse.float().to(DEVICE), o, kv_indptr, max_splits, min_split_len)
+    torch.testing.assert_close(o.cpu(), expected.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.task("7.1")
+def test_merge_kv_splits_by_hand():
+    """Two requests worked out by hand, stored in bf16. Request 0 (3 tokens, pieces of at least 4) is one piece:
+    its output is that piece's. Request 1 (8 tokens) is two pieces of 4 with lse -1 and 2 (log2 units), so their
+    weights are 2^-1 : 2^2 = 1 : 8."""
+    mid_o = torch.randn(2, 1, 2, 16, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    mid_lse = torch.tensor([[[0.5, float("nan")]], [[-1.0, 2.0]]], device=DEVICE)
+    kv_indptr = torch.tensor([0, 3, 11], dtype=torch.int32, device=DEVICE)
+    o = torch.zeros(2, 1, 16, dtype=torch.bfloat16, device=DEVICE)
+    merge_kv_splits(mid_o, mid_lse, o, kv_indptr, max_splits=2, min_split_len=4)
+    expected = torch.stack([mid_o[0, :, 0], (mid_o[1, :, 0] + 8 * mid_o[1, :, 1]) / 9])
+    torch.testing.assert_close(o.float(), expected.to(torch.bfloat16).float(), rtol=0, atol=0.02)
+
+
+@pytest.mark.task("7.1")
+@pytest.mark.parametrize("ctx,kvh,gqa,head_dim,page", DECODE_CASES[1:4])
+def test_decode_kernels_match_plain_attention(ctx, kvh, gqa, head_dim, page):
+    """Stage 1 and the merge together, with the metadata built by the test: the whole split-KV decode."""
+    case = make_case([(n - 1, 1) for n in ctx], num_kv_heads=kvh, gqa=gqa, head_dim=head_dim, page_size=page,
+                     decode=True, seed=len(ctx) * 100 + head_dim)  # fmt: skip
+    out = decode_kernel(case, max_splits=4, min_split_len=16)
+    torch.testing.assert_close(out, plain_attention(case), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.task("7.1")
+def test_decode_kernels_with_empty_kv_splits():
+    """min_split_len=1: a context of 5 cut into 4 pieces of 2 leaves the 4th piece empty; stage 1 skips it and
+    the merge must not read it (its scratch is NaN). One piece only (max_splits=1) must agree too."""
+    for max_splits in (4, 1):
+        case = make_case([(4, 1), (9, 1), (0, 1), (6, 1)], num_kv_heads=2, gqa=2, head_dim=64, page_size=1,
+                         decode=True)  # fmt: skip
+        out = decode_kernel(case, max_splits=max_splits, min_split_len=1)
+        torch.testing.assert_close(out, plain_attention(case), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("ctx,kvh,gqa,head_dim,page", DECODE_CASES)
 def test_decode_matches_torch_native(ctx, kvh, gqa, head_dim, page):
+    """The whole backend in decode: its metadata (task 7.2) and its kernels (the merge is task 7.1)."""
     case = make_case([(n - 1, 1) for n in ctx], num_kv_heads=kvh, gqa=gqa, head_dim=head_dim, page_size=page,
                      decode=True, seed=len(ctx) * 100 + head_dim)  # fmt: skip
     check(case, **CPU_SPLITS)
-
-
-@pytest.mark.task("7.2")
-def test_decode_with_empty_kv_splits():
-    """min_kv_split_len=1: a context of 5 cut into 4 pieces of 2 leaves the 4th piece empty; stage 1 skips it
-    and stage 2 must not read it. One piece only (max_kv_splits=1) must agree too."""
-    case = make_case([(4, 1), (9, 1), (0, 1), (6, 1)], num_kv_heads=2, gqa=2, head_dim=64, page_size=1, decode=True)
-    check(case, max_kv_splits=4, min_kv_split_len=1)
-    case = make_case([(4, 1), (9, 1), (0, 1), (6, 1)], num_kv_heads=2, gqa=2, head_dim=64, page_size=1, decode=True)
-    check(case, max_kv_splits=1)
 
 
 EXTEND_CASES = [
@@ -201,17 +309,60 @@ EXTEND_CASES = [
 ]
 
 
+def expected_kv_indices(case: Case, lens: list[int]) -> list[int]:
+    rows = case.batch.req_pool_indices.tolist()
+    return [int(slot) for r, n in zip(rows, lens) for slot in case.table.table[r, :n]]
+
+
+@pytest.mark.task("7.2")
+def test_metadata_of_a_decode_step():
+    """Decode reads each request's whole context, its new token included; the split scratch is sized for the
+    query heads; there is no qo_indptr."""
+    case = make_case([(30, 1), (0, 1), (70, 1)], num_kv_heads=2, gqa=2, head_dim=16, page_size=16, decode=True)
+    backend = TritonAttnBackend(case.pool, case.table, num_q_heads=4, max_kv_splits=8, min_kv_split_len=16)
+    backend.init_forward_metadata(case.batch)
+    md = backend.forward_metadata
+    assert md is not None and md.kv_indptr.dtype == torch.int32 and md.kv_indices.dtype == torch.int32
+    assert md.kv_indptr.tolist() == [0, 31, 32, 103]
+    assert md.kv_indices[:103].tolist() == expected_kv_indices(case, [31, 1, 71])
+    assert md.qo_indptr is None
+    assert md.max_splits == backend.num_kv_splits(3)
+    assert HAS_CUDA or md.max_splits == 4  # the CPU's choice, below max_kv_splits
+    assert md.mid_o is not None and md.mid_lse is not None
+    assert md.mid_o.shape == (3, 4, md.max_splits, 16) and md.mid_lse.shape == (3, 4, md.max_splits)
+
+
+@pytest.mark.task("7.2")
+def test_metadata_of_an_extend_step():
+    """Extend reads only the cached prefixes through the page table; qo_indptr covers the new tokens; the grid
+    and the tile sizes follow the longest extend and the longest prefix."""
+    case = make_case([(0, 7), (600, 40), (17, 5)], num_kv_heads=2, gqa=2, head_dim=16, page_size=16)
+    backend = TritonAttnBackend(case.pool, case.table, num_q_heads=4)
+    backend.init_forward_metadata(case.batch)
+    md = backend.forward_metadata
+    assert md is not None and md.kv_indptr.dtype == torch.int32 and md.qo_indptr is not None
+    assert md.kv_indptr.tolist() == [0, 0, 600, 617]
+    assert md.kv_indices.numel() >= 617 and md.kv_indices[:617].tolist() == expected_kv_indices(case, [0, 600, 17])
+    assert md.qo_indptr.dtype == torch.int32 and md.qo_indptr.tolist() == [0, 7, 47, 52]
+    assert md.max_extend_len == 40
+    assert md.extend_config == extend_launch_config(600) != extend_launch_config(40)  # a long prefix: big tiles
+
+
 @pytest.mark.task("7.2")
 @pytest.mark.parametrize("specs,kvh,gqa,head_dim,page", EXTEND_CASES)
-def test_extend_matches_torch_native(specs, kvh, gqa, head_dim, page):
+def test_extend_matches_plain_attention(specs, kvh, gqa, head_dim, page):
+    """The backend's extend path: its metadata (task 7.2) drives the extend kernel over cached prefixes."""
     case = make_case(specs, num_kv_heads=kvh, gqa=gqa, head_dim=head_dim, page_size=page, seed=len(specs) + head_dim)
-    check(case)
+    out = run_triton(case)
+    torch.testing.assert_close(out, plain_attention(case), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.task("7.2")
 def test_extend_long_prefix_uses_the_large_tiles():
     """A prefix of >= 512 tokens switches the extend kernel to 128-query tiles with 2 pipeline stages."""
     case = make_case([(600, 20), (0, 5)], num_kv_heads=1, gqa=2, head_dim=64, page_size=16, seed=3)
-    check(case)
+    out = run_triton(case)
+    torch.testing.assert_close(out, plain_attention(case), rtol=1e-4, atol=1e-5)
     backend = case.batch.attn_backend
     assert isinstance(backend, TritonAttnBackend) and backend.forward_metadata.extend_config["block_m"] == 128
 
@@ -347,7 +498,6 @@ def generate_tokens(path, device: str, **engine_kw) -> tuple[list[list[int]], in
 ENGINE_CONFIG = dict(page_size=16, chunked_prefill_size=16, enable_mixed_chunk=True)
 
 
-@pytest.mark.task("7.1")
 def test_engine_greedy_tokens_match_torch_native(tiny_path):
     """The engine with ``attention_backend="triton"``, and with the two phases split between backends
     (``--prefill-attention-backend torch_native --decode-attention-backend triton``: extend steps go to one, decode
@@ -361,7 +511,6 @@ def test_engine_greedy_tokens_match_torch_native(tiny_path):
     assert hybrid == ref
 
 
-@pytest.mark.task("7.2")
 def test_engine_triton_matches_the_naive_oracle(tiny_path):
     """``LLM(attention_backend="triton")`` against the chapter-00 loop (no KV cache at all), float32 on the CPU:
     the greedy tokens must be identical."""
@@ -379,14 +528,12 @@ def test_engine_triton_matches_the_naive_oracle(tiny_path):
 # ------------------------------------------------------------------------------------------------- selection
 
 
-@pytest.mark.task("7.1")
 def test_default_backend_on_cpu_is_torch_native():
     from minisgl_ref.attention.registry import default_backends
 
     assert default_backends(torch.device("cpu")) == ("torch_native", "torch_native")
 
 
-@pytest.mark.task("7.1")
 def test_hybrid_backend_dispatches_by_mode(tiny_path):
     from minisgl_ref import LLM
     from minisgl_ref.attention import HybridAttnBackend
@@ -398,7 +545,6 @@ def test_hybrid_backend_dispatches_by_mode(tiny_path):
     assert isinstance(backend.decode, TritonAttnBackend) and backend.supports_cuda_graph  # graphs follow decode
 
 
-@pytest.mark.task("7.1")
 def test_float32_models_default_to_triton_on_a_gpu():
     """FlashInfer and FA3 compute in fp16/bf16 only: a float32 model on a GPU defaults to our Triton kernels, and
     asking for flashinfer/fa3 explicitly fails in one line (checked before any CUDA call, so it runs here too)."""

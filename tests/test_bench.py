@@ -62,6 +62,24 @@ def test_canonical_workload_draws_all_prompts_before_all_lengths():
     assert sum(m for _, m in interleaved) != canonical_workload().output_tokens
 
 
+@pytest.mark.task("11.1")
+def test_a_small_canonical_workload_follows_the_recipe():
+    """The same recipe at any size: the seed, inclusive bounds, every prompt before every output length, the
+    temperature and the spec as given; and the global generator is left where the published scripts leave it."""
+    import random
+
+    wl = canonical_workload(5, input_len=(3, 6), output_len=(40, 50), temperature=0.25, seed=7)
+    after = random.random()
+    random.seed(7)
+    prompts = [[random.randint(0, 10_000) for _ in range(random.randint(3, 6))] for _ in range(5)]
+    lengths = [random.randint(40, 50) for _ in range(5)]
+    assert random.random() == after, "canonical_workload must draw from the global generator, seeded, and only that"
+    assert wl.name == "canonical" and wl.prompts == prompts
+    assert wl.sampling_params == [{"max_new_tokens": n, "temperature": 0.25, "ignore_eos": True} for n in lengths]
+    assert wl.spec == {"num_prompts": 5, "input_len": [3, 6], "output_len": [40, 50], "temperature": 0.25,
+                       "ignore_eos": True, "seed": 7}
+
+
 def test_shared_prefix_workload_groups_share_exactly_their_system_prompt():
     wl = shared_prefix_workload(3, 4, system_len=50, question_len=7, output_len=5, seed=1)
     assert wl.num_requests == 12
@@ -99,11 +117,27 @@ def test_roofline_floor_of_the_canonical_workload():
 
 
 @pytest.mark.task("11.2")
+def test_weight_bytes_count_elements_times_their_size(tmp_path):
+    """The quick model in float32 (4 bytes a weight), counted by hand: a tied embedding (read once, by the LM
+    head), and per layer the fused Q/K/V, O, gate/up and down projections, two norms and Qwen3's q/k norms."""
+    (tmp_path / "config.json").write_text(json.dumps(offline.QUICK_MODEL_CONFIG))
+    config = ModelConfig.from_file(tmp_path / "config.json")
+    assert config.dtype == torch.float32
+    h, i, d, vocab = 256, 768, 64, 10240
+    layer = (4 + 2 * 2) * d * h + h * 4 * d + 2 * i * h + i * h + 2 * h + 2 * d
+    assert offline.weight_bytes(config) == (vocab * h + 2 * layer + h) * 4 == 16_783_360
+
+
+@pytest.mark.task("11.2")
 def test_roofline_floor_by_hand():
     # Two requests: (P=3, O=2) and (P=1, O=3). Three steps read the weights; contexts 3+4 and 1+2+3.
     floor = offline.roofline_floor_seconds([3, 1], [2, 3], weight_bytes=100, kv_bytes_per_token=10, bandwidth=10)
     assert floor == (3 * 100 + (3 + 4 + 1 + 2 + 3) * 10) / 10
     assert offline.context_token_sum([3, 1], [2, 3]) == 13
+    assert offline.context_token_sum([5], [1]) == 5  # one output token reads only the prompt
+    assert offline.context_token_sum([], []) == 0 and offline.roofline_floor_seconds([], [], 100, 10, 10) == 0
+    # a request that runs longer than the others sets the number of steps (weights are read once per step)
+    assert offline.roofline_floor_seconds([1, 1, 1], [4, 1, 1], 1000, 0, 1) == 4 * 1000
 
 
 # ----------------------------------------------------------------------------------------------- the ladder

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import statistics
 
+import numpy as np
 import pytest
 
 from minisgl_ref.bench.serving import (
@@ -17,6 +19,7 @@ from minisgl_ref.bench.serving import (
     build_workload,
     compute_metrics,
     format_report,
+    percentile,
 )
 
 # ------------------------------------------------------------------------------------------- metric math
@@ -26,6 +29,24 @@ def _req(prompt: int, output: int, ttft: float, itl: list[float], ok: bool = Tru
     """A request whose first token came at ``ttft`` and whose later chunks came ``itl`` apart."""
     return RequestOutput(success=ok, prompt_len=prompt, output_len=output, ttft=ttft, itl=list(itl),
                          latency=ttft + sum(itl), error="" if ok else "boom")
+
+
+@pytest.mark.task("10.1")
+def test_percentile_interpolates_between_the_sorted_values():
+    """NumPy's default percentile: sort, then interpolate linearly at position q/100 * (n - 1). The values come
+    unsorted, as requests finish in any order."""
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
+    assert percentile([30.0, 10.0, 20.0], 0) == 10.0 and percentile([30.0, 10.0, 20.0], 100) == 30.0
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([400.0, 100.0, 200.0], 90) == pytest.approx(200 + 0.8 * 200)  # position 1.8
+    assert percentile([5.0, 1.0, 9.0, 3.0, 7.0], 25) == pytest.approx(3.0)  # position 1.0 exactly
+    rng = random.Random(0)
+    for n in (2, 3, 10, 101):
+        xs = [rng.expovariate(1.0) for _ in range(n)]
+        for q in (1, 10, 50, 90, 95, 99):
+            assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), rel=1e-12), (n, q)
+    with pytest.raises(ValueError):
+        percentile([], 50)
 
 
 @pytest.mark.task("10.1")
@@ -127,6 +148,7 @@ def test_workloads_and_validation():
 # ------------------------------------------------------------------------------------------- stream readers
 
 
+@pytest.mark.task("10.1")
 def test_native_stream_reader_counts_tokens_not_events():
     r = _StreamReader("minisgl", start=10.0, prompt_len=5)
     meta = {"prompt_tokens": 6, "finish_reason": None}
@@ -146,6 +168,7 @@ def test_native_stream_reader_counts_tokens_not_events():
                                                  "finish_reason": {"type": "abort", "message": "x"}}}, 1.0)
 
 
+@pytest.mark.task("10.1")
 def test_openai_stream_reader_uses_usage_for_counts():
     r = _StreamReader("openai-chat", start=0.0, prompt_len=3)
     r.event({"choices": [{"delta": {"role": "assistant", "content": ""}}]}, 0.1)  # the role chunk: no token

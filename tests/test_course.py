@@ -69,6 +69,7 @@ def _import_everything(root: Path) -> subprocess.CompletedProcess[str]:
         "import importlib, pkgutil, sys, minisgl_ref\n"
         "bad = []\n"
         "for m in pkgutil.walk_packages(minisgl_ref.__path__, 'minisgl_ref.', onerror=lambda n: bad.append(n)):\n"
+        "    if m.name.endswith('__main__'): continue  # a command line: importing it runs it\n"
         "    try: importlib.import_module(m.name)\n"
         "    except ModuleNotFoundError as e:\n"
         "        if not (e.name or '').startswith('minisgl_ref'): continue  # an optional GPU package\n"
@@ -187,3 +188,15 @@ def test_every_mutant_is_caught_quickly() -> None:
     assert not missed, missed
     slow = [f"{o.mutant.id}: {o.seconds:.0f} s" for o in outcomes if o.seconds > 90]
     assert not slow, slow
+
+
+def test_updating_a_copy_commits_on_top_and_never_unblanks_by_accident(tmp_path: Path) -> None:
+    out = tmp_path / "course"
+    student.make_copy(ROOT, out, ["0.1"])
+    with pytest.raises(ValueError, match="publish the solutions of tasks 0.1"):
+        student.make_copy(ROOT, out, ["0.2"])
+    student.make_copy(ROOT, out, ["0.1", "0.2"])
+    log = subprocess.run(["git", "log", "--format=%s"], cwd=out, capture_output=True, text=True).stdout.splitlines()
+    assert len(log) == 2 and log[0].startswith("Reference update")
+    student.make_copy(ROOT, out, ["0.2"], unblank=True)
+    assert 'NotImplementedError("Task 0.1' not in (out / "minisgl_ref/attention/torch_native.py").read_text()

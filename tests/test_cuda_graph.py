@@ -1,8 +1,13 @@
 """CUDA graphs for decode (chapter 08).
 
-CPU tests cover the padding arithmetic. GPU tests check that a replayed graph computes exactly what the same
-batch computes eagerly (bitwise, for captured sizes and for padded ones), and that a whole engine generates the
-same greedy tokens with graphs as without.
+CPU tests run the graph runner itself with stand-in graphs (:class:`RerunGraphFactory`: a replay runs the captured
+forward again on the captured batch, whose tensors are the static buffers) on a toy model, one attention layer
+over a paged KV pool with :class:`TorchStaticBackend`. A replay that forgets to copy an input into the static
+buffers, pads to the wrong size or returns the padding rows then gives wrong logits, here, without a GPU.
+
+GPU tests check that a replayed graph computes exactly what the same batch computes eagerly (bitwise, for
+captured sizes and for padded ones), and that a whole engine generates the same greedy tokens with graphs as
+without.
 """
 
 from __future__ import annotations
@@ -12,9 +17,21 @@ import random
 
 import pytest
 import torch
+from torch import nn
 
+from minisgl_ref.attention.torch_native import TorchStaticBackend
 from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
-from minisgl_ref.engine.cuda_graph import capture_batch_sizes, padded_batch_size
+from minisgl_ref.engine import cuda_graph
+from minisgl_ref.engine.cuda_graph import (
+    DUMMY_ROW,
+    CudaGraphRunner,
+    RerunGraphFactory,
+    capture_batch_sizes,
+    padded_batch_size,
+)
+from minisgl_ref.kvcache.pool import KVPool
+from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
+from minisgl_ref.layers.attention import AttentionLayer
 
 
 @pytest.mark.task("8.1")
@@ -29,11 +46,182 @@ def test_capture_batch_sizes() -> None:
         capture_batch_sizes(0)
 
 
-@pytest.mark.task("8.1")
 def test_padded_batch_size() -> None:
-    sizes = capture_batch_sizes(32)
+    sizes = [1, 2, 4, 8, 16, 24, 32]
     assert [padded_batch_size(sizes, n) for n in (1, 2, 3, 4, 5, 8, 9, 17, 32)] == [1, 2, 4, 4, 8, 8, 16, 24, 32]
     assert padded_batch_size(sizes, 33) is None
+
+
+# ------------------------------------------------------------------------------- the runner on the CPU (stand-in)
+
+VOCAB, KV_HEADS, GQA, HEAD_DIM = 61, 2, 2, 8
+MAX_CONTEXT, NUM_ROWS = 40, 24
+
+
+class ToyModel(nn.Module):
+    """Token and position embeddings, one paged attention layer, a logits head: every input of a decode step
+    (token, position, KV slot, page-table row, length) changes the logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        heads = KV_HEADS * GQA
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.pos = nn.Embedding(MAX_CONTEXT, 32)
+        self.qkv = nn.Linear(32, (heads + 2 * KV_HEADS) * HEAD_DIM, bias=False)
+        self.attn = AttentionLayer(0, heads, KV_HEADS, HEAD_DIM)
+        self.head = nn.Linear(heads * HEAD_DIM, VOCAB)
+        self.sizes = [heads * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv(self.embed(input_ids) + self.pos(positions)).split(self.sizes, dim=-1)
+        return self.attn(q, k, v, fb)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden).float()
+
+
+class Toy:
+    """A paged KV pool full of random keys and values and a page table whose rows (1..NUM_ROWS - 1) hold
+    distinct slots; row 0 and slot 0 are left to the dummy requests, as in the engine."""
+
+    def __init__(self) -> None:
+        gen = torch.Generator().manual_seed(1)
+        self.model = ToyModel().eval()
+        self.pool = KVPool(1, NUM_ROWS * MAX_CONTEXT + 1, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
+        self.pool.k[0].normal_(generator=gen)
+        self.pool.v[0].normal_(generator=gen)
+        self.table = ReqToTokenPool(NUM_ROWS, MAX_CONTEXT, "cpu")
+        slots = 1 + torch.randperm(NUM_ROWS * MAX_CONTEXT, generator=gen).view(NUM_ROWS, MAX_CONTEXT)
+        self.table.table.copy_(slots.int())
+        self.table.table[0] = 0
+        self.rng = random.Random(2)
+
+    def backend(self) -> TorchStaticBackend:
+        return TorchStaticBackend(self.pool, self.table)
+
+    def decode_batch(self, bs: int, backend: TorchStaticBackend) -> ForwardBatch:
+        """``bs`` requests on distinct page-table rows, each decoding its token at a random position."""
+        rows = self.rng.sample(range(1, NUM_ROWS), bs)
+        prefix = [self.rng.randrange(0, MAX_CONTEXT - 1) for _ in rows]
+        ids = [self.rng.randrange(1, VOCAB) for _ in rows]
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, input_ids=torch.tensor(ids), positions=torch.tensor(prefix),
+            extend_lens_cpu=[1] * bs, prefix_lens_cpu=prefix, attn_backend=backend,
+            req_pool_indices=torch.tensor(rows), out_cache_loc=self.table.table[rows, prefix].long(),
+            seq_lens=torch.tensor(prefix, dtype=torch.int32) + 1,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def eager(self, fb: ForwardBatch) -> torch.Tensor:
+        """The same step without graphs, on a fresh backend over the same pool."""
+        backend = self.backend()
+        fb = ForwardBatch(**{**fb.__dict__, "attn_backend": backend})
+        backend.init_forward_metadata(fb)
+        return self.model.compute_logits(self.model(fb.input_ids, fb.positions, fb))
+
+    def runner(self, max_bs: int, backend: TorchStaticBackend | None = None) -> CudaGraphRunner:
+        return CudaGraphRunner(self.model, backend or self.backend(), torch.device("cpu"), max_bs,
+                               graph_factory=RerunGraphFactory())  # fmt: skip
+
+
+class RecordingBackend(TorchStaticBackend):
+    """Adds its capture hook to the stand-in factory's log, to check the order of a capture."""
+
+    log: list[tuple[str, int]]
+
+    def prepare_capture(self, batch: ForwardBatch) -> None:
+        self.log.append(("prepare_capture", batch.batch_size))
+        super().prepare_capture(batch)
+
+
+@pytest.mark.task("8.1")
+def test_capture_prepares_warms_up_then_records_each_size_largest_first() -> None:
+    toy = Toy()
+    backend = RecordingBackend(toy.pool, toy.table)
+    factory = RerunGraphFactory()
+    backend.log = factory.log
+    runner = CudaGraphRunner(toy.model, backend, torch.device("cpu"), 8, graph_factory=factory)
+    assert runner.batch_sizes == [1, 2, 4, 8]
+    captured = [bs for what, bs in factory.log if what == "capture"]
+    assert captured == [8, 4, 2, 1], "one graph per size, the largest first (the smaller ones reuse its pool)"
+    for bs in captured:
+        steps = [what for what, size in factory.log if size == bs]
+        assert steps[0] == "prepare_capture", f"bs={bs}: the backend's metadata must point at its buffers first"
+        assert steps[-1] == "capture" and "warm_up" in steps[1:-1], f"bs={bs}: warm up before capturing: {steps}"
+    assert sorted(runner.graphs) == sorted(runner.outputs) == [1, 2, 4, 8]
+    assert all(runner.outputs[bs].shape == (bs, VOCAB) for bs in runner.batch_sizes)
+
+
+@pytest.mark.task("8.1")
+def test_captured_graphs_read_the_static_buffers() -> None:
+    """Fill the static buffers by hand with a real batch, refill the backend's metadata, replay the graph of that
+    size: its captured output must now hold the batch's logits. A graph recorded on tensors other than the
+    static buffers would replay the dummy batch of capture time."""
+    toy = Toy()
+    backend = toy.backend()
+    runner = toy.runner(8, backend)
+    for bs in (8, 2, 4, 1):
+        fb = toy.decode_batch(bs, backend)
+        for name in DUMMY_ROW:
+            runner.static[name][:bs].copy_(getattr(fb, name))
+        backend.prepare_replay(runner._static_batch(fb.prefix_lens_cpu))
+        runner.graphs[bs].replay()
+        torch.testing.assert_close(runner.outputs[bs], toy.eager(fb), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def reference_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference ladder and capture, so that the replay is graded on its own (without task 8.1)."""
+
+    def capture(self: CudaGraphRunner) -> None:
+        for bs in reversed(self.batch_sizes):
+            fb = self._static_batch([0] * bs)
+            self.backend.prepare_capture(fb)
+            self.graph_factory.warm_up(self._forward, fb)
+            self.graphs[bs], self.outputs[bs] = self.graph_factory.capture(self._forward, fb)
+
+    ladder = {8: [1, 2, 4, 8]}
+    monkeypatch.setattr(cuda_graph, "capture_batch_sizes", lambda max_bs: ladder[max_bs])
+    monkeypatch.setattr(CudaGraphRunner, "capture", capture)
+
+
+@pytest.mark.task("8.2")
+def test_replay_matches_eager(reference_capture: None) -> None:
+    """Batches of several sizes, captured and padded, in an order where a smaller batch follows a larger one:
+    each replay returns exactly its real rows' logits, as a view of the graph's output, after one replay of the
+    right graph."""
+    toy = Toy()
+    backend = toy.backend()
+    runner = toy.runner(8, backend)
+    for bs in (8, 3, 5, 1, 2, 6, 4):
+        fb = toy.decode_batch(bs, backend)
+        padded = padded_batch_size(runner.batch_sizes, bs)
+        replays = {size: graph.replays for size, graph in runner.graphs.items()}
+        with torch.inference_mode():
+            out = runner.replay(fb)
+        assert out.shape == (bs, VOCAB), f"bs={bs}: return the real rows only, not the {padded} padded ones"
+        assert out.data_ptr() == runner.outputs[padded].data_ptr(), "a view of the captured output, not a copy"
+        assert {s: g.replays - replays[s] for s, g in runner.graphs.items()} == {
+            s: int(s == padded) for s in runner.graphs
+        }, f"bs={bs}: one replay of the graph for {padded}"
+        torch.testing.assert_close(out, toy.eager(fb), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.task("8.2")
+def test_replay_refills_the_padding_rows(reference_capture: None) -> None:
+    """After a batch of 8, a batch of 5 runs in the graph for 8: rows 5-7 of every static input must be the dummy
+    request again (token 0, position 0, slot 0, page-table row 0, length 1), not what the batch of 8 left."""
+    toy = Toy()
+    backend = toy.backend()
+    runner = toy.runner(8, backend)
+    with torch.inference_mode():
+        runner.replay(toy.decode_batch(8, backend))
+        fb = toy.decode_batch(5, backend)
+        runner.replay(fb)
+    for name, value in DUMMY_ROW.items():
+        assert runner.static[name][:5].tolist() == getattr(fb, name).tolist(), name
+        assert runner.static[name][5:].tolist() == [value] * 3, f"{name}: padding rows hold {runner.static[name]}"
 
 
 def test_config_rejects_bad_graph_size() -> None:
@@ -112,7 +300,7 @@ def test_gpu_replay_is_bitwise_eager(small_qwen3, backend: str) -> None:
     """Replay == eager on the same (padded) batch, bit for bit; and close to the unpadded eager batch."""
     try:
         llm = _llm(small_qwen3, "bfloat16", cuda_graph_max_bs=16, attention_backend=backend)
-    except (ImportError, RuntimeError) as exc:
+    except (ImportError, RuntimeError, ValueError) as exc:  # ValueError: the package is not installed
         pytest.skip(f"{backend} unavailable: {exc}")
     runner = llm.engine.runner
     graphs = runner.graph_runner

@@ -1,4 +1,11 @@
-"""Chapter 00's engine oracle and the offline API: the naive loop against transformers' own generate."""
+"""Chapter 00: the stop rules of a request (task 0.2), the naive loop (task 0.3), and the whole oracle engine
+against transformers' own generate.
+
+The graded tests run on stand-ins whose every output is known in advance: a detokenizer over a one-character
+vocabulary and a "model" whose greedy next token is a simple function of the sequence. So they need nothing from
+the later chapters (no real model, tokenizer or sampler knobs), and a wrong answer shows exactly which rule broke.
+The tests with the embedded SmolLM2 model then check the engine as a whole.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +14,11 @@ import sys
 
 import pytest
 import torch
+from torch import nn
 
 from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.core.request import Req
+from minisgl_ref.engine.naive import NaiveEngine
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -18,10 +27,259 @@ QUESTIONS = [
     "Explain what a GPU is in one sentence.",
 ]
 
+# ------------------------------------------------------------------------------------------------ stand-ins
+
+# Token t decodes to ALPHABET[t]; token 0 is a special token (an EOS) that decodes to nothing.
+ALPHABET = ["", "a", "b", "c", "#", ".", "x", "y"]
+EOS, A, B, C, HASH, DOT, X, Y = range(8)
+
+
+class CharDetokenizer:
+    """A stand-in for chapter 02's ``IncrementalDetokenizer`` over ``ALPHABET``: ``step`` returns the text that
+    became final and holds back any tail that could still grow into a stop string; when a stop string completes
+    it sets ``matched_stop`` and returns the text before it; ``finish`` flushes what was held back."""
+
+    def __init__(self, stop: tuple[str, ...] = ()) -> None:
+        self.stop, self.text, self.emitted = stop, "", 0
+        self.matched_stop: str | None = None
+        self.fed: list[int] = []
+
+    def step(self, ids: list[int]) -> str:
+        assert self.matched_stop is None, "fed a token after the stop string matched"
+        self.fed += ids
+        self.text += "".join(ALPHABET[t] for t in ids)
+        for stop in self.stop:
+            at = self.text.find(stop)
+            if at >= 0:
+                self.matched_stop = stop
+                out, self.emitted = self.text[self.emitted : at], len(self.text)
+                return out
+        keep = max((k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+        out, self.emitted = self.text[self.emitted : len(self.text) - keep], len(self.text) - keep
+        return out
+
+    def finish(self) -> str:
+        out, self.emitted = self.text[self.emitted :], len(self.text)
+        return out
+
+    @property
+    def output_text(self) -> str:
+        return self.text[: self.emitted]
+
+
+def char_req(max_new_tokens: int = 16, stop: tuple[str, ...] = (), context_len: int | None = None,
+             detokenize: bool = True, **params) -> Req:  # type: ignore[no-untyped-def]
+    return Req([A, B], SamplingParams(max_new_tokens=max_new_tokens, temperature=0, **params),
+               eos_token_ids=frozenset({EOS}), detokenizer=CharDetokenizer(stop) if detokenize else None,
+               context_len=context_len)
+
+
+def feed(req: Req, tokens: list[int]) -> str:
+    """Append ``tokens`` one at a time until the request finishes; return the text they produced."""
+    text = ""
+    for t in tokens:
+        if req.finished:
+            break
+        text += req.append_token(t)
+    return text
+
+
+# -------------------------------------------------------------------------------------- task 0.2: stop rules
+
+
+@pytest.mark.task("0.2")
+def test_max_new_tokens_ends_the_request_on_exactly_that_token():
+    req = char_req(max_new_tokens=3)
+    assert req.append_token(A) == "a" and req.append_token(B) == "b"
+    assert not req.finished  # two tokens of three: still running
+    assert req.append_token(C) == "c"
+    assert req.finished and req.finish_reason.kind == "length" and req.finish_reason.matched is None
+    assert req.output_ids == [A, B, C]
+    one = char_req(max_new_tokens=1)
+    assert one.append_token(X) == "x" and one.finished and one.finish_reason.kind == "length"
+
+
+@pytest.mark.task("0.2")
+def test_eos_stops_unless_ignore_eos():
+    req = char_req()
+    assert feed(req, [A, B, EOS, C]) == "ab"
+    assert req.finish_reason.kind == "stop" and req.finish_reason.matched == EOS
+    assert req.output_ids == [A, B, EOS]  # the stop token is an output token, but not text
+    ignoring = char_req(ignore_eos=True)
+    assert feed(ignoring, [A, EOS, B]) == "ab" and not ignoring.finished  # EOS is an ordinary token now
+    # ignore_eos is about EOS only: the request's own stop tokens still end it.
+    own = char_req(ignore_eos=True, stop_token_ids=[C])
+    assert feed(own, [A, EOS, C, B]) == "a" and own.finish_reason.matched == C and own.output_ids == [A, EOS, C]
+
+
+@pytest.mark.task("0.2")
+def test_stop_token_text_is_not_output_but_held_text_is():
+    """A stop token's own text never reaches the client; text the detokenizer was holding back does."""
+    req = char_req(stop_token_ids=[DOT], stop=("##",))
+    assert feed(req, [A, HASH, DOT, B]) == "a#"  # "#" was held (it might have become "##"), then released
+    assert req.finish_reason.kind == "stop" and req.finish_reason.matched == DOT
+    assert req.output_ids == [A, HASH, DOT] and req.detokenizer.fed == [A, HASH]
+
+
+@pytest.mark.task("0.2")
+def test_min_new_tokens_defers_stop_tokens():
+    req = char_req(min_new_tokens=3, stop_token_ids=[DOT])
+    assert req.append_token(EOS) == "" and not req.finished  # 1 < 3: an ordinary (textless) token
+    assert req.append_token(DOT) == "." and not req.finished  # 2 < 3: an ordinary token, with its text
+    req.append_token(EOS)  # 3 >= 3: a stop token again
+    assert req.finished and req.finish_reason.kind == "stop" and req.finish_reason.matched == EOS
+    later = char_req(min_new_tokens=2)
+    assert feed(later, [A, B, EOS]) == "ab" and later.output_ids == [A, B, EOS] and later.finish_reason.kind == "stop"
+
+
+@pytest.mark.task("0.2")
+def test_stop_string_spanning_tokens_ends_the_request():
+    """"#b#" is three tokens: only the detokenizer, which sees the text, can tell when it completes."""
+    req = char_req(stop=("#b#",))
+    assert feed(req, [A, HASH, B, HASH, C]) == "a"
+    assert req.finish_reason.kind == "stop" and req.finish_reason.matched == "#b#"
+    assert req.output_ids == [A, HASH, B, HASH]
+    # A stop string that completes on the last allowed token is still a stop, not a length finish.
+    last = char_req(max_new_tokens=3, stop=("xy",))
+    assert feed(last, [A, X, Y]) == "a" and last.finish_reason.kind == "stop" and last.finish_reason.matched == "xy"
+
+
+@pytest.mark.task("0.2")
+def test_length_finish_flushes_held_back_text():
+    req = char_req(max_new_tokens=3, stop=("##",))
+    assert feed(req, [A, B, HASH]) == "ab#"  # "#" could have become "##", but the request is over
+    assert req.finish_reason.kind == "length"
+
+
+@pytest.mark.task("0.2")
+def test_context_window_ends_the_request():
+    req = char_req(max_new_tokens=100, context_len=5)  # a 2-token prompt leaves room for 3 tokens
+    assert feed(req, [A, B, C, X, Y]) == "abc"
+    assert req.output_ids == [A, B, C] and req.finish_reason.kind == "length"
+
+
+@pytest.mark.task("0.2")
+def test_without_a_detokenizer_only_ids_count():
+    req = char_req(max_new_tokens=4, detokenize=False, stop_token_ids=[DOT])
+    assert feed(req, [A, B, DOT, C]) == "" and req.output_ids == [A, B, DOT] and req.finish_reason.matched == DOT
+    req = char_req(max_new_tokens=2, detokenize=False)
+    assert feed(req, [A, B, C]) == "" and req.output_ids == [A, B] and req.finish_reason.kind == "length"
+
+
+# ------------------------------------------------------------------------------------ task 0.3: the naive loop
+
+VOCAB = 8
+
+
+def known_next(sequence: list[int]) -> int:
+    """The stand-in model's greedy choice after ``sequence``: (sum of the ids + last position) mod VOCAB."""
+    return (sum(sequence) + len(sequence) - 1) % VOCAB
+
+
+def known_continuation(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(known_next(seq))
+    return seq[len(prompt) :]
+
+
+class ArithmeticModel(nn.Module):
+    """A "language model" whose logits are known: at position p of a sequence s it scores ``known_next(s[:p+1])``
+    highest. Like a real model it reads the flat batch and splits it per request with ``batch.extend_lens_cpu``
+    (that is attention's job), and it records the sequences it was fed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fed: list[list[list[int]]] = []
+
+    def forward(self, input_ids, positions, batch):  # type: ignore[no-untyped-def]
+        assert not any(batch.prefix_lens_cpu), "the naive loop feeds whole sequences: nothing is cached"
+        ids, pos = input_ids.tolist(), positions.tolist()
+        sequences, start = [], 0
+        for n in batch.extend_lens_cpu:
+            sequences.append(ids[start : start + n])
+            assert pos[start : start + n] == list(range(n)), "positions restart at 0 for every request"
+            start += n
+        self.fed.append(sequences)
+        rows = [known_next(seq[: p + 1]) for seq in sequences for p in range(len(seq))]
+        hidden = torch.full((len(rows), VOCAB), -1.0)
+        hidden[torch.arange(len(rows)), torch.tensor(rows)] = 1.0
+        return hidden  # [T, VOCAB]: here the hidden state already is the logits
+
+    def compute_logits(self, hidden):  # type: ignore[no-untyped-def]
+        return hidden.float() * torch.linspace(1.0, 1.1, VOCAB)  # distinct values: a unique argmax per row
+
+
+def greedy_req(prompt: list[int], max_new_tokens: int, **params) -> Req:  # type: ignore[no-untyped-def]
+    return Req(prompt, SamplingParams(max_new_tokens=max_new_tokens, temperature=0, **params))
+
+
+def run_bounded(engine: NaiveEngine, reqs: list[Req], limit: int = 50) -> int:
+    """Step until every request finished (at most ``limit`` steps, so that a loop that never ends fails)."""
+    for steps in range(limit):
+        if not engine.step(reqs):
+            return steps
+    raise AssertionError(f"the requests were still running after {limit} steps")
+
+
+@pytest.mark.task("0.3")
+def test_naive_step_appends_one_token_to_each_running_request():
+    engine = NaiveEngine(ArithmeticModel(), VOCAB)
+    a, b = greedy_req([3, 1, 4], 5), greedy_req([1, 5, 6, 2, 6, 5, 3], 5)
+    done = greedy_req([2, 7], 0)  # finished on arrival
+    out = engine.step([a, done, b])
+    assert [r for r, _ in out] == [a, b] and all(text == "" for _, text in out)
+    assert a.output_ids == known_continuation([3, 1, 4], 1)
+    assert b.output_ids == known_continuation([1, 5, 6, 2, 6, 5, 3], 1)
+    assert done.output_ids == []
+
+
+@pytest.mark.task("0.3")
+def test_naive_loop_generates_the_known_continuation():
+    engine = NaiveEngine(ArithmeticModel(), VOCAB)
+    prompts = [[3, 1, 4, 1, 5], [2, 6], [7, 7, 1, 0, 2, 3, 5, 1, 1]]
+    reqs = [greedy_req(p, n) for p, n in zip(prompts, (6, 9, 3))]
+    assert run_bounded(engine, reqs) == 9
+    for req, prompt, n in zip(reqs, prompts, (6, 9, 3)):
+        assert req.output_ids == known_continuation(prompt, n)
+        assert req.finish_reason.kind == "length"
+
+
+@pytest.mark.task("0.3")
+def test_naive_step_feeds_every_whole_sequence():
+    """No cache: each step feeds prompt and output so far, of every running request, in order."""
+    model = ArithmeticModel()
+    engine = NaiveEngine(model, VOCAB)
+    reqs = [greedy_req([1, 2, 3], 2), greedy_req([4], 3)]
+    run_bounded(engine, reqs)
+    full = [r.input_ids + r.output_ids for r in reqs]
+    assert model.fed == [
+        [full[0][:3], full[1][:1]],
+        [full[0][:4], full[1][:2]],
+        [full[1][:3]],  # the first request finished after two tokens
+    ]
+
+
+@pytest.mark.task("0.3")
+def test_naive_step_returns_each_token_text_and_applies_stop_rules():
+    engine = NaiveEngine(ArithmeticModel(), VOCAB)
+    prompt = [2, 7]  # the stand-in continues 2, 5, 3, 7, 7: "b.cyy" over ALPHABET
+    assert "".join(ALPHABET[t] for t in known_continuation(prompt, 5)) == "b.cyy"
+    stops = Req(prompt, SamplingParams(max_new_tokens=10, temperature=0, stop_token_ids=[C]),
+                detokenizer=CharDetokenizer())
+    runs = Req(prompt, SamplingParams(max_new_tokens=4, temperature=0), detokenizer=CharDetokenizer())
+    texts = []
+    while out := engine.step([stops, runs]):
+        texts.append([("stops" if r is stops else "runs", text) for r, text in out])
+        assert len(texts) <= 4, "the requests should have finished"
+    assert texts == [[("stops", "b"), ("runs", "b")], [("stops", "."), ("runs", ".")],
+                     [("stops", ""), ("runs", "c")], [("runs", "y")]]
+    assert stops.finish_reason.matched == C and runs.finish_reason.kind == "length"
+
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    """The chapter-00 oracle engine: these tests grade it (tasks 0.2, 0.3)."""
+    """The chapter-00 oracle engine on the embedded model."""
     return LLM(device="cpu", engine="naive")
 
 
@@ -30,7 +288,6 @@ def paged_llm() -> LLM:
     return LLM(device="cpu")
 
 
-@pytest.mark.task("0.3")
 def test_greedy_tokens_match_transformers_generate(llm):
     """32 greedy tokens per prompt, batched together, equal HF's generate run one prompt at a time."""
     from transformers import AutoModelForCausalLM
@@ -67,7 +324,6 @@ def test_capital_of_france_says_paris(paged_llm):
     assert out.prompt_tokens > 0 and out.completion_tokens == len(out.output_ids)
 
 
-@pytest.mark.task("0.2")
 def test_eos_stops_with_reason_stop_and_is_not_in_text(llm):
     out = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_new_tokens=200),
                    use_tqdm=False)[0]
@@ -77,7 +333,6 @@ def test_eos_stops_with_reason_stop_and_is_not_in_text(llm):
     assert "<|im_end|>" not in out.text
 
 
-@pytest.mark.task("0.2")
 def test_stop_string_trims_and_reports_match(llm):
     free = llm.generate("The numbers from one to ten are: one, two,", SamplingParams(temperature=0, max_new_tokens=24),
                         use_tqdm=False)[0]
@@ -89,7 +344,6 @@ def test_stop_string_trims_and_reports_match(llm):
     assert out.text == free.text[: free.text.index(word)]
 
 
-@pytest.mark.task("0.2")
 def test_stop_token_ids_and_max_new_tokens(llm):
     base = llm.generate("Once upon a time", SamplingParams(temperature=0, max_new_tokens=12), use_tqdm=False)[0]
     assert base.finish_reason == "length" and base.completion_tokens == 12

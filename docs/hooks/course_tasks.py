@@ -19,9 +19,13 @@ import json
 import logging
 import re
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 log = logging.getLogger("mkdocs.hooks.course_tasks")
 

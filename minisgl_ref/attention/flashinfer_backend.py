@@ -184,3 +184,28 @@ class FlashInferBackend(AttentionBackend):
             kv_indptr_cpu, g["kv_indices"][:total], torch.ones(bs, dtype=torch.int32, pin_memory=pin), self.num_q_heads,
             self.num_kv_heads, self.head_dim, 1, **self._plan_kwargs(),
         )  # fmt: skip
+
+
+def compile_kernels(phase: str, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    device: torch.device) -> None:
+    """Make FlashInfer build (or load from its disk cache) the ``phase`` ("decode" or "prefill") kernels for this
+    attention shape, by planning and running one tiny batch: the same kernel choice as
+    :class:`FlashInferBackend` (tensor-core decode from GQA 4), so the engine's first real step finds it ready."""
+    import flashinfer
+
+    workspace = torch.zeros(16 * 1024 * 1024, dtype=torch.uint8, device=device)
+    kv = torch.zeros(4, 1, num_kv_heads, head_dim, dtype=dtype, device=device)  # 4 one-token pages
+    q = torch.zeros(1 if phase == "decode" else 2, num_q_heads, head_dim, dtype=dtype, device=device)
+    kv_indptr = torch.tensor([0, 2], dtype=torch.int32)
+    kv_indices = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    last_page_len = torch.ones(1, dtype=torch.int32)
+    kwargs: dict[str, Any] = dict(q_data_type=dtype, kv_data_type=dtype, sm_scale=head_dim**-0.5)
+    if phase == "decode":
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_tensor_cores=num_q_heads // num_kv_heads >= 4)
+        wrapper.plan(kv_indptr, kv_indices, last_page_len, num_q_heads, num_kv_heads, head_dim, 1, **kwargs)
+    else:
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        wrapper.plan(torch.tensor([0, 2], dtype=torch.int32), kv_indptr, kv_indices, last_page_len, num_q_heads,
+                     num_kv_heads, head_dim, 1, causal=True, **kwargs)
+    wrapper.run(q, (kv, kv))

@@ -49,7 +49,6 @@ def flash_attention_importable() -> bool:
     return _importable("flash_attn_interface") or _importable("flash_attn")
 
 
-# BEGIN TASK 7.1: choose the prefill and decode backends
 def default_backends(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tuple[str, str]:
     """(prefill, decode) for a device when the user names none (see the module docstring's table). FlashInfer and
     FlashAttention compute in fp16/bf16 only, so a float32 model on a GPU gets our Triton kernels."""
@@ -76,7 +75,6 @@ def resolve_backend_names(
     prefill = config.prefill_attention_backend or config.attention_backend or auto_prefill
     decode = config.decode_attention_backend or config.attention_backend or auto_decode
     return prefill, decode
-# END TASK 7.1
 
 
 def check_backend_can_run(name: str, device: torch.device, dtype: torch.dtype | None = None) -> None:

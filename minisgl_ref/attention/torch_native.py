@@ -21,8 +21,13 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     """Causal attention of one sequence's ``Lq`` newest queries over all its ``Lk`` keys.
 
     q: [Lq, H, D]; k, v: [Lk, KVH, D] with ``Lk >= Lq``; the queries are the last ``Lq`` positions, so query i may
-    see keys ``0 .. Lk - Lq + i``. Grouped-query attention: query head h reads KV head ``h // (H // KVH)``.
-    Returns [Lq, H, D] in q's dtype.
+    see keys ``0 .. Lk - Lq + i`` and no later one (a prefill has ``Lq == Lk``; a decode step ``Lq == 1`` sees every
+    key). Grouped-query attention: ``H`` is a multiple of ``KVH`` and query head h reads KV head ``h // (H // KVH)``,
+    so consecutive query heads share a KV head. Scores are ``q . k * scale`` (the caller passes
+    ``scale = 1 / sqrt(D)``); a key a query may not see gets the score ``-inf`` before the softmax over keys.
+
+    Compute in float32 whatever the input dtype (a bf16 softmax over thousands of keys loses digits) and return
+    [Lq, H, D] in q's dtype.
     """
     # BEGIN TASK 0.1: causal attention with grouped-query heads
     lq, num_heads, _ = q.shape
@@ -36,8 +41,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     scores.masked_fill_(k_pos > q_pos, float("-inf"))
     probs = scores.softmax(dim=-1)
     out = torch.einsum("hqk,khd->qhd", probs, v.float())
-    # END TASK 0.1
     return out.to(q.dtype)
+    # END TASK 0.1
 
 
 class NoCacheAttentionBackend(AttentionBackend):
@@ -91,3 +96,55 @@ class TorchNativeBackend(AttentionBackend):
 
     def attend_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         return self.attend_extend(q, None, None, layer, batch)  # type: ignore[arg-type]  # one token per request
+
+
+class TorchStaticBackend(TorchNativeBackend):
+    """``torch_native`` with the three CUDA-graph hooks: the smallest backend a graph can replay (chapter 08).
+
+    Extend steps are ``torch_native``'s. Decode reads only two small device tensors, each request's page-table
+    row and its length, and attends over the whole row at once with a length mask: no Python loop over the
+    requests and no host-side length, so every shape depends on the batch size alone. Under graphs those two
+    tensors are views of buffers allocated once (:meth:`init_graph_buffers`), pointed at before capture and
+    refilled in place before each replay: the pattern of the Triton and FlashInfer backends, in a few lines.
+
+    It gathers ``[B, max context, heads, head_dim]`` per layer, which is fine for tests and for showing the graph
+    runner on a CPU (with stand-in graphs, :class:`~minisgl_ref.engine.cuda_graph.RerunGraphFactory`), not for
+    serving: it is not one of the engine's ``--attention-backend`` choices."""
+
+    name = "torch_static"
+    supports_cuda_graph = True
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if not batch.mode.is_decode:
+            return super().init_forward_metadata(batch)
+        assert batch.req_pool_indices is not None
+        self.decode_rows = batch.req_pool_indices
+        self.decode_lens = torch.tensor(batch.seq_lens_cpu, dtype=torch.int32, device=self.device)
+
+    def attend_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+        k_all, v_all = self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id]
+        slots = self.req_to_token.table[self.decode_rows].to(torch.int64)  # [B, W]: whole rows
+        visible = torch.arange(slots.shape[1], device=q.device) < self.decode_lens[:, None]  # [B, W]
+        group = q.shape[1] // k_all.shape[1]
+        k = k_all[slots].repeat_interleave(group, dim=2).float()  # [B, W, H, D]
+        v = v_all[slots].repeat_interleave(group, dim=2).float()
+        scores = torch.einsum("bhd,bwhd->bhw", q.float(), k) * layer.scale
+        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+        out = torch.einsum("bhw,bwhd->bhd", scores.softmax(dim=-1), v)
+        return out.to(q.dtype).flatten(1)
+
+    def init_graph_buffers(self, max_bs: int) -> None:
+        self.graph_rows = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
+        self.graph_lens = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+
+    def prepare_capture(self, batch: ForwardBatch) -> None:
+        self.prepare_replay(batch)
+
+    def prepare_replay(self, batch: ForwardBatch) -> None:
+        """Refill the static metadata in place. Pointing the decode at the views again costs nothing and keeps a
+        stand-in graph, which re-runs this Python, reading the buffers a recorded graph reads."""
+        assert batch.req_pool_indices is not None and batch.seq_lens is not None
+        bs = batch.batch_size
+        self.decode_rows, self.decode_lens = self.graph_rows[:bs], self.graph_lens[:bs]
+        self.decode_rows.copy_(batch.req_pool_indices)
+        self.decode_lens.copy_(batch.seq_lens)

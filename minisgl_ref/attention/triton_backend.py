@@ -119,8 +119,24 @@ class TritonAttnBackend(AttentionBackend):
         want = triton.cdiv(4 * self.num_sms, batch_size * self.num_kv_heads)
         return max(1, min(self.max_kv_splits, want))
 
-    # BEGIN TASK 7.2: per-step metadata of the Triton kernels (CSR kv_indptr / kv_indices, qo_indptr, splits)
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Build this step's :class:`TritonMetadata` into ``self.forward_metadata`` (every layer reuses it).
+
+        Which context the kernels read through the page table: in decode each request's *whole* context, its new
+        token included (``batch.seq_lens_cpu``: the base class stores the new K/V before attending); in extend only
+        the cached *prefix* (``batch.prefix_lens_cpu``: the extend kernel reads the new tokens from ``k``/``v``).
+        With those lengths ``lens`` (int32, on ``self.device``):
+
+        - ``kv_indptr`` [B + 1] int32: ``[0, l0, l0 + l1, ...]``, the running sum (``utils.indptr``);
+        - ``kv_indices``: an int32 device buffer of ``max(1, sum(lens))`` entries (never empty), filled by
+          ``build_kv_indices(self.req_to_token.table, batch.req_pool_indices, lens, kv_indptr, kv_indices)``. Size
+          it from the host lengths: reading ``kv_indptr[-1]`` back would wait for the device.
+        - decode: ``max_splits = self.num_kv_splits(B)``, and when ``self.num_q_heads`` is known the split-KV
+          scratch ``mid_o, mid_lse = self._split_scratch(B, self.num_q_heads, max_splits)`` (else the first layer
+          allocates it); ``qo_indptr`` stays ``None``.
+        - extend: ``qo_indptr`` [B + 1] int32 over the *new* tokens (``batch.extend_lens_cpu``), ``max_extend_len``
+          their maximum (the grid), and ``extend_config = extend_launch_config(longest prefix)`` (tile sizes)."""
+        # BEGIN TASK 7.2: per-step metadata of the Triton kernels (CSR kv_indptr / kv_indices, qo_indptr, splits)
         assert batch.req_pool_indices is not None
         dev = self.device
         rows = batch.req_pool_indices
@@ -144,7 +160,7 @@ class TritonAttnBackend(AttentionBackend):
             md.max_extend_len = max(batch.extend_lens_cpu)
             md.extend_config = extend_launch_config(max(batch.prefix_lens_cpu))
         self.forward_metadata = md
-    # END TASK 7.2
+        # END TASK 7.2
 
     def _split_scratch(self, bs: int, num_heads: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
         mid_o = torch.empty(bs, num_heads, splits, self.head_dim, dtype=torch.float32, device=self.device)

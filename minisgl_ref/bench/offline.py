@@ -166,8 +166,12 @@ def weight_bytes(config: ModelConfig) -> int:
     embedding lookup reads only a few rows)."""
     attn = MODEL_REGISTRY[config.architecture].decoder_layer_cls.attention_cls
     shapes = checkpoint_shapes(config, config.attention_bias or attn.qkv_bias_default, attn.use_qk_norm)
+    # `shapes`: checkpoint tensor name -> shape; what is left is elements times bytes per element (of
+    # config.dtype: 2 in bf16, 4 in float32).
+    # BEGIN TASK 11.2: the decode roofline
     elem = torch.finfo(config.dtype).bits // 8
     return sum(math.prod(shape) for shape in shapes.values()) * elem
+    # END TASK 11.2
 
 
 def context_token_sum(prompt_lens: Sequence[int], output_lens: Sequence[int]) -> int:
@@ -177,10 +181,11 @@ def context_token_sum(prompt_lens: Sequence[int], output_lens: Sequence[int]) ->
 
     Two readings of the same number: the KV entries a cached engine must *read* over the whole workload, and
     the tokens the naive oracle *recomputes* (it feeds ``P_i + j`` tokens to produce token j)."""
+    # BEGIN TASK 11.2: the decode roofline
     return sum(o * p + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens))
+    # END TASK 11.2
 
 
-# BEGIN TASK 11.2: the decode roofline
 def roofline_floor_seconds(
     prompt_lens: Sequence[int],
     output_lens: Sequence[int],
@@ -199,11 +204,12 @@ def roofline_floor_seconds(
 
     For the canonical workload on Qwen3-0.6B in bf16 (1.19 GB of weights, 114,688 KV bytes per token) this is
     5.03 s at the H100's measured 3.0 TB/s (26.6k output tok/s) and 4.50 s at its datasheet 3.35 TB/s
-    (29.7k tok/s): that is the datasheet figure."""
+    (29.7k tok/s): that is the datasheet figure. The KV term is :func:`context_token_sum`."""
+    # BEGIN TASK 11.2: the decode roofline
     steps = max(output_lens, default=0)
     total = steps * weight_bytes + context_token_sum(prompt_lens, output_lens) * kv_bytes_per_token
     return total / bandwidth
-# END TASK 11.2
+    # END TASK 11.2
 
 
 def workload_floor_seconds(workload: Workload, config: ModelConfig, bandwidth: float) -> float:

@@ -58,7 +58,7 @@ from typing import Any, TypeVar
 import httpx
 import numpy as np
 
-from minisgl_ref.bench.workloads import Workload, canonical_workload, shared_prefix_workload
+from minisgl_ref.bench.workloads import Workload, random_workload, shared_prefix_workload
 
 BACKENDS = ("minisgl", "sglang", "openai", "openai-chat")
 DATASETS = ("random", "shared-prefix")
@@ -89,27 +89,48 @@ class RequestOutput:
     error: str = ""
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (``0 <= q <= 100``) of a non-empty list, interpolated linearly between the two
+    nearest ranks: NumPy's default (``np.percentile``), which ``sglang.bench_serving`` reports.
+
+    Order the values; the percentile sits at the fractional position ``q / 100 * (n - 1)`` of the ordered list
+    (position 0 is the smallest value, ``n - 1`` the largest), between the values at the positions just below
+    and just above it, weighted by how close it is to each. So ``percentile([1, 2, 3, 4], 50) == 2.5`` and
+    ``percentile(xs, 100) == max(xs)``. The values arrive in whatever order the requests finished."""
+    if not values:
+        raise ValueError("the percentile of no values is undefined")
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    # BEGIN TASK 10.1: serving metrics from client-side timestamps
+    xs = sorted(values)
+    pos = q / 100 * (len(xs) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    # END TASK 10.1
+
+
 def _stats(values: Sequence[float], name: str, percentiles: Sequence[int]) -> dict[str, float]:
     """``mean_<name>_ms``, ``median_<name>_ms``, ``std_<name>_ms`` and ``p<q>_<name>_ms`` of ``values``
-    (seconds in, milliseconds out). An empty list gives zeros, as in SGLang, so that the keys always exist."""
-    arr = np.asarray(values, dtype=np.float64) * 1000.0
-    if arr.size == 0:
-        arr = np.zeros(1)
-    out = {f"mean_{name}_ms": float(arr.mean()), f"median_{name}_ms": float(np.median(arr)),
+    (seconds in, milliseconds out; the standard deviation is the population one, NumPy's default). An empty
+    list gives zeros, as in SGLang, so that the keys always exist."""
+    ms = [v * 1000.0 for v in values] or [0.0]
+    arr = np.asarray(ms, dtype=np.float64)
+    out = {f"mean_{name}_ms": float(arr.mean()), f"median_{name}_ms": float(percentile(ms, 50)),
            f"std_{name}_ms": float(arr.std())}
     for q in percentiles:
-        out[f"p{q}_{name}_ms"] = float(np.percentile(arr, q))
+        out[f"p{q}_{name}_ms"] = float(percentile(ms, q))
     return out
 
 
-# BEGIN TASK 10.1: serving metrics from client-side timestamps
 def compute_metrics(outputs: Sequence[RequestOutput], duration: float) -> dict[str, float]:
     """The metrics of ``sglang.bench_serving``, computed from what the client saw.
 
     Over the *successful* requests only (failures are counted, nothing else):
 
     * **throughputs** divide totals by the benchmark's wall ``duration``: ``request_throughput`` (requests/s),
-      ``input_throughput`` and ``output_throughput`` (tokens/s), ``total_throughput`` (both);
+      ``input_throughput`` and ``output_throughput`` (tokens/s), ``total_throughput`` (both); the totals are
+      ``total_input_tokens`` and ``total_output_tokens`` (each request's ``prompt_len`` and ``output_len``);
     * **TTFT** (time to first token): request sent -> first chunk with a token. It contains the queueing and
       the whole prefill, so it grows with prompt length and with load;
     * **ITL** (inter-token latency): the gaps between consecutive chunks, pooled over all requests. Its tail
@@ -120,9 +141,15 @@ def compute_metrics(outputs: Sequence[RequestOutput], duration: float) -> dict[s
     * **E2E latency**: request sent -> last byte;
     * ``concurrency``: the sum of all E2E latencies over the duration, i.e. how many requests were in flight on
       average (Little's law).
+
+    The keys: ``completed``, ``failed``, ``duration``, the two totals, the four throughputs, ``concurrency``,
+    then :func:`_stats` of the TTFTs (``ttft``, p90 and p99), the TPOTs (``tpot``, p90 and p99), the pooled
+    ITLs (``itl``, p90, p95 and p99, and ``max_itl_ms``, 0 when there are none) and the E2E latencies
+    (``e2e_latency``, p90 and p99).
     """
     if duration <= 0:
         raise ValueError(f"duration must be positive, got {duration}")
+    # BEGIN TASK 10.1: serving metrics from client-side timestamps
     ok = [o for o in outputs if o.success]
     input_tokens = sum(o.prompt_len for o in ok)
     output_tokens = sum(o.output_len for o in ok)
@@ -147,7 +174,7 @@ def compute_metrics(outputs: Sequence[RequestOutput], duration: float) -> dict[s
     metrics["max_itl_ms"] = max(itls) * 1000.0 if itls else 0.0
     metrics |= _stats(e2e, "e2e_latency", (90, 99))
     return metrics
-# END TASK 10.1
+    # END TASK 10.1
 
 
 def arrival_times(n: int, request_rate: float, seed: int) -> list[float]:
@@ -224,10 +251,8 @@ def build_workload(cfg: ServingBenchConfig) -> Workload:
     if cfg.dataset_name == "random":
         lo_in = max(1, int(cfg.random_input_len * cfg.random_range_ratio))
         lo_out = max(1, int(cfg.random_output_len * cfg.random_range_ratio))
-        wl = canonical_workload(cfg.num_prompts, input_len=(lo_in, cfg.random_input_len),
-                                output_len=(lo_out, cfg.random_output_len), temperature=cfg.temperature,
-                                seed=cfg.seed)
-        wl.name = "random"
+        wl = random_workload(cfg.num_prompts, input_len=(lo_in, cfg.random_input_len),
+                             output_len=(lo_out, cfg.random_output_len), temperature=cfg.temperature, seed=cfg.seed)
         wl.spec["range_ratio"] = cfg.random_range_ratio
     else:
         wl = shared_prefix_workload(cfg.gsp_num_groups, cfg.gsp_prompts_per_group, cfg.gsp_system_prompt_len,
@@ -268,6 +293,14 @@ class _StreamReader:
         self.chunks = 0  # openai: chunks that carried text
 
     def event(self, data: dict[str, Any], now: float) -> None:
+        """One streamed event (parsed JSON) that arrived at ``now`` (``time.perf_counter`` seconds).
+
+        The code before the timestamps reads the event: ``got_tokens`` says whether it carried at least one new
+        token (a role chunk, an empty keep-alive or the final usage chunk carries none), and the counts go to
+        ``self.out``. Then the timestamps: the request was sent at ``self.start``, and ``self.last`` is when the
+        latest chunk with tokens arrived (None before the first). The first chunk with tokens sets
+        ``self.out.ttft`` (seconds since the request was sent); every later one appends to ``self.out.itl`` the
+        gap since the previous chunk with tokens. Chunks without a token change no timestamp."""
         if "error" in data:  # a request the server ended with an error mid-stream
             err = data["error"]
             raise RuntimeError(err.get("message", str(err)) if isinstance(err, dict) else str(err))
@@ -291,12 +324,15 @@ class _StreamReader:
                 piece = c.get("text") or (c.get("delta") or {}).get("content") or ""
             got_tokens = bool(piece)
             self.chunks += got_tokens
-        if got_tokens:
-            if self.last is None:
-                self.out.ttft = now - self.start
-            else:
-                self.out.itl.append(now - self.last)
-            self.last = now
+        # BEGIN TASK 10.1: serving metrics from client-side timestamps
+        if not got_tokens:
+            return
+        if self.last is None:
+            self.out.ttft = now - self.start
+        else:
+            self.out.itl.append(now - self.last)
+        self.last = now
+        # END TASK 10.1
 
     def finish(self, now: float) -> RequestOutput:
         self.out.latency = now - self.start

@@ -6,12 +6,13 @@ A throughput number means nothing without its workload, so the workloads are cod
   random token ids with random prompt and output lengths. Its random numbers are drawn in a fixed order (every
   prompt first, then every ``max_tokens``), so ``random.seed(0)`` reproduces the same 133,966 output tokens
   everywhere.
+* :func:`random_workload` is SGLang's *random* dataset, which ``bench serving`` sends to a server (chapter 10).
 * :func:`shared_prefix_workload` is SGLang's *generated-shared-prefix* workload: ``G`` groups of ``P`` requests,
   each prompt a group-wide system prompt followed by a private question. It exists to measure prefix sharing
   (chapter 04): an engine with a radix cache computes each system prompt once per group instead of once per
   request.
 
-Both return a :class:`Workload`: token-id prompts plus one sampling-parameter dict per request, ready for
+Each returns a :class:`Workload`: token-id prompts plus one sampling-parameter dict per request, ready for
 ``LLM.generate``. This module imports nothing heavier than :mod:`random`.
 """
 
@@ -67,7 +68,6 @@ def _sampling(max_new_tokens: int, temperature: float) -> dict[str, Any]:
     return {"max_new_tokens": max_new_tokens, "temperature": temperature, "ignore_eos": True}
 
 
-# BEGIN TASK 11.1: the canonical offline workload
 def canonical_workload(
     num_prompts: int = 256,
     *,
@@ -84,7 +84,14 @@ def canonical_workload(
     definition: drawing each request's output length right after its prompt would give a different workload.
 
     Smaller ``num_prompts`` and length ranges give the CPU-sized ``--quick`` variant of the same recipe.
-    It uses the global :mod:`random` generator, exactly as the published scripts do, and leaves it seeded."""
+    It uses the global :mod:`random` generator, exactly as the published scripts do, and leaves it seeded.
+
+    In order: ``random.seed(seed)``; for each of the ``num_prompts`` prompts, its length
+    ``random.randint(*input_len)`` and then that many ids ``random.randint(0, TOKEN_ID_HIGH)`` (both bounds
+    inclusive); then, for each request, ``random.randint(*output_len)``. Each request's sampling parameters are
+    ``_sampling(max_new_tokens, temperature)``, and ``spec`` records ``num_prompts``, ``input_len`` and
+    ``output_len`` (as lists), ``temperature``, ``ignore_eos`` (True) and ``seed``."""
+    # BEGIN TASK 11.1: the canonical offline workload
     random.seed(seed)
     prompts = [
         [random.randint(0, TOKEN_ID_HIGH) for _ in range(random.randint(*input_len))] for _ in range(num_prompts)
@@ -93,7 +100,27 @@ def canonical_workload(
     spec = {"num_prompts": num_prompts, "input_len": list(input_len), "output_len": list(output_len),
             "temperature": temperature, "ignore_eos": True, "seed": seed}
     return Workload("canonical", prompts, [_sampling(m, temperature) for m in max_tokens], spec)
-# END TASK 11.1
+    # END TASK 11.1
+
+
+def random_workload(
+    num_prompts: int,
+    *,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    temperature: float,
+    seed: int,
+) -> Workload:
+    """SGLang's *random* dataset as ``bench serving`` sends it: ``num_prompts`` prompts of random token ids in
+    ``[0, TOKEN_ID_HIGH]``, each of a length drawn from ``input_len`` (inclusive bounds), then every request's
+    ``max_new_tokens`` drawn from ``output_len``. A private :class:`random.Random` seeded with ``seed`` draws
+    them, so generating it disturbs nothing else, and the same seed always sends the same requests."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, TOKEN_ID_HIGH) for _ in range(rng.randint(*input_len))] for _ in range(num_prompts)]
+    max_tokens = [rng.randint(*output_len) for _ in range(num_prompts)]
+    spec = {"num_prompts": num_prompts, "input_len": list(input_len), "output_len": list(output_len),
+            "temperature": temperature, "ignore_eos": True, "seed": seed}
+    return Workload("random", prompts, [_sampling(m, temperature) for m in max_tokens], spec)
 
 
 def shared_prefix_workload(

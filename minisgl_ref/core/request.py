@@ -148,7 +148,28 @@ class Req:
         return self.detokenizer.output_text if self.detokenizer else ""
 
     def append_token(self, token_id: int) -> str:
-        """Record one sampled token, decide whether the request is done, and return the new text it produced."""
+        """Record one sampled token, decide whether the request is done, and return the new text it produced.
+
+        The token is already in ``output_ids`` when this runs; ``n = len(output_ids)`` counts it. The rules, in
+        this order (the first that applies wins):
+
+        1. **Stop token.** ``token_id`` is one of ``params.stop_token_ids``, or one of ``eos_token_ids`` unless
+           ``params.ignore_eos`` is set, and ``n >= params.min_new_tokens``: finish with
+           ``FinishReason("stop", matched=token_id)``. The stop token stays in ``output_ids`` but its text is not
+           part of the output: do not feed it to the detokenizer; return whatever the detokenizer still holds
+           back (``self._flush()``). Before ``min_new_tokens`` a stop token is an ordinary token.
+        2. **Stop string.** Otherwise feed the token to the detokenizer (``self.detokenizer.step([token_id])``,
+           which returns the text that became final). Stop strings can span several tokens, so only the
+           detokenizer can see them: when its ``matched_stop`` is set, finish with
+           ``FinishReason("stop", matched=<that string>)`` and return the text it gave.
+        3. **Length.** Otherwise, once ``n`` reaches ``params.max_new_tokens``, or the prompt plus the output fill
+           the context window (``len(input_ids) + n >= context_len``, when ``context_len`` is set), finish with
+           ``FinishReason("length")`` and return the step's text followed by ``self._flush()`` (the text the
+           detokenizer held back, in case more tokens completed a stop string, is final now).
+
+        Without a detokenizer (``self.detokenizer is None``: token ids in, token ids out) every text is ``""``
+        and rule 2 never fires.
+        """
         assert not self.finished, f"{self.rid} already finished; an engine appended a token after the end"
         self.output_ids.append(token_id)
         # BEGIN TASK 0.2: stop conditions

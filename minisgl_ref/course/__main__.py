@@ -44,7 +44,8 @@ def cmd_student(args: argparse.Namespace) -> int:
     if args.task is None and args.chapters is None:
         raise ValueError("student: say which tasks to blank with --chapters (e.g. 3-6) and/or --task")
     chosen = _selected(args, t)
-    manifest = student.make_copy(args.root, Path(args.out), [task.id for task in chosen], commit=not args.no_git)
+    manifest = student.make_copy(args.root, Path(args.out), [task.id for task in chosen], commit=not args.no_git,
+                                 unblank=args.unblank)
     print(f"student copy in {args.out}: {len(chosen)} tasks blanked ({', '.join(manifest['blank_tasks'])})")
     print(f"grade it from there with: {manifest['grade']}")
     return 0
@@ -137,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("student", help="make a student copy")
     p.add_argument("out", help="an empty (or missing) folder, or an earlier copy to update")
     p.add_argument("--no-git", action="store_true", help="do not make the copy a git repository")
+    p.add_argument("--unblank", action="store_true",
+                   help="when updating a copy, allow tasks it had blank to come back with their solutions")
     selection(p)
     p.set_defaults(func=cmd_student)
 

@@ -10,13 +10,18 @@ took: a task's tests are strong enough when every one of its mutants is caught w
 from __future__ import annotations
 
 import shutil
+import sys
 import tempfile
 import time
-import tomllib
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 from minisgl_ref.course.grade import checks_of, run_tests
 from minisgl_ref.course.regions import Region, scan

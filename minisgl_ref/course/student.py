@@ -109,11 +109,14 @@ def _reference_commit(root: Path) -> str | None:
         return None
 
 
-def make_copy(root: Path, out: Path, task_ids: Iterable[str], *, commit: bool = True) -> dict[str, object]:
+def make_copy(root: Path, out: Path, task_ids: Iterable[str], *, commit: bool = True,
+              unblank: bool = False) -> dict[str, object]:
     """Write a student copy of the reference at ``root`` into ``out`` with ``task_ids`` blanked.
 
     ``out`` must be empty, missing, or an earlier copy (then its tracked files are replaced and the change is
-    committed on top of its history). Returns the manifest written to ``out/COURSE.json``."""
+    committed on top of its history). An update that would un-blank a task the earlier copy had blank publishes
+    its solution, so it is refused unless ``unblank`` says that is the intent. Returns the manifest written to
+    ``out/COURSE.json``."""
     root, out = root.resolve(), out.resolve()
     task_ids = sorted(set(task_ids))
     regions = [r for r in scan(root) if r.task in task_ids]
@@ -123,6 +126,13 @@ def make_copy(root: Path, out: Path, task_ids: Iterable[str], *, commit: bool = 
     update = (out / MANIFEST).exists() and (out / ".git").exists()
     if out.exists() and any(out.iterdir()) and not update:
         raise ValueError(f"{out} is not empty and holds no student copy: choose a new folder")
+    if update and not unblank:
+        before = set(json.loads((out / MANIFEST).read_text(encoding="utf-8")).get("blank_tasks", []))
+        dropped = sorted(before - set(task_ids), key=lambda t: tuple(map(int, t.split("."))))
+        if dropped:
+            raise ValueError(f"this update would publish the solutions of tasks {', '.join(dropped)}, blank in "
+                             f"the copy at {out}: add them to the selection, or pass --unblank if that is the "
+                             "intent")
     if update:  # replace what the previous copy tracked; the student's own files stay
         for f in subprocess.run(["git", "ls-files", "-z"], cwd=out, check=True, capture_output=True
                                 ).stdout.decode().split("\0"):

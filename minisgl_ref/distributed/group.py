@@ -170,6 +170,53 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return obj if rank == src else pickle.loads(buf.numpy().tobytes())
 
 
+def _default_store() -> Any:
+    """The key-value store the ranks met through (hosted by rank 0's process), or None outside a group."""
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def _failure_key(rank: int) -> str:
+    return f"minisgl/failed/{rank}"
+
+
+def report_failure(error: BaseException) -> None:
+    """On a rank whose work failed: leave the reason in the group's store, where rank 0 looks when its next
+    collective fails (:func:`peer_failures`). Call it *before* leaving the group.
+
+    Without it, rank 0 only learns that a peer's socket closed ("connection closed by peer") and the reason is
+    buried in another process's stderr. The store is the one channel that survives a dead peer: rank 0's process
+    hosts it, and a set is acknowledged before this rank goes on to exit, so by the time rank 0's collective
+    fails, the reason is there. Best effort: it never raises."""
+    store = _default_store()
+    if store is None:
+        return
+    try:
+        store.set(_failure_key(dist.get_rank()), f"{type(error).__name__}: {error}")
+    except Exception:  # noqa: BLE001 - the group may be half torn down already
+        pass
+
+
+def peer_failures() -> list[str]:
+    """What other ranks reported with :func:`report_failure`, as ``"rank r: Type: message"`` (empty if none)."""
+    store = _default_store()
+    if store is None:
+        return []
+    out = []
+    try:
+        for rank in range(dist.get_world_size()):
+            key = _failure_key(rank)
+            if rank != dist.get_rank() and store.check([key]):
+                out.append(f"rank {rank}: {store.get(key).decode(errors='replace')}")
+    except Exception:  # noqa: BLE001 - asked while failing: never hide the original error behind this one
+        pass
+    return out
+
+
 def exit_with_parent() -> None:
     """Make a spawned rank exit when the process that started it dies. A rank blocked in a collective would
     otherwise wait forever, holding its GPU memory, after its launcher was killed (e.g. by a time limit)."""

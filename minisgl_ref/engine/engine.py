@@ -17,7 +17,8 @@ Three consequences, each handled explicitly here or in the scheduler:
    from a device-side token buffer.
 3. KV slots freed while processing step N may still be written by step N+1: every free goes through one
    :class:`~minisgl_ref.kvcache.inflight.InflightFrees`, which releases it once the steps in flight have been
-   processed. The engine tells it when a step is launched and when one has been processed.
+   processed. The overlapped engine tells it when a step is launched and when one has been processed; without
+   overlap nothing is ever in flight, and it frees at once.
 
 And one rare case needs a synchronisation: when memory is so short that the scheduler must retract requests, it
 returns ``NEED_SYNC`` while a step is in flight (their KV could not be freed before that step completes); the
@@ -193,12 +194,40 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------------ steps
 
-    # BEGIN TASK 6.1: the overlapped step and its results, processed one step late
     def step(self) -> list[StepEvent]:
         """Advance the engine by one scheduled batch; return what happened to requests.
 
-        Without overlap: schedule and launch step N, then process it. With overlap: schedule and launch step
-        N+1, then process step N, which has been in flight since the previous call."""
+        Without overlap: schedule and launch step N, then process it (:meth:`_step_sync`). With overlap: schedule
+        and launch step N+1, then process step N, which has been in flight since the previous call
+        (:meth:`_step_overlap`)."""
+        return self._step_overlap() if self.overlap else self._step_sync()
+
+    def _step_sync(self) -> list[StepEvent]:
+        """Schedule step N, launch it, wait for its tokens and process them. Nothing is ever in flight between two
+        calls, so the frees never have to wait (steps launched here are not counted by ``self.frees``)."""
+        try:
+            launched = self._schedule_and_launch()
+        except LaunchFailed as failed:
+            return self._recover(failed) + self._take_aborted()
+        events = self._take_aborted()
+        return events + (self._process(launched) if isinstance(launched, Launched) else [])
+
+    def _step_overlap(self) -> list[StepEvent]:
+        """One overlapped step: schedule and launch step N+1 while step N (``self.inflight``, launched by the
+        previous call, or None) may still run on the device; only then process step N. Returns the events.
+
+        1. ``self._schedule_and_launch()`` schedules the next step and launches it (it tells ``self.frees``, so
+           every free from now on waits for it). It returns a :class:`Launched`, None (nothing to run), or
+           ``NEED_SYNC``: the scheduler would have to retract while a step is in flight. Then finish the step in
+           flight first (:meth:`_finish_inflight`, keeping its events) and schedule and launch again: with
+           nothing in flight the scheduler can retract.
+        2. If launching raises :class:`LaunchFailed`, finish the step in flight, then roll the failed step back
+           with ``self._recover(failed)``, and return the events of both plus ``self._take_aborted()``.
+        3. Otherwise collect ``self._take_aborted()`` (requests the scheduler gave up on), then finish the step in
+           flight (step N: its tokens, the one wait for the device), and keep the step just launched as
+           ``self.inflight`` (None if nothing was launched): the next call processes it. Return the events in
+           that order."""
+        # BEGIN TASK 6.1: the overlapped step and its deferred frees
         events: list[StepEvent] = []
         try:
             launched = self._schedule_and_launch()
@@ -209,13 +238,33 @@ class Engine:
             events += self._finish_inflight()
             return events + self._recover(failed) + self._take_aborted()
         events += self._take_aborted()
-        if not self.overlap:
-            return events + (self._process(launched) if isinstance(launched, Launched) else [])
         events += self._finish_inflight()
         self.inflight = launched if isinstance(launched, Launched) else None
         return events
+        # END TASK 6.1
+
+    def _finish_inflight(self) -> list[StepEvent]:
+        """Process the step in flight (``self.inflight``), if any, and return its events ([] if none).
+
+        Clear ``self.inflight`` first, process the step with :meth:`_process` (which waits for its tokens), and
+        then tell the frees that this step has been processed (``self.frees.processed(launched.step)``): the
+        device is done with it, so the slots that only it could still write go back to the allocator."""
+        # BEGIN TASK 6.1: the overlapped step and its deferred frees
+        launched, self.inflight = self.inflight, None
+        if launched is None:
+            return []
+        events = self._process(launched)
+        self.frees.processed(launched.step)  # this step has completed: what waited for it can be freed
+        return events
+        # END TASK 6.1
 
     def _process(self, launched: Launched) -> list[StepEvent]:
+        """Wait for a launched step's tokens and apply them: append each emitting row's token to its request
+        (stop rules included), finish the requests that are done, and return one event per appended token.
+
+        A row is skipped if it emits nothing (a partial prefill chunk, whose KV was committed at launch) or is no
+        longer live: under overlap, the extra token computed for a request that finished in the step before, or
+        the old row of a request retracted since it was scheduled (chapter 06)."""
         batch, out = launched.batch, launched.output
         tokens = out.tokens()  # the one wait for the device per step: after it, the step's tokens are here
         if out.prompt_logprobs is not None:
@@ -225,8 +274,6 @@ class Engine:
         for i, (row, token) in enumerate(zip(batch.rows, tokens)):
             req = row.req
             if not row.emits or not row.is_live:
-                # a partial prefill chunk (its KV was committed at launch), the extra token overlap computed
-                # after the end, or a retracted request's old step
                 continue
             req.num_inflight -= 1
             if logprobs is not None and req.return_logprob:
@@ -235,13 +282,7 @@ class Engine:
             if req.finished:
                 self.scheduler.finish(req)
             events.append(StepEvent(req, delta, req.finished))
-        self.frees.processed(launched.step)  # this step has completed: what waited for it can be freed
         return events
-    # END TASK 6.1
-
-    def _finish_inflight(self) -> list[StepEvent]:
-        launched, self.inflight = self.inflight, None
-        return self._process(launched) if launched is not None else []
 
     def _take_aborted(self) -> list[StepEvent]:
         return [StepEvent(r, "", True) for r in self.scheduler.take_aborted()]
@@ -250,7 +291,10 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None or isinstance(batch, NeedSync):
             return batch
-        step = self.frees.launch()
+        # Under overlap the step stays in flight after this call, and every free must wait until it has been
+        # processed (chapter 06). Without overlap it is processed before anything is allocated again: it is not
+        # counted (step 0), and frees go back at once.
+        step = self.frees.launch() if self.overlap else 0
         try:
             output = self.runner.run(batch)
         except Exception as e:  # noqa: BLE001 - one request's bad data must not end the engine

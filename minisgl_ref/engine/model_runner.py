@@ -164,12 +164,30 @@ class ModelRunner:
             return None
         return CudaGraphRunner(self.model, backend, self.device, max_bs)
 
-    # BEGIN TASK 3.3: build the forward batch
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
-        """Flatten the scheduled rows into [T] input ids, positions and KV slots.
+        """Flatten the scheduled rows into one :class:`ForwardBatch`: [T] input ids, positions and KV slots for the
+        T new tokens of the step (row after row, each row's tokens in order), and [B] per-row tensors.
 
-        Decode rows have no input id on the host (their token was sampled on the device and may not have reached
-        the CPU yet): they carry -1 here and read ``token_buffer`` on the device instead."""
+        Row ``i`` (``batch.rows[i]``) computes tokens ``prefix_len .. prefix_len + extend_len - 1`` of its request,
+        whose page-table row is ``req.req_pool_idx``; the scheduler has already written the KV slots of those
+        tokens into the host copy of the page table (``self.req_to_token.host[row, position]``). Fill in:
+
+        * ``input_ids`` [T]: the tokens ``req.all_ids[prefix_len : prefix_len + extend_len]``, except for decode
+          rows (``row.is_decode``): their one input token was sampled on the device by the previous step and may
+          not have reached the CPU yet (under overlap, chapter 06, it is not in ``all_ids``), so it is read on
+          the device from ``self.token_buffer[req_pool_idx]``;
+        * ``positions`` [T]: each token's position in its request, ``prefix_len ..``, not 0 ..;
+        * ``out_cache_loc`` [T]: the slot each new token's K and V go to: the page-table entries at those
+          positions;
+        * ``req_pool_indices``, ``seq_lens`` (prefix + new tokens) and ``last_token_indices`` (the index of each
+          row's last new token in the flat [T] layout, whose logits are sampled) [B]; ``extend_lens_cpu`` and
+          ``prefix_lens_cpu`` as Python lists; ``mode`` DECODE if every row decodes, else EXTEND.
+
+        The tensors go to ``self.device`` (on a GPU: from one pinned host tensor in one copy). When the device
+        page table is not the host copy (``self._table_on_device``), write the step's new slots into it
+        (``self.req_to_token.table[row, position] = slot`` for every new token): the attention kernels read that
+        one, and the scheduler wrote only the host copy."""
+        # BEGIN TASK 3.3: build the forward batch
         rows = [row.req.req_pool_idx for row in batch.rows]
         prefix_lens = [row.prefix_len for row in batch.rows]
         extend_lens = [row.extend_len for row in batch.rows]
@@ -224,7 +242,7 @@ class ModelRunner:
             last_token_indices=last_d,
         )
         return fb
-    # END TASK 3.3
+        # END TASK 3.3
 
     # ------------------------------------------------------------------------------------------------ sampling
 

@@ -27,7 +27,22 @@ class NaiveEngine:
 
     @torch.inference_mode()
     def step(self, reqs: list[Req]) -> list[tuple[Req, str]]:
-        """Append one token to every unfinished request; return (request, new text) for each of them."""
+        """Append one token to every unfinished request; return ``(request, new text)`` for each of them, in order.
+
+        Finished requests are skipped (``running`` below). For the running ones, in one batched forward pass:
+
+        1. Feed each request's *whole* sequence so far, prompt and generated tokens (``req.all_ids``): build the
+           flat batch with ``ForwardBatch.for_full_sequences(sequences, self.backend, self.device)`` and call
+           ``self.backend.init_forward_metadata(batch)``.
+        2. ``self.model(batch.input_ids, batch.positions, batch)`` gives hidden states ``[T, hidden]`` for all T
+           tokens of the batch, requests back to back. Only each request's *last* position predicts its next
+           token: pick those rows (``batch.last_token_indices``, ``[B]``) and turn them into logits ``[B, vocab]``
+           with ``self.model.compute_logits``.
+        3. Sample one token per request: ``self.sampler(logits, sampling_batch(running, self.vocab_size,
+           self.device))`` returns a ``[B]`` tensor of token ids.
+        4. Hand each token to its request with ``req.append_token(token_id)`` (it records the token, applies the
+           stop rules and returns the text the token made final) and return the pairs.
+        """
         running = [r for r in reqs if not r.finished]
         if not running:
             return []
@@ -38,8 +53,8 @@ class NaiveEngine:
         logits = self.model.compute_logits(hidden[batch.last_token_indices])  # [B, vocab]
         info = sampling_batch(running, self.vocab_size, self.device)
         next_ids = self.sampler(logits, info).tolist()
-        # END TASK 0.3
         return [(r, r.append_token(t)) for r, t in zip(running, next_ids)]
+        # END TASK 0.3
 
     def run(self, reqs: list[Req]) -> None:
         """Step until every request has finished."""

@@ -46,16 +46,36 @@ class PageAllocator:
         return -(-(seq_len + new_tokens) // ps) - (-(-seq_len // ps))
 
     def alloc_pages(self, n: int) -> list[int]:
+        """Take ``n`` pages off the free list and return their ids; ``n = 0`` takes nothing and returns ``[]``.
+
+        The free list ``self._free`` is a stack: take the ``n`` pages at its end, the most recently freed one
+        first (so the page a request just gave back is the next one handed out, which keeps the chapter's
+        pictures readable; any order would be correct). A page handed out must leave the list: a page that is
+        both free and in use is later given to a second request, and two requests then overwrite each other's
+        KV. If fewer than ``n`` pages are free raise :class:`OutOfPages` and take nothing: the scheduler then
+        evicts or retracts and asks again."""
+        # BEGIN TASK 3.1: allocate and free KV slots a page at a time
         if n > len(self._free):
             raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
         out = self._free[len(self._free) - n :]
         del self._free[len(self._free) - n :]
         return out[::-1]
+        # END TASK 3.1
 
-    # BEGIN TASK 3.1: allocate slots for a request's next tokens
     def alloc_tokens(self, seq_len: int, last_slot: int, new_tokens: int) -> torch.Tensor:
-        """Slots for tokens ``seq_len .. seq_len + new_tokens - 1`` of a request whose token ``seq_len - 1`` sits
-        in ``last_slot`` (ignored when ``seq_len`` is a multiple of the page size: the last page is full)."""
+        """Slots for tokens ``seq_len .. seq_len + new_tokens - 1`` of one request, as an int64 tensor of
+        ``new_tokens`` slot ids in token order.
+
+        The request's token ``seq_len - 1`` sits in ``last_slot``. If its last page is only partly used
+        (``seq_len % page_size != 0``), the next tokens go into the rest of that page first: the slots right
+        after ``last_slot``, since a page is ``page_size`` consecutive slots. Whatever does not fit there takes
+        fresh pages from :meth:`alloc_pages` (:meth:`pages_needed` says how many), page ``p`` contributing slots
+        ``p * page_size .. p * page_size + page_size - 1`` in order; the unused tail of the last fresh page stays
+        with the request for its later tokens. When ``seq_len`` is a multiple of the page size (0 included) the
+        last page is full and ``last_slot`` is ignored. So token ``i`` of a request always sits at offset
+        ``i % page_size`` of its page. ``new_tokens = 0`` returns an empty tensor and takes no page; if the pages
+        are not there, :meth:`alloc_pages` raises :class:`OutOfPages` before anything is taken."""
+        # BEGIN TASK 3.1: allocate and free KV slots a page at a time
         ps = self.page_size
         used_in_last = seq_len % ps
         tail = min(new_tokens, ps - used_in_last) if used_in_last else 0
@@ -68,15 +88,22 @@ class PageAllocator:
         else:
             slots += [p * ps + i for p in pages for i in range(ps)][: new_tokens - tail]
         return torch.tensor(slots, dtype=torch.int64)
-    # END TASK 3.1
+        # END TASK 3.1
 
     def free_slots(self, slots: torch.Tensor | list[int]) -> None:
-        """Return the pages that ``slots`` occupy. ``slots`` must cover whole pages the caller owns; with
-        page_size > 1 a page is freed once, through its first slot."""
+        """Give back the pages that ``slots`` occupy (slot ``s`` lies in page ``s // page_size``).
+
+        ``slots`` (a tensor or a list, any shape) covers whole pages the caller owns: with page_size > 1 it
+        names most pages several times (once per token), and each page must go back on the free list exactly
+        once, or it would later be handed to two requests. Slot 0 lies in the dummy page, which is never handed
+        out: freeing it is the caller's bug, so raise ``ValueError`` (mentioning the dummy slot) and free
+        nothing."""
         s = torch.as_tensor(slots, dtype=torch.int64).flatten().cpu()
         if s.numel() == 0:
             return
+        # BEGIN TASK 3.1: allocate and free KV slots a page at a time
         pages = torch.unique(s // self.page_size).tolist()
         if 0 in pages:
             raise ValueError("slot 0 is the reserved dummy slot and was never allocated")
         self._free.extend(pages)
+        # END TASK 3.1

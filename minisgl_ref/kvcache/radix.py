@@ -117,14 +117,28 @@ class RadixCache:
 
     # ------------------------------------------------------------------------------------------ operations
 
-    # BEGIN TASK 4.1: longest cached prefix
     def match_prefix(self, tokens: list[int], salt: str | None = None) -> MatchResult:
-        """Walk down from the root as far as ``tokens`` agree with stored edges (whole pages only). A match that
-        ends inside an edge splits it, so the returned node covers exactly the matched tokens."""
+        """The longest cached prefix of ``tokens``, in whole pages: its KV slots and the node where it ends.
+
+        Walk down from ``root`` (the root of this cache salt, looked up above). At a node, the child to follow is
+        ``node.children.get(self._child_key(rest))``, ``rest`` being the tokens not matched yet, and
+        ``self._common_len(child.key, rest)`` says how many of them its edge holds, rounded down to whole pages.
+        Stop where no child continues them, or where a child agrees on less than one page. Stamp every node the
+        walk enters with ``last_access = next(self._clock)``: eviction (task 4.3) takes the least recently used
+        leaves first, and a prefix just matched is about to be used.
+
+        A match that ends inside an edge splits it there (``self._split(child, n)`` returns the new upper node),
+        so that the node returned covers exactly the matched tokens: the caller locks that node while it uses the
+        prefix, and must not pin tokens it does not use. Tokens beyond the last whole page of ``tokens`` are never
+        matched. Return ``MatchResult(slots, node)``: ``slots`` is the ``value`` of every node on the path, in
+        order, concatenated (int64 on the CPU; ``torch.empty(0, dtype=torch.int64)`` and ``root`` itself when
+        nothing matches), so ``length`` is always a multiple of ``page_size``."""
+        root = self.root_for(salt)
+        if root is None:  # a salt nobody has cached anything under yet
+            return MatchResult(torch.empty(0, dtype=torch.int64), self.root)
+        # BEGIN TASK 4.1: longest cached prefix
         tokens = tokens[: len(tokens) - len(tokens) % self.page_size]
-        node, pieces, i = self.root_for(salt) or self.root, [], 0
-        if node is self.root and salt is not None:
-            tokens = []  # a salt nobody has cached anything under yet
+        node, pieces, i = root, [], 0
         while i < len(tokens):
             child = node.children.get(self._child_key(tokens[i:]))
             if child is None:
@@ -139,7 +153,7 @@ class RadixCache:
             node, i = child, i + n
         slots = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
         return MatchResult(slots, node)
-    # END TASK 4.1
+        # END TASK 4.1
 
     def peek_prefix_len(self, tokens: list[int], salt: str | None = None) -> int:
         """How many leading tokens :meth:`match_prefix` would find, without changing the tree: no edge is split
@@ -153,13 +167,30 @@ class RadixCache:
             node = child if child is not None and n == len(child.key) else None
         return i
 
-    # BEGIN TASK 4.2: insert a computed sequence
     def insert(self, tokens: list[int], slots: torch.Tensor, salt: str | None = None) -> int:
-        """Store ``tokens`` (whole pages only) with their KV ``slots``. Returns how many leading tokens were
-        already cached: the caller's slots for those are duplicates, and the caller must free them."""
+        """Store ``tokens`` with their KV ``slots`` (``slots[j]`` holds token ``j``'s KV); return how many leading
+        tokens (whole pages) the tree already had.
+
+        Only whole pages go in: leave out the last ``len(tokens) % page_size`` tokens and their slots (that
+        partial page stays the caller's). Walk down from ``root`` (looked up above) as :meth:`match_prefix` does,
+        splitting an edge where the tokens part from it (at a page boundary: ``self._common_len``) and stamping
+        every node the walk enters with ``last_access = next(self._clock)``. Where no child continues the tokens,
+        hang all the rest below the current node as one new leaf: key the remaining tokens, value their slots
+        (int64 on the CPU, a copy rather than a view of the caller's tensor), ``parent`` the current node, a fresh
+        clock stamp, registered in ``node.children`` under ``self._child_key(key)``. A new node is unlocked, so its
+        length goes into ``evictable_size``. Return the number of tokens walked before that leaf; if the whole
+        (page-rounded) sequence was cached already, its length.
+
+        The return value is how the caller avoids keeping the same KV twice: the tree keeps its own slots for
+        tokens it already had, so the caller's slots for those first tokens are duplicates, which the caller
+        frees (``CacheManager.commit``)."""
+        root = self.root_for(salt, create=len(tokens) >= self.page_size)
+        if root is None:  # nothing to store (less than a page) under a salt nobody has used yet
+            return 0
+        # BEGIN TASK 4.2: insert a computed sequence
         n_tok = len(tokens) - len(tokens) % self.page_size
         tokens, slots = tokens[:n_tok], slots[:n_tok].to(torch.int64).cpu()
-        node, i = self.root_for(salt, create=n_tok > 0) or self.root, 0
+        node, i = root, 0
         while i < n_tok:
             key = self._child_key(tokens[i:])
             child = node.children.get(key)
@@ -175,19 +206,32 @@ class RadixCache:
             child.last_access = next(self._clock)
             node, i = child, i + n
         return n_tok
-    # END TASK 4.2
+        # END TASK 4.2
 
-    # BEGIN TASK 4.3: locking and LRU eviction
     def inc_lock(self, node: TreeNode) -> None:
-        """Pin ``node`` and its ancestors: a running request's prefix must stay in memory."""
+        """Pin ``node`` and its ancestors: a running request's prefix must stay in memory.
+
+        Add 1 to the ``lock_ref`` of ``node`` and of every ancestor up to, not including, its root (the node
+        whose ``parent`` is None; a root is never evicted and never counted). A node whose count goes from 0 to 1
+        moves its tokens (``len(node.key)``) from ``evictable_size`` to ``protected_size``; a node another
+        request pins already only counts one more. Locking a root itself does nothing."""
+        # BEGIN TASK 4.3: locking and LRU eviction
         while node.parent is not None:  # up to its root
             if node.lock_ref == 0:
                 self.evictable_size -= len(node.key)
                 self.protected_size += len(node.key)
             node.lock_ref += 1
             node = node.parent  # type: ignore[assignment]
+        # END TASK 4.3
 
     def dec_lock(self, node: TreeNode) -> None:
+        """Undo one :meth:`inc_lock` of ``node``: the request that pinned this path no longer uses it.
+
+        Subtract 1 from the ``lock_ref`` of ``node`` and of every ancestor up to, not including, its root. A node
+        whose count drops to 0 moves its tokens from ``protected_size`` back to ``evictable_size``: it may be
+        evicted again (if it is, or becomes, a leaf). A count that is already 0 means the caller unlocked more
+        often than it locked: raise ``RuntimeError`` rather than let the sizes drift."""
+        # BEGIN TASK 4.3: locking and LRU eviction
         while node.parent is not None:
             if node.lock_ref <= 0:
                 raise RuntimeError("radix node unlocked more often than locked")
@@ -196,10 +240,20 @@ class RadixCache:
                 self.protected_size -= len(node.key)
                 self.evictable_size += len(node.key)
             node = node.parent  # type: ignore[assignment]
+        # END TASK 4.3
 
     def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` tokens (if possible) from unpinned leaves, least recently used first.
-        Returns how many tokens were freed. A parent whose last child goes becomes a leaf and a candidate."""
+        """Free at least ``num_tokens`` tokens of KV from unpinned leaves, least recently used first (fewer if the
+        tree has no more to give). Returns how many were freed: leaves go whole, so it may be more than asked.
+
+        The candidates are the nodes without children whose ``lock_ref`` is 0 (``self._all_nodes()`` lists every
+        node below the roots); take them in order of ``last_access``, smallest first (``TreeNode`` compares by
+        it, so a ``heapq`` of nodes pops the least recently used). Evicting a leaf means: its slots go back to
+        the pool (``self.allocator.free_slots(leaf.value)``), it leaves its parent's ``children`` (under
+        ``self._child_key(leaf.key)``), and its length leaves ``evictable_size``. A parent that loses its last
+        child becomes a leaf, and so a candidate in turn if it is unpinned and not a root (a root's ``parent`` is
+        None); a salted root left empty is dropped (``self._drop_salted_root(parent)``)."""
+        # BEGIN TASK 4.3: locking and LRU eviction
         heap = [n for n in self._all_nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
@@ -216,7 +270,7 @@ class RadixCache:
             elif parent.parent is None and not parent.children:
                 self._drop_salted_root(parent)
         return freed
-    # END TASK 4.3
+        # END TASK 4.3
 
     # ------------------------------------------------------------------------------------------ bookkeeping
 

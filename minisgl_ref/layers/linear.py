@@ -63,11 +63,20 @@ def shard_heads(num_heads: int, num_kv_heads: int, rank: int, size: int) -> Head
       division is not even, the first ``num_kv_heads % size`` ranks take one group more (SmolLM2-135M's 3 KV
       heads on 2 ranks: 2 + 1 groups, 6 + 3 query heads).
     * ``num_kv_heads < size``: every KV head is *replicated* on ``size / num_kv_heads`` ranks, which split its
-      query heads between them (Qwen3-0.6B's 8 KV heads at tp=16; 1 KV head at tp=2).
+      query heads between them (Qwen3-0.6B's 8 KV heads at tp=16; 1 KV head at tp=2). Replica ``k`` of a KV head
+      (``k = rank % (size / num_kv_heads)``) takes the ``k``-th equal run of that head's query heads.
+
+    Query heads ``g * group .. (g + 1) * group - 1`` read KV head ``g`` (``group = num_heads // num_kv_heads``).
+    A split that cannot give every rank whole query heads raises ``ValueError``: ``size`` must be a multiple of
+    ``num_kv_heads`` when it is larger ("... multiple of the KV heads ..."), and each KV head's query heads must
+    divide over its replicas ("... not divisible ..."). ``size == 1`` (and a model whose query heads are not a
+    multiple of its KV heads) is handled before the split, so a single-rank model never runs it.
     """
-    # BEGIN TASK 9.1: split the attention heads over ranks
     if num_heads % num_kv_heads:
         raise ValueError(f"attention heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    if size == 1:  # one rank holds every head: nothing to split
+        return HeadShard(0, num_heads, 0, num_kv_heads)
+    # BEGIN TASK 9.1: split the attention heads over ranks
     group = num_heads // num_kv_heads
     if num_kv_heads >= size:
         base, extra = divmod(num_kv_heads, size)

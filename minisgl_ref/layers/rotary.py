@@ -24,13 +24,29 @@ if TYPE_CHECKING:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies ``theta ** (-2i / d)``, optionally rescaled the way Llama 3.1 extends its context."""
+    """Inverse frequencies ``theta ** (-2i / d)`` for i in ``0 .. d/2 - 1`` (float32, ``[head_dim // 2]``),
+    optionally rescaled the way Llama 3.1 stretches its context window (``rope_type: llama3``).
+
+    ``scaling`` holds ``factor``, ``original_max_position_embeddings`` and optionally ``low_freq_factor``
+    (default 1) and ``high_freq_factor`` (default 4). Work with each frequency's wavelength ``2 pi / inv_freq``
+    (in tokens) and the two wavelength limits ``original_max_position_embeddings / low_freq_factor`` (long) and
+    ``original_max_position_embeddings / high_freq_factor`` (short):
+
+    * wavelength shorter than the short limit (high frequencies, which encode local word order): unchanged;
+    * wavelength longer than the long limit (low frequencies, which never turned a full circle within the
+      original context): divided by ``factor``, so that the longer context turns them no further than the
+      original one did;
+    * in between, a smooth blend: with ``smooth = (original_max_position_embeddings / wavelength - low_freq_factor)
+      / (high_freq_factor - low_freq_factor)`` (0 at the long limit, 1 at the short one), the new inverse
+      frequency is ``(1 - smooth) * inv_freq / factor + smooth * inv_freq``, which joins the other two bands
+      without a jump.
+
+    Use float32 arithmetic in this order (it is Hugging Face's), so the result matches theirs bit for bit.
+    """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
     # BEGIN TASK 1.2: llama3 RoPE frequency scaling
-    # Llama 3.1 keeps high frequencies (short wavelengths, local order) as they are, divides low frequencies
-    # (wavelengths longer than the original context) by `factor`, and blends smoothly in between.
     factor = float(scaling["factor"])
     low_ff = float(scaling.get("low_freq_factor", 1.0))
     high_ff = float(scaling.get("high_freq_factor", 4.0))
@@ -60,7 +76,13 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q`` [T, heads, head_dim] and ``k`` [T, kv_heads, head_dim] by their tokens' positions [T]."""
+        """Rotate ``q`` [T, heads, head_dim] and ``k`` [T, kv_heads, head_dim] by their tokens' positions [T].
+
+        Token t sits at ``positions[t]`` (any order, any gaps: a batch holds many requests back to back).
+        ``self.cos_cache`` and ``self.sin_cache`` are float32 ``[max_position, head_dim // 2]``: row p holds
+        ``cos(p * inv_freq)`` and ``sin(p * inv_freq)``. Gather each token's row, make it broadcast over the
+        heads, and rotate q and k with :func:`_rotate`; return ``(q, k)`` in their input dtype.
+        """
         if fused.fused_available(q):  # one FlashInfer kernel for q and k together (chapter 08)
             if self._cos_sin_cache is None or self._cos_sin_cache.device != q.device:
                 self._cos_sin_cache = torch.cat([self.cos_cache, self.sin_cache], dim=-1).to(q.device).contiguous()
@@ -86,7 +108,15 @@ class RotaryEmbedding(nn.Module):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # "Neox" layout: the pair of x[i] is x[i + d/2] (not x[i+1]), which is how HF checkpoints store q/k weights.
+    """Rotate every pair of ``x`` [..., D] by the angles whose ``cos`` and ``sin`` are given ([..., D/2],
+    broadcastable against ``x`` without its last dimension halved).
+
+    The "NeoX" layout, which is how Hugging Face checkpoints store the q/k projection weights: the pair of
+    ``x[i]`` is ``x[i + D/2]`` (not ``x[i + 1]``). With ``x1 = x[..., :D/2]`` and ``x2 = x[..., D/2:]`` the result
+    is ``[x1 cos - x2 sin, x2 cos + x1 sin]`` (a rotation by +angle). Compute in float32 and return x's dtype.
+    """
+    # BEGIN TASK 1.1: apply rotary embedding
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)
+    # END TASK 1.1

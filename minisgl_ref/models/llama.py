@@ -75,8 +75,17 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). The residual stream is carried separately
-        # so that "add, then normalise" is one fused call.
+        """One pre-norm block over the flat batch: ``x = x + attn(norm1(x))``, then ``x = x + mlp(norm2(x))``.
+
+        The residual stream ``x`` arrives in two pieces, ``x = hidden + residual``, and leaves the same way, so
+        that "add, then normalise" is one call: ``norm(hidden, residual)`` returns ``(norm(hidden + residual),
+        hidden + residual)``. The first layer gets the embeddings as ``hidden`` and ``residual=None``: there is
+        nothing to add yet, so the embeddings themselves are the residual stream and only ``norm(hidden)`` is
+        taken. Use ``self.input_layernorm`` before attention (``self.self_attn(positions, h, batch)``) and
+        ``self.post_attention_layernorm`` before ``self.mlp``; return ``(mlp output, residual)`` with
+        ``residual`` the stream after the attention sub-block (the next layer, or the final norm, adds the two).
+        All tensors are [T, hidden].
+        """
         # BEGIN TASK 1.3: the pre-norm decoder layer
         if residual is None:
             residual = hidden

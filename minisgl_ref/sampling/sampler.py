@@ -415,10 +415,23 @@ def _rows_to_dense(
 
 
 def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """Return float32 logits with repetition, frequency/presence penalties and min_new_tokens masking applied.
+    """Return float32 logits [B, V] with repetition, frequency/presence penalties and min_new_tokens masking
+    applied, in this order (the module docstring has the conventions and where they come from):
 
-    See the module docstring for the exact semantics. Rows whose knobs are off come out bit-identical: dividing by
-    1, subtracting 0 * count and masking nothing are exact.
+    1. **Repetition** (only if ``info.need_repetition``): every id that occurs in the prompt
+       (``info.prompt_mask``, [B, V] bool) *or* in the output so far (``info.output_counts > 0``) has its logit
+       divided by the row's ``repetition_penalties`` r when it is positive, and multiplied by r when it is not:
+       both push it down for r > 1.
+    2. **Frequency and presence** (only if ``info.need_frequency_presence``): with ``count`` the number of times
+       the id was *generated* (``info.output_counts``, [B, V] int; the prompt does not count),
+       ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
+    3. **min_new_tokens** (only if ``info.need_min_new_tokens``): in a row that has generated fewer than its
+       ``min_new_tokens`` tokens (``info.steps`` counts them), the ids of ``info.stop_token_mask`` (its EOS and stop
+       token ids) get ``-inf``.
+
+    Per-row knobs are [B] tensors (``info.repetition_penalties`` ...); the [B, V] state is None when no row needs
+    it, which the ``need_*`` flags tell. Whole-batch tensor ops only: no Python loop over rows. Rows whose knobs
+    are off must come out bit-identical: dividing by 1, subtracting 0 * count and masking nothing are exact.
     """
     # BEGIN TASK 2.2: penalties
     logits = logits.float()
@@ -458,8 +471,10 @@ def top_k_top_p_min_p_filter(
     3. min-p drops tokens whose probability is below ``min_p`` times the largest one (a ratio, so it does not
        matter whether the probabilities were renormalised first).
 
-    The most probable token always survives, so no row is left empty. Ties at the top-k boundary are broken by
-    ``torch.sort``'s order.
+    ``probs`` is [B, V] (rows sum to 1); ``top_ks`` [B] int64 (``V`` when off), ``top_ps`` and ``min_ps`` [B]
+    float32 (1 and 0 when off). The most probable token always survives, so no row is left empty. Top-k keeps
+    exactly k tokens even when several share the k-th probability (which of the tied ones is free:
+    ``torch.sort``'s order will do). Whole-batch tensor ops only (sort, cumsum, scatter), no Python loop over rows.
     """
     # BEGIN TASK 2.3: top-k / top-p / min-p filtering
     sorted_probs, order = probs.sort(dim=-1, descending=True)
@@ -498,6 +513,12 @@ def seeded_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) ->
     * Map the 32-bit hash h to ``(h + 0.5) / 2**32``: never exactly 0. The conversion to float32 keeps full
       relative precision near 0, which is where the winners of the race below live; near 1 we clamp so that
       ``1 - u`` never rounds to 0.
+
+    ``seeds`` and ``steps`` are [B] int64 (seeds may be negative: use all 64 bits, so that seeds which differ only
+    in their high half are different seeds). Keep every intermediate in [0, 2**32) as the comment above
+    :func:`hash32` explains (mask with ``_MASK32``); :func:`hash32` is the mixer, ``_SALT_SEED`` and
+    ``_SALT_KEY2`` are constants to separate its uses. The result must not depend on anything but
+    ``(seeds[i], steps[i], v)``: not on the row's index, the other rows, or the device.
     """
     # BEGIN TASK 2.4: seeded, batch-independent noise
     seed_lo = seeds & _MASK32
@@ -630,3 +651,16 @@ class Sampler:
         if top_logprobs < 0:
             return tokens, None
         return tokens, token_logprobs(logits, tokens, top_logprobs, temperatures)
+
+
+def compile_fused(vocab_size: int, device: torch.device) -> None:
+    """Compile the fused sampling kernels before the first request needs them (the engine's start-up warm-up).
+
+    ``torch.compile`` specialises a dimension of size 1, so a batch of one row and a batch of several are two
+    compiles: both are run here, for both fused paths, on rows of the real vocabulary size."""
+    for rows in (1, 2):
+        logits = torch.zeros(rows, vocab_size, dtype=torch.float32, device=device)
+        ones = torch.ones(rows, dtype=torch.float32, device=device)
+        zeros = torch.zeros(rows, dtype=torch.int64, device=device)
+        _fused_temperature_sample()(logits, ones, zeros, zeros)
+        _fused_sample_from_probs()(logits.softmax(dim=-1), zeros, zeros)

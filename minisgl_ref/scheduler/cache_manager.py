@@ -132,16 +132,30 @@ class CacheManager:
         if freed < num_tokens and self.allocator.num_free_tokens < num_tokens:
             raise OutOfPages(f"needed {num_tokens} more KV slots; eviction found only {freed}")
 
-    # BEGIN TASK 4.4: share a request's computed prefix
     def commit(self, req: Req, *, upto: int | None = None) -> None:
-        """Put the request's computed tokens (whole pages, the first ``upto`` at most) into the tree.
+        """Put the request's computed tokens (whole pages, the first ``upto`` at most) into the tree, so that other
+        requests can share them, and make the request use the tree's copy of them.
 
         The engine calls it right after launching a prefill step (the KV exists once that step has run, before any
-        later step reads it) and on release. If another request inserted the same tokens first (two requests
-        with a common *new* prefix in one batch), the tree keeps its own copy: our duplicate slots are freed once
-        the steps in flight (which may be writing them) have been processed, and our page-table row is pointed at
-        the tree's slots, whose KV is identical."""
+        later step reads it) and on release. Four steps:
+
+        1. How far: the request's KV is computed for its first ``req.kv_scheduled_len`` tokens (never more than
+           ``upto``), of which only whole pages can go into the tree. If that is not beyond ``req.tree_len`` (the
+           tokens whose slots in its page-table row are the tree's already), there is nothing to do.
+        2. ``self.tree.insert`` those tokens (``req.all_ids``, under ``req.cache_salt``) with the slots of the
+           request's row (``self.req_to_token.read``). If another request inserted the same tokens first (two
+           requests with a common *new* prefix in one batch), the tree keeps its own copy and returns how many
+           tokens it had. Our slots for those tokens, past the first ``tree_len`` (which were the tree's all
+           along), are then duplicates: free them with ``self.frees.free``, which waits until the steps in flight
+           (that may be writing them) have been processed.
+        3. ``self.tree.match_prefix`` the same tokens: the tree's slots for all of them, and the node where they
+           end. Write those slots over the start of the row (``self.req_to_token.write``): the row must point at
+           the tree's slots, whose KV is identical, not at the freed duplicates.
+        4. Move the request's lock down to the new node: ``inc_lock`` it first, then ``dec_lock`` the old
+           ``req.last_node`` (in this order the shared path stays pinned throughout), and record the new
+           ``req.last_node`` and ``req.tree_len``."""
         assert req.req_pool_idx is not None and req.last_node is not None
+        # BEGIN TASK 4.4: share a request's computed prefix
         n = req.kv_scheduled_len if upto is None else min(upto, req.kv_scheduled_len)
         n -= n % self.page_size
         if n <= req.tree_len:
@@ -158,7 +172,7 @@ class CacheManager:
         self.tree.inc_lock(result.node)
         self.tree.dec_lock(req.last_node)
         req.last_node, req.tree_len = result.node, n
-    # END TASK 4.4
+        # END TASK 4.4
 
     def release(self, req: Req) -> None:
         """The request is done (or retracted): keep its computed prefix in the tree, free everything else."""

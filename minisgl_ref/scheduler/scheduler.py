@@ -175,7 +175,6 @@ class Scheduler:
         if emits:
             req.num_inflight += 1
 
-    # BEGIN TASK 4.5: in-batch prefix caching
     def _defer_for_in_batch_prefix(self, req: Req, computing: list[tuple[str | None, list[int]]]) -> bool:
         """Should ``req`` (just matched against the tree) wait one step because a request already admitted to
         this prefill step is computing a long stretch of ``req``'s own uncached prefix?
@@ -183,22 +182,28 @@ class Scheduler:
         ``computing`` holds, for each prefill row of the step so far, its cache salt and the tokens whose KV that
         request will have once the step has run. Right after launch those tokens enter the radix tree
         (``Engine._commit_launched``), so next step ``req`` finds them cached instead of computing a second
-        copy. Short overlaps (below the threshold) are not worth a step of latency."""
+        copy. Short overlaps (below the threshold) are not worth a step of latency.
+
+        What to compute: the longest common prefix (``common_prefix_len``) of the part of ``req`` that the cache
+        could ever give it (``req.all_ids[: req.reusable_prefix_len]``) with the tokens of any row of the same
+        cache salt (other salts never share). Of that overlap, the first ``req.kv_scheduled_len`` tokens are
+        cached for ``req`` already (its match): only the rest would be computed twice. Defer (return True) when
+        that rest is at least ``self.config.in_batch_prefix_threshold`` tokens."""
         threshold = self.config.in_batch_prefix_threshold
         if threshold < 0 or not self.cache.shares_prefixes or not computing:
-            return False
+            return False  # the check is off, there is no cache to wait for, or no one else in this step yet
+        # BEGIN TASK 4.5: in-batch prefix caching
         tokens = req.all_ids[: req.reusable_prefix_len]
         overlap = max((common_prefix_len(tokens, other) for salt, other in computing if salt == req.cache_salt),
                       default=0)
         return overlap - req.kv_scheduled_len >= threshold
-    # END TASK 4.5
+        # END TASK 4.5
 
     def _has_room_for_new(self, adder: PrefillAdder) -> bool:
         """A request slot and a page-table row for one more request."""
         return (self.num_running + len(adder.rows) < self.config.max_running_requests
                 and self.cache.req_to_token.num_free > 0)
 
-    # BEGIN TASK 5.1: admission with token budgets and chunking
     def _schedule_prefill(self) -> list[Row]:
         """The prefill rows of this step: the chunked request first, then waiting requests while they fit."""
         if self.chunked is None and not self.waiting:
@@ -211,7 +216,9 @@ class Scheduler:
                 if not self._has_room_for_new(adder):
                     break
                 self.cache.match(req)  # reuse a cached prefix; pins it
-                if self._defer_for_in_batch_prefix(req, adder.computing):
+                # Only a cache that shares prefixes can make a request worth holding back (chapter 04).
+                if self.cache.shares_prefixes and adder.computing \
+                        and self._defer_for_in_batch_prefix(req, adder.computing):
                     self.cache.release(req)  # unpin; it keeps its place in the queue and matches again next step
                     continue
             row = self._admit(req, adder)
@@ -220,40 +227,101 @@ class Scheduler:
         return adder.rows
 
     def _admit(self, req: Req, adder: PrefillAdder) -> Row | None:
-        """Add ``req``'s next prefill chunk to the step if budget and memory allow; None (and the request left
-        where it was, unpinned) if not."""
-        cfg, is_new = self.config, req is not self.chunked
-        remaining = len(req.all_ids) - req.kv_scheduled_len
-        if cfg.chunked_prefill_size > 0:
-            n = min(remaining, adder.budget, cfg.chunked_prefill_size)
-        elif remaining <= adder.budget or not adder.rows:
-            n = remaining  # without chunking a prompt goes whole: alone in its step if it exceeds the budget
-        else:
-            n = 0
+        """Add ``req``'s next prefill row to the step if budget and memory allow; None (and the request left where
+        it was, unpinned) if not.
+
+        With chunked prefill (``chunked_prefill_size > 0``, chapter 05) the row may be a chunk of the prompt:
+        :meth:`_admit_chunk`. Without it the rest of the request's tokens go whole, in one row: alone in a step
+        of its own if they exceed the step's token budget (as in SGLang), never cut behind the user's back."""
+        if self.config.chunked_prefill_size > 0:
+            return self._admit_chunk(req, adder)
+        n = len(req.all_ids) - req.kv_scheduled_len
+        if n > adder.budget and adder.rows:
+            return self._not_admitted(req)
         # Admission reserves room for the request's future output (the bet of chapter 03). A request that would
         # run alone reserves only what the pool has left: if it outgrows the pool it is aborted then, with a
         # clear message, instead of never being admitted at all.
+        reserve = int(self._future_tokens(req) * self.new_token_ratio)
+        needed = self.cache.allocator.pages_needed(req.kv_allocated_len, n) * self.cache.page_size
+        if self._alone(req, adder):
+            reserve = min(reserve, max(adder.available - needed, 0))
+        if needed + reserve > adder.available:
+            return self._not_admitted(req)
+        row = self._add_prefill_row(req, adder, n)
+        if row is not None:
+            adder.budget -= n
+            adder.available -= needed + reserve
+        return row
+
+    def _admit_chunk(self, req: Req, adder: PrefillAdder) -> Row | None:
+        """With chunked prefill: add ``req``'s next chunk to the step if the token budgets and the KV memory
+        allow, and return its row; return None if not.
+
+        ``req`` is either ``self.chunked`` (the request whose prompt is part-way through: it always comes first)
+        or a waiting request that ``cache.match`` has just given a page-table row and its cached prefix: the
+        KV of its first ``req.kv_scheduled_len`` tokens exists (or is being computed), the rest is to compute.
+        ``adder`` is what the step still has room for: ``adder.budget`` new tokens (``max_prefill_tokens``
+        minus what earlier rows of the step took) and ``adder.available`` KV slots (free and evictable slots
+        minus the running requests' reserves and what earlier rows took).
+
+        1. Tokens: the rest of the request (``remaining = len(req.all_ids) - req.kv_scheduled_len``), capped by
+           the step's remaining budget and by ``config.chunked_prefill_size``: ``n`` tokens this step.
+        2. Memory: the slots of the fresh pages these ``n`` tokens take
+           (``allocator.pages_needed(req.kv_allocated_len, n) * page_size``), plus, when this row completes the
+           prompt, a reserve for the output still to come: ``int(self._future_tokens(req) *
+           self.new_token_ratio)`` (the bet of chapter 03). A partial chunk reserves nothing yet. If the
+           request would run alone (``self._alone(req, adder)``), cap its reserve at what the pool has left
+           beside ``needed`` (never below 0): a request whose reserve alone exceeds the pool must still start.
+        3. If ``n`` is 0 or ``needed + reserve`` exceeds ``adder.available``, the request does not fit:
+           return ``self._not_admitted(req)``.
+        4. Otherwise ``self._add_prefill_row(req, adder, n)`` allocates the slots and adds the row (the request
+           joins ``running``, or becomes ``self.chunked`` after a partial chunk). If it returns a row, charge
+           the step for it: ``n`` tokens of the budget and ``needed + reserve`` slots of the memory. Return the
+           row (None if the allocation failed after all)."""
+        # BEGIN TASK 5.1: admission with token budgets and chunking
+        remaining = len(req.all_ids) - req.kv_scheduled_len
+        n = min(remaining, adder.budget, self.config.chunked_prefill_size)
         reserve = 0 if n < remaining else int(self._future_tokens(req) * self.new_token_ratio)
         needed = self.cache.allocator.pages_needed(req.kv_allocated_len, n) * self.cache.page_size
-        if not adder.rows and not self.running and self.chunked in (None, req):
+        if self._alone(req, adder):
             reserve = min(reserve, max(adder.available - needed, 0))
         if n <= 0 or needed + reserve > adder.available:
-            if is_new:
-                self.cache.release(req)  # give the pinned prefix back; try again next step
-            return None
+            return self._not_admitted(req)
+        row = self._add_prefill_row(req, adder, n)
+        if row is not None:
+            adder.budget -= n
+            adder.available -= needed + reserve
+        return row
+        # END TASK 5.1
+
+    def _alone(self, req: Req, adder: PrefillAdder) -> bool:
+        """Would ``req`` be the only request of the step and the only one holding KV?"""
+        return not adder.rows and not self.running and self.chunked in (None, req)
+
+    def _not_admitted(self, req: Req) -> None:
+        """``req`` does not fit this step: a new request gives its pinned prefix back (and tries again next
+        step); the chunked request keeps its KV and its place."""
+        if req is not self.chunked:
+            self.cache.release(req)
+        return None
+
+    def _add_prefill_row(self, req: Req, adder: PrefillAdder, n: int) -> Row | None:
+        """Allocate slots for ``req``'s next ``n`` tokens and add its prefill row to ``adder.rows``. A row that
+        completes the prompt emits the first (or next) token and the request joins ``running``; a partial chunk
+        emits nothing and the request becomes ``self.chunked``. Returns the row, or None if the allocation
+        failed (the admission estimate was optimistic about eviction): the request then goes back to the front
+        of the queue, holding nothing. The caller charges the step's budgets."""
+        done = n == len(req.all_ids) - req.kv_scheduled_len
         try:
             self.cache.alloc(req, n)
-        except OutOfPages:  # the estimate above was optimistic about eviction: back to the queue's front
+        except OutOfPages:
             self._dequeue(req)
             self.cache.release(req)
             self.waiting.appendleft(req)
             return None
-        if is_new:
+        if req is not self.chunked:
             self.waiting.remove(req)
             self.cache.record_lookup(req)
-        adder.available -= needed + reserve
-        adder.budget -= n
-        done = n == remaining
         self._add_row(adder.rows, req, n, decode=False, emits=done)
         adder.computing.append((req.cache_salt, req.all_ids[: req.kv_scheduled_len]))
         if done:
@@ -262,19 +330,37 @@ class Scheduler:
         else:
             self.chunked = req  # a partial prefill: continue it first next step
         return adder.rows[-1]
-    # END TASK 5.1
 
-    # BEGIN TASK 3.2: decode rows and retraction
     def _add_decode_rows(self, rows: list[Row], reqs: list[Req], *, allow_retract: bool) -> NeedSync | None:
-        """One new token for each request; if the pool cannot hold them, retract the newest requests.
+        """Add one decode row (one new token) for each request of ``reqs`` to ``rows``; if the pool cannot hold
+        one more token for each of them, retract the newest requests until it can.
 
-        A partially prefilled (chunked) request holds KV too and counts as the newest candidate: retracting it is
-        cheaper than retracting a request that is already decoding, and without that a long prompt growing chunk
-        by chunk could squeeze out the last running request. Only a request that has the whole pool to itself and
-        still cannot grow is aborted. While a step is in flight nothing retracted could be freed before it
-        completes, so the scheduler asks the engine to finish that step first (``NEED_SYNC``)."""
+        ``reqs`` are running requests in admission order; ``rows`` may already hold this step's prefill rows
+        (a mixed step, chapter 05), and a request already there gets no second row (filtered out above).
+
+        * Room: a request whose last page has a free slot needs no new page, the others one page each
+          (``allocator.pages_needed(req.kv_allocated_len, 1)``); the pages needed, times the page size, must
+          not exceed ``self.cache.available_tokens``.
+        * While they do not fit:
+          - with ``allow_retract=False`` (a mixed step) add no decode rows at all and return None: the running
+            requests simply wait for the next step;
+          - while a step is still in flight (``self.cache.frees.in_flight``, overlap scheduling, chapter 06)
+            nothing retracted could be freed before it completes: return ``NEED_SYNC`` and change nothing (the
+            engine finishes that step and asks again);
+          - otherwise pick the victim: the newest request holding KV, by admission number
+            (``self.arrival[req]``), among ``reqs`` and the partially prefilled ``self.chunked`` if any (usually
+            the newest, and cheaper to send back than a request that is already decoding). If it is the only
+            holder and the only running request, it can never grow: abort it (``self.abort(victim, message)``
+            with a message that says the KV cache pool is too small for its context), release its KV
+            (``self.cache.release``), append it to ``self.aborted`` (the engine reports it) and return None.
+            Else ``self.retract(victim)`` (back to the front of the waiting queue, KV freed), drop it from
+            ``reqs`` if it was there, and check the room again.
+        * Then allocate one slot each with ``self.cache.alloc_decode(reqs)`` and add one row per request, in
+          order, with ``self._add_row(rows, req, 1, decode=True, emits=True)`` (it records where the row starts,
+          ``req.kv_scheduled_len``, and moves it on). Return None."""
         in_batch = {id(row.req) for row in rows}
         reqs = [r for r in reqs if id(r) not in in_batch]
+        # BEGIN TASK 3.2: decode rows and retraction
         alloc = self.cache.allocator
         while reqs and sum(alloc.pages_needed(r.kv_allocated_len, 1) for r in reqs) * alloc.page_size \
                 > self.cache.available_tokens:
@@ -296,4 +382,4 @@ class Scheduler:
         for req in reqs:
             self._add_row(rows, req, 1, decode=True, emits=True)
         return None
-    # END TASK 3.2
+        # END TASK 3.2

@@ -46,6 +46,7 @@ class Launcher:
         self.addrs = Addresses.fresh()
         self.procs: dict[str, Any] = {}
         self.ready_conns: dict[str, Any] = {}
+        self.last_words: dict[str, str] = {}  # name -> why a dead child stopped, if it said (see dead_child)
         self.exit_code = 0
         self.stop_signal: int | None = None
         self.uvicorn_server: Any = None
@@ -154,8 +155,22 @@ class Launcher:
     def dead_child(self) -> str | None:
         for name, proc in self.procs.items():
             if not proc.is_alive():
-                return f"the {name} process (pid {proc.pid}) exited with code {proc.exitcode}"
+                return f"the {name} process (pid {proc.pid}) exited with code {proc.exitcode}{self._last_words(name)}"
         return None
+
+    def _last_words(self, name: str) -> str:
+        """What a child that kept its startup pipe open said about why it stopped (a tensor-parallel follower
+        does), as ``": reason"``; remembered, since the watchdog asks more than once."""
+        if name not in self.last_words:
+            conn, words = self.ready_conns.get(name), ""
+            try:
+                if conn is not None and not conn.closed and conn.poll(0):
+                    msg = conn.recv()
+                    words = f": {msg['error']}" if isinstance(msg, dict) and "error" in msg else ""
+            except (EOFError, OSError):
+                pass
+            self.last_words[name] = words
+        return self.last_words[name]
 
     def stop_children(self) -> None:
         for proc in self.procs.values():

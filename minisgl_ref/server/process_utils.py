@@ -39,9 +39,11 @@ class ParentWatch:
         return os.getppid() == self.parent
 
 
-def report_ready(conn: Any, payload: dict[str, Any]) -> None:
-    """Tell the parent over the startup pipe that we are ready (``{"ok": info}``) or why not (``{"error": ...}``)."""
+def report_ready(conn: Any, payload: dict[str, Any], *, close: bool = True) -> None:
+    """Tell the parent over the startup pipe that we are ready (``{"ok": info}``) or why not (``{"error": ...}``).
+    ``close=False`` keeps the pipe for last words: why the process stopped later (see ``Launcher.dead_child``)."""
     try:
         conn.send(payload)
     finally:
-        conn.close()
+        if close:
+            conn.close()

@@ -95,11 +95,26 @@ class SchedulerWorker:
     # ---------------------------------------------------------------------------------------------------- loop
 
     def run(self) -> None:
+        """The scheduler's loop: receive, step, send, until the parent process is gone (``self.watch.alive()``
+        turns False).
+
+        Each turn of the loop:
+
+        1. **Receive.** Take every message waiting on ``self.recv`` (:meth:`_drain_messages`) and send on the
+           rows that handling them produced (requests answered at once: ``max_new_tokens=0``, refusals, aborts)
+           with :meth:`_send_rows`. While the engine has work (``self.engine.has_work``) never wait for a message:
+           take what is there and go on to the step, or every running stream would stall. With no work, sleep on
+           the socket, ``poller.poll(IDLE_POLL_MS)`` (a timeout, so that a dead parent is noticed), and drain only
+           if something arrived.
+        2. **Step.** If the engine has work, run one ``self.engine.step()`` and send the rows of its events
+           (:meth:`_rows_for`). A step that raises must not end the loop (the process, and with it the server,
+           would die): log it with ``log.exception`` and abort everything in flight with
+           ``self.engine.abort_all(f"the engine failed: {type(e).__name__}: {e}")``, whose events are sent like a
+           step's."""
         poller = zmq.Poller()
         poller.register(self.recv, zmq.POLLIN)
+        # BEGIN TASK 10.2: the scheduler loop: receive, step, send
         while self.watch.alive():
-            # Busy: take whatever has arrived without waiting. Idle: sleep on the socket (briefly, so that a
-            # dead parent is noticed).
             if self.engine.has_work or poller.poll(IDLE_POLL_MS):
                 rows = self._drain_messages()
                 self._send_rows(rows)
@@ -111,8 +126,16 @@ class SchedulerWorker:
                     log.exception("an engine step failed; aborting every request in flight")
                     events = self.engine.abort_all(f"the engine failed: {type(e).__name__}: {e}")
                 self._send_rows(self._rows_for(events))
+        # END TASK 10.2
 
     def _drain_messages(self) -> list[tuple[Any, list[int], bool]]:
+        """Take every message waiting on ``self.recv`` without blocking (``self.recv.recv(zmq.NOBLOCK)`` raises
+        ``zmq.Again`` once none is left), :func:`decode` each one and hand it to its handler: :meth:`_add` for a
+        :class:`GenerateReqInput`, :meth:`_abort` for an :class:`AbortReq`, :meth:`_rpc` for an :class:`RpcReq`.
+        The first two append rows to send, ``(req, new_ids, finished)``, to the list they are given; return that
+        list. Every waiting message, not just one: requests that arrived together must all enter the engine before
+        its next step, or they would be prefilled in separate steps."""
+        # BEGIN TASK 10.2: the scheduler loop: receive, step, send
         rows: list[tuple[Any, list[int], bool]] = []
         while True:
             try:
@@ -126,6 +149,7 @@ class SchedulerWorker:
                 self._abort(msg.rid, rows)
             elif isinstance(msg, RpcReq):
                 self._rpc(msg)
+        # END TASK 10.2
 
     # ------------------------------------------------------------------------------------------------ handlers
 
@@ -197,6 +221,13 @@ class SchedulerWorker:
     # ------------------------------------------------------------------------------------------------- outputs
 
     def _rows_for(self, events: list) -> list[tuple[Any, list[int], bool]]:
+        """One row ``(req, new_ids, finished)`` per event of a step (``event.req``), in order, for the requests
+        this loop still tracks (``self.reqs``, keyed by rid). An event for any other request is skipped: its final
+        row has gone out already (an abort, or a request finished at the door that the engine reports once more).
+        ``self.sent[rid]`` counts the output ids already sent on (:meth:`_send_rows` advances it), so ``new_ids``
+        are the ids of ``req.output_ids`` after those (each id is sent exactly once), and ``finished`` is
+        ``req.finished``."""
+        # BEGIN TASK 10.2: the scheduler loop: receive, step, send
         rows = []
         for ev in events:
             req = ev.req
@@ -205,6 +236,7 @@ class SchedulerWorker:
             start = self.sent[req.rid]
             rows.append((req, list(req.output_ids[start:]), req.finished))
         return rows
+        # END TASK 10.2
 
     def _send_rows(self, rows: list[tuple[Any, list[int], bool]]) -> None:
         if not rows:
@@ -254,14 +286,27 @@ class SchedulerWorker:
         self.ctx.destroy(linger=0)
 
 
-def run_follower_rank(rt: Runtime, args: ServerArgs, log: Any) -> None:
+def run_follower_rank(rt: Runtime, args: ServerArgs, log: Any, parent_conn: Any = None) -> None:
     """Ranks 1..N-1 (chapter 09): no sockets, no outputs. Replay rank 0's steps (broadcast to us at the top of
-    each of its steps) until rank 0 stops or dies."""
+    each of its steps) until rank 0 stops or dies.
+
+    A collective that fails with a plain ``RuntimeError`` means rank 0 went away (its sockets closed): nothing
+    left to follow. Any other error is this rank's own failure: it is logged, sent to the launcher on
+    ``parent_conn`` (which names it when it reports this process's death) and ends the process with status 1."""
     log.info("ready: tensor-parallel rank %d of %d on %s", rt.tp_rank, args.tp.tp_size, rt.device)
     try:
         rt.follow()
-    except RuntimeError as e:  # rank 0 went away (its sockets closed): nothing left to follow
-        log.info("stopping: %s", e)
+    except Exception as e:  # noqa: BLE001 - sorted below
+        if type(e) is RuntimeError:
+            log.info("stopping: %s", e)
+            return
+        log.exception("tensor-parallel rank %d failed", rt.tp_rank)
+        if parent_conn is not None:
+            report_ready(parent_conn, {"error": f"rank {rt.tp_rank}: {type(e).__name__}: {e}"})
+        raise SystemExit(1) from e
+    finally:
+        if parent_conn is not None and not parent_conn.closed:
+            parent_conn.close()
 
 
 def run_scheduler_process(args: ServerArgs, addrs: Addresses, ready_conn: Any, tp_rank: int = 0) -> None:
@@ -282,14 +327,21 @@ def run_scheduler_process(args: ServerArgs, addrs: Addresses, ready_conn: Any, t
         report_ready(ready_conn, {"error": f"{type(e).__name__}: {e}"})
         return
     if worker is None:
-        report_ready(ready_conn, {"ok": {"tp_rank": tp_rank, "device": str(rt.device)}})
-        return run_follower_rank(rt, args, log)
+        report_ready(ready_conn, {"ok": {"tp_rank": tp_rank, "device": str(rt.device)}}, close=False)
+        return run_follower_rank(rt, args, log, ready_conn)
     t0 = time.perf_counter()
-    report_ready(ready_conn, {"ok": worker.info()})
+    report_ready(ready_conn, {"ok": worker.info()}, close=False)
     log.info("ready: %s", worker.info())
     try:
         worker.run()
+    except Exception as e:
+        # The loop itself failed (it contains engine failures, so this is a bug in the loop): its last words
+        # go to the launcher, which names them when it reports this process's death.
+        report_ready(ready_conn, {"error": f"{type(e).__name__}: {e}"})
+        raise
     finally:
+        if not ready_conn.closed:
+            ready_conn.close()
         if not worker.watch.alive():  # orphaned (the parent was killed outright): clean up its socket folder
             shutil.rmtree(addrs.folder, ignore_errors=True)
         log.info("stopping after %.0f s", time.perf_counter() - t0)

@@ -147,22 +147,32 @@ class IncrementalDetokenizer:
     def _advance(self, *, final: bool) -> str:
         """Turn the ids not yet decoded into text, check it for stop strings, and return what may be emitted.
 
-        Two halves, one per rule of the module docstring:
+        The state: ``self._ids`` (prompt context, then every output id so far), two offsets into it,
+        ``self._surface <= self._read`` (the decode window starts at ``surface``; the ids from ``read`` on have
+        not become text yet), and ``self._held``, final text not emitted yet. Two halves, one per rule of the
+        module docstring:
 
         * Decode ``ids[surface:read]`` (text already handed on) and ``ids[surface:]`` (the same plus the new ids)
-          and keep the difference. Decoding both *from the same start* is what makes the difference right: any
-          effect the decoder has on the first token it sees (sentencepiece dropping a leading space) hits both
-          strings alike. Unless ``final``, nothing is taken while the text ends in U+FFFD (a character still
-          missing bytes) or has not grown (e.g. a skipped special token).
-        * Search ``held + new text`` for stop strings; only that needs searching, because any tail that could
-          start a stop string was held back rather than emitted. Then hold back the tail that could still start
-          one (:func:`_stop_prefix_len`) and emit the rest.
+          with ``self._decode`` and keep the difference. Decoding both *from the same start* is what makes the
+          difference right: any effect the decoder has on the first token it sees (sentencepiece dropping a
+          leading space) hits both strings alike. Take the new text, and move the window on (``surface`` to
+          ``read``, ``read`` to the end of the ids), only when ``final`` or when the text has grown and does not
+          end in U+FFFD (``REPLACEMENT_CHAR``: a character still missing bytes); otherwise take nothing and
+          leave the offsets, so that the next step decodes these ids again. A text that has not grown (a skipped
+          special token) must not move the window either: a window starting on such a token would make the
+          decoder treat the token after it as the first one and drop its leading space.
+        * Search ``held + new text`` (``pending``) with ``self._find_stop(pending)``; only that needs searching,
+          because any tail that could start a stop string was held back rather than emitted. If it finds one, it
+          returns ``(cut, matched)``: set ``self._matched_stop = matched``, mark the detokenizer finished, clear
+          the held text and emit ``pending[:cut]``. Otherwise hold back the tail that could still start a stop
+          string (``_stop_prefix_len(pending, self._stop)`` characters; nothing when ``final``), set
+          ``self._finished = final`` and emit the rest.
+
+        Emit through ``self._emit(text)``, which records the text, and return what it returns.
         """
         # BEGIN TASK 2.1: incremental detokenization
         prefix_text = self._decode(self._ids[self._surface : self._read])
         new_text = self._decode(self._ids[self._surface :])
-        # Do not move the window onto tokens that decoded to nothing: a window starting on a skipped special
-        # token would make the decoder treat the token after it as the first one and drop its leading space.
         if final or (len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT_CHAR)):
             # The tokens just turned into text become the context of the next step's window.
             self._surface, self._read = self._read, len(self._ids)
@@ -171,16 +181,11 @@ class IncrementalDetokenizer:
             fresh = ""  # wait: the next ids may complete the character; decode these ids again then
 
         pending = self._held + fresh
-        match = _first_stop(pending, self._stop)
-        regex = self._first_regex(pending) if pending else None
-        if regex is not None and (match is None or regex[0] < match[0] + len(match[1])):
-            end, pattern = regex  # a stop regex completed before any stop string: keep the text up to its end
-            self._matched_stop, self._finished, self._held = pattern, True, ""
-            return self._emit(pending[: max(end, 0)])
-        if match is not None:
-            start, stop = match
-            self._matched_stop, self._finished, self._held = stop, True, ""
-            return self._emit(pending[:start])  # the stop string and everything after it are dropped
+        stop = self._find_stop(pending)
+        if stop is not None:
+            cut, self._matched_stop = stop
+            self._finished, self._held = True, ""
+            return self._emit(pending[:cut])  # what follows the cut (the stop string, if it is one) is dropped
         keep = 0 if final else _stop_prefix_len(pending, self._stop)
         self._held = pending[len(pending) - keep :]
         self._finished = final
@@ -193,6 +198,20 @@ class IncrementalDetokenizer:
         if text:
             self._chunks.append(text)
         return text
+
+    def _find_stop(self, pending: str) -> tuple[int, str] | None:
+        """Where the output ends if ``pending`` (the text not emitted yet) completes a stop string or a stop regex:
+        ``(cut, matched)`` means "emit ``pending[:cut]`` and finish, reporting ``matched``"; None: no stop yet.
+
+        A stop string is cut off with everything after it (rule 3); a stop regex keeps the text up to the end
+        of its match (rule 4). When both occur, the one that completed first wins: a reader watching the text
+        grow would have seen it end there."""
+        match = _first_stop(pending, self._stop)
+        found = self._first_regex(pending) if pending else None
+        if found is not None and (match is None or found[0] < match[0] + len(match[1])):
+            end, pattern = found
+            return max(end, 0), pattern
+        return match
 
     def _first_regex(self, pending: str) -> tuple[int, str] | None:
         """The stop-regex match over the whole text (emitted + ``pending``) that ends first, as ``(end, pattern)``

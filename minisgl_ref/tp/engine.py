@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from minisgl_ref.core.request import Req
-from minisgl_ref.distributed.group import broadcast_object
+from minisgl_ref.distributed.group import broadcast_object, peer_failures
 from minisgl_ref.distributed.parallel_state import broadcast_tensor, get_tp_info
-from minisgl_ref.engine.engine import Engine, StepEvent
+from minisgl_ref.engine.engine import Engine, LaunchFailed, StepEvent
 from minisgl_ref.sampling.params import SamplingParams
 
 
@@ -98,6 +98,10 @@ class RankZeroTokens:
         return broadcast_tensor(tokens.contiguous(), src=0), logprobs
 
 
+class FollowerFailed(RuntimeError):
+    """A follower rank failed (its own error is in the message): the group cannot run another step without it."""
+
+
 class TPEngine(Engine):
     """An :class:`Engine` that is one rank of a tensor-parallel group: the leader (rank 0) broadcasts each step's
     ops, the followers replay them (see the module docstring). At tp=1 it is never used."""
@@ -131,10 +135,29 @@ class TPEngine(Engine):
         return ok
 
     def step(self) -> list[StepEvent]:
-        if self.is_leader:
-            ops, self._ops = self._ops, []
+        if not self.is_leader:
+            return super().step()
+        ops, self._ops = self._ops, []
+        try:
             broadcast_object(ops or None)
-        return super().step()
+            return super().step()
+        except Exception as e:
+            self._raise_if_a_follower_failed(e)
+            raise
+
+    def _recover(self, failed: LaunchFailed) -> list[StepEvent]:
+        # A collective that failed because a follower is gone is nobody's request's fault: stop, saying why.
+        self._raise_if_a_follower_failed(failed.error)
+        return super()._recover(failed)
+
+    def _raise_if_a_follower_failed(self, error: BaseException) -> None:
+        """After a failed broadcast or collective on the leader: if a follower left its reason in the group's
+        store before it exited (:func:`~minisgl_ref.distributed.group.report_failure`), raise that reason
+        instead of the bare "connection closed by peer" that the leader's own socket saw."""
+        failures = peer_failures() if self.is_leader else []
+        if failures:
+            raise FollowerFailed("a tensor-parallel rank failed, so the group cannot go on: "
+                                 + "; ".join(failures)) from error
 
     def stop_followers(self) -> None:
         """Tell every follower to leave :meth:`follow` (the leader's part of shutting down)."""
@@ -145,7 +168,23 @@ class TPEngine(Engine):
     # ---------------------------------------------------------------------------------------- follower side
 
     def follow(self) -> None:
-        """A follower's whole life: receive the step's ops, replay them, step; until the leader says stop."""
+        """A follower's whole life: receive the step's ops, replay them, step; until the leader says stop.
+
+        Each turn, ``broadcast_object(None)`` returns the leader's ops for its next step: a list, or None when
+        nothing happened (a step with no news, which the follower must take all the same). Replay them in order,
+        with the :class:`Engine` methods (``super().add_request`` and so on: this class's own ``add_request``
+        records ops for the leader to send):
+
+        * ``("add", spec)``: ``spec.build(self.tokenizer)`` rebuilds the leader's request (same rid, sampling seed,
+          stop rules); add it;
+        * ``("abort", rid, message)``: abort this rank's request with that rid, if it is still running here;
+        * ``("flush",)``: flush the cache;
+        * ``("stop",)``: return at once, without another step;
+        * anything else: raise ``RuntimeError("unknown op from the leader: ...")`` (a follower that skipped it would
+          drift out of step with the leader).
+
+        Then take exactly one ``super().step()``, as the leader does after sending the ops. Keep a rid -> request
+        map for the aborts, and drop a request from it once a step reports it finished."""
         assert not self.is_leader, "rank 0 leads; only ranks 1..N-1 follow"
         # BEGIN TASK 9.2: replay the leader's ops, then step
         reqs: dict[str, Req] = {}

@@ -25,8 +25,9 @@ interpreter on the CPU is decided by ``TRITON_INTERPRET=1`` *at import time* (``
 decorates a function), so set it before the first import when testing on a machine without a GPU.
 """
 
-from minisgl_ref.attention.triton_kernels.decode_attention import decode_attention_fwd
+from minisgl_ref.attention.triton_kernels.decode_attention import decode_attention_fwd, merge_kv_splits
 from minisgl_ref.attention.triton_kernels.extend_attention import extend_attention_fwd, extend_launch_config
 from minisgl_ref.attention.triton_kernels.kv_indices import build_kv_indices
 
-__all__ = ["build_kv_indices", "decode_attention_fwd", "extend_attention_fwd", "extend_launch_config"]
+__all__ = ["build_kv_indices", "decode_attention_fwd", "extend_attention_fwd", "extend_launch_config",
+           "merge_kv_splits"]  # fmt: skip

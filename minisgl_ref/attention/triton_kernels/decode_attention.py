@@ -14,6 +14,7 @@ normalised output ``o_s = sum_j p_j v_j / sum_j p_j`` and its log-sum-exp ``lse_
 Stage 2, grid ``(B, heads)``: merge the pieces (all of a head's pieces in one tile, no loop). With
 ``m = max_s lse_s`` and weights ``w_s = exp(lse_s - m)``, ``o = sum_s w_s o_s / sum_s w_s`` is exactly softmax
 attention over the whole context: each piece's share of the total softmax mass is ``exp(lse_s) / sum_t exp(lse_t)``.
+:func:`merge_kv_splits` launches stage 2 alone (what the tests of the merge call).
 
 The number of splits of request ``b`` is computed *inside* both kernels from its context length:
 ``min(max_splits, cdiv(seq_len, min_split_len))``. No per-request metadata is needed for it, so the CUDA-graph
@@ -136,10 +137,10 @@ def _decode_stage1_kernel(
 
 @triton.jit
 def _decode_stage2_kernel(
-    Mid_O,
-    Mid_LSE,
+    Mid_O,  # [B, H, >= max_splits, D] float32: stage 1's normalised output of each piece
+    Mid_LSE,  # [B, H, >= max_splits] float32: stage 1's log2-sum-exp2 of each piece
     O,  # out [B, H, D]
-    kv_indptr,
+    kv_indptr,  # [B + 1]: request b's context length is kv_indptr[b + 1] - kv_indptr[b]
     max_splits,
     stride_mob,
     stride_moh,
@@ -151,8 +152,26 @@ def _decode_stage2_kernel(
     HEAD_DIM: tl.constexpr,
     MIN_SPLIT_LEN: tl.constexpr,
     BLOCK_S: tl.constexpr,  # >= max_splits, a power of two
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # >= HEAD_DIM, a power of two
 ):
+    """Stage 2, program ``(b, h)`` of grid ``(B, H)``: merge request ``b``'s pieces into ``O[b, h, :]``.
+
+    What stage 1 left: for each piece ``s`` that it computed, ``Mid_O[b, h, s, :]`` is the piece's *normalised*
+    output ``o_s = sum_j 2^(x_j) v_j / sum_j 2^(x_j)`` and ``Mid_LSE[b, h, s]`` its ``lse_s = log2 sum_j 2^(x_j)``
+    (``x_j`` the scores in log2 units: the kernels work in base 2 throughout). Other pieces hold garbage from
+    earlier steps: never read them.
+
+    Which pieces stage 1 computed, from the context length ``n`` (repeat stage 1's arithmetic exactly):
+    ``num_splits = min(max_splits, cdiv(n, MIN_SPLIT_LEN))``, ``split_len = cdiv(n, num_splits)``, and piece ``s``
+    covers tokens ``[s * split_len, min((s + 1) * split_len, n))``, so the non-empty pieces are the first
+    ``cdiv(n, split_len)`` (can be fewer than ``num_splits``: n = 5 in 4 pieces of 2 leaves the 4th empty).
+
+    Write ``O[b, h, :] = sum_s w_s o_s / sum_s w_s`` with ``w_s = 2^(lse_s - m)``, ``m = max_s lse_s`` over the
+    computed pieces: each piece's share of the whole softmax is ``2^(lse_s) / sum_t 2^(lse_t)``, and subtracting
+    ``m`` keeps every exponent <= 0 (no overflow). Load all pieces of the head at once (``tl.arange(0, BLOCK_S)``,
+    masked; a masked ``lse`` must contribute weight 0), reduce with ``tl.max`` / ``tl.sum`` over axis 0, and store
+    in ``O``'s dtype (``O.dtype.element_ty``), masking the head-dim padding (``BLOCK_D >= HEAD_DIM``)."""
+    # BEGIN TASK 7.1: merge the split-KV pieces by their log-sum-exp
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
@@ -174,6 +193,38 @@ def _decode_stage2_kernel(
     w = tl.exp2(lse - tl.max(lse, 0))  # 0 for the masked pieces
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
     tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
+    # END TASK 7.1
+
+
+def merge_kv_splits(
+    mid_o: torch.Tensor,
+    mid_lse: torch.Tensor,
+    o: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    max_splits: int,
+    min_split_len: int = 128,
+) -> None:
+    """Stage 2 alone: merge the pieces that stage 1 wrote into ``mid_o`` [B, H, >= max_splits, D] and ``mid_lse``
+    [B, H, >= max_splits] (float32, log2 units) into ``o`` [B, H, D]. ``kv_indptr`` and ``min_split_len`` must be
+    the ones stage 1 ran with: the pieces are recomputed from them."""
+    batch, num_heads, head_dim = o.shape
+    assert o.stride(-1) == 1 and mid_o.stride(-1) == 1 and mid_lse.stride(2) == 1
+    if batch == 0:
+        return
+    grid = (batch, num_heads)
+    args = (
+        mid_o, mid_lse, o, kv_indptr, max_splits,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        o.stride(0), o.stride(1),
+    )  # fmt: skip
+    meta = dict(HEAD_DIM=head_dim, MIN_SPLIT_LEN=min_split_len, BLOCK_S=max(2, triton.next_power_of_2(max_splits)),
+                BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=4, num_stages=1)  # fmt: skip
+    try:
+        _decode_stage2_kernel[grid](*args, **meta)
+    except Exception as exc:  # the interpreter wraps what a kernel raises: an unwritten kernel says so plainly
+        if isinstance(exc.__cause__, NotImplementedError):
+            raise exc.__cause__ from None
+        raise
 
 
 def decode_attention_fwd(
@@ -220,10 +271,4 @@ def decode_attention_fwd(
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=precision, UPCAST=upcast,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    _decode_stage2_kernel[(batch, num_heads)](
-        mid_o, mid_lse, o, kv_indptr, max_splits,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        o.stride(0), o.stride(1),
-        HEAD_DIM=head_dim, MIN_SPLIT_LEN=min_split_len, BLOCK_S=max(2, triton.next_power_of_2(max_splits)),
-        BLOCK_D=block_d, num_warps=4, num_stages=1,
-    )  # fmt: skip
+    merge_kv_splits(mid_o, mid_lse, o, kv_indptr, max_splits, min_split_len)
