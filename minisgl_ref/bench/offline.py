@@ -20,7 +20,10 @@ measurement worth publishing:
 
 2. **Counters next to the clock.** Besides tokens per second each run reports how many prompt tokens were
    actually computed (``engine.stats.prefill_tokens``), how many were served from the cache, the radix hit
-   rate and the number of retractions: the *why* behind a time.
+   rate and the number of retractions: the *why* behind a time. With cascade decode attention active (radix
+   cache on, ``--disable-cascade-attention`` not given) it also reports the KV bytes an average decode step
+   read with the cascade and would have read without it (:func:`~minisgl_ref.attention.cascade.decode_kv_bytes`,
+   summed by the model runner), and how many decode steps ran it.
 
 3. **The roofline.** A decode step must at least read every weight once and every running request's KV cache
    once (chapter 11). :func:`roofline_floor_seconds` turns that into the least time any
@@ -303,6 +306,12 @@ class RunResult:
     aborted: int = 0
     roofline_floor_s: float | None = None  # CUDA only: the workload's floor at --hbm-bandwidth
     roofline_fraction: float | None = None  # floor / wall: 1.0 would be a perfect engine
+    # Cascade decode attention (None when the engine has none): decode steps, those that ran the cascade, and the
+    # KV bytes (all layers) an average decode step read, and would have read with plain decode attention.
+    decode_steps: int | None = None
+    cascade_decode_steps: int | None = None
+    kv_bytes_per_decode_step: float | None = None
+    kv_bytes_per_decode_step_plain: float | None = None
 
 
 @dataclass
@@ -312,16 +321,29 @@ class _Counters:
     prefill_tokens: int = 0
     steps: int = 0
     retractions: int = 0
+    decode_steps: int = 0  # the rest: cascade attention's counters (CascadeStats), 0 without a cascade
+    cascade_steps: int = 0
+    kv_tokens_plain: int = 0
+    kv_tokens_cascade: int = 0
 
     @classmethod
     def read(cls, llm) -> _Counters:  # type: ignore[no-untyped-def]
         engine = llm.engine
         if llm.engine_kind == "naive":  # the oracle keeps no statistics
             return cls()
-        return cls(engine.stats.prefill_tokens, engine.stats.steps, engine.scheduler.num_retractions)
+        c = cascade_stats(llm)
+        cascade = (c.decode_steps, c.cascade_steps, c.kv_tokens_plain, c.kv_tokens_cascade) if c else ()
+        return cls(engine.stats.prefill_tokens, engine.stats.steps, engine.scheduler.num_retractions, *cascade)
 
     def __sub__(self, other: _Counters) -> _Counters:
         return _Counters(*(a - b for a, b in zip(asdict(self).values(), asdict(other).values())))
+
+
+def cascade_stats(llm):  # type: ignore[no-untyped-def]
+    """The engine's cascade attention counters (:class:`~minisgl_ref.attention.cascade.CascadeStats`), or None
+    when it runs without a cascade (turned off, no radix cache, the naive oracle)."""
+    cascade = getattr(getattr(llm.engine, "runner", None), "cascade", None)
+    return None if cascade is None else cascade.stats
 
 
 def _synchronize(device: torch.device) -> None:
@@ -371,6 +393,12 @@ def summarize(  # type: ignore[no-untyped-def]
         prefill = context_token_sum([o.prompt_tokens for o in outputs], [o.completion_tokens for o in outputs])
     else:
         prefill = counters.prefill_tokens
+    cascade: dict[str, Any] = {}
+    if cascade_stats(llm) is not None and counters.decode_steps:
+        kv = llm.config.kv_bytes_per_token
+        cascade = dict(decode_steps=counters.decode_steps, cascade_decode_steps=counters.cascade_steps,
+                       kv_bytes_per_decode_step=counters.kv_tokens_cascade * kv / counters.decode_steps,
+                       kv_bytes_per_decode_step_plain=counters.kv_tokens_plain * kv / counters.decode_steps)
     return RunResult(
         stage=stage, engine=llm.engine_kind, engine_args=engine_args, device=str(llm.device),
         dtype=str(llm.config.dtype).removeprefix("torch."), requests=len(outputs), input_tokens=in_tokens,
@@ -378,7 +406,7 @@ def summarize(  # type: ignore[no-untyped-def]
         total_throughput=(in_tokens + out_tokens) / wall, prefill_tokens=prefill,
         cached_tokens=cached, radix_hit_rate=_hit_rate(engine_args, cached, in_tokens),
         retractions=counters.retractions, steps=None if naive else counters.steps,
-        aborted=sum(o.finish_reason == "abort" for o in outputs),
+        aborted=sum(o.finish_reason == "abort" for o in outputs), **cascade,
     )
 
 
@@ -552,6 +580,12 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     else:
         results = run_ladder(workload, args.stage, model, kwargs, bandwidth=args.hbm_bandwidth, log=sys.stderr)
     print(format_table(results))
+    for r in results:
+        if r.kv_bytes_per_decode_step is not None and r.kv_bytes_per_decode_step_plain:
+            print(f"[bench] {r.stage}: cascade attention ran {r.cascade_decode_steps:,} of {r.decode_steps:,} decode "
+                  f"steps; KV read per decode step {r.kv_bytes_per_decode_step / 1e9:.3f} GB "
+                  f"(plain decode: {r.kv_bytes_per_decode_step_plain / 1e9:.3f} GB, "
+                  f"{r.kv_bytes_per_decode_step / r.kv_bytes_per_decode_step_plain:.1%})", file=sys.stderr)
     if args.output:
         report = make_report(results, workload, model, bandwidth=args.hbm_bandwidth, quick=args.quick,
                              stages=args.stage, engine=args.engine, engine_kwargs=kwargs)

@@ -129,6 +129,12 @@ class EngineConfig:
                                                        "by device)", choices=ATTENTION_BACKENDS)
     decode_attention_backend: str | None = flag(None, "attention kernels for decode steps (chapter 07; default: "
                                                       "by device)", choices=ATTENTION_BACKENDS)
+    # Cascade decode attention (chapter 11): rows sharing a cached prefix read its KV once per step, not once each.
+    disable_cascade_attention: bool = flag(False, "decode reads every request's copy of a shared prefix's KV, even "
+                                                  "when the radix cache gives several running requests the same "
+                                                  "pages (A/B runs; chapter 11)")
+    cascade_min_prefix_len: int = flag(256, "shortest shared prefix (tokens) that cascade decode attention reads "
+                                            "once for its whole group (chapter 11)")
 
     def __post_init__(self) -> None:
         def need(cond: bool, field: str, what: str, value: object) -> None:
@@ -146,6 +152,7 @@ class EngineConfig:
         need(self.max_total_tokens is None or self.max_total_tokens >= self.page_size, "max_total_tokens",
              ">= page_size", self.max_total_tokens)
         need(0.0 < self.mem_fraction_static < 1.0, "mem_fraction_static", "in (0, 1)", self.mem_fraction_static)
+        need(self.cascade_min_prefix_len >= 1, "cascade_min_prefix_len", ">= 1", self.cascade_min_prefix_len)
         need(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", ">= 1",
              self.cuda_graph_max_bs)
         for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):

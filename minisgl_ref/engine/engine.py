@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from minisgl_ref.attention.cascade import make_cascade_backend
 from minisgl_ref.attention.registry import create_attention_backend
 from minisgl_ref.core.batch import ScheduledBatch
 from minisgl_ref.core.config import EngineConfig
@@ -152,10 +153,12 @@ class Engine:
         num_q_heads = next(m for m in model.modules() if isinstance(m, AttentionLayer)).num_heads  # per rank
         backend = create_attention_backend(self.config, self.kv_pool, self.req_to_token, num_q_heads=num_q_heads,
                                            device=self.device)  # chapter 07: --attention-backend and defaults
+        # Chapter 11: decode rows that share a cached prefix read its KV once (None: off, or no radix cache).
+        cascade = make_cascade_backend(self.config, self.kv_pool, self.req_to_token, backend, num_q_heads=num_q_heads)
         graph_max_bs = self.config.cuda_graph_max_bs or min(self.config.max_running_requests, 256)
         self.runner = ModelRunner(model, model_config.vocab_size, self.req_to_token, backend, self.device,
                                   use_cuda_graph=not self.config.disable_cuda_graph and self.device.type == "cuda",
-                                  cuda_graph_max_bs=graph_max_bs)
+                                  cuda_graph_max_bs=graph_max_bs, cascade=cascade)
         self.overlap = not self.config.disable_overlap_schedule
         self.inflight: Launched | None = None
         self.stats = EngineStats()

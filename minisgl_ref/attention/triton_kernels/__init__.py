@@ -1,13 +1,15 @@
 """Attention kernels written in Triton for the ``triton`` backend (chapter 07).
 
-Three small kernels, each in its own module so it can be read on its own:
+Small kernels, each in its own module so it can be read on its own:
 
 - :mod:`.kv_indices`: flatten the page table rows of a batch into one ``kv_indices`` array (CSR layout with
   ``kv_indptr``), the per-step metadata every paged kernel reads;
 - :mod:`.decode_attention`: one new query per request over its whole paged context, split along the context
   ("split-KV" / flash-decoding) and reduced with a log-sum-exp merge;
 - :mod:`.extend_attention`: several new queries per request over the cached prefix (paged) plus the new tokens
-  themselves (contiguous, causal).
+  themselves (contiguous, causal);
+- :mod:`.cascade` (chapter 11): decode for requests that share a cached prefix, which is read once per group and
+  merged with each request's own suffix (imported by :mod:`minisgl_ref.attention.cascade` when it runs).
 
 Conventions shared by the kernels:
 
