@@ -312,6 +312,9 @@ class RunResult:
     cascade_decode_steps: int | None = None
     kv_bytes_per_decode_step: float | None = None
     kv_bytes_per_decode_step_plain: float | None = None
+    # Seconds from "build the engine" to ready (weights, KV pool, kernel compilation, CUDA-graph capture): what a
+    # user waits before the first request; a bare machine's first process also fills the on-disk kernel caches.
+    startup_s: float | None = None
 
 
 @dataclass
@@ -440,10 +443,14 @@ def run_stage(stage: str, workload: Workload, model: ModelSpec, base_engine_kwar
         stage = stage_of(engine_name, kwargs)
     else:
         engine_name, kwargs = stage_settings(stage, base_engine_kwargs)
+    t0 = time.perf_counter()
     llm = build_llm(model, engine_name, kwargs if engine_name == "paged" else {})
+    startup = time.perf_counter() - t0
     device = llm.device
     try:
-        return measure(llm, stage, workload, bandwidth)
+        result = measure(llm, stage, workload, bandwidth)
+        result.startup_s = startup
+        return result
     finally:
         del llm
         _free_device_memory(device)

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Chapter 11's start-up and shared-prefix measurements, from a bare machine, in one go:
+#
+#   startup   `bench offline` (canonical workload) in a first process on a bare machine (every kernel cache
+#             empty), then in a second process (caches on disk): start-up seconds and the first timed run of each.
+#   cascade   scripts/gpu/cascade_ab.sh: the shared-prefix workload with the radix cache and cascade attention,
+#             the radix cache without it, and no radix cache.
+#   tests     the GPU tests of the attention backends, the cascade, CUDA graphs and the fused kernels.
+#
+# From the repository root on a GPU machine with flashinfer-python and FlashAttention-3 installed:
+#   OUT=results bash scripts/gpu/perf2_round.sh startup cascade
+set -o pipefail
+OUT=${OUT:-results}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer_ws}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+status=0
+for part in "$@"; do
+    case "$part" in
+        startup)
+            for run in cold warm; do
+                echo "=== startup/$run: bench offline (canonical), a fresh process"
+                python3 -m minisgl_ref bench offline --output "$OUT/startup_$run.json" 2>&1 \
+                    | tee "$OUT/startup_$run.log" | grep -E "warm-up|compil|ready|\[bench\]|out tok/s|^ *[a-z_]+ +[0-9]" \
+                    || status=1
+            done
+            python3 - "$OUT" <<'PY' || status=1
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+for run in ("cold", "warm"):
+    r = json.loads((out / f"startup_{run}.json").read_text())["results"][0]
+    print(f"{run:<5} start-up {r['startup_s']:6.1f} s   first timed run {r['output_throughput']:9,.0f} tok/s "
+          f"({r['wall_s']:.2f} s, {r['roofline_fraction']:.0%} of the floor)")
+PY
+            ;;
+        cascade)
+            OUT="$OUT" bash scripts/gpu/cascade_ab.sh || status=1 ;;
+        tests)
+            python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cascade_attention.py \
+                tests/test_attention_backends.py tests/test_cuda_graph.py tests/test_triton_fused.py \
+                2>&1 | tail -n 30 | tee "$OUT/gpu_tests.log" || status=1 ;;
+        *) echo "unknown part $part" >&2; exit 2 ;;
+    esac
+done
+exit $status
