@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Chapter 11's online serving numbers: `bench serving` against a real `serve` process, Poisson arrivals at three
+# request rates and all at once (saturation), the canonical length distribution (prompts and outputs of 100-1024
+# tokens, ignore_eos), Qwen3-0.6B config with dummy bf16 weights. Two servers, one after the other: the default
+# engine, then --enable-mixed-chunk (decode rows ride along in prefill steps), so that the inter-token latency
+# tail with long prompts arriving during decode can be compared. One JSON per run in $OUT, then a summary.
+#
+#   OUT=results bash scripts/gpu/serving_sweep.sh
+#   RATES="8 16" SERVERS=default NUM_PROMPTS=100 OUT=results bash scripts/gpu/serving_sweep.sh   # a shorter run
+set -uo pipefail
+OUT=${OUT:-results}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer_ws}
+read -ra model <<<"${MODEL_ARGS:---model-path qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda}"
+status=0
+port=30000
+for server in ${SERVERS:-default mixed}; do
+    case "$server" in
+        default) flags=() ;;
+        mixed) flags=(--enable-mixed-chunk) ;;
+        *) echo "unknown server $server" >&2; exit 2 ;;
+    esac
+    t0=$(date +%s.%N)
+    python3 -m minisgl_ref serve "${model[@]}" "${flags[@]}" --port $port >"$OUT/serve_$server.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 600); do
+        curl -sf http://127.0.0.1:$port/health >/dev/null && break
+        kill -0 $pid 2>/dev/null || break
+        sleep 0.5
+    done
+    ready=$(python3 -c "import time; print(f'{time.time() - $t0:.1f}')")
+    echo "=== serve ($server) ready after $ready s"
+    echo "$ready" >"$OUT/serve_${server}_ready_s.txt"
+    for rate in ${RATES:-8 16 24} inf; do
+        python3 -m minisgl_ref bench serving --port $port --dataset-name random \
+            --num-prompts "${NUM_PROMPTS:-200}" --random-input-len 1024 --random-output-len 1024 \
+            --random-range-ratio 0.09765625 --request-rate "$rate" --seed 1 --disable-tqdm \
+            --output-file "$OUT/serving_${server}_rate_${rate}.json" >"$OUT/serving_${server}_rate_${rate}.log" 2>&1 \
+            || { status=1; tail -n 20 "$OUT/serving_${server}_rate_${rate}.log"; }
+    done
+    kill -TERM $pid
+    for _ in $(seq 1 60); do kill -0 $pid 2>/dev/null || break; sleep 1; done
+done
+python3 - "$OUT" <<'PY' || status=1
+import json, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+rows = []
+print(f"{'server':<8} {'rate':>5} {'req/s':>6} {'out tok/s':>9} {'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} "
+      f"{'p99/p50':>7} {'TPOT p50 ms':>11} {'E2E p50/p99 s':>14}")
+for f in sorted(out.glob("serving_*_rate_*.json")):
+    r = json.loads(f.read_text())
+    run = r["runs"][0] if "runs" in r else r
+    server = f.stem.split("_")[1]
+    tail = run["p99_itl_ms"] / run["median_itl_ms"]
+    rows.append({"server": server, "request_rate": run["request_rate"], "itl_p99_over_p50": tail,
+                 **{k: run[k] for k in ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
+                                        "median_itl_ms", "p99_itl_ms", "median_tpot_ms", "p99_tpot_ms",
+                                        "median_e2e_latency_ms", "p99_e2e_latency_ms", "completed", "failed")}})
+    print(f"{server:<8} {run['request_rate']:>5} {run['request_throughput']:>6.2f} {run['output_throughput']:>9,.0f} "
+          f"{run['median_ttft_ms']:>7.0f}/{run['p99_ttft_ms']:<8.0f} {run['median_itl_ms']:>6.1f}/{run['p99_itl_ms']:<8.1f} "
+          f"{tail:>7.2f} {run['median_tpot_ms']:>11.2f} {run['median_e2e_latency_ms'] / 1e3:>6.1f}/"
+          f"{run['p99_e2e_latency_ms'] / 1e3:<7.1f}")
+(out / "serving_sweep_summary.json").write_text(json.dumps(rows, indent=1) + "\n")
+PY
+exit $status
