@@ -115,6 +115,21 @@ def _json(path: Path) -> object:
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
 
 
+def _needs(t: course_table.Table, ids: tuple[str, ...]) -> str:
+    """``0.1, 0.2, 0.3, 1.1, 3.1, 3.2`` as ``0.1-0.3, 1.1, 3.1-3.2``: runs of tasks next to each other in the
+    table, within one chapter."""
+    order = list(t.tasks)
+    runs: list[list[str]] = []
+    for task in sorted(ids, key=order.index):
+        last = runs[-1][-1] if runs else None
+        if last is not None and order.index(task) == order.index(last) + 1 \
+                and t.tasks[task].chapter == t.tasks[last].chapter:
+            runs[-1].append(task)
+        else:
+            runs.append([task])
+    return ", ".join(r[0] if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs) or "—"
+
+
 def tasks_table(t: course_table.Table, checks: list[TestCheck]) -> str:
     rows = ["| Task | Title | Points | Time | Difficulty | Needs | Code | Checks (CPU + GPU) |",
             "| --- | --- | ---: | ---: | :---: | --- | --- | --- |"]
@@ -123,7 +138,7 @@ def tasks_table(t: course_table.Table, checks: list[TestCheck]) -> str:
         cpu, gpu = sum(not c.gpu for c in mine), sum(c.gpu for c in mine)
         files = sorted({c.file for c in mine})
         where = "<br>".join(f"`{r.where}`" for r in task.regions)
-        needs = ", ".join(task.depends) or "—"
+        needs = _needs(t, task.depends)
         rows.append(f"| {task.id} | {_cell(task.title)} | {task.points:g} | {task.minutes} min | "
                     f"{'★' * task.difficulty} | {needs} | {where} | {cpu} + {gpu} in "
                     f"{', '.join(f'`{f}`' for f in files) or '**none**'} |")
@@ -141,7 +156,7 @@ def assignment_table(t: course_table.Table, chapters: str) -> str:
             "| --- | --- | ---: | ---: | :---: | --- | --- |"]
     for x in tasks:
         rows.append(f"| {x.id} | {_cell(x.title)} | {x.points:g} | {x.minutes} min | {'★' * x.difficulty} | "
-                    f"{', '.join(x.depends) or '—'} | {_cell(x.hint)} |")
+                    f"{_needs(t, x.depends)} | {_cell(x.hint)} |")
     out = "\n".join(rows)
     out += f"\n\nTotal: **{sum(x.points for x in tasks):g} points**, about {sum(x.minutes for x in tasks) / 60:.1f} " \
            f"hours of work."

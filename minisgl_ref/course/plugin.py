@@ -37,6 +37,10 @@ def pytest_configure(config: pytest.Config) -> None:
 _RECORDS = pytest.StashKey[dict[str, dict[str, Any]]]()
 
 
+# Fixtures that load a model: the checks using them run after the plain unit checks of the same selection.
+MODEL_FIXTURES = frozenset({"tiny_llm", "smol_llm", "tiny_engine_path", "tiny_checkpoints", "embedded_path"})
+
+
 def task_of(item: pytest.Item) -> str | None:
     marks = [m.args[0] for m in item.iter_markers("task") if m.args]
     return marks[0] if marks else None
@@ -53,6 +57,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         (keep if task is not None and ("*" in wanted or task in wanted) else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
+    # Unit checks first, model-backed ones after (a stable sort: file order otherwise kept). Most mistakes are
+    # caught by a unit check in seconds, so a grade that stops at the first failure (-x) answers quickly.
+    keep.sort(key=lambda item: bool(MODEL_FIXTURES & set(getattr(item, "fixturenames", ()))))
     items[:] = keep
     records = config.stash[_RECORDS]
     for item in keep:

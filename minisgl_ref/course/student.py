@@ -18,7 +18,7 @@ import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
-from minisgl_ref.course.regions import Region, blank_text, bodies_by_file, fill_text, scan, scan_text
+from minisgl_ref.course.regions import Region, blank_text, bodies_by_file, fill_text, scan, scan_text, task_key
 
 INSTRUCTOR_ONLY = ("course/",)  # never copied: realistic wrong answers are close to the right ones
 MANIFEST = "COURSE.json"
@@ -118,7 +118,7 @@ def make_copy(root: Path, out: Path, task_ids: Iterable[str], *, commit: bool = 
     its solution, so it is refused unless ``unblank`` says that is the intent. Returns the manifest written to
     ``out/COURSE.json``."""
     root, out = root.resolve(), out.resolve()
-    task_ids = sorted(set(task_ids))
+    task_ids = sorted(set(task_ids), key=task_key)
     regions = [r for r in scan(root) if r.task in task_ids]
     unknown = set(task_ids) - {r.task for r in regions}
     if unknown:
@@ -128,7 +128,7 @@ def make_copy(root: Path, out: Path, task_ids: Iterable[str], *, commit: bool = 
         raise ValueError(f"{out} is not empty and holds no student copy: choose a new folder")
     if update and not unblank:
         before = set(json.loads((out / MANIFEST).read_text(encoding="utf-8")).get("blank_tasks", []))
-        dropped = sorted(before - set(task_ids), key=lambda t: tuple(map(int, t.split("."))))
+        dropped = sorted(before - set(task_ids), key=task_key)
         if dropped:
             raise ValueError(f"this update would publish the solutions of tasks {', '.join(dropped)}, blank in "
                              f"the copy at {out}: add them to the selection, or pass --unblank if that is the "
