@@ -36,7 +36,7 @@ from minisgl_ref.engine.engine import Engine
 # Small enough that SmolLM2-135M completes each within MAX_NEW_TOKENS (strings and arrays are bounded), varied
 # enough to cover what JSON schemas are made of.
 SCHEMAS: list[dict] = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                       "age": {"type": "integer", "minimum": 0, "maximum": 120}},
      "required": ["name", "age"]},
     {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
@@ -59,8 +59,8 @@ SCHEMAS: list[dict] = [
     {"type": "object", "properties": {"title": {"type": "string", "maxLength": 10},
                                       "note": {"type": "string", "maxLength": 10}}, "required": ["title"]},
     {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 2, "maxItems": 4},
-    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                      "country": {"type": "string", "maxLength": 12},
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                      "country": {"type": "string", "maxLength": 8},
                                       "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
      "required": ["city", "country", "population"]},
     {"type": "object", "properties": {"level": {"type": "string", "enum": ["low", "medium", "high"]},
@@ -68,7 +68,7 @@ SCHEMAS: list[dict] = [
     {"type": "object", "properties": {"matrix": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
         "type": "array", "minItems": 1, "maxItems": 2, "items": {"type": "integer", "minimum": 0, "maximum": 9}}}},
      "required": ["matrix"]},
-    {"type": "object", "properties": {"email": {"type": "string", "format": "email", "maxLength": 24}},
+    {"type": "object", "properties": {"email": {"type": "string", "pattern": "^[a-z]{1,8}@[a-z]{1,8}\\.com$"}},
      "required": ["email"]},
     {"type": "object", "properties": {"maybe": {"anyOf": [{"type": "string", "maxLength": 6}, {"type": "null"}]}},
      "required": ["maybe"]},
@@ -76,7 +76,7 @@ SCHEMAS: list[dict] = [
         "name": {"type": "string", "maxLength": 10}, "admin": {"type": "boolean"}}, "required": ["name", "admin"]},
         "active": {"type": "boolean"}}, "required": ["user", "active"]},
     {"type": "object", "properties": {"rating": {"type": "integer", "enum": [1, 2, 3, 4, 5]},
-                                      "comment": {"type": "string", "maxLength": 16}},
+                                      "comment": {"type": "string", "maxLength": 10}},
      "required": ["rating", "comment"]},
     {"type": "object", "properties": {"temperature": {"type": "number", "minimum": -50, "maximum": 50},
                                       "unit": {"const": "C"}}, "required": ["temperature", "unit"]},
@@ -104,7 +104,7 @@ EBNFS: list[tuple[str, str, str]] = [
     (LIST_EBNF, r"\[(apple|pear|plum)(, (apple|pear|plum)){0,2}\]", "List some fruit."),
 ]
 
-MAX_NEW_TOKENS = 96
+MAX_NEW_TOKENS = 64
 FREE_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3,"]
 
 
@@ -243,7 +243,7 @@ def test_bitmask_bans_padding_ids_and_leaves_free_rows_alone(tokenizer):
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
     allowed = (logits[1] > float("-inf")).nonzero().flatten().tolist()
     assert allowed and max(allowed) < len(tokenizer.hf)
-    assert all(tokenizer.decode([t], skip_special_tokens=False).strip()[:1] in "{[" for t in allowed)
+    assert all(tokenizer.decode([t], skip_special_tokens=False)[:1] == "{" for t in allowed)
     backend.shutdown()
 
 
@@ -268,11 +268,12 @@ def test_json_schemas_greedy_and_sampled_beside_free_requests(llm):
 
 @pytest.mark.slow
 def test_any_json_object(llm):
-    prompt = _chat(llm, "Describe a book as a JSON object.")
+    prompt = _chat(llm, 'Reply with a short JSON object like {"title": "...", "year": 1999}, nothing else.')
     for params in (_greedy(json_schema=ANY_JSON), _sampled(3, json_schema=ANY_JSON)):
+        params.max_new_tokens = 200
         out = llm.generate(prompt, params, use_tqdm=False)[0]
         assert out.finish_reason == "stop", out
-        assert isinstance(json.loads(out.text), (dict, list))
+        assert isinstance(json.loads(out.text), dict)
 
 
 @pytest.mark.slow

@@ -14,6 +14,15 @@ milliseconds for a small schema, seconds for a large one. Two consequences shape
   future each step; the request waits in the queue until its grammar is ready (:meth:`compile_async`).
   :meth:`compile` is the synchronous path, through the same cache.
 
+**JSON is compiled compact** (``any_whitespace=False``: ``{"a": 1, "b": [2, 3]}``, the separators of Python's
+``json.dumps``). With free whitespace between tokens a small model happily emits newline after newline inside
+its object until ``max_new_tokens`` runs out (SmolLM2-135M does, for about one schema in three): the grammar
+cannot stop it, since whitespace is valid there. Compact JSON leaves the model no such loop, is shorter, and is
+what the parser at the other end gets anyway. (SGLang allows any whitespace unless told otherwise; vLLM and SGLang
+both grew a flag to turn it off for this reason.) ``json_object`` (:data:`~minisgl_ref.sampling.params.ANY_JSON`)
+is compiled as a non-strict ``{"type": "object"}`` schema: any object, with any properties and values, compact --
+OpenAI's JSON mode asks for an object, while xgrammar's built-in JSON grammar also admits a top-level array.
+
 The vocabulary description (xgrammar's ``TokenizerInfo``) is built from the HF tokenizer with the *model's*
 vocabulary size, which may exceed the tokenizer's (embedding matrices are padded to a multiple of 64 or 128):
 xgrammar then treats the extra ids as tokens no grammar accepts, so the masks it fills ban them too. Building it
@@ -36,6 +45,8 @@ from minisgl_ref.constrained.spec import GrammarSpec, grammar_error
 
 #: Compiled grammars kept (least recently used dropped first). A compiled JSON schema holds a few hundred KB.
 COMPILE_CACHE_SIZE = 256
+#: JSON (schemas and json_object) without free whitespace between tokens: see the module docstring.
+JSON_ANY_WHITESPACE = False
 #: Threads that compile grammars (and xgrammar's own threads per compile): few, the scheduler needs the CPU too.
 COMPILE_THREADS = 2
 
@@ -77,9 +88,10 @@ class GrammarBackend:
         compiler = self._get_compiler()
         try:
             if spec.kind == "json_schema":
-                return compiler.compile_json_schema(spec.source)
+                return compiler.compile_json_schema(spec.source, any_whitespace=JSON_ANY_WHITESPACE)
             if spec.kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+                return compiler.compile_json_schema('{"type": "object"}', strict_mode=False,
+                                                    any_whitespace=JSON_ANY_WHITESPACE)
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.source)
             return compiler.compile_grammar(spec.source)

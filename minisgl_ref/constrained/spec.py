@@ -7,7 +7,7 @@ that pair. It is frozen and hashable because it is the key of the compiled-gramm
 same schema string share one compiled grammar, whoever sent them.
 
 ``json_schema=ANY_JSON`` (OpenAI's ``response_format={"type": "json_object"}``) becomes its own kind,
-``json_object``: it compiles xgrammar's built-in JSON grammar, not a schema.
+``json_object``: any JSON object, not the schema of one (see :mod:`~minisgl_ref.constrained.backend`).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ logit_bias             None or {token id: bias in [-100, 100]} (OpenAI's; JSON k
 min_new_tokens         int in [0, max_new_tokens]
 n                      int >= 1
 seed                   None or an int
-json_schema            None, a JSON schema (a JSON string; a dict is serialised), or :data:`ANY_JSON`
+json_schema            None, a JSON schema (a JSON string; a dict is serialised), or ANY_JSON (any object)
 regex                  None or a regular expression the whole output must match
 ebnf                   None or a grammar in xgrammar's EBNF dialect (its start rule is ``root``)
 =====================  ======================================================
@@ -39,9 +39,9 @@ ebnf                   None or a grammar in xgrammar's EBNF dialect (its start r
 decoding: at most one may be set. Here they are only checked for shape (a string, valid JSON for a schema); whether
 the grammar itself is valid is xgrammar's call, made by :func:`minisgl_ref.constrained.validate_grammar` (the
 server's admission check, an HTTP 400) and again when the engine compiles it. ``json_schema=ANY_JSON`` asks for any
-JSON value, with xgrammar's built-in JSON grammar: that is what OpenAI's ``response_format={"type":
-"json_object"}`` means, and it is *not* ``'{"type": "object"}'``, which a strict schema compiler reads as "an
-object with no properties at all".
+JSON object, whatever its properties: that is what OpenAI's ``response_format={"type": "json_object"}`` means, and
+it is *not* ``'{"type": "object"}'``, which a strict schema compiler reads as "an object with no properties at
+all".
 
 ``bool`` is rejected wherever a number is expected: ``True`` is an ``int`` in Python, but ``n=True`` is a bug,
 not a request for one completion.
@@ -64,7 +64,7 @@ import regex
 GREEDY_TEMPERATURE_EPS = 1e-6
 
 
-#: ``json_schema=ANY_JSON``: any JSON value, with the grammar backend's built-in JSON grammar (OpenAI's
+#: ``json_schema=ANY_JSON``: any JSON object, whatever its properties (OpenAI's
 #: ``response_format={"type": "json_object"}``). The same sentinel string as SGLang's, so a client that sends it to
 #: SGLang's ``/generate`` means the same here.
 ANY_JSON = "$$ANY$$"
