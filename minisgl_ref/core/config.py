@@ -136,6 +136,13 @@ class EngineConfig:
     cascade_min_prefix_len: int = flag(256, "shortest shared prefix (tokens) that cascade decode attention reads "
                                             "once for its whole group (chapter 11)")
 
+    # Structured output (chapter 12): append the text a grammar forces without a decode step per token. Off by
+    # default, as in SGLang: it is faster (SmolLM2-135M on a CPU, 8 small JSON schemas: 30% less time, 40 decode
+    # tokens saved), but the forced tokens are the tokenizer's, not the model's own choice, so greedy outputs may
+    # differ from decoding every token; turn it on where the latency of long fixed keys matters.
+    enable_jump_forward: bool = flag(False, "constrained requests append the text their grammar forces in one "
+                                           "extend step instead of one decode step per token (chapter 12)")
+
     def __post_init__(self) -> None:
         def need(cond: bool, field: str, what: str, value: object) -> None:
             if not cond:
