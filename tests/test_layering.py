@@ -20,6 +20,7 @@ from pathlib import Path
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("env",),  # every environment variable the package reads
     ("sampling", "tokenizer"),  # sampling parameters and the sampler; tokenizer and incremental detokenizer
+    ("constrained",),  # structured output: grammar specs, xgrammar compiles, matchers, token bitmasks
     ("core",),  # the shared vocabulary: Req, ForwardBatch, EngineConfig, ScheduledBatch
     ("distributed",),  # process groups and collectives
     ("layers",),  # tensor-parallel linears, embedding, norm, rotary, attention layer, fused kernels

@@ -30,7 +30,18 @@ logit_bias             None or {token id: bias in [-100, 100]} (OpenAI's; JSON k
 min_new_tokens         int in [0, max_new_tokens]
 n                      int >= 1
 seed                   None or an int
+json_schema            None, a JSON schema (a JSON string; a dict is serialised), or :data:`ANY_JSON`
+regex                  None or a regular expression the whole output must match
+ebnf                   None or a grammar in xgrammar's EBNF dialect (its start rule is ``root``)
 =====================  ======================================================
+
+**Structured output (chapter 12).** ``json_schema``, ``regex`` and ``ebnf`` are SGLang's names for constrained
+decoding: at most one may be set. Here they are only checked for shape (a string, valid JSON for a schema); whether
+the grammar itself is valid is xgrammar's call, made by :func:`minisgl_ref.constrained.validate_grammar` (the
+server's admission check, an HTTP 400) and again when the engine compiles it. ``json_schema=ANY_JSON`` asks for any
+JSON value, with xgrammar's built-in JSON grammar: that is what OpenAI's ``response_format={"type":
+"json_object"}`` means, and it is *not* ``'{"type": "object"}'``, which a strict schema compiler reads as "an
+object with no properties at all".
 
 ``bool`` is rejected wherever a number is expected: ``True`` is an ``int`` in Python, but ``n=True`` is a bug,
 not a request for one completion.
@@ -39,6 +50,7 @@ not a request for one completion.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 from collections.abc import Mapping
@@ -50,6 +62,15 @@ import regex
 #: Temperatures below this count as greedy. Dividing logits by 1e-40 overflows float32 to inf and turns the
 #: softmax into NaN; SGLang draws the same line. ``temperature=0`` is the documented way to ask for greedy.
 GREEDY_TEMPERATURE_EPS = 1e-6
+
+
+#: ``json_schema=ANY_JSON``: any JSON value, with the grammar backend's built-in JSON grammar (OpenAI's
+#: ``response_format={"type": "json_object"}``). The same sentinel string as SGLang's, so a client that sends it to
+#: SGLang's ``/generate`` means the same here.
+ANY_JSON = "$$ANY$$"
+
+#: The sampling parameters that constrain the output with a grammar; at most one of them may be set.
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 
 
 def _describe(value: Any) -> str:
@@ -118,6 +139,38 @@ def _normalize_stop_regex(value: Any) -> list[str]:
     return patterns
 
 
+def _normalize_json_schema(value: Any) -> str | None:
+    """A schema arrives as a JSON string (the wire format) or, offline, as a dict: store the string, which is
+    what the grammar cache is keyed by. Only JSON syntax is checked here; the schema's meaning is xgrammar's."""
+    if value is None or value == ANY_JSON:
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return json.dumps(value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"json_schema: the dict is not JSON-serialisable: {e}") from e
+    if not isinstance(value, str):
+        raise ValueError(f"json_schema must be a JSON string or a dict, got {_describe(value)}")
+    try:
+        parsed = json.loads(value)
+    except ValueError as e:
+        raise ValueError(f"json_schema is not valid JSON: {e}") from e
+    if not isinstance(parsed, (dict, bool)):
+        raise ValueError(f"json_schema must be a JSON object (a schema), got {type(parsed).__name__}")
+    return value
+
+
+def _check_grammar_fields(params: SamplingParams) -> None:
+    for name in ("regex", "ebnf"):
+        value = getattr(params, name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ValueError(f"{name} must be a non-empty string, got {_describe(value)}")
+    params.json_schema = _normalize_json_schema(params.json_schema)
+    given = [name for name in GRAMMAR_FIELDS if getattr(params, name) is not None]
+    if len(given) > 1:
+        raise ValueError(f"only one of json_schema, regex and ebnf may be set, got {' and '.join(given)}")
+
+
 #: OpenAI's range for a logit bias: -100 bans a token in practice, +100 all but forces it.
 LOGIT_BIAS_LIMIT = 100.0
 
@@ -166,6 +219,10 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None
     skip_special_tokens: bool = True
+    # Structured output (chapter 12): at most one of these; see the module docstring and minisgl_ref.constrained.
+    json_schema: str | None = None  # a JSON schema as a JSON string (a dict is serialised), or ANY_JSON
+    regex: str | None = None  # the output must match this regular expression, whole
+    ebnf: str | None = None  # the output must be a sentence of this grammar (start rule ``root``)
 
     def __post_init__(self) -> None:
         # Lengths.
@@ -218,6 +275,14 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.seed is not None:
             self.seed = _check_int("seed", self.seed)
+
+        # Structured output.
+        _check_grammar_fields(self)
+
+    @property
+    def grammar_field(self) -> str | None:
+        """The name of the grammar field that is set (``json_schema``, ``regex`` or ``ebnf``), or None."""
+        return next((name for name in GRAMMAR_FIELDS if getattr(self, name) is not None), None)
 
     @property
     def is_greedy(self) -> bool:

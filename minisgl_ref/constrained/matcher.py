@@ -1,0 +1,67 @@
+"""One request's position in its grammar (chapter 12).
+
+A compiled grammar is shared; the *state* -- how far into the grammar this request's output has got -- is not.
+:class:`GrammarState` wraps xgrammar's ``GrammarMatcher``, a pushdown automaton that is advanced by every token
+the request accepts, and answers the three questions the engine asks it:
+
+* which tokens may come next? (:meth:`fill`: one row of a packed token bitmask, 32 tokens per int32);
+* is the output over? (:attr:`is_terminated`: the grammar was complete and a stop token was accepted);
+* is the continuation forced? (:meth:`jump_forward_string`: the text that every valid continuation starts
+  with, which jump-forward decoding appends without sampling, chapter 12).
+
+The stop tokens are the request's (its EOS ids and ``stop_token_ids``): the mask allows them exactly when the
+grammar is complete, so a constrained request cannot stop half-way through its JSON, and once the grammar is
+complete the model may still choose to continue where the grammar allows (a number can take more digits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import xgrammar as xgr
+
+
+class GrammarState:
+    """A request's grammar matcher; advanced by :meth:`accept` with each accepted token, rolled back by
+    :meth:`rollback` (jump-forward's retokenization)."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: Iterable[int] | None = None) -> None:
+        stops = sorted(set(stop_token_ids)) if stop_token_ids is not None else None
+        self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None)
+        self.num_accepted = 0  # tokens accepted so far (those rollback can undo)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by ``token_id``; False (and no change) if the grammar does not allow it here."""
+        ok = self._matcher.accept_token(token_id)
+        self.num_accepted += ok
+        return ok
+
+    def accepts(self, token_ids: Iterable[int]) -> bool:
+        """Advance by each of ``token_ids``; if one is refused, undo the ones accepted here and return False."""
+        done = 0
+        for t in token_ids:
+            if not self.accept(t):
+                self.rollback(done)
+                return False
+            done += 1
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens."""
+        if num_tokens > 0:
+            self._matcher.rollback(num_tokens)
+            self.num_accepted -= num_tokens
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into ``bitmask[row]`` (an int32 CPU tensor, one bit per token)."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    @property
+    def is_terminated(self) -> bool:
+        """A stop token was accepted after the grammar was complete: nothing may follow."""
+        return self._matcher.is_terminated()
+
+    def jump_forward_string(self) -> str:
+        """The text every continuation allowed by the grammar starts with ("" when there is a choice)."""
+        return self._matcher.find_jump_forward_string()

@@ -1,0 +1,50 @@
+"""Admission check for structured-output requests: is the grammar valid? (chapter 12)
+
+The server should refuse a bad schema with an HTTP 400 *before* the request reaches the engine, where it could
+only end as an aborted request. :func:`validate_grammar` parses the grammar with xgrammar's tokenizer-free front
+end (``xgrammar.Grammar.from_json_schema`` / ``from_regex`` / ``from_ebnf``): the same parser the engine's
+compiler runs first, so what passes here compiles there, and it needs neither the model nor its tokenizer -- the
+server's front-end process can call it. Results are cached per grammar, so a client that sends the same schema
+with every request pays for parsing once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import xgrammar as xgr
+
+from minisgl_ref.constrained.spec import GrammarSpec, grammar_error, spec_of
+from minisgl_ref.sampling.params import SamplingParams
+
+#: How many distinct grammars the admission check remembers (the verdict, not the grammar).
+VALIDATION_CACHE_SIZE = 1024
+
+
+@functools.lru_cache(maxsize=VALIDATION_CACHE_SIZE)
+def _problem(spec: GrammarSpec) -> str | None:
+    """xgrammar's verdict on ``spec``: None if it parses, else the error message (a string, so it caches)."""
+    try:
+        if spec.kind == "json_schema":
+            xgr.Grammar.from_json_schema(spec.source)
+        elif spec.kind == "regex":
+            xgr.Grammar.from_regex(spec.source)
+        elif spec.kind == "ebnf":
+            xgr.Grammar.from_ebnf(spec.source)
+        # json_object: the built-in JSON grammar is always valid
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError from C++ for every kind of bad input
+        return str(grammar_error(spec, e))
+    return None
+
+
+def validate_grammar(params: SamplingParams) -> None:
+    """Raise ``ValueError`` if ``params`` asks for a grammar xgrammar cannot parse; the message names the field
+    (``json_schema``, ``regex`` or ``ebnf``) and gives xgrammar's reason. Free-text requests always pass.
+
+    ``SamplingParams`` itself already rejects two grammar fields at once and a ``json_schema`` that is not JSON."""
+    spec = spec_of(params)
+    if spec is None:
+        return
+    problem = _problem(spec)
+    if problem is not None:
+        raise ValueError(problem)
