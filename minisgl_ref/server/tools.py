@@ -371,8 +371,7 @@ class ToolCallParser:
     def _step_text(self, final: bool) -> bool:
         i = self._buf.find(CALL_OPEN)
         if i >= 0:
-            self._text(self._buf[:i], final=False)
-            self._ws = ""  # whitespace before a tag is not content
+            self._text(self._buf[:i], final=False)  # whitespace before the tag waits: dropped if it is a call
             self._buf = self._buf[i + len(CALL_OPEN):]
             self._state = "head"
             return True
@@ -402,6 +401,7 @@ class ToolCallParser:
             return True
         call = ToolCall(new_call_id(), name, "")
         self.calls.append(call)
+        self._ws = ""  # whitespace before a call is not content
         self._out.tool_calls.append({"index": len(self.calls) - 1, "id": call.id, "type": "function",
                                      "function": {"name": name, "arguments": ""}})
         self._buf = self._buf[m.end() - 1:]  # from the "{" that opens the arguments
@@ -528,6 +528,7 @@ class ToolCallParser:
             return False
         call = ToolCall(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
         self.calls.append(call)
+        self._ws = ""
         index = len(self.calls) - 1
         self._out.tool_calls += [
             {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}},
