@@ -325,8 +325,10 @@ def chat_request(s: ServerState, body: dict[str, Any]
     plan = chat_tool_plan(req)
     messages = [_message(m, i) for i, m in enumerate(req.messages)]
     rendered, tools = render_messages(messages, plan, s.template_tools)
-    ids = manager.chat_ids(rendered, continue_final_message=req.continue_final_message,
-                           **({"tools": tools} if tools else {}), **(req.chat_template_kwargs or {}))
+    template_kwargs = dict(req.chat_template_kwargs or {})
+    if tools:
+        template_kwargs["tools"] = tools
+    ids = manager.chat_ids(rendered, continue_final_message=req.continue_final_message, **template_kwargs)
     requested = req.max_completion_tokens or req.max_tokens
     manager.check_prompt(ids, requested, param="messages")
     # With "required" or a named function the answer is the calls' JSON, by grammar.
