@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from minisgl_ref.constrained import spec_of, validate_grammar
 from minisgl_ref.core.config import EngineConfig, ModelArgs, TPArgs
 from minisgl_ref.core.request import Req
 from minisgl_ref.engine.engine import Engine
@@ -135,6 +136,13 @@ class LLM:
         ``top_logprobs_num``, ``logprob_start_len``, ``cache_salt``)."""
         if not self.is_leader:
             raise ValueError(f"this process is tensor-parallel rank {self.tp_rank}; only rank 0 takes requests")
+        spec = spec_of(params)
+        if spec is not None:  # structured output (chapter 12): a bad grammar is refused before anything runs
+            if isinstance(self.engine, NaiveEngine):
+                raise ValueError(f"{spec.field} needs the paged engine (engine='paged')")
+            if self.tokenizer is None:
+                raise ValueError(f"{spec.field} needs a tokenizer; this model has none")
+            validate_grammar(params)
         input_ids = self._encode(prompt)
         detok = None
         if self.tokenizer is not None:

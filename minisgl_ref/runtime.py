@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from minisgl_ref.constrained.backend import GrammarBackend
 from minisgl_ref.core.config import EngineConfig, ModelArgs, TPArgs
 from minisgl_ref.distributed.group import DistConfig, exit_with_parent, report_failure
 from minisgl_ref.engine.engine import Engine
@@ -106,13 +107,16 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
         if kind == "paged" and device.type == "cuda":  # compile kernels now, in parallel, not in the first steps
             engine_config = engine or EngineConfig()
             warmup.start(warmup.shapes_of(net, config, engine_config, device), device).wait()
+        # Structured output (chapter 12): grammars compile against the model's vocabulary size, which may exceed
+        # the tokenizer's; nothing is built until the first constrained request.
+        grammar = GrammarBackend(tokenizer.hf, config.vocab_size, stop_token_ids=eos) if tokenizer else None
         if kind == "naive":
             built: Engine | NaiveEngine = NaiveEngine(net, config.vocab_size, device)
         elif group is not None:
             built = group.engine = TPEngine(net, config, engine, device=device, context_length=context,
-                                            tokenizer=tokenizer)
+                                            tokenizer=tokenizer, grammar_backend=grammar)
         else:
-            built = Engine(net, config, engine, device=device, context_length=context)
+            built = Engine(net, config, engine, device=device, context_length=context, grammar_backend=grammar)
     except BaseException as e:
         if group is not None:
             group.report_failure(e)

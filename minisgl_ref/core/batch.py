@@ -22,13 +22,13 @@ class Row:
     extend_len: int  # new tokens in this step (1 for a decode row)
     is_decode: bool  # a decode row's input token is the one the previous step sampled on the device
     emits: bool  # does the row produce the request's next token? (not a partial prefill chunk)
-    epoch: int  # the request's retraction count when scheduled: a retracted request ignores this row's result
+    epoch: int  # the request's epoch when scheduled: a retracted (or jumped-forward) request ignores this row
 
     @property
     def is_live(self) -> bool:
         """Does the row's result still matter? Not if its request finished (the extra token overlap computes
-        after the end) or was retracted since it was scheduled."""
-        return not self.req.finished and self.req.retractions == self.epoch
+        after the end), or was retracted or jumped forward (chapter 12) since it was scheduled."""
+        return not self.req.finished and self.req.epoch == self.epoch
 
 
 @dataclass(eq=False)

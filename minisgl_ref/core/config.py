@@ -136,6 +136,10 @@ class EngineConfig:
     cascade_min_prefix_len: int = flag(256, "shortest shared prefix (tokens) that cascade decode attention reads "
                                             "once for its whole group (chapter 11)")
 
+    # Structured output (chapter 12): append the text a grammar forces without a decode step per token.
+    enable_jump_forward: bool = flag(False, "constrained requests append the text their grammar forces in one "
+                                           "extend step instead of one decode step per token (chapter 12)")
+
     def __post_init__(self) -> None:
         def need(cond: bool, field: str, what: str, value: object) -> None:
             if not cond:

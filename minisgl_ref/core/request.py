@@ -11,13 +11,18 @@ from __future__ import annotations
 import itertools
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from minisgl_ref.sampling.params import SamplingParams
 from minisgl_ref.sampling.sampler import SamplingBatchInfo
 from minisgl_ref.tokenizer.detokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from minisgl_ref.constrained.matcher import GrammarState
 
 _next_id = itertools.count()
 
@@ -86,6 +91,11 @@ class Req:
     logprob_start_len: int = -1
     input_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt positions logprob_start_len..
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token
+    # Structured output (chapter 12): the request's grammar matcher, once its grammar is compiled; until then the
+    # compile's future (the scheduler leaves the request in the queue while it is set).
+    grammar: GrammarState | None = None
+    grammar_pending: Future[Any] | None = None
+    jumps: int = 0  # jump-forwards so far: each one makes the request's rows in flight obsolete
 
     def __post_init__(self) -> None:
         if not self.input_ids:
@@ -110,6 +120,12 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def epoch(self) -> int:
+        """Changes whenever the request starts over from a different point than its rows in flight assumed: a
+        retraction, or a jump-forward (chapter 12). A row scheduled under another epoch is obsolete."""
+        return self.retractions + self.jumps
 
     @property
     def all_ids(self) -> list[int]:
@@ -189,6 +205,29 @@ class Req:
             self.finish_reason = FinishReason("length")
             return delta + self._flush()
         # END TASK 0.2
+        return delta
+
+    def finish_by_grammar(self, token_id: int) -> str:
+        """The grammar accepted ``token_id`` as its end (a stop token of the grammar that this request's own stop
+        rules did not end on, say with ``ignore_eos``): nothing may follow, so the request stops here."""
+        if self.finished:
+            return ""
+        self.finish_reason = FinishReason("stop", matched=token_id)
+        return self._flush()
+
+    def jump_forward(self, rollback: int, tokens: list[int], text_ids: list[int]) -> str:
+        """Replace the last ``rollback`` output tokens by ``tokens`` (jump-forward decoding, chapter 12) and return
+        the new text. The detokenizer cannot take back text it has already given out, so it is fed ``text_ids``,
+        the forced text tokenized on its own: the caller has checked that ``tokens`` decode to the replaced
+        tokens' text followed by that same text. A stop string inside the forced text ends the request."""
+        if rollback:
+            del self.output_ids[-rollback:]
+        self.output_ids.extend(tokens)
+        if self.detokenizer is None:
+            return ""
+        delta = self.detokenizer.step(text_ids)
+        if self.detokenizer.matched_stop is not None:
+            self.finish_reason = FinishReason("stop", matched=self.detokenizer.matched_stop)
         return delta
 
     def abort(self, message: str) -> None:

@@ -36,12 +36,35 @@ its step is launched (``_commit_launched``), so that step N+1's requests can alr
 
 On the CPU ``launch`` computes synchronously, so nothing actually overlaps, but every one of these code paths
 runs, which is what the tests check.
+
+**Structured output (chapter 12)** adds one dependency that overlap has to respect: a constrained row's token
+mask depends on every token its request has accepted, and under overlap the previous step's token is still on
+the device when the next step is launched. The engine therefore splits such a launch in two, as SGLang does:
+
+    schedule(N+1) -> forward(N+1) launched -> process(N) (its tokens advance the matchers) ->
+        fill the masks of N+1's constrained rows on the CPU -> apply them on the device -> sample(N+1)
+
+The forward pass of N+1 is already queued on the device while the CPU waits for N's tokens and fills the masks,
+so the device still never idles for the CPU's grammar work; what waits is only N+1's sampling. The runner calls
+back into the engine between the forward pass and sampling (:meth:`Engine._grammar_mask`); a step without
+constrained rows gets no callback and runs exactly as before, and an engine that has never seen a constrained
+request does not even look at the rows. Processing step N early is what ``_finish_inflight`` would have done a
+moment later anyway (its events are returned by the same :meth:`Engine.step` call), so the outputs are those of
+the non-overlapped engine. A request whose grammar is still compiling waits in the queue
+(:meth:`Engine._poll_grammars`); a grammar that fails to compile aborts its request only.
+
+Jump-forward decoding (``EngineConfig.enable_jump_forward``, :mod:`minisgl_ref.constrained.jump_forward`) happens
+where a token is processed: when the grammar forces a continuation, the request's output grows by the forced
+tokens at once, its rows in flight become obsolete (its epoch changes), and the scheduler gives it an extend row
+over the new tokens next, riding along with the decode rows.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +72,10 @@ from torch import nn
 
 from minisgl_ref.attention.cascade import make_cascade_backend
 from minisgl_ref.attention.registry import create_attention_backend
+from minisgl_ref.constrained.backend import GrammarBackend
+from minisgl_ref.constrained.bitmask import TokenBitmask
+from minisgl_ref.constrained.jump_forward import plan_jump
+from minisgl_ref.constrained.spec import spec_of
 from minisgl_ref.core.batch import ScheduledBatch
 from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.core.request import Req, TokenLogprob
@@ -97,6 +124,10 @@ class EngineStats:
     prefill_tokens: int = 0  # tokens whose KV was computed in extend rows (what prefix caching saves)
     decode_tokens: int = 0
     cached_tokens: int = 0
+    # Jump-forward decoding (chapter 12): how often, and how many tokens were appended without a decode step
+    # (net of the tail tokens their retokenization replaced): the decode steps it saved.
+    jump_forwards: int = 0
+    jump_forward_tokens: int = 0
 
 
 def kv_pool_tokens(config: EngineConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
@@ -129,6 +160,7 @@ class Engine:
         *,
         device: torch.device | str = "cpu",
         context_length: int | None = None,
+        grammar_backend: GrammarBackend | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         self.device = torch.device(device)
@@ -162,6 +194,12 @@ class Engine:
         self.overlap = not self.config.disable_overlap_schedule
         self.inflight: Launched | None = None
         self.stats = EngineStats()
+        # Structured output (chapter 12): None without a tokenizer; compiles lazily, so free requests never pay.
+        self.grammar = grammar_backend
+        self._bitmask: TokenBitmask | None = None  # allocated with the first constrained step
+        self._compiling: list[Req] = []  # waiting requests whose grammar is compiling
+        self._constrained: set[Req] = set()  # admitted requests with a grammar, pruned as they finish
+        self._early_events: list[StepEvent] = []  # a step processed early, before a constrained row's sampling
 
     @property
     def max_total_tokens(self) -> int:
@@ -172,12 +210,23 @@ class Engine:
         return req.token_id_problem(self.model_config.vocab_size)
 
     def add_request(self, req: Req) -> None:
-        """Queue ``req``; raises ``ValueError`` (naming the field) if it cannot run on this model."""
+        """Queue ``req``; raises ``ValueError`` (naming the field) if it cannot run on this model.
+
+        A request with a grammar starts its compile here (on the backend's threads) and waits in the queue
+        until it is ready (chapter 12)."""
         problem = self.request_problem(req)
         if problem is not None:
             raise ValueError(problem)
+        spec = spec_of(req.params)
+        if spec is not None and self.grammar is None:
+            raise ValueError(f"{spec.field} needs the model's tokenizer, and this engine has none")
         if req.finished:
             return
+        if spec is not None and req.grammar is None:
+            assert self.grammar is not None
+            req.grammar_pending = self.grammar.compile_async(spec)
+            self._compiling.append(req)
+            self._constrained.add(req)
         self.scheduler.add(req)
 
     @property
@@ -199,8 +248,16 @@ class Engine:
 
         Without overlap: schedule and launch step N, then process it (:meth:`_step_sync`). With overlap: schedule
         and launch step N+1, then process step N, which has been in flight since the previous call
-        (:meth:`_step_overlap`)."""
-        return self._step_overlap() if self.overlap else self._step_sync()
+        (:meth:`_step_overlap`).
+
+        A constrained row may make the launch process the step in flight early (see the module docstring): its
+        events come first."""
+        if self._compiling:
+            self._poll_grammars()
+        events = self._step_overlap() if self.overlap else self._step_sync()
+        if self._early_events:
+            events, self._early_events = self._early_events + events, []
+        return events
 
     def _step_sync(self) -> list[StepEvent]:
         """Schedule step N, launch it, wait for its tokens and process them. Nothing is ever in flight between two
@@ -279,6 +336,8 @@ class Engine:
             if logprobs is not None and req.return_logprob:
                 req.output_logprobs.append(logprobs(i, req.top_logprobs_num))
             delta = self._append(req, token)
+            if req.grammar is not None and not req.finished and self.config.enable_jump_forward:
+                delta += self._jump_forward(req)
             if req.finished:
                 self.scheduler.finish(req)
             events.append(StepEvent(req, delta, req.finished))
@@ -296,7 +355,7 @@ class Engine:
         # counted (step 0), and frees go back at once.
         step = self.frees.launch() if self.overlap else 0
         try:
-            output = self.runner.run(batch)
+            output = self.runner.run(batch, self._grammar_mask(batch) if self._constrained else None)
         except Exception as e:  # noqa: BLE001 - one request's bad data must not end the engine
             raise LaunchFailed(batch, step, e) from e
         self._commit_launched(batch)
@@ -333,13 +392,111 @@ class Engine:
                 j += 1
 
     def _append(self, req: Req, token: int) -> str:
-        """``req.append_token``, with a failure (in its detokenizer, say) aborting this request only."""
+        """``req.append_token``, with a failure (in its detokenizer, say) aborting this request only. A
+        constrained request's matcher accepts the token first; if its grammar has ended, so has the request."""
         try:
-            return req.append_token(token)
+            if req.grammar is not None and not req.grammar.accept(token):
+                req.abort(f"token {token} is not allowed by this request's grammar")  # the mask makes it impossible
+                return ""
+            delta = req.append_token(token)
+            if req.grammar is not None and not req.finished and req.grammar.is_terminated:
+                delta += req.finish_by_grammar(token)
+            return delta
         except Exception as e:  # noqa: BLE001
             log.exception("request %s failed while appending its token", req.rid)
             req.abort(f"this request failed while processing its output: {type(e).__name__}: {e}")
             return ""
+
+    # -------------------------------------------------------------------------------- structured output
+
+    def _poll_grammars(self) -> None:
+        """Give each waiting request whose grammar has compiled its matcher (the scheduler may admit it now), and
+        abort the ones whose grammar failed to compile, with the reason; the engine goes on with the others. When
+        nothing else can run, wait a little for a compile instead of spinning."""
+        idle = self.inflight is None and not (self.scheduler.running or self.scheduler.chunked
+                                              or self.scheduler.extending)
+        if idle and all(r.grammar_pending is not None for r in self.scheduler.waiting):
+            wait_futures([r.grammar_pending for r in self._compiling if r.grammar_pending is not None],
+                         timeout=0.05, return_when=FIRST_COMPLETED)
+        still: list[Req] = []
+        for req in self._compiling:
+            future = req.grammar_pending
+            if req.finished or future is None:
+                req.grammar_pending = None
+                continue
+            if not future.done():
+                still.append(req)
+                continue
+            req.grammar_pending = None
+            error = future.exception()
+            if error is not None:
+                self.scheduler.abort(req, f"this request could not be processed: {error}")
+                self.scheduler.aborted.append(req)
+                continue
+            assert self.grammar is not None
+            stops = set(req.params.stop_token_ids or ()) | (set() if req.params.ignore_eos else set(req.eos_token_ids))
+            req.grammar = self.grammar.matcher(future.result(), stops)
+        self._compiling = still
+
+    def _grammar_mask(self, batch: ScheduledBatch) -> Callable[[torch.Tensor], None] | None:
+        """What the runner calls between the forward pass and sampling for a step with constrained rows (None for
+        a step without): bring the rows' matchers up to date, fill their masks and apply them to the logits.
+
+        Under overlap a constrained row's request may still have its previous token in the step in flight
+        (``num_inflight > 1``: that token and this row's). Then the step in flight is processed now -- the wait
+        for its tokens happens while this step's forward pass is already queued on the device -- and its events
+        are kept for :meth:`step` to return. Rows whose request finished or jumped forward meanwhile are left
+        unmasked: their token is discarded anyway."""
+        self._constrained = {r for r in self._constrained if not r.finished}
+        rows = [i for i, row in enumerate(batch.rows) if row.emits and row.req.grammar is not None]
+        if not rows:
+            return None
+
+        def apply(logits: torch.Tensor) -> None:
+            if self.inflight is not None and any(batch.rows[i].req.num_inflight > 1 for i in rows):
+                self._early_events += self._finish_inflight()
+            live = [i for i in rows if batch.rows[i].is_live and batch.rows[i].req.grammar is not None]
+            if self._bitmask is None:
+                self._bitmask = TokenBitmask(logits.shape[1], self.config.max_running_requests + 1)
+            self._bitmask.fill([(i, batch.rows[i].req.grammar) for i in live])  # type: ignore[misc]
+            self._bitmask.apply(logits, live)
+
+        return apply
+
+    def _jump_forward(self, req: Req) -> str:
+        """If ``req``'s grammar now forces a continuation, append it without decode steps (chapter 12) and return
+        its text.
+
+        Only output tokens that the radix tree does not share yet may be retokenized (``tree_len``), and the
+        request must have room for the forced tokens below ``max_new_tokens`` and its context window; requests
+        that return log probabilities never jump (the forced tokens have none). The request's rows in flight
+        become obsolete (its epoch changes) and its KV is kept up to where the old and new tokens agree, minus
+        the last token, whose KV only a row in flight may be computing: the extend row recomputes from there."""
+        assert req.grammar is not None and self.grammar is not None
+        if req.return_logprob:
+            return ""
+        max_rollback = len(req.all_ids) - max(req.tree_len, len(req.input_ids))
+        length_before = len(req.all_ids)
+        jump = plan_jump(req.grammar, self.grammar.tokenizer, req.output_ids, max_rollback)
+        if jump is None:
+            return ""
+        grown = len(jump.tokens) - jump.rollback
+        room = req.params.max_new_tokens - len(req.output_ids)
+        if req.context_len is not None:
+            room = min(room, req.context_len - len(req.all_ids))
+        if grown >= room:  # the request would end inside the forced text: let it decode to its limit instead
+            req.grammar.rollback(len(jump.tokens))
+            req.grammar.accepts(req.output_ids[len(req.output_ids) - jump.rollback :])
+            return ""
+        req.jumps += 1  # its rows in flight (this request's next decode row, under overlap) are obsolete
+        req.num_inflight = 0
+        req.kv_scheduled_len = min(req.kv_scheduled_len, length_before - max(jump.rollback, 1))
+        delta = req.jump_forward(jump.rollback, jump.tokens, jump.text_ids)
+        self.stats.jump_forwards += 1
+        self.stats.jump_forward_tokens += grown
+        if not req.finished:
+            self.scheduler.extend_next(req)
+        return delta
 
     # ----------------------------------------------------------------------------------------------- failures
 

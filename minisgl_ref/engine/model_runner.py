@@ -28,6 +28,7 @@ waits for an event recorded right after this step's token copy, not for the step
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -320,8 +321,12 @@ class ModelRunner:
         return StepLogprobs(*(torch.cat(ts) for ts in zip(*((p.chosen, p.top_values, p.top_ids) for p in parts))))
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> StepOutput:
-        """Launch the batch. Nothing here waits for the device: the result's tokens are read by the engine."""
+    def run(self, batch: ScheduledBatch, before_sampling: Callable[[torch.Tensor], None] | None = None) -> StepOutput:
+        """Launch the batch. Nothing here waits for the device: the result's tokens are read by the engine.
+
+        ``before_sampling`` (a step with constrained rows, chapter 12) is called with the logits [B, V] after the
+        forward pass has been launched and before sampling: it may wait for the previous step's tokens and mask
+        the logits in place."""
         fb = self.prepare(batch)
         if self.cascade is not None:
             if batch.is_decode:  # shared prefixes read once per group this step, if the batch has any
@@ -331,6 +336,8 @@ class ModelRunner:
         plan = PromptLogprobPlan.of(batch) if not batch.is_decode else None
         logits, prompt_logprobs = self.forward(fb, plan)
         info = self.sampling_info(batch)
+        if before_sampling is not None:
+            before_sampling(logits)
         # -1: nobody asked for log probabilities in this step (the common case: not a single extra kernel)
         top_k = max((r.top_logprobs_num for r in batch.reqs if r.return_logprob), default=-1)
         next_tokens, logprobs = self.sampler.sample(logits, info, top_k)

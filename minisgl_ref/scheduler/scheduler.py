@@ -4,7 +4,12 @@ The scheduler owns three groups of requests:
 
 * ``waiting``: admitted to the engine but holding no KV yet (new, or retracted under memory pressure);
 * ``chunked``: at most one request whose long prompt is being prefilled a chunk at a time (chapter 05);
-* ``running``: prefilled requests that decode one token per step.
+* ``running``: prefilled requests that decode one token per step;
+* ``extending``: running requests whose output grew by more than one token without a decode step (jump-forward
+  decoding, chapter 12): they hold KV, and their next row is an extend row over the new tokens.
+
+A waiting request whose grammar is still compiling (``req.grammar_pending``, chapter 12) keeps its place in the
+queue but is not admitted until the engine has its matcher.
 
 Each step it builds one :class:`ScheduledBatch`, a list of rows (one per request, all added by ``_add_row``).
 Prefill has priority: waiting requests are admitted one at a time (``_admit``) while the step's
@@ -61,6 +66,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None
+        self.extending: list[Req] = []  # jumped forward: an extend row next (chapter 12)
         self.new_token_ratio = config.init_new_token_ratio
         self.arrival: dict[Req, int] = {}  # request -> its admission number (retraction picks the newest)
         self._arrivals = itertools.count()
@@ -80,12 +86,12 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked or self.extending)
 
     @property
     def num_running(self) -> int:
         """Requests that hold KV: decoding, or with a prompt part-way through chunked prefill."""
-        return len(self.running) + (self.chunked is not None)
+        return len(self.running) + (self.chunked is not None) + len(self.extending)
 
     def _dequeue(self, req: Req) -> None:
         if req in self.running:
@@ -94,6 +100,8 @@ class Scheduler:
             self.chunked = None
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req in self.extending:
+            self.extending.remove(req)
 
     def finish(self, req: Req) -> None:
         """The request is done: give its KV back (into the radix tree where it can be shared)."""
@@ -122,11 +130,16 @@ class Scheduler:
 
     def clear(self) -> list[Req]:
         """Empty every queue (the engine's last resort); returns the requests that were in them."""
-        reqs = [*self.running, *self.waiting, *([self.chunked] if self.chunked else [])]
-        self.running, self.chunked = [], None
+        reqs = [*self.running, *self.waiting, *([self.chunked] if self.chunked else []), *self.extending]
+        self.running, self.chunked, self.extending = [], None, []
         self.waiting.clear()
         self.arrival.clear()
         return reqs
+
+    def extend_next(self, req: Req) -> None:
+        """A running request jumped forward (chapter 12): its new tokens need an extend row, not a decode row."""
+        self.running.remove(req)
+        self.extending.append(req)
 
     def take_aborted(self) -> list[Req]:
         aborted, self.aborted = self.aborted, []
@@ -138,10 +151,13 @@ class Scheduler:
         # Requests that will certainly finish by length once their in-flight token lands need no further step.
         decodable = [r for r in self.running if len(r.output_ids) + r.num_inflight < r.params.max_new_tokens]
         rows = self._schedule_prefill()
-        if rows:
-            if self.config.enable_mixed_chunk and decodable:
+        extend = self._extend_rows() if self.extending else []
+        if rows or extend:
+            # Jumped-forward requests' few tokens ride along with the decode rows (they would stall every other
+            # request for a step otherwise); a real prefill step takes them only with mixed chunks, as before.
+            if (self.config.enable_mixed_chunk or not rows) and decodable:
                 self._add_decode_rows(rows, decodable, allow_retract=False)
-            return ScheduledBatch(rows)
+            return ScheduledBatch(extend + rows)
         if not decodable:
             return None
         if self._add_decode_rows(rows, decodable, allow_retract=True) is NEED_SYNC:
@@ -149,6 +165,29 @@ class Scheduler:
         self.new_token_ratio = max(self.config.min_new_token_ratio,
                                    self.new_token_ratio - self.config.new_token_ratio_decay)
         return ScheduledBatch(rows) if rows else None
+
+    def _extend_rows(self) -> list[Row]:
+        """An extend row for each request that jumped forward (chapter 12): it computes the KV of the tokens after
+        ``kv_scheduled_len`` (the forced ones, and any of the old tail they replaced) and emits the next token.
+        Slots the request already holds past that point are reused; only what lies beyond ``kv_allocated_len``
+        is allocated. A request that does not fit waits for a later step; the request joins ``running`` again.
+        The few forced tokens are not charged to the prefill budget."""
+        rows: list[Row] = []
+        for req in list(self.extending):
+            n = len(req.all_ids) - req.kv_scheduled_len
+            fresh = max(0, req.kv_scheduled_len + n - req.kv_allocated_len)
+            if fresh:
+                needed = self.cache.allocator.pages_needed(req.kv_allocated_len, fresh) * self.cache.page_size
+                if needed > self.cache.available_tokens:
+                    continue
+                try:
+                    self.cache.alloc(req, fresh)
+                except OutOfPages:
+                    continue
+            self.extending.remove(req)
+            self.running.append(req)
+            self._add_row(rows, req, n, decode=False, emits=True)
+        return rows
 
     def _future_tokens(self, req: Req) -> int:
         """The most KV slots ``req`` can still need for its output: its remaining ``max_new_tokens``, but never
@@ -163,14 +202,18 @@ class Scheduler:
         return int(sum(self._future_tokens(r) * self.new_token_ratio for r in self.running))
 
     def _ordered_waiting(self) -> list[Req]:
+        if any(r.grammar_pending is not None for r in self.waiting):  # still compiling: not yet (chapter 12)
+            ready = [r for r in self.waiting if r.grammar_pending is None]
+        else:
+            ready = list(self.waiting)
         if self.config.schedule_policy == "fcfs" or not self.cache.shares_prefixes:
-            return list(self.waiting)
+            return ready
         # lpm: requests with the longest cached prefix first, so shared prefixes are reused while still cached.
-        lengths = {r: self.cache.cached_prefix_len(r) for r in self.waiting}
-        return sorted(self.waiting, key=lambda r: -lengths[r])
+        lengths = {r: self.cache.cached_prefix_len(r) for r in ready}
+        return sorted(ready, key=lambda r: -lengths[r])
 
     def _add_row(self, rows: list[Row], req: Req, n: int, *, decode: bool, emits: bool) -> None:
-        rows.append(Row(req, req.kv_scheduled_len, n, decode, emits, req.retractions))
+        rows.append(Row(req, req.kv_scheduled_len, n, decode, emits, req.epoch))
         req.kv_scheduled_len += n
         if emits:
             req.num_inflight += 1

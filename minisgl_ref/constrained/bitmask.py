@@ -1,0 +1,48 @@
+"""Banning the tokens a grammar forbids, on the logits' device, for the constrained rows only (chapter 12).
+
+Each constrained row of a step gets one row of a packed bitmask (bit ``v`` of the row set: token ``v`` is
+allowed), filled on the CPU by its request's matcher; the mask is then applied to that row's logits, turning every
+forbidden logit into ``-inf`` before the sampler sees them. Penalties, temperature and top-k/p then work on the
+allowed tokens only, and a greedy row takes the best *allowed* token.
+
+* **Only constrained rows pay.** The host buffer has a row for every row a step can have, but only the
+  constrained rows are filled and ``apply_token_bitmask_inplace`` gets their indices: a free row's logits are
+  never read or written. A step with no constrained row does not get here at all.
+* **On the logits' device.** xgrammar ships a CPU kernel and, for CUDA tensors, a Triton one. The bitmask is
+  small (``vocab / 32`` int32 per row: 6 KB for a 49k vocabulary), so it is copied to the device rather than the
+  logits to the host. The copy comes from pageable memory on purpose: such a copy has read the host buffer by the
+  time it returns, so the next step may refill the buffer while this step still runs; a non-blocking copy from
+  pinned memory would race with that refill.
+* **Padded vocabularies.** The matchers' tokenizer info was built with the model's vocabulary size (the logits'
+  width), which may exceed the tokenizer's: xgrammar never allows the padding ids, so their bits are 0 and a
+  constrained row can never sample one.
+"""
+
+from __future__ import annotations
+
+import torch
+import xgrammar as xgr
+
+from minisgl_ref.constrained.matcher import GrammarState
+
+
+class TokenBitmask:
+    """The host bitmask of one engine: ``max_rows`` rows of ``vocab_size`` bits."""
+
+    def __init__(self, vocab_size: int, max_rows: int) -> None:
+        self.vocab_size = vocab_size
+        self.host = xgr.allocate_token_bitmask(max_rows, vocab_size)  # int32 [max_rows, ceil(vocab / 32)], CPU
+
+    def fill(self, rows: list[tuple[int, GrammarState]]) -> None:
+        """Fill row ``i`` of the mask from ``state`` for every ``(i, state)`` of ``rows``."""
+        for i, state in rows:
+            state.fill(self.host, i)
+
+    def apply(self, logits: torch.Tensor, rows: list[int]) -> None:
+        """Set to ``-inf``, in place, the logits of ``rows`` whose tokens their mask rows forbid."""
+        if not rows:
+            return
+        mask = self.host[: logits.shape[0]]
+        if logits.device.type != "cpu":
+            mask = mask.to(logits.device)  # pageable source: the buffer is free again when this returns
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], indices=rows)

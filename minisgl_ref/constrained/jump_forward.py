@@ -1,0 +1,83 @@
+"""Jump-forward decoding: append the text the grammar forces, without a decode step per token (chapter 12).
+
+Inside a JSON object with fixed keys, after ``{"name": "Ada", `` the grammar allows exactly one continuation,
+``"age": ``: every token of it would cost a full decode step, and the model has no choice to make. SGLang's
+compressed-FSM idea is to append such forced text at once and compute its KV in one extend step.
+
+The catch is tokenization. The forced text must become tokens, and tokenizing it on its own gives tokens the
+model would never have produced: the tokenizer merges characters *across* the boundary between what was sampled
+and what is forced (``"`` sampled, ``age": `` forced may canonically be ``"age`` + ``":`` + `` ``). Feeding the
+model a non-canonical tokenization drifts it off its training distribution. So, as SGLang does, we re-tokenize
+the last few output tokens together with the forced text, keep the common prefix of the old and new tokens, and
+replace the rest: the matcher is rolled back to that prefix and advanced by the new tokens, and the request
+continues with an extend step over them.
+
+:func:`plan_jump` does the token work and advances the matcher; the engine changes the request and its KV
+bookkeeping. The retokenized text must decode to exactly the old text plus the forced text (checked), so the
+request's text is what it would have been had the forced tokens been sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from minisgl_ref.constrained.matcher import GrammarState
+
+#: How many trailing output tokens are re-tokenized with the forced text (SGLang looks back a few tokens too).
+RETOKENIZE_WINDOW = 4
+
+
+@dataclass(frozen=True)
+class Jump:
+    """Drop the last ``rollback`` output tokens, then append ``tokens``. ``text`` is the forced string; ``text_ids``
+    tokenize exactly ``text`` (the detokenizer is fed those, since it cannot take back text it has streamed)."""
+
+    rollback: int
+    tokens: list[int]
+    text: str
+    text_ids: list[int]
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def plan_jump(state: GrammarState, tokenizer: Any, output_ids: list[int], max_rollback: int) -> Jump | None:
+    """If the grammar forces a continuation, the :class:`Jump` that appends it, with ``state`` already advanced by
+    it; None (``state`` unchanged) if nothing is forced or the text does not tokenize cleanly.
+
+    ``tokenizer`` is a HF tokenizer; ``max_rollback`` caps how many trailing output tokens may be replaced (the
+    engine never replaces tokens whose KV the radix tree already shares)."""
+    # Trailing whitespace stays for the model to sample: BPE vocabularies glue a space to the word after it
+    # (" you"), so a forced lone " " token would be followed by an unnatural space-less word, or a second space.
+    text = state.jump_forward_string().rstrip()
+    if not text:
+        return None
+    text_ids = tokenizer.encode(text, add_special_tokens=False)
+    if not text_ids or tokenizer.decode(text_ids, skip_special_tokens=False) != text:
+        return None  # the forced text is not a whole number of tokens' worth of characters
+    window = min(RETOKENIZE_WINDOW, max_rollback, len(output_ids))
+    tail = output_ids[len(output_ids) - window :] if window > 0 else []
+    new_ids = text_ids
+    if tail:
+        old_text = tokenizer.decode(tail, skip_special_tokens=False)
+        retokenized = tokenizer.encode(old_text + text, add_special_tokens=False)
+        if tokenizer.decode(retokenized, skip_special_tokens=False) == old_text + text:
+            new_ids = retokenized
+        else:  # the tail does not round-trip (say, it ends inside a character): append the forced text alone
+            tail = []
+    keep = _common_prefix_len(tail, new_ids)
+    rollback, tokens = len(tail) - keep, new_ids[keep:]
+    if not tokens:
+        return None
+    state.rollback(rollback)
+    if not state.accepts(tokens):
+        state.accepts(tail[keep:])  # put the matcher back where it was
+        return None
+    return Jump(rollback, tokens, text, text_ids)
