@@ -317,7 +317,7 @@ def test_json_object_and_json_schema(client):
     resp = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, temperature=0,
                                           response_format={"type": "json_object"})
     assert resp.choices[0].finish_reason == "stop"
-    json.loads(resp.choices[0].message.content)
+    assert isinstance(json.loads(resp.choices[0].message.content), dict)  # JSON mode: an object
 
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
                                                "country": {"type": "string", "enum": ["France", "Italy", "Japan"]},

@@ -263,6 +263,11 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+#: What ``response_format: {"type": "json_object"}`` promises: a JSON *object* (OpenAI's JSON mode), with any
+#: properties (xgrammar reads an object schema without ``properties`` that way). ``ANY_JSON``, xgrammar's
+#: built-in JSON grammar, would also allow a top-level array.
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
 #: OpenAI's rule for the names of functions and response formats.
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
@@ -339,9 +344,11 @@ class _OpenAISampling(_Strict):
         name, value = given[0]
         if name != "response_format":
             return {name: value if isinstance(value, str) else json.dumps(value)}, {}
-        schema = fmt.json_schema.schema_ if fmt.type == "json_schema" and fmt.json_schema else None
-        if schema is None:  # {"type": "json_object"}, or a json_schema format without a schema: any JSON
-            return {"json_schema": ANY_JSON}, {"json_schema": "response_format"}
+        if fmt.type == "json_object":
+            return {"json_schema": JSON_OBJECT_SCHEMA}, {"json_schema": "response_format"}
+        schema = fmt.json_schema.schema_ if fmt.json_schema else None
+        if schema is None:  # a json_schema format without a schema: any JSON value
+            return {"json_schema": ANY_JSON}, {"json_schema": "response_format.json_schema"}
         return {"json_schema": json.dumps(schema)}, {"json_schema": "response_format.json_schema.schema"}
 
     def to_sampling_params(self, max_new_tokens: int, tool_schema: dict[str, Any] | None = None) -> SamplingParams:
