@@ -355,7 +355,8 @@ class Engine:
         # counted (step 0), and frees go back at once.
         step = self.frees.launch() if self.overlap else 0
         try:
-            output = self.runner.run(batch, self._grammar_mask(batch) if self._constrained else None)
+            mask = self._grammar_mask(batch) if self._constrained else None
+            output = self.runner.run(batch) if mask is None else self.runner.run(batch, mask)
         except Exception as e:  # noqa: BLE001 - one request's bad data must not end the engine
             raise LaunchFailed(batch, step, e) from e
         self._commit_launched(batch)

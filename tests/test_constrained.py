@@ -1,0 +1,381 @@
+"""Structured output (chapter 12): json_schema, regex and ebnf constrained decoding with xgrammar.
+
+The fast tests check the pieces on their own: parameter checks, the admission check's messages, the compile cache,
+and the bitmask (padding ids banned, free rows untouched). The slow ones run the embedded SmolLM2-135M-Instruct on
+the CPU and check outcomes: every constrained output is complete (finish reason ``stop``) and valid -- it parses
+and validates against its schema with ``jsonschema``, fully matches its regex, or is a sentence of its grammar --
+for greedy and seeded sampled decoding, in batches that also hold free requests whose outputs must equal a run
+without the constrained ones; no sampled token is ever one the grammar rejects (re-checked token by token by an
+independent matcher, and for regexes by the ``regex`` package's partial matching); overlap on and off give the
+same greedy outputs; jump-forward keeps outputs valid and saves decode steps; bad grammars are refused by name
+and do not disturb other requests.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+
+import jsonschema
+import pytest
+import regex as regex_pkg
+import torch
+import xgrammar as xgr
+
+from minisgl_ref import LLM, SamplingParams
+from minisgl_ref.constrained import ANY_JSON, GrammarSpec, spec_of, validate_grammar
+from minisgl_ref.constrained.backend import GrammarBackend
+from minisgl_ref.constrained.bitmask import TokenBitmask
+from minisgl_ref.core.config import EngineConfig
+from minisgl_ref.core.request import Req
+from minisgl_ref.engine.engine import Engine
+
+# ------------------------------------------------------------------------------------------------ workloads
+
+# Small enough that SmolLM2-135M completes each within MAX_NEW_TOKENS (strings and arrays are bounded), varied
+# enough to cover what JSON schemas are made of.
+SCHEMAS: list[dict] = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
+                                               "minItems": 1, "maxItems": 3}}, "required": ["tags"]},
+    {"type": "object", "properties": {"point": {"type": "object", "properties": {
+        "x": {"type": "integer", "minimum": -9, "maximum": 9}, "y": {"type": "integer", "minimum": -9, "maximum": 9}},
+        "required": ["x", "y"]}}, "required": ["point"]},
+    {"type": "object", "properties": {"score": {"type": "number", "minimum": 0, "maximum": 1}}, "required": ["score"]},
+    {"type": "object", "properties": {"value": {"type": "null"}}, "required": ["value"]},
+    {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"}}, "required": ["id"]},
+    {"type": "object", "properties": {"when": {"type": "string", "format": "date"}}, "required": ["when"]},
+    {"type": "object", "properties": {"answer": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99},
+                                                           {"type": "boolean"}]}}, "required": ["answer"]},
+    {"$defs": {"pet": {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]},
+                                                         "legs": {"type": "integer", "minimum": 0, "maximum": 4}},
+                       "required": ["kind", "legs"]}},
+     "type": "object", "properties": {"pet": {"$ref": "#/$defs/pet"}}, "required": ["pet"]},
+    {"type": "object", "properties": {"title": {"type": "string", "maxLength": 10},
+                                      "note": {"type": "string", "maxLength": 10}}, "required": ["title"]},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 2, "maxItems": 4},
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                      "country": {"type": "string", "maxLength": 12},
+                                      "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+     "required": ["city", "country", "population"]},
+    {"type": "object", "properties": {"level": {"type": "string", "enum": ["low", "medium", "high"]},
+                                      "urgent": {"type": "boolean"}}, "required": ["level", "urgent"]},
+    {"type": "object", "properties": {"matrix": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
+        "type": "array", "minItems": 1, "maxItems": 2, "items": {"type": "integer", "minimum": 0, "maximum": 9}}}},
+     "required": ["matrix"]},
+    {"type": "object", "properties": {"email": {"type": "string", "format": "email", "maxLength": 24}},
+     "required": ["email"]},
+    {"type": "object", "properties": {"maybe": {"anyOf": [{"type": "string", "maxLength": 6}, {"type": "null"}]}},
+     "required": ["maybe"]},
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 10}, "admin": {"type": "boolean"}}, "required": ["name", "admin"]},
+        "active": {"type": "boolean"}}, "required": ["user", "active"]},
+    {"type": "object", "properties": {"rating": {"type": "integer", "enum": [1, 2, 3, 4, 5]},
+                                      "comment": {"type": "string", "maxLength": 16}},
+     "required": ["rating", "comment"]},
+    {"type": "object", "properties": {"temperature": {"type": "number", "minimum": -50, "maximum": 50},
+                                      "unit": {"const": "C"}}, "required": ["temperature", "unit"]},
+    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 2, "items": {"$ref": "#/$defs/item"}}},
+     "required": ["items"], "$defs": {"item": {"type": "object", "properties": {
+         "sku": {"type": "string", "pattern": "^[a-z]{3}$"}, "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+         "required": ["sku", "qty"]}}},
+]
+
+# (pattern, a question that makes the model want to answer in that shape)
+REGEXES: list[tuple[str, str]] = [
+    (r"(yes|no)\.", "Is the sky blue? Answer yes or no."),
+    (r"[0-9]{4}-[0-9]{2}-[0-9]{2}", "What is today's date?"),
+    (r"\+1 [0-9]{3}-[0-9]{3}-[0-9]{4}", "Give me a phone number."),
+    (r"[A-Z][a-z]{1,12}, [A-Z][a-z]{1,12}", "Name a city and its country."),
+    (r"(red|green|blue)( and (red|green|blue)){0,2}", "Name some colors."),
+    (r"[a-z]{2,10}@[a-z]{2,10}\.(com|org)", "Give me an email address."),
+]
+
+# EBNF (xgrammar's dialect, start rule ``root``) with tiny hand parsers below.
+SUM_EBNF = 'root ::= num (" + " num){0,3}\nnum ::= [1-9] [0-9]?'
+LIST_EBNF = 'root ::= "[" item (", " item){0,2} "]"\nitem ::= "apple" | "pear" | "plum"'
+EBNFS: list[tuple[str, str, str]] = [
+    (SUM_EBNF, r"[1-9][0-9]?( \+ [1-9][0-9]?){0,3}", "Write a sum of small numbers."),
+    (LIST_EBNF, r"\[(apple|pear|plum)(, (apple|pear|plum)){0,2}\]", "List some fruit."),
+]
+
+MAX_NEW_TOKENS = 96
+FREE_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3,"]
+
+
+def _chat(llm: LLM, text: str) -> list[int]:
+    return llm.chat_prompt_ids([{"role": "user", "content": text}])
+
+
+def _schema_prompt(llm: LLM, schema: dict) -> list[int]:
+    return _chat(llm, f"Reply with a JSON value for this JSON schema, nothing else:\n{json.dumps(schema)}")
+
+
+def _greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_new_tokens=MAX_NEW_TOKENS, **kw)
+
+
+def _sampled(seed: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_new_tokens=MAX_NEW_TOKENS, **kw)
+
+
+def _free_params() -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_new_tokens=24), SamplingParams(temperature=0, max_new_tokens=24),
+            SamplingParams(temperature=0.9, seed=7, max_new_tokens=24),
+            SamplingParams(temperature=0.7, top_k=40, seed=8, max_new_tokens=24)]
+
+
+def _engine(llm: LLM, **config) -> Engine:
+    """A fresh paged engine on ``llm``'s model and grammar backend (the compile cache is shared)."""
+    return Engine(llm.model, llm.config, EngineConfig(**config), device="cpu", context_length=llm.context_length,
+                  grammar_backend=llm.engine.grammar)
+
+
+def _run(llm: LLM, engine: Engine, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> list[Req]:
+    reqs = [llm.make_request(p, sp) for p, sp in zip(prompts, params)]
+    for r in reqs:
+        engine.add_request(r)
+    engine.run_until_done()
+    return reqs
+
+
+def _assert_json_valid(schema: dict, req: Req) -> None:
+    assert req.finish_reason is not None and req.finish_reason.kind == "stop", (req.finish_reason, req.output_text)
+    value = json.loads(req.output_text)
+    jsonschema.validate(value, schema, format_checker=jsonschema.FormatChecker())
+
+
+def _accepts_all(compiled: xgr.CompiledGrammar, ids: list[int], stops: Sequence[int]) -> tuple[bool, int]:
+    """Feed ``ids`` to a fresh matcher: (all accepted and the grammar terminated, how many were accepted)."""
+    m = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stops))
+    for n, t in enumerate(ids):
+        if not m.accept_token(t):
+            return False, n
+    return m.is_terminated(), len(ids)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(device="cpu")
+
+
+# ------------------------------------------------------------------------------------------------ fast tests
+
+
+def test_sampling_params_take_one_grammar_and_name_the_fields():
+    assert SamplingParams(json_schema={"type": "string"}).json_schema == '{"type": "string"}'
+    assert spec_of(SamplingParams(json_schema=ANY_JSON)) == GrammarSpec("json_object", "")
+    assert spec_of(SamplingParams(regex="a+")) == GrammarSpec("regex", "a+")
+    assert spec_of(SamplingParams()) is None
+    with pytest.raises(ValueError, match="json_schema and regex"):
+        SamplingParams(json_schema="{}", regex="a")
+    with pytest.raises(ValueError, match="regex and ebnf"):
+        SamplingParams(regex="a", ebnf='root ::= "a"')
+    with pytest.raises(ValueError, match="json_schema is not valid JSON"):
+        SamplingParams(json_schema="{nope")
+    with pytest.raises(ValueError, match="regex must be a non-empty string"):
+        SamplingParams(regex="")
+    p = SamplingParams(ebnf='root ::= "a"')
+    assert SamplingParams.from_dict(p.to_dict()) == p  # survives the trip between server processes
+
+
+@pytest.mark.parametrize("kw,field,reason", [
+    (dict(json_schema={"type": "objekt"}), "json_schema", "Unsupported type"),
+    (dict(json_schema={"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}), "json_schema", ""),
+    (dict(regex="a(b"), "regex", "parenthesis"),
+    (dict(ebnf="root ::= foo"), "ebnf", "not defined"),
+    (dict(ebnf="root ::= "), "ebnf", ""),
+])
+def test_validate_grammar_names_the_field_and_gives_the_reason(kw, field, reason):
+    with pytest.raises(ValueError, match=f"^{field} is not a valid grammar: .*{reason}"):
+        validate_grammar(SamplingParams(**kw))
+
+
+def test_validate_grammar_accepts_good_grammars():
+    for kw in (dict(json_schema=s) for s in SCHEMAS):
+        validate_grammar(SamplingParams(**kw))
+    for pattern, _ in REGEXES:
+        validate_grammar(SamplingParams(regex=pattern))
+    for grammar, _, _ in EBNFS:
+        validate_grammar(SamplingParams(ebnf=grammar))
+    validate_grammar(SamplingParams(json_schema=ANY_JSON))
+    validate_grammar(SamplingParams())
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from minisgl_ref.models.embedded import embedded_model_path
+    from minisgl_ref.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(embedded_model_path())
+
+
+def test_backend_compiles_once_per_grammar_and_caches_failures(tokenizer):
+    backend = GrammarBackend(tokenizer.hf, len(tokenizer.hf))
+    spec = GrammarSpec("regex", "[0-9]+")
+    futures = [backend.compile_async(spec) for _ in range(5)]
+    assert all(f is futures[0] for f in futures) and backend.num_compiles == 1
+    assert isinstance(backend.compile(spec), xgr.CompiledGrammar)
+    bad = GrammarSpec("regex", "(")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="^regex is not a valid grammar"):
+            backend.validate(bad)
+    assert backend.num_compiles == 2
+    backend.shutdown()
+
+
+def test_bitmask_bans_padding_ids_and_leaves_free_rows_alone(tokenizer):
+    """A model whose vocabulary is padded past the tokenizer's: the padding ids are banned in constrained rows,
+    and a free row of the same batch is not touched at all."""
+    vocab = len(tokenizer.hf) + 100
+    backend = GrammarBackend(tokenizer.hf, vocab)
+    state = backend.matcher(backend.compile(GrammarSpec("json_object", "")), stop_token_ids=tokenizer.eos_token_ids)
+    mask = TokenBitmask(vocab, 4)
+    logits = torch.randn(3, vocab)
+    before = logits.clone()
+    mask.fill([(1, state)])
+    mask.apply(logits, [1])
+    assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
+    allowed = (logits[1] > float("-inf")).nonzero().flatten().tolist()
+    assert allowed and max(allowed) < len(tokenizer.hf)
+    assert all(tokenizer.decode([t], skip_special_tokens=False).strip()[:1] in "{[" for t in allowed)
+    backend.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------ the engine
+
+
+@pytest.mark.slow
+def test_json_schemas_greedy_and_sampled_beside_free_requests(llm):
+    """Every schema, greedy and seeded-sampled, in one batch with free requests: each constrained output is a
+    complete, valid instance of its schema, and the free outputs equal a run without the constrained ones."""
+    free_prompts = [llm.tokenizer.encode(p) for p in FREE_PROMPTS]
+    schema_prompts = [_schema_prompt(llm, s) for s in SCHEMAS]
+    prompts = schema_prompts + schema_prompts + free_prompts
+    params = ([_greedy(json_schema=s) for s in SCHEMAS] + [_sampled(i, json_schema=s) for i, s in enumerate(SCHEMAS)]
+              + _free_params())
+    reqs = _run(llm, llm.engine, prompts, params)
+    alone = _run(llm, _engine(llm), free_prompts, _free_params())
+    for schema, req in zip(SCHEMAS + SCHEMAS, reqs):
+        _assert_json_valid(schema, req)
+    assert [r.output_ids for r in reqs[-len(FREE_PROMPTS):]] == [r.output_ids for r in alone]
+
+
+@pytest.mark.slow
+def test_any_json_object(llm):
+    prompt = _chat(llm, "Describe a book as a JSON object.")
+    for params in (_greedy(json_schema=ANY_JSON), _sampled(3, json_schema=ANY_JSON)):
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+        assert out.finish_reason == "stop", out
+        assert isinstance(json.loads(out.text), (dict, list))
+
+
+@pytest.mark.slow
+def test_regex_and_ebnf_outputs_match(llm):
+    """Regexes fully match (``re.fullmatch``), EBNF outputs parse (by a regex equivalent to each tiny grammar),
+    greedy and sampled, next to a free request."""
+    prompts, params, checks = [], [], []
+    for i, (pattern, question) in enumerate(REGEXES):
+        for p in (_greedy(regex=pattern), _sampled(10 + i, regex=pattern)):
+            prompts.append(_chat(llm, question)), params.append(p), checks.append(pattern)
+    for i, (grammar, equivalent, question) in enumerate(EBNFS):
+        for p in (_greedy(ebnf=grammar), _sampled(20 + i, ebnf=grammar)):
+            prompts.append(_chat(llm, question)), params.append(p), checks.append(equivalent)
+    prompts.append(llm.tokenizer.encode(FREE_PROMPTS[0])), params.append(_free_params()[0])
+    reqs = _run(llm, llm.engine, prompts, params)
+    for pattern, req in zip(checks, reqs):
+        assert req.finish_reason.kind == "stop", (pattern, req.finish_reason, req.output_text)
+        assert re.fullmatch(pattern, req.output_text), (pattern, req.output_text)
+
+
+@pytest.mark.slow
+def test_no_sampled_token_is_ever_rejected_by_the_grammar(llm):
+    """The oracle: hot sampling (temperature 1.5, so the model wants to stray) under a mask never emits a token
+    the grammar rejects. Every output is re-checked token by token by a fresh matcher; regex outputs also by
+    the ``regex`` package: every decoded prefix must still be extendable to a full match."""
+    backend = llm.engine.grammar
+    stops = sorted(llm.eos_token_ids)
+    cases = [("json_schema", json.dumps(s)) for s in SCHEMAS[:6]] + [("regex", p) for p, _ in REGEXES]
+    cases += [("ebnf", g) for g, _, _ in EBNFS]
+    prompts = [_chat(llm, "Say anything you like.")] * len(cases)
+    params = [SamplingParams(temperature=1.5, seed=100 + i, max_new_tokens=MAX_NEW_TOKENS, **{kind: src})
+              for i, (kind, src) in enumerate(cases)]
+    reqs = _run(llm, llm.engine, prompts, params)
+    for (kind, src), req in zip(cases, reqs):
+        compiled = backend.compile(spec_of(req.params))
+        ok, n = _accepts_all(compiled, req.output_ids, stops)
+        if req.finish_reason.kind == "stop":
+            assert ok, (kind, src, req.output_ids[: n + 1])
+        else:  # cut by max_new_tokens: every token accepted, the grammar simply not finished yet
+            assert req.finish_reason.kind == "length" and n == len(req.output_ids), (kind, src, n)
+        if kind == "regex":
+            for k in range(1, len(req.output_ids) + 1):
+                prefix = llm.tokenizer.decode(req.output_ids[:k])
+                if "\ufffd" not in prefix:
+                    assert regex_pkg.fullmatch(src, prefix, partial=True), (src, prefix)
+
+
+@pytest.mark.slow
+def test_overlap_on_and_off_give_the_same_greedy_outputs(llm):
+    """Under overlap a constrained row's mask needs the previous step's token: the engine processes that step
+    between the next forward pass and its sampling. The outputs must equal the non-overlapped engine's."""
+    schemas = SCHEMAS[:8]
+    prompts = [_schema_prompt(llm, s) for s in schemas] + [_chat(llm, q) for _, q in REGEXES[:3]]
+    prompts += [llm.tokenizer.encode(p) for p in FREE_PROMPTS[:2]]
+    params = [_greedy(json_schema=s) for s in schemas] + [_greedy(regex=p) for p, _ in REGEXES[:3]]
+    params += _free_params()[:2]
+    on = _run(llm, _engine(llm), prompts, params)
+    off = _run(llm, _engine(llm, disable_overlap_schedule=True), prompts, params)
+    assert [r.output_ids for r in on] == [r.output_ids for r in off]
+    for schema, req in zip(schemas, on):
+        _assert_json_valid(schema, req)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [True, False])
+def test_jump_forward_keeps_outputs_valid_and_saves_decode_steps(llm, overlap):
+    """With jump-forward the forced parts of the JSON (keys, punctuation) are appended without decode steps:
+    outputs stay valid, their text is the decode of their tokens, and on fixed-key schemas steps are saved."""
+    schemas = [SCHEMAS[0], SCHEMAS[4], SCHEMAS[10], SCHEMAS[13], SCHEMAS[18]]
+    prompts = [_schema_prompt(llm, s) for s in schemas] * 2 + [llm.tokenizer.encode(FREE_PROMPTS[1])]
+    params = [_greedy(json_schema=s) for s in schemas] + [_sampled(i, json_schema=s) for i, s in enumerate(schemas)]
+    params += _free_params()[:1]
+    plain = _engine(llm, disable_overlap_schedule=not overlap)
+    jumping = _engine(llm, disable_overlap_schedule=not overlap, enable_jump_forward=True)
+    without = _run(llm, plain, prompts, params)
+    reqs = _run(llm, jumping, prompts, params)
+    for schema, req in zip(schemas + schemas, reqs):
+        _assert_json_valid(schema, req)
+        assert req.output_text == llm.tokenizer.decode(req.output_ids)
+    assert reqs[-1].output_ids == without[-1].output_ids  # the free request is not affected
+    assert jumping.stats.jump_forwards > 0 and jumping.stats.jump_forward_tokens > 0
+    # Fewer steps in all: the forced tokens were appended in the extend rows that ride along with decode steps.
+    assert jumping.stats.steps < plain.stats.steps, (jumping.stats, plain.stats)
+
+
+@pytest.mark.slow
+def test_bad_grammars_are_refused_by_name_and_the_engine_keeps_serving(llm):
+    prompt = llm.tokenizer.encode("Hello")
+    for kw, field in [(dict(json_schema={"type": "objekt"}), "json_schema"), (dict(regex="a(b"), "regex"),
+                      (dict(ebnf="root ::= foo"), "ebnf")]:
+        with pytest.raises(ValueError, match=f"^{field}"):
+            llm.generate([prompt, prompt], [SamplingParams(max_new_tokens=4), SamplingParams(**kw)], use_tqdm=False)
+    with pytest.raises(ValueError, match="json_schema and regex"):
+        llm.generate(prompt, {"json_schema": "{}", "regex": "a", "max_new_tokens": 4}, use_tqdm=False)
+    assert not llm.engine.has_work  # nothing was queued
+    # A grammar that reaches the engine without the admission check aborts its own request only.
+    bad = Req(input_ids=prompt, params=SamplingParams(regex="a(b", max_new_tokens=4),
+              eos_token_ids=llm.eos_token_ids)
+    good = llm.make_request(_chat(llm, "Is water wet?"), _greedy(regex=r"(yes|no)\."))
+    free = llm.make_request(prompt, SamplingParams(temperature=0, max_new_tokens=4))
+    for r in (bad, good, free):
+        llm.engine.add_request(r)
+    llm.engine.run_until_done()
+    assert bad.finish_reason.kind == "abort" and "regex is not a valid grammar" in bad.finish_reason.message
+    assert good.finish_reason.kind == "stop" and re.fullmatch(r"(yes|no)\.", good.output_text)
+    assert free.finish_reason.kind == "length" and len(free.output_ids) == 4
