@@ -3,7 +3,8 @@
 ==========================  ======================================================================
 route                       what it does
 ==========================  ======================================================================
-POST /v1/chat/completions   OpenAI chat: streaming or not, n, stop, seed, usage with cached tokens
+POST /v1/chat/completions   OpenAI chat: streaming or not, n, stop, seed, usage with cached tokens,
+                            response_format, tools and tool_choice (:mod:`~minisgl_ref.server.tools`)
 POST /v1/completions        OpenAI completions: a prompt, a batch of prompts, or token ids
 GET  /v1/models             the one model served
 GET  /v1/models/{id}        that model (404 for any other id)

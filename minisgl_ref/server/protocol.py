@@ -18,12 +18,27 @@ A body is checked in three layers, each naming the field it refuses:
 2. **Schema** (:func:`validate`): pydantic models in *strict* mode: ``"max_tokens": "10"`` or ``"n": true`` are
    type errors, not silently converted (an int is still accepted where a float is expected). Unknown fields are
    ignored, as clients send metadata this server does not need (``user``, ``metadata``, ``store``, ...); but
-   a field that would *change the answer* and is not implemented (constrained decoding, LoRA, images, tools,
-   ...) is refused by name, from the ``unsupported`` table of each schema: an answer that silently ignored
-   ``json_schema`` would look right and be wrong.
+   a field that would *change the answer* and is not implemented (``structural_tag``, LoRA, images, ...) is
+   refused by name, from the ``unsupported`` table of each schema: an answer that silently ignored it would look
+   right and be wrong.
 3. **Values**: range rules that the engine also enforces (top_p in (0, 1], ...) are left to
    :class:`SamplingParams`, whose error message names the field; the server translates SGLang's field names
-   back to OpenAI's (``max_new_tokens`` -> ``max_tokens``).
+   back to OpenAI's (``max_new_tokens`` -> ``max_tokens``). A grammar (``response_format``, ``json_schema``,
+   ``regex``, ``ebnf``, or the schema of a forced tool call) is parsed by xgrammar here too
+   (:func:`~minisgl_ref.constrained.validate_grammar`, which remembers its verdicts): a schema it cannot read
+   is a 400 naming the field, never a request that fails later inside the scheduler.
+
+Structured output, as each route spells it::
+
+    /v1/chat/completions, /v1/completions   "response_format": {"type": "text" | "json_object"}
+                                            "response_format": {"type": "json_schema",
+                                                                "json_schema": {"name": ..., "schema": {...}}}
+                                            "json_schema": "<schema as a JSON string>" | "regex": ... | "ebnf": ...
+    /generate                               "sampling_params": {"json_schema": "...", "regex": ..., "ebnf": ...}
+
+At most one of them per request. Tools (``tools``, ``tool_choice``, ``parallel_tool_calls``, and ``tool`` and
+assistant ``tool_calls`` messages in the conversation) are chat's; :mod:`minisgl_ref.server.tools` says how they
+become a prompt, a grammar and a parsed answer.
 """
 
 from __future__ import annotations
