@@ -29,6 +29,7 @@ from minisgl_ref.server.tools import (
     call_schema,
     plan_tools,
     render_messages,
+    template_renders_tools,
     tool_prompt,
 )
 from tests.server_utils import error_body_problem, parse_sse, running_server
@@ -106,6 +107,9 @@ def test_parser_whole_answers():
     # A call the output ended inside of (cut by max_tokens, or EOS before the closing tag).
     p, _ = parse('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}')
     assert calls_of(p) == [("add", {"a": 1, "b": 2})]
+    # A call closed without its tag, then prose: the prose is content again.
+    p, _ = parse('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}\nThat adds them.')
+    assert calls_of(p) == [("add", {"a": 1, "b": 2})] and p.content == "That adds them."
     p, _ = parse('<tool_call>{"name": "add", "arguments": {"a": 1, "b"')
     assert [c.name for c in p.calls] == ["add"] and p.calls[0].arguments == '{"a": 1, "b"'
 
@@ -131,6 +135,8 @@ PIECES = [
     '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
     '<tool_call>{"name": "add", "arguments": "{\\"a\\": 5, \\"b\\": 6}"}</tool_call>',
     "<tool_call>not json</tool_call>",
+    '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}\nDone, no closing tag.',
+    '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}, "id": 7}</tool_call>',
 ]
 TAILS = ["", '<tool_call>{"name": "add", "arguments": {"a": 1', "<tool_ca", '<tool_call>{"name": "get_']
 
@@ -237,6 +243,20 @@ def test_history_for_a_template_without_tools():
     out, tools = render_messages(history[:2], plan_tools(FUNCTIONS, "none"), template_tools=False)
     assert tools is None and "# Tools" not in out[0]["content"]
     assert "<tool_call>" in tool_prompt(plan) and "JSON array" in tool_prompt(plan_tools(FUNCTIONS, "required"))
+
+
+def test_which_templates_render_tools():
+    """A template that reads a ``tools`` variable renders the tools itself; the others get the tool prompt."""
+    class Tokenizer:
+        def __init__(self, template: Any) -> None:
+            self.chat_template = template
+
+    with_tools = "{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% endfor %}"
+    assert template_renders_tools(Tokenizer(with_tools))
+    assert not template_renders_tools(Tokenizer(plain)) and not template_renders_tools(Tokenizer(None))
+    assert template_renders_tools(Tokenizer({"default": plain, "tool_use": with_tools}))
+    assert not template_renders_tools(Tokenizer("{% if %}"))  # a template that does not even parse
 
 
 # ============================================================================ the server, with the real model

@@ -298,6 +298,7 @@ class Delta:
 #: text read so far could still become such a head, the parser waits for more.
 _HEAD = regex.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\\x00-\x1f]|\\.)*)"\s*,\s*"arguments"\s*:\s*\{')
 _ARRAY_START = regex.compile(r"\s*\[")
+_TAIL = regex.compile(r"\s*\}\s*</tool_call>")
 _WS = " \t\n\r"
 
 Form = Literal["tagged", "object", "array"]
@@ -439,17 +440,37 @@ class ToolCallParser:
         return end is not None
 
     def _step_tail(self, final: bool) -> bool:
-        """After the arguments: skip the rest of the call, up to its closing tag (or the call object's ``}``)."""
-        close = CALL_CLOSE if self.form == "tagged" else "}"
-        i = self._buf.find(close)
-        if i < 0:
-            keep = _partial_suffix(self._buf, close)
-            self._buf = self._buf[len(self._buf) - keep:]
+        """After the arguments: skip the rest of the call, up to its closing tag (or the call object's ``}``).
+
+        A tagged call usually ends ``}</tool_call>``. If the model closes the object and then writes something
+        else, the call ends at that ``}`` and the rest is content again; other keys after the arguments are
+        skipped up to the closing tag."""
+        if self.form != "tagged":
+            i = self._buf.find("}")
+            if i < 0:
+                self._buf = ""
+                return False
+            self._buf = self._buf[i + 1:]
+            self._end_call("done" if self.form == "object" else "array_next")
+            return True
+        m = _TAIL.match(self._buf, partial=True)
+        if m is not None and m.partial:
             return False
-        self._buf = self._buf[i + len(close):]
-        self._after_call = True
-        self._state = {"tagged": "text", "object": "done", "array": "array_next"}[self.form]
+        if m is not None:
+            self._buf = self._buf[m.end():]
+        elif self._buf.lstrip(_WS).startswith("}"):  # closed, but no tag follows: the call ends here
+            self._buf = self._buf.lstrip(_WS)[1:]
+        else:
+            i = self._buf.find(CALL_CLOSE)
+            if i < 0:
+                return False
+            self._buf = self._buf[i + len(CALL_CLOSE):]
+        self._end_call("text")
         return True
+
+    def _end_call(self, state: str) -> None:
+        self._after_call = True
+        self._state = state
 
     def _step_array_next(self, final: bool) -> bool:
         rest = self._buf.lstrip(_WS)
