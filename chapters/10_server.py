@@ -446,17 +446,41 @@ print("echo, prompt and answer:", [(t, None if lp is None else round(lp, 2))
 # | `stop_regex` | OpenAI routes, `sampling_params` | ends the answer once its text matches a regular expression (chapter 02) |
 # | `cache_salt` | every route | only requests with the same salt share cached prefixes (chapter 04) |
 # | `continue_final_message` | chat | the last, assistant message is continued rather than answered |
+# | `response_format` | OpenAI routes | `{"type": "json_object"}`: a JSON object; `{"type": "json_schema", "json_schema": {"name", "schema"}}`: JSON valid for the schema |
+# | `json_schema`, `regex`, `ebnf` | OpenAI routes, `sampling_params` | SGLang's spelling of a grammar the whole answer must follow (one at most; `json_schema` is a JSON string) |
+# | `tools`, `tool_choice`, `parallel_tool_calls` | chat | OpenAI's function calling: the answer may (`"auto"`), must (`"required"`, or a named function) or must not (`"none"`) call one of the functions |
 #
-# Fields that would change the answer but are not implemented yet (`regex`, `json_schema`, `ebnf`, `tools`,
-# `response_format` other than text, images, LoRA adapters, ...) are refused with a 400 that names them: an
-# answer that silently ignored a JSON schema would look right and be wrong.
+# A grammar is enforced while decoding (chapter 12 shows how): every token that would leave it is banned before
+# sampling, so the answer is valid by construction, even from a 135M-parameter model. Tools are a convention on
+# top of that, kept in `minisgl_ref/server/tools.py`: the functions are described in the prompt (by the chat
+# template, when it knows how, or by a system prompt in the Hermes style, asking for
+# `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), `"required"` and a named function are forced by a
+# JSON schema built from the functions' parameters, and `"auto"` answers are parsed: a call the model wrote comes
+# back as `message.tool_calls` with `finish_reason: "tool_calls"`, anything else as content. Streams send a call's
+# id and name first and its arguments in fragments after, as OpenAI's do.
+#
+# Fields that would change the answer but are not implemented (`structural_tag`, images, LoRA adapters, ...) are
+# refused with a 400 that names them: an answer that silently ignored one would look right and be wrong.
 
 # %%
 opened = CHAT + [{"role": "assistant", "content": "Sure! The capital of France is"}]
 cont = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=opened, max_tokens=8,
                                       temperature=0, extra_body={"continue_final_message": True})
 print("continued:", repr(opened[-1]["content"] + cont.choices[0].message.content))
-refused = httpx.post(URL + "/v1/chat/completions", json={"messages": CHAT, "json_schema": "{}"}, timeout=30)
+schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 20}}, "required": ["capital"]}
+shaped = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=24, temperature=0,
+                                        response_format={"type": "json_schema",
+                                                         "json_schema": {"name": "answer", "schema": schema}})
+print("json_schema:", shaped.choices[0].message.content)
+weather = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+forced = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=32,
+                                        messages=[{"role": "user", "content": "Is it raining in Paris?"}],
+                                        tools=[weather], tool_choice="required", parallel_tool_calls=False)
+call = forced.choices[0].message.tool_calls[0]
+print("tool call:", forced.choices[0].finish_reason, call.function.name, call.function.arguments)
+refused = httpx.post(URL + "/v1/chat/completions", json={"messages": CHAT, "structural_tag": "{}"}, timeout=30)
 print(refused.status_code, refused.json()["error"]["message"])
 
 # %% [markdown]

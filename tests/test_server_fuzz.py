@@ -198,9 +198,6 @@ COMPLETION_ONLY = {
 }
 # Fields this server knows and refuses unless set to their "not used" value; valid: that value.
 UNSUPPORTED = {
-    "regex": (st.none(), choose("[0-9]+")),
-    "json_schema": (st.none(), choose('{"type": "object"}', {})),
-    "ebnf": (st.none(), choose("root ::= 'a'")),
     "no_stop_trim": (choose(None, False), choose(True)),
     "spaces_between_special_tokens": (choose(None, True), choose(False)),
     "lora_path": (st.none(), choose("adapter")),
@@ -208,16 +205,34 @@ UNSUPPORTED = {
     "custom_logit_processor": (st.none(), choose("{}")),
 }
 CHAT_UNSUPPORTED = {
-    "tools": (choose(None, []), choose([{"type": "function", "function": {"name": "f"}}])),
-    "tool_choice": (choose(None, "none"), choose("auto", "required")),
-    "response_format": (choose(None, {"type": "text"}), choose({"type": "json_object"})),
     "modalities": (choose(None, ["text"]), choose(["text", "audio"])),
+}
+# Constrained decoding (SGLang's names; at most one per request, so a valid request that draws two is refused):
+# cheap grammars, and ones that xgrammar or the JSON parser refuses.
+GRAMMARS = {
+    "regex": (choose(None, "[0-9]{1,3}", "(yes|no)"), st.one_of(choose("(", "[z-a]", "", 5), surrogate_text)),
+    "json_schema": (choose(None, '{"type": "object"}', '{"type": "integer"}'),
+                    choose("{not json", '{"type": "nope"}', "[1]", 5, "")),
+    "ebnf": (choose(None, 'root ::= "a" | "b"'), choose("root ::= ", "start ::= 'a'", "", 5)),
+}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}
+CHAT_FORMAT = {
+    "tools": (choose(None, [], [TOOL]), choose([{"type": "function", "function": {"name": "bad name"}}],
+                                               [{"x": 1}], "f", [{"type": "function", "function": {
+                                                   "name": "f", "parameters": {"type": "nope"}}}])),
+    "tool_choice": (choose(None, "none", "auto"), choose("always", 5, {"type": "function", "function": {
+        "name": "nope"}})),
+    "response_format": (choose(None, {"type": "text"}, {"type": "json_object"}),
+                        choose({"type": "yaml"}, {"type": "json_schema"}, "json", {"type": "json_schema",
+                               "json_schema": {"name": "x", "schema": {"type": "nope"}}})),
 }
 NATIVE_SAMPLING = {
     **SHARED_SAMPLING,
     "stop_regex": (st.one_of(choose(*SAFE_STOP_REGEX), st.lists(choose(*SAFE_STOP_REGEX), max_size=3)),
                    st.one_of(choose("(", "[", "*", "a{2,1}", "", [""], 5), surrogate_text)),
-    **{k: v for k, v in UNSUPPORTED.items() if k in ("regex", "json_schema", "ebnf", "no_stop_trim")},
+    **GRAMMARS,
+    **{k: v for k, v in UNSUPPORTED.items() if k == "no_stop_trim"},
 }
 GENERATE_OTHER = {
     "rid": (clean_junk, surrogate_text),
@@ -337,11 +352,12 @@ def messages(draw: Any, fields: Draw) -> Any:
 @st.composite
 def chat_body(draw: Any) -> tuple[str, Any, str]:
     fields = Draw(draw, ["messages", "role", "content", "name", "n", "max_tokens", "max_completion_tokens",
-                         *OPENAI_SAMPLING, *CHAT_ONLY, "stream", "min_tokens", *UNSUPPORTED, *CHAT_UNSUPPORTED])
+                         *OPENAI_SAMPLING, *CHAT_ONLY, "stream", "min_tokens", *UNSUPPORTED, *CHAT_UNSUPPORTED,
+                         *GRAMMARS, *CHAT_FORMAT])
     pairs: list = [("messages", draw(messages(fields)))]
     fields.fields(OPENAI_SAMPLING, pairs)
     fields.fields(CHAT_ONLY, pairs)
-    fields.fields({**UNSUPPORTED, **CHAT_UNSUPPORTED}, pairs)
+    fields.fields({**UNSUPPORTED, **CHAT_UNSUPPORTED, **GRAMMARS, **CHAT_FORMAT}, pairs)
     fields.optional("min_tokens", (choose(0, 1), choose(-1, 10**6, 2**70, "1")), pairs)
     fields.optional("stream", (st.booleans(), st.one_of(choose("true", 1, None), wrong)), pairs)
     fields.extras(pairs)
@@ -383,12 +399,12 @@ def prompt(draw: Any, fields: Draw, name: str) -> tuple[Any, int]:
 @st.composite
 def completion_body(draw: Any) -> tuple[str, Any, str]:
     fields = Draw(draw, ["prompt", "n", "max_tokens", *OPENAI_SAMPLING, *COMPLETION_ONLY, "stream", "min_tokens",
-                         "best_of", *UNSUPPORTED])
+                         "best_of", *UNSUPPORTED, *GRAMMARS])
     value, prompts = draw(prompt(fields, "prompt"))
     pairs: list = [("prompt", value)]
     fields.fields(OPENAI_SAMPLING, pairs)
     fields.fields(COMPLETION_ONLY, pairs)
-    fields.fields(UNSUPPORTED, pairs)
+    fields.fields({**UNSUPPORTED, **GRAMMARS}, pairs)
     fields.optional("best_of", (choose(None, 1), choose(2, 5, 0, -1, 2**70, "1")), pairs)
     fields.optional("min_tokens", (choose(0, 1), choose(-1, 10**6, 2**70, "1")), pairs)
     fields.optional("stream", (st.booleans(), st.one_of(choose("true", 1, None), wrong)), pairs)
@@ -604,7 +620,11 @@ def check_json_answer(path: str, obj: dict[str, Any], answer: Any) -> str | None
         return f"want {want} choices of a {kind}: {json.dumps(answer)[:300]}"
     for c in choices:
         text = c["message"]["content"] if kind == "chat.completion" else c["text"]
-        if not isinstance(text, str) or c["finish_reason"] not in ("stop", "length"):
+        calls = c["message"].get("tool_calls") if kind == "chat.completion" else None
+        if calls:  # an answer that called a tool: content may be null, and "tool_calls" ends it
+            if (text is not None and not isinstance(text, str)) or c["finish_reason"] not in ("tool_calls", "length"):
+                return f"a bad tool-call choice: {json.dumps(c)[:300]}"
+        elif not isinstance(text, str) or c["finish_reason"] not in ("stop", "length"):
             return f"a bad choice: {json.dumps(c)[:300]}"
     if answer["usage"]["completion_tokens"] > want * limit:
         return f"more than {want} x {limit} tokens: {answer['usage']}"
@@ -624,7 +644,7 @@ def check_stream_answer(path: str, obj: dict[str, Any], events: list[Any]) -> st
             continue
         for c in e["choices"]:
             if c["finish_reason"] is not None:
-                if c["finish_reason"] not in ("stop", "length"):
+                if c["finish_reason"] not in ("stop", "length", "tool_calls"):
                     return f"a stream choice ended with {c['finish_reason']!r}"
                 finished[c["index"]] += 1
     if sorted(finished) != list(range(want)) or set(finished.values()) != {1}:

@@ -3,7 +3,8 @@
 ==========================  ======================================================================
 route                       what it does
 ==========================  ======================================================================
-POST /v1/chat/completions   OpenAI chat: streaming or not, n, stop, seed, usage with cached tokens
+POST /v1/chat/completions   OpenAI chat: streaming or not, n, stop, seed, usage with cached tokens,
+                            response_format, tools and tool_choice (:mod:`~minisgl_ref.server.tools`)
 POST /v1/completions        OpenAI completions: a prompt, a batch of prompts, or token ids
 GET  /v1/models             the one model served
 GET  /v1/models/{id}        that model (404 for any other id)
@@ -64,14 +65,26 @@ from minisgl_ref.server.logprobs import (
 from minisgl_ref.server.protocol import (
     APIError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     GenerateRequest,
     error_body,
     native_sampling_params,
     parse_json_body,
+    sampling_params,
     validate,
 )
 from minisgl_ref.server.tokenizer_manager import Chunk, RequestOptions, TokenizerManager
+from minisgl_ref.server.tools import (
+    NO_PARAMETERS,
+    Function,
+    ToolCallParser,
+    ToolPlan,
+    call_schema,
+    plan_tools,
+    render_messages,
+    template_renders_tools,
+)
 
 Sub = tuple[list[int], SamplingParams]  # one request for the scheduler: prompt ids, sampling parameters
 T = TypeVar("T")
@@ -155,9 +168,11 @@ class ServerState:
     model_name: str
     names: TokenText = field(init=False)  # token id -> text, for log probabilities
     accepted_names: set[str] = field(init=False)  # the model names a request may give
+    template_tools: bool = field(init=False)  # does the chat template render tools itself? (server/tools.py)
 
     def __post_init__(self) -> None:
         self.names = TokenText(self.manager.tokenizer)
+        self.template_tools = self.manager.tokenizer is not None and template_renders_tools(self.manager.tokenizer)
         path = self.args.model.model_path
         self.accepted_names = {self.model_name, "default"} | ({path} if path else set())
 
@@ -301,25 +316,65 @@ async def prometheus(request: Request) -> Response:
 
 # -------------------------------------------------------------------------------- OpenAI: chat
 
-def chat_request(s: ServerState, body: dict[str, Any]) -> tuple[ChatCompletionRequest, list[int], list[Sub]]:
+def chat_request(s: ServerState, body: dict[str, Any]
+                 ) -> tuple[ChatCompletionRequest, list[int], list[Sub], ToolPlan]:
     manager = s.manager
     req = validate(ChatCompletionRequest, body)
     s.check_model(req.model)
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    messages = [{"role": m.role, "content": m.text(i), **({"name": m.name} if m.name else {})}
-                for i, m in enumerate(req.messages)]
-    ids = manager.chat_ids(messages, continue_final_message=req.continue_final_message,
-                           **(req.chat_template_kwargs or {}))
+    plan = chat_tool_plan(req)
+    messages = [_message(m, i) for i, m in enumerate(req.messages)]
+    rendered, tools = render_messages(messages, plan, s.template_tools)
+    template_kwargs = dict(req.chat_template_kwargs or {})
+    if tools:
+        template_kwargs["tools"] = tools
+    ids = manager.chat_ids(rendered, continue_final_message=req.continue_final_message, **template_kwargs)
     requested = req.max_completion_tokens or req.max_tokens
     manager.check_prompt(ids, requested, param="messages")
-    params = req.to_sampling_params(requested or manager.context_length - len(ids))
+    # With "required" or a named function the answer is the calls' JSON, by grammar.
+    params = req.to_sampling_params(requested or manager.context_length - len(ids),
+                                    tool_schema=call_schema(plan) if plan.constrained else None)
     manager.check_params(params)
-    return req, ids, _fan_out([ids], params, req.n)
+    return req, ids, _fan_out([ids], params, req.n), plan
+
+
+def _message(m: ChatMessage, i: int) -> dict[str, Any]:
+    """One message of the conversation, as the chat template (or :func:`render_messages`) reads it."""
+    out: dict[str, Any] = {"role": m.role, "content": m.text(i)}
+    if m.name:
+        out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id or f"call_{i}_{j}", "type": "function",
+                              "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                             for j, c in enumerate(m.tool_calls)]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def chat_tool_plan(req: ChatCompletionRequest) -> ToolPlan:
+    """The request's ``tools`` and ``tool_choice``, checked (a 400 naming the field for anything wrong)."""
+    functions = []
+    for i, tool in enumerate(req.tools or []):
+        fn = tool.function
+        params = fn.parameters if fn.parameters is not None else NO_PARAMETERS
+        where = f"tools.{i}.function.parameters"
+        if params.get("type", "object") != "object":
+            raise APIError(400, f"{where}: a function's arguments are a JSON object, so its parameters schema "
+                                f"must have type 'object' (got {json.dumps(params.get('type'))})", param=where)
+        sampling_params({"json_schema": json.dumps(params)}, names={"json_schema": where})  # a valid schema?
+        functions.append(Function(fn.name, fn.description, params))
+    plan = plan_tools(functions, req.tool_choice, req.parallel_tool_calls)
+    if plan.active and req.constraint()[0]:
+        raise APIError(400, "response_format, json_schema, regex and ebnf cannot be combined with tools unless "
+                            "tool_choice is 'none' (the answer could not both follow them and call a tool)",
+                       param="tool_choice")
+    return plan
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    s, (req, ids, subs) = await validated(request, chat_request)
+    s, (req, ids, subs, plan) = await validated(request, chat_request)
     manager, model_name, names = s.manager, s.model_name, s.names
     manager.check_alive()
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -330,17 +385,29 @@ async def chat_completions(request: Request) -> Response:
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         gen = _chat_stream(manager, subs, options, rid, created, model_name, include_usage, req.n,
-                           names if req.logprobs else None)
+                           names if req.logprobs else None, plan)
         return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
     outs = await _collect(manager, subs, request, options)
     finals = [_final(o) for o in outs]
-    choices = [{
-        "index": i,
-        "message": {"role": "assistant", "content": f["text"]},
-        "logprobs": {"content": chat_content(names, *o.answer_logprobs(), top_n)} if req.logprobs else None,
-        "finish_reason": f["finish_reason"],
-        "matched_stop": f["matched_stop"],
-    } for i, (o, f) in enumerate(zip(outs, finals))]
+    choices = []
+    for i, (o, f) in enumerate(zip(outs, finals)):
+        message: dict[str, Any] = {"role": "assistant", "content": f["text"]}
+        reason = f["finish_reason"]
+        if plan.active:  # the same parser as a stream's, fed the whole text at once
+            parser = _tool_parser(plan)
+            parser.feed(f["text"])
+            parser.finish()
+            if parser.calls:
+                message = {"role": "assistant", "content": parser.content or None,
+                           "tool_calls": [c.openai() for c in parser.calls]}
+                reason = _tool_reason(reason)
+        choices.append({
+            "index": i,
+            "message": message,
+            "logprobs": {"content": chat_content(names, *o.answer_logprobs(), top_n)} if req.logprobs else None,
+            "finish_reason": reason,
+            "matched_stop": f["matched_stop"],
+        })
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": created, "model": model_name,
         "choices": choices, "usage": _usage(finals, [len(ids)]),
@@ -627,8 +694,22 @@ def _chunk_answer(c: Chunk) -> tuple[list[Any], list[int]]:
     return _answer((c.logprobs or {}).get("output", []), c.token_ids, c if c.finished else None)
 
 
+def _tool_parser(plan: ToolPlan) -> ToolCallParser:
+    """The parser for an answer under ``plan``: tagged calls in free text (``"auto"``), or the bare JSON that the
+    grammar of ``"required"`` (an array, with parallel calls) or a named function (one object) produces."""
+    form = "tagged" if not plan.constrained else "array" if plan.mode == "required" and plan.parallel else "object"
+    return ToolCallParser(plan.names, form)  # type: ignore[arg-type]
+
+
+def _tool_reason(reason: str) -> str:
+    """OpenAI's finish reason for an answer that called tools: ``tool_calls`` where it would have been ``stop``
+    (a call cut short by ``max_tokens`` still ends with ``length``)."""
+    return "tool_calls" if reason == "stop" else reason
+
+
 async def _chat_stream(manager: TokenizerManager, subs: list[Sub], options: RequestOptions, rid: str, created: int,
-                       model: str, include_usage: bool, n: int, names: TokenText | None) -> AsyncIterator[str]:
+                       model: str, include_usage: bool, n: int, names: TokenText | None,
+                       plan: ToolPlan) -> AsyncIterator[str]:
     def chunk(i: int, delta: dict[str, Any], finish: str | None, matched: Any = None,
               logprobs: list[Any] | None = None) -> str:
         choice = {"index": i, "delta": delta, "logprobs": None if logprobs is None else {"content": logprobs},
@@ -639,18 +720,33 @@ async def _chat_stream(manager: TokenizerManager, subs: list[Sub], options: Requ
                     "choices": [choice]})
 
     finals: list[dict[str, Any]] = [{} for _ in subs]
+    parsers = [_tool_parser(plan) for _ in subs] if plan.active else None
     for i in range(n):
         yield chunk(i, {"role": "assistant", "content": ""}, None)
     async for i, c in manager.generate(subs, options=options):
         logprobs = chat_content(names, *_chunk_answer(c), options.top_logprobs_num) if names else None
-        if c.text or logprobs:
-            yield chunk(i, {"content": c.text}, None, logprobs=logprobs)
+        if parsers is None:
+            if c.text or logprobs:
+                yield chunk(i, {"content": c.text}, None, logprobs=logprobs)
+        else:  # what the parser has made certain: content, and pieces of tool calls (one call's per chunk)
+            delta = parsers[i].feed(c.text)
+            if c.finished:
+                end = parsers[i].finish()
+                delta.content += end.content
+                delta.tool_calls += end.tool_calls
+            if delta.content or logprobs:
+                yield chunk(i, {"content": delta.content}, None, logprobs=logprobs)
+            for piece in delta.tool_calls:
+                yield chunk(i, {"tool_calls": [piece]}, None)
         if c.finished:
             reason = c.finish_reason or {"type": "abort"}
             if reason["type"] == "abort":
                 yield _stream_error(reason)
             else:
-                yield chunk(i, {}, reason["type"], reason.get("matched"))
+                finish = reason["type"]
+                if parsers is not None and parsers[i].calls:
+                    finish = _tool_reason(finish)
+                yield chunk(i, {}, finish, reason.get("matched"))
             finals[i] = {"completion_tokens": c.completion_tokens, "cached_tokens": c.cached_tokens}
     if include_usage:
         yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,

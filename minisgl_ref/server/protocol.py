@@ -18,12 +18,27 @@ A body is checked in three layers, each naming the field it refuses:
 2. **Schema** (:func:`validate`): pydantic models in *strict* mode: ``"max_tokens": "10"`` or ``"n": true`` are
    type errors, not silently converted (an int is still accepted where a float is expected). Unknown fields are
    ignored, as clients send metadata this server does not need (``user``, ``metadata``, ``store``, ...); but
-   a field that would *change the answer* and is not implemented (constrained decoding, LoRA, images, tools,
-   ...) is refused by name, from the ``unsupported`` table of each schema: an answer that silently ignored
-   ``json_schema`` would look right and be wrong.
+   a field that would *change the answer* and is not implemented (``structural_tag``, LoRA, images, ...) is
+   refused by name, from the ``unsupported`` table of each schema: an answer that silently ignored it would look
+   right and be wrong.
 3. **Values**: range rules that the engine also enforces (top_p in (0, 1], ...) are left to
    :class:`SamplingParams`, whose error message names the field; the server translates SGLang's field names
-   back to OpenAI's (``max_new_tokens`` -> ``max_tokens``).
+   back to OpenAI's (``max_new_tokens`` -> ``max_tokens``). A grammar (``response_format``, ``json_schema``,
+   ``regex``, ``ebnf``, or the schema of a forced tool call) is parsed by xgrammar here too
+   (:func:`~minisgl_ref.constrained.validate_grammar`, which remembers its verdicts): a schema it cannot read
+   is a 400 naming the field, never a request that fails later inside the scheduler.
+
+Structured output, as each route spells it::
+
+    /v1/chat/completions, /v1/completions   "response_format": {"type": "text" | "json_object"}
+                                            "response_format": {"type": "json_schema",
+                                                                "json_schema": {"name": ..., "schema": {...}}}
+                                            "json_schema": "<schema as a JSON string>" | "regex": ... | "ebnf": ...
+    /generate                               "sampling_params": {"json_schema": "...", "regex": ..., "ebnf": ...}
+
+At most one of them per request. Tools (``tools``, ``tool_choice``, ``parallel_tool_calls``, and ``tool`` and
+assistant ``tool_calls`` messages in the conversation) are chat's; :mod:`minisgl_ref.server.tools` says how they
+become a prompt, a grammar and a parsed answer.
 """
 
 from __future__ import annotations
@@ -36,8 +51,9 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from minisgl_ref.constrained import validate_grammar
 from minisgl_ref.core.request import MAX_TOP_LOGPROBS
-from minisgl_ref.sampling.params import SamplingParams
+from minisgl_ref.sampling.params import ANY_JSON, SamplingParams
 
 
 class APIError(Exception):
@@ -150,7 +166,7 @@ def validate(model: type[M], body: dict[str, Any]) -> M:
         err = e.errors()[0]
         # A union's error locations name the branch tried (``stop.str``, ``stop.list[str]``): drop those.
         path = [str(p) for p in err["loc"] if not (isinstance(p, str) and (
-            "[" in p or p.lower() in _BRANCH_TAGS or p.startswith("function")))]
+            "[" in p or p.lower() in _BRANCH_TAGS or p.startswith("function-")))]
         param = ".".join(path) or None
         msg = err["msg"]
         if err["type"] != "missing" and "input" in err:
@@ -163,10 +179,12 @@ def sampling_params(kwargs: dict[str, Any], *, names: dict[str, str] | None = No
     the start of the message (translated through ``names`` for OpenAI's spelling)."""
     names = names or {}
     try:
-        return SamplingParams(**kwargs)
+        params = SamplingParams(**kwargs)
+        validate_grammar(params)  # is the grammar (json_schema, regex or ebnf) valid? xgrammar parses it
+        return params
     except (ValueError, TypeError) as e:
         message = str(e)
-        field = message.split(" ", 1)[0]
+        field = message.split(" ", 1)[0].rstrip(":")
         param = names.get(field, field) if field in kwargs else None
         if param is not None and field != param:
             message = param + message[len(field):]
@@ -197,7 +215,7 @@ def refuse_unsupported(body: Mapping[str, Any], table: Mapping[str, tuple[Any, .
 # Fields of SGLang's and OpenAI's APIs that would change the answer and that this server does not implement yet,
 # with their "not used" values.
 _DECODING_UNSUPPORTED = {  # SGLang's sampling parameters: top-level on the OpenAI routes, in /generate's
-    "regex": UNSET, "json_schema": UNSET, "ebnf": UNSET, "structural_tag": UNSET,  # constrained decoding
+    "structural_tag": UNSET,  # constrained decoding by tags (json_schema, regex and ebnf are supported)
     "no_stop_trim": (None, False), "spaces_between_special_tokens": (None, True),  # detokenizing
     "custom_params": UNSET,  # for a custom logit processor
 }
@@ -205,8 +223,8 @@ _ENGINE_UNSUPPORTED = {
     "lora_path": UNSET, "return_hidden_states": (None, False), "custom_logit_processor": UNSET,
 }
 _CHAT_UNSUPPORTED = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}), "audio": UNSET, "modalities": (None, ["text"]),
+    "functions": (None, []), "function_call": (None, "none"),  # OpenAI's old spelling of tools, retired
+    "audio": UNSET, "modalities": (None, ["text"]),
     "prediction": UNSET, "web_search_options": UNSET,
 }
 _GENERATE_UNSUPPORTED = {
@@ -219,6 +237,10 @@ def native_sampling_params(raw: dict[str, Any]) -> SamplingParams:
     refused as unsupported, any other unknown key as unknown (a typo like ``top-p`` must not be ignored)."""
     refuse_unsupported(raw, _DECODING_UNSUPPORTED, where="sampling_params.")
     raw = {k: v for k, v in raw.items() if k not in _DECODING_UNSUPPORTED}  # all of them at their "not used" values
+    grammars = [k for k in ("json_schema", "regex", "ebnf") if raw.get(k) is not None]
+    if len(grammars) > 1:
+        raise APIError(400, f"{grammars[1]}: give only one of json_schema, regex and ebnf; these sampling_params "
+                            f"give {grammars[0]} and {grammars[1]}", param=grammars[1])
     unknown = sorted(set(raw) - set(SamplingParams.__dataclass_fields__))
     if unknown:
         raise APIError(400, f"unknown sampling parameter {unknown[0]!r}", param="sampling_params")
@@ -256,6 +278,37 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+#: What ``response_format: {"type": "json_object"}`` promises: a JSON *object* (OpenAI's JSON mode), with any
+#: properties (xgrammar reads an object schema without ``properties`` that way). ``ANY_JSON``, xgrammar's
+#: built-in JSON grammar, would also allow a top-level array.
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+#: OpenAI's rule for the names of functions and response formats.
+NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class JSONSchemaFormat(_Strict):
+    """``response_format.json_schema``: a named schema that the answer must follow."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON value
+    strict: bool | None = None  # OpenAI's "follow the schema exactly"; a grammar always does
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON that follows a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a json_schema object: {"name": ..., "schema": {...}}')
+        return self
+
+
 class _OpenAISampling(_Strict):
     """The sampling fields both OpenAI endpoints share (plus SGLang's extensions, with SGLang's names)."""
 
@@ -282,8 +335,40 @@ class _OpenAISampling(_Strict):
     stop_regex: str | Texts | None = Field(None, union_mode="left_to_right")
     skip_special_tokens: bool = True
     cache_salt: str | None = None  # only requests with the same salt share cached prefixes (chapter 04)
+    # Constrained decoding: OpenAI's response_format, or one of SGLang's three grammars (see constraint()).
+    response_format: ResponseFormat | None = None
+    json_schema: str | dict[str, Any] | None = Field(None, union_mode="left_to_right")  # SGLang's: a string
+    regex: str | None = None
+    ebnf: str | None = None
 
-    def to_sampling_params(self, max_new_tokens: int) -> SamplingParams:
+    def constraint(self) -> tuple[dict[str, Any], dict[str, str]]:
+        """The grammar fields of :class:`SamplingParams` this request asks for, and the request's names for them
+        (for error messages). ``response_format`` is OpenAI's way of asking for JSON; ``json_schema``, ``regex``
+        and ``ebnf`` are SGLang's. One at most: a 400 names the second."""
+        fmt = self.response_format
+        given = [(name, getattr(self, name)) for name in ("json_schema", "regex", "ebnf")
+                 if getattr(self, name) is not None]
+        if fmt is not None and fmt.type != "text":
+            given.insert(0, ("response_format", fmt))
+        if len(given) > 1:
+            raise APIError(400, f"{given[1][0]}: give only one of response_format (json_object or json_schema), "
+                                f"json_schema, regex and ebnf; this request gives {given[0][0]} and {given[1][0]}",
+                           param=given[1][0])
+        if not given:
+            return {}, {}
+        name, value = given[0]
+        if name != "response_format":
+            return {name: value if isinstance(value, str) else json.dumps(value)}, {}
+        if fmt.type == "json_object":
+            return {"json_schema": JSON_OBJECT_SCHEMA}, {"json_schema": "response_format"}
+        schema = fmt.json_schema.schema_ if fmt.json_schema else None
+        if schema is None:  # a json_schema format without a schema: any JSON value
+            return {"json_schema": ANY_JSON}, {"json_schema": "response_format.json_schema"}
+        return {"json_schema": json.dumps(schema)}, {"json_schema": "response_format.json_schema.schema"}
+
+    def to_sampling_params(self, max_new_tokens: int, tool_schema: dict[str, Any] | None = None) -> SamplingParams:
+        """The request's :class:`SamplingParams`; ``tool_schema`` is the grammar of a forced tool call
+        (:func:`minisgl_ref.server.tools.call_schema`), which takes the place of any other."""
         kw: dict[str, Any] = {"max_new_tokens": max_new_tokens, "ignore_eos": self.ignore_eos,
                               "skip_special_tokens": self.skip_special_tokens}
         for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
@@ -296,7 +381,23 @@ class _OpenAISampling(_Strict):
             value = getattr(self, theirs)
             if value is not None:
                 kw[ours] = value
-        return sampling_params(kw, names=OPENAI_NAMES)
+        grammar, names = self.constraint()
+        if tool_schema is not None:
+            grammar, names = {"json_schema": json.dumps(tool_schema)}, {"json_schema": "tools"}
+        return sampling_params({**kw, **grammar}, names={**OPENAI_NAMES, **names})
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallItem(_Strict):
+    """One call in an assistant message of the history (OpenAI's ``message.tool_calls[i]``)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(BaseModel):
@@ -304,6 +405,14 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # an assistant's calls, earlier in the conversation
+    tool_call_id: str | None = None  # a tool message: the call whose result it holds
+
+    @model_validator(mode="after")
+    def _calls_belong_to_the_assistant(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls (this one's role is {self.role!r})")
+        return self
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -319,6 +428,20 @@ class ChatMessage(BaseModel):
         return "".join(pieces)
 
 
+class FunctionSpec(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object; None: no arguments
+    strict: bool | None = None
+
+
+class ToolSpec(_Strict):
+    """One entry of ``tools``: OpenAI's function tools are the only kind."""
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
 class ChatCompletionRequest(_OpenAISampling):
     unsupported = {**_DECODING_UNSUPPORTED, **_ENGINE_UNSUPPORTED, **_CHAT_UNSUPPORTED}
     messages: list[ChatMessage] = Field(min_length=1)
@@ -328,6 +451,10 @@ class ChatCompletionRequest(_OpenAISampling):
     # The last message is an assistant's to continue (a prefill such as '{"name": '), not a turn to answer.
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # variables for the model's own template
+    # Tool calling (minisgl_ref.server.tools): the functions, and whether the model must, may or may not call one.
+    tools: list[ToolSpec] | None = None
+    tool_choice: str | dict[str, Any] | None = Field(None, union_mode="left_to_right")  # checked by plan_tools
+    parallel_tool_calls: bool = True
 
     @field_validator("chat_template_kwargs")
     @classmethod
