@@ -19,9 +19,8 @@ at most one per request, else ``ValueError`` naming the fields):
 
 * ``json_schema``: a JSON schema as a JSON string (offline, a dict is serialised for you);
 * ``json_schema=ANY_JSON`` (the string ``"$$ANY$$"``, SGLang's own sentinel): any JSON object, with any
-  properties and values. This is what OpenAI's ``response_format={"type": "json_object"}`` maps to.
-  ``'{"type": "object"}'`` is *not* the same: a strict schema compiler (xgrammar's default, and ours) reads it as
-  an object with no properties, i.e. ``{}``;
+  properties and values. This is what OpenAI's ``response_format={"type": "json_object"}`` maps to; spelling
+  it as a sentinel keeps "whatever object the model likes" apart from a user's schema in logs and caches;
 * ``regex``: the whole output matches this regular expression;
 * ``ebnf``: the output is a sentence of this grammar (xgrammar's EBNF dialect, start rule ``root``).
 

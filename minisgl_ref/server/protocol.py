@@ -278,11 +278,6 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-#: What ``response_format: {"type": "json_object"}`` promises: a JSON *object* (OpenAI's JSON mode), with any
-#: properties (xgrammar reads an object schema without ``properties`` that way). ``ANY_JSON``, xgrammar's
-#: built-in JSON grammar, would also allow a top-level array.
-JSON_OBJECT_SCHEMA = '{"type": "object"}'
-
 #: OpenAI's rule for the names of functions and response formats.
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
@@ -360,7 +355,8 @@ class _OpenAISampling(_Strict):
         if name != "response_format":
             return {name: value if isinstance(value, str) else json.dumps(value)}, {}
         if fmt.type == "json_object":
-            return {"json_schema": JSON_OBJECT_SCHEMA}, {"json_schema": "response_format"}
+            # OpenAI's JSON mode: any JSON object (not an array or a bare value), with any properties
+            return {"json_schema": ANY_JSON}, {"json_schema": "response_format"}
         schema = fmt.json_schema.schema_ if fmt.json_schema else None
         if schema is None:  # a json_schema format without a schema: any JSON value
             return {"json_schema": ANY_JSON}, {"json_schema": "response_format.json_schema"}
