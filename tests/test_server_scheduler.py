@@ -131,10 +131,11 @@ class Neighbours:
             got.append((list(msg.new_ids[i]), msg.finished[i], msg.finish_reasons[i], msg.inits[i]))
         return True
 
-    def collect(self, rids: list[str], timeout: float = 20.0,
-                guard: Callable[[], None] | None = None) -> dict[str, list[tuple[list[int], bool, Any, Any]]]:
+    def collect(self, rids: list[str], timeout: float = 20.0, guard: Callable[[], None] | None = None,
+                engine_may_fail: bool = False) -> dict[str, list[tuple[list[int], bool, Any, Any]]]:
         """Read rows until each of ``rids`` has had its final row. Fails at once if the loop died (or ``guard``
-        raises), and soon if the engine is idle while some request still waits for its final row."""
+        raises), and soon if the engine is idle while some request still waits for its final row; and, unless
+        ``engine_may_fail``, with the engine's error if a request was aborted because a step raised."""
         deadline, quiet_since = time.monotonic() + timeout, time.monotonic()
         while not all(self.rows.get(r) and self.rows[r][-1][1] for r in rids):
             if guard is not None:
@@ -148,6 +149,11 @@ class Neighbours:
                 raise AssertionError(f"the engine has nothing left to do, but {missing} never got a final row "
                                      f"(rows so far: {self.rows})")
             assert time.monotonic() < deadline, f"{missing} did not finish within {timeout} s: {self.rows}"
+        if not engine_may_fail:  # a step that raised ends its requests with an abort: show that error itself
+            for r in rids:
+                reason = self.rows[r][-1][2]
+                if isinstance(reason, dict) and str(reason.get("message", "")).startswith("the engine failed"):
+                    raise AssertionError(f"request {r}: {reason['message']}")
         return self.rows
 
     def check_alive(self) -> None:
@@ -288,7 +294,7 @@ def test_a_failed_step_aborts_what_is_in_flight_and_the_loop_goes_on(neighbours,
     monkeypatch.setattr(engine, "step", failing_step)
     neighbours.start()
     neighbours.generate("a", 50)
-    rows = neighbours.collect(["a"])
+    rows = neighbours.collect(["a"], engine_may_fail=True)
     reason = rows["a"][-1][2]
     assert reason["type"] == "abort" and "the device fell over" in reason["message"], reason
     neighbours.generate("c", 3)

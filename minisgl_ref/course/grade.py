@@ -27,7 +27,9 @@ from typing import Any
 
 from minisgl_ref.course.table import Task
 
-DEPENDS = re.compile(r"NotImplementedError: Task (\d+\.\d+)")
+# "NotImplementedError: Task 4.1" in a traceback, or NotImplementedError('Task 4.1: ...') in the repr of an error
+# passed on from another process (a server's scheduler reports an aborted request that way).
+DEPENDS = re.compile(r"NotImplementedError(?::\s*|\(\s*['\"])Task (\d+\.\d+)")
 DEFAULT_TIMEOUT_S = 120
 
 
