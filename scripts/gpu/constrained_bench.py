@@ -1,0 +1,124 @@
+"""Chapter 12's GPU numbers: what a JSON-schema grammar costs per output token, and what jump-forward buys.
+
+    python3 scripts/gpu/constrained_bench.py OUT.json [--batch-sizes 1 64 256] [--max-new-tokens 160]
+
+The embedded SmolLM2-135M-Instruct (real weights: a grammar only means something with a model that writes JSON)
+on the GPU, default engine (overlap, CUDA graphs). Per batch size, three timed runs of the same prompts, each
+after an untimed warm-up of the same shape:
+
+  constrained    every request asks for a typical JSON schema (an object with a string, an integer with bounds,
+                 an enum, an array of strings and an optional nested object), greedy
+  free           the same prompts without the grammar, ignore_eos, each request held to the length its
+                 constrained twin produced: the same number of output tokens, so the time per token compares
+  jump_forward   constrained, with jump-forward decoding on
+
+Reported: wall seconds, output tokens, milliseconds per output token per request (wall / decode steps) and
+throughput, and the ratios constrained / free and jump_forward / constrained; every constrained output is
+checked against the schema (jsonschema) and the count of invalid ones is reported (it must be 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"type": "string", "enum": ["student", "teacher", "engineer", "artist"]},
+        "skills": {"type": "array", "items": {"type": "string", "maxLength": 24}, "minItems": 1, "maxItems": 4},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                     "country": {"type": "string", "maxLength": 30}},
+                    "required": ["city", "country"]},
+    },
+    "required": ["name", "age", "role", "skills"],
+}
+PEOPLE = ["a nurse from Lyon", "a retired pilot", "a young painter in Oslo", "a chess teacher", "a data engineer",
+          "a student of music", "a baker in Naples", "a marine biologist"]
+
+
+def prompts(llm, n: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    out = []
+    for i in range(n):
+        text = f"Describe {PEOPLE[i % len(PEOPLE)]} (person #{i}) as a JSON object with name, age, role and skills."
+        out.append(llm.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+    return out
+
+
+def timed(llm, batch, params):  # type: ignore[no-untyped-def]
+    llm.generate(batch, params, use_tqdm=False)  # warm-up of the same shape (graphs, grammar cache)
+    stats = llm.engine.stats
+    steps0 = stats.steps
+    t0 = time.perf_counter()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.output_ids) for o in outs)
+    steps = stats.steps - steps0
+    return outs, {"wall_s": wall, "output_tokens": tokens, "steps": steps, "output_throughput": tokens / wall,
+                  "ms_per_step": 1e3 * wall / max(steps, 1)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument("--max-new-tokens", type=int, default=160)
+    args = p.parse_args()
+    import jsonschema
+
+    from minisgl_ref import LLM, SamplingParams
+    from minisgl_ref.bench.provenance import collect_provenance
+
+    schema = json.dumps(SCHEMA)
+    results = []
+    for jump in (False, True):
+        llm = LLM(enable_jump_forward=jump)
+        for bs in args.batch_sizes:
+            batch = prompts(llm, bs)
+            cons = SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens, json_schema=schema)
+            jumped = llm.engine.stats.jump_forward_tokens
+            outs, r = timed(llm, batch, cons)
+            jumped = (llm.engine.stats.jump_forward_tokens - jumped) // 2  # warm-up and timed run alike
+            bad = 0
+            for o in outs:
+                try:
+                    jsonschema.validate(json.loads(o.text), SCHEMA)
+                except (ValueError, jsonschema.ValidationError):
+                    bad += 1
+            row = {"batch_size": bs, "run": "jump_forward" if jump else "constrained", "invalid": bad,
+                   "finished_by_length": sum(o.finish_reason == "length" for o in outs), **r}
+            if jump:
+                row["jump_forward_tokens"] = jumped
+            results.append(row)
+            if not jump:  # the free twin: same prompts, the same output lengths, no grammar
+                free = [SamplingParams(temperature=0, max_new_tokens=max(len(o.output_ids), 1), ignore_eos=True)
+                        for o in outs]
+                _, r = timed(llm, batch, free)
+                results.append({"batch_size": bs, "run": "free", **r})
+            print(json.dumps(results[-1]), flush=True)
+        del llm
+    by = {(r["batch_size"], r["run"]): r for r in results}
+    summary = []
+    for bs in args.batch_sizes:
+        c, f, j = by[(bs, "constrained")], by[(bs, "free")], by[(bs, "jump_forward")]
+        summary.append({"batch_size": bs,
+                        "constrained_over_free_time_per_token": (c["wall_s"] / c["output_tokens"])
+                        / (f["wall_s"] / f["output_tokens"]),
+                        "jump_forward_over_constrained_wall": j["wall_s"] / c["wall_s"]})
+        print(f"bs {bs:>4}: constrained / free time per output token {summary[-1]['constrained_over_free_time_per_token']:.3f}"
+              f"   jump-forward / constrained wall {summary[-1]['jump_forward_over_constrained_wall']:.3f}"
+              f"   invalid {c['invalid']}/{bs}, {j['invalid']}/{bs}")
+    doc = {"what": __doc__.split("\n\n")[0], "schema": SCHEMA, "results": results, "summary": summary,
+           "provenance": collect_provenance(sys.argv)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
