@@ -52,8 +52,35 @@ def plan_jump(state: GrammarState, tokenizer: Any, output_ids: list[int], max_ro
     """If the grammar forces a continuation, the :class:`Jump` that appends it, with ``state`` already advanced by
     it; None (``state`` unchanged) if nothing is forced or the text does not tokenize cleanly.
 
-    ``tokenizer`` is a HF tokenizer; ``max_rollback`` caps how many trailing output tokens may be replaced (the
-    engine never replaces tokens whose KV the radix tree already shares)."""
+    ``tokenizer`` is a HF tokenizer (``encode(text, add_special_tokens=False)``, ``decode(ids,
+    skip_special_tokens=False)``); ``output_ids`` are the request's output tokens so far, all accepted by
+    ``state``; ``max_rollback`` caps how many trailing output tokens may be replaced (the engine never replaces
+    tokens whose KV the radix tree already shares).
+
+    What to write, in order:
+
+    1. The forced text is ``state.jump_forward_string()`` with trailing whitespace removed (``rstrip``): a BPE
+       vocabulary glues a space to the word after it, so a lone forced space is left for the model to sample.
+       Nothing left: return None.
+    2. ``text_ids``: the forced text tokenized alone. If that is empty or does not decode back to exactly the
+       text, return None.
+    3. The tail: the last ``min(RETOKENIZE_WINDOW, max_rollback, len(output_ids))`` output tokens. If there is a
+       tail, tokenize (its decoded text + the forced text) together; if that decodes back to exactly the same
+       string, these are the new tokens; otherwise forget the tail (empty) and use ``text_ids``. With no tail, the
+       new tokens are ``text_ids``.
+    4. Keep the longest common prefix of the tail and the new tokens (``_common_prefix_len``): ``rollback`` is
+       the number of tail tokens after it, and the tokens to append are the new tokens after it. None if there
+       are none to append.
+    5. Roll ``state`` back by ``rollback`` tokens and advance it by the tokens to append (``state.accepts``). If
+       it refuses them, put ``state`` back exactly where it was (advance it again by the rolled-back tail
+       tokens) and return None.
+    6. Return ``Jump(rollback, tokens, text, text_ids)``.
+
+    Example (SmolLM2's tokenizer, a schema with keys ``name`` and ``age``): the output ends ``... "Ada"``, with
+    ``"`` the last token, and the grammar forces ``, "age": ``. The forced text is ``, "age":``, whose tokens alone
+    start with ``','``; with the tail, the tokenizer writes ``'",'`` as one token. So the plan rolls back one
+    token (the ``'"'``) and appends four: ``'",'``, ``' "'``, ``'age'``, ``'":'``."""
+    # BEGIN TASK 12.1: jump-forward with retokenization
     # Trailing whitespace stays for the model to sample: BPE vocabularies glue a space to the word after it
     # (" you"), so a forced lone " " token would be followed by an unnatural space-less word, or a second space.
     text = state.jump_forward_string().rstrip()
@@ -81,3 +108,4 @@ def plan_jump(state: GrammarState, tokenizer: Any, output_ids: list[int], max_ro
         state.accepts(tail[keep:])  # put the matcher back where it was
         return None
     return Jump(rollback, tokens, text, text_ids)
+    # END TASK 12.1
