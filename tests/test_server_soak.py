@@ -78,7 +78,11 @@ BAD = [  # (path, body: dict or raw bytes, expected status)
     ("/v1/completions", {"prompt": [1, 2**70]}, 400),
     ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400),
     ("/v1/chat/completions", b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400),
-    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}}, 400),
+    ("/generate", {"text": "hi", "sampling_params": {"regex": "(", "max_new_tokens": 2}}, 400),
     ("/generate", {"text": "hi", "sampling_params": {"stop_regex": "(", "max_new_tokens": 2}}, 400),
     ("/v1/completions", {"prompt": "x" * (BODY_LIMIT_MB * 2**20 + 1), "max_tokens": 1}, 413),
     ("/v1/nothing", {"x": 1}, 404),
