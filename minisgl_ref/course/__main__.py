@@ -53,7 +53,11 @@ def cmd_student(args: argparse.Namespace) -> int:
 
 def cmd_solutions(args: argparse.Namespace) -> int:
     t = _load(args.root)
-    chosen = [task.id for task in _selected(args, t)]
+    manifest = Path(args.copy) / student.MANIFEST
+    if args.task is None and args.chapters is None and manifest.exists():  # default: what the copy has blank
+        chosen = json.loads(manifest.read_text(encoding="utf-8"))["blank_tasks"]
+    else:
+        chosen = [task.id for task in _selected(args, t)]
     changed = student.fill_solutions(args.root, Path(args.copy), chosen)
     print(f"pasted the reference for tasks {', '.join(chosen)} into {len(changed)} file(s) of {args.copy}")
     return 0
@@ -144,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     selection(p)
     p.set_defaults(func=cmd_student)
 
-    p = sub.add_parser("solutions", help="paste the reference's code for some tasks into a student copy")
+    p = sub.add_parser("solutions", help="paste the reference's code for some tasks (default: every task the "
+                                         "copy has blank) into a student copy")
     p.add_argument("copy", help="the student copy")
     selection(p)
     p.set_defaults(func=cmd_solutions)
