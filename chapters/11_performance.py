@@ -304,6 +304,45 @@ for line in table[6:]:
 # not stop during prefill, and vectorising `Engine._process`, now the largest per-request Python per step.
 
 # %% [markdown]
+# ## 6. Reading a shared prefix once: cascade decode attention
+#
+# Section 2 says a decode step costs what it reads, and most of what it reads is KV. On a workload where many
+# requests share a long system prompt, the radix cache (chapter 04) already stores that prompt once and skips its
+# prefill; but plain decode attention still reads it once *per request* on every step, because each row of the
+# batch walks its own page-table row, even though those rows point at the same pages.
+#
+# Cascade decode attention (`minisgl_ref/attention/cascade.py`) notices, at the start of a decode step, which rows
+# share a run of whole pages at the front of their page-table rows (requests matched against the same radix
+# node), and splits their attention in three passes: (1) per *group*, every query of the group against the shared
+# prefix, read once; (2) per row, the query against its own suffix; (3) the two partial results merged by their
+# log-sum-exp, the same merge as the split-KV kernel of chapter 07 (task 7.1). The result is exactly the
+# attention over the whole context, up to floating-point rounding; `tests/test_cascade_attention.py` checks it
+# against `torch_native`, and greedy tokens with the cascade on and off. The engine picks it by itself, for
+# batches with groups whose shared prefix is at least `--cascade-min-prefix-len` tokens (default 256);
+# `--disable-cascade-attention` turns it off.
+#
+# What it saves is the KV traffic of a step, which the engine counts. Here on the quick model: two groups of four
+# requests, each group behind a 320-token system prompt:
+
+# %%
+sp_wl = workloads.shared_prefix_workload(num_groups=2, prompts_per_group=4, system_len=320, question_len=16,
+                                         output_len=12, temperature=0.0)
+sp = bo.run_stage("custom", sp_wl, bo.quick_model("cpu"), dict(bo.QUICK_BUDGETS))
+print(f"decode steps {sp.decode_steps}, of which with the cascade {sp.cascade_decode_steps}; "
+      f"cached prompt tokens {sp.cached_tokens:,} of {sp.input_tokens:,}")
+print(f"KV read per decode step: {sp.kv_bytes_per_decode_step / 1e6:.2f} MB with the cascade, "
+      f"{sp.kv_bytes_per_decode_step_plain / 1e6:.2f} MB with plain decode attention "
+      f"({sp.kv_bytes_per_decode_step_plain / sp.kv_bytes_per_decode_step:.1f}x less)")
+
+# %% [markdown]
+# With `g` groups of `n` requests behind a prefix of `P` tokens and suffixes of `s` tokens, a step reads
+# `g * (P + n * s)` tokens of KV instead of `g * n * (P + s)`: close to `n` times less when the prefix dominates.
+# On a GPU that is time, because decode reads at the memory bandwidth; on this CPU the step is dominated by Python
+# and the small model's matmuls, so only the bytes are worth reading here. The GPU comparison is
+# `bash scripts/gpu/cascade_ab.sh` (SGLang's shared-prefix workload: 64 groups of 16 requests, 2,048-token system
+# prompts), which runs the radix cache with the cascade, without it, and no radix cache at all.
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. **Task 11.1 (the workload).** Rewrite the `TASK 11.1` region of `minisgl_ref/bench/workloads.py` and grade
