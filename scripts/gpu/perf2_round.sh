@@ -6,9 +6,11 @@
 #   cascade   scripts/gpu/cascade_ab.sh: the shared-prefix workload with the radix cache and cascade attention,
 #             the radix cache without it, and no radix cache.
 #   tests     the GPU tests of the attention backends, the cascade, CUDA graphs and the fused kernels.
+#   serving   scripts/gpu/serving_sweep.sh: bench serving against serve at three Poisson rates and saturation.
+#   grammar   scripts/gpu/constrained_bench.py: a JSON-schema grammar's cost per output token, and jump-forward.
 #
 # From the repository root on a GPU machine with flashinfer-python and FlashAttention-3 installed:
-#   OUT=results bash scripts/gpu/perf2_round.sh startup cascade
+#   OUT=results bash scripts/gpu/perf2_round.sh startup cascade tests serving grammar
 set -o pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
@@ -41,6 +43,11 @@ PY
             python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cascade_attention.py \
                 tests/test_attention_backends.py tests/test_cuda_graph.py tests/test_triton_fused.py \
                 2>&1 | tail -n 30 | tee "$OUT/gpu_tests.log" || status=1 ;;
+        serving)
+            OUT="$OUT" bash scripts/gpu/serving_sweep.sh || status=1 ;;
+        grammar)
+            python3 scripts/gpu/constrained_bench.py "$OUT/constrained_bench_h100.json" 2>&1 \
+                | tee "$OUT/constrained_bench.log" | tail -n 4 || status=1 ;;
         *) echo "unknown part $part" >&2; exit 2 ;;
     esac
 done
