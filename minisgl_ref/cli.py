@@ -10,6 +10,7 @@ status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -166,6 +167,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from minisgl_ref.bench import serving as bench_serving
 
         return bench_serving.main(args)
+    # The engine's start-up lines (what compiles, how long the CUDA graphs took) go to stderr with the results.
+    logging.basicConfig(level=logging.WARNING, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("minisgl_ref").setLevel(logging.INFO)
     kwargs = engine_kwargs(args)
     if from_flags(TPArgs, args).enabled:  # bench offline --tp-size N: the LLM takes the TP flags too (ch. 09)
         kwargs |= vars(from_flags(TPArgs, args))

@@ -9,7 +9,9 @@ and a follower builds exactly what its leader built.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,8 @@ from minisgl_ref.tp.group import TPGroup
 
 ENGINE_KINDS = ("paged", "naive")
 
+log = logging.getLogger(__name__)
+
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,6 +53,8 @@ class Runtime:
     device: torch.device
     engine: Engine | NaiveEngine
     group: TPGroup | None = None
+    # seconds per start-up phase: loading the weights, compiling kernels, building the engine (KV pool, graphs)
+    startup: dict[str, float] = field(default_factory=dict)
 
     @property
     def tp_rank(self) -> int:
@@ -93,6 +99,15 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
         raise ValueError(f"tp_size={tp.tp_size} needs engine='paged' (the naive oracle runs on one device)")
     if group is None and tp.enabled:
         group = TPGroup.launch(tp, follow_leader, (model, engine))  # checks the flags before it starts anything
+    phases: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def phase(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        phases[name] = now - clock
+        clock = now
+
     try:
         device = group.device(model.device) if group else torch.device(model.device or default_device())
         net, config, folder = load_model(model.model_path, load_format=model.load_format, dtype=model.dtype,
@@ -104,9 +119,11 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
         context = model.context_length or config.max_position_embeddings
         if context < 2:
             raise ValueError(f"context_length must be at least 2, got {context}")
+        phase("weights")
         if kind == "paged" and device.type == "cuda":  # compile kernels now, in parallel, not in the first steps
             engine_config = engine or EngineConfig()
             warmup.start(warmup.shapes_of(net, config, engine_config, device), device).wait()
+            phase("kernel compiles")
         # Structured output (chapter 12): grammars compile against the model's vocabulary size, which may exceed
         # the tokenizer's; nothing is built until the first constrained request.
         grammar = GrammarBackend(tokenizer.hf, config.vocab_size, stop_token_ids=eos) if tokenizer else None
@@ -117,12 +134,15 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
                                             tokenizer=tokenizer, grammar_backend=grammar)
         else:
             built = Engine(net, config, engine, device=device, context_length=context, grammar_backend=grammar)
+        phase("engine (KV pool, CUDA graphs)")
     except BaseException as e:
         if group is not None:
             group.report_failure(e)
             group.close()
         raise
-    return Runtime(net, config, folder, tokenizer, eos, context, device, built, group)
+    log.info("engine ready in %.1f s: %s", sum(phases.values()),
+             ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()))
+    return Runtime(net, config, folder, tokenizer, eos, context, device, built, group, phases)
 
 
 def follow_leader(rank: int, cfg: DistConfig, settings: tuple[ModelArgs, EngineConfig | None], announce: Any) -> None:

@@ -712,6 +712,41 @@ def test_lpm_admits_the_longest_cached_prefix_first(tiny_llm, policy, first):
     assert_pool_accounting(engine)
 
 
+@pytest.mark.parametrize("radix", [True, False])
+def test_requests_sharing_a_prefix_are_admitted_as_a_group(tiny_llm, radix):
+    """Three groups of three requests behind 40-token system prompts arrive interleaved (A1 B1 C1 A2 ...) and only
+    three fit at once. With the radix cache the scheduler admits them group by group (A1 A2 A3, then B, then C),
+    the later members of a group reusing the first one's prefix; without it, in arrival order."""
+    rng = random.Random(5)
+    systems = [rand_tokens(rng, 40) for _ in range(3)]
+    prompts = [systems[g] + rand_tokens(rng, 4 + m) for m in range(3) for g in range(3)]  # A1 B1 C1 A2 ...
+    params = greedy(3, ignore_eos=True)
+    engine = make_engine(tiny_llm, max_running_requests=3, cascade_min_prefix_len=16,
+                         disable_radix_cache=not radix, disable_overlap_schedule=True)
+    reqs = make_reqs(tiny_llm, prompts, params)
+    trace = drive(engine, reqs)
+    first_seen: list = []
+    for batch in trace.launched:
+        first_seen += [r for r in batch.reqs if r not in first_seen]
+    order = [reqs.index(r) for r in first_seen]
+    assert order == ([0, 3, 6, 1, 4, 7, 2, 5, 8] if radix else list(range(9)))
+    if radix:
+        assert [r.cached_tokens for r in reqs] == [0, 0, 0, 40, 40, 40, 40, 40, 40]
+    assert_matches_oracle(reqs, oracle(tiny_llm, prompts, params))
+    assert_pool_accounting(engine)
+
+
+def test_group_by_prefix_keeps_first_come_order_between_groups():
+    """Waiting b..h (x is running, in group 1, and arrived first): group 1 goes first, then by first arrival."""
+    from minisgl_ref.scheduler.scheduler import group_by_prefix
+
+    key = {"x": 1, "b": None, "c": 2, "d": 1, "e": None, "f": 2, "g": 3, "h": 1}
+    arrival = {r: i for i, r in enumerate("xbcdefgh")}
+    assert group_by_prefix(list("bcdefgh"), key, arrival) == list("dhbcfeg")
+    del arrival["x"]  # once x has finished, group 1 ranks as its oldest waiting member, d
+    assert group_by_prefix(list("bcdefgh"), key, arrival) == list("bcfdheg")
+
+
 @pytest.mark.parametrize("extra", [dict(), dict(chunked_prefill_size=7, **SMALL_POOL)], ids=["plain", "chunk-retract"])
 def test_max_running_requests_two(tiny_llm, extra):
     prompts, params = shared_prefix_workload()

@@ -41,6 +41,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import sys
 import tempfile
 import time
@@ -315,6 +316,10 @@ class RunResult:
     # Seconds from "build the engine" to ready (weights, KV pool, kernel compilation, CUDA-graph capture): what a
     # user waits before the first request; a bare machine's first process also fills the on-disk kernel caches.
     startup_s: float | None = None
+    startup_phases: dict[str, float] | None = None  # the engine's part of it, phase by phase (Runtime.startup)
+    # New entries in the on-disk kernel caches (Triton, Inductor, FlashInfer) during the timed run: anything but
+    # zeros means a kernel compiled inside the run instead of at start-up.
+    compiled_during_run: dict[str, int] | None = None
 
 
 @dataclass
@@ -375,6 +380,24 @@ def time_generate(llm, workload: Workload, *, warmup: Workload | None = None):  
     return outputs, wall, _Counters.read(llm) - before
 
 
+def kernel_cache_dirs() -> dict[str, Path]:
+    """Where Triton, Inductor and FlashInfer keep the kernels they compiled (their defaults, or the environment's
+    overrides)."""
+    import getpass
+
+    home = Path.home()
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(Path(tempfile.gettempdir())
+                                                                 / f"torchinductor_{getpass.getuser()}")
+    flashinfer = os.environ.get("FLASHINFER_WORKSPACE_BASE") or str(home)
+    return {"triton": Path(os.environ.get("TRITON_CACHE_DIR") or home / ".triton" / "cache"),
+            "inductor": Path(inductor), "flashinfer": Path(flashinfer) / ".cache" / "flashinfer"}
+
+
+def count_cache_entries() -> dict[str, int]:
+    """Files under each kernel cache (0 where there is none): two counts around a run say what it compiled."""
+    return {name: sum(len(files) for _, _, files in os.walk(folder)) for name, folder in kernel_cache_dirs().items()}
+
+
 def _hit_rate(engine_args: dict[str, Any], cached: int, prompt: int) -> float | None:
     """Prompt tokens served from the radix cache / prompt tokens; ``None`` for engines without one."""
     if not engine_args or engine_args.get("disable_radix_cache", False):
@@ -424,9 +447,12 @@ def measure(llm, stage: str, workload: Workload, bandwidth: float) -> RunResult:
     """Time ``workload`` on a built ``llm`` and report it. On CUDA a short warm-up runs first, and the result
     carries the workload's roofline floor and the fraction of it that was reached."""
     on_cuda = llm.device.type == "cuda"
+    caches = count_cache_entries() if on_cuda else None
     outputs, wall, counters = time_generate(llm, workload, warmup=warmup_workload() if on_cuda else None)
     result = summarize(llm, stage, outputs, wall, counters)
     if on_cuda:
+        assert caches is not None
+        result.compiled_during_run = {k: v - caches[k] for k, v in count_cache_entries().items()}
         result.roofline_floor_s = workload_floor_seconds(workload, llm.config, bandwidth)
         result.roofline_fraction = result.roofline_floor_s / wall
     return result
@@ -450,6 +476,7 @@ def run_stage(stage: str, workload: Workload, model: ModelSpec, base_engine_kwar
     try:
         result = measure(llm, stage, workload, bandwidth)
         result.startup_s = startup
+        result.startup_phases = dict(getattr(getattr(llm, "runtime", None), "startup", {})) or None
         return result
     finally:
         del llm
@@ -593,6 +620,13 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
                   f"steps; KV read per decode step {r.kv_bytes_per_decode_step / 1e9:.3f} GB "
                   f"(plain decode: {r.kv_bytes_per_decode_step_plain / 1e9:.3f} GB, "
                   f"{r.kv_bytes_per_decode_step / r.kv_bytes_per_decode_step_plain:.1%})", file=sys.stderr)
+        if r.startup_s is not None:
+            phases = ", ".join(f"{k} {v:.1f} s" for k, v in (r.startup_phases or {}).items())
+            print(f"[bench] {r.stage}: start-up {r.startup_s:.1f} s ({phases or 'no phases recorded'})",
+                  file=sys.stderr)
+        if r.compiled_during_run and any(r.compiled_during_run.values()):
+            print(f"[bench] {r.stage}: kernels compiled inside the timed run (new cache files): "
+                  f"{r.compiled_during_run}", file=sys.stderr)
     if args.output:
         report = make_report(results, workload, model, bandwidth=args.hbm_bandwidth, quick=args.quick,
                              stages=args.stage, engine=args.engine, engine_kwargs=kwargs)

@@ -39,6 +39,8 @@ PY
             ;;
         cascade)
             OUT="$OUT" bash scripts/gpu/cascade_ab.sh || status=1 ;;
+        profile)
+            python3 scripts/gpu/cascade_profile.py "$OUT/cascade_profile.json" 2>&1 | tail -n 24 || status=1 ;;
         tests)
             python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cascade_attention.py \
                 tests/test_attention_backends.py tests/test_cuda_graph.py tests/test_triton_fused.py \
