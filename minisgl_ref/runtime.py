@@ -114,7 +114,8 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
                                          device=device)
         if group is not None:
             group.join(device)  # every rank has loaded its shard: meet the others
-        tokenizer = None if model.load_format == "dummy" or model.skip_tokenizer_init else Tokenizer.find(folder)
+        # Dummy weights keep the folder's tokenizer when it has one (a shipped config has none).
+        tokenizer = None if model.skip_tokenizer_init else Tokenizer.find(folder)
         eos = frozenset(config.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else frozenset())
         context = model.context_length or config.max_position_embeddings
         if context < 2:

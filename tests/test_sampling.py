@@ -879,3 +879,39 @@ def test_cpu_and_gpu_draw_the_same_noise_and_tokens() -> None:
     t_eager = Sampler(fuse_on_cuda=False)(logits.cuda(), gpu_info)
     t_fused = Sampler(fuse_on_cuda=True)(logits.cuda(), gpu_info)
     assert torch.equal(t_cpu, t_eager.cpu()) and torch.equal(t_cpu, t_fused.cpu())
+
+
+# ------------------------------------------------------------------------------------------ the fused draw (GPU)
+
+
+@pytest.mark.parametrize("vocab", [1000, 4099])
+def test_fused_draw_picks_the_eager_token(vocab: int) -> None:
+    """The Triton race (one pass, noise in registers; on the CPU through Triton's interpreter) draws the same token
+    as the eager functions for every row: plain temperatures in log space, filtered probabilities as ``p / E``.
+    Seeds cover negative and > 2**32 values, steps differ per row, and the vocabulary is not a multiple of the
+    kernel's block."""
+    pytest.importorskip("triton")
+    from minisgl_ref.sampling import fused_draw
+    from minisgl_ref.sampling.sampler import sample_from_probs, temperature_sample
+
+    if not torch.cuda.is_available() and type(__import__("triton").language.cdiv).__name__ == "JITFunction":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(vocab)
+    rows = 12
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(device)
+    temperatures = torch.tensor([0.3, 0.7, 1.0, 1.5] * 3, device=device)
+    seeds = torch.tensor([0, 1, -1, 2**40 + 7, -(2**50), 12345, 2**33, 99, -7, 2**62, 5, 6], device=device)
+    steps = torch.arange(rows, device=device) * 17
+    want = temperature_sample(logits, temperatures, seeds, steps)
+    got = fused_draw.temperature_sample(logits, temperatures, seeds, steps)
+    assert got.tolist() == want.tolist()
+    probs = torch.softmax(logits / temperatures[:, None], dim=-1)
+    probs[:, ::3] = 0.0  # filtered out: a zero probability must never win
+    want = sample_from_probs(probs, seeds, steps)
+    got = fused_draw.sample_from_probs(probs, seeds, steps)
+    assert got.tolist() == want.tolist()
+    assert all(t % 3 != 0 for t in got.tolist())
+    # different seeds give different draws: the test would not pass with constant noise
+    assert len(set(fused_draw.temperature_sample(logits[:1].expand(rows, -1), torch.ones(rows, device=device),
+                                                 seeds, steps).tolist())) > 3

@@ -95,20 +95,25 @@ class CudaGraphFactory:
         self.stream = torch.cuda.Stream(device)
         self.stream.wait_stream(torch.cuda.current_stream(device))
         self.pool = torch.cuda.graph_pool_handle()
+        self.seconds = {"warm-up runs": 0.0, "captures": 0.0}  # where a start-up's capture time went
 
     def warm_up(self, forward: Forward, batch: ForwardBatch) -> None:
         """Run ``forward(batch)`` once outside any graph and wait for it: lazy initialisation (cuBLAS handles,
         Triton compilation and autotuning) must not happen while a graph is being recorded."""
+        start = time.perf_counter()
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the static buffers' latest refill
         with torch.cuda.stream(self.stream):
             forward(batch)
         self.stream.synchronize()
+        self.seconds["warm-up runs"] += time.perf_counter() - start
 
     def capture(self, forward: Forward, batch: ForwardBatch) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Record ``forward(batch)``: returns the graph and its output, a tensor that every replay rewrites."""
+        start = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             out = forward(batch)
+        self.seconds["captures"] += time.perf_counter() - start
         return graph, out
 
     def finish(self) -> None:
@@ -193,8 +198,10 @@ class CudaGraphRunner:
         self.capture()
         self.graph_factory.finish()
         self.capture_seconds = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s", len(self.batch_sizes),
-                    self.batch_sizes[0], self.max_bs, self.capture_seconds)
+        split = getattr(self.graph_factory, "seconds", {})
+        logger.info("captured %d CUDA graphs (batch sizes %d..%d) for %s in %.1f s%s", len(self.batch_sizes),
+                    self.batch_sizes[0], self.max_bs, type(backend).__name__, self.capture_seconds,
+                    "".join(f", {k} {v:.1f} s" for k, v in split.items()))
 
     def _static_batch(self, prefix_lens: list[int]) -> ForwardBatch:
         """A decode ForwardBatch of ``len(prefix_lens)`` requests whose tensors are views of the static buffers

@@ -1,11 +1,10 @@
 """Compile at start-up, in parallel, so that the first request runs at full speed (chapter 11).
 
 A GPU engine runs code that is compiled the first time it is used: FlashInfer builds each kernel family with
-nvcc (tens of seconds each on a machine that never built it), ``torch.compile`` traces and generates the
-sampler's fused kernels (once for a batch of one row, once more for every other batch size, because a dimension
-of size 1 is always specialised), and Triton compiles its kernels. Left to happen lazily, all of it lands inside
-the first requests: on a bare H100 the first run of the canonical workload took 11.3 s where the second took
-7.6 s, although an untimed warm-up workload had run before either.
+nvcc (tens of seconds each on a machine that never built it; norm, activation, RoPE and decode attention are four
+families) and Triton compiles its kernels (the sampler's draw among them) once per pattern of argument alignment.
+Left to happen lazily, all of it lands inside the first requests: on a bare H100 the first run of the canonical
+workload took 11.3 s where the second took 7.6 s, although an untimed warm-up workload had run before either.
 
 :func:`start` launches every such compile at once in a small thread pool (the compilers are other processes or
 release the GIL, so they overlap) right after the weights are loaded; :meth:`Warmup.wait` joins them before the
@@ -45,21 +44,25 @@ class KernelShapes:
     prefill_backend: str
 
 
-def _fused_ops(shapes: KernelShapes, device: torch.device) -> None:
-    """FlashInfer's norm, activation and RoPE modules (one JIT family each)."""
+def _fused_op(shapes: KernelShapes, device: torch.device, family: str) -> None:
+    """One of FlashInfer's fused-op JIT families (``norm``, ``activation`` or ``rope``): each is its own nvcc build
+    (50-60 s on a bare H100), so each gets its own thread."""
     from minisgl_ref.layers import fused
 
     x = torch.zeros(2, shapes.hidden_size, dtype=shapes.dtype, device=device)
     if not fused.fused_available(x):
         return
-    w = torch.ones(shapes.hidden_size, dtype=shapes.dtype, device=device)
-    fused.rmsnorm(x, w, 1e-6)
-    fused.fused_add_rmsnorm(x.clone(), x.clone(), w, 1e-6)
-    fused.silu_and_mul(torch.zeros(2, 2 * shapes.intermediate_size, dtype=shapes.dtype, device=device))
-    q = torch.zeros(2, shapes.num_q_heads, shapes.head_dim, dtype=shapes.dtype, device=device)
-    k = torch.zeros(2, shapes.num_kv_heads, shapes.head_dim, dtype=shapes.dtype, device=device)
-    cos_sin = torch.zeros(8, shapes.head_dim, dtype=torch.float32, device=device)
-    fused.rope_inplace(torch.zeros(2, dtype=torch.int64, device=device), q, k, cos_sin)
+    if family == "norm":
+        w = torch.ones(shapes.hidden_size, dtype=shapes.dtype, device=device)
+        fused.rmsnorm(x, w, 1e-6)
+        fused.fused_add_rmsnorm(x.clone(), x.clone(), w, 1e-6)
+    elif family == "activation":
+        fused.silu_and_mul(torch.zeros(2, 2 * shapes.intermediate_size, dtype=shapes.dtype, device=device))
+    else:
+        q = torch.zeros(2, shapes.num_q_heads, shapes.head_dim, dtype=shapes.dtype, device=device)
+        k = torch.zeros(2, shapes.num_kv_heads, shapes.head_dim, dtype=shapes.dtype, device=device)
+        cos_sin = torch.zeros(8, shapes.head_dim, dtype=torch.float32, device=device)
+        fused.rope_inplace(torch.zeros(2, dtype=torch.int64, device=device), q, k, cos_sin)
 
 
 def _attention(shapes: KernelShapes, device: torch.device, phase: str) -> None:
@@ -69,9 +72,9 @@ def _attention(shapes: KernelShapes, device: torch.device, phase: str) -> None:
 
 
 def _sampler(shapes: KernelShapes, device: torch.device) -> None:
-    from minisgl_ref.sampling.sampler import compile_fused
+    from minisgl_ref.sampling.fused_draw import compile_kernels
 
-    compile_fused(shapes.vocab_size, device)
+    compile_kernels(shapes.vocab_size, device)
 
 
 @dataclass
@@ -123,7 +126,9 @@ def start(shapes: KernelShapes, device: torch.device) -> Warmup:
     if device.type != "cuda":
         return warm
     todo: dict[str, Callable[[], None]] = {
-        "fused ops": lambda: _fused_ops(shapes, device),
+        "norm": lambda: _fused_op(shapes, device, "norm"),
+        "activation": lambda: _fused_op(shapes, device, "activation"),
+        "rope": lambda: _fused_op(shapes, device, "rope"),
         "sampler": lambda: _sampler(shapes, device),
     }
     if shapes.decode_backend == "flashinfer":

@@ -42,13 +42,13 @@ before -- which is what makes a seeded request replayable under continuous batch
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
 import torch
 
+from minisgl_ref.sampling import fused_draw
 from minisgl_ref.sampling.params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -550,30 +550,11 @@ def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Ten
     return (probs / exponential).argmax(dim=-1)
 
 
-@functools.cache
-def _fused_sample_from_probs() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``sample_from_probs`` compiled into one kernel (built on first use, shared by every ``Sampler``).
-
-    Eagerly, the hash is ~25 elementwise int64 passes over [B, V], each one a round trip through memory: about
-    6 ms per step at B = 256 and V = 152k on an H100, more than the rest of sampling. Fused, the noise lives in
-    registers and the whole draw reads ``probs`` once (~0.1 ms). The integer hash is exact, so the fused noise is
-    bit-identical to the eager one. ``dynamic=True``: batch sizes change every step; one kernel serves them all.
-    """
-    return torch.compile(sample_from_probs, dynamic=True)
-
-
 def temperature_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
                        steps: torch.Tensor) -> torch.Tensor:
     """Softmax at each row's temperature, then the seeded draw: the whole path of an unfiltered batch."""
     probs = torch.softmax(logits / temperatures[:, None], dim=-1)
     return sample_from_probs(probs, seeds, steps)
-
-
-@functools.cache
-def _fused_temperature_sample() -> Callable[..., torch.Tensor]:
-    """``temperature_sample`` compiled: division, softmax and draw in two passes over ``[B, V]`` instead of
-    ~6 (the division and softmax each write a [B, V] float32 tensor otherwise, ~0.4 ms per step at B = 256)."""
-    return torch.compile(temperature_sample, dynamic=True)
 
 
 @dataclass
@@ -609,7 +590,7 @@ class Sampler:
     rebuilds or advances the state itself (``ModelRunner.sampling_info``), because under overlap it schedules the
     next step before it has seen this step's tokens.
 
-    ``fuse_on_cuda`` (default on) runs the random draw through ``torch.compile`` when the logits are on a GPU;
+    ``fuse_on_cuda`` (default on) runs the random draw as one Triton kernel (:mod:`.fused_draw`) on a GPU;
     on the CPU, and with it off, the plain eager functions of this file run, which is what the tests read.
     """
 
@@ -637,30 +618,17 @@ class Sampler:
         greedy = info.greedy_mask()
         # Greedy rows are answered by argmax below; give them T = 1 here so the division stays finite.
         temperatures = torch.where(greedy, torch.ones_like(info.temperatures), info.temperatures)
-        fuse = self.fuse_on_cuda and logits.is_cuda
-        if fuse and not info.need_filtering:  # plain temperature sampling: one compiled kernel pair
-            tokens = _fused_temperature_sample()(logits, temperatures, info.seeds, info.steps)
+        fuse = self.fuse_on_cuda and fused_draw.available(logits)
+        if fuse and not info.need_filtering:  # plain temperature sampling: one pass over the logits
+            tokens = fused_draw.temperature_sample(logits, temperatures, info.seeds, info.steps)
         else:
             probs = torch.softmax(logits / temperatures[:, None], dim=-1)
             if info.need_filtering:
                 probs = top_k_top_p_min_p_filter(probs, info.top_ks, info.top_ps, info.min_ps)
-            draw = _fused_sample_from_probs() if fuse else sample_from_probs
+            draw = fused_draw.sample_from_probs if fuse else sample_from_probs
             tokens = draw(probs, info.seeds, info.steps)
         if info.any_greedy:
             tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
         if top_logprobs < 0:
             return tokens, None
         return tokens, token_logprobs(logits, tokens, top_logprobs, temperatures)
-
-
-def compile_fused(vocab_size: int, device: torch.device) -> None:
-    """Compile the fused sampling kernels before the first request needs them (the engine's start-up warm-up).
-
-    ``torch.compile`` specialises a dimension of size 1, so a batch of one row and a batch of several are two
-    compiles: both are run here, for both fused paths, on rows of the real vocabulary size."""
-    for rows in (1, 2):
-        logits = torch.zeros(rows, vocab_size, dtype=torch.float32, device=device)
-        ones = torch.ones(rows, dtype=torch.float32, device=device)
-        zeros = torch.zeros(rows, dtype=torch.int64, device=device)
-        _fused_temperature_sample()(logits, ones, zeros, zeros)
-        _fused_sample_from_probs()(logits.softmax(dim=-1), zeros, zeros)

@@ -68,6 +68,8 @@ def main() -> int:
     p.add_argument("out")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--load-format", default="auto", help="dummy: random weights, the folder's real tokenizer")
     args = p.parse_args()
     import jsonschema
 
@@ -77,7 +79,7 @@ def main() -> int:
     schema = json.dumps(SCHEMA)
     results = []
     for jump in (False, True):
-        llm = LLM(enable_jump_forward=jump)
+        llm = LLM(args.model_path, load_format=args.load_format, enable_jump_forward=jump)
         for bs in args.batch_sizes:
             batch = prompts(llm, bs)
             cons = SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens, json_schema=schema)
@@ -113,7 +115,8 @@ def main() -> int:
         print(f"bs {bs:>4}: constrained / free time per output token {summary[-1]['constrained_over_free_time_per_token']:.3f}"
               f"   jump-forward / constrained wall {summary[-1]['jump_forward_over_constrained_wall']:.3f}"
               f"   invalid {c['invalid']}/{bs}, {j['invalid']}/{bs}")
-    doc = {"what": __doc__.split("\n\n")[0], "schema": SCHEMA, "results": results, "summary": summary,
+    doc = {"what": __doc__.split("\n\n")[0], "model_path": args.model_path or "embedded SmolLM2-135M-Instruct",
+           "load_format": args.load_format, "schema": SCHEMA, "results": results, "summary": summary,
            "provenance": collect_provenance(sys.argv)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")

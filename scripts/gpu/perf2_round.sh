@@ -5,9 +5,13 @@
 #             empty), then in a second process (caches on disk): start-up seconds and the first timed run of each.
 #   cascade   scripts/gpu/cascade_ab.sh: the shared-prefix workload with the radix cache and cascade attention,
 #             the radix cache without it, and no radix cache.
+#   profile   scripts/gpu/cascade_profile.py: GPU time per kernel of cascade decode steps (16 groups of 16).
+#   triton    `bench offline` (canonical) with --attention-backend triton, twice (the first run compiles its
+#             kernels), to hold against the default backend's warm run.
 #   tests     the GPU tests of the attention backends, the cascade, CUDA graphs and the fused kernels.
 #   serving   scripts/gpu/serving_sweep.sh: bench serving against serve at three Poisson rates and saturation.
-#   grammar   scripts/gpu/constrained_bench.py: a JSON-schema grammar's cost per output token, and jump-forward.
+#   grammar   scripts/gpu/constrained_bench.py: a JSON-schema grammar's cost per output token, and jump-forward
+#             ($GRAMMAR_ARGS go to it, e.g. a model folder with dummy weights).
 #
 # From the repository root on a GPU machine with flashinfer-python and FlashAttention-3 installed:
 #   OUT=results bash scripts/gpu/perf2_round.sh startup cascade tests serving grammar
@@ -41,6 +45,11 @@ PY
             OUT="$OUT" bash scripts/gpu/cascade_ab.sh || status=1 ;;
         profile)
             python3 scripts/gpu/cascade_profile.py "$OUT/cascade_profile.json" 2>&1 | tail -n 24 || status=1 ;;
+        triton)
+            for run in 1 2; do
+                python3 -m minisgl_ref bench offline --attention-backend triton --output "$OUT/triton_backend_$run.json" \
+                    2>&1 | grep -E "^overlap|start-up|compiled" || status=1
+            done ;;
         tests)
             python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cascade_attention.py \
                 tests/test_attention_backends.py tests/test_cuda_graph.py tests/test_triton_fused.py \
@@ -48,7 +57,7 @@ PY
         serving)
             OUT="$OUT" bash scripts/gpu/serving_sweep.sh || status=1 ;;
         grammar)
-            python3 scripts/gpu/constrained_bench.py "$OUT/constrained_bench_h100.json" 2>&1 \
+            python3 scripts/gpu/constrained_bench.py "$OUT/constrained_bench_h100.json" ${GRAMMAR_ARGS:-} 2>&1 \
                 | tee "$OUT/constrained_bench.log" | tail -n 4 || status=1 ;;
         *) echo "unknown part $part" >&2; exit 2 ;;
     esac
