@@ -53,6 +53,12 @@ class GrammarState:
             self._matcher.rollback(num_tokens)
             self.num_accepted -= num_tokens
 
+    @property
+    def xgr_matcher(self) -> xgr.GrammarMatcher:
+        """The wrapped xgrammar matcher (what :class:`~minisgl_ref.constrained.bitmask.TokenBitmask` hands to
+        xgrammar's batch fill)."""
+        return self._matcher
+
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into ``bitmask[row]`` (an int32 CPU tensor, one bit per token)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
