@@ -583,6 +583,8 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
                    help="requests per second, Poisson arrivals (default inf: all at once)")
     t.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     t.add_argument("--warmup-requests", type=int, default=d.warmup_requests)
+    t.add_argument("--disable-tqdm", action="store_true", help="accepted for SGLang's scripts: there is no "
+                   "progress bar to turn off")
     t.add_argument("--output-file", default=None, help="write the results and their provenance to this JSON file")
 
 

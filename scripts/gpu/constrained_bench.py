@@ -50,13 +50,17 @@ def prompts(llm, n: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
     return out
 
 
-def timed(llm, batch, params):  # type: ignore[no-untyped-def]
+def timed(llm, batch, params, profiler=None):  # type: ignore[no-untyped-def]
     llm.generate(batch, params, use_tqdm=False)  # warm-up of the same shape (graphs, grammar cache)
     stats = llm.engine.stats
     steps0 = stats.steps
+    if profiler is not None:
+        profiler.enable()
     t0 = time.perf_counter()
     outs = llm.generate(batch, params, use_tqdm=False)
     wall = time.perf_counter() - t0
+    if profiler is not None:
+        profiler.disable()
     tokens = sum(len(o.output_ids) for o in outs)
     steps = stats.steps - steps0
     return outs, {"wall_s": wall, "output_tokens": tokens, "steps": steps, "output_throughput": tokens / wall,
@@ -70,6 +74,8 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=160)
     p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--load-format", default="auto", help="dummy: random weights, the folder's real tokenizer")
+    p.add_argument("--profile", action="store_true",
+                   help="profile the host (cProfile) during each timed constrained run, top functions to OUT.profile.txt")
     args = p.parse_args()
     import jsonschema
 
@@ -84,7 +90,19 @@ def main() -> int:
             batch = prompts(llm, bs)
             cons = SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens, json_schema=schema)
             jumped = llm.engine.stats.jump_forward_tokens
-            outs, r = timed(llm, batch, cons)
+            if args.profile and not jump:
+                import cProfile
+                import io
+                import pstats
+
+                prof = cProfile.Profile()
+                outs, r = timed(llm, batch, cons, prof)
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+                with open(args.out + ".profile.txt", "a") as f:
+                    f.write(f"=== batch {bs}, constrained, {r['wall_s']:.2f} s\n{text.getvalue()}\n")
+            else:
+                outs, r = timed(llm, batch, cons)
             jumped = (llm.engine.stats.jump_forward_tokens - jumped) // 2  # warm-up and timed run alike
             bad = 0
             for o in outs:

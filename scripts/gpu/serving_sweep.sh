@@ -34,7 +34,7 @@ for server in ${SERVERS:-default mixed}; do
     echo "$ready" >"$OUT/serve_${server}_ready_s.txt"
     for rate in ${RATES:-8 16 24} inf; do
         python3 -m minisgl_ref bench serving --port $port --dataset-name random \
-            --num-prompts "${NUM_PROMPTS:-200}" --random-input-len 1024 --random-output-len 1024 \
+            --num-prompts "${NUM_PROMPTS:-200}" --random-input-len "${INPUT_LEN:-1024}" --random-output-len "${OUTPUT_LEN:-1024}" \
             --random-range-ratio 0.09765625 --request-rate "$rate" --seed 1 --disable-tqdm \
             --output-file "$OUT/serving_${server}_rate_${rate}.json" >"$OUT/serving_${server}_rate_${rate}.log" 2>&1 \
             || { status=1; tail -n 20 "$OUT/serving_${server}_rate_${rate}.log"; }
@@ -50,7 +50,7 @@ out = Path(sys.argv[1])
 rows = []
 print(f"{'server':<8} {'rate':>5} {'req/s':>6} {'out tok/s':>9} {'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} "
       f"{'p99/p50':>7} {'TPOT p50 ms':>11} {'E2E p50/p99 s':>14}")
-for f in sorted(out.glob("serving_*_rate_*.json")):
+for f in sorted(out.glob("serving_*_rate_*.json"), key=lambda f: (f.stem.split("_")[1], float(f.stem.split("_rate_")[1]))):
     r = json.loads(f.read_text())
     run = r["runs"][0] if "runs" in r else r
     server = f.stem.split("_")[1]
