@@ -561,12 +561,16 @@ plt.show()
 # python -m minisgl_ref bench offline         # canonical workload, full engine, Qwen3-0.6B dummy bf16
 # python -m minisgl_ref bench offline --disable-cuda-graph
 # python -m minisgl_ref bench offline --attention-backend triton
+# OUT=results bash scripts/gpu/perf2_round.sh startup cascade profile triton serving   # sections 7-9
 # ```
 #
 # Expected on an H100 80GB HBM3 (`docs/data/gpu_offline_h100.json`): about 17,700-17,850 output tok/s on the
 # canonical workload with the default engine (67% of the 5.03 s floor at the measured 3.0 TB/s, 60% of the
 # datasheet floor), about 8,200 with `--disable-cuda-graph`, about 18,000 with `--attention-backend triton`.
-# Separate processes on the same machine vary by about 4%.
+# Separate processes on the same machine vary by about 4%. From `docs/data/perf2_h100.json`: a first process on a
+# bare machine starts in about 93 s and runs the canonical workload at about 17,100 tok/s, a second one starts in
+# about 11 s and runs at about 17,450; the shared-prefix workload runs at about 23,000 tok/s with the radix cache
+# and the cascade and about 7,600 without the radix cache.
 
 # %%
 print(f"chapter ran in {time.perf_counter() - CHAPTER_START:.1f} s")
