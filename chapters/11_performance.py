@@ -492,8 +492,9 @@ plt.show()
 # requests/s, where decode rows slow the prefill steps they ride in.
 #
 # Read the inter-token latency with care. Its median is 0.1 ms at 16 requests/s and above: the client receives
-# several tokens of a stream back to back, because the detokenizer and the HTTP server forward a step's output
-# in bursts when they fall behind, and the gap before each burst carries the whole wait. So p99/p50 of ITL is
+# several tokens of a stream back to back, most likely because the server's output path (detokenizer, then one
+# HTTP process writing 200 streams) falls behind and then forwards what has piled up at once; the gap before each
+# burst carries the whole wait. So p99/p50 of ITL is
 # not a measure of decode smoothness here; TPOT (a request's decode time divided by its tokens) is, and its p99
 # stays within 1.6x of its median at every rate. Making the streaming path keep up, so that each token leaves the
 # server when it is sampled, is open work.
