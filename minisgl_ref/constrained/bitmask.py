@@ -9,9 +9,11 @@ allowed tokens only, and a greedy row takes the best *allowed* token.
   constrained rows are filled and ``apply_token_bitmask_inplace`` gets their indices: a free row's logits are
   never read or written. A step with no constrained row does not get here at all.
 * **Filled in parallel.** Each row's fill walks its matcher's pushdown automaton and checks the tokens its
-  precomputed tables leave uncertain: 0.1-0.7 ms per row depending on the state and the CPU. Row after row that
-  is 40 ms for 64 rows, several decode steps' worth; xgrammar's batch fill spreads the rows over a thread pool
-  in native code (no GIL), so the fill of a step fits in the forward it overlaps with (chapter 12).
+  precomputed tables leave uncertain: about 0.01 ms inside an unbounded string, about 0.9 ms inside a string
+  with a ``maxLength`` (on an H100 machine's host, ``docs/data/constrained_bench_h100_profile.txt``). Row after
+  row, 64 bounded rows would take 60 ms, a dozen decode steps' worth; xgrammar's batch fill spreads the rows
+  over a thread pool in native code (no GIL): 14 ms for those 64 rows, still more than the 5 ms forward pass it
+  overlaps with, which is why bounded strings cost several times the free time per token (chapter 12).
 * **On the logits' device, without a wait.** xgrammar ships a CPU kernel and, for CUDA tensors, a Triton one.
   The bitmask is small (``vocab / 32`` int32 per row: 6 KB for a 49k vocabulary), so it is copied to the device
   rather than the logits to the host. The copy comes from pageable memory and is asynchronous, on purpose:
@@ -19,7 +21,7 @@ allowed tokens only, and a greedy row takes the best *allowed* token.
   buffer at once (a copy from pinned memory would still be reading it), and the call does not wait for the
   device. A *blocking* copy from pageable memory would first wait for everything queued on the stream, here the
   forward pass the mask was filled beside, and the engine would then schedule the next step with the device
-  idle: on an H100 that made a step of 64 constrained rows three times as long as its free twin.
+  idle.
 * **Padded vocabularies.** The matchers' tokenizer info was built with the model's vocabulary size (the logits'
   width), which may exceed the tokenizer's: xgrammar never allows the padding ids, so their bits are 0 and a
   constrained row can never sample one.
