@@ -389,8 +389,9 @@ print(f"\n--attention-backend triton, two fresh processes on the same machine: {
 #   warm process, and nothing compiles inside it any more (the `compiled in the run` counts are zero). Before,
 #   the sampler's compiled variants alone added 68 Inductor and 56 Triton cache files during the run.
 # * **Warm start-up went from 37 s to 11 s**: the sampler no longer needs `torch.compile`'s 15 s, and the
-#   second set of CUDA graphs (the cascade's, section 6) loads its Triton kernels from the cache. A cold start
-#   takes 93 s instead of 152 s, most of it the parallel nvcc builds; they happen once per machine.
+#   capture of the cascade's CUDA graphs (section 6), which took 14 s in a process with the compiled sampler,
+#   takes 2 s (not isolated further; the compiler's worker processes competing for the CPU are a likely cause).
+#   A cold start takes 93 s instead of 152 s, most of it the parallel nvcc builds, once per machine.
 # * **The Triton attention backend is within a few percent of the default once its kernels are compiled**
 #   (second process), but its first process compiles extend-kernel variants inside the run. Those kernels are
 #   not part of the start-up compiles yet; an exercise below asks you to add them.
