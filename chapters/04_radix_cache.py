@@ -499,7 +499,8 @@ print(task_source(Scheduler._defer_for_in_batch_prefix, "4.5"))
 # Waiting costs the held-back request one step of latency, which is only worth it for a long shared stretch:
 # `EngineConfig.in_batch_prefix_threshold` (32 tokens, as in SGLang; `-1` switches the check off, as we did for
 # the cooking pair above). That pair shares only 22 tokens, below the threshold: with the check on, both would
-# still have computed them. With a longer system prompt the second request is held back:
+# still have computed them. With a longer system prompt the second request is held back (and keeps its request
+# slot for the next step, so that requests of other prompts do not take it meanwhile, chapter 11):
 
 # %%
 LONG_COOKING = COOKING + " Always list the ingredients first, then the steps, and keep every step short and clear."

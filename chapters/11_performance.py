@@ -365,7 +365,8 @@ print(f"KV read per decode step: {sp.kv_bytes_per_decode_step / 1e6:.2f} MB with
 #   tracing and code generation cost every start about 15 s even with a warm cache, and on a bare machine its
 #   variants kept compiling inside the first run.
 # * **FlashInfer's three fused-op families (norm, activation, RoPE) compile in three threads** instead of one
-#   after the other: each is an nvcc build of 50-70 s on a bare machine.
+#   after the other: each is an nvcc build, and on a bare machine the start-up compiles took 128 s in sequence
+#   and 72 s in threads (the `kernel compiles` phase below).
 
 # %%
 P2 = json.loads((ROOT / "docs" / "data" / "perf2_h100.json").read_text())

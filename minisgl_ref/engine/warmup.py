@@ -46,7 +46,8 @@ class KernelShapes:
 
 def _fused_op(shapes: KernelShapes, device: torch.device, family: str) -> None:
     """One of FlashInfer's fused-op JIT families (``norm``, ``activation`` or ``rope``): each is its own nvcc build
-    (50-60 s on a bare H100), so each gets its own thread."""
+    (on a bare H100 the three took 128 s one after
+    the other and 72 s in threads, ``docs/data/perf2_h100.json``), so each gets its own thread."""
     from minisgl_ref.layers import fused
 
     x = torch.zeros(2, shapes.hidden_size, dtype=shapes.dtype, device=device)

@@ -44,15 +44,18 @@ def _kernel():  # type: ignore[no-untyped-def]
     return race_kernel
 
 
-def available(x: torch.Tensor) -> bool:
-    """Whether the kernel runs for ``x``: a CUDA tensor, with Triton importable."""
-    if not x.is_cuda:
-        return False
+@functools.cache
+def _triton_importable() -> bool:
     try:
         import triton  # noqa: F401
     except Exception:  # noqa: BLE001 - no Triton: the eager path is always correct
         return False
     return True
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether the kernel runs for ``x``: a CUDA tensor, with Triton importable (checked once)."""
+    return x.is_cuda and _triton_importable()
 
 
 def _race(x: torch.Tensor, inv_temperatures: torch.Tensor | None, seeds: torch.Tensor, steps: torch.Tensor,
