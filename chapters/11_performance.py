@@ -494,12 +494,59 @@ plt.show()
 # requests/s, where decode rows slow the prefill steps they ride in.
 #
 # Read the inter-token latency with care. Its median is 0.1 ms at 16 requests/s and above: the client receives
-# several tokens of a stream back to back, most likely because the server's output path (detokenizer, then one
-# HTTP process writing 200 streams) falls behind and then forwards what has piled up at once; the gap before each
-# burst carries the whole wait. So p99/p50 of ITL is
-# not a measure of decode smoothness here; TPOT (a request's decode time divided by its tokens) is, and its p99
-# stays within 1.6x of its median at every rate. Making the streaming path keep up, so that each token leaves the
-# server when it is sampled, is open work.
+# several tokens of a stream back to back, and the gap before each burst carries the whole wait. So p99/p50 of
+# ITL is not a measure of decode smoothness in this table; TPOT (a request's decode time divided by its tokens)
+# is, and its p99 stays within 1.6x of its median at every rate. Section 10 finds where the bursts come from.
+
+# %% [markdown]
+# ## 10. The cost of one streamed token
+#
+# At saturation the engine above produces about 10,000 output tokens a second, and every one of them is an SSE
+# event that passes through two single-threaded Python processes: the API server, which turns it into JSON and
+# writes it to a socket, and the benchmark client, which reads, splits and parses it. Each has one CPU second per
+# second to spend. If either spends more than 100 us per event at 10,000 events a second, events wait in a
+# queue, and they come out in bursts: the client timestamps the backlog, not the engine.
+#
+# That budget can be measured without a GPU, as *CPU time per event*, because it does not depend on how fast
+# the tokens are made. `scripts/stream_cost.py` serves a tiny random-weight model on the CPU, streams 128
+# native `/generate` requests of 512 tokens at once, and reads the CPU time the API server process and the
+# client process spent, per event. It compares the server before and after three changes, each with two
+# clients, in alternating runs:
+#
+# * **the client:** `bench serving` read streams with httpx; it now uses aiohttp (as SGLang's `bench_serving`
+#   does), whose stream reader is mostly C;
+# * **the event loop and HTTP parser:** uvicorn ran on asyncio's loop with the pure-Python h11 parser; the server
+#   now runs on uvloop with httptools when they are installed (both are project dependencies);
+# * **the native event:** every `/generate` stream event carries *all* ids generated so far (SGLang's shape), so
+#   encoding each event afresh turns the whole answer into text again per token; the server now keeps the ids'
+#   JSON text and appends to it (`native_sse` in `minisgl_ref/server/http_server.py`).
+
+# %%
+SC = json.loads((ROOT / "docs" / "data" / "stream_cost_cpu.json").read_text())
+print(f"CPU us per streamed event ({SC['runs'][0]['events']:,} events per run, mean of "
+      f"{len(SC['runs']) // len(SC['summary'])} runs)")
+print(f"{'server':<8} {'client':<8} {'API server':>10} {'client':>8}")
+for key, v in SC["summary"].items():
+    server, client = key.split("/")
+    print(f"{server:<8} {client:<8} {v['server_us_per_event']:>10.1f} {v['client_us_per_event']:>8.1f}")
+before, now = SC["summary"]["before/httpx"], SC["summary"]["current/aiohttp"]
+for side in ("server", "client"):
+    print(f"{side}: {before[f'{side}_us_per_event']:.0f} -> {now[f'{side}_us_per_event']:.0f} us/event, "
+          f"{before[f'{side}_us_per_event'] / now[f'{side}_us_per_event']:.2f}x; budget at 10k events/s: "
+          f"{now[f'{side}_us_per_event'] * 1e4 / 1e6:.0%} of a core (was {before[f'{side}_us_per_event'] * 1e4 / 1e6:.0%})")
+
+# %% [markdown]
+# On this CPU the old pair needed more than a whole core on the client side at 10,000 events a second, and most
+# of one on the server side, and both costs grow with the answer's length (a native event is as long as the
+# answer so far). Those are the bursts of section 9. The new pair needs about half a core on the server side and
+# two thirds of one on the client side, which leaves room for the engine's rate (a faster host CPU leaves more).
+# The script does not separate the server's two changes from each other; the client's change alone is the
+# `before/aiohttp` row. The latencies the script prints are not the point: on a CPU the engine itself is the
+# bottleneck, at a few thousand tokens a second.
+#
+# What remains per event on the server is Starlette's streaming response (a chain of `send` wrappers per chunk)
+# and one socket write per event; on the client, parsing the cumulative JSON. Section 9's table was measured
+# before these changes, so its ITL column still shows the bursts.
 
 # %% [markdown]
 # ## Exercises
@@ -565,6 +612,7 @@ plt.show()
 # python -m minisgl_ref bench offline --disable-cuda-graph
 # python -m minisgl_ref bench offline --attention-backend triton
 # OUT=results bash scripts/gpu/perf2_round.sh startup cascade profile triton serving   # sections 7-9
+# python scripts/stream_cost.py --output stream_cost.json   # section 10 (any machine; about 10 minutes on 2 cores)
 # ```
 #
 # Expected on an H100 80GB HBM3 (`docs/data/gpu_offline_h100.json`): about 17,700-17,850 output tok/s on the

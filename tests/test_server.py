@@ -169,8 +169,24 @@ def test_native_generate_matches_offline(server, llm):
     assert events[-1] == "[DONE]"
     texts = [e["text"] for e in events[:-1]]
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    streamed_ids = [e["output_ids"] for e in events[:-1]]
+    assert all(b[:len(a)] == a and len(b) >= len(a) for a, b in zip(streamed_ids, streamed_ids[1:]))
     assert texts[-1] == expected[0].text and events[-2]["output_ids"] == expected[0].output_ids
     assert events[-2]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_native_event_with_spliced_ids_is_the_plain_encoding():
+    """A native stream event built from the ids' text grown chunk by chunk says what encoding it whole says."""
+    from minisgl_ref.server.http_server import Output, native_sse, sse
+    from minisgl_ref.server.tokenizer_manager import Chunk
+
+    out = Output()
+    for ids, text in (([], ""), ([7], "a"), ([0, 151645], "é\"\n"), ([], ""), ([42], "")):
+        out.add(Chunk(text, ids, False, None, 0, len(out.ids) + len(ids), 3, "r"))
+        event = {"text": out.text, "output_ids": out.ids, "meta_info": {"id": "r", "finish_reason": None},
+                 "index": 1}
+        assert json.loads(native_sse(event, out.ids_json)[len("data: "):]) == json.loads(sse(event)[len("data: "):])
+        assert native_sse(event, out.ids_json).endswith("\n\n")
 
 
 def test_sampling_parameters_honoured(server, client, llm):

@@ -18,7 +18,10 @@ against this project's server and against an SGLang server alike (or anything el
    at once; a request that arrives while the cap is reached waits for a free slot, and that wait is *not*
    counted in its latency (the same choice SGLang makes: the cap models a client pool, not the server).
 4. Stream every answer and timestamp each chunk as it arrives. Every request streams, because time to first
-   token cannot be measured otherwise.
+   token cannot be measured otherwise. The client is aiohttp on one event loop, as in ``sglang.bench_serving``:
+   at saturation a fast server streams tens of thousands of events per second, and a client that spends more
+   CPU per event than that budget allows timestamps them late and in bursts, which shows up as a bogus
+   inter-token latency. aiohttp reads an event in about half the CPU time of httpx (measured in chapter 11).
 5. Reduce the timestamps to the metrics of ``sglang.bench_serving`` (same names, same definitions; see
    :func:`compute_metrics`), print them, and save them with the run's provenance as JSON.
 
@@ -50,15 +53,19 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
+import aiohttp
 import numpy as np
 
-from minisgl_ref.bench.workloads import Workload, random_workload, shared_prefix_workload
+from minisgl_ref.bench.workloads import (
+    Workload,
+    random_workload,
+    shared_prefix_workload,
+)
 
 BACKENDS = ("minisgl", "sglang", "openai", "openai-chat")
 DATASETS = ("random", "shared-prefix")
@@ -344,22 +351,35 @@ class _StreamReader:
         return self.out
 
 
-async def send_request(client: httpx.AsyncClient, cfg: ServingBenchConfig, prompt: list[int] | str,
+async def _sse_lines(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The lines of a streamed body, however the network cut it into chunks (and however long a line is:
+    a native event carries the whole answer so far)."""
+    pending = b""
+    async for data in response.content.iter_any():
+        lines = (pending + data).split(b"\n")
+        pending = lines.pop()
+        for line in lines:
+            yield line
+    if pending:
+        yield pending
+
+
+async def send_request(session: aiohttp.ClientSession, cfg: ServingBenchConfig, prompt: list[int] | str,
                        prompt_len: int, params: dict[str, Any]) -> RequestOutput:
     """Send one streaming request and time it. Never raises: a failure is a :class:`RequestOutput` with
     ``success=False`` and the reason, so one bad request does not end the benchmark."""
     start = time.perf_counter()
     reader = _StreamReader(cfg.backend, start, prompt_len)
     try:
-        async with client.stream("POST", ENDPOINTS[cfg.backend], json=_body(cfg, prompt, params)) as r:
-            if r.status_code != 200:
-                text = (await r.aread()).decode(errors="replace")
-                raise RuntimeError(f"HTTP {r.status_code}: {text[:300]}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
+        async with session.post(_url(cfg, ENDPOINTS[cfg.backend]), json=_body(cfg, prompt, params)) as r:
+            if r.status != 200:
+                text = (await r.read()).decode(errors="replace")
+                raise RuntimeError(f"HTTP {r.status}: {text[:300]}")
+            async for line in _sse_lines(r):
+                if not line.startswith(b"data:"):
                     continue  # blank separators, comments, keep-alives
-                payload = line[len("data:"):].strip()
-                if payload == "[DONE]":
+                payload = line[len(b"data:"):].strip()
+                if payload == b"[DONE]":
                     break
                 reader.event(json.loads(payload), time.perf_counter())
         return reader.finish(time.perf_counter())
@@ -377,21 +397,32 @@ def _headers(cfg: ServingBenchConfig) -> dict[str, str]:
     return {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
 
 
-async def _server_facts(client: httpx.AsyncClient, cfg: ServingBenchConfig) -> dict[str, Any]:
+def _url(cfg: ServingBenchConfig, path: str) -> str:
+    return cfg.base_url.rstrip("/") + path
+
+
+async def _get_json(session: aiohttp.ClientSession, cfg: ServingBenchConfig, path: str) -> Any:
+    """The JSON body of a GET that answered 200, or None (best effort: no answer, any other answer, or a body
+    that is not JSON; an unreachable server is reported by the warm-up request, with its URL)."""
+    try:
+        async with session.get(_url(cfg, path)) as r:
+            return json.loads(await r.read()) if r.status == 200 else None
+    except (aiohttp.ClientError, ValueError):
+        return None
+
+
+async def _server_facts(session: aiohttp.ClientSession, cfg: ServingBenchConfig) -> dict[str, Any]:
     """What the server says about itself (best effort): its model name and, if native, its model info."""
     facts: dict[str, Any] = {}
-    try:
-        r = await client.get("/v1/models")
-        if r.status_code == 200 and r.json().get("data"):
-            facts["model"] = r.json()["data"][0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError):
-        pass
-    try:
-        r = await client.get("/get_model_info")
-        if r.status_code == 200:
-            facts["model_info"] = r.json()
-    except (httpx.HTTPError, ValueError):
-        pass
+    models = await _get_json(session, cfg, "/v1/models")
+    if isinstance(models, dict) and models.get("data"):
+        try:
+            facts["model"] = models["data"][0]["id"]
+        except (KeyError, IndexError, TypeError):
+            pass
+    info = await _get_json(session, cfg, "/get_model_info")
+    if isinstance(info, dict):
+        facts["model_info"] = info
     return facts
 
 
@@ -411,10 +442,9 @@ async def benchmark(cfg: ServingBenchConfig, workload: Workload | None = None) -
     per-request details). Raises ``ConnectionError`` when the warm-up request fails."""
     cfg.validate()
     wl = workload or build_workload(cfg)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(connect=30.0, read=None, write=60.0, pool=None)
-    async with httpx.AsyncClient(base_url=cfg.base_url, headers=_headers(cfg), timeout=timeout,
-                                 limits=limits) as client:
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0)  # a long answer may stream for minutes
+    connector = aiohttp.TCPConnector(limit=0)  # no pool limit: every request in flight has its connection
+    async with aiohttp.ClientSession(headers=_headers(cfg), timeout=timeout, connector=connector) as client:
         facts = await _server_facts(client, cfg)
         if cfg.backend.startswith("openai") and cfg.model is None:
             cfg.model = facts.get("model")
@@ -606,7 +636,9 @@ def config_from_args(args: argparse.Namespace) -> ServingBenchConfig:
 
 def write_results(result: dict[str, Any], path: str | Path, argv: list[str] | None = None) -> None:
     """Save the results next to their provenance (machine, software, command) as JSON."""
-    from minisgl_ref.bench.provenance import collect_provenance  # imports torch: only when saving
+    from minisgl_ref.bench.provenance import (
+        collect_provenance,  # imports torch: only when saving
+    )
 
     # The load average says how busy the client's machine was (on a shared machine, a lot: read it with the
     # latencies). It is the machine of the server too when the server runs locally.
@@ -620,7 +652,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     try:
         result = run_benchmark(cfg)
-    except httpx.HTTPError as e:
+    except aiohttp.ClientConnectionError as e:
         raise ConnectionError(f"cannot reach {cfg.base_url}: {e}") from e
     print(format_report(result))
     if args.output_file:
