@@ -61,11 +61,7 @@ from typing import Any, TypeVar
 import aiohttp
 import numpy as np
 
-from minisgl_ref.bench.workloads import (
-    Workload,
-    random_workload,
-    shared_prefix_workload,
-)
+from minisgl_ref.bench.workloads import Workload, random_workload, shared_prefix_workload
 
 BACKENDS = ("minisgl", "sglang", "openai", "openai-chat")
 DATASETS = ("random", "shared-prefix")
@@ -636,9 +632,7 @@ def config_from_args(args: argparse.Namespace) -> ServingBenchConfig:
 
 def write_results(result: dict[str, Any], path: str | Path, argv: list[str] | None = None) -> None:
     """Save the results next to their provenance (machine, software, command) as JSON."""
-    from minisgl_ref.bench.provenance import (
-        collect_provenance,  # imports torch: only when saving
-    )
+    from minisgl_ref.bench.provenance import collect_provenance  # imports torch: only when saving
 
     # The load average says how busy the client's machine was (on a shared machine, a lot: read it with the
     # latencies). It is the machine of the server too when the server runs locally.
