@@ -661,17 +661,60 @@ if all(f.exists() for f in BENCHES.values()):  # GPU results, written by scripts
 # %% [markdown]
 # Two very different answers, and the difference is the schema. With **bounded strings** (`maxLength` on every
 # string, as in the script's schema) every output is a complete, valid object, and the grammar is cheap at batch 1
-# (about 10% per token) but 4.4x the free time per token at batch 64: a string of at most 40 characters is a
-# chain of 40 states, and which tokens fit at each point of it is not in xgrammar's precomputed tables but checked
-# token by token, about 0.9 ms of CPU per row and step on that machine. Even spread over xgrammar's threads,
-# 64 rows take longer than the 5 ms forward pass the fill overlaps with, and the device waits. **Without length
-# bounds** a row inside a string costs about 0.01 ms and the grammar adds 4-11% per token; but with random weights
-# these outputs never closed their first string within 600 tokens, so this measures the cheap state only, not a
-# whole object. Jump-forward saves decode steps on structure (the bounded run's keys and punctuation: 65-70%
-# fewer steps) but costs host time per row and step, so its wall-clock gain shrinks as the batch grows.
+# (about 10% per token) but 4.4x the free time per token at batch 64: filling a row cost about 0.9 ms of CPU per
+# step on average on that machine, and even spread over xgrammar's threads, 64 rows take longer than the 5 ms
+# forward pass the fill overlaps with, so the device waits. **Without length bounds** a row inside a string costs
+# about 0.01 ms and the grammar adds 4-11% per token; but with random weights these outputs never closed their
+# first string within 600 tokens, so this measures the cheap state only, not a whole object. Jump-forward saves
+# decode steps on structure (the bounded run's keys and punctuation: 65-70% fewer steps) but costs host time per
+# row and step, so its wall-clock gain shrinks as the batch grows.
+#
+# Where inside a bounded string does the time go? The cell below fills one mask row after a growing number of
+# characters of a string of at most 40, on this CPU.
+
+# %%
+def fill_ms(schema: dict, text: str, repeat: int = 30) -> float:
+    """Milliseconds to fill one mask row once the output so far is ``text``."""
+    state = backend.matcher(backend.compile(spec_of(SamplingParams(json_schema=json.dumps(schema)))),
+                            llm.eos_token_ids)
+    assert state.accepts(llm.tokenizer.encode(text))
+    mask = TokenBitmask(VOCAB, 1)
+    mask.fill([(0, state)])
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        mask.fill([(0, state)])
+    return (time.perf_counter() - t0) / repeat * 1e3
+
+
+NAME = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+NAME40 = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}}, "required": ["name"]}
+written = list(range(0, 41, 2))
+bounded_ms = [fill_ms(NAME40, '{"name": "' + "a" * n) for n in written]
+free_ms = [fill_ms(NAME, '{"name": "' + "a" * n) for n in written]
+fig, ax = plt.subplots(figsize=(7, 2.8))
+ax.plot(written, bounded_ms, marker="o", label="maxLength 40")
+ax.plot(written, free_ms, marker="s", label="no bound")
+ax.set_xlabel("characters of the string written so far")
+ax.set_ylabel("ms to fill one mask row")
+ax.set_title("one mask row inside a JSON string, this CPU", fontsize=9)
+ax.legend(fontsize=8)
+fig.tight_layout()
+plt.show()
+print(f"maxLength 40: {min(bounded_ms):.3f}-{max(bounded_ms):.3f} ms per row (peak after "
+      f"{written[int(np.argmax(bounded_ms))]} characters); no bound: at most {max(free_ms):.3f} ms")
+
+# %% [markdown]
+# Far from the bound a row costs a few hundredths of a millisecond (ten times an unbounded row, still nothing).
+# The cost is in the last fifteen or so characters, where it climbs about a hundredfold: there, whether a token
+# fits depends on its length against the characters left, which a table computed once per grammar state cannot
+# know, and the curve has the shape of checking, one by one, the tokens long enough to cross the bound (SmolLM2
+# has about 5,500 tokens longer than 10 characters; 99% of its tokens have at most 14). A real model names a person in a few characters
+# and closes the string long before the bound; random weights write until the bound stops them, so every string
+# of the GPU run passed through the expensive stretch. The bounded GPU measurement is therefore the worst case,
+# not a typical one.
 #
 # The lesson for schemas: length bounds, like regex patterns on strings, are where constrained decoding gets
-# expensive, because they are where the mask cannot be looked up.
+# expensive, because near them the mask cannot be looked up.
 
 # %% [markdown]
 # ## Exercises
