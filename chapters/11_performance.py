@@ -545,8 +545,11 @@ for side in ("server", "client"):
 # bottleneck, at a few thousand tokens a second.
 #
 # What remains per event on the server is Starlette's streaming response (a chain of `send` wrappers per chunk)
-# and one socket write per event; on the client, parsing the cumulative JSON. Section 9's table was measured
-# before these changes, so its ITL column still shows the bursts.
+# and one socket write per event; on the client, parsing the cumulative JSON. And if the API server falls behind
+# all the same, it no longer pays per token for it: a handler that wakes to find several chunks of its request
+# waiting sends them as one event (`coalesce` in `minisgl_ref/server/tokenizer_manager.py`), so a backlog costs
+# one encode and one write, and reaches the client as one event rather than as a burst of events microseconds
+# apart. Section 9's table was measured before these changes, so its ITL column still shows the bursts.
 
 # %% [markdown]
 # ## Exercises

@@ -189,6 +189,25 @@ def test_native_event_with_spliced_ids_is_the_plain_encoding():
         assert native_sse(event, out.ids_json).endswith("\n\n")
 
 
+def test_chunks_that_piled_up_are_sent_as_one_per_sequence():
+    """A handler that fell behind gets, per sequence, one chunk saying what all its waiting chunks said."""
+    from minisgl_ref.server.tokenizer_manager import Chunk, coalesce
+
+    def chunk(text, ids, done=False, lp=None):
+        return Chunk(text, ids, done, {"type": "length"} if done else None, 2, 0, 5, "r", logprobs=lp)
+
+    pending = [(1, chunk("a", [1], lp={"input": ["p"], "output": ["x1"]})), (0, chunk("b", [2])),
+               (1, chunk("c", [3], lp={"input": [], "output": ["x3"]})), (0, chunk("", [4], done=True)),
+               (1, chunk("d", [5], done=True))]
+    merged = coalesce(pending)
+    assert [i for i, _ in merged] == [1, 0]
+    one, zero = merged[0][1], merged[1][1]
+    assert (one.text, one.token_ids, one.finished, one.logprobs) == ("acd", [1, 3, 5], True,
+                                                                      {"input": ["p"], "output": ["x1", "x3"]})
+    assert (zero.text, zero.token_ids, zero.finished, zero.logprobs) == ("b", [2, 4], True, None)
+    assert coalesce(pending[:1]) == pending[:1]
+
+
 def test_sampling_parameters_honoured(server, client, llm):
     """Seeded sampling with penalties, top_p and a temperature gives exactly the offline engine's tokens; ``n``
     samples are ``n`` choices, sample j seeded with ``seed + j`` (so choice 0 is the n=1 answer)."""
