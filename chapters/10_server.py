@@ -141,10 +141,11 @@ def alive(pid: int) -> bool:
 #     S -- "RpcResp" --> TM
 # ```
 #
-# * The **API server** (the process you start) runs uvicorn's event loop. Every HTTP connection is a coroutine on
-#   it, so thousands of idle streams cost almost nothing. The `TokenizerManager` lives here too: it turns text into
-#   token ids, checks each request (prompt length against the context window, ids against the vocabulary), and
-#   keeps one queue per request in flight. Like SGLang's tokenizer manager, and unlike a separate tokenizer
+# * The **API server** (the process you start) runs uvicorn's event loop (uvloop, with the httptools parser, when
+#   they are installed). Every HTTP connection is a coroutine on it, so thousands of idle streams cost almost
+#   nothing; busy ones cost CPU per streamed token, which chapter 11 measures. The `TokenizerManager` lives here
+#   too: it turns text into token ids, checks each request (prompt length against the context window, ids against
+#   the vocabulary), and keeps one queue per request in flight. Like SGLang's tokenizer manager, and unlike a separate tokenizer
 #   process, this means a bad request gets its 400 before it enters the pipeline at all.
 # * The **scheduler** owns the engine and nothing else. Its loop drains whatever messages have arrived, runs one
 #   `engine.step()`, and sends every request's new token ids on. It never waits for a client and never decodes
@@ -954,7 +955,8 @@ print("python", " ".join(router_command(dp_args, dp_urls, metrics_port=41003)[1:
 # 6. **Bursts.** In the GPU table, the median ITL at rate `inf` is 0.05 ms. Find where the chunks of one stream
 #    bunch up: add timestamps to `BatchStrOut` (when the scheduler sent the row, when the detokenizer forwarded
 #    it) and compare them with the client's arrival times in `bench serving`. SGLang's `--stream-interval`
-#    sends a stream's chunks every N tokens instead of every token: what would it do to these numbers?
+#    sends a stream's chunks every N tokens instead of every token: what would it do to these numbers? (Chapter 11,
+#    section 10, measures what one streamed token costs the API server and the client.)
 # 7. **Routing policies.** Start two servers and the router by hand (`python -m sglang_router.launch_router
 #    --worker-urls URL1 URL2 --policy round_robin`), then `--policy cache_aware`, and send both the same mix:
 #    three groups of requests, each group sharing its own long system prompt. Compare the workers' `prefill_tokens`

@@ -748,6 +748,10 @@ print(f"maxLength 40: {min(bounded_ms):.3f}-{max(bounded_ms):.3f} ms per row (pe
 # python3 scripts/gpu/constrained_bench.py docs/data/constrained_bench_typical_h100.json --schema typical \
 #     --model-path FOLDER --load-format dummy --max-new-tokens 600
 # ```
+#
+# Expected on a 2-core x86_64 CPU: the chapter in about 40 s; in section 7, one mask row inside a string of at
+# most 40 characters fills in about 0.05 ms for the first 20 characters and up to about 4.5 ms around the 32nd,
+# against about 0.005 ms without the bound.
 
 # %%
 print(f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s")
