@@ -73,7 +73,8 @@ def merge_chunks(first: Chunk, then: Chunk) -> Chunk:
     """One chunk that says what ``first`` and then ``then`` (of the same sequence) said."""
     logprobs = first.logprobs
     if then.logprobs:
-        logprobs = {key: (first.logprobs or {}).get(key, []) + then.logprobs.get(key, []) for key in ("input", "output")}
+        before = first.logprobs or {}
+        logprobs = {key: before.get(key, []) + then.logprobs.get(key, []) for key in ("input", "output")}
     return dataclasses.replace(then, text=first.text + then.text, token_ids=first.token_ids + then.token_ids,
                                logprobs=logprobs)
 
