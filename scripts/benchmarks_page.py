@@ -157,7 +157,15 @@ def main() -> None:
     page += ["## Other results", "",
              "- Attention kernels against the memory roofline (chapter 07): `docs/data/gpu_kernels_h100.json`.",
              "- Online serving (chapter 10): `docs/data/bench_serving_h100.json`, `docs/data/bench_serving_cpu.json`.",
-             "- Prefix sharing, CPU quick run (chapter 04): `docs/data/bench_offline_quick_shared_prefix_cpu.json`.", ""]
+             "- Prefix sharing, CPU quick run (chapter 04): `docs/data/bench_offline_quick_shared_prefix_cpu.json`.",
+             "- Start-up, first run, cascade decode on a shared prefix, grouped admission (chapter 11, sections 6-8): "
+             "`docs/data/perf2_h100.json`.",
+             "- Online serving at three request rates and saturation, default and mixed chunks (chapter 11, section 9): "
+             "`docs/data/bench_serving_sweep_h100.json`.",
+             "- CPU time per streamed token in the API server and the benchmark client (chapter 11, section 10): "
+             "`docs/data/stream_cost_cpu.json`.",
+             "- Constrained decoding against free decoding, and jump-forward (chapter 12): "
+             "`docs/data/constrained_bench_h100.json`, `docs/data/constrained_bench_typical_h100.json`.", ""]
     (ROOT / "docs" / "benchmarks.md").write_text("\n".join(page))
 
 
