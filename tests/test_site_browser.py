@@ -187,7 +187,15 @@ class PageVisit:
     def search(self, query: str) -> int:
         box = self.page.locator("input.md-search__input")
         box.click()
-        box.fill(query)
+        # The theme builds its search index in a web worker after the page loads (seconds for this site's index
+        # on a slow machine), and a query set before it is ready can be lost; so wait for the result header to
+        # leave its "Initializing search" state, then type the query key by key, as a reader does (the theme
+        # searches on keyboard events: a value set in one go after start-up finds nothing).
+        self.page.wait_for_function(
+            "() => { const m = document.querySelector('.md-search-result__meta');"
+            " return !m || !m.textContent.includes('Initializing'); }",
+            timeout=90_000)
+        box.press_sequentially(query, delay=20)
         self.page.wait_for_function(
             "() => document.querySelectorAll('.md-search-result__item').length > 0", timeout=60_000)
         return self.page.locator(".md-search-result__item").count()
