@@ -55,6 +55,7 @@ import torch
 from minisgl_ref.bench.provenance import collect_provenance
 from minisgl_ref.bench.workloads import Workload, canonical_workload, shared_prefix_workload, warmup_workload
 from minisgl_ref.core.config import EngineConfig
+from minisgl_ref.engine.step_trace import StepTrace
 from minisgl_ref.models.config import ModelConfig
 from minisgl_ref.models.loader import MODEL_REGISTRY, shipped_config_names
 from minisgl_ref.models.weights import checkpoint_shapes
@@ -365,17 +366,27 @@ def _forget_warmup(llm) -> None:  # type: ignore[no-untyped-def]
         llm.engine.flush_cache()  # through the engine: at tp > 1 the followers flush theirs too
 
 
-def time_generate(llm, workload: Workload, *, warmup: Workload | None = None):  # type: ignore[no-untyped-def]
+def time_generate(llm, workload: Workload, *, warmup: Workload | None = None,  # type: ignore[no-untyped-def]
+                  step_log: str | None = None):
     """Run the workload through ``llm.generate`` once (after an optional untimed warm-up) and return
-    ``(outputs, wall seconds, counter deltas)``. The progress bar stays off: drawing it costs time too."""
+    ``(outputs, wall seconds, counter deltas)``. The progress bar stays off: drawing it costs time too.
+    ``step_log``: trace the timed run's steps to this file (:mod:`~minisgl_ref.engine.step_trace`)."""
     if warmup is not None:
         llm.generate(warmup.prompts, warmup.sampling_params, use_tqdm=False)
         _forget_warmup(llm)
+    trace = StepTrace(step_log) if step_log and llm.engine_kind != "naive" else None
+    if trace is not None:
+        llm.engine.trace = trace
     before = _Counters.read(llm)
     _synchronize(llm.device)
     start = time.perf_counter()
-    outputs = llm.generate(workload.prompts, workload.sampling_params, use_tqdm=False)
-    _synchronize(llm.device)
+    try:
+        outputs = llm.generate(workload.prompts, workload.sampling_params, use_tqdm=False)
+        _synchronize(llm.device)
+    finally:
+        if trace is not None:
+            llm.engine.trace = None
+            trace.close()
     wall = time.perf_counter() - start
     return outputs, wall, _Counters.read(llm) - before
 
@@ -443,12 +454,14 @@ def _free_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def measure(llm, stage: str, workload: Workload, bandwidth: float) -> RunResult:  # type: ignore[no-untyped-def]
+def measure(llm, stage: str, workload: Workload, bandwidth: float,  # type: ignore[no-untyped-def]
+            step_log: str | None = None) -> RunResult:
     """Time ``workload`` on a built ``llm`` and report it. On CUDA a short warm-up runs first, and the result
     carries the workload's roofline floor and the fraction of it that was reached."""
     on_cuda = llm.device.type == "cuda"
     caches = count_cache_entries() if on_cuda else None
-    outputs, wall, counters = time_generate(llm, workload, warmup=warmup_workload() if on_cuda else None)
+    outputs, wall, counters = time_generate(llm, workload, warmup=warmup_workload() if on_cuda else None,
+                                            step_log=step_log)
     result = summarize(llm, stage, outputs, wall, counters)
     if on_cuda:
         assert caches is not None
@@ -459,8 +472,10 @@ def measure(llm, stage: str, workload: Workload, bandwidth: float) -> RunResult:
 
 
 def run_stage(stage: str, workload: Workload, model: ModelSpec, base_engine_kwargs: dict[str, Any], *,
-              bandwidth: float = H100_MEASURED_BANDWIDTH, engine: str | None = None) -> RunResult:
-    """Build the engine of one ladder stage, time the workload on it, drop it again.
+              bandwidth: float = H100_MEASURED_BANDWIDTH, engine: str | None = None,
+              step_log: str | None = None) -> RunResult:
+    """Build the engine of one ladder stage, time the workload on it, drop it again (``step_log``: trace the
+    timed run's steps to this file).
 
     ``stage="custom"`` uses ``engine`` and ``base_engine_kwargs`` exactly as given (the CLI without
     ``--stage``); the result is still labelled with the stage it matches, if any."""
@@ -474,7 +489,7 @@ def run_stage(stage: str, workload: Workload, model: ModelSpec, base_engine_kwar
     startup = time.perf_counter() - t0
     device = llm.device
     try:
-        result = measure(llm, stage, workload, bandwidth)
+        result = measure(llm, stage, workload, bandwidth, step_log)
         result.startup_s = startup
         result.startup_phases = dict(getattr(getattr(llm, "runtime", None), "startup", {})) or None
         return result
@@ -565,6 +580,8 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hbm-bandwidth", type=float, default=H100_MEASURED_BANDWIDTH,
                    help="bytes/s for the roofline floor (default: the H100's measured 3.0e12)")
     g.add_argument("--cpu-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--step-log", default=None,
+                   help="append one JSON line per engine step of the timed run to this file (without --stage)")
     p.set_defaults(load_format=None, max_prefill_tokens=None, chunked_prefill_size=None)
 
 
@@ -610,7 +627,8 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     if args.stage and "naive" in args.stage:
         _warn_if_naive_is_slow(workload)
     if args.stage is None:
-        results = [run_stage("custom", workload, model, kwargs, bandwidth=args.hbm_bandwidth, engine=args.engine)]
+        results = [run_stage("custom", workload, model, kwargs, bandwidth=args.hbm_bandwidth, engine=args.engine,
+                             step_log=args.step_log)]
     else:
         results = run_ladder(workload, args.stage, model, kwargs, bandwidth=args.hbm_bandwidth, log=sys.stderr)
     print(format_table(results))

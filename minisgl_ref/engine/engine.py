@@ -81,6 +81,7 @@ from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.core.request import Req, TokenLogprob
 from minisgl_ref.distributed.group import min_over_ranks
 from minisgl_ref.engine.model_runner import ModelRunner, PromptLogprobPlan, StepOutput
+from minisgl_ref.engine.step_trace import StepTrace
 from minisgl_ref.kvcache.allocator import PageAllocator
 from minisgl_ref.kvcache.inflight import InflightFrees
 from minisgl_ref.kvcache.pool import KVPool
@@ -109,6 +110,7 @@ class Launched:
     step: int
     batch: ScheduledBatch
     output: StepOutput
+    after_idle: bool = False  # nothing ran before it: the time since the previous step was idle, not waiting
 
 
 @dataclass
@@ -194,6 +196,7 @@ class Engine:
         self.overlap = not self.config.disable_overlap_schedule
         self.inflight: Launched | None = None
         self.stats = EngineStats()
+        self.trace: StepTrace | None = None  # a per-step record to a file, when asked for (--step-log)
         # Structured output (chapter 12): None without a tokenizer; compiles lazily, so free requests never pay.
         self.grammar = grammar_backend
         self._bitmask: TokenBitmask | None = None  # allocated with the first constrained step
@@ -324,6 +327,8 @@ class Engine:
         the old row of a request retracted since it was scheduled (chapter 06)."""
         batch, out = launched.batch, launched.output
         tokens = out.tokens()  # the one wait for the device per step: after it, the step's tokens are here
+        if self.trace is not None:
+            self.trace.record(batch, launched.after_idle)
         if out.prompt_logprobs is not None:
             self._record_prompt_logprobs(batch, *out.prompt_logprobs)
         logprobs = _rows(out.logprobs) if out.logprobs is not None else None
@@ -347,6 +352,7 @@ class Engine:
         return [StepEvent(r, "", True) for r in self.scheduler.take_aborted()]
 
     def _schedule_and_launch(self) -> Launched | NeedSync | None:
+        idle = self.inflight is None and not self.scheduler.running and self.scheduler.chunked is None
         batch = self.scheduler.schedule()
         if batch is None or isinstance(batch, NeedSync):
             return batch
@@ -363,7 +369,7 @@ class Engine:
         self.stats.steps += 1
         self.stats.prefill_tokens += batch.num_prefill_tokens
         self.stats.decode_tokens += batch.num_tokens - batch.num_prefill_tokens
-        return Launched(step, batch, output)
+        return Launched(step, batch, output, idle)
 
     def _commit_launched(self, batch: ScheduledBatch) -> None:
         """Offer the prompt tokens that ``batch`` computes to the radix tree as soon as the step is launched.

@@ -41,6 +41,9 @@ class ServerArgs:
     max_request_body_mb: float = flag(32.0, "refuse request bodies larger than this many MiB with 413, before "
                                             "reading them")
     enable_metrics: bool = flag(False, "serve Prometheus metrics at /metrics")
+    step_log: str | None = flag(None, "append one JSON line per engine step to this file (what ran, and the "
+                                      "time since the previous step's tokens): where an inter-token latency "
+                                      "tail comes from")
     log_level: str = flag("info", choices=LOG_LEVELS)
     shell: bool = flag(False, "chat in this terminal instead of serving HTTP")
     # data parallelism: N whole servers behind SGLang's router (data_parallel.py)
