@@ -2,9 +2,10 @@
 
 The unit tests drive :func:`~minisgl_ref.constrained.jump_forward.plan_jump` with SmolLM2's tokenizer and a real
 xgrammar matcher, on one compact JSON schema (``{"name": <string>, "age": <integer>}``) at chosen points of its
-output: at the start (the forced ``{"name": "`` is appended as is), inside a string (nothing is forced), right
-after ``"Ada"`` (the forced ``, "age":`` merges with the closing quote: one token is rolled back), with no room to
-roll back, with only whitespace forced, and with a matcher that refuses the plan. The engine test runs the
+output: at the start (the forced ``{"name": "`` is appended but for its last token), inside a string (nothing is
+forced), right after ``"Ada"`` (the forced ``, "age":`` merges with the closing quote: one token is rolled back),
+with no room to roll back, with only whitespace or a single token forced, and with a matcher that refuses the
+plan. The engine test runs the
 embedded model greedily with and without jump-forward (radix cache, overlap and chunking off, so that only the
 earlier chapters' basic paths run) and checks outputs and step counts.
 """
@@ -66,49 +67,54 @@ def _allowed(state: GrammarState, vocab: int) -> list[int]:
 
 
 @pytest.mark.task("12.1")
-def test_forced_text_at_the_start_is_appended_as_tokenized(compiled, tokenizer):
-    """Nothing sampled yet: the whole forced prefix ``{"name": "`` is appended, no rollback, matcher advanced."""
+def test_forced_text_at_the_start_is_appended_but_its_last_token(compiled, tokenizer):
+    """Nothing sampled yet: of the forced prefix ``{"name": "`` (tokens ``{"`` ``name`` ``":`` `` "``), all but the
+    last token are appended, no rollback, matcher advanced; `` "`` is left to the model (it may write `` "A``)."""
     state = GrammarState(compiled, tokenizer.eos_token_ids)
     jump = plan_jump(state, tokenizer.hf, [], max_rollback=4)
-    forced = '{"name": "'
-    assert jump == Jump(0, _encode(tokenizer, forced), forced, _encode(tokenizer, forced))
+    assert _encode(tokenizer, '{"name": "')[:-1] == _encode(tokenizer, '{"name":')
+    assert jump == Jump(0, _encode(tokenizer, '{"name":'), '{"name":', _encode(tokenizer, '{"name":'))
     assert state.num_accepted == len(jump.tokens)
-    assert state.jump_forward_string() == ""  # inside the string: the model chooses now
-    assert state.accepts(_encode(tokenizer, 'Ada", "age": 36}'))
+    assert state.jump_forward_string() == ' "'  # still forced, and the model's to sample
+    assert state.accepts(_encode(tokenizer, ' "Ada", "age": 36}'))
 
 
 @pytest.mark.task("12.1")
 def test_forced_text_is_retokenized_with_the_tail_and_one_token_rolled_back(compiled, tokenizer):
-    """After ``"Ada"`` the grammar forces ``, "age": ``. The space is left to the model; the rest, tokenized with
-    the tail, turns the closing ``"`` and the ``,`` into one token ``",``: roll back one, append four."""
+    """After ``"Ada"`` the grammar forces ``, "age": ``. The space is left to the model, and so is the last token
+    ``":``; the rest, ``, "age``, tokenized with the tail, turns the closing ``"`` and the ``,`` into one token
+    ``",``: roll back one, append three."""
     state, out = _state_after(compiled, tokenizer, '{"name": "Ada"')
     assert state.jump_forward_string() == ', "age": '
     jump = plan_jump(state, tokenizer.hf, out, max_rollback=4)
     assert jump is not None
-    assert (jump.rollback, jump.text, jump.text_ids) == (1, ', "age":', _encode(tokenizer, ', "age":'))
-    assert jump.tokens == _encode(tokenizer, '", "age":') and len(jump.tokens) == 4
+    assert (jump.rollback, jump.text, jump.text_ids) == (1, ', "age', _encode(tokenizer, ', "age'))
+    assert jump.tokens == _encode(tokenizer, '", "age') and len(jump.tokens) == 3
     new_out = out[: len(out) - jump.rollback] + jump.tokens
-    assert new_out == _encode(tokenizer, '{"name": "Ada", "age":')  # the canonical tokens of the whole text
+    assert new_out == _encode(tokenizer, '{"name": "Ada", "age')  # the canonical tokens of the whole text
     assert state.num_accepted == len(new_out)  # the matcher follows the new tokens
-    assert state.accepts(_encode(tokenizer, " 36}")) and state.accept(sorted(tokenizer.eos_token_ids)[0])
+    assert state.jump_forward_string() == '": '  # the held-back token is still forced
+    assert state.accepts(_encode(tokenizer, '": 36}')) and state.accept(sorted(tokenizer.eos_token_ids)[0])
     assert state.is_terminated
 
 
 @pytest.mark.task("12.1")
 def test_no_rollback_allowed_appends_the_forced_text_alone(compiled, tokenizer):
-    """``max_rollback=0`` (the tail's KV is shared): the forced text's own tokens go after the output as it is."""
+    """``max_rollback=0`` (the tail's KV is shared): the forced text's own tokens, the last held back, go after the
+    output as it is."""
     state, out = _state_after(compiled, tokenizer, '{"name": "Ada"')
     jump = plan_jump(state, tokenizer.hf, out, max_rollback=0)
-    alone = _encode(tokenizer, ', "age":')
-    assert jump == Jump(0, alone, ', "age":', alone)
+    alone = _encode(tokenizer, ', "age')
+    assert jump == Jump(0, alone, ', "age', alone)
     assert state.num_accepted == len(out) + len(alone)
 
 
 @pytest.mark.task("12.1")
-def test_nothing_or_only_whitespace_forced_gives_no_jump(compiled, tokenizer):
+def test_nothing_whitespace_or_one_token_forced_gives_no_jump(compiled, tokenizer):
     """Inside a string the model has a choice; after ``"age":`` only a space is forced, which is the model's to
-    sample. Both: no jump, and the matcher is left exactly where it was."""
-    for text in ('{"name": "Ad', '{"name": "Ada", "age":'):
+    sample; after ``"age": 36`` only ``}`` is forced, a single token, which is held back. All: no jump, and the
+    matcher is left exactly where it was."""
+    for text in ('{"name": "Ad', '{"name": "Ada", "age":', '{"name": "Ada", "age": 36'):
         state, out = _state_after(compiled, tokenizer, text)
         before = (state.num_accepted, state.jump_forward_string(), _allowed(state, len(tokenizer.hf)))
         assert plan_jump(state, tokenizer.hf, out, max_rollback=4) is None, text

@@ -12,6 +12,13 @@ the last few output tokens together with the forced text, keep the common prefix
 replace the rest: the matcher is rolled back to that prefix and advanced by the new tokens, and the request
 continues with an extend step over them.
 
+The same holds at the far end of the forced text. The grammar stops forcing in the middle of what the tokenizer
+would write as one token: after ``"skills": [`` it forces `` [``, and the model's own token there is `` ["``.
+Appending `` [`` and then letting the model sample ``"`` separately is a tokenization it never saw, and a real
+model drifts off after it (SmolLM2 starts writing ``["./Lyon/Lyon/...`` until its length limit). So the last
+forced token is always left for the model to sample, which it may extend: one decode step per jump buys back
+the model's own tokenization. A forced stretch of a single token is then not jumped at all.
+
 :func:`plan_jump` does the token work and advances the matcher; the engine changes the request and its KV
 bookkeeping. The retokenized text must decode to exactly the old text plus the forced text (checked), so the
 request's text is what it would have been had the forced tokens been sampled.
@@ -61,11 +68,15 @@ def plan_jump(state: GrammarState, tokenizer: Any, output_ids: list[int], max_ro
 
     1. The forced text is ``state.jump_forward_string()`` with trailing whitespace removed (``rstrip``): a BPE
        vocabulary glues a space to the word after it, so a lone forced space is left for the model to sample.
-       Nothing left: return None.
-    2. ``text_ids``: the forced text tokenized alone. If that is empty or does not decode back to exactly the
-       text, return None.
+    2. Tokenize it alone. Its **last token is held back** for the model to sample: the forced text ends where the
+       grammar stops forcing, which is usually in the middle of what the tokenizer would write as one token
+       (forced `` [`` before a string: the model writes `` ["``). Appending `` [`` would give the model a
+       tokenization it never saw in training, and its output drifts (it answers ``["./`` instead of
+       ``["Python``). So the text to append is the decode of all tokens but the last, ``text_ids`` are that
+       text's own tokens, and if there are none, or they do not decode back to exactly that text, return None:
+       a single forced token is sampled like any other.
     3. The tail: the last ``min(RETOKENIZE_WINDOW, max_rollback, len(output_ids))`` output tokens. If there is a
-       tail, tokenize (its decoded text + the forced text) together; if that decodes back to exactly the same
+       tail, tokenize (its decoded text + the text to append) together; if that decodes back to exactly the same
        string, these are the new tokens; otherwise forget the tail (empty) and use ``text_ids``. With no tail, the
        new tokens are ``text_ids``.
     4. Keep the longest common prefix of the tail and the new tokens (``_common_prefix_len``): ``rollback`` is
@@ -77,18 +88,21 @@ def plan_jump(state: GrammarState, tokenizer: Any, output_ids: list[int], max_ro
     6. Return ``Jump(rollback, tokens, text, text_ids)``.
 
     Example (SmolLM2's tokenizer, a schema with keys ``name`` and ``age``): the output ends ``... "Ada"``, with
-    ``"`` the last token, and the grammar forces ``, "age": ``. The forced text is ``, "age":``, whose tokens alone
-    start with ``','``; with the tail, the tokenizer writes ``'",'`` as one token. So the plan rolls back one
-    token (the ``'"'``) and appends four: ``'",'``, ``' "'``, ``'age'``, ``'":'``."""
+    ``"`` the last token, and the grammar forces ``, "age": ``. The forced text is ``, "age":``, whose tokens are
+    ``','``, ``' "'``, ``'age'``, ``'":'``; the last is held back, so the text to append is ``, "age``. With the
+    tail, the tokenizer writes ``'",'`` as one token. So the plan rolls back one token (the ``'"'``) and appends
+    three: ``'",'``, ``' "'``, ``'age'``; the model then samples ``'":'`` itself, the only token it may."""
     # BEGIN TASK 12.1: jump-forward with retokenization
     # Trailing whitespace stays for the model to sample: BPE vocabularies glue a space to the word after it
     # (" you"), so a forced lone " " token would be followed by an unnatural space-less word, or a second space.
-    text = state.jump_forward_string().rstrip()
-    if not text:
+    forced = state.jump_forward_string().rstrip()
+    if not forced:
         return None
-    text_ids = tokenizer.encode(text, add_special_tokens=False)
+    # The last forced token is left to the model: it may merge with what comes after it (" [" + '"' -> ' ["').
+    text = tokenizer.decode(tokenizer.encode(forced, add_special_tokens=False)[:-1], skip_special_tokens=False)
+    text_ids = tokenizer.encode(text, add_special_tokens=False) if text else []
     if not text_ids or tokenizer.decode(text_ids, skip_special_tokens=False) != text:
-        return None  # the forced text is not a whole number of tokens' worth of characters
+        return None  # one forced token only, or text that is not a whole number of tokens' worth of characters
     window = min(RETOKENIZE_WINDOW, max_rollback, len(output_ids))
     tail = output_ids[len(output_ids) - window :] if window > 0 else []
     new_ids = text_ids
