@@ -91,6 +91,9 @@ def main() -> int:
     p.add_argument("--load-format", default="auto", help="dummy: random weights, the folder's real tokenizer")
     p.add_argument("--schema", choices=["bounded", "typical"], default="bounded",
                    help="bounded: strings with maxLength (the default); typical: the same fields without bounds")
+    p.add_argument("--torch-profile", action="store_true",
+                   help="profile the device (torch.profiler) during each timed jump-forward run: the kernels and "
+                        "operators by device and host time to OUT.torch_profile.txt")
     p.add_argument("--profile", action="store_true",
                    help="profile the host (cProfile) during each timed constrained and jump-forward run, top functions "
                         "to OUT.profile.txt")
@@ -121,6 +124,15 @@ def main() -> int:
                 with open(args.out + ".profile.txt", "a") as f:
                     f.write(f"=== batch {bs}, {'jump_forward' if jump else 'constrained'}, {r['wall_s']:.2f} s\n"
                             f"{text.getvalue()}\n")
+            elif args.torch_profile and jump:
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    outs, r = timed(llm, batch, cons)
+                with open(args.out + ".torch_profile.txt", "a") as f:
+                    f.write(f"=== batch {bs}, jump_forward, {r['wall_s']:.2f} s, {r['steps']} steps\n")
+                    for key in ("self_cuda_time_total", "self_cpu_time_total"):
+                        f.write(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70) + "\n")
             else:
                 outs, r = timed(llm, batch, cons)
             jumped = (llm.engine.stats.jump_forward_tokens - jumped) // 2  # warm-up and timed run alike
