@@ -1,0 +1,92 @@
+"""Why a request arriving during decode stalls the running ones: time every engine step around the arrival of a
+long prompt while a few requests decode, and profile (cProfile, torch.profiler) the step that launches its prefill.
+
+    python3 scripts/gpu/prefill_stall.py OUT_PREFIX [--model-path qwen3-0.6b] [--arrivals 8]
+
+Writes OUT_PREFIX.json (step times per arrival) and OUT_PREFIX.profile.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import random
+import sys
+import time
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--model-path", default="qwen3-0.6b")
+    p.add_argument("--arrivals", type=int, default=8)
+    p.add_argument("--running", type=int, default=8)
+    args = p.parse_args()
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from minisgl_ref import LLM, SamplingParams
+    from minisgl_ref.bench.provenance import collect_provenance
+
+    llm = LLM(args.model_path, load_format="dummy", dtype="bfloat16", device="cuda")
+    engine = llm.engine
+    rng = random.Random(0)
+    vocab = llm.config.vocab_size
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(100, vocab - 100) for _ in range(n)]
+
+    llm.generate([prompt(900) for _ in range(4)], SamplingParams(max_new_tokens=8, ignore_eos=True), use_tqdm=False)
+    for _ in range(args.running):
+        engine.add_request(llm.make_request(prompt(1000), SamplingParams(max_new_tokens=100000, ignore_eos=True)))
+    for _ in range(30):
+        engine.step()
+    torch.cuda.synchronize()
+
+    def timed_steps(n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            engine.step()
+            out.append(1e3 * (time.perf_counter() - t0))
+        return out
+
+    report, text = [], io.StringIO()
+    for i in range(args.arrivals):
+        before = timed_steps(5)
+        n = rng.randrange(700, 1100)
+        engine.add_request(llm.make_request(prompt(n), SamplingParams(max_new_tokens=100000, ignore_eos=True)))
+        if i == args.arrivals - 2:
+            prof = cProfile.Profile()
+            prof.enable()
+            after = timed_steps(3)
+            prof.disable()
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+            text.write(f"=== cProfile: the 3 steps after an arrival of {n} tokens: {after}\n{s.getvalue()}\n")
+        elif i == args.arrivals - 1:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+                after = timed_steps(3)
+                torch.cuda.synchronize()
+            text.write(f"=== torch.profiler: the 3 steps after an arrival of {n} tokens: {after}\n")
+            for key in ("self_cpu_time_total", "self_cuda_time_total"):
+                text.write(tp.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70) + "\n")
+        else:
+            after = timed_steps(3)
+        report.append({"prompt_tokens": n, "steps_before_ms": before, "steps_after_ms": after})
+        print(json.dumps(report[-1]), flush=True)
+        for _ in range(20):
+            engine.step()
+    with open(args.out + ".json", "w") as f:
+        json.dump({"what": __doc__.split("\n\n")[0], "arrivals": report, "provenance": collect_provenance(sys.argv)},
+                  f, indent=1)
+    with open(args.out + ".profile.txt", "w") as f:
+        f.write(text.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
