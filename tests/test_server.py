@@ -77,9 +77,6 @@ def test_health_models_and_info(server, client):
     sinfo = server.server_info()
     assert sinfo["max_total_num_tokens"] > 0 and "api_key" not in sinfo
     assert set(sinfo["pids"]) == {"server", "scheduler", "detokenizer"}
-    # The scheduler froze its start-up objects (model, torch, tokenizer: well over 100k of them), so the garbage
-    # collector's full passes no longer stall the token stream for tens of milliseconds.
-    assert sinfo["gc_frozen_objects"] > 100_000
     assert server.get("/health_generate").status_code == 200
 
 

@@ -20,7 +20,7 @@ import zmq
 
 from minisgl_ref.server.args import Addresses, ServerArgs
 from minisgl_ref.server.messages import BatchStrOut, BatchTokenOut, decode, encode
-from minisgl_ref.server.process_utils import ParentWatch, child_process_setup, freeze_startup_objects, report_ready
+from minisgl_ref.server.process_utils import ParentWatch, child_process_setup, report_ready
 
 IDLE_POLL_MS = 500
 
@@ -105,7 +105,6 @@ def run_detokenizer_process(args: ServerArgs, addrs: Addresses, ready_conn: Any)
     except Exception as e:  # noqa: BLE001
         report_ready(ready_conn, {"error": f"{type(e).__name__}: {e}"})
         return
-    freeze_startup_objects()
     report_ready(ready_conn, {"ok": {}})
     log.debug("ready")
     try:

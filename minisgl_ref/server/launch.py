@@ -35,7 +35,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from minisgl_ref.server.args import Addresses, ServerArgs
-from minisgl_ref.server.process_utils import configure_logging, freeze_startup_objects
+from minisgl_ref.server.process_utils import configure_logging
 
 log = logging.getLogger("minisgl_ref.server")
 
@@ -248,7 +248,6 @@ class Launcher:
             access_log=self.args.log_level == "debug", lifespan="off", timeout_graceful_shutdown=3,
         )
         server = self.uvicorn_server = uvicorn.Server(config)
-        freeze_startup_objects()  # the app, the tokenizer, the imported libraries
 
         def stop() -> None:
             server.should_exit = True

@@ -1,9 +1,7 @@
-"""Small helpers every server process uses: logging, signals, noticing that the parent is gone, keeping the
-garbage collector out of the token stream (chapter 10)."""
+"""Small helpers every server process uses: logging, signals, noticing that the parent is gone (chapter 10)."""
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -28,22 +26,6 @@ def child_process_setup(level: str, process_name: str) -> logging.Logger:
     action, which is how the parent stops them."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     return configure_logging(level, process_name)
-
-
-def freeze_startup_objects() -> None:
-    """Exempt everything built at start-up from the garbage collector's full passes.
-
-    CPython's cycle collector walks every tracked container object in a full (generation-2) pass, and a process
-    that has imported torch and transformers and built a model holds a few hundred thousand of them. A full
-    pass then stops the process for tens of milliseconds (~35 ms on an H100 host's core, ~160 ms on a small
-    laptop-class one), and the collector starts one whenever enough new objects have piled up, every few seconds
-    in a busy server. In the scheduler each pause lands between two steps: every running request sees one
-    inter-token gap ten times longer than a step, which is what a P99 inter-token latency measures.
-    ``gc.freeze()`` moves every object alive now into a permanent generation that the collector no longer scans,
-    so full passes only walk what was created since (requests, their lists); reference counting still frees
-    frozen objects as usual. Call it once, at the end of start-up."""
-    gc.collect()
-    gc.freeze()
 
 
 class ParentWatch:

@@ -25,7 +25,6 @@ scheduler decodes a tail of each request to check stop strings, its detokenizer 
 
 from __future__ import annotations
 
-import gc
 import logging
 import shutil
 import time
@@ -49,7 +48,7 @@ from minisgl_ref.server.messages import (
     decode,
     encode,
 )
-from minisgl_ref.server.process_utils import ParentWatch, child_process_setup, freeze_startup_objects, report_ready
+from minisgl_ref.server.process_utils import ParentWatch, child_process_setup, report_ready
 from minisgl_ref.tokenizer import IncrementalDetokenizer
 
 # Prompt ids the detokenizer gets as context for the first output token (IncrementalDetokenizer looks at most
@@ -218,7 +217,6 @@ class SchedulerWorker:
             "prefill_tokens": engine.stats.prefill_tokens,
             "decode_tokens": engine.stats.decode_tokens,
             "num_tracked_reqs": len(self.reqs),
-            "gc_frozen_objects": gc.get_freeze_count(),  # start-up objects the collector no longer scans
         }
 
     # ------------------------------------------------------------------------------------------------- outputs
@@ -335,7 +333,6 @@ def run_scheduler_process(args: ServerArgs, addrs: Addresses, ready_conn: Any, t
         report_ready(ready_conn, {"ok": {"tp_rank": tp_rank, "device": str(rt.device)}}, close=False)
         return run_follower_rank(rt, args, log, ready_conn)
     t0 = time.perf_counter()
-    freeze_startup_objects()  # the model, torch, the CUDA graphs: never scanned by the collector again
     report_ready(ready_conn, {"ok": worker.info()}, close=False)
     log.info("ready: %s", worker.info())
     try:
