@@ -24,6 +24,9 @@ def main() -> int:
     p.add_argument("--model-path", default="qwen3-0.6b")
     p.add_argument("--arrivals", type=int, default=8)
     p.add_argument("--running", type=int, default=8)
+    p.add_argument("--fixed-length", type=int, default=None,
+                   help="every arriving prompt has this many tokens (default: 700-1,099 at random): whether the "
+                        "stall is a first-call cost per new shape")
     args = p.parse_args()
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -57,7 +60,7 @@ def main() -> int:
     report, text = [], io.StringIO()
     for i in range(args.arrivals):
         before = timed_steps(5)
-        n = rng.randrange(700, 1100)
+        n = args.fixed_length or rng.randrange(700, 1100)
         engine.add_request(llm.make_request(prompt(n), SamplingParams(max_new_tokens=100000, ignore_eos=True)))
         if i == args.arrivals - 2:
             prof = cProfile.Profile()
@@ -81,7 +84,7 @@ def main() -> int:
         for _ in range(20):
             engine.step()
     with open(args.out + ".json", "w") as f:
-        json.dump({"what": __doc__.split("\n\n")[0], "arrivals": report, "provenance": collect_provenance(sys.argv)},
+        json.dump({"what": __doc__.split("\n\n")[0], "fixed_length": args.fixed_length, "arrivals": report, "provenance": collect_provenance(sys.argv)},
                   f, indent=1)
     with open(args.out + ".profile.txt", "w") as f:
         f.write(text.getvalue())
