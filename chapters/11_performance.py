@@ -621,17 +621,31 @@ plt.show()
 # %% [markdown]
 # A decode step with eight requests takes ~2.3 ms; the step that launches a 1,000-token prefill takes 18-47 ms,
 # although the GPU works for under 9 ms in it and the two steps after it (`docs/data/prefill_stall_h100.profile.txt`
-# has the host and device profiles of those steps). The rest is host time of the
-# eager prefill forward: every prompt has a new length, so every matrix product has a new shape, and the first
-# call of each shape pays for choosing and setting up its kernel; the offline canonical run shows the same fixed
-# cost from the other side, with prefill steps of 16,384 tokens taking ~40 ms, barely more than one of 1,000.
-# That is where this chapter stops: the next steps are padding prefill lengths to a few fixed sizes, so that
-# shapes repeat, and capturing prefill steps in CUDA graphs too; measure each with `prefill_stall.py` and the
-# sweep's step-gap columns.
+# has the host and device profiles of those steps). The offline canonical run shows the same fixed cost from the
+# other side: its prefill steps of 16,384 tokens take ~40 ms, barely more than one of 1,000. A natural suspect is
+# the first call of every new matrix shape (each prompt has its own length, and choosing a kernel for a new shape
+# costs host time); the script's `--fixed-length 1000` run rules it out: with every prompt of the same length the
+# step still takes 26-44 ms.
+
+# %%
+FX = json.loads((ROOT / "docs" / "data" / "prefill_stall_fixed_h100.json").read_text())
+print("every prompt 1,000 tokens: the step that launches its prefill",
+      ", ".join(f"{a['steps_after_ms'][0]:.0f}" for a in FX["arrivals"]), "ms")
+
+# %% [markdown]
+# What the host profile does show is the time spread thin over the eager forward pass's ~400 operator calls
+# (about 50 us per matrix product where a launch costs ~10, about 200 us per call of FlashAttention's operator
+# wrapper), with the GPU idle most of the time, and the stall longest at the end of the run, when the most
+# requests run (26-32 ms for the first six arrivals of the fixed-length run, 36 and 44 ms for the last two, as
+# eight arrivals join eight decoding requests). That is where this chapter stops. Next steps to measure
+# with `prefill_stall.py` and the sweep's step-gap columns: a timeline of the launching step (which calls wait,
+# and for what), capturing prefill steps in CUDA graphs too (the graph that made decode steps cheap, chapter 08),
+# and splitting a long prompt's prefill over several steps only if each piece is cheap to launch.
 #
 # The right panel is the other half of the story of section 5: with fewer than 32 requests running, a decode
 # step of the canonical workload still takes ~2.9 ms (the fixed cost of a step), and a tenth of its decode steps
 # run there.
+#
 # At saturation (rate `inf`) the engine's P99 gap is 7-11 ms while the client's ITL P99 is 100-170 ms with a
 # median of 0.1 ms: with 160 streams at once the client still receives tokens in bursts (section 10).
 
@@ -717,7 +731,8 @@ plt.show()
 # about 47 us of API-server CPU and 67 us of client CPU per streamed token, against about 83 and 124 before.
 # Section 11 on an H100 (`docs/data/serving_step_gaps_h100.json`, `prefill_stall_h100.json`): at 8 requests/s an
 # engine step-gap P99 of 25-30 ms against a median of ~2.2 ms, nearly every step over 15 ms next to a prefill;
-# 18-47 ms for the step that launches a ~1,000-token prefill against ~2.3 ms for the decode steps before it.
+# 18-47 ms for the step that launches a ~1,000-token prefill against ~2.3 ms for the decode steps before it, and
+# 26-44 ms with `--fixed-length 1000` (`prefill_stall_fixed_h100.json`).
 
 # %%
 print(f"chapter ran in {time.perf_counter() - CHAPTER_START:.1f} s")
