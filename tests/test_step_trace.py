@@ -49,3 +49,10 @@ def test_the_trace_of_a_run_matches_the_engine_counters(tmp_path):
     assert lines[0]["gap_ms"] == 0 and all(x["gap_ms"] > 0 for x in lines[1:])
     prefill = [x["prefill_tokens"] for x in lines if x["prefill_tokens"]]
     assert max(prefill) <= 128 and len(prefill) >= -(-wl.input_tokens // 128)  # the step budget held
+
+
+def test_step_log_with_a_ladder_of_stages_is_refused():
+    import argparse
+
+    with pytest.raises(ValueError, match="--step-log"):
+        offline.main(argparse.Namespace(step_log="steps.jsonl", stage=["paged", "radix"]), {})

@@ -616,6 +616,9 @@ def _warn_if_naive_is_slow(workload: Workload) -> None:
 
 def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     """Run ``bench offline`` from parsed CLI arguments; ``engine_kwargs`` are the shared engine flags."""
+    if getattr(args, "step_log", None) and args.stage is not None:
+        raise ValueError("--step-log traces the one run of the engine as configured; it cannot be combined with "
+                         "--stage (several engines, one after the other)")
     if args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)
     workload = workload_from_args(args)
