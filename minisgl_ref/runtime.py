@@ -123,7 +123,8 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
         phase("weights")
         if kind == "paged" and device.type == "cuda":  # compile kernels now, in parallel, not in the first steps
             engine_config = engine or EngineConfig()
-            warmup.start(warmup.shapes_of(net, config, engine_config, device), device).wait()
+            warmup.start(warmup.shapes_of(net, config, engine_config, device), device,
+                         warmup.matmul_shapes(net, engine_config)).wait()
             phase("kernel compiles")
         # Structured output (chapter 12): grammars compile against the model's vocabulary size, which may exceed
         # the tokenizer's; nothing is built until the first constrained request.

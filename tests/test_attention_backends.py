@@ -14,11 +14,13 @@ CUDA-graph hooks, and a whole engine generating the same greedy tokens as with t
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import os
 import random
 import sys
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -556,6 +558,35 @@ def test_float32_models_default_to_triton_on_a_gpu():
             check_backend_can_run(name, torch.device("cuda"), torch.float32)
 
 
+def _fake_fa3(params: tuple[str, ...], n_op_args: int) -> SimpleNamespace:
+    """A stand-in for ``flash_attn_interface``: an entry point with ``params`` and an operator with that many args."""
+    def entry(*args, **kwargs):
+        raise AssertionError("not called")
+
+    entry.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in params])
+    schema = SimpleNamespace(arguments=[SimpleNamespace(name=f"a{i}") for i in range(n_op_args)])
+    op = SimpleNamespace(default=SimpleNamespace(_schema=schema))
+    return SimpleNamespace(_flash_attn_forward=SimpleNamespace(_init_fn=entry),
+                           flash_attn_3_gpu=SimpleNamespace(fwd=op))
+
+
+def test_fa3_operator_is_called_directly_only_for_the_argument_list_it_was_written_for():
+    """The fa3 backend calls FA3's operator itself (no custom-op wrapper) only when the build's entry point has
+    exactly the expected arguments in the expected order and the operator takes that many; any other build (a
+    renamed, reordered, added or removed argument, or no operator at all) goes through the Python entry point."""
+    from minisgl_ref.attention.fa3_backend import FA3_OP_ARGS, fa3_operator
+
+    n = len(FA3_OP_ARGS)
+    good = _fake_fa3(FA3_OP_ARGS, n)
+    assert fa3_operator(good) is good.flash_attn_3_gpu.fwd
+    swapped = (FA3_OP_ARGS[1], FA3_OP_ARGS[0], *FA3_OP_ARGS[2:])
+    assert fa3_operator(_fake_fa3(swapped, n)) is None
+    assert fa3_operator(_fake_fa3(FA3_OP_ARGS, n + 1)) is None
+    assert fa3_operator(_fake_fa3((*FA3_OP_ARGS, "extra"), n + 1)) is None
+    assert fa3_operator(SimpleNamespace()) is None
+
+
 @pytest.mark.parametrize("field", ["attention_backend", "prefill_attention_backend", "decode_attention_backend"])
 def test_unknown_backend_name_is_a_value_error_naming_the_field(field):
     from minisgl_ref.core.config import EngineConfig
@@ -828,7 +859,8 @@ def test_gpu_engine_qwen3_matches_torch_native(qwen3_small_path, engine_kw):
     name = engine_kw.get("attention_backend")
     if name is not None and not gpu_backend_available(name):
         pytest.skip(f"{name} cannot run here")
-    ref = engine_logits(qwen3_small_path, attention_backend="torch_native")
+    # The reference runs extend steps unpadded (the engine under test pads them to 64 tokens, the CUDA default).
+    ref = engine_logits(qwen3_small_path, attention_backend="torch_native", extend_token_multiple=1)
     ours = engine_logits(qwen3_small_path, **engine_kw)
     assert ref.keys() == ours.keys()
     compared = 0

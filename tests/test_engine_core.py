@@ -651,6 +651,71 @@ def test_oracle_matrix(tiny_llm, radix, page, chunk, overlap, mixed, small):
         assert all(r.cached_tokens == 0 for r in reqs)
 
 
+@pytest.mark.parametrize("multiple", [7, 16])
+@pytest.mark.parametrize("radix,page,chunk,overlap,mixed", [
+    (True, 1, 24, True, True), (True, 16, 7, True, False), (False, 1, -1, False, True), (True, 16, -1, False, False),
+])  # fmt: skip
+def test_extend_padding_row_keeps_the_oracle_tokens(tiny_llm, multiple, radix, page, chunk, overlap, mixed):
+    """With ``extend_token_multiple`` every extend step runs the model on a multiple of that many tokens (a padding
+    row after the real ones), and the outputs are still the oracle's: the padding row reads page-table row 0
+    (which a live request owns: the first one admitted gets it) but never writes it, and writes only the
+    reserved slot 0. Decode steps are not padded."""
+    prompts, params = shared_prefix_workload()
+    expected = oracle(tiny_llm, prompts, params)
+    engine = make_engine(tiny_llm, disable_radix_cache=not radix, page_size=page, chunked_prefill_size=chunk,
+                         disable_overlap_schedule=not overlap, enable_mixed_chunk=mixed,
+                         extend_token_multiple=multiple)
+    seen: list[tuple[bool, int, int]] = []  # (decode?, tokens the model ran on, real tokens)
+    pad = engine.runner.pad_extend
+
+    def recording_pad(fb):
+        real = fb.input_ids.shape[0]
+        out = pad(fb)
+        seen.append((out.mode.is_decode, out.input_ids.shape[0], real))
+        return out
+
+    engine.runner.pad_extend = recording_pad  # type: ignore[method-assign]
+    reqs = make_reqs(tiny_llm, prompts, params)
+    drive(engine, reqs)
+    assert_matches_oracle(reqs, expected)
+    assert_pool_accounting(engine)
+    extend = [(t, real) for decode, t, real in seen if not decode]
+    assert extend and all(t % multiple == 0 and 0 <= t - real < multiple for t, real in extend)
+    assert any(t > real for t, real in extend), "no step needed padding: the test would not test it"
+    assert all(t == real for decode, t, real in seen if decode)
+
+
+def test_matmul_warmup_lists_every_extend_shape_once(tiny_llm):
+    """The start-up matmul warm-up (engine/warmup.py) meets each projection weight shape once at every padded
+    token count an extend step can have (up to the prefill budget, plus the decode rows of a mixed step), and
+    the LM head at every row count of a step; without padding only the LM head, whose counts are few."""
+    from minisgl_ref.engine import warmup
+    from minisgl_ref.layers.embedding import ParallelLMHead
+
+    model = tiny_llm.model
+    lm_head = next(m for m in model.modules() if isinstance(m, ParallelLMHead)).weight
+    shapes = warmup.matmul_shapes(model, EngineConfig(max_prefill_tokens=256, max_running_requests=4,
+                                                      extend_token_multiple=64))
+    by_weight = {tuple(w.shape): counts for w, _, counts in shapes}
+    layer = model.layers[0]
+    projections = {tuple(m.weight.shape) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj)}
+    assert len(shapes) == len(by_weight) == len(projections | {tuple(lm_head.shape)})  # each shape once
+    assert all(by_weight[s] == [64, 128, 192, 256] for s in projections)
+    assert by_weight[tuple(lm_head.shape)] == [1, 2, 3, 4]
+    mixed = warmup.matmul_shapes(model, EngineConfig(max_prefill_tokens=256, max_running_requests=4,
+                                                     extend_token_multiple=64, enable_mixed_chunk=True))
+    assert {tuple(w.shape): c for w, _, c in mixed}[tuple(layer.mlp.down_proj.weight.shape)][-1] == 320
+    off = warmup.matmul_shapes(model, EngineConfig(max_running_requests=4, extend_token_multiple=1))
+    assert [(tuple(w.shape), c) for w, _, c in off] == [(tuple(lm_head.shape), [1, 2, 3, 4])]
+    warmup._matmuls(shapes)  # runs (on the CPU here: nothing to warm, but the calls are the real ones)
+
+
+def test_extend_token_multiple_is_validated():
+    with pytest.raises(ValueError, match="extend_token_multiple must be >= 1, got 0"):
+        EngineConfig(extend_token_multiple=0)
+
+
 SMOL_CONFIGS = [
     pytest.param(dict(), id="defaults"),
     pytest.param(dict(page_size=16, chunked_prefill_size=16, max_total_tokens=96, init_new_token_ratio=0.0,

@@ -20,6 +20,12 @@ multiple of 256 tokens and without ``cu_seqlens_q``: when only FA2 is installed 
 multiple of 256. (That path is written to FA2's documented API but was not run here: the GPU machine of this
 project has no FA2 build.)
 
+Host cost: FA3's Python entry point wraps its operator in a ``torch.library.custom_op`` (so that
+``torch.compile`` can trace it), and that layer costs ~80 us of host time per call on an H100 host. An eager
+extend step calls attention once per layer, so for a 28-layer model the wrapper was ~2.4 ms of a ~20 ms launch
+(chapter 11, section 11). The backend calls the registered operator ``torch.ops.flash_attn_3.fwd`` itself when its
+signature is the one written for here, and the Python entry point otherwise.
+
 CUDA graphs: decode, FA3 only. Static ``page_table`` ``[max_bs, max_context]`` and ``cache_seqlens`` buffers;
 replay copies the new lengths and the first ``max(seq_lens_cpu)`` columns of the batch's page-table rows into them
 (the host-side lengths: no sync).
@@ -59,6 +65,30 @@ def import_flash_attention(hopper: bool) -> tuple[str, Any]:
     return "fa2", flash_attn
 
 
+#: The arguments of FA3's operator, in order, as its Python entry point (``_flash_attn_forward``) passes them.
+FA3_OP_ARGS = ("q", "k", "v", "k_new", "v_new", "qv", "out_", "cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_k_new",
+               "seqused_q", "seqused_k", "max_seqlen_q", "max_seqlen_k", "page_table", "kv_batch_idx", "leftpad_k",
+               "rotary_cos", "rotary_sin", "seqlens_rotary", "q_descale", "k_descale", "v_descale",
+               "softmax_scale", "causal", "window_size_left", "window_size_right", "attention_chunk", "softcap",
+               "rotary_interleaved", "scheduler_metadata", "num_splits", "pack_gqa", "sm_margin", "sinks")
+
+
+def fa3_operator(fa: Any) -> Any | None:
+    """FA3's registered forward operator, when this build's entry point passes it exactly the arguments the direct
+    call below is written for (same names, same order, as many as the operator takes); else None: another build
+    of FlashAttention-3, called through its Python entry point."""
+    import inspect
+
+    op = getattr(getattr(fa, "flash_attn_3_gpu", None), "fwd", None)
+    entry = getattr(getattr(fa, "_flash_attn_forward", None), "_init_fn", None)
+    try:
+        params = tuple(inspect.signature(entry).parameters)  # type: ignore[arg-type]
+        n_op = len(op.default._schema.arguments)  # type: ignore[union-attr]
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return op if params == FA3_OP_ARGS and n_op == len(FA3_OP_ARGS) else None
+
+
 @dataclass
 class FlashAttentionMetadata:
     cache_seqlens: torch.Tensor  # [B] int32: whole context per request, new tokens included
@@ -80,6 +110,7 @@ class FlashAttentionBackend(AttentionBackend):
         if self.device.type != "cuda":
             raise ValueError("the fa3 attention backend needs a CUDA device")
         self.version, self.fa = import_flash_attention(torch.cuda.get_device_capability(self.device)[0] == 9)
+        self.op = fa3_operator(self.fa) if self.version == "fa3" else None
         # CUDA graphs record FA3's decode call; FA2's varlen call is not captured here.
         self.supports_cuda_graph = self.version == "fa3"
         if self.version == "fa2" and page_size % FA2_PAGE_MULTIPLE:
@@ -133,16 +164,20 @@ class FlashAttentionBackend(AttentionBackend):
                 q, k_cache, v_cache, md.cu_seqlens_q, md.cu_seqlens_k, md.max_seqlen_q, md.max_seqlen_k,
                 softmax_scale=layer.scale, causal=True, block_table=md.page_table,
             )  # fmt: skip
-        if decode:  # [B, 1, H, D]: one query per request, no cu_seqlens (what a CUDA graph can record)
+        # decode: [B, 1, H, D], one query per request and no cu_seqlens (what a CUDA graph can record)
+        q = q.unsqueeze(1) if decode else q
+        cu_seqlens_q, max_seqlen_q = (None, None) if decode else (md.cu_seqlens_q, md.max_seqlen_q)
+        if self.op is not None:
+            # The operator's own argument list: new K/V, rotary, descales, windows and splits all off.
+            out = self.op(q, k_cache, v_cache, None, None, None, None, cu_seqlens_q, None, None, None,
+                          md.cache_seqlens, max_seqlen_q, None, md.page_table, None, None, None, None, None, None,
+                          None, None, layer.scale, True, -1, -1, 0, 0.0, True, None, 1, None, 0, None)[0]
+        else:
             out = self.fa.flash_attn_with_kvcache(
-                q.unsqueeze(1), k_cache, v_cache, cache_seqlens=md.cache_seqlens, page_table=md.page_table,
-                softmax_scale=layer.scale, causal=True,
+                q, k_cache, v_cache, cache_seqlens=md.cache_seqlens, page_table=md.page_table,
+                cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, softmax_scale=layer.scale, causal=True,
             )  # fmt: skip
-            return out.squeeze(1)
-        return self.fa.flash_attn_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens=md.cache_seqlens, page_table=md.page_table,
-            cu_seqlens_q=md.cu_seqlens_q, max_seqlen_q=md.max_seqlen_q, softmax_scale=layer.scale, causal=True,
-        )  # fmt: skip
+        return out.squeeze(1) if decode else out
 
     def attend_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch

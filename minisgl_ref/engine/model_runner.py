@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 #: Prompt positions turned into logits at once when computing prompt log probabilities.
 LOGPROB_CHUNK = 512
+#: On CUDA, extend steps run with a token count rounded up to a multiple of this (:meth:`ModelRunner.pad_extend`).
+EXTEND_TOKEN_MULTIPLE = 64
 
 
 @dataclass
@@ -135,6 +137,7 @@ class ModelRunner:
         use_cuda_graph: bool = False,
         cuda_graph_max_bs: int | None = None,
         cascade: CascadeDecodeBackend | None = None,
+        extend_token_multiple: int | None = None,
     ) -> None:
         self.model = model
         self.vocab_size = vocab_size
@@ -148,6 +151,14 @@ class ModelRunner:
         self._table_on_device = req_to_token.table is not req_to_token.host
         self._last_sampling: tuple[list, SamplingBatchInfo] | None = None  # (reqs, info) of the last decode
         self.cascade = cascade
+        # Extend steps run with a token count rounded up to this multiple (see pad_extend). The padding row's
+        # device constants are made once: zeros (ids, slots, page-table row) and 0 .. multiple (positions, length).
+        multiple = extend_token_multiple or (EXTEND_TOKEN_MULTIPLE if device.type == "cuda" else 1)
+        if multiple < 1:
+            raise ValueError(f"extend_token_multiple must be >= 1, got {multiple}")
+        self.extend_token_multiple = multiple
+        self._pad_zeros = torch.zeros(multiple, dtype=torch.int64, device=device)
+        self._pad_range = torch.arange(multiple, dtype=torch.int64, device=device)
         self.graph_runner = self.cascade_graph_runner = None
         if use_cuda_graph:
             max_bs = cuda_graph_max_bs or req_to_token.max_requests - 1
@@ -245,6 +256,39 @@ class ModelRunner:
         return fb
         # END TASK 3.3
 
+    def pad_extend(self, fb: ForwardBatch) -> ForwardBatch:
+        """Round an extend step's token count up to a multiple of ``self.extend_token_multiple`` with one padding
+        row: ``pad`` dummy tokens (token 0 at positions 0 .. pad - 1) of a request with nothing cached, reading
+        page-table row 0 and writing their K and V to the reserved slot 0, as the CUDA-graph padding rows of
+        chapter 08 do. The padding row comes last, after every real token and row, so ``last_token_indices`` and
+        the sampled rows do not change: its tokens are computed and never read. Decode steps are returned as
+        they are (they have CUDA graphs, padded by batch size).
+
+        Why: cuBLAS chooses a matmul kernel per shape, and on an H100 host the first call with a new token count
+        costs ~250-400 us more than a repeated one, for each of the ~110 matmuls of an eager step of a 28-layer
+        model. Prompts of random lengths made almost every prefill step pay that (tens of ms, chapter 11,
+        section 11); rounded to 64 tokens there are few shapes, and at most 63 dummy tokens per step.
+
+        The page-table scatter of :meth:`prepare` has already run, so the padding never writes row 0; it only
+        reads it (whatever slots are there: every entry of the table is a valid slot)."""
+        t = fb.input_ids.shape[0]
+        pad = -t % self.extend_token_multiple
+        if pad == 0 or fb.mode.is_decode:
+            return fb
+        assert fb.out_cache_loc is not None and fb.req_pool_indices is not None and fb.seq_lens is not None
+        if self._pad_range.shape[0] < self.extend_token_multiple:  # the multiple was raised after construction
+            self._pad_zeros = torch.zeros(self.extend_token_multiple, dtype=torch.int64, device=self.device)
+            self._pad_range = torch.arange(self.extend_token_multiple, dtype=torch.int64, device=self.device)
+        zeros, ramp = self._pad_zeros, self._pad_range
+        fb.input_ids = torch.cat([fb.input_ids, zeros[:pad]])
+        fb.positions = torch.cat([fb.positions, ramp[:pad]])
+        fb.out_cache_loc = torch.cat([fb.out_cache_loc, zeros[:pad]])
+        fb.req_pool_indices = torch.cat([fb.req_pool_indices, zeros[:1]])
+        fb.seq_lens = torch.cat([fb.seq_lens, ramp[pad : pad + 1]])
+        fb.extend_lens_cpu = [*fb.extend_lens_cpu, pad]
+        fb.prefix_lens_cpu = [*fb.prefix_lens_cpu, 0]
+        return fb
+
     # ------------------------------------------------------------------------------------------------ sampling
 
     def sampling_info(self, batch: ScheduledBatch) -> SamplingBatchInfo:
@@ -327,7 +371,8 @@ class ModelRunner:
         ``before_sampling`` (a step with constrained rows, chapter 12) is called with the logits [B, V] after the
         forward pass has been launched and before sampling: it may wait for the previous step's tokens and mask
         the logits in place."""
-        fb = self.prepare(batch)
+        fb = self.pad_extend(self.prepare(batch))
+        rows = fb.req_pool_indices[: len(batch.rows)]  # the real rows (an extend step may end with a padding row)
         if self.cascade is not None:
             if batch.is_decode:  # shared prefixes read once per group this step, if the batch has any
                 self.cascade.attach(fb, [row.req.req_pool_idx for row in batch.rows])
@@ -344,10 +389,10 @@ class ModelRunner:
         # Rows that emit a token publish it where the next decode step will look for it.
         emits = [row.emits for row in batch.rows]
         if all(emits):
-            self.token_buffer[fb.req_pool_indices] = next_tokens
+            self.token_buffer[rows] = next_tokens
         elif any(emits):
             idx = to_device(torch.tensor([i for i, e in enumerate(emits) if e]), self.device)
-            self.token_buffer[fb.req_pool_indices[idx]] = next_tokens[idx]
+            self.token_buffer[rows[idx]] = next_tokens[idx]
         host_tokens = copy_done = None
         if next_tokens.is_cuda:
             # Start the device-to-host copies now, in stream order right after sampling, and mark their end with

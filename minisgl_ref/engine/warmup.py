@@ -11,6 +11,9 @@ release the GIL, so they overlap) right after the weights are loaded; :meth:`War
 engine captures its CUDA graphs (a capture must not see other threads' kernels). Each result lands in its
 on-disk cache (FlashInfer's, Triton's and Inductor's), so the next start on the same machine only loads it. One
 log line says what compiled and how long the slowest took.
+
+cuBLAS has a first-call cost of its own, per matmul shape and per process (no disk cache): the same job pool
+runs every matmul an eager step can meet once (:func:`matmul_shapes`).
 """
 
 from __future__ import annotations
@@ -78,6 +81,52 @@ def _sampler(shapes: KernelShapes, device: torch.device) -> None:
     compile_kernels(shapes.vocab_size, device)
 
 
+#: One matmul an eager step runs, and the token counts (rows) it will see: (weight, bias or None, counts).
+MatmulShapes = tuple[torch.Tensor, "torch.Tensor | None", list[int]]
+
+
+def matmul_shapes(model: torch.nn.Module, engine: EngineConfig) -> list[MatmulShapes]:
+    """The matmuls of an eager (extend) step on CUDA, each with the row counts it can see.
+
+    cuBLAS chooses its kernel for a matmul shape on the first call with that shape, and that first call costs
+    ~0.25-0.4 ms of host time on an H100 host against ~0.03 ms for a repeat. An extend step multiplies by each
+    of the model's projection weights once per layer with as many rows as the step has tokens; since its token
+    count is padded to a multiple of ``extend_token_multiple`` (``ModelRunner.pad_extend``), the counts an
+    extend step can have are few enough to meet them all here: multiples of it up to the step's token budget.
+    The LM head sees one row per request of the step. Decode shapes need nothing: capturing their CUDA graphs
+    runs them. With padding off (a multiple of 1) only the LM head's shapes are warmed."""
+    from minisgl_ref.engine.model_runner import EXTEND_TOKEN_MULTIPLE
+    from minisgl_ref.layers.embedding import ParallelLMHead
+    from minisgl_ref.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    multiple = engine.extend_token_multiple or EXTEND_TOKEN_MULTIPLE
+    budget = engine.max_prefill_tokens + (engine.max_running_requests if engine.enable_mixed_chunk else 0)
+    tokens = list(range(multiple, budget + multiple, multiple)) if multiple > 1 else []
+    rows = list(range(1, engine.max_running_requests + 1))
+    seen: set[tuple] = set()
+    out: list[MatmulShapes] = []
+    for m in model.modules():
+        if isinstance(m, ParallelLMHead):
+            weight, bias, counts = m.weight, None, rows
+        elif isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            weight, bias, counts = m.weight, getattr(m, "bias", None), tokens
+        else:
+            continue
+        key = (tuple(weight.shape), weight.dtype, bias is not None, len(counts))
+        if counts and key not in seen:
+            seen.add(key)
+            out.append((weight, bias, counts))
+    return out
+
+
+def _matmuls(shapes: list[MatmulShapes]) -> None:
+    """Run each matmul once at each of its row counts (inputs of zeros; the outputs are dropped)."""
+    for weight, bias, counts in shapes:
+        x = torch.zeros(max(counts), weight.shape[1], dtype=weight.dtype, device=weight.device)
+        for n in counts:
+            torch.nn.functional.linear(x[:n], weight, bias)
+
+
 @dataclass
 class Warmup:
     """The compiles started by :func:`start`; :meth:`wait` joins them and logs one line."""
@@ -121,8 +170,9 @@ def shapes_of(model: torch.nn.Module, config: ModelConfig, engine: EngineConfig,
                         config.intermediate_size, config.vocab_size, config.dtype, decode, prefill)
 
 
-def start(shapes: KernelShapes, device: torch.device) -> Warmup:
-    """Start every start-up compile for ``shapes`` on ``device`` in background threads (nothing on the CPU)."""
+def start(shapes: KernelShapes, device: torch.device, matmuls: list[MatmulShapes] | None = None) -> Warmup:
+    """Start every start-up compile for ``shapes`` on ``device`` in background threads (nothing on the CPU), and
+    the first call of each matmul shape in ``matmuls`` (:func:`matmul_shapes`)."""
     warm = Warmup()
     if device.type != "cuda":
         return warm
@@ -136,6 +186,8 @@ def start(shapes: KernelShapes, device: torch.device) -> Warmup:
         todo["decode attention"] = lambda: _attention(shapes, device, "decode")
     if shapes.prefill_backend == "flashinfer":
         todo["prefill attention"] = lambda: _attention(shapes, device, "prefill")
+    if matmuls:
+        todo["matmul shapes"] = lambda: _matmuls(matmuls)
     log.info("start-up: compiling %s in parallel (cached on disk for the next start)", ", ".join(todo))
     pool = ThreadPoolExecutor(max_workers=len(todo), thread_name_prefix="compile")
     warm.jobs = {name: pool.submit(_timed, fn) for name, fn in todo.items()}

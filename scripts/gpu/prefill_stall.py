@@ -2,6 +2,7 @@
 long prompt while a few requests decode, and profile (cProfile, torch.profiler) the step that launches its prefill.
 
     python3 scripts/gpu/prefill_stall.py OUT_PREFIX [--model-path qwen3-0.6b] [--arrivals 8]
+    python3 scripts/gpu/prefill_stall.py OUT_PREFIX --ab --arrivals 24   # padding x FA3 call, interleaved
 
 Writes OUT_PREFIX.json (step times per arrival) and OUT_PREFIX.profile.txt.
 """
@@ -27,6 +28,10 @@ def main() -> int:
     p.add_argument("--fixed-length", type=int, default=None,
                    help="every arriving prompt has this many tokens (default: 700-1,099 at random): whether the "
                         "stall is a first-call cost per new shape")
+    p.add_argument("--ab", action="store_true",
+                   help="interleave four settings over the arrivals: extend padding to 64 tokens on/off x FA3's "
+                        "operator called directly / through its Python entry point")
+    p.add_argument("--device", default="cuda", help="cpu: a dry run of this script, nothing measured")
     args = p.parse_args()
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -34,7 +39,7 @@ def main() -> int:
     from minisgl_ref import LLM, SamplingParams
     from minisgl_ref.bench.provenance import collect_provenance
 
-    llm = LLM(args.model_path, load_format="dummy", dtype="bfloat16", device="cuda")
+    llm = LLM(args.model_path, load_format="dummy", dtype="bfloat16", device=args.device)
     engine = llm.engine
     rng = random.Random(0)
     vocab = llm.config.vocab_size
@@ -47,7 +52,8 @@ def main() -> int:
         engine.add_request(llm.make_request(prompt(1000), SamplingParams(max_new_tokens=100000, ignore_eos=True)))
     for _ in range(30):
         engine.step()
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    sync()
 
     def timed_steps(n: int) -> list[float]:
         out = []
@@ -57,12 +63,21 @@ def main() -> int:
             out.append(1e3 * (time.perf_counter() - t0))
         return out
 
+    runner = engine.runner
+    pb = getattr(runner.attn_backend, "prefill", runner.attn_backend)  # the backend of extend steps
+    op = getattr(pb, "op", None)
+    settings = [("pad64+op", 64, op), ("pad1+op", 1, op), ("pad64+entry", 64, None), ("pad1+entry", 1, None)]
     report, text = [], io.StringIO()
     for i in range(args.arrivals):
+        label = None
+        if args.ab:
+            label, runner.extend_token_multiple, pb.op = settings[i % len(settings)]
         before = timed_steps(5)
         n = args.fixed_length or rng.randrange(700, 1100)
         engine.add_request(llm.make_request(prompt(n), SamplingParams(max_new_tokens=100000, ignore_eos=True)))
-        if i == args.arrivals - 2:
+        if args.ab:
+            after = timed_steps(3)
+        elif i == args.arrivals - 2:
             prof = cProfile.Profile()
             prof.enable()
             after = timed_steps(3)
@@ -79,13 +94,19 @@ def main() -> int:
                 text.write(tp.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70) + "\n")
         else:
             after = timed_steps(3)
-        report.append({"prompt_tokens": n, "steps_before_ms": before, "steps_after_ms": after})
+        report.append({"setting": label, "prompt_tokens": n, "steps_before_ms": before, "steps_after_ms": after})
         print(json.dumps(report[-1]), flush=True)
         for _ in range(20):
             engine.step()
+    summary = {}
+    for label, _, _ in settings if args.ab else []:
+        stalls = sorted(r["steps_after_ms"][0] for r in report if r["setting"] == label)
+        summary[label] = {"arrivals": len(stalls), "stall_ms_median": round(stalls[len(stalls) // 2], 3),
+                          "stall_ms_max": round(stalls[-1], 3), "stall_ms": [round(x, 3) for x in stalls]}
+    print("summary:", json.dumps(summary), flush=True)
     with open(args.out + ".json", "w") as f:
-        json.dump({"what": __doc__.split("\n\n")[0], "fixed_length": args.fixed_length, "arrivals": report, "provenance": collect_provenance(sys.argv)},
-                  f, indent=1)
+        json.dump({"what": __doc__.split("\n\n")[0], "fixed_length": args.fixed_length, "ab": summary or None,
+                   "arrivals": report, "provenance": collect_provenance(sys.argv)}, f, indent=1)
     with open(args.out + ".profile.txt", "w") as f:
         f.write(text.getvalue())
     return 0

@@ -6,7 +6,8 @@
 # prefill budget per step (mixed-512: at most 512 prompt tokens beside the decode rows), so that the inter-token
 # latency tail with long prompts arriving during decode can be compared. Each server writes a step trace
 # (--step-log), and the summary puts the engine's own step gaps beside the client's ITL for each run, which tells
-# whether a tail comes from the engine or from the way to the client. One JSON per run in $OUT, then a summary.
+# whether a tail comes from the engine or from the way to the client. SERVERS=nopad is the default engine with
+# extend steps unpadded (--extend-token-multiple 1), for the A/B of chapter 11, section 11. One JSON per run in $OUT, then a summary.
 #
 #   OUT=results bash scripts/gpu/serving_sweep.sh
 #   RATES="8 16" SERVERS=default NUM_PROMPTS=100 OUT=results bash scripts/gpu/serving_sweep.sh   # a shorter run
@@ -23,6 +24,7 @@ for server in ${SERVERS:-default mixed mixed-512}; do
         default) flags=() ;;
         mixed) flags=(--enable-mixed-chunk) ;;
         mixed-512) flags=(--enable-mixed-chunk --chunked-prefill-size 512 --max-prefill-tokens 512) ;;
+        nopad) flags=(--extend-token-multiple 1) ;;
         *) echo "unknown server $server" >&2; exit 2 ;;
     esac
     t0=$(date +%s.%N)
