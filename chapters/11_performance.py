@@ -622,10 +622,9 @@ plt.show()
 # A decode step with eight requests takes ~2.3 ms; the step that launches a 1,000-token prefill takes 18-47 ms,
 # although the GPU works for under 9 ms in it and the two steps after it (`docs/data/prefill_stall_h100.profile.txt`
 # has the host and device profiles of those steps). The offline canonical run shows the same fixed cost from the
-# other side: its prefill steps of 16,384 tokens take ~40 ms, barely more than one of 1,000. A natural suspect is
-# the first call of every new matrix shape (each prompt has its own length, and choosing a kernel for a new shape
-# costs host time); the script's `--fixed-length 1000` run rules it out: with every prompt of the same length the
-# step still takes 26-44 ms.
+# other side: its prefill steps of 16,384 tokens take ~40 ms, barely more than one of 1,000. With every prompt of
+# the same length (`--fixed-length 1000`) the step still takes 26-44 ms, so most of the cost does not depend on
+# the prompt's length:
 
 # %%
 FX = json.loads((ROOT / "docs" / "data" / "prefill_stall_fixed_h100.json").read_text())
@@ -633,14 +632,96 @@ print("every prompt 1,000 tokens: the step that launches its prefill",
       ", ".join(f"{a['steps_after_ms'][0]:.0f}" for a in FX["arrivals"]), "ms")
 
 # %% [markdown]
-# What the host profile does show is the time spread thin over the eager forward pass's ~400 operator calls
-# (about 50 us per matrix product where a launch costs ~10, about 200 us per call of FlashAttention's operator
-# wrapper), with the GPU idle most of the time, and the stall longest at the end of the run, when the most
-# requests run (26-32 ms for the first six arrivals of the fixed-length run, 36 and 44 ms for the last two, as
-# eight arrivals join eight decoding requests). That is where this chapter stops. Next steps to measure
-# with `prefill_stall.py` and the sweep's step-gap columns: a timeline of the launching step (which calls wait,
-# and for what), capturing prefill steps in CUDA graphs too (the graph that made decode steps cheap, chapter 08),
-# and splitting a long prompt's prefill over several steps only if each piece is cheap to launch.
+# **What the step waits for.** `scripts/gpu/prefill_timeline.py` takes the launching step apart: a timer around
+# each phase of `engine.step()`, a clock at the entry of every decoder layer, PyTorch's sync debug mode (which
+# warns at every call that makes the host wait for the GPU), the caching allocator's counters and the garbage
+# collector's. For twelve 1,000-token arrivals the answer is *nothing*: no synchronising call, no memory asked of
+# the driver, no collection. The step is the host launching the eager forward pass, one operator after another:
+
+# %%
+TL = json.loads((ROOT / "docs" / "data" / "prefill_timeline_h100.json").read_text())
+first = TL["arrivals"][0]
+print(f"one arrival, step {first['stall_step_ms']:.1f} ms; host time by phase (ms):")
+print("  " + ", ".join(f"{k} {v:.1f}" for k, v in first["stall_phases_ms"].items() if v >= 0.3))
+layers = [a["stall_layer_host_ms"]["median"] for a in TL["arrivals"]]
+syncs = sum(len(a["stall_sync_warnings"]) for a in TL["arrivals"])
+allocs = sum(a["stall_counters"]["segment.all.allocated"] for a in TL["arrivals"])
+gcs = sum(a["stall_counters"]["gc_collections"] for a in TL["arrivals"])
+print(f"host time per decoder layer (median of each step): {min(layers):.2f}-{max(layers):.2f} ms")
+print(f"over {len(TL['arrivals'])} launching steps: {syncs} synchronising calls, {allocs} new device segments, "
+      f"{gcs} collections")
+ps = TL["profiled_step"]
+print(f"profiled step: {ps['top_level_ops']:,} operator calls, {ps['sum_top_level_op_ms']:.1f} ms inside them, "
+      f"{ps['sum_all_gaps_ms']:.1f} ms of Python between them (profiler on)")
+
+# %% [markdown]
+# Twenty-eight layers at ~0.5 ms of host time each: ~15 operator launches per layer (projections, norms, RoPE,
+# the K/V store, attention, activation) at ~30 us each on this host, the interpreter's time between them included.
+# Two pieces of it were avoidable.
+#
+# * **FlashAttention-3's entry point.** Its Python function wraps the kernel in a `torch.library` custom op (so
+#   that `torch.compile` can trace it), and that layer costs ~80 us per call. The `fa3` backend now calls the
+#   registered operator itself (`fa3_operator` in `minisgl_ref/attention/fa3_backend.py` checks that the build's
+#   argument list is the one the call is written for). The same script times the three ways of calling it,
+#   interleaved over the arrivals:
+
+# %%
+ways = {"wrapper": "its Python entry point", "init_fn": "the function inside the wrapper",
+        "raw_op": "the registered operator"}
+for name, row in TL["summary_by_fa3_call"].items():
+    print(f"FA3 through {ways[name]:<32} step {row['stall_ms_median']:5.1f} ms, attention's host time "
+          f"{row['attend_extend_ms_median']:.1f} ms (medians of 4 arrivals)")
+
+# %% [markdown]
+# * **The first matmul of every shape.** cuBLAS chooses a kernel for each matrix shape the first time it meets
+#   it, in host time. Timed alone, a projection of a new token count costs ten times a repeated one, once per
+#   shape and per process (the same counts a second time are cheap again):
+
+# %%
+MM = json.loads((ROOT / "docs" / "data" / "matmul_first_call_h100.json").read_text())["linear_host_cost"]
+for label in ("same_count", "new_count", "new_count_again", "new_count_multiple_of_8", "new_count_multiple_of_8_again"):
+    print(f"{label.replace('_', ' '):<34} {MM[label]['host_us_per_call']:6.1f} us of host time per matmul")
+
+# %% [markdown]
+# The fixed-length run had hidden this: every arrival there had the same 1,000 tokens, a shape met once. Real
+# prompts have random lengths, so nearly every prefill step met ~110 new shapes (four projections per layer) at
+# ~0.3 ms each. The engine now rounds an extend step's token count up to a multiple of 64 with a padding row
+# (`ModelRunner.pad_extend`: dummy tokens after the real ones, reading page-table row 0 and writing the reserved
+# KV slot 0, the same trick as the CUDA-graph padding of chapter 08; at most 63 extra tokens), and meets every
+# padded shape once at start-up (`matmul_shapes` in `minisgl_ref/engine/warmup.py`, in the same thread pool as
+# the kernel compiles: ~1,300 matmuls, well under a second). `--extend-token-multiple 1` turns the padding off.
+# Both changes together, interleaved over 24 arrivals of 700-1,099-token prompts in one process:
+
+# %%
+AB = json.loads((ROOT / "docs" / "data" / "prefill_stall_ab_h100.json").read_text())
+names = {"pad64+op": "padded to 64, FA3 operator", "pad1+op": "unpadded,     FA3 operator",
+         "pad64+entry": "padded to 64, FA3 entry point", "pad1+entry": "unpadded,     FA3 entry point"}
+for key, row in AB["ab"].items():
+    typical = sorted(row["stall_ms"])[:-1] if key == "pad64+entry" else row["stall_ms"]  # see the note below
+    print(f"{names[key]:<30} launching step median {statistics.median(row['stall_ms']):5.1f} ms, "
+          f"max {max(typical):5.1f} ms")
+print("note:", AB["note"])
+
+# %% [markdown]
+# Together they take the launching step from 33 to 23 ms (median) and its worst case from 37 to 26 ms. On the
+# canonical workload neither changes the throughput (17,561 tokens/s on a first run, `canonical_pad_h100.json`:
+# its prefill steps are 16,384 tokens, a multiple of 64 already); start-up to ready stays at ~11 s on a machine
+# with its kernels cached. In the online sweep, one server of each kind on one machine:
+
+# %%
+PA = json.loads((ROOT / "docs" / "data" / "serving_pad_ab_h100.json").read_text())
+print(f"{'server':<8} {'rate':>5} {'ITL p50/p99 ms':>15} {'p99/p50':>8} {'engine gap p50/p99 ms':>22}")
+for r in PA["runs"]:
+    e = r["engine_step_gaps"]
+    print(f"{r['server']:<8} {r['request_rate']:>5} {r['median_itl_ms']:>7.1f}/{r['p99_itl_ms']:<7.1f} "
+          f"{r['itl_p99_over_p50']:>8.1f} {e['gap_p50_ms']:>10.1f}/{e['gap_p99_ms']:<11.1f}")
+
+# %% [markdown]
+# Below saturation the P99 ITL is now 14-28 ms (25-60 ms in the first table, a different machine and before the
+# FA3 change), but one sweep per server cannot separate padded from unpadded: at 8 requests/s they are equal, at
+# 16 the unpadded server happened to do better. P99/P50 is still 6-9x, not 2x. What is left of the launching step
+# is the eager forward pass itself, ~400 operator launches. The remedy is the one that made decode cheap: capture
+# extend steps in CUDA graphs too, one graph per padded token count, which the padding now makes a bounded set.
 #
 # The right panel is the other half of the story of section 5: with fewer than 32 requests running, a decode
 # step of the canonical workload still takes ~2.9 ms (the fixed cost of a step), and a tenth of its decode steps
@@ -716,6 +797,9 @@ print("every prompt 1,000 tokens: the step that launches its prefill",
 # python scripts/stream_cost.py --output stream_cost.json   # section 10 (any machine; about 10 minutes on 2 cores)
 # NUM_PROMPTS=160 OUT=results bash scripts/gpu/serving_sweep.sh   # section 11: client latencies and step gaps
 # python3 scripts/gpu/prefill_stall.py results/prefill_stall     # section 11: the step that launches a prefill
+# python3 scripts/gpu/prefill_timeline.py results/prefill_timeline  # section 11: what that step waits for
+# python3 scripts/gpu/prefill_stall.py results/stall_ab --ab --arrivals 24  # section 11: padding x FA3 call
+# SERVERS="default nopad" RATES="8 16" NUM_PROMPTS=160 OUT=results bash scripts/gpu/serving_sweep.sh
 # python -m minisgl_ref bench offline --step-log steps.jsonl     # section 11: canonical step times
 # ```
 #
@@ -732,7 +816,11 @@ print("every prompt 1,000 tokens: the step that launches its prefill",
 # Section 11 on an H100 (`docs/data/serving_step_gaps_h100.json`, `prefill_stall_h100.json`): at 8 requests/s an
 # engine step-gap P99 of 25-30 ms against a median of ~2.2 ms, nearly every step over 15 ms next to a prefill;
 # 18-47 ms for the step that launches a ~1,000-token prefill against ~2.3 ms for the decode steps before it, and
-# 26-44 ms with `--fixed-length 1000` (`prefill_stall_fixed_h100.json`).
+# 26-44 ms with `--fixed-length 1000` (`prefill_stall_fixed_h100.json`). `prefill_timeline_h100.json`: no
+# synchronising call, allocation or collection in twelve launching steps, ~0.4-0.6 ms of host time per decoder
+# layer; `prefill_stall_ab_h100.json`: with random prompt lengths the launching step drops from 33 to 23 ms
+# (median) with extend padding and FA3's operator called directly; `matmul_first_call_h100.json`: ~350 us for the
+# first matmul of a new token count against ~25 us for a repeat.
 
 # %%
 print(f"chapter ran in {time.perf_counter() - CHAPTER_START:.1f} s")
