@@ -145,8 +145,8 @@ class Warmup:
                 log.warning("start-up compile of %s failed; it will compile on first use", name, exc_info=True)
         if seconds:
             slowest = max(seconds, key=seconds.__getitem__)
-            log.info("start-up compiles done in %.1f s (%s; slowest: %s %.1f s)", time.perf_counter() - self.started,
-                     ", ".join(seconds), slowest, seconds[slowest])
+            log.info("start-up compiles done in %.1f s (%s; slowest: %s)", time.perf_counter() - self.started,
+                     ", ".join(f"{name} {s:.1f} s" for name, s in seconds.items()), slowest)
         return seconds
 
 
