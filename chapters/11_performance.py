@@ -710,16 +710,21 @@ print("note:", AB["note"])
 
 # %%
 PA = json.loads((ROOT / "docs" / "data" / "serving_pad_ab_h100.json").read_text())
-print(f"{'server':<8} {'rate':>5} {'ITL p50/p99 ms':>15} {'p99/p50':>8} {'engine gap p50/p99 ms':>22}")
-for r in PA["runs"]:
-    e = r["engine_step_gaps"]
-    print(f"{r['server']:<8} {r['request_rate']:>5} {r['median_itl_ms']:>7.1f}/{r['p99_itl_ms']:<7.1f} "
-          f"{r['itl_p99_over_p50']:>8.1f} {e['gap_p50_ms']:>10.1f}/{e['gap_p99_ms']:<11.1f}")
+print(f"{'round':<6} {'server':<8} {'rate':>5} {'ITL p50/p99 ms':>15} {'p99/p50':>8} {'engine gap p50/p99 ms':>22} "
+      f"{'req/s':>6}")
+for i, rnd in enumerate(PA["rounds"], 1):
+    for r in sorted(rnd["runs"], key=lambda r: (r["server"] != "default", float(r["request_rate"]))):
+        e = r["engine_step_gaps"]
+        print(f"{i:<6} {r['server']:<8} {r['request_rate']:>5} {r['median_itl_ms']:>7.1f}/{r['p99_itl_ms']:<7.1f} "
+              f"{r['itl_p99_over_p50']:>8.1f} {e['gap_p50_ms']:>10.1f}/{e['gap_p99_ms']:<11.1f} "
+              f"{r['request_throughput']:>6.1f}")
 
 # %% [markdown]
-# Below saturation the P99 ITL is now 14-28 ms (25-60 ms in the first table, a different machine and before the
-# FA3 change), but one sweep per server cannot separate padded from unpadded: at 8 requests/s they are equal, at
-# 16 the unpadded server happened to do better. P99/P50 is still 6-9x, not 2x. What is left of the launching step
+# Below saturation the P99 ITL is now 14-29 ms (25-60 ms in the first table, on another machine and before the
+# FA3 change). Padding is worth little here: at 8 requests/s the padded server's P99 was 14.0-14.1 ms against
+# 14.6-17.1 unpadded; at 16 requests/s the two rounds disagree (the unpadded server did better once); at
+# saturation the request rates differ less between the servers than between the rounds. The offline gain does
+# not show clearly in these tails, and P99/P50 is still 6-9x, not 2x. What is left of the launching step
 # is the eager forward pass itself, ~400 operator launches. The remedy is the one that made decode cheap: capture
 # extend steps in CUDA graphs too, one graph per padded token count, which the padding now makes a bounded set.
 #
@@ -768,6 +773,12 @@ for r in PA["runs"]:
 #    twice with `TRITON_CACHE_DIR` pointing at an empty folder and list what the first run adds), then make
 #    `minisgl_ref/engine/warmup.py` run them at start-up. What shapes must the warm-up use so that every
 #    alignment variant the workload meets is built?
+# 9. **The first matmul of a shape, here.** Time `torch.nn.functional.linear` on this CPU for 200 new row counts
+#    (1,000 .. 1,199) against a Qwen3-0.6B-sized weight (1,024 x 6,144), then for the same counts again, the way
+#    `matmul_first_call_h100.json` was measured on the GPU (`scripts/gpu/prefill_timeline.py --linear-only`).
+#    Does this CPU's BLAS pay for a new shape too? Then weigh the padding multiple: with a multiple of `m`, an
+#    extend step computes up to `m - 1` dummy tokens and the start-up warm-up meets `budget / m` shapes per
+#    weight. Which `m` would you choose for prompts of ~100 tokens, and which for ~10,000?
 
 # %% [markdown]
 # ## Reproduce
