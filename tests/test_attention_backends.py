@@ -842,6 +842,55 @@ def engine_logits(path, **engine_kw) -> dict[tuple[int, ...], list[torch.Tensor]
 
 
 @pytest.mark.gpu
+def test_gpu_extend_graphs_match_eager_extend_steps(qwen3_small_path):
+    """One request at a time, so that every extend step has one request (chunked at 96 tokens, padded to
+    multiples of 64): with extend CUDA graphs (the default) every extend step is a replay, and its logits are
+    those of the same engine with the graphs off (the same kernels, so to rounding), and so are the greedy
+    tokens."""
+    from minisgl_ref import LLM, SamplingParams
+
+    if not gpu_backend_available("fa3"):
+        pytest.skip("the extend graphs need the fa3 prefill backend")
+
+    def run(**engine_kw):  # type: ignore[no-untyped-def]
+        llm = LLM(qwen3_small_path, load_format="dummy", dtype="bfloat16", device="cuda", max_total_tokens=8192,
+                  chunked_prefill_size=96, cuda_graph_max_bs=8, cuda_graph_max_extend_tokens=256,
+                  **engine_kw)  # fmt: skip
+        runner = llm.engine.runner
+        forward, rows, replays = runner.forward, [], [0]
+
+        def forward_recording(fb, prompt_plan=None):  # type: ignore[no-untyped-def]
+            logits, prompt_logprobs = forward(fb, prompt_plan)
+            if not fb.mode.is_decode:
+                rows.append(logits.float().cpu())
+            return logits, prompt_logprobs
+
+        runner.forward = forward_recording
+        if runner.extend_graph_runner is not None:
+            replay = runner.extend_graph_runner.replay
+
+            def replay_counting(fb):  # type: ignore[no-untyped-def]
+                replays[0] += 1
+                return replay(fb)
+
+            runner.extend_graph_runner.replay = replay_counting
+        rng = random.Random(7)
+        outs = [llm.generate([[rng.randrange(100, 150000) for _ in range(n)]],
+                             SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True), use_tqdm=False)
+                for n in (300, 150, 37, 90, 64)]
+        return rows, replays[0], [o[0].output_ids for o in outs]
+
+    graphs, replays, tokens = run()
+    eager, replays_off, tokens_off = run(cuda_graph_max_extend_tokens=0)
+    assert replays == len(graphs) == len(eager) >= 5 + 4  # each prompt once, the 300/150-token ones in chunks
+    assert replays_off == 0
+    for a, b in zip(eager, graphs):
+        err = ((b - a).norm() / a.norm()).item()
+        assert err < 1e-3, f"extend graph logits relative error {err:.2e}"
+    assert tokens == tokens_off
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("engine_kw", [dict(attention_backend="triton"), dict(attention_backend="flashinfer"),
                                        dict(attention_backend="fa3"), {}],
                          ids=["triton", "flashinfer", "fa3", "default"])  # fmt: skip

@@ -122,6 +122,9 @@ class FlashAttentionBackend(AttentionBackend):
         self.page_size = page_size if self.version == "fa2" else 1
         self.forward_metadata: FlashAttentionMetadata | None = None
         self.graph_state: dict[str, torch.Tensor] | None = None
+        # Extend steps of one request in CUDA graphs too (chapter 11, minisgl_ref/engine/extend_graph.py).
+        self.supports_extend_graph = self.version == "fa3"
+        self.extend_graph: dict[str, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------------------------------- metadata
 
@@ -215,3 +218,34 @@ class FlashAttentionBackend(AttentionBackend):
         g, bs = self.graph_state, batch.batch_size
         g["cache_seqlens"][:bs].copy_(batch.seq_lens)
         g["page_table"][:bs, :width].copy_(self.req_to_token.table[batch.req_pool_indices, :width])
+
+    # ------------------------------------------------------------------------------- extend-step CUDA graphs
+
+    def init_extend_graph_buffers(self) -> None:
+        """Two rows (the request, the padding row): a full-width page table, and one int32 buffer holding
+        ``cache_seqlens`` [2] then ``cu_seqlens_q`` [3], refilled by one copy per replay."""
+        self.extend_graph = {
+            "page_table": torch.zeros(2, self.req_to_token.max_context_len, dtype=torch.int32, device=self.device),
+            "lens": torch.zeros(5, dtype=torch.int32, device=self.device),
+        }
+
+    def prepare_extend_capture(self, tokens: int) -> None:
+        """Point the metadata at the static buffers, at rest: the request has all ``tokens`` tokens and nothing
+        cached (reading page-table entries of 0, the reserved slot), the padding row none. The kernel is launched
+        for ``tokens`` queries per row; each row computes only its own."""
+        assert self.extend_graph is not None, "call init_extend_graph_buffers first"
+        g = self.extend_graph
+        g["lens"].copy_(torch.tensor([tokens, 0, 0, tokens, tokens], dtype=torch.int32))
+        g["page_table"].zero_()
+        self.forward_metadata = FlashAttentionMetadata(cache_seqlens=g["lens"][:2], page_table=g["page_table"],
+                                                       cu_seqlens_q=g["lens"][2:], max_seqlen_q=tokens)
+
+    def prepare_extend_replay(self, rows: torch.Tensor, prefix_lens: list[int], extend_lens: list[int]) -> None:
+        """Refill the lengths (one pinned copy) and the used columns of the two rows' page tables."""
+        assert self.extend_graph is not None
+        g = self.extend_graph
+        seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        host = torch.tensor([*seq, 0, extend_lens[0], extend_lens[0] + extend_lens[1]], dtype=torch.int32)
+        g["lens"].copy_(host.pin_memory(), non_blocking=True)
+        width = max(seq)
+        g["page_table"][:, :width].copy_(self.req_to_token.table[rows, :width])

@@ -122,6 +122,8 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = flag(None, "capture decode CUDA graphs up to this batch size (default: max "
                                                "running requests, <= 256)", type=int)
     disable_cuda_graph: bool = flag(False, "run decode eagerly (chapter 08)")
+    cuda_graph_max_extend_tokens: int = flag(2048, "capture extend steps of one request in CUDA graphs up to this "
+                                                   "many tokens (fa3 prefill backend; 0 disables; chapter 11)")
     extend_token_multiple: int | None = flag(None, "round each extend step's token count up to a multiple of this "
                                                    "with a padding row, so matmuls see few shapes (default: 64 on "
                                                    "CUDA, 1 = off elsewhere; chapter 11)", type=int)
@@ -163,6 +165,8 @@ class EngineConfig:
              ">= page_size", self.max_total_tokens)
         need(0.0 < self.mem_fraction_static < 1.0, "mem_fraction_static", "in (0, 1)", self.mem_fraction_static)
         need(self.cascade_min_prefix_len >= 1, "cascade_min_prefix_len", ">= 1", self.cascade_min_prefix_len)
+        need(self.cuda_graph_max_extend_tokens >= 0, "cuda_graph_max_extend_tokens", ">= 0",
+             self.cuda_graph_max_extend_tokens)
         need(self.extend_token_multiple is None or self.extend_token_multiple >= 1, "extend_token_multiple", ">= 1",
              self.extend_token_multiple)
         need(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", ">= 1",

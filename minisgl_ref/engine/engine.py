@@ -193,7 +193,8 @@ class Engine:
         self.runner = ModelRunner(model, model_config.vocab_size, self.req_to_token, backend, self.device,
                                   use_cuda_graph=not self.config.disable_cuda_graph and self.device.type == "cuda",
                                   cuda_graph_max_bs=graph_max_bs, cascade=cascade,
-                                  extend_token_multiple=self.config.extend_token_multiple)
+                                  extend_token_multiple=self.config.extend_token_multiple,
+                                  extend_graph_max_tokens=self.config.cuda_graph_max_extend_tokens)
         self.overlap = not self.config.disable_overlap_schedule
         self.inflight: Launched | None = None
         self.stats = EngineStats()

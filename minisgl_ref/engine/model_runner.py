@@ -40,8 +40,15 @@ from minisgl_ref.core.batch import ScheduledBatch
 from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
 from minisgl_ref.core.request import sampling_batch
 from minisgl_ref.engine.cuda_graph import CudaGraphRunner
+from minisgl_ref.engine.extend_graph import ExtendGraphRunner
 from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
-from minisgl_ref.sampling.sampler import Sampler, SamplingBatchInfo, StepLogprobs, to_device, token_logprobs
+from minisgl_ref.sampling.sampler import (
+    Sampler,
+    SamplingBatchInfo,
+    StepLogprobs,
+    to_device,
+    token_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +145,7 @@ class ModelRunner:
         cuda_graph_max_bs: int | None = None,
         cascade: CascadeDecodeBackend | None = None,
         extend_token_multiple: int | None = None,
+        extend_graph_max_tokens: int = 0,
     ) -> None:
         self.model = model
         self.vocab_size = vocab_size
@@ -165,6 +173,12 @@ class ModelRunner:
             self.graph_runner = self._make_graph_runner(self.attn_backend, max_bs)
             if cascade is not None:
                 self.cascade_graph_runner = self._make_graph_runner(cascade, max_bs)
+        self.extend_graph_runner: ExtendGraphRunner | None = None
+        extend_backend = getattr(attn_backend, "prefill", attn_backend)  # a hybrid backend's extend half
+        if (use_cuda_graph and device.type == "cuda" and extend_graph_max_tokens >= multiple > 1
+                and getattr(extend_backend, "supports_extend_graph", False)):
+            self.extend_graph_runner = ExtendGraphRunner(model, extend_backend, attn_backend, device,
+                                                         max_tokens=extend_graph_max_tokens, multiple=multiple)
 
     def _make_graph_runner(self, backend: AttentionBackend, max_bs: int) -> CudaGraphRunner | None:
         if self.device.type != "cuda":
@@ -349,6 +363,9 @@ class ModelRunner:
         graph_runner = self.graph_runner if fb.prefix_groups is None else self.cascade_graph_runner
         if graph_runner is not None and graph_runner.can_run(fb):
             return graph_runner.replay(fb), None
+        extend_runner = self.extend_graph_runner
+        if prompt_plan is None and extend_runner is not None and extend_runner.can_run(fb):
+            return extend_runner.replay(fb), None
         fb.attn_backend.init_forward_metadata(fb)  # the engine's backend, or the cascade for a grouped decode
         hidden = self.model(fb.input_ids, fb.positions, fb)
         prompt_logprobs = None if prompt_plan is None else self._prompt_logprobs(hidden, prompt_plan)

@@ -3,6 +3,7 @@ long prompt while a few requests decode, and profile (cProfile, torch.profiler) 
 
     python3 scripts/gpu/prefill_stall.py OUT_PREFIX [--model-path qwen3-0.6b] [--arrivals 8]
     python3 scripts/gpu/prefill_stall.py OUT_PREFIX --ab --arrivals 24   # padding x FA3 call, interleaved
+    python3 scripts/gpu/prefill_stall.py OUT_PREFIX --ab graphs --arrivals 16   # extend CUDA graphs on/off
 
 Writes OUT_PREFIX.json (step times per arrival) and OUT_PREFIX.profile.txt.
 """
@@ -28,9 +29,10 @@ def main() -> int:
     p.add_argument("--fixed-length", type=int, default=None,
                    help="every arriving prompt has this many tokens (default: 700-1,099 at random): whether the "
                         "stall is a first-call cost per new shape")
-    p.add_argument("--ab", action="store_true",
-                   help="interleave four settings over the arrivals: extend padding to 64 tokens on/off x FA3's "
-                        "operator called directly / through its Python entry point")
+    p.add_argument("--ab", nargs="?", const="pad", choices=["pad", "graphs"],
+                   help="interleave settings over the arrivals: 'pad' (the default), extend padding to 64 tokens "
+                        "on/off x FA3's operator called directly / through its Python entry point; 'graphs', "
+                        "one-request extend steps in CUDA graphs or eager")
     p.add_argument("--device", default="cuda", help="cpu: a dry run of this script, nothing measured")
     args = p.parse_args()
     import torch
@@ -67,10 +69,15 @@ def main() -> int:
     pb = getattr(runner.attn_backend, "prefill", runner.attn_backend)  # the backend of extend steps
     op = getattr(pb, "op", None)
     settings = [("pad64+op", 64, op), ("pad1+op", 1, op), ("pad64+entry", 64, None), ("pad1+entry", 1, None)]
+    graphs = getattr(runner, "extend_graph_runner", None)
+    if args.ab == "graphs":
+        settings = [("extend graphs", graphs, None), ("eager extend", None, None)]
     report, text = [], io.StringIO()
     for i in range(args.arrivals):
         label = None
-        if args.ab:
+        if args.ab == "graphs":
+            label, runner.extend_graph_runner, _ = settings[i % len(settings)]
+        elif args.ab:
             label, runner.extend_token_multiple, pb.op = settings[i % len(settings)]
         before = timed_steps(5)
         n = args.fixed_length or rng.randrange(700, 1100)
