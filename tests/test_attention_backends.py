@@ -853,9 +853,9 @@ def test_gpu_extend_graphs_match_eager_extend_steps(qwen3_small_path):
         pytest.skip("the extend graphs need the fa3 prefill backend")
 
     def run(**engine_kw):  # type: ignore[no-untyped-def]
+        engine_kw = {"cuda_graph_max_extend_tokens": 256, **engine_kw}
         llm = LLM(qwen3_small_path, load_format="dummy", dtype="bfloat16", device="cuda", max_total_tokens=8192,
-                  chunked_prefill_size=96, cuda_graph_max_bs=8, cuda_graph_max_extend_tokens=256,
-                  **engine_kw)  # fmt: skip
+                  chunked_prefill_size=96, cuda_graph_max_bs=8, **engine_kw)  # fmt: skip
         runner = llm.engine.runner
         forward, rows, replays = runner.forward, [], [0]
 
