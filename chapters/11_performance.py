@@ -736,7 +736,9 @@ for i, rnd in enumerate(PA["rounds"], 1):
 # before each replay (`prepare_extend_replay`), and the kernel is launched for the graph's whole token count, of
 # which each row computes its own part. Steps with several new requests, prompt log probabilities or more
 # tokens run eagerly as before. `tests/test_attention_backends.py` checks on the GPU that every one-request
-# extend step replays and gives the eager step's logits (to 1e-3) and the same greedy tokens.
+# extend step replays and gives the eager step's logits (to 1e-3) and the same greedy tokens; on a CPU,
+# `tests/test_engine_core.py` runs the runner with stand-in graphs (chapter 08's `RerunGraphFactory`) and the
+# `torch_static` backend against the oracle's tokens, so a replay that forgets to refill a buffer fails there.
 
 # %%
 GR = json.loads((ROOT / "docs" / "data" / "prefill_stall_graphs_h100.json").read_text())

@@ -685,6 +685,36 @@ def test_extend_padding_row_keeps_the_oracle_tokens(tiny_llm, multiple, radix, p
     assert all(t == real for decode, t, real in seen if decode)
 
 
+def test_extend_graphs_on_stand_ins_give_the_oracle_tokens(tiny_llm):
+    """The extend-step graphs of chapter 11 on a CPU, with stand-in graphs (``RerunGraphFactory``) and the
+    ``torch_static`` backend: requests one at a time, chunked at 24 tokens and padded to multiples of 8, so every
+    extend step has one request (some after a cached shared prefix) and replays a graph. The greedy tokens are
+    the oracle's; a replay that failed to copy an input, the last token's index, a row or a length into the static
+    buffers would compute with the capture-time values instead."""
+    from minisgl_ref.attention.torch_native import TorchStaticBackend
+    from minisgl_ref.engine.cuda_graph import RerunGraphFactory
+    from minisgl_ref.engine.extend_graph import ExtendGraphRunner
+
+    engine = make_engine(tiny_llm, chunked_prefill_size=24, extend_token_multiple=8)
+    runner = engine.runner
+    runner.attn_backend = static = TorchStaticBackend(engine.kv_pool, engine.req_to_token)
+    graphs = ExtendGraphRunner(runner.model, static, static, torch.device("cpu"), max_tokens=32, multiple=8,
+                               graph_factory=RerunGraphFactory())
+    assert sorted(graphs.graphs) == [8, 16, 24, 32]
+    runner.extend_graph_runner = graphs
+    assert engine.req_to_token.alloc() == 0  # keep row 0, the capture-time row: the requests' rows differ from it
+    prompts, params = shared_prefix_workload()
+    expected = oracle(tiny_llm, prompts, params)
+    reqs = make_reqs(tiny_llm, prompts, params)
+    extend_steps = 0
+    for r in reqs:
+        trace = drive(engine, [r])
+        extend_steps += sum(not b.is_decode for b in trace.launched)
+    assert_matches_oracle(reqs, expected)
+    assert any(r.cached_tokens > 0 for r in reqs)  # some steps extended after a cached prefix
+    assert sum(g.replays for g in graphs.graphs.values()) == extend_steps >= len(prompts)
+
+
 def test_matmul_warmup_lists_every_extend_shape_once(tiny_llm):
     """The start-up matmul warm-up (engine/warmup.py) meets each projection weight shape once at every padded
     token count an extend step can have (up to the prefill budget, plus the decode rows of a mixed step), and

@@ -6,6 +6,7 @@ the causal mask is built explicitly and the softmax runs in float32. It is slow 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -101,7 +102,9 @@ class TorchNativeBackend(AttentionBackend):
 class TorchStaticBackend(TorchNativeBackend):
     """``torch_native`` with the three CUDA-graph hooks: the smallest backend a graph can replay (chapter 08).
 
-    Extend steps are ``torch_native``'s. Decode reads only two small device tensors, each request's page-table
+    Extend steps are ``torch_native``'s, except under the extend-step graphs of chapter 11
+    (``minisgl_ref/engine/extend_graph.py``), whose two rows and lengths come from static buffers. Decode reads
+    only two small device tensors, each request's page-table
     row and its length, and attends over the whole row at once with a length mask: no Python loop over the
     requests and no host-side length, so every shape depends on the batch size alone. Under graphs those two
     tensors are views of buffers allocated once (:meth:`init_graph_buffers`), pointed at before capture and
@@ -113,13 +116,43 @@ class TorchStaticBackend(TorchNativeBackend):
 
     name = "torch_static"
     supports_cuda_graph = True
+    supports_extend_graph = True  # the extend-step graphs of chapter 11 (engine/extend_graph.py), on stand-ins
+    extend_graph = False  # True between an extend-graph hook and the next eager step's metadata
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self.extend_graph = False
         if not batch.mode.is_decode:
             return super().init_forward_metadata(batch)
         assert batch.req_pool_indices is not None
         self.decode_rows = batch.req_pool_indices
         self.decode_lens = torch.tensor(batch.seq_lens_cpu, dtype=torch.int32, device=self.device)
+
+    def attend_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+    ) -> torch.Tensor:
+        if self.extend_graph:
+            # A replayed extend step: the batch's host lists are those of capture time; the real lengths and rows
+            # are in the static buffers (read on the host here, which only a stand-in graph allows).
+            prefix, extend = self.extend_lens.view(2, 2).tolist()
+            table = self.req_to_token.table
+            self.context_slots = [table[r, : p + e].to(torch.int64)
+                                  for r, p, e in zip(self.extend_rows.tolist(), prefix, extend)]
+            batch = dataclasses.replace(batch, extend_lens_cpu=extend, prefix_lens_cpu=prefix)
+        return super().attend_extend(q, k, v, layer, batch)
+
+    def init_extend_graph_buffers(self) -> None:
+        self.extend_lens = torch.zeros(4, dtype=torch.int64, device=self.device)  # prefix lens [2], extend lens [2]
+        self.extend_rows = torch.zeros(2, dtype=torch.int64, device=self.device)
+
+    def prepare_extend_capture(self, tokens: int) -> None:
+        self.extend_graph = True
+        self.extend_lens.copy_(torch.tensor([0, 0, tokens, 0]))
+        self.extend_rows.zero_()
+
+    def prepare_extend_replay(self, rows: torch.Tensor, prefix_lens: list[int], extend_lens: list[int]) -> None:
+        self.extend_graph = True
+        self.extend_lens.copy_(torch.tensor(prefix_lens + extend_lens))
+        self.extend_rows.copy_(rows)
 
     def attend_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         k_all, v_all = self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id]
