@@ -756,7 +756,9 @@ if all(f.exists() for f in REAL.values()):  # the same script with the real Smol
 # differ: with the canonical tokens of forced text the model writes a different, not always better, answer, and
 # its outputs ran to the length limit more often (the "stopped and valid" column). What would make it pay on a
 # GPU: running the forced tokens of a few requests without taking the others off the graph (a decode graph that
-# accepts a few tokens per row), or jumping only when the forced text is long.
+# accepts a few tokens per row), or jumping only when the forced text is long. Chapter 11 now captures extend
+# steps in CUDA graphs, but only steps of a single request; a jump's extend row shares its step with the decoding
+# rows, so those steps still run eagerly.
 
 # %% [markdown]
 # ## Exercises
