@@ -290,9 +290,6 @@ class ModelRunner:
         if pad == 0 or fb.mode.is_decode:
             return fb
         assert fb.out_cache_loc is not None and fb.req_pool_indices is not None and fb.seq_lens is not None
-        if self._pad_range.shape[0] < self.extend_token_multiple:  # the multiple was raised after construction
-            self._pad_zeros = torch.zeros(self.extend_token_multiple, dtype=torch.int64, device=self.device)
-            self._pad_range = torch.arange(self.extend_token_multiple, dtype=torch.int64, device=self.device)
         zeros, ramp = self._pad_zeros, self._pad_range
         fb.input_ids = torch.cat([fb.input_ids, zeros[:pad]])
         fb.positions = torch.cat([fb.positions, ramp[:pad]])

@@ -69,6 +69,8 @@ def main() -> int:
     pb = getattr(runner.attn_backend, "prefill", runner.attn_backend)  # the backend of extend steps
     op = getattr(pb, "op", None)
     settings = [("pad64+op", 64, op), ("pad1+op", 1, op), ("pad64+entry", 64, None), ("pad1+entry", 1, None)]
+    if args.ab == "pad" and runner.extend_token_multiple < 64:
+        p.error("--ab pad needs an engine built with extend steps padded to 64 (a CUDA device)")
     graphs = getattr(runner, "extend_graph_runner", None)
     if args.ab == "graphs":
         settings = [("extend graphs", graphs, None), ("eager extend", None, None)]
