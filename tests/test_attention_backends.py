@@ -842,18 +842,22 @@ def engine_logits(path, **engine_kw) -> dict[tuple[int, ...], list[torch.Tensor]
 
 
 @pytest.mark.gpu
-def test_gpu_extend_graphs_match_eager_extend_steps(qwen3_small_path):
-    """One request at a time, so that every extend step has one request (chunked at 96 tokens, padded to
-    multiples of 64): with extend CUDA graphs (the default) every extend step is a replay, and its logits are
-    those of the same engine with the graphs off (the same kernels, so to rounding), and so are the greedy
-    tokens."""
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-request", "mixed"])
+def test_gpu_extend_graphs_match_eager_extend_steps(qwen3_small_path, mixed):
+    """Extend steps (chunked at 96 tokens, padded to multiples of 64) with extend CUDA graphs (the default)
+    against the same engine with the graphs off: the same kernels, so the logits agree to rounding, and so do
+    the greedy tokens.
+
+    * one-request: one request at a time, so every extend step has one request and is a replay;
+    * mixed: all prompts at once with mixed chunks, so extend steps hold several prompts, or a chunk beside the
+      decode rows of requests already running; every one of them fits a row bucket and is a replay."""
     from minisgl_ref import LLM, SamplingParams
 
     if not gpu_backend_available("fa3"):
         pytest.skip("the extend graphs need the fa3 prefill backend")
 
     def run(**engine_kw):  # type: ignore[no-untyped-def]
-        engine_kw = {"cuda_graph_max_extend_tokens": 256, **engine_kw}
+        engine_kw = {"cuda_graph_max_extend_tokens": 1024, "enable_mixed_chunk": mixed, **engine_kw}
         llm = LLM(qwen3_small_path, load_format="dummy", dtype="bfloat16", device="cuda", max_total_tokens=8192,
                   chunked_prefill_size=96, cuda_graph_max_bs=8, **engine_kw)  # fmt: skip
         runner = llm.engine.runner
@@ -875,14 +879,17 @@ def test_gpu_extend_graphs_match_eager_extend_steps(qwen3_small_path):
 
             runner.extend_graph_runner.replay = replay_counting
         rng = random.Random(7)
-        outs = [llm.generate([[rng.randrange(100, 150000) for _ in range(n)]],
-                             SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True), use_tqdm=False)
-                for n in (300, 150, 37, 90, 64)]
+        prompts = [[rng.randrange(100, 150000) for _ in range(n)] for n in (300, 150, 37, 90, 64)]
+        params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+        if mixed:
+            return rows, replays[0], [o.output_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        outs = [llm.generate([prompt], params, use_tqdm=False) for prompt in prompts]
         return rows, replays[0], [o[0].output_ids for o in outs]
 
     graphs, replays, tokens = run()
     eager, replays_off, tokens_off = run(cuda_graph_max_extend_tokens=0)
-    assert replays == len(graphs) == len(eager) >= 5 + 4  # each prompt once, the 300/150-token ones in chunks
+    # each prompt in one step or more (the 300/150-token ones in chunks of 96), alone or beside others
+    assert replays == len(graphs) == len(eager) >= (4 if mixed else 5 + 4)
     assert replays_off == 0
     for a, b in zip(eager, graphs):
         err = ((b - a).norm() / a.norm()).item()

@@ -685,34 +685,56 @@ def test_extend_padding_row_keeps_the_oracle_tokens(tiny_llm, multiple, radix, p
     assert all(t == real for decode, t, real in seen if decode)
 
 
-def test_extend_graphs_on_stand_ins_give_the_oracle_tokens(tiny_llm):
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-request", "mixed"])
+def test_extend_graphs_on_stand_ins_give_the_oracle_tokens(tiny_llm, mixed):
     """The extend-step graphs of chapter 11 on a CPU, with stand-in graphs (``RerunGraphFactory``) and the
-    ``torch_static`` backend: requests one at a time, chunked at 24 tokens and padded to multiples of 8, so every
-    extend step has one request (some after a cached shared prefix) and replays a graph. The greedy tokens are
-    the oracle's; a replay that failed to copy an input, the last token's index, a row or a length into the static
-    buffers would compute with the capture-time values instead."""
+    ``torch_static`` backend, padded to multiples of 8 tokens, graphs up to 64 tokens and 2, 4 or 8 rows.
+
+    * one-request: requests one at a time, chunked at 24 tokens, so every extend step has one request (some after
+      a cached shared prefix) and replays a graph of 2 rows;
+    * mixed: all requests at once with mixed chunks, so extend steps hold several prompts, or a chunk with the
+      running requests' decode rows; each replays the smallest bucket that holds its rows, unless it has more
+      than 8 rows or 64 tokens.
+
+    The greedy tokens are the oracle's, and exactly the steps that fit replayed. A replay that failed to copy an
+    input, a last token's index, a row or a length into the static buffers would compute with the capture-time
+    values (or a previous step's) instead."""
     from minisgl_ref.attention.torch_native import TorchStaticBackend
     from minisgl_ref.engine.cuda_graph import RerunGraphFactory
     from minisgl_ref.engine.extend_graph import ExtendGraphRunner
 
-    engine = make_engine(tiny_llm, chunked_prefill_size=24, extend_token_multiple=8)
+    engine = make_engine(tiny_llm, chunked_prefill_size=24, extend_token_multiple=8, enable_mixed_chunk=mixed,
+                         max_prefill_tokens=24 if mixed else 16384)
     runner = engine.runner
     runner.attn_backend = static = TorchStaticBackend(engine.kv_pool, engine.req_to_token)
-    graphs = ExtendGraphRunner(runner.model, static, static, torch.device("cpu"), max_tokens=32, multiple=8,
-                               graph_factory=RerunGraphFactory())
-    assert sorted(graphs.graphs) == [8, 16, 24, 32]
+    graphs = ExtendGraphRunner(runner.model, static, static, torch.device("cpu"), max_tokens=64, multiple=8,
+                               row_buckets=(2, 4, 8), graph_factory=RerunGraphFactory())
+    assert sorted(graphs.graphs) == [(r, t) for r in (2, 4, 8) for t in range(8, 65, 8)]
     runner.extend_graph_runner = graphs
     assert engine.req_to_token.alloc() == 0  # keep row 0, the capture-time row: the requests' rows differ from it
     prompts, params = shared_prefix_workload()
     expected = oracle(tiny_llm, prompts, params)
     reqs = make_reqs(tiny_llm, prompts, params)
-    extend_steps = 0
-    for r in reqs:
-        trace = drive(engine, [r])
-        extend_steps += sum(not b.is_decode for b in trace.launched)
+    launched = []
+    for group in ([reqs] if mixed else [[r] for r in reqs]):
+        launched += drive(engine, group).launched
     assert_matches_oracle(reqs, expected)
     assert any(r.cached_tokens > 0 for r in reqs)  # some steps extended after a cached prefix
-    assert sum(g.replays for g in graphs.graphs.values()) == extend_steps >= len(prompts)
+    fits: dict[int, int] = {}  # row bucket -> extend steps that fit it
+    mixed_fits = 0  # ... of which with decode rows beside a prompt
+    for batch in launched:
+        tokens = sum(row.extend_len for row in batch.rows)
+        rows = len(batch.rows) + (tokens % 8 != 0)  # the padding row
+        bucket = next((r for r in (2, 4, 8) if r >= rows), None)
+        if not batch.is_decode and bucket is not None and -(-tokens // 8) * 8 <= 64:
+            fits[bucket] = fits.get(bucket, 0) + 1
+            mixed_fits += any(row.is_decode for row in batch.rows)
+    replays = {r: sum(g.replays for (rows, _), g in graphs.graphs.items() if rows == r) for r in (2, 4, 8)}
+    assert replays == {r: fits.get(r, 0) for r in (2, 4, 8)}
+    if mixed:  # steps of several rows replayed, and many of them had decode rows beside a prompt
+        assert replays[4] > 0 and replays[8] > 0 and mixed_fits >= 5, (replays, mixed_fits)
+    else:
+        assert replays[2] >= len(prompts) and replays[4] == replays[8] == 0
 
 
 def test_matmul_warmup_lists_every_extend_shape_once(tiny_llm):

@@ -122,7 +122,7 @@ class FlashAttentionBackend(AttentionBackend):
         self.page_size = page_size if self.version == "fa2" else 1
         self.forward_metadata: FlashAttentionMetadata | None = None
         self.graph_state: dict[str, torch.Tensor] | None = None
-        # Extend steps of one request in CUDA graphs too (chapter 11, minisgl_ref/engine/extend_graph.py).
+        # Extend steps with few rows in CUDA graphs too (chapter 11, minisgl_ref/engine/extend_graph.py).
         self.supports_extend_graph = self.version == "fa3"
         self.extend_graph: dict[str, torch.Tensor] | None = None
 
@@ -221,31 +221,45 @@ class FlashAttentionBackend(AttentionBackend):
 
     # ------------------------------------------------------------------------------- extend-step CUDA graphs
 
-    def init_extend_graph_buffers(self) -> None:
-        """Two rows (the request, the padding row): a full-width page table, and one int32 buffer holding
-        ``cache_seqlens`` [2] then ``cu_seqlens_q`` [3], refilled by one copy per replay."""
+    def init_extend_graph_buffers(self, max_rows: int) -> None:
+        """Up to ``max_rows`` rows: a full-width page table, and one int32 buffer holding ``cache_seqlens``
+        [max_rows] then ``cu_seqlens_q`` [max_rows + 1], refilled by one copy per replay. A graph of ``R`` rows
+        reads the first ``R`` and ``R + 1`` entries of the two halves."""
         self.extend_graph = {
-            "page_table": torch.zeros(2, self.req_to_token.max_context_len, dtype=torch.int32, device=self.device),
-            "lens": torch.zeros(5, dtype=torch.int32, device=self.device),
+            "page_table": torch.zeros(max_rows, self.req_to_token.max_context_len, dtype=torch.int32,
+                                      device=self.device),
+            "lens": torch.zeros(2 * max_rows + 1, dtype=torch.int32, device=self.device),
         }
 
-    def prepare_extend_capture(self, tokens: int) -> None:
-        """Point the metadata at the static buffers, at rest: the request has all ``tokens`` tokens and nothing
-        cached (reading page-table entries of 0, the reserved slot), the padding row none. The kernel is launched
+    def prepare_extend_capture(self, rows: int, tokens: int) -> None:
+        """Point the metadata at the static buffers, at rest: the first row has all ``tokens`` tokens and nothing
+        cached (reading page-table entries of 0, the reserved slot), the other rows none. The kernel is launched
         for ``tokens`` queries per row; each row computes only its own."""
         assert self.extend_graph is not None, "call init_extend_graph_buffers first"
         g = self.extend_graph
-        g["lens"].copy_(torch.tensor([tokens, 0, 0, tokens, tokens], dtype=torch.int32))
+        m = g["page_table"].shape[0]
+        g["lens"].copy_(self._extend_lens(m, [tokens] + [0] * (rows - 1), [tokens] + [0] * (rows - 1)))
         g["page_table"].zero_()
-        self.forward_metadata = FlashAttentionMetadata(cache_seqlens=g["lens"][:2], page_table=g["page_table"],
-                                                       cu_seqlens_q=g["lens"][2:], max_seqlen_q=tokens)
+        self.forward_metadata = FlashAttentionMetadata(cache_seqlens=g["lens"][:rows], page_table=g["page_table"][:rows],
+                                                       cu_seqlens_q=g["lens"][m : m + rows + 1], max_seqlen_q=tokens)
+
+    @staticmethod
+    def _extend_lens(max_rows: int, seq: list[int], extend: list[int]) -> torch.Tensor:
+        """``[seq lens, zero-padded to max_rows | cumulative extend lens from 0, padded with the total]``."""
+        cu = [0]
+        for e in extend:
+            cu.append(cu[-1] + e)
+        return torch.tensor(seq + [0] * (max_rows - len(seq)) + cu + [cu[-1]] * (max_rows - len(extend)),
+                            dtype=torch.int32)
 
     def prepare_extend_replay(self, rows: torch.Tensor, prefix_lens: list[int], extend_lens: list[int]) -> None:
-        """Refill the lengths (one pinned copy) and the used columns of the two rows' page tables."""
+        """Refill the lengths (one pinned copy) and the used columns of the page tables of ``rows``, the step's
+        own rows; the lists cover the graph's rows, the empty ones included (length 0: their stale page-table
+        rows are never read)."""
         assert self.extend_graph is not None
         g = self.extend_graph
         seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
-        host = torch.tensor([*seq, 0, extend_lens[0], extend_lens[0] + extend_lens[1]], dtype=torch.int32)
+        host = self._extend_lens(g["page_table"].shape[0], seq, extend_lens)
         g["lens"].copy_(host.pin_memory(), non_blocking=True)
         width = max(seq)
-        g["page_table"][:, :width].copy_(self.req_to_token.table[rows, :width])
+        g["page_table"][: rows.shape[0], :width].copy_(self.req_to_token.table[rows, :width])

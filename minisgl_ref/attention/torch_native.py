@@ -103,7 +103,7 @@ class TorchStaticBackend(TorchNativeBackend):
     """``torch_native`` with the three CUDA-graph hooks: the smallest backend a graph can replay (chapter 08).
 
     Extend steps are ``torch_native``'s, except under the extend-step graphs of chapter 11
-    (``minisgl_ref/engine/extend_graph.py``), whose two rows and lengths come from static buffers. Decode reads
+    (``minisgl_ref/engine/extend_graph.py``), whose rows and lengths come from static buffers. Decode reads
     only two small device tensors, each request's page-table
     row and its length, and attends over the whole row at once with a length mask: no Python loop over the
     requests and no host-side length, so every shape depends on the batch size alone. Under graphs those two
@@ -133,26 +133,28 @@ class TorchStaticBackend(TorchNativeBackend):
         if self.extend_graph:
             # A replayed extend step: the batch's host lists are those of capture time; the real lengths and rows
             # are in the static buffers (read on the host here, which only a stand-in graph allows).
-            prefix, extend = self.extend_lens.view(2, 2).tolist()
+            rows = batch.batch_size  # the graph's row count (its host lists are capture-time, but as long)
+            prefix, extend = self.extend_lens[: 2 * rows].view(2, rows).tolist()
             table = self.req_to_token.table
             self.context_slots = [table[r, : p + e].to(torch.int64)
-                                  for r, p, e in zip(self.extend_rows.tolist(), prefix, extend)]
+                                  for r, p, e in zip(self.extend_rows[:rows].tolist(), prefix, extend)]
             batch = dataclasses.replace(batch, extend_lens_cpu=extend, prefix_lens_cpu=prefix)
         return super().attend_extend(q, k, v, layer, batch)
 
-    def init_extend_graph_buffers(self) -> None:
-        self.extend_lens = torch.zeros(4, dtype=torch.int64, device=self.device)  # prefix lens [2], extend lens [2]
-        self.extend_rows = torch.zeros(2, dtype=torch.int64, device=self.device)
+    def init_extend_graph_buffers(self, max_rows: int) -> None:
+        self.extend_lens = torch.zeros(2 * max_rows, dtype=torch.int64, device=self.device)  # prefix, extend lens
+        self.extend_rows = torch.zeros(max_rows, dtype=torch.int64, device=self.device)
 
-    def prepare_extend_capture(self, tokens: int) -> None:
+    def prepare_extend_capture(self, rows: int, tokens: int) -> None:
         self.extend_graph = True
-        self.extend_lens.copy_(torch.tensor([0, 0, tokens, 0]))
+        self.extend_lens.copy_(torch.tensor([0] * rows + [tokens] + [0] * (len(self.extend_lens) - rows - 1)))
         self.extend_rows.zero_()
 
     def prepare_extend_replay(self, rows: torch.Tensor, prefix_lens: list[int], extend_lens: list[int]) -> None:
         self.extend_graph = True
-        self.extend_lens.copy_(torch.tensor(prefix_lens + extend_lens))
-        self.extend_rows.copy_(rows)
+        self.extend_lens[: 2 * len(prefix_lens)].copy_(torch.tensor(prefix_lens + extend_lens))
+        self.extend_rows.zero_()
+        self.extend_rows[: rows.shape[0]].copy_(rows)
 
     def attend_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         k_all, v_all = self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id]

@@ -122,8 +122,9 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = flag(None, "capture decode CUDA graphs up to this batch size (default: max "
                                                "running requests, <= 256)", type=int)
     disable_cuda_graph: bool = flag(False, "run decode eagerly (chapter 08)")
-    cuda_graph_max_extend_tokens: int = flag(2048, "capture extend steps of one request in CUDA graphs up to this "
-                                                   "many tokens (fa3 prefill backend; 0 disables; chapter 11)")
+    cuda_graph_max_extend_tokens: int = flag(2048, "capture extend steps of up to 64 rows (a prompt, or a prompt "
+                                                   "beside decode rows) in CUDA graphs up to this many tokens (fa3 "
+                                                   "prefill backend; 0 disables; chapter 11)")
     extend_token_multiple: int | None = flag(None, "round each extend step's token count up to a multiple of this "
                                                    "with a padding row, so matmuls see few shapes (default: 64 on "
                                                    "CUDA, 1 = off elsewhere; chapter 11)", type=int)
