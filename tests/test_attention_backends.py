@@ -882,9 +882,10 @@ def test_gpu_extend_graphs_match_eager_extend_steps(qwen3_small_path, mixed):
         prompts = [[rng.randrange(100, 150000) for _ in range(n)] for n in (300, 150, 37, 90, 64)]
         params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
         if mixed:
-            return rows, replays[0], [o.output_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        outs = [llm.generate([prompt], params, use_tqdm=False) for prompt in prompts]
-        return rows, replays[0], [o[0].output_ids for o in outs]
+            tokens = [o.output_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        else:
+            tokens = [llm.generate([prompt], params, use_tqdm=False)[0].output_ids for prompt in prompts]
+        return rows, replays[0], tokens
 
     graphs, replays, tokens = run()
     eager, replays_off, tokens_off = run(cuda_graph_max_extend_tokens=0)

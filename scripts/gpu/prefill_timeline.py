@@ -94,6 +94,7 @@ def main() -> int:
     p.add_argument("--fixed-length", type=int, default=1000)
     p.add_argument("--linear-only", action="store_true", help="only the matmul launch costs")
     p.add_argument("--device", default="cuda", help="cpu: a dry run of this script, nothing measured")
+    p.add_argument("--mixed", action="store_true", help="mixed chunks: the running requests' decode rows ride along")
     args = p.parse_args()
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -102,7 +103,8 @@ def main() -> int:
     from minisgl_ref.bench.provenance import collect_provenance
     from minisgl_ref.engine import model_runner as mr
 
-    llm = LLM(args.model_path, load_format="dummy", dtype="bfloat16", device=args.device)
+    llm = LLM(args.model_path, load_format="dummy", dtype="bfloat16", device=args.device,
+              enable_mixed_chunk=args.mixed)
     cuda = args.device == "cuda"
     engine = llm.engine
     runner = engine.runner
@@ -134,6 +136,11 @@ def main() -> int:
     timed(runner.model, "compute_logits", "logits")
     timed(engine, "_finish_inflight", "finish_inflight")
     timed(engine, "_commit_launched", "commit")
+    timed(runner, "forward", "runner_forward")
+    timed(runner, "pad_extend", "pad_extend")
+    timed(engine, "_process", "process")
+    if runner.extend_graph_runner is not None:
+        timed(runner.extend_graph_runner, "replay", "extend_graph_replay")
     timed(pb, "attend_extend", "attend_extend")
     timed(pb.kv_pool, "store", "kv_store")
     orig_tokens = mr.StepOutput.tokens
