@@ -884,19 +884,25 @@ def test_cpu_and_gpu_draw_the_same_noise_and_tokens() -> None:
 # ------------------------------------------------------------------------------------------ the fused draw (GPU)
 
 
+def _fused_draw_and_device():  # type: ignore[no-untyped-def]
+    """The fused-draw module and where to run it: the GPU, else the CPU through Triton's interpreter."""
+    pytest.importorskip("triton")
+    from minisgl_ref.sampling import fused_draw
+
+    if not torch.cuda.is_available() and type(__import__("triton").language.cdiv).__name__ == "JITFunction":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
+    return fused_draw, "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @pytest.mark.parametrize("vocab", [1000, 4099])
 def test_fused_draw_picks_the_eager_token(vocab: int) -> None:
     """The Triton race (one pass, noise in registers; on the CPU through Triton's interpreter) draws the same token
     as the eager functions for every row: plain temperatures in log space, filtered probabilities as ``p / E``.
     Seeds cover negative and > 2**32 values, steps differ per row, and the vocabulary is not a multiple of the
     kernel's block."""
-    pytest.importorskip("triton")
-    from minisgl_ref.sampling import fused_draw
     from minisgl_ref.sampling.sampler import sample_from_probs, temperature_sample
 
-    if not torch.cuda.is_available() and type(__import__("triton").language.cdiv).__name__ == "JITFunction":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fused_draw, device = _fused_draw_and_device()
     g = torch.Generator().manual_seed(vocab)
     rows = 12
     logits = (torch.randn(rows, vocab, generator=g) * 3).to(device)
@@ -915,3 +921,87 @@ def test_fused_draw_picks_the_eager_token(vocab: int) -> None:
     # different seeds give different draws: the test would not pass with constant noise
     assert len(set(fused_draw.temperature_sample(logits[:1].expand(rows, -1), torch.ones(rows, device=device),
                                                  seeds, steps).tolist())) > 3
+
+
+def test_fused_draw_chunk_count_fills_the_gpu_and_never_exceeds_the_blocks() -> None:
+    from minisgl_ref.sampling.fused_draw import TARGET_PROGRAMS, num_chunks
+
+    vocab, block = 151_936, 2048  # 75 blocks
+    for rows in (1, 8, 64, 256, 1000, 5000):
+        chunks = num_chunks(rows, vocab, block)
+        assert 1 <= chunks <= 75
+        assert chunks == 75 or rows * chunks >= TARGET_PROGRAMS  # fewer only when the row has no more blocks
+        assert chunks == 1 or rows * (chunks - 1) < TARGET_PROGRAMS  # and no more than needed
+    assert num_chunks(0, vocab, block) >= 1 and num_chunks(3, 100, block) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_split_fused_draw_picks_the_eager_token_whatever_the_split(rows: int, dtype: torch.dtype) -> None:
+    """Each row's vocabulary split over several programs (the default split, one block each, and three chunks of
+    up to two blocks) draws the eager functions' token; bf16 logits go to the kernel as they are and give the
+    tokens of their exact float32 copy; exact ties, within a chunk and across chunks, go to the lowest id."""
+    from minisgl_ref.sampling.sampler import sample_from_probs, temperature_sample
+
+    fused_draw, device = _fused_draw_and_device()
+    vocab, block = 5000, 1024  # 5 blocks, the last one partial (the interpreter pays per program and block)
+    assert fused_draw.num_chunks(rows, vocab, block) == 5  # the default split is finer than chunks=3
+    g = torch.Generator().manual_seed(rows)
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
+    temperatures = torch.linspace(0.3, 1.7, rows)
+    seeds = torch.tensor([0, 1, -1, 2**40 + 7, -(2**50), 2**62, -(2**63), 12345, 2**33] * 2)[:rows]
+    steps = torch.arange(rows) * 1009
+    on_device = [t.to(device) for t in (temperatures, seeds, steps)]
+
+    def fused(x: torch.Tensor, chunks: int | None = None) -> list[int]:
+        return fused_draw.temperature_sample(x.to(device), *on_device, block=block, chunks=chunks).tolist()
+
+    def fused_probs(p: torch.Tensor, chunks: int | None = None) -> list[int]:
+        return fused_draw.sample_from_probs(p.to(device), *on_device[1:], block=block, chunks=chunks).tolist()
+
+    want = temperature_sample(logits.float(), temperatures, seeds, steps).tolist()
+    assert rows == 1 or len(set(want)) > 1  # the rows really sample
+    assert fused(logits) == want and fused(logits, chunks=3) == want
+    # Exact ties: a logit so large that ``l / T - log E`` rounds to it whatever the noise, at ids in three
+    # chunks (the last in the partial block); the lowest must win.
+    tied = [4999, 2100, 301, 300]
+    big = logits.clone()
+    big[:, tied] = 1e38
+    assert fused(big, chunks=3) == [300] * rows
+    if dtype != torch.float32:
+        return  # probabilities are float32 whatever the logits were
+    probs = torch.softmax(logits / temperatures[:, None], dim=-1)
+    probs[:, ::3] = 0.0  # filtered out: a zero probability must never win
+    assert fused_probs(probs) == sample_from_probs(probs, seeds, steps).tolist()
+    probs[:, tied[:2]] = float("inf")  # an infinite score in two chunks
+    assert fused_probs(probs, chunks=3) == [2100] * rows
+    assert fused_probs(torch.zeros(rows, vocab), chunks=3) == [0] * rows  # every score is 0: the first id wins
+
+
+def test_sampler_hands_bf16_logits_to_the_fused_draw_on_the_plain_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain temperature sampling passes bf16 logits to the kernel as they are (no float32 copy), greedy rows
+    beside it take the argmax of the bf16 logits, and the tokens are those of the eager sampler on the float32
+    copy; a path with penalties still converts first."""
+    fused_draw, device = _fused_draw_and_device()
+    if device == "cpu":
+        monkeypatch.setattr(fused_draw, "available", lambda x: True)  # the interpreter stands in for the GPU
+    dtypes = []
+    real = fused_draw.temperature_sample
+
+    def spy(logits: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        dtypes.append(logits.dtype)
+        return real(logits, *args, **kwargs)
+
+    monkeypatch.setattr(fused_draw, "temperature_sample", spy)
+    vocab = 3000
+    logits = (torch.randn(4, vocab, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
+    logits[1] = 0.5  # a greedy row of equal logits: the lowest id
+    params = [SamplingParams(seed=1, temperature=0.8), SamplingParams(temperature=0),
+              SamplingParams(seed=3, temperature=1.3), SamplingParams(top_k=1, seed=4)]
+    info = SamplingBatchInfo.build(params, [[]] * 4, None, None, vocab, device)
+    want = Sampler(fuse_on_cuda=False)(logits.float().to(device), info).tolist()
+    assert Sampler()(logits.to(device), info).tolist() == want and dtypes == [torch.bfloat16]
+    assert want[1] == 0 and want[3] == int(logits[3].float().argmax())
+    params[0] = SamplingParams(seed=1, temperature=0.8, presence_penalty=0.5)
+    info = SamplingBatchInfo.build(params, [[]] * 4, None, None, vocab, device)
+    assert Sampler()(logits.to(device), info).tolist() == want and dtypes[-1] == torch.float32

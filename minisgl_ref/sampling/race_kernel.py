@@ -1,8 +1,35 @@
 """The exponential race of :mod:`minisgl_ref.sampling.fused_draw` as a Triton kernel (imported only on a GPU).
 
-One program per row: the row's two hash keys from its seed and step, then a walk over the vocabulary in blocks,
-each block making its noise in registers and keeping the best score so far (ties go to the lowest id, as with
-``torch.argmax``).
+The grid is ``(rows, chunks)``: program ``(r, c)`` walks the ``c``-th contiguous slice of row ``r``'s vocabulary
+(a whole number of blocks), makes each entry's noise in registers and writes the slice's winner -- its best
+score and the id that scored it -- to ``[rows, chunks]`` buffers, which the launcher reduces over the chunks.
+
+Why split a row over several programs. A GPU runs a program on one streaming multiprocessor (SM); an H100 has 132 of
+them, and each needs several programs in flight to keep its memory reads and arithmetic units busy (while one waits,
+another computes). With one program per row, a decode batch of 8 rows would keep 8 SMs busy while 124 wait, and even
+256 rows give each SM only about two programs, each walking a whole row of 152k entries one block after another.
+On an H100, at 256 rows and a vocabulary of 151,936, one program per row took 315 us per call, where reading the
+float32 logits once takes about 52 us at 3 TB/s; split into chunks, 200-214 us (the float64 logarithm below is now
+the larger part of it). Cutting each row into chunks
+gives the GPU ``rows * chunks`` independent programs (:func:`~minisgl_ref.sampling.fused_draw.num_chunks` picks how
+many); the price is a second, tiny step that compares ``chunks`` candidates per row.
+
+Ties go to the lowest id, as with ``torch.argmax``, at every level: each lane of a program keeps the first
+(lowest) id at which its best score appeared, the program takes the lowest id among the lanes that hold its
+best score, and the launcher's argmax over chunks keeps the first (lowest) chunk among equal scores -- and
+chunks are in id order. The per-lane running best also keeps the loop free of cross-lane reductions: those
+happen once per program, at the end.
+
+Why the hash runs on 32-bit unsigned integers. :func:`~minisgl_ref.sampling.sampler.hash32` keeps its values in
+int64 tensors only because PyTorch lacks uint32 arithmetic on every device; every step of it is arithmetic modulo
+2**32. A GPU's integer units are 32 bits wide: each int64 multiply or shift becomes several 32-bit instructions. In
+uint32 the same steps are single instructions with the same results: a multiply wraps modulo 2**32 by itself (no
+mask needed) and ``>>`` on an unsigned value is a logical shift, as on the non-negative int64 values of the eager
+code. The seed and step enter by truncation to 32 bits, which is the ``& 0xFFFFFFFF`` of
+:func:`~minisgl_ref.sampling.sampler.seeded_uniform`.
+
+The logits may be float32, bfloat16 or float16: they are converted to float32 as they are loaded, which is
+exact, so the caller need not make a float32 copy of ``[B, V]`` first.
 """
 
 import triton
@@ -11,54 +38,60 @@ import triton.language as tl
 
 @triton.jit
 def hash32(x):
-    """sampler.hash32 on int64 values in [0, 2**32); its constants (_HASH_MUL_1, _HASH_MUL_2, _MASK32) written
-    out, as are the salts below (_SALT_SEED, _SALT_KEY2): a jitted function reads literals."""
+    """sampler.hash32 on uint32 values: the multiplies wrap modulo 2**32 and the shifts are logical. Its
+    constants (_HASH_MUL_1, _HASH_MUL_2) are written out, as are the salts below (_SALT_SEED, _SALT_KEY2):
+    a jitted function reads literals."""
     x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & 0xFFFFFFFF
+    x = x * 0x21F0AAAD
     x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & 0xFFFFFFFF
+    x = x * 0x735A2D97
     return x ^ (x >> 15)
 
 
 @triton.jit
 def race_kernel(
-    x, stride_x,  # [B, V] float32: logits (LOG_SPACE) or probabilities
+    x, stride_x,  # [B, V] float32, bfloat16 or float16: logits (LOG_SPACE) or probabilities
     inv_temperatures,  # [B] float32 (LOG_SPACE only)
     seeds, steps,  # [B] int64
-    out,  # [B] int64
-    vocab_size,
+    chunk_scores, chunk_ids,  # [B, C] float32 and int64: each chunk's best score and its id (C = grid axis 1)
+    vocab_size, chunk_size,  # chunk_size: a multiple of BLOCK
     LOG_SPACE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     seed = tl.load(seeds + row)
     step = tl.load(steps + row)
     # The row's two keys, as in seeded_uniform: fold the 64-bit seed and the step into 32 bits twice over.
-    key = hash32(((seed >> 32) & 0xFFFFFFFF) ^ 0x3C6EF372)
-    key = hash32(key ^ (seed & 0xFFFFFFFF))
-    key1 = hash32(key ^ (step & 0xFFFFFFFF))
+    key = hash32((seed >> 32).to(tl.uint32) ^ 0x3C6EF372)
+    key = hash32(key ^ seed.to(tl.uint32))
+    key1 = hash32(key ^ step.to(tl.uint32))
     key2 = hash32(key1 ^ 0x1B873593)
     if LOG_SPACE:
         inv_t = tl.load(inv_temperatures + row)
-    best = tl.full((), -float("inf"), tl.float32)
-    best_id = tl.zeros((), dtype=tl.int64)
-    offs = tl.arange(0, BLOCK).to(tl.int64)
-    for start in range(0, vocab_size, BLOCK):
-        v = start + offs
-        mask = v < vocab_size
-        h = hash32(hash32(v ^ key1) ^ key2)
+    start = chunk * chunk_size
+    end = tl.minimum(start + chunk_size, vocab_size)
+    x_row = x + row * stride_x
+    offs = tl.arange(0, BLOCK)
+    best = tl.full((BLOCK,), -float("inf"), tl.float32)  # per lane: the best score so far...
+    best_id = tl.zeros((BLOCK,), dtype=tl.int32)  # ...and the first id that reached it
+    for block_start in range(start, end, BLOCK):
+        v = block_start + offs
+        mask = v < end
+        h = hash32(hash32(v.to(tl.uint32) ^ key1) ^ key2)
         u = (h.to(tl.float32) + 0.5) * (2.0**-32)
         u = tl.minimum(u, 1.0 - 2.0**-24)
         # -log1p(-u) in float64: float32 1 - u loses small u, and the winners of the race live there.
         e = (-tl.log(1.0 - u.to(tl.float64))).to(tl.float32)
-        val = tl.load(x + row * stride_x + v, mask=mask, other=0.0)
+        val = tl.load(x_row + v, mask=mask, other=0.0).to(tl.float32)
         if LOG_SPACE:
             score = val * inv_t - tl.log(e)
         else:
             score = val / e
-        score = tl.where(mask, score, -float("inf"))
-        block_best = tl.max(score, axis=0)
-        block_id = tl.min(tl.where(score == block_best, v, vocab_size), axis=0)  # ties: the lowest id
-        better = block_best > best
-        best_id = tl.where(better, block_id, best_id)
-        best = tl.where(better, block_best, best)
-    tl.store(out + row, best_id)
+        better = mask & (score > best)  # strictly better: an equal score later in the row keeps the earlier id
+        best_id = tl.where(better, v, best_id)
+        best = tl.where(better, score, best)
+    top = tl.max(best, axis=0)
+    top_id = tl.min(tl.where(best == top, best_id, vocab_size), axis=0)  # ties: the lowest id
+    out = row * tl.num_programs(1) + chunk
+    tl.store(chunk_scores + out, top)
+    tl.store(chunk_ids + out, top_id.to(tl.int64))

@@ -606,7 +606,13 @@ class Sampler:
         alternatives (see the module docstring for which distribution they describe)."""
         if logits.dim() != 2 or logits.shape[0] != len(info) or logits.shape[1] != info.vocab_size:
             raise ValueError(f"logits must be [{len(info)}, {info.vocab_size}], got {tuple(logits.shape)}")
-        logits = logits.float()
+        fuse = self.fuse_on_cuda and fused_draw.available(logits)
+        # Plain temperature sampling reads the logits once, in the fused kernel, which converts bf16 / fp16 to
+        # float32 itself (exactly); every other path needs a float32 copy first.
+        one_pass = (fuse and info.logit_bias is None and not info.need_penalties and not info.all_greedy
+                    and not info.need_filtering and top_logprobs < 0)
+        if not one_pass:
+            logits = logits.float()
         if info.logit_bias is not None:
             logits = logits + info.logit_bias
         if info.need_penalties:
@@ -618,7 +624,6 @@ class Sampler:
         greedy = info.greedy_mask()
         # Greedy rows are answered by argmax below; give them T = 1 here so the division stays finite.
         temperatures = torch.where(greedy, torch.ones_like(info.temperatures), info.temperatures)
-        fuse = self.fuse_on_cuda and fused_draw.available(logits)
         if fuse and not info.need_filtering:  # plain temperature sampling: one pass over the logits
             tokens = fused_draw.temperature_sample(logits, temperatures, info.seeds, info.steps)
         else:
@@ -627,7 +632,7 @@ class Sampler:
                 probs = top_k_top_p_min_p_filter(probs, info.top_ks, info.top_ps, info.min_ps)
             draw = fused_draw.sample_from_probs if fuse else sample_from_probs
             tokens = draw(probs, info.seeds, info.steps)
-        if info.any_greedy:
+        if info.any_greedy:  # argmax in bf16 picks the same id as in float32: the conversion is exact
             tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
         if top_logprobs < 0:
             return tokens, None
