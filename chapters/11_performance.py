@@ -757,9 +757,79 @@ for r in SGR["runs"]:
 # 14 ms to 6.2 ms against a median of 2.1: P99/P50 goes from 6.6 to 2.9 (one sweep; the 2x target is not reached
 # yet). The median time to first token halves too (10 ms against 22), since the prompt's own step is cheaper. At
 # saturation many prompts arrive together, their steps have several requests and still run eagerly. One number
-# went the other way in this sweep and is not explained yet: the P99 time to first token, 178 ms against 108-116
-# in the four sweeps before. Next: graphs for extend steps of a few requests (a second padded dimension, the
-# rows), and the remaining ~1 ms of host work per step around the replay.
+# went the other way in this sweep and is not explained: the P99 time to first token, 178 ms against 108-116
+# in the four sweeps before (the sweeps below, with the graphs of several rows, measure 15-22 ms).
+#
+# **Several rows, and mixed steps.** Two requests in one extend step, or a prompt with the decode rows of mixed
+# chunks beside it, still ran eagerly. The row count is the second thing a graph fixes, so the runner now also
+# pads rows: it captures every token count for 2, 16 and 64 rows (96 graphs, ~3.2 s at start-up, one logits
+# buffer per row count so that 96 graphs do not keep 96 of them), and a step takes the smallest bucket that
+# holds its rows; the bucket's spare rows are empty (no tokens, no context, a last-token index of 0). The tests
+# above gained a mixed variant: on the GPU every extend step of five prompts sent at once, chunks beside decode
+# rows included, replays and matches the eager step; on a CPU the stand-in graphs give the oracle's tokens and
+# exactly the steps that fit a bucket replay.
+#
+# With mixed steps replayed, the inter-token latency of a running request at an arrival is one step, the
+# prompt's, instead of a decode step plus the prompt's own. A first sweep found mixing *worse* (P99 9.6 ms at 8
+# requests/s): `prefill_timeline.py --mixed` showed the step that launches a mixed step spending 3.8-4.7 ms in
+# `ModelRunner.prepare`, 3.6 ms of it in `torch.repeat_interleave` of a dozen row ids on the host (its parallel
+# path, on a 16-core machine). Building each token's row in the Python loop that already walks the rows removed
+# it. Then, one server of each kind, 200 requests per rate:
+
+# %%
+MX = json.loads((ROOT / "docs" / "data" / "serving_mixed_graphs_h100.json").read_text())
+print(f"{'server':<8} {'rate':>5} {'req/s':>6} {'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'p99/p50':>8} "
+      f"{'TPOT p50 ms':>12} {'engine gap p50/p99 ms':>22}")
+for r in MX["summary"]:
+    e = r["engine_step_gaps"]
+    print(f"{r['server']:<8} {r['request_rate']:>5} {r['request_throughput']:>6.2f} {r['median_ttft_ms']:>7.0f}/"
+          f"{r['p99_ttft_ms']:<8.0f} {r['median_itl_ms']:>6.1f}/{r['p99_itl_ms']:<8.1f} {r['itl_p99_over_p50']:>8.2f} "
+          f"{r['median_tpot_ms']:>12.2f} {e['gap_p50_ms']:>10.1f}/{e['gap_p99_ms']:<11.1f}")
+
+# %%
+fig, ax = plt.subplots(figsize=(7, 3.2))
+for server, marker in (("default", "o"), ("mixed", "s")):
+    rows = [r for r in MX["summary"] if r["server"] == server and r["request_rate"] != float("inf")]
+    x = [r["request_throughput"] for r in rows]
+    ax.plot(x, [r["median_itl_ms"] for r in rows], marker=marker, label=f"{server}: ITL p50")
+    ax.plot(x, [r["p99_itl_ms"] for r in rows], marker=marker, ls="--", label=f"{server}: ITL p99")
+ax.axhline(2 * min(r["median_itl_ms"] for r in MX["summary"]), color="grey", lw=0.8, ls=":")
+ax.set_xlabel("achieved requests/s")
+ax.set_ylabel("ms")
+ax.set_title("inter-token latency with extend steps in CUDA graphs (dotted: twice the lowest median)", fontsize=9)
+ax.legend(fontsize=7)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Below saturation the P99 inter-token latency is now **1.6-1.7x its median with mixed steps** (3.4 and 4.2 ms
+# against 2.0 and 2.6 ms), and 2.2-2.4x without them, where a running request waits for the prompt's step and
+# then its own; the median time to first token is the same (10-11 ms) and its P99 lower with mixing (15 ms against
+# 16-19). `serve` therefore mixes by default on a GPU too (`GPU_SERVER_ENGINE_DEFAULTS` in
+# `minisgl_ref/server/args.py`; `--no-enable-mixed-chunk` turns it off); `bench offline` keeps SGLang's default.
+# At saturation (`inf`) mixed steps have more rows than the largest bucket and run eagerly, and the client's
+# ITL there is dominated by bursts (section 10); the request rates reached are the same (29.8-30.3 requests/s).
+#
+# **The sampler's draw, split over the vocabulary.** The seeded draw of chapter 02 ran as one Triton program per
+# row: a decode step of 8 or 64 rows kept 8 or 64 of the H100's 132 SMs busy, each walking 151,936 entries.
+# `minisgl_ref/sampling/race_kernel.py` now cuts each row into chunks (about 2,048 programs per launch), keeps
+# each chunk's winner, and lets an `argmax` over the chunks pick the row's (the first of equal scores, hence the
+# lowest id, as before); its integer hash runs on 32-bit integers, one instruction per step where int64 took
+# several. Same tokens, bit for bit; in one process on an H100:
+
+# %%
+SA = json.loads((ROOT / "docs" / "data" / "sampler_ab_h100.json").read_text())
+for row in SA["draw_alone_us"]:
+    print(f"draw of {row['rows']:>3} rows: {min(row['new_us']):6.1f} us split, {min(row['old_us']):6.1f} us one program per "
+          f"row (with its float32 copy), same tokens: {row['same_tokens']}")
+for run in SA["canonical_runs"]:
+    print(f"canonical, {run['variant']:<3}: {run['output_tok_s']:>9,.0f} out tok/s ({run['roofline_fraction']:.1%} of the floor)")
+
+# %% [markdown]
+# The draw takes 40-57% of its former time per call (at 1-8 rows that time is mostly the host's launches, now two
+# small kernels more), and the canonical workload gains ~2% (17,671 and
+# 17,885 against 17,295 and 17,608 output tokens/s, alternating in one process). What remains of it at 256 rows is
+# arithmetic (the float64 logarithm of the noise, which keeps the winners' precision), no longer memory.
 #
 # The right panel is the other half of the story of section 5: with fewer than 32 requests running, a decode
 # step of the canonical workload still takes ~2.9 ms (the fixed cost of a step), and a tenth of its decode steps
@@ -845,6 +915,9 @@ for r in SGR["runs"]:
 # python3 scripts/gpu/prefill_stall.py results/stall_ab --ab --arrivals 24  # section 11: padding x FA3 call
 # SERVERS="default nopad" RATES="8 16" NUM_PROMPTS=160 OUT=results bash scripts/gpu/serving_sweep.sh
 # python3 scripts/gpu/prefill_stall.py results/stall_graphs --ab graphs --arrivals 16  # section 11: extend graphs
+# python3 scripts/gpu/prefill_timeline.py results/mixed --mixed --fixed-length 0   # section 11: a mixed step's host time
+# SERVERS="default mixed" RATES="8 16" OUT=results bash scripts/gpu/serving_sweep.sh   # section 11: mixed steps
+# python3 scripts/gpu/sampler_ab.py results/sampler_ab.json --old-launcher OLD_fused_draw.py --old-kernel OLD_race_kernel.py
 # python -m minisgl_ref bench offline --step-log steps.jsonl     # section 11: canonical step times
 # ```
 #
@@ -867,7 +940,11 @@ for r in SGR["runs"]:
 # (median) with extend padding and FA3's operator called directly; `matmul_first_call_h100.json`: ~350 us for the
 # first matmul of a new token count against ~25 us for a repeat. `prefill_stall_graphs_h100.json`: with one-request
 # extend steps in CUDA graphs the launching step takes ~2.5 ms instead of ~14; `serving_extend_graphs_h100.json`:
-# at 8 requests/s an ITL of 2.1/6.2 ms (P50/P99).
+# at 8 requests/s an ITL of 2.1/6.2 ms (P50/P99). `serving_mixed_graphs_h100.json` (graphs of 2/16/64 rows):
+# ITL P99/P50 of 1.67 and 1.61 at 8 and 16 requests/s with mixed steps, 2.39 and 2.23 without;
+# `sampler_ab_h100.json`: the split draw at 212 us for 256 rows against 437, about 2% on the canonical workload;
+# `canonical_startup_extend_graphs_h100.json`: 17,337 output tok/s on the first run of a first process on a bare
+# machine (start-up 91 s), 17,396 in a second process (start-up 11.2 s).
 
 # %%
 print(f"chapter ran in {time.perf_counter() - CHAPTER_START:.1f} s")

@@ -22,7 +22,7 @@ from minisgl_ref.sampling.params import SamplingParams
 def add_model_and_engine_args(p: argparse.ArgumentParser) -> None:
     """The model, engine and tensor-parallel flags, with SGLang's names, generated from the settings classes
     (chapters 02-09). ``--chunked-prefill-size`` and ``--enable-mixed-chunk`` default to None here: ``serve``
-    on a CPU picks its own values for them (see ``server/args.py``)."""
+    picks its own values for them per device (see ``server/args.py``)."""
     add_flags(p.add_argument_group("model"), ModelArgs)
     g = p.add_argument_group("engine (SGLang names)")
     g.add_argument("--engine", default="paged", choices=["paged", "naive"],

@@ -770,3 +770,19 @@ def test_sigterm_stops_every_process(server):
     assert server.terminate(timeout=60) == 0, server.log_text()
     time.sleep(0.5)
     assert [p for p in kids if alive(p)] == []
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_serve_engine_defaults_per_device(device: str) -> None:
+    """``serve`` mixes decode rows into prompt steps on every device, and cuts prompts into 32-token chunks on a
+    CPU only (chapter 10); a flag given on the command line wins either way."""
+    from minisgl_ref.cli import build_parser
+    from minisgl_ref.server.args import ServerArgs
+
+    def engine(*flags: str):  # type: ignore[no-untyped-def]
+        return ServerArgs.from_cli(build_parser().parse_args(["serve", "--device", device, *flags])).engine
+
+    assert engine().enable_mixed_chunk is True
+    assert engine().chunked_prefill_size == (32 if device == "cpu" else 8192)
+    assert engine("--no-enable-mixed-chunk", "--chunked-prefill-size", "64").enable_mixed_chunk is False
+    assert engine("--chunked-prefill-size", "64").chunked_prefill_size == 64

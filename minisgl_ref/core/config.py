@@ -102,8 +102,8 @@ class EngineConfig:
     chunked_prefill_size: int = flag(8192, "most prompt tokens of one request per step; -1 disables chunking "
                                            "(default: 8192; serve on a CPU: 32, see chapter 10)")
     schedule_policy: str = flag("fcfs", "fcfs, or lpm: longest cached prefix first", choices=["fcfs", "lpm"])
-    enable_mixed_chunk: bool = flag(False, "decode rows ride along in prefill steps (default: off; serve on a "
-                                           "CPU: on)", action=argparse.BooleanOptionalAction)
+    enable_mixed_chunk: bool = flag(False, "decode rows ride along in prefill steps (default: off; serve: "
+                                           "on)", action=argparse.BooleanOptionalAction)
     # In-batch prefix caching (chapter 04): SGLang uses 32 (under lpm).
     in_batch_prefix_threshold: int = flag(32, "hold back a request sharing this many uncached prompt tokens with "
                                               "one admitted in the same prefill step, so it hits the radix cache "

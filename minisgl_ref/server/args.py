@@ -22,6 +22,12 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 #: five decode steps) and takes ~25% longer to prefill itself. Chapter 10 shows the measurement.
 CPU_SERVER_ENGINE_DEFAULTS: dict[str, Any] = {"chunked_prefill_size": 32, "enable_mixed_chunk": True}
 
+#: Engine defaults of a server on a GPU. Mixed chunks: a prompt that arrives shares its step with the running
+#: requests' decode rows, so those wait one step (~2.5 ms for a prompt of 1,000 tokens on an H100, a CUDA-graph
+#: replay, chapter 11) instead of a prefill step plus their own. Measured with 200 Poisson requests at 8 and 16
+#: per second, the inter-token latency p99 fell from 2.2-2.4x its median to 1.6-1.7x.
+GPU_SERVER_ENGINE_DEFAULTS: dict[str, Any] = {"enable_mixed_chunk": True}
+
 
 @dataclass
 class ServerArgs:
@@ -75,8 +81,9 @@ class ServerArgs:
             raise ValueError("--shell chats with one server; it cannot be combined with --dp-size > 1")
         if args.dp_size > 1 and args.nnodes > 1:
             raise ValueError("--dp-size > 1 runs its servers on this machine; it cannot be combined with --nnodes")
-        cpu = CPU_SERVER_ENGINE_DEFAULTS if _resolved_device(args.device) == "cpu" else {}
-        given = {k: v for k, v in cpu.items() if getattr(args, k) is None}
+        device_defaults = (CPU_SERVER_ENGINE_DEFAULTS if _resolved_device(args.device) == "cpu"
+                           else GPU_SERVER_ENGINE_DEFAULTS)
+        given = {k: v for k, v in device_defaults.items() if getattr(args, k) is None}
         engine = from_flags(EngineConfig, args, **given)  # a bad engine flag fails here, before any process starts
         _check_attention_backends(args.device, engine)
         return from_flags(cls, args, model=from_flags(ModelArgs, args), engine=engine, tp=tp)
