@@ -762,8 +762,9 @@ for r in SGR["runs"]:
 #
 # **Several rows, and mixed steps.** Two requests in one extend step, or a prompt with the decode rows of mixed
 # chunks beside it, still ran eagerly. The row count is the second thing a graph fixes, so the runner now also
-# pads rows: it captures every token count for 2, 16 and 64 rows (96 graphs, ~3.2 s at start-up, one logits
-# buffer per row count so that 96 graphs do not keep 96 of them), and a step takes the smallest bucket that
+# pads rows: it captures every token count for 2, 16 and 64 rows (96 graphs, 2.7-3.0 s at start-up with eager
+# warm-ups for the largest row count only, one logits buffer per row count so that 96 graphs do not keep 96 of
+# them), and a step takes the smallest bucket that
 # holds its rows; the bucket's spare rows are empty (no tokens, no context, a last-token index of 0). The tests
 # above gained a mixed variant: on the GPU every extend step of five prompts sent at once, chunks beside decode
 # rows included, replays and matches the eager step; on a CPU the stand-in graphs give the oracle's tokens and
@@ -944,7 +945,9 @@ for run in SA["canonical_runs"]:
 # ITL P99/P50 of 1.67 and 1.61 at 8 and 16 requests/s with mixed steps, 2.39 and 2.23 without;
 # `sampler_ab_h100.json`: the split draw at 212 us for 256 rows against 437, about 2% on the canonical workload;
 # `canonical_startup_extend_graphs_h100.json`: 17,337 output tok/s on the first run of a first process on a bare
-# machine (start-up 91 s), 17,396 in a second process (start-up 11.2 s).
+# machine (start-up 91 s), 17,396 in a second process (start-up 11.2 s), with one-request extend graphs;
+# `canonical_startup_final_h100.json`, with the graphs of several rows and the split draw: 17,941 on the first run
+# of a first process on a bare machine (start-up 79 s), 17,638 in a second process (start-up 14.1 s).
 
 # %%
 print(f"chapter ran in {time.perf_counter() - CHAPTER_START:.1f} s")
