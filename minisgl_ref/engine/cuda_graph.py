@@ -24,7 +24,7 @@ What that demands:
 * **One memory pool.** The graphs share one private memory pool, captured largest first, so the activations
   of all batch sizes reuse the largest one's memory.
 
-The output (float32 logits ``[bs, V]``) is a static buffer too: the sampler reads it right after the replay,
+The output (the logits ``[bs, V]``, in the model's dtype) is a static buffer too: the sampler reads it right after the replay,
 before the next replay can overwrite it (both run in stream order).
 
 The graphs themselves come from a *graph factory*: :class:`CudaGraphFactory` records real CUDA graphs (the

@@ -67,8 +67,9 @@ class ExtendGraphRunner:
         self.static = {name: torch.zeros(self.max_tokens, dtype=torch.int64, device=device) for name in TOKEN_INPUTS}
         self.rows = torch.zeros(max_rows, dtype=torch.int64, device=device)  # page-table rows (0: padding, empty)
         self.last = torch.zeros(max_rows, dtype=torch.int64, device=device)  # each row's last token in [T]
-        vocab = model.lm_head.vocab_size
-        self.logits = {r: torch.zeros(r, vocab, dtype=torch.float32, device=device) for r in self.row_buckets}
+        head = model.lm_head
+        self.logits = {r: torch.zeros(r, head.vocab_size, dtype=head.weight.dtype, device=device)
+                       for r in self.row_buckets}
         self.graphs: dict[tuple[int, int], Any] = {}  # (rows, tokens) -> graph
         backend.init_extend_graph_buffers(max_rows)
         self.graph_factory = graph_factory if graph_factory is not None else CudaGraphFactory(device)

@@ -78,7 +78,7 @@ def _attention(shapes: KernelShapes, device: torch.device, phase: str) -> None:
 def _sampler(shapes: KernelShapes, device: torch.device) -> None:
     from minisgl_ref.sampling.fused_draw import compile_kernels
 
-    compile_kernels(shapes.vocab_size, device)
+    compile_kernels(shapes.vocab_size, device, tuple(dict.fromkeys((shapes.dtype, torch.float32))))
 
 
 #: One matmul an eager step runs, and the token counts (rows) it will see: (weight, bias or None, counts).

@@ -135,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits (float32) over the full vocabulary for the rows of ``hidden`` given."""
+        """Logits over the full vocabulary for the rows of ``hidden`` given, in the model's dtype."""
         return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

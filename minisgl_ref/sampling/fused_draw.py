@@ -130,11 +130,11 @@ def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Ten
 
 
 def compile_kernels(vocab_size: int, device: torch.device,
-                    logit_dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
+                    logit_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> None:
     """Compile every variant the engine will launch before the first request (the engine's start-up): the
-    temperature path for each dtype in which logits reach it (float32: the model's LM head returns float32
-    logits), the filtered path on float32 probabilities, each with one row and several, so that every pattern
-    of argument alignment the engine will pass is built now."""
+    temperature path for each dtype in which logits reach it (the model's dtype, straight from the LM head;
+    float32 after penalties or a logit bias), the filtered path on float32 probabilities, each with one row and
+    several, so that every pattern of argument alignment the engine will pass is built now."""
     for rows in (1, 2):
         ones = torch.ones(rows, dtype=torch.float32, device=device)
         zeros = torch.zeros(rows, dtype=torch.int64, device=device)
