@@ -110,7 +110,7 @@ print(f"torch {torch.__version__}, transformers {transformers.__version__}, {tor
 #     pos["positions [T]"] --> L
 #     emb --> L["decoder layer x N<br/>(attention reads request<br/>boundaries from ForwardBatch)"]
 #     L --> norm["final RMSNorm<br/>hidden [T, hidden]"]
-#     norm -->|"rows of each request's<br/>last token"| head["compute_logits<br/>[B, vocab] float32"]
+#     norm -->|"rows of each request's<br/>last token"| head["compute_logits<br/>[B, vocab]"]
 # ```
 #
 # `ForwardBatch.for_full_sequences` builds such a batch from whole token sequences (nothing cached), which is all
@@ -427,8 +427,10 @@ print("RowParallelLinear(x) == x W^T at tp=1:", torch.allclose(row(x), x @ w_dow
 # id) and the LM head (the same shape, used as `hidden -> logits`). `minisgl_ref/layers/embedding.py` splits both
 # by **vocabulary rows** over ranks. A rank's embedding looks up only the ids in its block and writes zeros for the
 # rest (an all-reduce fills them in); a rank's LM head computes the logits of its block and an all-gather
-# concatenates them, because sampling needs the whole distribution. Logits are returned in float32 so that the
-# softmax downstream is numerically safe.
+# concatenates them, because sampling needs the whole distribution. Logits come back in the model's dtype: a
+# bf16 matmul holds no more than bf16, so converting all of `[B, vocab]` to float32 here would add a pass over it
+# and no precision. The softmax downstream converts what it reads (chapter 02), and the sampler's plain
+# temperature draw reads bf16 directly (chapter 11).
 #
 # Many small models **tie** the two: the LM head *is* the embedding matrix. `LlamaForCausalLM.__init__` then
 # simply points `lm_head.weight` at `embed_tokens.weight` (one storage, loaded once), and `load_weights` skips

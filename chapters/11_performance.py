@@ -832,6 +832,12 @@ for run in SA["canonical_runs"]:
 # 17,885 against 17,295 and 17,608 output tokens/s, alternating in one process). What remains of it at 256 rows is
 # arithmetic (the float64 logarithm of the noise, which keeps the winners' precision), no longer memory.
 #
+# Since the kernel reads bf16, the LM head no longer converts the logits to float32 (a 122 us pass at 256 rows,
+# and twice the memory of every captured logits buffer); paths that need float32 convert what they read.
+# Interleaved processes, two timed runs each (`logits_bf16_ab_h100.json`): 18,036 / 18,703 and 17,825 / 18,575
+# output tokens/s against 17,988 / 18,518 and 17,796 / 18,482 before, +0.5% by the medians, within the spread
+# between processes. Kept because it costs nothing and frees ~2.6 GB of graph buffers for the KV cache.
+#
 # The right panel is the other half of the story of section 5: with fewer than 32 requests running, a decode
 # step of the canonical workload still takes ~2.9 ms (the fixed cost of a step), and a tenth of its decode steps
 # run there.
@@ -947,7 +953,9 @@ for run in SA["canonical_runs"]:
 # `canonical_startup_extend_graphs_h100.json`: 17,337 output tok/s on the first run of a first process on a bare
 # machine (start-up 91 s), 17,396 in a second process (start-up 11.2 s), with one-request extend graphs;
 # `canonical_startup_final_h100.json`, with the graphs of several rows and the split draw: 17,941 on the first run
-# of a first process on a bare machine (start-up 79 s), 17,638 in a second process (start-up 14.1 s).
+# of a first process on a bare machine (start-up 79 s), 17,638 in a second process (start-up 14.1 s);
+# `logits_bf16_ab_h100.json`: ~18,000 on the first and ~18,500-18,700 on the second timed run of a process with bf16
+# logits.
 
 # %%
 print(f"chapter ran in {time.perf_counter() - CHAPTER_START:.1f} s")

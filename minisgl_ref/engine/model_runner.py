@@ -129,8 +129,8 @@ class ModelRunner:
     ``attn_backend``. The cascade's decode steps have CUDA graphs of their own (a second graph runner), because
     an eager decode step costs more host time than the cascade saves device time (on an H100, Qwen3-0.6B: 11-19 ms
     eager against 1.4-9 ms replayed, chapter 08). The price is paid once, at start-up: the capture takes twice as
-    long, and the second set of graphs keeps its own logits buffer per captured batch size (~2.6 GB for a
-    151,936-token vocabulary up to batch 256).
+    long, and the second set of graphs keeps its own logits buffer per captured batch size (~1.3 GB of bf16
+    logits for a 151,936-token vocabulary up to batch 256).
     """
 
     def __init__(
