@@ -757,8 +757,9 @@ if all(f.exists() for f in REAL.values()):  # the same script with the real Smol
 # its outputs ran to the length limit more often (the "stopped and valid" column). What would make it pay on a
 # GPU: running the forced tokens of a few requests without taking the others off the graph (a decode graph that
 # accepts a few tokens per row), or jumping only when the forced text is long. Chapter 11 now captures extend
-# steps in CUDA graphs, but only steps of a single request; a jump's extend row shares its step with the decoding
-# rows, so those steps still run eagerly.
+# steps of up to 64 rows in CUDA graphs, decode rows beside the extend rows included, so a jump's step replays a
+# graph when fewer than about 63 requests run (at 64 and more, the step's rows and the padding row exceed the
+# largest bucket and it runs eagerly); the numbers above were measured before that and have not been repeated.
 
 # %% [markdown]
 # ## Exercises
