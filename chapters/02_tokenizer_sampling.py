@@ -760,8 +760,9 @@ for name, ms in {**timings, **stage}.items():
 # On this CPU, greedy costs a single pass; sampling adds the counter-based noise, which is about 25 elementwise
 # integer passes over the `[64, 49152]` block; top-p adds a sort of every row, the most expensive stage. This is
 # why `Sampler` reads its per-row flags and skips every stage that no row in the batch needs, and why on a GPU it
-# runs the hash and the race as one Triton kernel (`minisgl_ref/sampling/fused_draw.py`): one program per row walks
-# the logits once and the noise never leaves registers. Without filtering it needs no softmax either: the token
+# runs the hash and the race as one Triton kernel (`minisgl_ref/sampling/fused_draw.py`): each row's vocabulary is
+# cut into chunks, one program per chunk walks its slice once with the noise in registers, and an `argmax` over
+# the chunks' winners picks the row's token (chapter 11 measures why the split). Without filtering it needs no softmax either: the token
 # that maximises `p / E` also maximises `logit / T - log E`.
 #
 # ## 4. End to end: seeded, stoppable generation with the embedded model

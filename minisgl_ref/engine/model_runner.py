@@ -358,8 +358,8 @@ class ModelRunner:
     def forward(
         self, fb: ForwardBatch, prompt_plan: PromptLogprobPlan | None = None
     ) -> tuple[torch.Tensor, StepLogprobs | None]:
-        """Logits [B, V] (in the model's dtype) of each request's last new token: a CUDA-graph replay when one fits. With a
-        ``prompt_plan`` (extend steps only), also the log probabilities of the prompt tokens it names."""
+        """Logits [B, V] (in the model's dtype) of each request's last new token: a CUDA-graph replay when one
+        fits. With a ``prompt_plan`` (extend steps only), also the log probabilities of the prompt tokens it names."""
         graph_runner = self.graph_runner if fb.prefix_groups is None else self.cascade_graph_runner
         if graph_runner is not None and graph_runner.can_run(fb):
             return graph_runner.replay(fb), None

@@ -9,7 +9,7 @@ them, and each needs several programs in flight to keep its memory reads and ari
 another computes). With one program per row, a decode batch of 8 rows would keep 8 SMs busy while 124 wait, and even
 256 rows give each SM only about two programs, each walking a whole row of 152k entries one block after another.
 On an H100, at 256 rows and a vocabulary of 151,936, one program per row took 315 us per call, where reading the
-float32 logits once takes about 52 us at 3 TB/s; split into chunks, 200-214 us (the float64 logarithm below is now
+float32 logits once takes about 52 us at 3 TB/s; split into chunks, about 210 us (the float64 logarithm below is now
 the larger part of it). Cutting each row into chunks
 gives the GPU ``rows * chunks`` independent programs (:func:`~minisgl_ref.sampling.fused_draw.num_chunks` picks how
 many); the price is a second, tiny step that compares ``chunks`` candidates per row.
