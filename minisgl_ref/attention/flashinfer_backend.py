@@ -136,7 +136,10 @@ class FlashInferBackend(AttentionBackend):
 
     def attend_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         self._check_layer(q, layer)
-        o = self.active_decode_wrapper.run(q.contiguous(), self._paged_cache(layer.layer_id))
+        # The kernel takes q's token and head strides: the view into the fused QKV output needs no copy (a
+        # kernel fewer per layer; only the head dim must be contiguous).
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        o = self.active_decode_wrapper.run(q, self._paged_cache(layer.layer_id))
         return o.view(q.shape[0], -1)
 
     # ---------------------------------------------------------------------------------------- CUDA graphs

@@ -1,0 +1,134 @@
+"""Where a decode step's time goes, at every stage of the canonical workload (chapter 11).
+
+Runs the canonical offline workload (256 requests) step by step with the default engine. Each time the number of
+running requests first drops to or below one of ``--at`` (256, 192, 128, 64, 32, 16 by default), it profiles
+``--steps`` engine steps with ``torch.profiler`` and records, per step:
+
+* the wall time (``--steps`` steps between two synchronisations, so one step of overlap is lost per window);
+* the GPU busy time, split into the attention kernels, the matrix multiplies, the sampler and everything else,
+  and the number of kernels;
+* the KV floor: the bytes of KV the running requests' contexts hold, divided by ``--bandwidth``, which is what
+  the attention kernel must read.
+
+Wall minus busy is time the GPU waited for the host; busy minus attention is the fixed cost of a step that the
+floor does not count. Writes ``decode_anatomy.json`` (with provenance) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from minisgl_ref import SamplingParams
+from minisgl_ref.bench.provenance import collect_provenance
+from minisgl_ref.bench.workloads import canonical_workload
+from minisgl_ref.llm import LLM
+
+
+def _kind(name: str) -> str:
+    low = name.lower()
+    if "batchdecode" in low or "batchprefill" in low or "flash" in low and "attn" in low:
+        return "attention"
+    if "nvjet" in low or "gemm" in low or "cutlass" in low or "xmma" in low:
+        return "matmul"
+    if "race_kernel" in low or "argmax" in low:
+        return "sampler"
+    if low.startswith("memcpy") or low.startswith("memset"):
+        return "copies"
+    return "other"
+
+
+def _window(engine, steps: int, kv_bytes_per_token: int, bandwidth: float) -> dict:  # type: ignore[no-untyped-def]
+    running = engine.scheduler.running
+    rows = len(running)
+    context = sum(len(r.input_ids) + len(r.output_ids) for r in running)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    by_kind: dict[str, float] = {}
+    kernels = 0
+    top: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_type.name != "CUDA" or e.self_device_time_total <= 0:
+            continue
+        kind = _kind(e.key)
+        by_kind[kind] = by_kind.get(kind, 0.0) + e.self_device_time_total / 1e3 / steps
+        if kind != "copies":
+            kernels += e.count
+        top[e.key[:80]] = e.self_device_time_total / 1e3 / steps
+    busy = sum(by_kind.values())
+    return {
+        "running": rows, "context_tokens": context, "wall_ms_per_step": round(wall_ms, 3),
+        "gpu_busy_ms_per_step": round(busy, 3), "gpu_idle_ms_per_step": round(wall_ms - busy, 3),
+        "kv_floor_ms_per_step": round(context * kv_bytes_per_token / bandwidth * 1e3, 3),
+        "ms_per_step_by_kind": {k: round(v, 3) for k, v in sorted(by_kind.items())},
+        "kernels_per_step": round(kernels / steps, 1),
+        "top_kernels_ms_per_step": {k: round(v, 4) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]},
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--at", default="256,192,128,64,32,16")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--bandwidth", type=float, default=3.0e12)
+    ap.add_argument("--label", default="")
+    ap.add_argument("--out", default=os.environ.get("OUT", "results"))
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    marks = sorted((int(x) for x in args.at.split(",")), reverse=True)
+
+    t0 = time.perf_counter()
+    llm = LLM("qwen3-0.6b", load_format="dummy", dtype="bfloat16", device="cuda")
+    start_s = time.perf_counter() - t0
+    kv_bytes = llm.engine.runner.model.config.kv_bytes_per_token
+    engine = llm.engine
+    wl = canonical_workload()
+    for prompt, params in zip(wl.prompts, wl.sampling_params):
+        engine.add_request(llm.make_request(prompt, SamplingParams(**params)))
+    while engine.scheduler.waiting or engine.scheduler.chunked:
+        engine.step()
+    windows = []
+    for _ in range(4):  # let the first decode steps settle
+        engine.step()
+    while engine.has_work and marks:
+        if len(engine.scheduler.running) <= marks[0]:
+            while marks and len(engine.scheduler.running) <= marks[0]:
+                marks.pop(0)
+            w = _window(engine, args.steps, kv_bytes, args.bandwidth)
+            print(json.dumps(w), flush=True)
+            windows.append(w)
+        else:
+            engine.step()
+    result = {
+        "what": "decode steps of the canonical workload, profiled at several numbers of running requests",
+        "label": args.label, "start_s": round(start_s, 1), "windows": windows,
+        "kv_bytes_per_token": kv_bytes, "bandwidth": args.bandwidth,
+        "provenance": collect_provenance(label=args.label, steps=args.steps),
+    }
+    name = f"decode_anatomy{'_' + args.label if args.label else ''}.json"
+    (out / name).write_text(json.dumps(result, indent=1))
+    print(f"{'running':>7} {'wall':>6} {'busy':>6} {'idle':>6} {'kvfloor':>7} {'attn':>6} {'mm':>6} {'samp':>6} "
+          f"{'other':>6} {'kern':>5}")
+    for w in windows:
+        k = w["ms_per_step_by_kind"]
+        print(f"{w['running']:>7} {w['wall_ms_per_step']:>6.2f} {w['gpu_busy_ms_per_step']:>6.2f} "
+              f"{w['gpu_idle_ms_per_step']:>6.2f} {w['kv_floor_ms_per_step']:>7.2f} {k.get('attention', 0):>6.2f} "
+              f"{k.get('matmul', 0):>6.2f} {k.get('sampler', 0):>6.2f} {k.get('other', 0):>6.2f} "
+              f"{w['kernels_per_step']:>5.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
