@@ -10,8 +10,11 @@ running requests first drops to or below one of ``--at`` (256, 192, 128, 64, 32,
 * the KV floor: the bytes of KV the running requests' contexts hold, divided by ``--bandwidth``, which is what
   the attention kernel must read.
 
-Wall minus busy is time the GPU waited for the host; busy minus attention is the fixed cost of a step that the
-floor does not count. Writes ``decode_anatomy.json`` (with provenance) to ``--out``.
+Before each profiled window, as many steps run unprofiled (the profiler slows the host down) with CUDA events
+recorded around every launch: the GPU's idle time between the end of one step's work and the start of the next
+step's launch (the host was late), and the host's time per phase (schedule, launch, process, of which waiting
+for the tokens). Busy minus attention is the fixed cost of a step that the floor does not count. Writes
+``decode_anatomy[_label].json`` (with provenance) to ``--out``.
 """
 
 from __future__ import annotations
@@ -44,6 +47,74 @@ def _kind(name: str) -> str:
     return "other"
 
 
+class _Probe:
+    """Host time per phase and CUDA events around every launch, by wrapping the engine's methods in place."""
+
+    def __init__(self, engine) -> None:  # type: ignore[no-untyped-def]
+        from minisgl_ref.engine import model_runner
+
+        self.engine = engine
+        self.host: dict[str, float] = {}
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.originals = {"schedule": engine.scheduler.schedule, "run": engine.runner.run,
+                          "process": engine._process}
+        self.tokens_cls = model_runner.StepOutput
+        self.tokens_orig = model_runner.StepOutput.tokens
+
+    def _timed(self, name: str, fn):  # type: ignore[no-untyped-def]
+        def wrapper(*a, **k):  # type: ignore[no-untyped-def]
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.host[name] = self.host.get(name, 0.0) + time.perf_counter() - t
+        return wrapper
+
+    def __enter__(self) -> _Probe:
+        e = self.engine
+        run = self.originals["run"]
+
+        def run_with_events(*a, **k):  # type: ignore[no-untyped-def]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = run(*a, **k)
+            end.record()
+            self.events.append((start, end))
+            return out
+
+        e.scheduler.schedule = self._timed("schedule", self.originals["schedule"])
+        e.runner.run = self._timed("launch", run_with_events)
+        e._process = self._timed("process", self.originals["process"])
+        self.tokens_cls.tokens = self._timed("wait_for_tokens", self.tokens_orig)
+        return self
+
+    def __exit__(self, *exc) -> None:  # type: ignore[no-untyped-def]
+        e = self.engine
+        del e.scheduler.schedule, e.runner.run, e._process  # back to the class's methods
+        self.tokens_cls.tokens = self.tokens_orig
+
+    def gaps_ms(self) -> tuple[float, float]:
+        """(GPU idle between launches, GPU time from each launch's first to last event), summed."""
+        idle = sum(max(0.0, a_end.elapsed_time(b_start)) for (_, a_end), (b_start, _) in zip(self.events, self.events[1:]))
+        inside = sum(s.elapsed_time(t) for s, t in self.events[1:])
+        return idle, inside
+
+
+def _unprofiled(engine, steps: int) -> dict:  # type: ignore[no-untyped-def]
+    torch.cuda.synchronize()
+    with _Probe(engine) as probe:
+        t0 = time.perf_counter()
+        for _ in range(steps + 1):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / (steps + 1)
+    idle, inside = probe.gaps_ms()
+    n = max(1, len(probe.events) - 1)
+    return {"wall_ms_per_step": round(wall, 3), "gpu_idle_between_steps_ms": round(idle / n, 3),
+            "gpu_launch_to_end_ms": round(inside / n, 3),
+            "host_ms_per_step": {k: round(v * 1e3 / (steps + 1), 3) for k, v in probe.host.items()}}
+
+
 def _window(engine, steps: int, kv_bytes_per_token: int, bandwidth: float) -> dict:  # type: ignore[no-untyped-def]
     running = engine.scheduler.running
     rows = len(running)
@@ -68,8 +139,8 @@ def _window(engine, steps: int, kv_bytes_per_token: int, bandwidth: float) -> di
         top[e.key[:80]] = e.self_device_time_total / 1e3 / steps
     busy = sum(by_kind.values())
     return {
-        "running": rows, "context_tokens": context, "wall_ms_per_step": round(wall_ms, 3),
-        "gpu_busy_ms_per_step": round(busy, 3), "gpu_idle_ms_per_step": round(wall_ms - busy, 3),
+        "running": rows, "context_tokens": context, "profiled_wall_ms_per_step": round(wall_ms, 3),
+        "gpu_busy_ms_per_step": round(busy, 3),
         "kv_floor_ms_per_step": round(context * kv_bytes_per_token / bandwidth * 1e3, 3),
         "ms_per_step_by_kind": {k: round(v, 3) for k, v in sorted(by_kind.items())},
         "kernels_per_step": round(kernels / steps, 1),
@@ -106,7 +177,9 @@ def main() -> int:
         if len(engine.scheduler.running) <= marks[0]:
             while marks and len(engine.scheduler.running) <= marks[0]:
                 marks.pop(0)
+            plain = _unprofiled(engine, args.steps)
             w = _window(engine, args.steps, kv_bytes, args.bandwidth)
+            w["unprofiled"] = plain
             print(json.dumps(w), flush=True)
             windows.append(w)
         else:
@@ -119,14 +192,15 @@ def main() -> int:
     }
     name = f"decode_anatomy{'_' + args.label if args.label else ''}.json"
     (out / name).write_text(json.dumps(result, indent=1))
-    print(f"{'running':>7} {'wall':>6} {'busy':>6} {'idle':>6} {'kvfloor':>7} {'attn':>6} {'mm':>6} {'samp':>6} "
-          f"{'other':>6} {'kern':>5}")
+    print(f"{'running':>7} {'wall':>6} {'idle':>6} {'busy':>6} {'kvfloor':>7} {'attn':>6} {'mm':>6} {'samp':>6} "
+          f"{'other':>6} {'kern':>5}  host ms per step (unprofiled)")
     for w in windows:
         k = w["ms_per_step_by_kind"]
-        print(f"{w['running']:>7} {w['wall_ms_per_step']:>6.2f} {w['gpu_busy_ms_per_step']:>6.2f} "
-              f"{w['gpu_idle_ms_per_step']:>6.2f} {w['kv_floor_ms_per_step']:>7.2f} {k.get('attention', 0):>6.2f} "
+        u = w["unprofiled"]
+        print(f"{w['running']:>7} {u['wall_ms_per_step']:>6.2f} {u['gpu_idle_between_steps_ms']:>6.2f} "
+              f"{w['gpu_busy_ms_per_step']:>6.2f} {w['kv_floor_ms_per_step']:>7.2f} {k.get('attention', 0):>6.2f} "
               f"{k.get('matmul', 0):>6.2f} {k.get('sampler', 0):>6.2f} {k.get('other', 0):>6.2f} "
-              f"{w['kernels_per_step']:>5.0f}")
+              f"{w['kernels_per_step']:>5.0f}  {u['host_ms_per_step']}")
     return 0
 
 
