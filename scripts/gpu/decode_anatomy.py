@@ -86,12 +86,25 @@ class _Probe:
         e.runner.run = self._timed("launch", run_with_events)
         e._process = self._timed("process", self.originals["process"])
         self.tokens_cls.tokens = self._timed("wait_for_tokens", self.tokens_orig)
+        # The parts of a launch (instance attributes shadow the class's methods until __exit__ deletes them).
+        r = e.runner
+        self.parts = [(r, "prepare"), (r, "forward"), (r, "sampling_info"), (r.sampler, "sample")]
+        if r.graph_runner is not None:
+            self.parts.append((r.graph_runner, "replay"))
+            self.parts.append((r.graph_runner.backend, "prepare_replay"))
+        for obj, name in self.parts:
+            setattr(obj, name, self._timed(f"launch.{type(obj).__name__}.{name}", getattr(obj, name)))
+        self.graph_replay = torch.cuda.CUDAGraph.replay
+        torch.cuda.CUDAGraph.replay = self._timed("launch.CUDAGraph.replay", self.graph_replay)
         return self
 
     def __exit__(self, *exc) -> None:  # type: ignore[no-untyped-def]
         e = self.engine
         del e.scheduler.schedule, e.runner.run, e._process  # back to the class's methods
         self.tokens_cls.tokens = self.tokens_orig
+        for obj, name in self.parts:
+            delattr(obj, name)
+        torch.cuda.CUDAGraph.replay = self.graph_replay
 
     def gaps_ms(self) -> tuple[float, float]:
         """(GPU idle between launches, GPU time from each launch's first to last event), summed."""
@@ -148,6 +161,40 @@ def _window(engine, steps: int, kv_bytes_per_token: int, bandwidth: float) -> di
     }
 
 
+def graph_launch_cost(kernels: int = 300, replays: int = 200) -> dict:
+    """Host time of one ``CUDAGraph.replay()`` of a graph of ``kernels`` tiny kernels, with the GPU idle before
+    each replay (synchronised) and with replays queued back to back."""
+    x = torch.zeros(256, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            x.add_(1)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        for _ in range(kernels):
+            x.add_(1)
+    g.replay()
+    torch.cuda.synchronize()
+    idle = []
+    for _ in range(replays):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        g.replay()
+        idle.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(replays):
+        g.replay()
+    queued = (time.perf_counter() - t) / replays
+    torch.cuda.synchronize()
+    gpu = (time.perf_counter() - t) / replays
+    idle.sort()
+    return {"kernels": kernels, "host_us_per_replay_gpu_idle": round(idle[len(idle) // 2] * 1e6, 1),
+            "host_us_per_replay_queued": round(queued * 1e6, 1), "wall_us_per_replay_queued": round(gpu * 1e6, 1)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--at", default="256,192,128,64,32,16")
@@ -184,7 +231,11 @@ def main() -> int:
             windows.append(w)
         else:
             engine.step()
+    launches = [graph_launch_cost(n) for n in (30, 300, 1000)]
+    for row in launches:
+        print(json.dumps(row), flush=True)
     result = {
+        "graph_launch_cost": launches,
         "what": "decode steps of the canonical workload, profiled at several numbers of running requests",
         "label": args.label, "start_s": round(start_s, 1), "windows": windows,
         "kv_bytes_per_token": kv_bytes, "bandwidth": args.bandwidth,
@@ -200,7 +251,8 @@ def main() -> int:
         print(f"{w['running']:>7} {u['wall_ms_per_step']:>6.2f} {u['gpu_idle_between_steps_ms']:>6.2f} "
               f"{w['gpu_busy_ms_per_step']:>6.2f} {w['kv_floor_ms_per_step']:>7.2f} {k.get('attention', 0):>6.2f} "
               f"{k.get('matmul', 0):>6.2f} {k.get('sampler', 0):>6.2f} {k.get('other', 0):>6.2f} "
-              f"{w['kernels_per_step']:>5.0f}  {u['host_ms_per_step']}")
+              f"{w['kernels_per_step']:>5.0f}")
+        print("        host ms per step: " + ", ".join(f"{k} {v}" for k, v in u["host_ms_per_step"].items()))
     return 0
 
 
