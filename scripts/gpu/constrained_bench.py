@@ -1,6 +1,6 @@
 """Chapter 12's GPU numbers: what a JSON-schema grammar costs per output token, and what jump-forward buys.
 
-    python3 scripts/gpu/constrained_bench.py OUT.json [--batch-sizes 1 64 256] [--max-new-tokens 160]
+    python3 scripts/gpu/constrained_bench.py OUT.json [--batch-sizes 1 64 256] [--max-new-tokens 160] [--mixed]
 
 The embedded SmolLM2-135M-Instruct (real weights: a grammar only means something with a model that writes JSON)
 on the GPU, default engine (overlap, CUDA graphs). Per batch size, three timed runs of the same prompts, each
@@ -91,6 +91,9 @@ def main() -> int:
     p.add_argument("--load-format", default="auto", help="dummy: random weights, the folder's real tokenizer")
     p.add_argument("--schema", choices=["bounded", "typical"], default="bounded",
                    help="bounded: strings with maxLength (the default); typical: the same fields without bounds")
+    p.add_argument("--mixed", action="store_true",
+                   help="mixed prefill+decode steps (as `serve` runs on a GPU): a jumped request's extend row rides "
+                        "in the decode step, which then replays an extend graph when it fits one")
     p.add_argument("--torch-profile", action="store_true",
                    help="profile the device (torch.profiler) during each timed jump-forward run: the kernels and "
                         "operators by device and host time to OUT.torch_profile.txt")
@@ -107,7 +110,8 @@ def main() -> int:
     schema = json.dumps(schema_obj)
     results = []
     for jump in (False, True):
-        llm = LLM(args.model_path, load_format=args.load_format, enable_jump_forward=jump)
+        llm = LLM(args.model_path, load_format=args.load_format, enable_jump_forward=jump,
+                  enable_mixed_chunk=args.mixed)
         for bs in args.batch_sizes:
             batch = prompts(llm, bs)
             cons = SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens, json_schema=schema)
@@ -166,7 +170,8 @@ def main() -> int:
               f"   jump-forward / constrained wall {summary[-1]['jump_forward_over_constrained_wall']:.3f}"
               f"   invalid {c['invalid']}/{bs}, {j['invalid']}/{bs}")
     doc = {"what": __doc__.split("\n\n")[0], "model_path": args.model_path or "embedded SmolLM2-135M-Instruct",
-           "load_format": args.load_format, "schema_name": args.schema, "schema": schema_obj, "results": results,
+           "load_format": args.load_format, "schema_name": args.schema, "mixed": args.mixed,
+           "schema": schema_obj, "results": results,
            "summary": summary,
            "provenance": collect_provenance(sys.argv)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
