@@ -756,10 +756,38 @@ if all(f.exists() for f in REAL.values()):  # the same script with the real Smol
 # differ: with the canonical tokens of forced text the model writes a different, not always better, answer, and
 # its outputs ran to the length limit more often (the "stopped and valid" column). What would make it pay on a
 # GPU: running the forced tokens of a few requests without taking the others off the graph (a decode graph that
-# accepts a few tokens per row), or jumping only when the forced text is long. Chapter 11 now captures extend
-# steps of up to 64 rows in CUDA graphs, decode rows beside the extend rows included, so a jump's step replays a
-# graph when fewer than about 63 requests run (at 64 and more, the step's rows and the padding row exceed the
-# largest bucket and it runs eagerly); the numbers above were measured before that and have not been repeated.
+# accepts a few tokens per row), or jumping only when the forced text is long.
+#
+# Chapter 11 later captured extend steps of up to 64 rows in CUDA graphs, decode rows beside the extend rows
+# included, so that a jump's step can replay a graph when fewer than about 63 requests run (at 64 and more, the
+# step's rows and the padding row exceed the largest bucket). The same measurement again with that engine, the
+# typical schema, real weights, with the default steps and with mixed prefill+decode steps (`--mixed`, as
+# `serve` runs on a GPU):
+
+# %%
+AGAIN = {mode: ROOT / "docs" / "data" / f"constrained_bench_typical_{mode}_h100.json" for mode in ("plain", "mixed")}
+if all(f.exists() for f in AGAIN.values()):
+    print(f"{'steps':<6} {'batch':>5} {'constrained ms/step':>20} {'jump-forward ms/step':>21} {'ratio':>6} "
+          f"{'jumped tokens':>14} {'ran to the limit (constrained, jump)':>37}")
+    for mode, path in AGAIN.items():
+        gpu = json.loads(path.read_text())
+        by = {(r["batch_size"], r["run"]): r for r in gpu["results"]}
+        for b in sorted({r["batch_size"] for r in gpu["results"]}):
+            c, j = by[(b, "constrained")], by[(b, "jump_forward")]
+            print(f"{mode:<6} {b:>5} {c['ms_per_step']:>20.2f} {j['ms_per_step']:>21.2f} "
+                  f"{j['ms_per_step'] / c['ms_per_step']:>6.2f} {j['jump_forward_tokens']:>14} "
+                  f"{c['finished_by_length']:>22}/{b}, {j['finished_by_length']}/{b}")
+
+# %% [markdown]
+# The graphs did not rescue it. At batch 1 a jumped step costs what a decode step costs (the jumps are rare), but
+# at 32 requests, where every jump's step fits a captured extend graph, a step still takes 1.5x a constrained
+# step, 1.8x at 64 and 2.6-3.3x at 256, mixed steps or not. The eager launch was only part of the price. The
+# rest is what a jump costs besides its launch (these runs do not say which part dominates): the forced text is re-tokenised and the matcher rolled
+# back, and the request's row already launched in the next step is now obsolete, so that step's work for it is
+# wasted and its extend row comes one step later. And the outputs changed for the worse again: with the
+# canonical tokens of the forced text, 24 of 32 and 49 of 64 outputs ran to the 320-token limit, against 7 and
+# 17 without jumps, so a jump-forward run also produced more than twice the tokens. On this GPU, with this model,
+# jump-forward stays off by default; the constrained rows themselves cost 1-10% per token.
 
 # %% [markdown]
 # ## Exercises
