@@ -28,10 +28,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from minisgl_ref import SamplingParams
 from minisgl_ref.bench.provenance import collect_provenance
-from minisgl_ref.bench.workloads import canonical_workload
 from minisgl_ref.llm import LLM
+from offline_suite import canonical_in_decode  # this folder, on sys.path when run as a script
 
 
 def _kind(name: str) -> str:
@@ -211,12 +210,7 @@ def main() -> int:
     llm = LLM("qwen3-0.6b", load_format="dummy", dtype="bfloat16", device="cuda")
     start_s = time.perf_counter() - t0
     kv_bytes = llm.engine.runner.model.config.kv_bytes_per_token
-    engine = llm.engine
-    wl = canonical_workload()
-    for prompt, params in zip(wl.prompts, wl.sampling_params):
-        engine.add_request(llm.make_request(prompt, SamplingParams(**params)))
-    while engine.scheduler.waiting or engine.scheduler.chunked:
-        engine.step()
+    engine = canonical_in_decode(llm)
     windows = []
     for _ in range(4):  # let the first decode steps settle
         engine.step()

@@ -53,6 +53,20 @@ def make_llm(**engine_kwargs):  # type: ignore[no-untyped-def]
     return LLM(MODEL, load_format="dummy", dtype="bfloat16", device="cuda", **engine_kwargs)
 
 
+def canonical_in_decode(llm):  # type: ignore[no-untyped-def]
+    """Queue the canonical workload on ``llm``'s engine and step until every prompt is prefilled; returns the
+    engine, in its decode phase."""
+    from minisgl_ref import SamplingParams
+
+    engine = llm.engine
+    wl = canonical_workload()
+    for prompt, params in zip(wl.prompts, wl.sampling_params):
+        engine.add_request(llm.make_request(prompt, SamplingParams(**params)))
+    while engine.scheduler.waiting or engine.scheduler.chunked:
+        engine.step()
+    return engine
+
+
 def release() -> None:
     """Hand a dropped engine's memory back (call after ``del llm``): the next engine sizes its KV pool from
     what is free."""
@@ -235,8 +249,6 @@ def profile(out_dir: Path) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
-    from minisgl_ref import SamplingParams
-
     result: dict = {}
     acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     # (1) eager forward at batch 256: which kernels a decode step is made of
@@ -261,12 +273,7 @@ def profile(out_dir: Path) -> dict:
 
     # (2) the canonical workload, default engine, in its decode phase
     llm = make_llm()
-    engine = llm.engine
-    wl = canonical_workload()
-    for prompt, params in zip(wl.prompts, wl.sampling_params):
-        engine.add_request(llm.make_request(prompt, SamplingParams(**params)))
-    while engine.scheduler.waiting or engine.scheduler.chunked:
-        engine.step()
+    engine = canonical_in_decode(llm)
     for _ in range(20):
         engine.step()
     torch.cuda.synchronize()
