@@ -1002,6 +1002,8 @@ for run in SA["canonical_runs"]:
 # SERVERS="default mixed" RATES="8 16" OUT=results bash scripts/gpu/serving_sweep.sh   # section 11: mixed steps
 # python3 scripts/gpu/sampler_ab.py results/sampler_ab.json --old-launcher OLD_fused_draw.py --old-kernel OLD_race_kernel.py
 # python -m minisgl_ref bench offline --step-log steps.jsonl     # section 11: canonical step times
+# python3 scripts/gpu/decode_anatomy.py --out results --at 256,128,64,32,16   # section 5: every stage
+# BASE=.baseline bash scripts/gpu/canonical_ab.sh     # section 5: interleaved A/B against an older checkout
 # ```
 #
 # Expected on an H100 80GB HBM3 (`docs/data/gpu_offline_h100.json`): about 17,700-17,850 output tok/s on the
@@ -1011,6 +1013,10 @@ for run in SA["canonical_runs"]:
 # bare machine starts in about 93 s and runs the canonical workload at about 17,100 tok/s, a second one starts in
 # about 11 s and runs at about 17,450; the shared-prefix workload runs at about 23,000 tok/s with the radix cache
 # and the cascade and about 7,600 without the radix cache.
+# `decode_anatomy.py` (`docs/data/decode_anatomy_h100.json`): a decode step of 8.15 ms on the GPU with 256 running
+# (6.36 ms of attention) and 2.54 ms with 14 (0.77 ms of attention), the host waiting for tokens at every stage;
+# `canonical_ab_qview_h100.json`: about 18,550-18,600 tok/s on the first timed run of a process, 18,930-19,230
+# on the second.
 #
 # `python scripts/stream_cost.py` (section 10), expected on a 2-core x86_64 CPU (`docs/data/stream_cost_cpu.json`):
 # about 47 us of API-server CPU and 67 us of client CPU per streamed token, against about 83 and 124 before.

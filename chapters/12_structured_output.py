@@ -822,13 +822,17 @@ if all(f.exists() for f in AGAIN.values()):
 #     --model-path FOLDER --load-format dummy --max-new-tokens 600
 # python3 scripts/gpu/constrained_bench.py docs/data/constrained_bench_real_typical_h100.json --schema typical \
 #     --max-new-tokens 320                                    # the embedded model's real weights (and bounded)
+# python3 scripts/gpu/constrained_bench.py docs/data/constrained_bench_typical_mixed_h100.json --schema typical \
+#     --max-new-tokens 320 --batch-sizes 1 32 64 256 --mixed   # with mixed steps (and without, for _plain)
 # ```
 #
 # Expected on a 2-core x86_64 CPU: the chapter in about 40 s; in section 7, one mask row inside a string of at
 # most 40 characters fills in about 0.05 ms for the first 20 characters and up to about 4.5 ms around the 32nd,
 # against about 0.005 ms without the bound. On an H100 with the real weights
 # (`docs/data/constrained_bench_real_typical_h100.json`): the typical schema at about 1.03, 1.02 and 1.11 times the
-# free time per output token at batch 1, 64 and 256; jump-forward 3-5x the time per step at batch 64-256.
+# free time per output token at batch 1, 64 and 256; jump-forward 3-5x the time per step at batch 64-256. With
+# extend graphs (`constrained_bench_typical_{plain,mixed}_h100.json`): jump-forward 1.5x the time per step at
+# batch 32, 1.8x at 64 and 2.6-3.3x at 256.
 
 # %%
 print(f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s")
