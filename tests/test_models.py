@@ -360,7 +360,11 @@ class TransformersRope(nn.Module):
         super().__init__()
         self.rope = LlamaRotaryEmbedding(hf_config)
 
-    def norm_and_rotate(self, positions, q, k, batch, q_norm=None, k_norm=None):  # type: ignore[no-untyped-def]
+    def can_store_kv(self, q, v, batch) -> bool:  # type: ignore[no-untyped-def]
+        return False  # K/V are stored by the attention backend, as on any CPU step
+
+    def norm_and_rotate(self, positions, q, k, batch, q_norm=None, k_norm=None, *, store=None):  # type: ignore[no-untyped-def]
+        assert store is None
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         if q_norm is not None and k_norm is not None:
@@ -374,7 +378,11 @@ class NoRope(nn.Module):
     """QK-norm when the model has one, and no rotation at all: for testing the layer's wiring, any position
     encoding will do."""
 
-    def norm_and_rotate(self, positions, q, k, batch, q_norm=None, k_norm=None):  # type: ignore[no-untyped-def]
+    def can_store_kv(self, q, v, batch) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def norm_and_rotate(self, positions, q, k, batch, q_norm=None, k_norm=None, *, store=None):  # type: ignore[no-untyped-def]
+        assert store is None
         if q_norm is not None and k_norm is not None:
             q, k = q_norm(q), k_norm(k)
         return q, k

@@ -75,6 +75,31 @@ def test_qk_norm_rope_matches_plain(dtype, with_norm, shape) -> None:
 
 
 @needs_compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 4, 2, 64), (4, 16, 8, 128), (3, 8, 1, 128)], ids=["gqa2", "qwen3", "mqa"])
+def test_qk_norm_rope_store_writes_the_rotated_kv_into_the_slots(dtype, shape) -> None:
+    """With ``store``, the kernel also does the KV store: the slots receive exactly the rotated keys and the
+    values, every other slot stays untouched, and q / k come out as without it."""
+    tokens, heads, kv_heads, head_dim = shape
+    q, k, v = qkv_views(*shape, dtype, seed=5)
+    rope = RotaryEmbedding(head_dim, 4096, 1e6).to(DEVICE)
+    positions = torch.tensor([3, 4095, 17, 1000, 0][:tokens], device=DEVICE)
+    norms = [torch.randn(head_dim, generator=torch.Generator().manual_seed(i)).to(DEVICE, dtype) for i in (1, 2)]
+    q2, k2 = q.clone(), k.clone()
+    ref_q, ref_k = triton_fused.qk_norm_rope_(positions, q2, k2, rope.cos_cache, rope.sin_cache, *norms, 1e-6)
+    k_pool = torch.zeros(32, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    v_pool = torch.zeros_like(k_pool)
+    slots = torch.tensor([9, 0, 31, 12, 5][:tokens], device=DEVICE)
+    out_q, out_k = triton_fused.qk_norm_rope_(positions, q, k, rope.cos_cache, rope.sin_cache, *norms, 1e-6,
+                                              store=(v, k_pool, v_pool, slots))
+    assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
+    assert torch.equal(k_pool[slots], ref_k) and torch.equal(v_pool[slots], v)
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    assert k_pool[untouched.to(DEVICE)].abs().sum() == 0 and v_pool[untouched.to(DEVICE)].abs().sum() == 0
+
+
+@needs_compiled
 def test_qk_norm_rope_rejects_bad_input() -> None:
     q, k, _ = qkv_views(2, 2, 1, 64, torch.float32)
     rope = RotaryEmbedding(64, 16, 1e4).to(DEVICE)
@@ -82,6 +107,10 @@ def test_qk_norm_rope_rejects_bad_input() -> None:
     w = torch.ones(64, device=DEVICE)
     with pytest.raises(ValueError, match="both q_weight and k_weight"):
         triton_fused.qk_norm_rope_(pos, q, k, rope.cos_cache, rope.sin_cache, w, None)
+    pool = torch.zeros(8, 1, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="store needs v shaped like k"):
+        triton_fused.qk_norm_rope_(pos, q, k, rope.cos_cache, rope.sin_cache,
+                                   store=(k, pool, pool.clone(), torch.arange(3, device=DEVICE)))
     half = RotaryEmbedding(32, 16, 1e4).to(DEVICE)  # partial rotary: not what the kernel does
     with pytest.raises(ValueError, match="full rotary table"):
         triton_fused.qk_norm_rope_(pos, q, k, half.cos_cache, half.sin_cache)
@@ -132,3 +161,55 @@ def test_gpu_qk_norm_rope_bf16_matches_plain(tokens) -> None:
     torch.testing.assert_close(out_q, ref_q, rtol=8e-3, atol=8e-3)
     torch.testing.assert_close(out_k, ref_k, rtol=8e-3, atol=8e-3)
     assert (out_q == ref_q).float().mean() > 0.95
+
+
+@pytest.mark.gpu
+def test_gpu_qwen3_attention_stores_kv_in_the_rope_kernel() -> None:
+    """A Qwen3 attention layer in a decode step on the GPU: the RoPE kernel writes K/V into the pool itself, and
+    the layer's output and the pool's contents are exactly those of the path where the backend stores them."""
+    from minisgl_ref.attention.torch_native import TorchNativeBackend
+    from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
+    from minisgl_ref.kvcache.pool import KVPool
+    from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
+    from minisgl_ref.models.config import ModelConfig
+    from minisgl_ref.models.loader import SHIPPED_CONFIGS
+    from minisgl_ref.models.qwen3 import Qwen3Attention
+
+    cfg = ModelConfig.from_file(SHIPPED_CONFIGS / "qwen3-0.6b.json")
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(cfg.head_dim, 4096, cfg.rope_theta).to(DEVICE)
+    layer = Qwen3Attention(cfg, 3, rope).to(DEVICE, torch.bfloat16)
+    for p in layer.parameters():
+        p.data.normal_(0, 0.05)
+    lens = [5, 300, 17, 1000]
+    table = ReqToTokenPool(len(lens), 1024, DEVICE)
+    slots = torch.randperm(4000, device=DEVICE)
+    start = 0
+    for row, n in enumerate(lens):
+        table.write(row, 0, slots[start:start + n])
+        start += n
+    pools = [KVPool(cfg.num_layers, 4000, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, DEVICE) for _ in range(2)]
+    for a, b in zip(pools[0].k + pools[0].v, pools[1].k + pools[1].v):
+        b.copy_(a.normal_())  # the same random cache in both
+    last = torch.tensor([sum(lens[:i + 1]) - 1 for i in range(len(lens))], device=DEVICE)
+    hidden = torch.randn(len(lens), cfg.hidden_size, device=DEVICE, dtype=torch.bfloat16)
+    noise = pools[0].k[3][slots[last]].clone()
+    outs = []
+    for pool, fused in zip(pools, (True, False)):  # the new token's slot holds noise until it is written
+        backend = TorchNativeBackend(pool, table)
+        batch = ForwardBatch(mode=ForwardMode.DECODE, input_ids=torch.zeros(len(lens), dtype=torch.int64,
+                                                                          device=DEVICE),
+                             positions=torch.tensor([n - 1 for n in lens], device=DEVICE),
+                             extend_lens_cpu=[1] * len(lens), prefix_lens_cpu=[n - 1 for n in lens],
+                             attn_backend=backend, req_pool_indices=torch.arange(len(lens), device=DEVICE),
+                             out_cache_loc=slots[last], seq_lens=torch.tensor(lens, device=DEVICE))
+        backend.init_forward_metadata(batch)
+        assert rope.can_store_kv(torch.empty(1, 1, cfg.head_dim, device=DEVICE, dtype=torch.bfloat16),
+                                 torch.empty(1, device=DEVICE, dtype=torch.bfloat16), batch)
+        if not fused:
+            layer.rotary.can_store_kv = lambda *a: False  # type: ignore[method-assign]
+        outs.append(layer(batch.positions, hidden, batch))
+    del layer.rotary.can_store_kv
+    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(a, b) for a, b in zip(pools[0].k + pools[0].v, pools[1].k + pools[1].v))
+    assert not torch.equal(pools[0].k[3][slots[last]], noise)  # the new keys were written

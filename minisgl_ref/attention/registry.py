@@ -187,10 +187,17 @@ class HybridAttnBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         (self.decode if batch.mode.is_decode else self.prefill).init_forward_metadata(batch)
 
+    @property
+    def kv_pool(self) -> KVPool:
+        """The pool both sides read and write (one pool per engine)."""
+        return self.decode.kv_pool
+
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch, *,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        return (self.decode if batch.mode.is_decode else self.prefill).forward(q, k, v, layer, batch)
+        side = self.decode if batch.mode.is_decode else self.prefill
+        return side.forward(q, k, v, layer, batch, kv_stored=kv_stored)
 
     def init_graph_buffers(self, max_bs: int) -> None:
         self.decode.init_graph_buffers(max_bs)

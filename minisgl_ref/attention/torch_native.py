@@ -54,7 +54,8 @@ class NoCacheAttentionBackend(AttentionBackend):
         pass
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch, *,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         if batch.mode.is_decode or any(batch.prefix_lens_cpu):
             raise ValueError("NoCacheAttentionBackend stores no KV: every step must feed whole sequences")

@@ -23,7 +23,8 @@ class AttentionBackendProtocol(Protocol):
     def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, batch: ForwardBatch, *,
+        kv_stored: bool = False,
     ) -> torch.Tensor: ...
 
 

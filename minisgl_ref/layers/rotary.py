@@ -95,16 +95,36 @@ class RotaryEmbedding(nn.Module):
 
     def norm_and_rotate(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, batch: ForwardBatch,
-        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, *,
+        store: tuple[torch.Tensor, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """QK-norm (when the model has one, Qwen3) and then RoPE. In decode steps on a CUDA half-precision ``q``,
-        one Triton kernel does both in place (why decode only: :mod:`minisgl_ref.layers.triton_fused`)."""
+        one Triton kernel does both in place (why decode only: :mod:`minisgl_ref.layers.triton_fused`).
+
+        ``store=(v, layer_id)``, given only when :meth:`can_store_kv` said yes, makes that kernel also write the
+        new tokens' rotated keys and their values into layer ``layer_id`` of the KV pool: the attention backend
+        then skips its own store (one kernel fewer per layer of a decode step, chapter 11)."""
         if batch.mode.is_decode and triton_fused.available(q) and q.shape[-1] == self.head_dim:
             norm = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None and k_norm is not None else ()
-            return triton_fused.qk_norm_rope_(positions, q, k, self.cos_cache, self.sin_cache, *norm)
+            kv = None
+            if store is not None:
+                v, layer_id = store
+                pool = batch.attn_backend.kv_pool  # type: ignore[attr-defined]
+                kv = (v, pool.k[layer_id], pool.v[layer_id], batch.out_cache_loc)
+            return triton_fused.qk_norm_rope_(positions, q, k, self.cos_cache, self.sin_cache, *norm, store=kv)
+        if store is not None:
+            raise ValueError("norm_and_rotate: store= is only for steps where can_store_kv() is true")
         if q_norm is not None and k_norm is not None:
             q, k = q_norm(q), k_norm(k)
         return self(positions, q, k)
+
+    def can_store_kv(self, q: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> bool:
+        """Whether :meth:`norm_and_rotate` can write this step's K/V into the pool itself: a decode step on the
+        Triton path, with a KV pool of ``v``'s dtype behind the batch's attention backend."""
+        pool = getattr(batch.attn_backend, "kv_pool", None)
+        return (batch.mode.is_decode and triton_fused.available(q) and q.shape[-1] == self.head_dim
+                and pool is not None and batch.out_cache_loc is not None
+                and pool.k[0].dtype == q.dtype and pool.v[0].dtype == v.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -59,41 +59,54 @@ def _kernels():  # type: ignore[no-untyped-def]
 
     @triton.jit
     def qk_norm_rope_kernel(
-        q, k,  # [T, H, D] and [T, KVH, D] views (last dim contiguous), rotated in place
+        q, k, v,  # [T, H, D], [T, KVH, D], [T, KVH, D] views (last dim contiguous); q and k rotated in place
         q_weight, k_weight,  # [D] each (ignored without HAS_NORM)
         cos, sin,  # [max_position, D / 2] float32
         positions,  # [T]
-        stride_qt, stride_qh, stride_kt, stride_kh,
-        num_q_heads, eps,
-        HAS_NORM: tl.constexpr, HALF: tl.constexpr,
+        k_pool, v_pool, slots,  # [num_slots, KVH, D] contiguous, [T] (ignored without STORE)
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, eps,
+        NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
+        HAS_NORM: tl.constexpr, STORE: tl.constexpr, HALF: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1).to(tl.int64)
-        offs = tl.arange(0, HALF)
-        if h < num_q_heads:
-            base = q + t * stride_qt + h * stride_qh
-            weight = q_weight
-        else:
-            base = k + t * stride_kt + (h - num_q_heads) * stride_kh
-            weight = k_weight
-        x1 = tl.load(base + offs)
-        x2 = tl.load(base + HALF + offs)
+        offs = tl.arange(0, HALF)[None, :]
+        # Rows 0..NUM_Q-1 of the tile are the token's query heads, the next NUM_KV its key heads.
+        h = tl.arange(0, BLOCK_H)[:, None].to(tl.int64)
+        is_q = h < NUM_Q
+        is_k = (h >= NUM_Q) & (h < NUM_Q + NUM_KV)
+        hk = tl.maximum(h - NUM_Q, 0)
+        rows = is_q | is_k
+        base = tl.where(is_q, q + t * stride_qt + h * stride_qh, k + t * stride_kt + hk * stride_kh)
+        x1 = tl.load(base + offs, mask=rows, other=0.0)
+        x2 = tl.load(base + HALF + offs, mask=rows, other=0.0)
         dtype = x1.dtype
         a = x1.to(tl.float32)
         b = x2.to(tl.float32)
         if HAS_NORM:
-            mean_sq = (tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / (2 * HALF)
+            mean_sq = (tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1))[:, None] / (2 * HALF)
             r = 1.0 / tl.sqrt(mean_sq + eps)
             # weight * round(x * r), rounded: the reference's two roundings (RMSNorm._norm)
-            w1 = tl.load(weight + offs).to(tl.float32)
-            w2 = tl.load(weight + HALF + offs).to(tl.float32)
+            w1 = tl.where(is_q, tl.load(q_weight + offs), tl.load(k_weight + offs)).to(tl.float32)
+            w2 = tl.where(is_q, tl.load(q_weight + HALF + offs), tl.load(k_weight + HALF + offs)).to(tl.float32)
             a = (w1 * (a * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
             b = (w2 * (b * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         pos = tl.load(positions + t).to(tl.int64)
         c = tl.load(cos + pos * HALF + offs)
         s = tl.load(sin + pos * HALF + offs)
-        tl.store(base + offs, (a * c - b * s).to(dtype))
-        tl.store(base + HALF + offs, (b * c + a * s).to(dtype))
+        y1 = (a * c - b * s).to(dtype)
+        y2 = (b * c + a * s).to(dtype)
+        tl.store(base + offs, y1, mask=rows)
+        tl.store(base + HALF + offs, y2, mask=rows)
+        if STORE:  # the rotated key heads and the value heads go straight into the token's KV slot
+            slot = tl.load(slots + t).to(tl.int64)
+            pool_row = slot * (NUM_KV * 2 * HALF) + hk * (2 * HALF)
+            tl.store(k_pool + pool_row + offs, y1, mask=is_k)
+            tl.store(k_pool + pool_row + HALF + offs, y2, mask=is_k)
+            hv = tl.arange(0, BLOCK_KV)[:, None].to(tl.int64)
+            d = tl.arange(0, 2 * HALF)[None, :]
+            in_v = hv < NUM_KV
+            val = tl.load(v + t * stride_vt + hv * stride_vh + d, mask=in_v)
+            tl.store(v_pool + slot * (NUM_KV * 2 * HALF) + hv * (2 * HALF) + d, val, mask=in_v)
 
     @triton.jit
     def store_kv_kernel(
@@ -122,10 +135,15 @@ def qk_norm_rope_(
     q_weight: torch.Tensor | None = None,
     k_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    *,
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalise (when weights are given) and rotate ``q`` [T, H, D] and ``k`` [T, KVH, D] in place, neox layout.
 
-    ``cos`` / ``sin`` are the rotary tables ``[max_position, D / 2]`` (float32); ``D`` must be a power of two."""
+    ``cos`` / ``sin`` are the rotary tables ``[max_position, D / 2]`` (float32); ``D`` must be a power of two.
+    ``store=(v, k_pool, v_pool, slots)`` also writes each token's rotated keys and its values ``v`` [T, KVH, D]
+    into its KV slot: ``k_pool[slots] = k; v_pool[slots] = v`` (pools ``[num_slots, KVH, D]``, contiguous), in the
+    same kernel, so a decode step needs no separate store kernel per layer."""
     kernel, _ = _kernels()
     t, num_q, d = q.shape
     num_kv = k.shape[1]
@@ -134,14 +152,32 @@ def qk_norm_rope_(
     if d & (d - 1) or q.stride(-1) != 1 or k.stride(-1) != 1 or cos.shape[-1] * 2 != d:
         raise ValueError(f"qk_norm_rope_ needs a power-of-two head dim, contiguous heads and a full rotary table; "
                          f"got q {tuple(q.shape)} strides {q.stride()}, cos {tuple(cos.shape)}")
+    if store is not None:
+        v, k_pool, v_pool, slots = store
+        if (v.shape != k.shape or v.stride(-1) != 1 or k_pool.shape[1:] != k.shape[1:]
+                or v_pool.shape != k_pool.shape or not (k_pool.is_contiguous() and v_pool.is_contiguous())
+                or k_pool.dtype != q.dtype or v_pool.dtype != v.dtype or slots.shape != (t,)):
+            raise ValueError(f"qk_norm_rope_: store needs v shaped like k {tuple(k.shape)} and contiguous pools "
+                             f"[slots, {num_kv}, {d}] of the same dtype with one slot per token; got v "
+                             f"{tuple(v.shape)}, pools {tuple(k_pool.shape)} / {tuple(v_pool.shape)}, "
+                             f"slots {tuple(slots.shape)}")
+    else:
+        v, k_pool, v_pool, slots = k, k, k, positions  # unused without STORE
     if t == 0:
         return q, k
     has_norm = q_weight is not None
-    kernel[(t, num_q + num_kv)](
-        q, k, q_weight if has_norm else q, k_weight if has_norm else k, cos, sin, positions,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), num_q, eps, HAS_NORM=has_norm, HALF=d // 2,
+    kernel[(t,)](
+        q, k, v, q_weight if has_norm else q, k_weight if has_norm else k, cos, sin, positions,
+        k_pool, v_pool, slots, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), eps,
+        NUM_Q=num_q, NUM_KV=num_kv, BLOCK_H=_next_pow2(num_q + num_kv), BLOCK_KV=_next_pow2(num_kv),
+        HAS_NORM=has_norm, STORE=store is not None, HALF=d // 2,
     )  # fmt: skip
     return q, k
+
+
+def _next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n``: Triton tiles have power-of-two sides."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def store_kv_(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
@@ -157,5 +193,5 @@ def store_kv_(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k
                              f"strides {x.stride()}")
     if t == 0:
         return
-    block = 1 << (row - 1).bit_length()
+    block = _next_pow2(row)
     kernel[(t,)](k, v, k_pool, v_pool, slots, k.stride(0), v.stride(0), ROW=row, BLOCK=block)

@@ -46,8 +46,12 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.attn.num_heads, self.attn.head_dim)
         k = k.reshape(-1, self.attn.num_kv_heads, self.attn.head_dim)
-        q, k = self.rotary.norm_and_rotate(positions, q, k, batch, self.q_norm, self.k_norm)  # QK-norm: Qwen3 only
-        return self.o_proj(self.attn(q, k, v, batch))
+        v = v.reshape(-1, self.attn.num_kv_heads, self.attn.head_dim)
+        # In decode steps on a GPU the RoPE kernel also writes K/V into the cache (one kernel fewer per layer).
+        fused_store = self.rotary.can_store_kv(q, v, batch)
+        q, k = self.rotary.norm_and_rotate(positions, q, k, batch, self.q_norm, self.k_norm,  # QK-norm: Qwen3 only
+                                           store=(v, self.attn.layer_id) if fused_store else None)
+        return self.o_proj(self.attn(q, k, v, batch, kv_stored=fused_store))
 
 
 class LlamaMLP(nn.Module):

@@ -65,10 +65,35 @@ def prompts(llm, n: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
     return out
 
 
-def timed(llm, batch, params, profiler=None):  # type: ignore[no-untyped-def]
+def step_kinds(path: Path) -> dict[str, dict[str, float]]:
+    """The timed run's steps from its step log, by kind: ``decode`` (every row decodes one token), ``extend``
+    (no decode row: prompts, or the tokens a jump appended) and ``mixed`` (both in one step). Per kind: how many
+    steps, their rows and extend tokens on average, and the milliseconds between consecutive steps' tokens
+    (median and total): where a run's wall time went."""
+    import statistics
+
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out: dict[str, dict[str, float]] = {}
+    for kind in ("decode", "extend", "mixed"):
+        rows = [s for s in lines
+                if kind == ("decode" if s["prefill_tokens"] == 0 else "extend" if s["decode_rows"] == 0 else "mixed")]
+        if rows:
+            gaps = [s["gap_ms"] for s in rows]
+            out[kind] = {"steps": len(rows), "mean_rows": round(statistics.fmean(s["rows"] for s in rows), 1),
+                         "mean_extend_tokens": round(statistics.fmean(s["prefill_tokens"] for s in rows), 1),
+                         "median_gap_ms": round(statistics.median(gaps), 3), "total_gap_ms": round(sum(gaps), 1)}
+    return out
+
+
+def timed(llm, batch, params, profiler=None, step_log: Path | None = None):  # type: ignore[no-untyped-def]
     llm.generate(batch, params, use_tqdm=False)  # warm-up of the same shape (graphs, grammar cache)
     stats = llm.engine.stats
     steps0 = stats.steps
+    if step_log is not None:
+        from minisgl_ref.engine.step_trace import StepTrace
+
+        step_log.unlink(missing_ok=True)
+        llm.engine.trace = StepTrace(step_log)
     if profiler is not None:
         profiler.enable()
     t0 = time.perf_counter()
@@ -78,8 +103,13 @@ def timed(llm, batch, params, profiler=None):  # type: ignore[no-untyped-def]
         profiler.disable()
     tokens = sum(len(o.output_ids) for o in outs)
     steps = stats.steps - steps0
-    return outs, {"wall_s": wall, "output_tokens": tokens, "steps": steps, "output_throughput": tokens / wall,
-                  "ms_per_step": 1e3 * wall / max(steps, 1)}
+    result = {"wall_s": wall, "output_tokens": tokens, "steps": steps, "output_throughput": tokens / wall,
+              "ms_per_step": 1e3 * wall / max(steps, 1)}
+    if step_log is not None:
+        llm.engine.trace.close()
+        llm.engine.trace = None
+        result["step_kinds"] = step_kinds(step_log)
+    return outs, result
 
 
 def main() -> int:
@@ -97,6 +127,9 @@ def main() -> int:
     p.add_argument("--torch-profile", action="store_true",
                    help="profile the device (torch.profiler) during each timed jump-forward run: the kernels and "
                         "operators by device and host time to OUT.torch_profile.txt")
+    p.add_argument("--step-log", default=None, metavar="DIR",
+                   help="write each timed run's step log to DIR and add its steps by kind (decode, extend, mixed) "
+                        "to the results")
     p.add_argument("--profile", action="store_true",
                    help="profile the host (cProfile) during each timed constrained and jump-forward run, top functions "
                         "to OUT.profile.txt")
@@ -109,6 +142,10 @@ def main() -> int:
     schema_obj = SCHEMA if args.schema == "bounded" else TYPICAL_SCHEMA
     schema = json.dumps(schema_obj)
     results = []
+
+    def log_path(bs: int, run: str) -> Path | None:
+        return Path(args.step_log) / f"{run}_{bs}.jsonl" if args.step_log else None
+
     for jump in (False, True):
         llm = LLM(args.model_path, load_format=args.load_format, enable_jump_forward=jump,
                   enable_mixed_chunk=args.mixed)
@@ -138,7 +175,7 @@ def main() -> int:
                     for key in ("self_cuda_time_total", "self_cpu_time_total"):
                         f.write(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70) + "\n")
             else:
-                outs, r = timed(llm, batch, cons)
+                outs, r = timed(llm, batch, cons, step_log=log_path(bs, "jump_forward" if jump else "constrained"))
             jumped = (llm.engine.stats.jump_forward_tokens - jumped) // 2  # warm-up and timed run alike
             bad = 0
             for o in outs:
@@ -154,7 +191,7 @@ def main() -> int:
             if not jump:  # the free twin: same prompts, the same output lengths, no grammar
                 free = [SamplingParams(temperature=0, max_new_tokens=max(len(o.output_ids), 1), ignore_eos=True)
                         for o in outs]
-                _, r = timed(llm, batch, free)
+                _, r = timed(llm, batch, free, step_log=log_path(bs, "free"))
                 results.append({"batch_size": bs, "run": "free", **r})
             print(json.dumps(results[-1]), flush=True)
         del llm
