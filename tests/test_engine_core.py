@@ -417,6 +417,27 @@ def test_admission_reserves_room_for_future_output():
     assert sched.cache.allocator.num_free_pages == 44
 
 
+@pytest.mark.parametrize("max_running", [1, 4, 8])
+def test_a_burst_fills_every_request_slot_in_one_step(max_running):
+    """Ten short requests arrive together and the pool and budget hold them all: the first step admits exactly
+    ``max_running_requests`` of them, not fewer. (Counting the requests admitted earlier in the step twice, once
+    as running and once as rows of the step, used to admit a burst in halves: 4 then 2 then 1 then 1.) Once the
+    first ones finish, the rest fill their slots in one step again."""
+    sched = bare_scheduler(1024, chunked_prefill_size=512, max_running_requests=max_running)
+    reqs = [toy_req(5, max_new=2, first=3 + 10 * i) for i in range(10)]
+    for r in reqs:
+        sched.add(r)
+    batch = sched.schedule()
+    assert [row.req for row in batch.rows] == reqs[:max_running]
+    assert sched.num_running == max_running and len(sched.waiting) == 10 - max_running
+    while sched.num_running:  # play the admitted requests to their end (a prefill, then a decode)
+        play(sched, batch)
+        if sched.num_running:
+            batch = sched.schedule()
+    batch = sched.schedule()
+    assert [row.req for row in batch.rows] == reqs[max_running:2 * max_running]
+
+
 @pytest.mark.task("5.1")
 def test_a_request_alone_starts_even_if_its_reserve_exceeds_the_pool():
     """A 32-slot pool and max_new_tokens=1000 (a reserve of 700 at the default ratio): alone, the request is

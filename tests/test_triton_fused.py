@@ -186,7 +186,7 @@ def test_gpu_qwen3_attention_stores_kv_in_the_rope_kernel() -> None:
     slots = torch.randperm(4000, device=DEVICE)
     start = 0
     for row, n in enumerate(lens):
-        table.write(row, 0, slots[start:start + n])
+        table.write(row, 0, slots[start:start + n].cpu())
         start += n
     pools = [KVPool(cfg.num_layers, 4000, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, DEVICE) for _ in range(2)]
     for a, b in zip(pools[0].k + pools[0].v, pools[1].k + pools[1].v):

@@ -287,8 +287,12 @@ class Scheduler:
         # END TASK 4.5
 
     def _has_room_for_new(self, adder: PrefillAdder) -> bool:
-        """A request slot and a page-table row for one more request (besides those kept for held-back ones)."""
-        return (self.num_running + len(adder.rows) + adder.held < self.config.max_running_requests
+        """A request slot and a page-table row for one more request (besides those kept for held-back ones).
+
+        The requests admitted earlier in this step are counted once, by ``num_running``: each joins ``running``
+        (or becomes ``chunked``) as its row is added. Counting ``adder.rows`` as well would count them twice, and
+        a burst of requests would then be admitted in halves, step after step (128, 64, 32, ... of 256)."""
+        return (self.num_running + adder.held < self.config.max_running_requests
                 and self.cache.req_to_token.num_free > adder.held)
 
     def _schedule_prefill(self) -> list[Row]:
