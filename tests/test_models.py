@@ -501,3 +501,22 @@ def test_bad_model_paths_explain_themselves(path, fmt, fragment):
 def test_folder_without_config_is_rejected(tmp_path):
     with pytest.raises(ModelPathError, match="config.json"):
         resolve_model_path(str(tmp_path))
+
+
+@pytest.mark.parametrize(("stored", "device", "asked", "expected"), [
+    (torch.float32, "cpu", "auto", torch.float32),
+    (torch.bfloat16, "cpu", "auto", torch.float32),  # half precision is slow on a CPU
+    (torch.float32, "cuda", "auto", torch.bfloat16),  # a float32 checkpoint runs in 16 bits on a GPU
+    (torch.bfloat16, "cuda", "auto", torch.bfloat16),
+    (torch.float16, "cuda", "auto", torch.float16),
+    (torch.float32, "cuda", "float32", torch.float32),  # unless asked for
+    (torch.bfloat16, "cpu", "bfloat16", torch.bfloat16),
+])  # fmt: skip
+def test_auto_dtype_follows_the_checkpoint_but_not_into_slow_paths(stored, device, asked, expected) -> None:
+    import dataclasses
+
+    from minisgl_ref.models.config import ModelConfig
+    from minisgl_ref.models.loader import SHIPPED_CONFIGS, resolve_dtype
+
+    config = dataclasses.replace(ModelConfig.from_file(SHIPPED_CONFIGS / "qwen3-0.6b.json"), dtype=stored)
+    assert resolve_dtype(asked, config, torch.device(device)) == expected

@@ -73,12 +73,20 @@ def resolve_model_path(model_path: str | None, load_format: str = "auto") -> Res
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.device) -> torch.dtype:
-    """``auto`` means the checkpoint's dtype, except on CPU where half precision is slow and we use float32."""
+    """``auto`` means the checkpoint's dtype, with two exceptions. On the CPU, where half precision is slow, it
+    is float32. On a GPU, a float32 checkpoint runs in bfloat16 (vLLM's ``auto`` likewise serves float32
+    checkpoints in 16 bits): the fast attention kernels (FlashAttention, FlashInfer) and our fused kernels
+    compute in 16 bits only, and in float32 a GPU falls back to exact-product Triton kernels many times slower.
+    bfloat16 keeps float32's exponent range, so no activation that fitted before overflows. The embedded
+    SmolLM2 is such a checkpoint: its de-quantised weights are stored in float32. ``--dtype float32`` keeps
+    float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
     names = {"float32": torch.float32, "float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16}
     if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else config.dtype
+        if device.type == "cpu":
+            return torch.float32
+        return torch.bfloat16 if config.dtype == torch.float32 else config.dtype
     if dtype not in names:
         raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {dtype!r}")
     return names[dtype]
