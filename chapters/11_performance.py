@@ -351,17 +351,18 @@ plt.show()
 # %% [markdown]
 # Three things to read off it:
 #
-# * **The host is not the bottleneck.** At every stage the host still waits for the tokens of the step in flight
-#   (last column), and the GPU never waits between steps (the events show under 0.01 ms). Launching a step costs
-#   the host 1.9-3.1 ms (preparing the batch, planning the attention, the replay, the sampler's launches),
-#   hidden behind the GPU's step by overlap scheduling.
+# * **The host keeps up, barely.** Down to ~30 running requests the host still waits for the tokens of the step
+#   in flight (last column), and the GPU never waits between steps. Launching a step costs the host 1.9-2.7 ms
+#   (preparing the batch, planning the attention, the replay, the sampler's launches), hidden behind the GPU's
+#   step by overlap scheduling. In the tail the GPU step falls under that: at 14 running the host waits almost
+#   nothing and the gaps inside the step grow, so there the host sets the pace.
 # * **Attention runs near its floor.** At every stage the attention kernel takes within ~15% of what its KV
 #   bytes allow at 3.0 TB/s (at small batch a little less: reading alone goes faster than the copy that measured
 #   3.0).
-# * **What is left is a fixed cost of ~1.8 ms per step**: 0.76-0.98 ms of matrix multiplies (1.2 GB of weights
-#   read at ~1.2-1.6 TB/s: too few rows to keep the tensor cores fed), 0.5-0.7 ms of ~300 small kernels (norms,
-#   RoPE, KV store, split-K and split-KV reductions, the sampler) and 0.1-0.5 ms of gaps between kernels. It
-#   hardly shrinks with the batch, and the workload runs ~1,030 decode steps, so it is ~1.8 s of the ~7 s run. A
+# * **What is left is a fixed cost of ~1.6-1.8 ms per step**: 0.77-0.99 ms of matrix multiplies (1.2 GB of
+#   weights read at ~1.2-1.6 TB/s: too few rows to keep the tensor cores fed), ~0.5 ms of 270-340 small kernels
+#   (norms, RoPE, split-K and split-KV reductions, the sampler) and 0.1-0.9 ms of gaps between kernels. It hardly
+#   shrinks with the batch, and the workload runs ~1,020 decode steps, so it is ~1.7 s of the ~7.2 s run. A
 #   throughput 10% higher needs ~0.7 ms of it gone: matrix multiplies that read the weights near the bandwidth at
 #   a few rows (a GEMV-like kernel), and fewer, larger kernels per layer.
 #
@@ -379,6 +380,51 @@ for label, s in AB["summary"].items():
     runs = ", ".join(f"{x:,.0f}" for x in s["runs_tok_s"])
     print(f"{names[label]:<20} {runs} output tok/s (median {s['median']:,.0f}, "
           f"{s['median'] / floor_tok_s:.0%} of the floor)")
+
+# %% [markdown]
+# (The "second run" of each process there found most of its prompts in the radix cache, left over from the first:
+# it skipped most of its prefill, which is where its extra ~3% came from. The comparison script now empties the
+# cache before each run, and its two runs agree within 1%.)
+#
+# Two more steps, each measured the same way, four interleaved processes per side:
+#
+# * **The KV store inside the RoPE kernel.** In a decode step the kernel that normalises and rotates q and k
+#   now also writes the rotated keys and the values into their KV slots, one program per token instead of one per
+#   head (`qk_norm_rope_` with `store=` in `minisgl_ref/layers/triton_fused.py`; the attention backend then skips
+#   its own store). One kernel fewer per layer: 274 kernels per step at 256 running instead of 302, and the small
+#   kernels' time at 256 running from 0.68 to 0.56 ms.
+# * **A burst admitted in one step.** The scheduler counted the requests it had admitted earlier in a step twice
+#   against `--max-running-requests`, so the last few hundred requests of a burst went in halves, a prefill step
+#   each (7,567, then 4,384, 2,441, 652 and 251 tokens at the end of this workload's prefill). Now the token
+#   budget alone splits them.
+
+# %%
+for name, what in (("canonical_ab_fused_store_h100.json", "KV store in the RoPE kernel"),
+                   ("canonical_ab_admission_h100.json", "burst admitted in one step")):
+    ab = json.loads((ROOT / "docs" / "data" / name).read_text())
+    base, new = ab["provenance"]["settings"]["base"], ab["provenance"]["settings"]["new"]
+    b, n = ab["summary"][base], ab["summary"][new]
+    print(f"{what:<28} before {', '.join(f'{x:,.0f}' for x in b['runs_tok_s'])} (median {b['median']:,.0f})")
+    print(f"{'':<28} after  {', '.join(f'{x:,.0f}' for x in n['runs_tok_s'])} (median {n['median']:,.0f}, "
+          f"{n['median'] / b['median'] - 1:+.1%}, {n['median'] / floor_tok_s:.0%} of the floor)")
+
+# %% [markdown]
+# About +0.6% and +1%, each beyond the spread of its own side. On a bare machine, the whole thing from the first
+# command (`canonical_bare_machine_h100.json`):
+
+# %%
+BARE = json.loads((ROOT / "docs" / "data" / "canonical_bare_machine_h100.json").read_text())
+for label in ("cold", "warm"):
+    run = BARE[label]["results"][0]
+    phases = ", ".join(f"{k} {v:.1f} s" for k, v in run["startup_phases"].items())
+    print(f"{label:<5} process: start-up {run['startup_s']:5.1f} s ({phases}); timed run "
+          f"{run['output_throughput']:,.0f} output tok/s ({run['roofline_fraction']:.1%} of the floor), "
+          f"compiled during the run: {run['compiled_during_run']}")
+
+# %% [markdown]
+# The first process compiles for about a minute before its first request (FlashInfer's JIT and Triton), the second
+# starts in about 10 s from the disk caches, and both run the workload at ~18,200-18,500 output tokens/s,
+# 68-70% of the floor, with nothing compiled inside the timed run.
 
 # %% [markdown]
 # ## 6. Reading a shared prefix once: cascade decode attention
@@ -1013,10 +1059,14 @@ for run in SA["canonical_runs"]:
 # bare machine starts in about 93 s and runs the canonical workload at about 17,100 tok/s, a second one starts in
 # about 11 s and runs at about 17,450; the shared-prefix workload runs at about 23,000 tok/s with the radix cache
 # and the cascade and about 7,600 without the radix cache.
-# `decode_anatomy.py` (`docs/data/decode_anatomy_h100.json`): a decode step of 8.15 ms on the GPU with 256 running
-# (6.36 ms of attention) and 2.54 ms with 14 (0.77 ms of attention), the host waiting for tokens at every stage;
-# `canonical_ab_qview_h100.json`: about 18,550-18,600 tok/s on the first timed run of a process, 18,930-19,230
-# on the second.
+# `decode_anatomy.py` (`docs/data/decode_anatomy_h100.json`): a decode step of 8.0 ms on the GPU with 256 running
+# (6.36 ms of attention, 274 kernels) and 2.9 ms with 14 (0.77 ms of attention), the host waiting for tokens down
+# to ~30 running;
+# `canonical_ab_qview_h100.json`: about 18,550-18,600 tok/s on the first timed run of a process (its second
+# runs, 18,930-19,230, found their prompts cached); `canonical_ab_fused_store_h100.json` and
+# `canonical_ab_admission_h100.json`: medians of 18,601 against 18,492 and 18,478 against 18,304;
+# `canonical_bare_machine_h100.json`: `bench offline` on a bare machine starts in about 73 s and runs the
+# workload at about 18,200 tok/s, a second process starts in about 10 s and runs at about 18,500.
 #
 # `python scripts/stream_cost.py` (section 10), expected on a 2-core x86_64 CPU (`docs/data/stream_cost_cpu.json`):
 # about 47 us of API-server CPU and 67 us of client CPU per streamed token, against about 83 and 124 before.

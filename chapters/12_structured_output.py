@@ -758,11 +758,16 @@ if all(f.exists() for f in REAL.values()):  # the same script with the real Smol
 # GPU: running the forced tokens of a few requests without taking the others off the graph (a decode graph that
 # accepts a few tokens per row), or jumping only when the forced text is long.
 #
-# Chapter 11 later captured extend steps of up to 64 rows in CUDA graphs, decode rows beside the extend rows
-# included, so that a jump's step can replay a graph when fewer than about 63 requests run (at 64 and more, the
-# step's rows and the padding row exceed the largest bucket). The same measurement again with that engine, the
-# typical schema, real weights, with the default steps and with mixed prefill+decode steps (`--mixed`, as
-# `serve` runs on a GPU):
+# **Every number above ran the model in float32.** The embedded SmolLM2 is stored de-quantised in float32, and
+# the engine used to keep a checkpoint's dtype on a GPU. In float32 the fast attention kernels (FlashAttention,
+# FlashInfer) do not run, so every step went through our Triton kernels with exact float32 products, and their
+# extend kernel is slow on a step with hundreds of one-token rows: a device profile of the jump-forward run at
+# batch 256 (`docs/data/constrained_bench_f32_jump_profile_h100.txt`) shows it at 7.6 ms per layer call, two
+# thirds of all GPU time, which is what made a jump's step cost 50-260 ms. `--dtype auto` now serves a float32
+# checkpoint in bfloat16 on a GPU, as vLLM's `auto` serves one in 16 bits. The same measurement in bfloat16, the
+# typical schema, real weights, with the default steps and with mixed prefill+decode steps (`--mixed`, as `serve`
+# runs on a GPU). Since these runs, chapter 11 also captures extend steps of up to 64 rows in CUDA graphs, so a
+# jump's step replays a graph when it fits one:
 
 # %%
 AGAIN = {mode: ROOT / "docs" / "data" / f"constrained_bench_typical_{mode}_h100.json" for mode in ("plain", "mixed")}
@@ -779,15 +784,27 @@ if all(f.exists() for f in AGAIN.values()):
                   f"{c['finished_by_length']:>22}/{b}, {j['finished_by_length']}/{b}")
 
 # %% [markdown]
-# The graphs did not rescue it. At batch 1 a jumped step costs what a decode step costs (the jumps are rare), but
-# at 32 requests, where every jump's step fits a captured extend graph, a step still takes 1.5x a constrained
-# step, 1.8x at 64 and 2.6-3.3x at 256, mixed steps or not. The eager launch was only part of the price. The
-# rest is what a jump costs besides its launch (these runs do not say which part dominates): the forced text is re-tokenised and the matcher rolled
-# back, and the request's row already launched in the next step is now obsolete, so that step's work for it is
-# wasted and its extend row comes one step later. And the outputs changed for the worse again: with the
-# canonical tokens of the forced text, 24 of 32 and 49 of 64 outputs ran to the 320-token limit, against 7 and
-# 17 without jumps, so a jump-forward run also produced more than twice the tokens. On this GPU, with this model,
-# jump-forward stays off by default; the constrained rows themselves cost 1-10% per token.
+# In bfloat16 a decode step of this 135M model takes 1.2-1.6 ms at batch 1-64, and that changes the picture
+# twice over.
+#
+# * **The grammar no longer hides.** A constrained step now costs 1.3x a free one at batch 1 and about 1.5-1.6x
+#   at 32 and 64 (plain steps; the mixed-steps process, another sample of the same constrained work, measured
+#   1.5-2.1x), and 1.06-1.33x at 256, where the forward is longer. The overlap of section 6 hides the mask only
+#   where the host has time to spare, and at these step times it has none: even the free steps are bound by the
+#   host's own work (chapter 11 measures ~2 ms of it per decode step), so every row's mask fill, copy and
+#   matcher update adds to the step. The float32 runs above stayed within 10% of a free step at batch 64
+#   because their GPU step was twice as long.
+# * **Jump-forward's step got cheaper, but not cheap.** Its extend rows ride in steps that now cost 5 ms at
+#   batch 32 and 26-46 ms at 64 and 256 (the profile's 50-260 ms in float32). Per step it is 1.3x a constrained
+#   step at 32, 1.7-2.0x at 64 and 2.3-2.5x at 256, still a loss, from the steps with extend rows: at 64 and
+#   more they exceed the largest extend graph and run eagerly. And its outputs are still worse: 27 of 32 and 49
+#   of 64 ran to the 320-token limit, against 7 and 17 without jumps. It stays off by default.
+#
+# One more thing these runs found. All requests of a batch arrive together, and at batch 256 the scheduler
+# admitted them in halves, 128, then 64, 32 and so on, one step each: it counted the requests admitted earlier
+# in the same step twice against `max_running_requests`. With mixed steps every one of those nine steps also
+# decoded all running requests eagerly, which had made free steps at batch 256 a third slower with `--mixed`.
+# A burst is now admitted in one step (chapter 11's canonical workload gained too).
 
 # %% [markdown]
 # ## Exercises
@@ -830,9 +847,10 @@ if all(f.exists() for f in AGAIN.values()):
 # most 40 characters fills in about 0.05 ms for the first 20 characters and up to about 4.5 ms around the 32nd,
 # against about 0.005 ms without the bound. On an H100 with the real weights
 # (`docs/data/constrained_bench_real_typical_h100.json`): the typical schema at about 1.03, 1.02 and 1.11 times the
-# free time per output token at batch 1, 64 and 256; jump-forward 3-5x the time per step at batch 64-256. With
-# extend graphs (`constrained_bench_typical_{plain,mixed}_h100.json`): jump-forward 1.5x the time per step at
-# batch 32, 1.8x at 64 and 2.6-3.3x at 256.
+# free time per output token at batch 1, 64 and 256; jump-forward 3-5x the time per step at batch 64-256 (both
+# in float32, as the embedded model ran on a GPU then). In bfloat16 (`constrained_bench_typical_{plain,mixed}_h100.json`):
+# the typical schema at about 1.3x the free time per output token at batch 1, 1.5-2.1x at 32 and 64 and
+# 1.06-1.33x at 256; jump-forward 1.1-1.3x the time per step at batch 32, 1.7-2.0x at 64 and 2.3-2.5x at 256.
 
 # %%
 print(f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s")
