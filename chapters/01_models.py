@@ -442,7 +442,9 @@ print("RowParallelLinear(x) == x W^T at tp=1:", torch.allclose(row(x), x @ w_dow
 # over every query and key head just before RoPE (QK-norm). Each is a class attribute that `LlamaAttention`
 # reads, and the subclasses are a few lines each (`minisgl_ref/models/qwen2.py`, `qwen3.py`). The rotary layer
 # applies QK-norm and RoPE together (`RotaryEmbedding.norm_and_rotate`), because in decode steps on a GPU one
-# kernel of ours does both (chapter 08); the model only says that they happen:
+# kernel of ours does both (chapter 08) and also writes the new keys and values into the KV cache (chapter 11:
+# `can_store_kv` says when, and the attention layer is then told `kv_stored=True`); the model only says that they
+# happen:
 
 # %%
 from minisgl_ref.models import llama as llama_module
