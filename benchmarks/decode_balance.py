@@ -1,0 +1,232 @@
+"""``python -m benchmarks.decode_balance``: decode attention on the canonical workload's own context lengths
+(chapter 11).
+
+With every request at the same length, FlashInfer's decode kernel reads the KV cache of 256 requests at ~3.0 TB/s
+on an H100 (``gpu_kernels_h100.json``). Inside the canonical workload, with 256 requests running, the same kernel
+reads at ~2.6 TB/s (``decode_anatomy_h100.json``), while with 14 running it reads at ~3.3. The difference is the
+spread of the lengths: the workload's contexts run from ~100 to ~1,100 tokens, and a kernel that gives each
+(request, KV head) pair one thread block finishes when the block with the longest context does. The other
+blocks' SMs sit idle for the tail.
+
+This benchmark rebuilds the attention call of a decode step at several stages of the canonical workload (the
+running requests and their context lengths when 256, 192, 128, ... requests are left) and times ways of cutting
+that work:
+
+- ``fi_graph``: what the engine runs: FlashInfer's CUDA-core decode kernel planned by a CUDA-graph wrapper;
+- ``fi_graph_sorted``: the same with the longest contexts first in the batch;
+- ``fi_plain``: the same kernel, planned without a graph wrapper (it splits only when the batch is small);
+- ``fi_tc_graph``: FlashInfer's tensor-core (prefill-style) decode, whose planner cuts every context into
+  chunks of one size; ``fi_tc_graph_splitN`` pins that size to N tokens;
+- ``fa3``: FlashAttention-3's paged decode with its own split heuristic.
+
+Each variant's output is checked against ``fi_graph`` (relative error, bf16) before it is timed. Times are the
+median over CUDA-graph replays of 10 calls (``benchmarks.kernels.time_graph``); bandwidth counts the K and V
+bytes of every context once. Results go to one JSON file with provenance, rewritten after every stage so that a
+run cut short still leaves what it measured. Needs a CUDA device with flashinfer-python (and FA3 for ``fa3``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B's attention
+DTYPE = torch.bfloat16
+KV_BYTES_PER_TOKEN = 2 * NUM_KV_HEADS * HEAD_DIM * 2  # one layer's K and V of one token, bf16
+MARKS = (256, 128, 64, 192, 32, 16)  # the most informative stage first: a run cut short keeps it
+SPLITS = (128, 256, 512)
+
+
+def canonical_stages(marks: tuple[int, ...] = MARKS) -> dict[int, list[int]]:
+    """The running requests' context lengths (new token included) at the first decode step at which at most
+    ``mark`` requests are left, in the order the requests were submitted. The schedule is the ideal one the
+    roofline assumes: every request admitted before the first decode step, one token per step."""
+    random.seed(0)
+    prompts = []
+    for _ in range(256):  # each prompt's length, then its tokens; all prompts before the output lengths
+        prompts.append(random.randint(100, 1024))
+        for _ in range(prompts[-1]):
+            random.randint(0, 10000)
+    outputs = [random.randint(100, 1024) for _ in range(256)]
+    stages = {}
+    for mark in marks:
+        step = next(t for t in range(max(outputs) + 1) if sum(o > t for o in outputs) <= mark)
+        stages[mark] = [p + step + 1 for p, o in zip(prompts, outputs) if o > step]
+    return stages
+
+
+class Stage:
+    """One layer's KV pool holding ``lens`` contexts in consecutive slots (slot 0 unused), and a query each."""
+
+    def __init__(self, lens: list[int], seed: int = 0) -> None:
+        gen = torch.Generator("cuda").manual_seed(seed)
+        self.lens = lens
+        total = sum(lens)
+        self.k = torch.randn(total + 1, NUM_KV_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=DTYPE)
+        self.v = torch.randn(total + 1, NUM_KV_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=DTYPE)
+        self.q = torch.randn(len(lens), NUM_Q_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=DTYPE)
+        starts, s = [], 1
+        for n in lens:
+            starts.append(s)
+            s += n
+        self.starts = starts
+        self.bytes = total * KV_BYTES_PER_TOKEN
+
+    def slots(self, order: list[int]) -> torch.Tensor:
+        return torch.cat([torch.arange(self.starts[i], self.starts[i] + self.lens[i], dtype=torch.int32)
+                          for i in order]).cuda()  # fmt: skip
+
+
+def flashinfer_runner(st: Stage, *, tensor_cores: bool, graph: bool, sort: bool = False,
+                      split: int | None = None) -> tuple[Callable[[], torch.Tensor], list[int]]:  # fmt: skip
+    """A planned FlashInfer decode call over ``st`` (pages of one token, as the engine shows its pool), and the
+    request order it uses."""
+    import flashinfer
+
+    b = len(st.lens)
+    order = sorted(range(b), key=lambda i: -st.lens[i]) if sort else list(range(b))
+    indptr = torch.zeros(b + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(torch.tensor([st.lens[i] for i in order], dtype=torch.int32), 0)
+    indices = st.slots(order)
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+    if graph:
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            ws, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
+            paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=torch.int32, device="cuda"),
+            paged_kv_indices_buffer=torch.zeros(indices.numel(), dtype=torch.int32, device="cuda"),
+            paged_kv_last_page_len_buffer=torch.ones(b, dtype=torch.int32, device="cuda"),
+        )  # fmt: skip
+    else:
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores)
+    kwargs: dict[str, Any] = dict(q_data_type=DTYPE, kv_data_type=DTYPE, sm_scale=HEAD_DIM**-0.5)
+    if split is not None:
+        kwargs["fixed_split_size"] = split
+    wrapper.plan(indptr, indices, torch.ones(b, dtype=torch.int32), NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, 1,
+                 **kwargs)  # fmt: skip
+    q = st.q[order].contiguous()
+    cache = (st.k.unsqueeze(1), st.v.unsqueeze(1))
+    return (lambda: wrapper.run(q, cache)), order
+
+
+def fa3_runner(st: Stage) -> tuple[Callable[[], torch.Tensor], list[int]]:
+    import flash_attn_interface as fa
+
+    b, width = len(st.lens), max(st.lens)
+    table = torch.zeros(b, width, dtype=torch.int32)
+    for i, (s, n) in enumerate(zip(st.starts, st.lens)):
+        table[i, :n] = torch.arange(s, s + n, dtype=torch.int32)
+    table = table.cuda()
+    seqlens = torch.tensor(st.lens, dtype=torch.int32, device="cuda")
+    q = st.q.unsqueeze(1)
+    k, v = st.k.view(-1, 1, NUM_KV_HEADS, HEAD_DIM), st.v.view(-1, 1, NUM_KV_HEADS, HEAD_DIM)
+
+    def call() -> torch.Tensor:
+        out = fa.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, page_table=table,
+                                         softmax_scale=HEAD_DIM**-0.5, causal=True)  # fmt: skip
+        return (out[0] if isinstance(out, tuple) else out).view(b, NUM_Q_HEADS, HEAD_DIM)
+
+    return call, list(range(b))
+
+
+def variants() -> dict[str, Callable[[Stage], tuple[Callable[[], torch.Tensor], list[int]]]]:
+    """Every variant by name, the engine's own first (the others' errors are measured against it)."""
+    v: dict[str, Callable[[Stage], tuple[Callable[[], torch.Tensor], list[int]]]] = {
+        "fi_graph": lambda st: flashinfer_runner(st, tensor_cores=False, graph=True),
+        "fi_tc_graph": lambda st: flashinfer_runner(st, tensor_cores=True, graph=True),
+    }
+    for n in SPLITS:
+        v[f"fi_tc_graph_split{n}"] = lambda st, n=n: flashinfer_runner(st, tensor_cores=True, graph=True, split=n)
+    v["fi_graph_sorted"] = lambda st: flashinfer_runner(st, tensor_cores=False, graph=True, sort=True)
+    v["fa3"] = fa3_runner
+    v["fi_plain"] = lambda st: flashinfer_runner(st, tensor_cores=False, graph=False)
+    return v
+
+
+def measure_stage(st: Stage, names: list[str], repeats: int) -> list[dict[str, Any]]:
+    from benchmarks.kernels import time_graph
+
+    rows, ref = [], None
+    for name in names:
+        row: dict[str, Any] = {"variant": name}
+        try:
+            fn, order = variants()[name](st)
+            out = torch.empty_like(st.q)
+            out[torch.tensor(order, device="cuda")] = fn().view_as(st.q)
+            torch.cuda.synchronize()
+            if ref is None:
+                ref = out.float()
+            row["rel_error_vs_first"] = float((out.float() - ref).norm() / ref.norm())
+            seconds, method = time_graph(fn, calls_per_graph=10, repeats=repeats)
+            row.update(time_us=round(seconds * 1e6, 2), timing=method,
+                       bandwidth_GBps=round(st.bytes / seconds / 1e9, 1))  # fmt: skip
+        except Exception as e:  # one variant failing must not lose the others' numbers
+            row["error"] = f"{type(e).__name__}: {e}"[:400]
+        rows.append(row)
+        print(f"  {name:<22} {row.get('time_us', 'ERR'):>9} us  {row.get('bandwidth_GBps', ''):>7} GB/s  "
+              f"err {row.get('rel_error_vs_first', float('nan')):.1e}  {row.get('error', '')}", flush=True)
+    return rows
+
+
+def warm(tensor_cores: bool) -> None:
+    """Build (or load from FlashInfer's disk cache) one decode kernel family, on a tiny batch: a script runs the
+    two families' compilations side by side before timing anything."""
+    st = Stage([5, 7])
+    flashinfer_runner(st, tensor_cores=tensor_cores, graph=False)[0]()
+    torch.cuda.synchronize()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.decode_balance", description=__doc__.split("\n\n")[0])
+    p.add_argument("--output", required=True, help="JSON file, rewritten after every stage")
+    p.add_argument("--variants", default=",".join(variants()), help="comma-separated, the reference first")
+    p.add_argument("--marks", default=",".join(map(str, MARKS)))
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise ValueError("benchmarks.decode_balance needs a CUDA device")
+    from benchmarks.kernels import copy_bandwidth
+    from minisgl_ref.bench.provenance import collect_provenance, package_version
+
+    names = [n for n in args.variants.split(",") if n]
+    stages = canonical_stages(tuple(int(m) for m in args.marks.split(",")))
+    t0 = time.perf_counter()
+    copy_bw = copy_bandwidth(nbytes=1 << 30, warmup_s=1.0)
+    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)", flush=True)
+    result: dict[str, Any] = {
+        "benchmark": "decode_balance",
+        "what": "one layer's decode attention at stages of the canonical workload (Qwen3-0.6B attention: 16 query "
+                "heads, 8 KV heads, head dim 128, bf16; pages of one token; contexts in consecutive slots)",
+        "copy_bandwidth_GBps": round(copy_bw / 1e9, 1),
+        "stages": [],
+        "provenance": collect_provenance(variants=names, repeats=args.repeats, kernel_packages={
+            n: package_version(n) for n in ("flashinfer-python", "tokenspeed-fa3")}),
+    }  # fmt: skip
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for mark, lens in stages.items():
+        print(f"{len(lens)} running, {sum(lens):,} context tokens, lengths {min(lens)}..{max(lens)}", flush=True)
+        st = Stage(lens, seed=mark)
+        rows = measure_stage(st, names, args.repeats)
+        result["stages"].append({"mark": mark, "running": len(lens), "context_tokens": sum(lens),
+                                 "min_len": min(lens), "max_len": max(lens), "kv_bytes": st.bytes,
+                                 "kv_floor_us_at_copy_bw": round(st.bytes / copy_bw * 1e6, 2), "variants": rows})  # fmt: skip
+        result["elapsed_s"] = round(time.perf_counter() - t0, 1)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        del st
+        torch.cuda.empty_cache()
+    print(f"\n{'running':>7} " + " ".join(f"{n[:14]:>14}" for n in names) + "   (GB/s)")
+    for s in result["stages"]:
+        bw = {r["variant"]: r.get("bandwidth_GBps", 0.0) for r in s["variants"]}
+        print(f"{s['running']:>7} " + " ".join(f"{bw.get(n, 0.0):>14.0f}" for n in names))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
