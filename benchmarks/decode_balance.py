@@ -16,7 +16,8 @@ that work:
 - ``fi_graph_sorted``: the same with the longest contexts first in the batch;
 - ``fi_plain``: the same kernel, planned without a graph wrapper (it splits only when the batch is small);
 - ``fi_tc_graph``: FlashInfer's tensor-core (prefill-style) decode, whose planner cuts every context into
-  chunks of one size; ``fi_tc_graph_splitN`` pins that size to N tokens;
+  chunks of one size; ``fi_tc_splitN`` pins that size to N tokens (FlashInfer allows that only without a
+  graph wrapper);
 - ``fa3``: FlashAttention-3's paged decode with its own split heuristic.
 
 Each variant's output is checked against ``fi_graph`` (relative error, bf16) before it is timed. Times are the
@@ -41,13 +42,14 @@ NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B's attention
 DTYPE = torch.bfloat16
 KV_BYTES_PER_TOKEN = 2 * NUM_KV_HEADS * HEAD_DIM * 2  # one layer's K and V of one token, bf16
 MARKS = (256, 128, 64, 192, 32, 16)  # the most informative stage first: a run cut short keeps it
-SPLITS = (128, 256, 512)
+SPLITS = (64, 128, 256, 512)
 
 
-def canonical_stages(marks: tuple[int, ...] = MARKS) -> dict[int, list[int]]:
+def canonical_stages(marks: tuple[int, ...] = MARKS, uniform: bool = False) -> dict[str, list[int]]:
     """The running requests' context lengths (new token included) at the first decode step at which at most
     ``mark`` requests are left, in the order the requests were submitted. The schedule is the ideal one the
-    roofline assumes: every request admitted before the first decode step, one token per step."""
+    roofline assumes: every request admitted before the first decode step, one token per step. With ``uniform``
+    each stage is followed by a control stage of the same size whose contexts all have the mean length."""
     random.seed(0)
     prompts = []
     for _ in range(256):  # each prompt's length, then its tokens; all prompts before the output lengths
@@ -55,10 +57,13 @@ def canonical_stages(marks: tuple[int, ...] = MARKS) -> dict[int, list[int]]:
         for _ in range(prompts[-1]):
             random.randint(0, 10000)
     outputs = [random.randint(100, 1024) for _ in range(256)]
-    stages = {}
+    stages: dict[str, list[int]] = {}
     for mark in marks:
         step = next(t for t in range(max(outputs) + 1) if sum(o > t for o in outputs) <= mark)
-        stages[mark] = [p + step + 1 for p, o in zip(prompts, outputs) if o > step]
+        lens = [p + step + 1 for p, o in zip(prompts, outputs) if o > step]
+        stages[str(mark)] = lens
+        if uniform:  # the control: as many requests and tokens, every context of the mean length
+            stages[f"{mark}-uniform"] = [sum(lens) // len(lens)] * len(lens)
     return stages
 
 
@@ -141,9 +146,9 @@ def variants() -> dict[str, Callable[[Stage], tuple[Callable[[], torch.Tensor], 
         "fi_graph": lambda st: flashinfer_runner(st, tensor_cores=False, graph=True),
         "fi_tc_graph": lambda st: flashinfer_runner(st, tensor_cores=True, graph=True),
     }
-    for n in SPLITS:
-        v[f"fi_tc_graph_split{n}"] = lambda st, n=n: flashinfer_runner(st, tensor_cores=True, graph=True, split=n)
     v["fi_graph_sorted"] = lambda st: flashinfer_runner(st, tensor_cores=False, graph=True, sort=True)
+    for n in SPLITS:  # FlashInfer pins a split size only outside CUDA graphs
+        v[f"fi_tc_split{n}"] = lambda st, n=n: flashinfer_runner(st, tensor_cores=True, graph=False, split=n)
     v["fa3"] = fa3_runner
     v["fi_plain"] = lambda st: flashinfer_runner(st, tensor_cores=False, graph=False)
     return v
@@ -188,6 +193,8 @@ def main() -> int:
     p.add_argument("--variants", default=",".join(variants()), help="comma-separated, the reference first")
     p.add_argument("--marks", default=",".join(map(str, MARKS)))
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--uniform", action="store_true", help="add a control stage of equal lengths after each")
+    p.add_argument("--warmup-s", type=float, default=3.0, help="keep the GPU busy this long before timing")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise ValueError("benchmarks.decode_balance needs a CUDA device")
@@ -195,9 +202,9 @@ def main() -> int:
     from minisgl_ref.bench.provenance import collect_provenance, package_version
 
     names = [n for n in args.variants.split(",") if n]
-    stages = canonical_stages(tuple(int(m) for m in args.marks.split(",")))
+    stages = canonical_stages(tuple(int(m) for m in args.marks.split(",")), args.uniform)
     t0 = time.perf_counter()
-    copy_bw = copy_bandwidth(nbytes=1 << 30, warmup_s=1.0)
+    copy_bw = copy_bandwidth(nbytes=1 << 30, warmup_s=args.warmup_s)  # an idle GPU starts at a low clock
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)", flush=True)
     result: dict[str, Any] = {
         "benchmark": "decode_balance",
@@ -212,19 +219,23 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     for mark, lens in stages.items():
         print(f"{len(lens)} running, {sum(lens):,} context tokens, lengths {min(lens)}..{max(lens)}", flush=True)
-        st = Stage(lens, seed=mark)
+        st = Stage(lens, seed=len(lens))
         rows = measure_stage(st, names, args.repeats)
-        result["stages"].append({"mark": mark, "running": len(lens), "context_tokens": sum(lens),
+        result["stages"].append({"stage": mark, "running": len(lens), "context_tokens": sum(lens),
                                  "min_len": min(lens), "max_len": max(lens), "kv_bytes": st.bytes,
                                  "kv_floor_us_at_copy_bw": round(st.bytes / copy_bw * 1e6, 2), "variants": rows})  # fmt: skip
         result["elapsed_s"] = round(time.perf_counter() - t0, 1)
         out.write_text(json.dumps(result, indent=1) + "\n")
         del st
         torch.cuda.empty_cache()
-    print(f"\n{'running':>7} " + " ".join(f"{n[:14]:>14}" for n in names) + "   (GB/s)")
+    end_bw = copy_bandwidth(nbytes=1 << 30, warmup_s=0.5)
+    result["copy_bandwidth_GBps_end"] = round(end_bw / 1e9, 1)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"copy bandwidth at the end {end_bw / 1e9:.0f} GB/s")
+    print(f"\n{'stage':>11} " + " ".join(f"{n.removeprefix('fi_')[:10]:>10}" for n in names) + "   (GB/s)")
     for s in result["stages"]:
         bw = {r["variant"]: r.get("bandwidth_GBps", 0.0) for r in s["variants"]}
-        print(f"{s['running']:>7} " + " ".join(f"{bw.get(n, 0.0):>14.0f}" for n in names))
+        print(f"{s['stage']:>11} " + " ".join(f"{bw.get(n, 0.0):>10.0f}" for n in names))
     return 0
 
 
