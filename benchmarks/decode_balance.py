@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -50,13 +49,11 @@ def canonical_stages(marks: tuple[int, ...] = MARKS, uniform: bool = False) -> d
     ``mark`` requests are left, in the order the requests were submitted. The schedule is the ideal one the
     roofline assumes: every request admitted before the first decode step, one token per step. With ``uniform``
     each stage is followed by a control stage of the same size whose contexts all have the mean length."""
-    random.seed(0)
-    prompts = []
-    for _ in range(256):  # each prompt's length, then its tokens; all prompts before the output lengths
-        prompts.append(random.randint(100, 1024))
-        for _ in range(prompts[-1]):
-            random.randint(0, 10000)
-    outputs = [random.randint(100, 1024) for _ in range(256)]
+    from minisgl_ref.bench.workloads import canonical_workload
+
+    work = canonical_workload()
+    prompts = [len(p) for p in work.prompts]
+    outputs = [sp["max_new_tokens"] for sp in work.sampling_params]
     stages: dict[str, list[int]] = {}
     for mark in marks:
         step = next(t for t in range(max(outputs) + 1) if sum(o > t for o in outputs) <= mark)

@@ -427,6 +427,58 @@ for label in ("cold", "warm"):
 # 68-70% of the floor, with nothing compiled inside the timed run.
 
 # %% [markdown]
+# ### What the spread of context lengths costs the attention kernel
+#
+# One number in the table of this section does not fit the others. With 256 requests running, attention takes
+# 6.36 ms per step where its KV bytes need 5.59 at 3.0 TB/s: FlashInfer's decode kernel reads at ~2.65 TB/s there,
+# while chapter 07's kernel benchmark saw it read 256 contexts of 512 or 1,024 tokens at ~2.95-3.0. The difference
+# between the two: in the workload the contexts are *not* equal, they run from ~100 to ~1,000 tokens.
+#
+# Why that could matter: the kernel gives each (request, KV head) pair one thread block. 256 requests x 8 KV heads
+# is 2,048 blocks, about one wave of the GPU (16 blocks fit on each of the 132 SMs), so every block starts at once
+# and the step ends when the SM holding the longest contexts is done; the planner splits a context in two only as
+# far as it needs to fill that wave. `benchmarks/decode_balance.py` rebuilds the attention call of a decode step
+# from the workload's own lengths at several stages, times it next to a *control* with the same number of
+# requests and tokens but every context of the mean length, and tries the ways of cutting the work that the
+# kernels offer: the longest contexts first, FlashInfer's tensor-core decode (a prefill-style kernel whose planner
+# cuts every context into chunks of one size), chunks of a fixed size, and FlashAttention-3.
+
+# %%
+BAL = json.loads((ROOT / "docs" / "data" / "decode_balance_h100.json").read_text())
+shown = ["fi_graph", "fi_graph_sorted", "fi_tc_graph", "fi_tc_split128", "fi_tc_split256", "fi_tc_split512"]
+print(f"{'stage':<12} {'lengths':>10} " + " ".join(f"{n.removeprefix('fi_'):>11}" for n in shown)
+      + "   (us per layer)")
+for s in BAL["stages"]:
+    t = {r["variant"]: r.get("time_us") for r in s["variants"]}
+    print(f"{s['stage']:<12} {s['min_len']:>4}-{s['max_len']:<5} "
+          + " ".join(f"{t[n]:>11.1f}" if t.get(n) else f"{'-':>11}" for n in shown))
+by = {s["stage"]: {r["variant"]: r.get("time_us") for r in s["variants"]} for s in BAL["stages"]}
+for mark in ("256", "128", "16"):
+    cost = by[mark]["fi_graph"] / by[f"{mark}-uniform"]["fi_graph"] - 1
+    print(f"{mark:>3} running: the spread of lengths costs the engine's kernel {cost:+.1%}")
+STAGES = json.loads((ROOT / "docs" / "data" / "decode_balance_stages_h100.json").read_text())
+fa3 = {s["running"]: {r["variant"]: r.get("time_us") for r in s["variants"]} for s in STAGES["stages"]}
+print("FlashAttention-3 / engine's kernel, by running requests: "
+      + ", ".join(f"{n}: {t['fa3'] / t['fi_graph']:.2f}" for n, t in sorted(fa3.items(), reverse=True)))
+
+# %% [markdown]
+# (`graph` is the engine's kernel as the engine plans it, for a CUDA graph; `graph_sorted` the same with the
+# longest contexts first; `tc_graph` the tensor-core decode; `tc_splitN` the tensor-core decode with chunks of N
+# tokens, which FlashInfer allows only outside CUDA graphs.) What the numbers say:
+#
+# * **The spread costs ~10% with 256 running** (218 against 199 µs per layer; the benchmark's 218 is the engine's
+#   227 µs of the table above, give or take the machine), ~3% with 128 and nothing with 16, where every context
+#   is split anyway. The engine's kernel on equal lengths reads at ~2.94 TB/s.
+# * **None of the ready-made cuts gets it back.** Longest-first order gains ~1%. The tensor-core decode balances
+#   its chunks but is a slower kernel at two query heads per KV head (223 µs on the *equal* lengths), and smaller
+#   chunks are slower still: every chunk writes a partial result that a second kernel merges. FlashAttention-3 is
+#   2-22% slower than the engine's kernel at every stage.
+# * **What it is worth.** Recovering the whole 10% at 256 running and the 3% at 128, over the ~560 steps of the
+#   workload with more than 128 requests running, would save ~0.2 s of the ~7.3 s run: under 3%. A kernel that
+#   balances its blocks over the SMs is worth writing, but it is not where the rest of the distance to the
+#   floor is; that remains the fixed ~1.7 ms of each step.
+
+# %% [markdown]
 # ## 6. Reading a shared prefix once: cascade decode attention
 #
 # Section 2 says a decode step costs what it reads, and most of what it reads is KV. On a workload where many
@@ -1050,6 +1102,7 @@ for run in SA["canonical_runs"]:
 # python -m minisgl_ref bench offline --step-log steps.jsonl     # section 11: canonical step times
 # python3 scripts/gpu/decode_anatomy.py --out results --at 256,128,64,32,16   # section 5: every stage
 # BASE=.baseline bash scripts/gpu/canonical_ab.sh     # section 5: interleaved A/B against an older checkout
+# OUT=results bash scripts/gpu/decode_balance.sh --uniform --marks 256,128,16   # section 5: the spread of lengths
 # ```
 #
 # Expected on an H100 80GB HBM3 (`docs/data/gpu_offline_h100.json`): about 17,700-17,850 output tok/s on the
@@ -1067,6 +1120,9 @@ for run in SA["canonical_runs"]:
 # `canonical_ab_admission_h100.json`: medians of 18,601 against 18,492 and 18,478 against 18,304;
 # `canonical_bare_machine_h100.json`: `bench offline` on a bare machine starts in about 73 s and runs the
 # workload at about 18,200 tok/s, a second process starts in about 10 s and runs at about 18,500.
+# `decode_balance.sh` (`docs/data/decode_balance_h100.json`, ~1.5 minutes with the compilation): ~218 us per layer
+# for the 256 running contexts against ~199 for the equal-length control, ~197 against ~191 at 128 running, ~43
+# for both at 16.
 #
 # `python scripts/stream_cost.py` (section 10), expected on a 2-core x86_64 CPU (`docs/data/stream_cost_cpu.json`):
 # about 47 us of API-server CPU and 67 us of client CPU per streamed token, against about 83 and 124 before.

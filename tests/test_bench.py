@@ -36,6 +36,26 @@ def one_thread():
 # ----------------------------------------------------------------------------------------------- workloads
 
 
+def test_decode_balance_stages_are_the_workloads_running_contexts():
+    """``benchmarks/decode_balance.py`` rebuilds decode steps of the canonical workload: at its first stage every
+    request runs with its prompt and one new token; later stages keep exactly the requests whose output is not
+    done, each one token longer per step; each equal-length control has as many requests and (to rounding) tokens."""
+    from benchmarks.decode_balance import canonical_stages
+
+    work = canonical_workload()
+    prompts = [len(p) for p in work.prompts]
+    outputs = [sp["max_new_tokens"] for sp in work.sampling_params]
+    stages = canonical_stages((256, 64), uniform=True)
+    assert stages["256"] == [p + 1 for p in prompts]
+    steps = [t for t in range(max(outputs)) if stages["64"] == [p + t + 1 for p, o in zip(prompts, outputs) if o > t]]
+    assert steps, "the 64 stage is no step of the workload"
+    assert sum(o > steps[0] for o in outputs) <= 64 < sum(o > steps[0] - 1 for o in outputs)  # the first such step
+    for mark in ("256", "64"):
+        control = stages[f"{mark}-uniform"]
+        assert len(control) == len(stages[mark]) and len(set(control)) == 1
+        assert 0 <= sum(stages[mark]) - sum(control) < len(control)
+
+
 @pytest.mark.task("11.1")
 def test_canonical_workload_totals_133966_output_tokens():
     wl = canonical_workload()

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Decode attention at the canonical workload's stages, every way of cutting the work (benchmarks/decode_balance.py).
-# From the repository root on a GPU machine with the carried kernel packages:
-#   GPU_CARRY_DIR=.gpu . .gpu/prelude.sh && OUT=results bash scripts/gpu/decode_balance.sh
-# Writes $OUT/decode_balance_h100.json and the compile logs.
+# From the repository root on a GPU machine with flashinfer-python (and FlashAttention-3 for the fa3 variant):
+#   OUT=results bash scripts/gpu/decode_balance.sh --uniform --marks 256,128,16
+# Extra arguments go to benchmarks/decode_balance.py. Writes $OUT/decode_balance_h100.json and the compile logs.
 set -o pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
