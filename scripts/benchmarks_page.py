@@ -14,6 +14,56 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "docs" / "data"
 
 
+#: The index of every other result file, by the chapter and section that reads it.
+OTHER_RESULTS = [
+    "Attention kernels against the memory roofline (chapter 07): `docs/data/gpu_kernels_h100.json`.",
+    "Online serving (chapter 10): `docs/data/bench_serving_h100.json`, `docs/data/bench_serving_cpu.json`.",
+    "Prefix sharing, CPU quick run (chapter 04): `docs/data/bench_offline_quick_shared_prefix_cpu.json`.",
+    "Start-up, first run, cascade decode on a shared prefix, grouped admission (chapter 11, sections 6-8): "
+    "`docs/data/perf2_h100.json`.",
+    "Online serving at three request rates and saturation, default and mixed chunks (chapter 11, section 9): "
+    "`docs/data/bench_serving_sweep_h100.json`.",
+    "CPU time per streamed token in the API server and the benchmark client (chapter 11, section 10): "
+    "`docs/data/stream_cost_cpu.json`.",
+    "The engine's step gaps beside the client's latencies, and the step that launches a prefill (chapter 11, "
+    "section 11): `docs/data/serving_step_gaps_h100.json`, `docs/data/prefill_stall_h100.json`, "
+    "`docs/data/prefill_stall_fixed_h100.json`, `docs/data/canonical_steps_h100.json`.",
+    "What that step waits for and what two fixes bought (extend steps padded to 64 tokens with their matmul shapes "
+    "met at start-up, FlashAttention-3's operator called directly; chapter 11, section 11): "
+    "`docs/data/prefill_timeline_h100.json`, `docs/data/matmul_first_call_h100.json`, "
+    "`docs/data/prefill_stall_ab_h100.json`, `docs/data/serving_pad_ab_h100.json`, `docs/data/canonical_pad_h100.json`.",
+    "Extend steps in CUDA graphs, one request (`docs/data/prefill_stall_graphs_h100.json`, "
+    "`docs/data/serving_extend_graphs_h100.json`, `docs/data/gpu_extend_graph_tests_h100.txt`) and 2, 16 or 64 rows, "
+    "with and without mixed steps (`docs/data/serving_mixed_graphs_h100.json`, "
+    "`docs/data/gpu_mixed_extend_graph_tests_h100.txt`).",
+    "The canonical workload's first run on a bare machine and a warm start: with one-request extend graphs "
+    "`docs/data/canonical_startup_extend_graphs_h100.json`; with the graphs of several rows and the split draw "
+    "`docs/data/canonical_startup_final_h100.json` (with eager warm-ups before every extend graph: "
+    "`docs/data/canonical_startup_all_warmups_h100.json`); at the latest engine "
+    "`docs/data/canonical_bare_machine_h100.json`.",
+    "The sampler's draw split over the vocabulary against one program per row, in one process: "
+    "`docs/data/sampler_ab_h100.json`, and the decode profile that showed its cost: `docs/data/decode_profile_h100.txt`. "
+    "Logits kept in bf16 against converted to float32, interleaved processes: `docs/data/logits_bf16_ab_h100.json`.",
+    "Where a decode step's time goes at every stage of the canonical workload (chapter 11, section 5): "
+    "`docs/data/decode_anatomy_h100.json`; interleaved A/B processes of the last changes (the query read in place, the "
+    "KV store inside the RoPE kernel, a burst admitted in one step): `docs/data/canonical_ab_qview_h100.json`, "
+    "`docs/data/canonical_ab_fused_store_h100.json`, `docs/data/canonical_ab_admission_h100.json`.",
+    "Decode attention on the workload's own context lengths against equal-length controls, and the ways of cutting "
+    "its work (chapter 11, section 5): `docs/data/decode_balance_h100.json`, with every stage and FlashAttention-3: "
+    "`docs/data/decode_balance_stages_h100.json`.",
+    "Constrained decoding against free decoding, and jump-forward (chapter 12), with the model in float32: random "
+    "weights `docs/data/constrained_bench_h100.json`, `docs/data/constrained_bench_typical_h100.json`; the embedded "
+    "model's real weights `docs/data/constrained_bench_real_typical_h100.json`, "
+    "`docs/data/constrained_bench_real_bounded_h100.json`, and the device profile of a float32 jump-forward run: "
+    "`docs/data/constrained_bench_f32_jump_profile_h100.txt`. In bfloat16, with and without mixed steps: "
+    "`docs/data/constrained_bench_typical_plain_h100.json`, `docs/data/constrained_bench_typical_mixed_h100.json`.",
+    "The GPU test suite (`pytest -m gpu`: attention backends against torch_native, CUDA-graph replays, cascade "
+    "attention, fused ops, sampling): every GPU test passed on an H100, 60 tests "
+    "(`docs/data/gpu_tests_h100_final.txt`); the graph, sampling, fused-kernel and cascade tests again after the KV "
+    "store moved into the RoPE kernel, 34 tests (`docs/data/gpu_tests_h100_ff3d759.txt`).",
+]
+
+
 def load(name: str) -> dict:
     return json.loads((DATA / name).read_text())
 
@@ -97,12 +147,14 @@ def offline_section() -> list[str]:
                        + " |")
     out += ["", "**What each per-step optimization bought** (chapters 06, 08 and 11; one row per GPU call as the changes "
             "went in). " + g["history_note"], "",
-            "| output tok/s | again | of floor | without the change's A/B | change |",
+            "| output tok/s | again | of floor | without the change (same call) | change |",
             "| ---: | ---: | ---: | ---: | --- |"]
     for h in g["history"]:
         again_tp = h.get("repeat_output_throughput")
         ab = [f"{h[k]:,.0f} ({k.split('_output')[0].replace('_', ' ')})" for k in
               ("without_token_copy_event_output_throughput", "without_triton_fused_output_throughput") if k in h]
+        if "baseline_output_throughput" in h:
+            ab.append(f"{h['baseline_output_throughput']:,.0f} (engine before the change)")
         out.append(f"| {h['output_throughput']:,.0f} | {'' if again_tp is None else f'{again_tp:,.0f}'} | "
                    f"{pct(h['roofline_fraction'])} | {'; '.join(ab)} | {h['change']} |")
     launch = load("launch_overhead_h100.json")
@@ -147,26 +199,20 @@ def tp_section() -> list[str]:
     return out
 
 
-def main() -> None:
+def render() -> str:
+    """The page's Markdown, from the result files alone."""
     page = ["# Benchmarks", "",
             "Every number on this page comes from a JSON file committed under `docs/data/`, which records the command, "
             "the hardware, the software versions and the time it was measured; `python scripts/benchmarks_page.py` "
             "writes this page from them. The chapters that produce the numbers read the same files and plot them (the "
             "site shows the chapters' code; run a chapter or its notebook to see the plots).", ""]
     page += offline_section() + tp_section()
-    page += ["## Other results", "",
-             "- Attention kernels against the memory roofline (chapter 07): `docs/data/gpu_kernels_h100.json`.",
-             "- Online serving (chapter 10): `docs/data/bench_serving_h100.json`, `docs/data/bench_serving_cpu.json`.",
-             "- Prefix sharing, CPU quick run (chapter 04): `docs/data/bench_offline_quick_shared_prefix_cpu.json`.",
-             "- Start-up, first run, cascade decode on a shared prefix, grouped admission (chapter 11, sections 6-8): "
-             "`docs/data/perf2_h100.json`.",
-             "- Online serving at three request rates and saturation, default and mixed chunks (chapter 11, section 9): "
-             "`docs/data/bench_serving_sweep_h100.json`.",
-             "- CPU time per streamed token in the API server and the benchmark client (chapter 11, section 10): "
-             "`docs/data/stream_cost_cpu.json`.",
-             "- Constrained decoding against free decoding, and jump-forward (chapter 12): "
-             "`docs/data/constrained_bench_h100.json`, `docs/data/constrained_bench_typical_h100.json`.", ""]
-    (ROOT / "docs" / "benchmarks.md").write_text("\n".join(page))
+    page += ["## Other results", "", *(f"- {line}" for line in OTHER_RESULTS), ""]
+    return "\n".join(page)
+
+
+def main() -> None:
+    (ROOT / "docs" / "benchmarks.md").write_text(render())
 
 
 if __name__ == "__main__":

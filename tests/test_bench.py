@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,20 @@ def test_decode_balance_stages_are_the_workloads_running_contexts():
         control = stages[f"{mark}-uniform"]
         assert len(control) == len(stages[mark]) and len(set(control)) == 1
         assert 0 <= sum(stages[mark]) - sum(control) < len(control)
+
+
+def test_benchmarks_page_is_what_the_result_files_say():
+    """docs/benchmarks.md is written by scripts/benchmarks_page.py from docs/data/: a result file added or changed
+    without regenerating the page leaves the site showing old numbers."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmarks_page", REPO / "scripts" / "benchmarks_page.py")
+    assert spec is not None and spec.loader is not None
+    page = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(page)
+    assert page.render() == (REPO / "docs" / "benchmarks.md").read_text(), "run python scripts/benchmarks_page.py"
+    for listed in re.findall(r"`docs/data/([^`]+)`", page.render()):
+        assert (REPO / "docs" / "data" / listed).is_file(), listed
 
 
 @pytest.mark.task("11.1")
