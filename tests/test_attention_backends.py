@@ -283,6 +283,18 @@ def test_decode_kernels_match_plain_attention(ctx, kvh, gqa, head_dim, page):
 
 
 @pytest.mark.task("7.1")
+@pytest.mark.parametrize("max_splits", [1, 2])
+def test_decode_kernels_carry_the_softmax_across_key_blocks(max_splits):
+    """Pieces of several key blocks (64 keys each): the online softmax must rescale what it accumulated whenever a
+    later block holds a larger score. The cases above cut every context into pieces shorter than one block, where
+    a kernel that never rescales still passes; here one piece spans up to five blocks."""
+    case = make_case([(299, 1), (150, 1), (64, 1), (63, 1)], num_kv_heads=2, gqa=2, head_dim=64, page_size=1,
+                     decode=True, seed=7)  # fmt: skip
+    out = decode_kernel(case, max_splits=max_splits, min_split_len=128)
+    torch.testing.assert_close(out, plain_attention(case), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.task("7.1")
 def test_decode_kernels_with_empty_kv_splits():
     """min_split_len=1: a context of 5 cut into 4 pieces of 2 leaves the 4th piece empty; stage 1 skips it and
     the merge must not read it (its scratch is NaN). One piece only (max_splits=1) must agree too."""

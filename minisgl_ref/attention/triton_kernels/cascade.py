@@ -11,7 +11,8 @@ half once per group:
   group, for the query heads that read one KV head (grouped-query attention), and runs an online softmax over a
   piece of the group's prefix. Its K/V loads serve every query in the tile: one read of the prefix per group and
   step, however many requests share it. For each row and head it writes the piece's normalised output and its
-  log-sum-exp, exactly like stage 1 of split-KV decode.
+  log-sum-exp, exactly like stage 1 of split-KV decode; the online softmax itself is stage 1's own
+  (:func:`~.decode_attention.attend_slots`), handed a tile of queries and the prefix's slots.
 * **pass 2, each request's own suffix** (:func:`_cascade_suffix_kernel`): the split-KV decode of stage 1, over
   the slots after the request's shared prefix only (for a request that shares nothing, its whole context).
 * **pass 3, the merge** (:func:`_cascade_merge_kernel`): fold the pieces of each pass into one partial result
@@ -59,6 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl_ref.attention.triton_kernels.decode_attention import attend_slots
 from minisgl_ref.attention.triton_kernels.kv_indices import interpreted
 
 #: int32 fields per pass-1 work item: (first entry of the tile's rows in the row list, number of the group's rows
@@ -142,36 +144,10 @@ def _cascade_prefix_kernel(
             q = q.to(tl.float32)
         table_row = Table + tl.load(ReqPoolIdx + owner).to(tl.int64) * stride_table
 
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
-        acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
-        for start_n in range(lo, hi, BLOCK_N):  # the planner never makes an empty piece
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < hi
-            slots = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-            k = tl.load(
-                K_Buffer + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
-                mask=mask_n[:, None] & mask_d[None, :],
-                other=0.0,
-            )
-            if UPCAST:
-                k = k.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [BLOCK_M, BLOCK_N]
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                V_Buffer + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
-                mask=mask_n[:, None] & mask_d[None, :],
-                other=0.0,
-            )
-            p = p.to(v.dtype)
-            if UPCAST:
-                p, v = p.to(tl.float32), v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-            m_i = m_new
+        acc, m_i, l_i = attend_slots(
+            q, K_Buffer, V_Buffer, table_row, lo, hi, kv_head, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
+            sm_scale_log2, offs_d, mask_d, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION, UPCAST,
+        )  # fmt: skip  (the planner never makes an empty piece)
 
         mid = rows[:, None] * stride_mob + heads[:, None] * stride_moh + piece * stride_mos + offs_d[None, :]
         tl.store(Mid_O + mid, acc / l_i[:, None], mask=mask_m[:, None] & mask_d[None, :])
@@ -244,36 +220,10 @@ def _cascade_suffix_kernel(
         if UPCAST:
             q = q.to(tl.float32)
         table_row = Table + tl.load(ReqPoolIdx + b).to(tl.int64) * stride_table
-        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        l_i = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
-        acc = tl.full([BLOCK_H, BLOCK_D], 0.0, dtype=tl.float32)
-        for start_n in range(lo, hi, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < hi
-            slots = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-            k = tl.load(
-                K_Buffer + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
-                mask=mask_n[:, None] & mask_d[None, :],
-                other=0.0,
-            )
-            if UPCAST:
-                k = k.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                V_Buffer + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
-                mask=mask_n[:, None] & mask_d[None, :],
-                other=0.0,
-            )
-            p = p.to(v.dtype)
-            if UPCAST:
-                p, v = p.to(tl.float32), v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-            m_i = m_new
+        acc, m_i, l_i = attend_slots(
+            q, K_Buffer, V_Buffer, table_row, lo, hi, kv_head, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
+            sm_scale_log2, offs_d, mask_d, BLOCK_H, BLOCK_N, BLOCK_D, DOT_PRECISION, UPCAST,
+        )  # fmt: skip
         piece = piece_offset + split
         mid = b * stride_mob + heads[:, None] * stride_moh + piece * stride_mos + offs_d[None, :]
         tl.store(Mid_O + mid, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])

@@ -35,6 +35,66 @@ from minisgl_ref.attention.triton_kernels.kv_indices import interpreted
 
 
 @triton.jit
+def attend_slots(
+    q,  # [ROWS, BLOCK_D] queries that all read KV head `kv_head` (float32 when UPCAST)
+    K_Buffer,  # [num_slots, KVH, D]: the layer's KV pool
+    V_Buffer,
+    slot_ptr,  # slot_ptr + i holds the pool slot of context position i
+    lo,  # the piece of context to read: positions lo .. hi (at least one)
+    hi,
+    kv_head,
+    stride_kbs,
+    stride_kbh,
+    stride_vbs,
+    stride_vbh,
+    sm_scale_log2,
+    offs_d,
+    mask_d,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # The online softmax of every query over one piece of paged context, shared by this module's stage 1 and both
+    # of the cascade's attention passes (which differ only in where the slots and queries come from). Returns the
+    # unnormalised output acc, the running max m and the running sum l, per query row, in log2 units. Every block
+    # has at least one valid key, so m is finite after the first one.
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([ROWS], 0.0, dtype=tl.float32)
+    acc = tl.full([ROWS, BLOCK_D], 0.0, dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        # The paged part: position -> pool slot (int64 before multiplying by the stride).
+        slots = tl.load(slot_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(
+            K_Buffer + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [ROWS, BLOCK_N]
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V_Buffer + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        p = p.to(v.dtype)  # like FlashAttention: probabilities in the input dtype for the second matmul
+        if UPCAST:
+            p, v = p.to(tl.float32), v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _decode_stage1_kernel(
     Q,  # [B, H, D]
     K_Buffer,  # [num_slots, KVH, D]: the layer's KV pool
@@ -96,39 +156,10 @@ def _decode_stage1_kernel(
         )
         if UPCAST:  # the CPU interpreter cannot tl.dot bfloat16 (triton#11584): it goes through float32
             q = q.to(tl.float32)
-        # Online softmax state per head: running max m, running sum l, unnormalised output acc. Every block
-        # below has at least one valid key for every row, so m is finite after the first block.
-        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        l_i = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
-        acc = tl.full([BLOCK_H, BLOCK_D], 0.0, dtype=tl.float32)
-        for start_n in range(lo, hi, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < hi
-            # The paged part: token -> pool slot through kv_indices (int64 before multiplying by the stride).
-            slots = tl.load(kv_indices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
-            k = tl.load(
-                K_Buffer + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
-                mask=mask_n[:, None] & mask_d[None, :],
-                other=0.0,
-            )
-            if UPCAST:
-                k = k.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [BLOCK_H, BLOCK_N]
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                V_Buffer + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
-                mask=mask_n[:, None] & mask_d[None, :],
-                other=0.0,
-            )
-            p = p.to(v.dtype)  # like FlashAttention: probabilities in the input dtype for the second matmul
-            if UPCAST:
-                p, v = p.to(tl.float32), v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-            m_i = m_new
+        acc, m_i, l_i = attend_slots(
+            q, K_Buffer, V_Buffer, kv_indices + kv_start, lo, hi, kv_head, stride_kbs, stride_kbh, stride_vbs,
+            stride_vbh, sm_scale_log2, offs_d, mask_d, BLOCK_H, BLOCK_N, BLOCK_D, DOT_PRECISION, UPCAST,
+        )  # fmt: skip
 
         mid = b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
         tl.store(Mid_O + mid, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
