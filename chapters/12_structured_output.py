@@ -800,6 +800,34 @@ if all(f.exists() for f in AGAIN.values()):
 #   more they exceed the largest extend graph and run eagerly. And its outputs are still worse: 27 of 32 and 49
 #   of 64 ran to the 320-token limit, against 7 and 17 without jumps. It stays off by default.
 #
+# How much of the host's time per step is the grammar's own? `benchmarks/grammar_host.py` replays, without a
+# model, what the engine does for each constrained row of a decode step: the matcher accepts the sampled token
+# (and is asked whether the grammar has ended), the row's next mask is filled, and the mask is applied. Its rows
+# write valid instances of the typical schema, tokenized by SmolLM2's tokenizer, each with other values:
+
+# %%
+HOST = json.loads((ROOT / "docs" / "data" / "grammar_host_cpu.json").read_text())
+print(f"{HOST['provenance']['hardware']['cpu']}, {HOST['fill_threads']} fill thread(s); ms per decode step:")
+print(f"{'rows':>5} {'accept':>8} {'(one call)':>11} {'fill':>7} {'apply (CPU)':>12}   us per row: accept, fill")
+for r in HOST["results"]:
+    print(f"{r['batch']:>5} {r['accept']:>8.3f} {r['accept_batch']:>11.3f} {r['fill']:>7.3f} {r['apply']:>12.3f}"
+          f"   {r['accept_us_per_row']:>5.1f}, {r['fill_us_per_row']:>5.1f}")
+
+# %% [markdown]
+# * **Accepting a token costs 3-6 µs per row, inside xgrammar**: handing all the rows' tokens to xgrammar in one
+#   call (`batch_accept_token`, the "one call" column) is no faster than a Python call per row. It is paid on the
+#   host for every constrained row of every step, and no thread helps it: each matcher must have its token before
+#   its mask can be filled.
+# * **Filling is about as much again**, on one thread here; the engine spreads it over half the machine's cores
+#   (eight threads on the 16-core host of the H100 machine), so there it shrinks several times.
+# * **Applying is the CPU's own cost.** On a CPU it writes `-inf` into every forbidden logit of the row, ~0.1 ms
+#   per row of SmolLM2's 49k vocabulary; on a GPU it is one kernel for all rows.
+#
+# At 64 rows the accepts alone are ~0.3-0.4 ms and the fills at most as much again: about half of the ~1.2 ms by
+# which a constrained step at batch 64 outlasts a free one on the H100 above. Where the other half goes is a question
+# for a profile of that run; what the arithmetic already says is that a host-bound step cannot absorb even the
+# grammar's irreducible part, a few µs per row, unless the rest of the host's work per step shrinks first.
+#
 # One more thing these runs found. All requests of a batch arrive together, and at batch 256 the scheduler
 # admitted them in halves, 128, then 64, 32 and so on, one step each: it counted the requests admitted earlier
 # in the same step twice against `max_running_requests`. With mixed steps every one of those nine steps also
@@ -841,9 +869,12 @@ if all(f.exists() for f in AGAIN.values()):
 #     --max-new-tokens 320                                    # the embedded model's real weights (and bounded)
 # python3 scripts/gpu/constrained_bench.py docs/data/constrained_bench_typical_mixed_h100.json --schema typical \
 #     --max-new-tokens 320 --batch-sizes 1 32 64 256 --mixed   # with mixed steps (and without, for _plain)
+# python -m benchmarks.grammar_host --output docs/data/grammar_host_cpu.json   # the grammar's host work per step
 # ```
 #
-# Expected on a 2-core x86_64 CPU: the chapter in about 40 s; in section 7, one mask row inside a string of at
+# Expected on a 2-core x86_64 CPU: the chapter in about 40 s; `benchmarks.grammar_host` in about a minute, with
+# 3-6 µs per row both to accept a token and to fill a mask (one thread) and ~0.1 ms per row to apply a mask to CPU
+# logits; in section 7, one mask row inside a string of at
 # most 40 characters fills in about 0.05 ms for the first 20 characters and up to about 4.5 ms around the 32nd,
 # against about 0.005 ms without the bound. On an H100 with the real weights
 # (`docs/data/constrained_bench_real_typical_h100.json`): the typical schema at about 1.03, 1.02 and 1.11 times the

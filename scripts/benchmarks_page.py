@@ -56,7 +56,8 @@ OTHER_RESULTS = [
     "model's real weights `docs/data/constrained_bench_real_typical_h100.json`, "
     "`docs/data/constrained_bench_real_bounded_h100.json`, and the device profile of a float32 jump-forward run: "
     "`docs/data/constrained_bench_f32_jump_profile_h100.txt`. In bfloat16, with and without mixed steps: "
-    "`docs/data/constrained_bench_typical_plain_h100.json`, `docs/data/constrained_bench_typical_mixed_h100.json`.",
+    "`docs/data/constrained_bench_typical_plain_h100.json`, `docs/data/constrained_bench_typical_mixed_h100.json`. "
+    "The grammar's host work per decode step, part by part, on a 2-core CPU: `docs/data/grammar_host_cpu.json`.",
     "The GPU test suite (`pytest -m gpu`: attention backends against torch_native, CUDA-graph replays, cascade "
     "attention, fused ops, sampling): every GPU test passed on an H100, 60 tests "
     "(`docs/data/gpu_tests_h100_final.txt`); the graph, sampling, fused-kernel and cascade tests again after the KV "

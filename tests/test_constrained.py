@@ -247,6 +247,26 @@ def test_bitmask_bans_padding_ids_and_leaves_free_rows_alone(tokenizer):
     backend.shutdown()
 
 
+def test_grammar_host_benchmark_replays_valid_documents(tokenizer):
+    """``benchmarks/grammar_host.py`` times the grammar's host work on documents its rows write: each is a valid
+    instance of the typical schema, and replaying them through the matchers (one call per row, or xgrammar's batch
+    call) accepts every token and ends every grammar, so every part is timed over real steps."""
+    from benchmarks.grammar_host import document, measure, typical_schema
+
+    schema = typical_schema()
+    eos = min(tokenizer.eos_token_ids)
+    backend = GrammarBackend(tokenizer.hf, len(tokenizer.hf), stop_token_ids=[eos])
+    compiled = backend.compile(GrammarSpec("json_schema", json.dumps(schema)))
+    texts = [document(i) for i in range(4)]
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
+    docs = [tokenizer.hf.encode(t, add_special_tokens=False) for t in texts]
+    result = measure(3, backend, compiled, docs, eos)  # raises if a token is refused
+    assert result["steps"] == max(len(d) for d in docs[:3]) + 1
+    assert all(result[part] > 0 for part in ("accept", "accept_batch", "fill", "apply"))
+    backend.shutdown()
+
+
 # ------------------------------------------------------------------------------------------------ the engine
 
 
