@@ -18,6 +18,8 @@ that work:
 - ``fi_tc_graph``: FlashInfer's tensor-core (prefill-style) decode, whose planner cuts every context into
   chunks of one size; ``fi_tc_splitN`` pins that size to N tokens (FlashInfer allows that only without a
   graph wrapper);
+- ``fi_chunkN``: the engine's kernel on pieces of at most N tokens, each piece a request of its own, merged
+  afterwards by log-sum-exp (the merge's cost included);
 - ``fa3``: FlashAttention-3's paged decode with its own split heuristic.
 
 Each variant's output is checked against ``fi_graph`` (relative error, bf16) before it is timed. Times are the
@@ -42,6 +44,7 @@ DTYPE = torch.bfloat16
 KV_BYTES_PER_TOKEN = 2 * NUM_KV_HEADS * HEAD_DIM * 2  # one layer's K and V of one token, bf16
 MARKS = (256, 128, 64, 192, 32, 16)  # the most informative stage first: a run cut short keeps it
 SPLITS = (64, 128, 256, 512)
+DEVICE = "cuda"  # the index bookkeeping of the runners can be checked on a CPU against stand-in kernels
 
 
 def canonical_stages(marks: tuple[int, ...] = MARKS, uniform: bool = False) -> dict[str, list[int]]:
@@ -68,12 +71,12 @@ class Stage:
     """One layer's KV pool holding ``lens`` contexts in consecutive slots (slot 0 unused), and a query each."""
 
     def __init__(self, lens: list[int], seed: int = 0) -> None:
-        gen = torch.Generator("cuda").manual_seed(seed)
+        gen = torch.Generator(DEVICE).manual_seed(seed)
         self.lens = lens
         total = sum(lens)
-        self.k = torch.randn(total + 1, NUM_KV_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=DTYPE)
-        self.v = torch.randn(total + 1, NUM_KV_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=DTYPE)
-        self.q = torch.randn(len(lens), NUM_Q_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=DTYPE)
+        self.k = torch.randn(total + 1, NUM_KV_HEADS, HEAD_DIM, generator=gen, device=DEVICE, dtype=DTYPE)
+        self.v = torch.randn(total + 1, NUM_KV_HEADS, HEAD_DIM, generator=gen, device=DEVICE, dtype=DTYPE)
+        self.q = torch.randn(len(lens), NUM_Q_HEADS, HEAD_DIM, generator=gen, device=DEVICE, dtype=DTYPE)
         starts, s = [], 1
         for n in lens:
             starts.append(s)
@@ -83,7 +86,7 @@ class Stage:
 
     def slots(self, order: list[int]) -> torch.Tensor:
         return torch.cat([torch.arange(self.starts[i], self.starts[i] + self.lens[i], dtype=torch.int32)
-                          for i in order]).cuda()  # fmt: skip
+                          for i in order]).to(DEVICE)  # fmt: skip
 
 
 def flashinfer_runner(st: Stage, *, tensor_cores: bool, graph: bool, sort: bool = False,
@@ -97,13 +100,13 @@ def flashinfer_runner(st: Stage, *, tensor_cores: bool, graph: bool, sort: bool 
     indptr = torch.zeros(b + 1, dtype=torch.int32)
     indptr[1:] = torch.cumsum(torch.tensor([st.lens[i] for i in order], dtype=torch.int32), 0)
     indices = st.slots(order)
-    ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device=DEVICE)
     if graph:
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             ws, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
-            paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=torch.int32, device="cuda"),
-            paged_kv_indices_buffer=torch.zeros(indices.numel(), dtype=torch.int32, device="cuda"),
-            paged_kv_last_page_len_buffer=torch.ones(b, dtype=torch.int32, device="cuda"),
+            paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=torch.int32, device=DEVICE),
+            paged_kv_indices_buffer=torch.zeros(indices.numel(), dtype=torch.int32, device=DEVICE),
+            paged_kv_last_page_len_buffer=torch.ones(b, dtype=torch.int32, device=DEVICE),
         )  # fmt: skip
     else:
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores)
@@ -117,6 +120,43 @@ def flashinfer_runner(st: Stage, *, tensor_cores: bool, graph: bool, sort: bool 
     return (lambda: wrapper.run(q, cache)), order
 
 
+def chunked_runner(st: Stage, chunk: int) -> tuple[Callable[[], torch.Tensor], list[int]]:
+    """Balance by hand: every context cut into pieces of at most ``chunk`` tokens, each piece a request of its own
+    for FlashInfer's CUDA-core decode (with the query of its request), and the pieces' partial results merged by
+    their log-sum-exp (``flashinfer.merge_states``). With ~1,000 pieces x 8 KV heads the grid is several waves, so
+    the GPU hands a block to an SM as soon as it frees one: no SM waits for another's long context."""
+    import flashinfer
+
+    b = len(st.lens)
+    pieces = [(i, s, min(chunk, n - s)) for i, n in enumerate(st.lens) for s in range(0, n, chunk)]
+    indptr = torch.zeros(len(pieces) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(torch.tensor([n for _, _, n in pieces], dtype=torch.int32), 0)
+    indices = torch.cat([torch.arange(st.starts[i] + s, st.starts[i] + s + n, dtype=torch.int32)
+                         for i, s, n in pieces]).to(DEVICE)  # fmt: skip
+    owner = torch.tensor([i for i, _, _ in pieces], device=DEVICE)
+    # table[r, j]: the j-th piece of request r, or the padding state (index len(pieces): weight 0) past its last
+    width = max(-(-n // chunk) for n in st.lens)
+    table = torch.full((b, width), len(pieces), dtype=torch.int64)
+    for j, (i, s, _) in enumerate(pieces):
+        table[i, s // chunk] = j
+    table = table.to(DEVICE)
+    pad_o = torch.zeros(1, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    pad_lse = torch.full((1, NUM_Q_HEADS), float("-inf"), dtype=torch.float32, device=DEVICE)
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device=DEVICE)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+    wrapper.plan(indptr, indices, torch.ones(len(pieces), dtype=torch.int32), NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM,
+                 1, q_data_type=DTYPE, kv_data_type=DTYPE, sm_scale=HEAD_DIM**-0.5)  # fmt: skip
+    cache = (st.k.unsqueeze(1), st.v.unsqueeze(1))
+
+    def call() -> torch.Tensor:
+        o, lse = wrapper.run(st.q.index_select(0, owner), cache, return_lse=True)
+        o, lse = torch.cat([o, pad_o]), torch.cat([lse.float(), pad_lse])
+        merged, _ = flashinfer.merge_states(o[table], lse[table])
+        return merged
+
+    return call, list(range(b))
+
+
 def fa3_runner(st: Stage) -> tuple[Callable[[], torch.Tensor], list[int]]:
     import flash_attn_interface as fa
 
@@ -124,8 +164,8 @@ def fa3_runner(st: Stage) -> tuple[Callable[[], torch.Tensor], list[int]]:
     table = torch.zeros(b, width, dtype=torch.int32)
     for i, (s, n) in enumerate(zip(st.starts, st.lens)):
         table[i, :n] = torch.arange(s, s + n, dtype=torch.int32)
-    table = table.cuda()
-    seqlens = torch.tensor(st.lens, dtype=torch.int32, device="cuda")
+    table = table.to(DEVICE)
+    seqlens = torch.tensor(st.lens, dtype=torch.int32, device=DEVICE)
     q = st.q.unsqueeze(1)
     k, v = st.k.view(-1, 1, NUM_KV_HEADS, HEAD_DIM), st.v.view(-1, 1, NUM_KV_HEADS, HEAD_DIM)
 
@@ -144,6 +184,8 @@ def variants() -> dict[str, Callable[[Stage], tuple[Callable[[], torch.Tensor], 
         "fi_tc_graph": lambda st: flashinfer_runner(st, tensor_cores=True, graph=True),
     }
     v["fi_graph_sorted"] = lambda st: flashinfer_runner(st, tensor_cores=False, graph=True, sort=True)
+    for n in (128, 256):
+        v[f"fi_chunk{n}"] = lambda st, n=n: chunked_runner(st, n)
     for n in SPLITS:  # FlashInfer pins a split size only outside CUDA graphs
         v[f"fi_tc_split{n}"] = lambda st, n=n: flashinfer_runner(st, tensor_cores=True, graph=False, split=n)
     v["fa3"] = fa3_runner
@@ -160,7 +202,7 @@ def measure_stage(st: Stage, names: list[str], repeats: int) -> list[dict[str, A
         try:
             fn, order = variants()[name](st)
             out = torch.empty_like(st.q)
-            out[torch.tensor(order, device="cuda")] = fn().view_as(st.q)
+            out[torch.tensor(order, device=DEVICE)] = fn().view_as(st.q)
             torch.cuda.synchronize()
             if ref is None:
                 ref = out.float()

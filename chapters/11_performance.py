@@ -477,6 +477,11 @@ print("FlashAttention-3 / engine's kernel, by running requests: "
 #   workload with more than 128 requests running, would save ~0.2 s of the ~7.3 s run: under 3%. A kernel that
 #   balances its blocks over the SMs is worth writing, but it is not where the rest of the distance to the
 #   floor is; that remains the fixed ~1.7 ms of each step.
+#
+# The benchmark also has the simplest balanced cut to try (`fi_chunkN`, Exercise 10): every context cut into
+# pieces of at most N tokens, each piece handed to the same kernel as a request of its own, and the pieces merged
+# by their log-sum-exp afterwards, as the split-KV decode of chapter 07 merges its own pieces. With ~1,100 pieces
+# x 8 KV heads the grid is several waves long, and the GPU gives the next block to whichever SM frees up first.
 
 # %% [markdown]
 # ## 6. Reading a shared prefix once: cascade decode attention
@@ -1063,6 +1068,12 @@ for run in SA["canonical_runs"]:
 #    Does this CPU's BLAS pay for a new shape too? Then weigh the padding multiple: with a multiple of `m`, an
 #    extend step computes up to `m - 1` dummy tokens and the start-up warm-up meets `budget / m` shapes per
 #    weight. Which `m` would you choose for prompts of ~100 tokens, and which for ~10,000?
+# 10. **Balance the decode kernel's blocks (GPU).** Run `decode_balance.sh` with the `fi_chunk128` and
+#    `fi_chunk256` variants at the 256-running stage. Before you run it, predict: the pieces add a gather of the
+#    queries, a partial result per piece and a merge, about how many bytes per step against the ~590 MB of KV per
+#    layer? If the pieces bring the workload's lengths to the equal-length control's ~199 µs per layer, what would
+#    that save over the whole workload (section 5's table gives the steps at each stage)? Then check the
+#    prediction, and say at which running count the pieces stop paying for their merge.
 
 # %% [markdown]
 # ## Reproduce
@@ -1103,6 +1114,7 @@ for run in SA["canonical_runs"]:
 # python3 scripts/gpu/decode_anatomy.py --out results --at 256,128,64,32,16   # section 5: every stage
 # BASE=.baseline bash scripts/gpu/canonical_ab.sh     # section 5: interleaved A/B against an older checkout
 # OUT=results bash scripts/gpu/decode_balance.sh --uniform --marks 256,128,16   # section 5: the spread of lengths
+# OUT=results bash scripts/gpu/decode_balance.sh --uniform --variants fi_graph,fi_chunk128,fi_chunk256  # pieces
 # ```
 #
 # Expected on an H100 80GB HBM3 (`docs/data/gpu_offline_h100.json`): about 17,700-17,850 output tok/s on the

@@ -57,6 +57,45 @@ def test_decode_balance_stages_are_the_workloads_running_contexts():
         assert 0 <= sum(stages[mark]) - sum(control) < len(control)
 
 
+def test_decode_balance_chunks_merge_back_to_plain_attention(monkeypatch):
+    """The ``fi_chunkN`` variant of ``benchmarks/decode_balance.py`` cuts contexts into pieces, runs each piece as a
+    request of its own and merges the pieces by log-sum-exp. Its bookkeeping (which piece belongs to which request,
+    the padding state of weight 0) is checked here on a CPU, with plain-PyTorch stand-ins for FlashInfer's two
+    calls: the merged result must equal one piece per request."""
+    import types
+
+    import benchmarks.decode_balance as db
+
+    class Wrapper:  # plain attention over each "request" of the plan, with its natural-log LSE
+        def __init__(self, *args, **kw) -> None:
+            pass
+
+        def plan(self, indptr, indices, last_page_len, heads, kv_heads, head_dim, page_size, **kw) -> None:
+            self.indptr, self.indices, self.group = indptr.tolist(), indices.long(), heads // kv_heads
+
+        def run(self, q, cache, return_lse=False):
+            k, v = (c[:, 0].float().repeat_interleave(self.group, 1) for c in cache)
+            outs, lses = [], []
+            for j in range(len(self.indptr) - 1):
+                slots = self.indices[self.indptr[j] : self.indptr[j + 1]]
+                scores = torch.einsum("hd,nhd->hn", q[j].float(), k[slots]) * db.HEAD_DIM**-0.5
+                lses.append(torch.logsumexp(scores, 1))
+                outs.append(torch.einsum("hn,nhd->hd", scores.softmax(1), v[slots]))
+            return torch.stack(outs).to(q.dtype), torch.stack(lses)
+
+    def merge_states(o, lse):
+        return (torch.softmax(lse, 1)[..., None] * o.float()).sum(1).to(o.dtype), torch.logsumexp(lse, 1)
+
+    monkeypatch.setattr(db, "DEVICE", "cpu")
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=Wrapper, merge_states=merge_states))  # fmt: skip
+    stage = db.Stage([300, 17, 129, 256, 1])
+    chunked, order = db.chunked_runner(stage, 128)
+    whole, _ = db.chunked_runner(stage, 10_000)  # one piece per request
+    assert order == list(range(5))
+    torch.testing.assert_close(chunked().float(), whole().float(), rtol=0, atol=2e-2)
+
+
 def test_benchmarks_page_is_what_the_result_files_say():
     """docs/benchmarks.md is written by scripts/benchmarks_page.py from docs/data/: a result file added or changed
     without regenerating the page leaves the site showing old numbers."""
