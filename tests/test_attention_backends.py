@@ -648,7 +648,10 @@ def test_torch_native_has_no_cuda_graph_hooks():
 
 # --------------------------------------------------------------------------------------------------- GPU grid
 
-GPU_BACKENDS = ["triton", "flashinfer", "fa3"]
+# MINISGL_TEST_BACKENDS=triton (a comma list) narrows the GPU comparisons to the backends named: after a change to
+# one backend's kernels, the others' first-use compilation need not be paid again.
+GPU_BACKENDS = [n for n in ["triton", "flashinfer", "fa3"]
+                if n in os.environ.get("MINISGL_TEST_BACKENDS", "triton,flashinfer,fa3").split(",")]
 NUM_HEADS = 16  # KV heads = 16 / GQA: 16, 8, 4, 2
 
 # Not the full product of GQA x head dim x page size x dtype (96 combinations, each over every shape below): every

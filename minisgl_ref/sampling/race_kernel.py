@@ -80,8 +80,12 @@ def race_kernel(
         h = hash32(hash32(v.to(tl.uint32) ^ key1) ^ key2)
         u = (h.to(tl.float32) + 0.5) * (2.0**-32)
         u = tl.minimum(u, 1.0 - 2.0**-24)
-        # -log1p(-u) in float64: float32 1 - u loses small u, and the winners of the race live there.
-        e = (-tl.log(1.0 - u.to(tl.float64))).to(tl.float32)
+        # E = -log1p(-u), not -log(1 - u): in float32, 1 - u loses the low bits of a small u, and the winners of
+        # the race live there. Kahan's log1p: w = 1 - u is rounded, but log(w) / (w - 1) varies so slowly near 1
+        # that evaluating it at the rounded w and multiplying by the exact -u gives log1p(-u) to a few units in
+        # the last place, in float32 (a float64 logarithm is as exact and a long software routine on a GPU).
+        w = 1.0 - u
+        e = tl.where(w == 1.0, u, -tl.log(w) * (u / (1.0 - w)))
         val = tl.load(x_row + v, mask=mask, other=0.0).to(tl.float32)
         if LOG_SPACE:
             score = val * inv_t - tl.log(e)

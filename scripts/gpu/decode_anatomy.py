@@ -7,6 +7,8 @@ running requests first drops to or below one of ``--at`` (256, 192, 128, 64, 32,
 * the wall time (``--steps`` steps between two synchronisations, so one step of overlap is lost per window);
 * the GPU busy time, split into the attention kernels, the matrix multiplies, the sampler and everything else,
   and the number of kernels;
+* the GPU's idle gaps between consecutive kernels, by the kind of the kernel that follows, and the transitions
+  that cost the most;
 * the KV floor: the bytes of KV the running requests' contexts hold, divided by ``--bandwidth``, which is what
   the attention kernel must read.
 
@@ -157,7 +159,41 @@ def _window(engine, steps: int, kv_bytes_per_token: int, bandwidth: float) -> di
         "ms_per_step_by_kind": {k: round(v, 3) for k, v in sorted(by_kind.items())},
         "kernels_per_step": round(kernels / steps, 1),
         "top_kernels_ms_per_step": {k: round(v, 4) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]},
+        "gaps": kernel_gaps(prof, steps),
     }
+
+
+def _short(name: str) -> str:
+    """A kernel's name without its template arguments and parameter list, for grouping."""
+    for cut in ("<", "("):
+        name = name.split(cut)[0]
+    return name.removeprefix("void ").strip()[:60]
+
+
+def kernel_gaps(prof, steps: int) -> dict:  # type: ignore[no-untyped-def]
+    """The GPU's idle time between consecutive kernels, per step: in total, and by the kind of kernel that came
+    next (a dependent kernel cannot start before the previous one ends, so each gap is the time the next one
+    took to get going), with the worst transitions by name. From the profiler's raw device events, in start
+    order on the one stream a decode step uses."""
+    events = [e for e in prof.profiler.kineto_results.events()
+              if e.device_type().name == "CUDA" and e.duration_ns() > 0 and not e.name().startswith(("Memcpy", "Memset"))]
+    events.sort(key=lambda e: e.start_ns())
+    by_kind: dict[str, float] = {}
+    by_pair: dict[str, list[float]] = {}
+    total = 0.0
+    for a, b in zip(events, events[1:]):
+        gap = (b.start_ns() - a.end_ns()) / 1e3  # us; negative: overlapped (programmatic dependent launch)
+        if gap > 200:  # between steps: the host, not the GPU
+            continue
+        total += gap
+        kind = _kind(b.name())
+        by_kind[kind] = by_kind.get(kind, 0.0) + gap
+        by_pair.setdefault(f"{_short(a.name())} -> {_short(b.name())}", []).append(gap)
+    pairs = sorted(by_pair.items(), key=lambda kv: -sum(kv[1]))[:12]
+    return {"gap_ms_per_step": round(total / 1e3 / steps, 3),
+            "gap_ms_per_step_by_next_kind": {k: round(v / 1e3 / steps, 3) for k, v in sorted(by_kind.items())},
+            "top_transitions": [{"pair": k, "per_step": round(len(v) / steps, 1), "mean_us": round(sum(v) / len(v), 2),
+                                 "min_us": round(min(v), 2)} for k, v in pairs]}
 
 
 def graph_launch_cost(kernels: int = 300, replays: int = 200) -> dict:
@@ -198,6 +234,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--at", default="256,192,128,64,32,16")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--no-launch-cost", action="store_true", help="skip the graph replay cost of tiny kernels")
     ap.add_argument("--bandwidth", type=float, default=3.0e12)
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
@@ -225,7 +262,7 @@ def main() -> int:
             windows.append(w)
         else:
             engine.step()
-    launches = [graph_launch_cost(n) for n in (30, 300, 1000)]
+    launches = [] if args.no_launch_cost else [graph_launch_cost(n) for n in (30, 300, 1000)]
     for row in launches:
         print(json.dumps(row), flush=True)
     result = {
@@ -247,6 +284,8 @@ def main() -> int:
               f"{k.get('matmul', 0):>6.2f} {k.get('sampler', 0):>6.2f} {k.get('other', 0):>6.2f} "
               f"{w['kernels_per_step']:>5.0f}")
         print("        host ms per step: " + ", ".join(f"{k} {v}" for k, v in u["host_ms_per_step"].items()))
+        g = w["gaps"]
+        print(f"        kernel gaps {g['gap_ms_per_step']} ms/step, by next kind {g['gap_ms_per_step_by_next_kind']}")
     return 0
 
 

@@ -1,6 +1,7 @@
 """Same-process A/B of the sampler's draw on the canonical workload: the current kernel (bf16 logits read
 directly, each row's vocabulary split over several programs) against an earlier version given as two files
-(its launcher and its kernel; the launcher is fed float32 logits, as it was). Runs alternate, A B A B ..., on one
+(its launcher and its kernel; with ``--old-float32`` the old launcher is fed float32 logits, as the first
+versions needed). Runs alternate, A B A B ..., on one
 engine, after the usual untimed warm-up; also times the draw alone at a few row counts.
 
     python3 scripts/gpu/sampler_ab.py OUT.json --old-launcher OLD_fused_draw.py --old-kernel OLD_race_kernel.py
@@ -34,13 +35,14 @@ def main() -> int:
     p.add_argument("--old-launcher", required=True)
     p.add_argument("--old-kernel", required=True)
     p.add_argument("--pairs", type=int, default=2)
+    p.add_argument("--old-float32", action="store_true", help="convert the logits to float32 for the old launcher")
     args = p.parse_args()
     import torch
 
     from minisgl_ref.bench import offline
     from minisgl_ref.bench.provenance import collect_provenance
     from minisgl_ref.bench.workloads import canonical_workload, warmup_workload
-    from minisgl_ref.sampling import fused_draw
+    from minisgl_ref.sampling import fused_draw, sampler
 
     old_kernel = load("old_race_kernel", args.old_kernel)
     old = load("old_fused_draw", args.old_launcher)
@@ -48,7 +50,9 @@ def main() -> int:
     new_temperature, new_probs = fused_draw.temperature_sample, fused_draw.sample_from_probs
 
     def old_temperature(logits, temperatures, seeds, steps):  # type: ignore[no-untyped-def]
-        return old.temperature_sample(logits.float(), temperatures, seeds, steps)  # the copy it used to need
+        if args.old_float32:
+            logits = logits.float()  # the copy the first versions needed
+        return old.temperature_sample(logits, temperatures, seeds, steps)
 
     variants = {"new": (new_temperature, new_probs), "old": (old_temperature, old.sample_from_probs)}
 
@@ -59,7 +63,7 @@ def main() -> int:
     dev = torch.device("cuda")
     vocab = 151936
     micro = []
-    for rows in (1, 8, 64, 256):
+    for rows in (1, 8, 64, 128, 256):
         logits = torch.randn(rows, vocab, device=dev).to(torch.bfloat16)
         temps = torch.full((rows,), 0.6, device=dev)
         seeds = torch.arange(rows, device=dev)
@@ -79,6 +83,8 @@ def main() -> int:
         agree = bool(torch.equal(variants["new"][0](logits, temps, seeds, steps),
                                  variants["old"][0](logits, temps, seeds, steps)))
         row["same_tokens"] = agree
+        eager = sampler.temperature_sample(logits.float(), temps, seeds, steps)
+        row["new_same_as_eager"] = bool(torch.equal(variants["new"][0](logits, temps, seeds, steps), eager))
         micro.append(row)
         print(json.dumps(row), flush=True)
 
