@@ -427,6 +427,53 @@ for label in ("cold", "warm"):
 # 68-70% of the floor, with nothing compiled inside the timed run.
 
 # %% [markdown]
+# ### The gaps between kernels, measured one by one
+#
+# The table above counted as "gaps" the GPU time of a step not covered by any kernel: the span from the step's
+# first launch to its end, minus the kernels' sum. That difference also holds the time before the first kernel
+# and the host-launched work around the replay, so it does not say whether the GPU really waits *between* the
+# graph's ~300 kernels. The profiler's raw device events do: each kernel's start and end, in order on the one
+# stream, and each gap attributed to the kernel that came next (`decode_anatomy_gaps_h100.json`).
+
+# %%
+GAPS = json.loads((ROOT / "docs" / "data" / "decode_anatomy_gaps_h100.json").read_text())
+print(f"{'running':>7} {'GPU kernels':>11} {'gaps':>5} {'of which before small kernels':>30}   (ms per step)")
+for w in GAPS["windows"]:
+    g = w["gaps"]
+    print(f"{w['running']:>7} {w['gpu_busy_ms_per_step']:>11.2f} {g['gap_ms_per_step']:>5.2f} "
+          f"{g['gap_ms_per_step_by_next_kind'].get('other', 0):>30.2f}")
+print("dearest transitions at 14 running (per step, mean gap):")
+for t in GAPS["windows"][-1]["gaps"]["top_transitions"][:6]:
+    print(f"  {t['per_step']:>5.1f} x {t['mean_us']:>5.2f} us  {t['pair']}")
+
+# %% [markdown]
+# About 0.3 ms per step at every stage, and most of it is not inside the graph: the largest gaps (tens of
+# microseconds) sit between the few eager kernels that prepare a step (gathering the page-table rows into the
+# attention's index arrays), which the host launches one by one. Inside the graph a dependent kernel starts
+# 0.4-1 µs after its predecessor ends (FlashInfer's kernels use programmatic dependent launch, which lets the next
+# kernel get going while the previous one drains). So the fixed cost of a step is kernels, not waiting: 0.77-0.99
+# ms of matrix multiplies and ~0.45 ms of small kernels at every batch size. Only fewer and faster kernels per
+# layer can remove it: a norm fused into the matrix multiply that follows it, the activation into the one before,
+# and matrix multiplies that read the weights at the bandwidth with a few rows.
+#
+# One small kernel did get faster. The sampler's race (chapter 02) draws each row's noise in registers, and its
+# exponential came from a float64 logarithm, to keep the precision of small uniforms; a GPU computes float64
+# logarithms in a long software routine. Kahan's formula gets the same precision in float32:
+# `log1p(x) = log(w) * x / (w - 1)` with `w = 1 + x` rounded, because `log(w) / (w - 1)` barely changes where `w`
+# rounds (at most 4.3 units in the last place over 5 million draws against float64). The draw at 256 rows went
+# from 213 to 156 µs, with the same tokens as the eager sampler (below ~128 rows a timed call is the host's
+# launch, ~65 µs, not the kernel); over the workload that is ~0.4% (`sampler_race_f32_ab_h100.json`, one process,
+# the two kernels alternating run by run).
+
+# %%
+RACE = json.loads((ROOT / "docs" / "data" / "sampler_race_f32_ab_h100.json").read_text())
+for row in RACE["draw_alone_us"]:
+    print(f"{row['rows']:>4} rows: float64 log {min(row['old_us']):6.1f} us, float32 log1p {min(row['new_us']):6.1f} us,"
+          f" same tokens as the eager sampler: {row['new_same_as_eager']}")
+print("canonical workload, median of two runs each:",
+      ", ".join(f"{'float32' if k == 'new' else 'float64'} {v:,.0f} tok/s" for k, v in RACE["median_output_tok_s"].items()))
+
+# %% [markdown]
 # ### What the spread of context lengths costs the attention kernel
 #
 # One number in the table of this section does not fit the others. With 256 requests running, attention takes
@@ -482,6 +529,10 @@ print("FlashAttention-3 / engine's kernel, by running requests: "
 # pieces of at most N tokens, each piece handed to the same kernel as a request of its own, and the pieces merged
 # by their log-sum-exp afterwards, as the split-KV decode of chapter 07 merges its own pieces. With ~1,100 pieces
 # x 8 KV heads the grid is several waves long, and the GPU gives the next block to whichever SM frees up first.
+# On an H200 (`decode_balance_chunks_h200.json`; 4.8 TB/s on paper, so its numbers are not the H100's) pieces of
+# 256 tokens took 6% less time than the engine's kernel at 128 running and 2% less at 256 (where the spread costs
+# the engine's kernel 15% on that GPU), and a third more at 16 running, where the planner already splits every
+# context and the pieces only add merge work.
 
 # %% [markdown]
 # ## 6. Reading a shared prefix once: cascade decode attention

@@ -50,7 +50,12 @@ OTHER_RESULTS = [
     "`docs/data/canonical_ab_fused_store_h100.json`, `docs/data/canonical_ab_admission_h100.json`.",
     "Decode attention on the workload's own context lengths against equal-length controls, and the ways of cutting "
     "its work (chapter 11, section 5): `docs/data/decode_balance_h100.json`, with every stage and FlashAttention-3: "
-    "`docs/data/decode_balance_stages_h100.json`.",
+    "`docs/data/decode_balance_stages_h100.json`; contexts cut into pieces of 128 or 256 tokens, on an H200: "
+    "`docs/data/decode_balance_chunks_h200.json`.",
+    "The GPU's gaps between the kernels of a decode step, and the sampler's float32 exponential against the float64 "
+    "one in one process (chapter 11, section 5): `docs/data/decode_anatomy_gaps_h100.json`, "
+    "`docs/data/sampler_race_f32_ab_h100.json`; the GPU tests of the Triton attention kernels: "
+    "`docs/data/gpu_tests_triton_kernels_h100.txt`.",
     "Constrained decoding against free decoding, and jump-forward (chapter 12), with the model in float32: random "
     "weights `docs/data/constrained_bench_h100.json`, `docs/data/constrained_bench_typical_h100.json`; the embedded "
     "model's real weights `docs/data/constrained_bench_real_typical_h100.json`, "
