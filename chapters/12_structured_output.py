@@ -372,8 +372,25 @@ print("free requests identical to a run without the constrained ones: True")
 # `ModelRunner.run`):
 #
 # 1. launch the forward of step N+1 (it needs no mask: the mask only acts on its logits);
-# 2. meanwhile on the CPU, wait for step N's tokens, advance the matchers with them, fill step N+1's mask rows;
-# 3. copy the mask to the device, apply it to the constrained rows' logits, sample step N+1.
+# 2. meanwhile on the CPU, wait for step N's tokens, advance the matchers with them (`Engine._accept_early`),
+#    fill step N+1's mask rows;
+# 3. copy the mask to the device, apply it to the constrained rows' logits, launch step N+1's sampling;
+# 4. only then process step N as any step is processed (chapter 06): detokenize its tokens, check the stop rules,
+#    finish the requests that are done, jump forward (section 5). When a token reaches `Req.append_token`, its
+#    matcher has already accepted it in step 2, and the engine uses that outcome instead of accepting it twice.
+#
+# Why split step N's processing like that? The mask of step N+1 needs step N's tokens in the matchers, and
+# nothing else: not the text, not the stop strings. Processing a step is host work (turning tokens into text,
+# checking stop strings, ending requests), around a millisecond for a few dozen rows on the host of an H100
+# machine; done in step 2, all of it would stand between the forward pass and the sampling of every constrained
+# step, and the device would sit idle after the forward, waiting for work the sampling does not need. Accepting
+# a token costs a few microseconds per row (section 7 measures it).
+#
+# A request that step N finishes, or moves on by jump-forward, already has a row in step N+1 (chapter 06's token
+# too many). Its matcher has accepted N's token but knows nothing of the finish or the jump, so that row's mask
+# may be filled from an outdated state, or not at all if N's token ended the grammar (a matcher that has
+# accepted its stop token has no next mask). It does not matter: when step N+1 is processed, that row's token
+# is discarded, as every token of a finished request is.
 #
 # The timelines below are a schematic (lengths in arbitrary units, not measured) of the two orders.
 
@@ -382,30 +399,33 @@ def lane_bars(ax, y: float, bars: list[tuple[str, float, float, str]]) -> None:
     for label, start, length, color in bars:
         ax.broken_barh([(start, length)], (y - 0.35, 0.7), facecolor=color, edgecolor="white", lw=0.5)
         ax.text(start + length / 2, y, label, ha="center", va="center", fontsize=7,
-                color="white" if color in ("tab:blue", "tab:purple") else "black")
+                color="white" if color in ("tab:blue", "tab:purple", "tab:red") else "black")
 
 
-FWD, SAMPLE, PROC, FILL, SCHED = 6.0, 1.0, 1.5, 1.5, 1.0
+FWD, SAMPLE, ACCEPT, PROC, FILL, SCHED = 6.0, 1.0, 0.5, 1.5, 1.5, 1.0
 fig, axes = plt.subplots(2, 1, figsize=(10, 3.4), sharex=True)
 # Mask first: the CPU must see N's tokens and fill N+1's mask before N+1's forward is launched.
 t, cpu, dev = 0.0, [], []
 dev.append(("forward N", t, FWD, "tab:blue")), dev.append(("sample N", t + FWD, SAMPLE, "tab:cyan"))
 t_done = t + FWD + SAMPLE
-cpu += [("schedule N+1", 0.5, SCHED, "tab:green"), ("process N", t_done, PROC, "tab:purple"),
-        ("fill N+1", t_done + PROC, FILL, "tab:orange")]
-start = t_done + PROC + FILL
+start = t_done + ACCEPT + FILL
+cpu += [("schedule N+1", 0.5, SCHED, "tab:green"), ("acc", t_done, ACCEPT, "tab:red"),
+        ("fill N+1", t_done + ACCEPT, FILL, "tab:orange"), ("process N", start, PROC, "tab:purple")]
 dev += [("forward N+1", start, FWD, "tab:blue"), ("mask+sample N+1", start + FWD, SAMPLE + 0.4, "tab:cyan")]
 lane_bars(axes[0], 1, cpu), lane_bars(axes[0], 0, dev)
-axes[0].set_title("mask filled before the forward: the device idles while the CPU processes N and fills", fontsize=9)
-# This engine: forward N+1 is launched first; processing N and filling overlap with it.
+axes[0].set_title("mask filled before the forward: the device idles while the CPU accepts N's tokens and fills",
+                  fontsize=9)
+# This engine: forward N+1 is launched first; accepting N's tokens and filling overlap with it, and step N is
+# processed once N+1's sampling has been launched.
 cpu, dev = [], [("forward N", 0, FWD, "tab:blue"), ("sample N", FWD, SAMPLE, "tab:cyan")]
-cpu += [("schedule N+1", 0.5, SCHED, "tab:green"), ("process N", FWD + SAMPLE, PROC, "tab:purple"),
-        ("fill N+1", FWD + SAMPLE + PROC, FILL, "tab:orange")]
+cpu += [("schedule N+1", 0.5, SCHED, "tab:green"), ("acc", FWD + SAMPLE, ACCEPT, "tab:red"),
+        ("fill N+1", FWD + SAMPLE + ACCEPT, FILL, "tab:orange"),
+        ("process N", FWD + SAMPLE + ACCEPT + FILL, PROC, "tab:purple")]
 dev += [("forward N+1", FWD + SAMPLE, FWD, "tab:blue"),
         ("mask+sample N+1", 2 * FWD + SAMPLE, SAMPLE + 0.4, "tab:cyan")]
 lane_bars(axes[1], 1, cpu), lane_bars(axes[1], 0, dev)
-axes[1].set_title("this engine: forward N+1 runs while the CPU processes N and fills the mask; only sampling waits",
-                  fontsize=9)
+axes[1].set_title("this engine: forward N+1 runs while the CPU accepts N's tokens (acc), fills the mask and "
+                  "processes N; only sampling waits, for the mask", fontsize=9)
 for ax in axes:
     ax.set_yticks([0, 1], ["device", "CPU"])
 axes[1].set_xlabel("time (schematic)")
@@ -414,8 +434,13 @@ plt.show()
 
 # %% [markdown]
 # In the lower timeline the device runs forward after forward; the mask is ready before the forward it belongs to
-# has finished, as long as processing and filling take less time than a forward. A step with no constrained row
+# has finished, as long as accepting and filling take less time than a forward. A step with no constrained row
 # gets no callback at all, and runs exactly as in chapter 06.
+#
+# Keep in mind what this order does not change: the CPU still has to process step N before it can schedule and
+# launch step N+2. When the CPU, not the device, is what limits the step (as on a GPU with this small model,
+# section 7), the step takes as long as the CPU's work per step, whatever its order: the grammar's own share of
+# it is accepting the tokens and filling the masks.
 #
 # **What it costs, measured on this CPU.** Two numbers. First, the mask work itself, per constrained row: filling
 # one row from a JSON matcher and applying it to one row of logits. Second, whole runs: four JSON requests against
@@ -789,7 +814,7 @@ if all(f.exists() for f in AGAIN.values()):
 #
 # * **The grammar no longer hides.** A constrained step now costs 1.3x a free one at batch 1 and about 1.5-1.6x
 #   at 32 and 64 (plain steps; the mixed-steps process, another sample of the same constrained work, measured
-#   1.5-2.1x), and 1.06-1.33x at 256, where the forward is longer. The overlap of section 6 hides the mask only
+#   1.5-2.1x), and 1.06-1.33x at 256, where the forward is longer. The overlap of section 4 hides the mask only
 #   where the host has time to spare, and at these step times it has none: even the free steps are bound by the
 #   host's own work (chapter 11 measures ~2 ms of it per decode step), so every row's mask fill, copy and
 #   matcher update adds to the step. The float32 runs above stayed within 10% of a free step at batch 64

@@ -27,6 +27,7 @@ from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.constrained import ANY_JSON, GrammarSpec, spec_of, validate_grammar
 from minisgl_ref.constrained.backend import GrammarBackend
 from minisgl_ref.constrained.bitmask import TokenBitmask
+from minisgl_ref.constrained.matcher import GrammarState
 from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.core.request import Req
 from minisgl_ref.engine.engine import Engine
@@ -355,6 +356,66 @@ def test_overlap_on_and_off_give_the_same_greedy_outputs(llm):
     assert [r.output_ids for r in on] == [r.output_ids for r in off]
     for schema, req in zip(schemas, on):
         _assert_json_valid(schema, req)
+
+
+@pytest.mark.slow
+def test_overlap_samples_a_constrained_step_before_processing_the_step_in_flight(llm, monkeypatch):
+    """Under overlap, step N+1's masks need step N's tokens in the matchers, and nothing else of step N: those
+    tokens are accepted before N+1's masks are filled, N+1 is sampled, and only then is step N processed
+    (detokenized, its stop rules checked, its finished requests ended). Each token enters its request's matcher
+    exactly once, including a request whose grammar ended in step N while its row of N+1 was already running."""
+    engine = _engine(llm)
+    prompts = [_schema_prompt(llm, SCHEMAS[1]), _chat(llm, REGEXES[0][1]), llm.tokenizer.encode(FREE_PROMPTS[0])]
+    params = [_greedy(json_schema=SCHEMAS[1]), _greedy(regex=REGEXES[0][0]), _free_params()[0]]
+    reqs = [llm.make_request(p, sp) for p, sp in zip(prompts, params)]
+    log: list[tuple[str, int]] = []  # (event, step): the step launched at that moment, or the step processed
+    accepts: dict[int, int] = {}  # id(GrammarState) -> tokens accepted
+    stale: list[tuple[str, int, int]] = []  # masks filled from a matcher that had not seen every sampled token
+
+    real_accept, real_fill = GrammarState.accept, TokenBitmask.fill
+    sampler, real_sample, real_process = engine.runner.sampler, engine.runner.sampler.sample, engine._process
+
+    def accept(self, token):
+        accepts[id(self)] = accepts.get(id(self), 0) + 1
+        return real_accept(self, token)
+
+    def fill(self, rows):
+        log.append(("fill", engine.frees.launched))
+        for _, state in rows:
+            req = next(r for r in reqs if r.grammar is state)
+            sampled = len(req.output_ids) + req.num_inflight - 1  # every token sampled before this step
+            if state.num_accepted != sampled:
+                stale.append((req.rid, state.num_accepted, sampled))
+        return real_fill(self, rows)
+
+    def sample(*args, **kwargs):
+        log.append(("sample", engine.frees.launched))
+        return real_sample(*args, **kwargs)
+
+    def process(launched):
+        log.append(("process", launched.step))
+        return real_process(launched)
+
+    monkeypatch.setattr(GrammarState, "accept", accept)
+    monkeypatch.setattr(TokenBitmask, "fill", fill)
+    monkeypatch.setattr(sampler, "sample", sample)
+    monkeypatch.setattr(engine, "_process", process)
+    for r in reqs:
+        engine.add_request(r)
+    engine.run_until_done()
+
+    assert not stale, stale
+    where = {event: i for i, event in enumerate(log)}
+    checked = [step for kind, step in log if kind == "fill" and ("process", step - 1) in where]
+    assert len(checked) >= 5, log
+    for step in checked:  # step N+1 = ``step`` was sampled before step N was processed
+        assert where[("fill", step)] < where[("sample", step)] < where[("process", step - 1)], (step, log)
+    constrained = reqs[:2]
+    assert all(r.finish_reason.kind == "stop" for r in constrained), [r.finish_reason for r in constrained]
+    assert reqs[2].finish_reason.kind == "length" and len(reqs[2].output_ids) > len(constrained[0].output_ids)
+    assert [accepts[id(r.grammar)] for r in constrained] == [len(r.output_ids) for r in constrained]
+    _assert_json_valid(SCHEMAS[1], constrained[0])
+    assert re.fullmatch(REGEXES[0][0], constrained[1].output_text), constrained[1].output_text
 
 
 @pytest.mark.slow

@@ -41,17 +41,25 @@ runs, which is what the tests check.
 mask depends on every token its request has accepted, and under overlap the previous step's token is still on
 the device when the next step is launched. The engine therefore splits such a launch in two, as SGLang does:
 
-    schedule(N+1) -> forward(N+1) launched -> process(N) (its tokens advance the matchers) ->
-        fill the masks of N+1's constrained rows on the CPU -> apply them on the device -> sample(N+1)
+    schedule(N+1) -> forward(N+1) launched -> wait for N's tokens, advance the matchers with them ->
+        fill the masks of N+1's constrained rows on the CPU -> apply them on the device -> sample(N+1) ->
+        process(N) (detokenizing, stop rules, jump-forward, finishing requests)
 
 The forward pass of N+1 is already queued on the device while the CPU waits for N's tokens and fills the masks,
 so the device still never idles for the CPU's grammar work; what waits is only N+1's sampling. The runner calls
 back into the engine between the forward pass and sampling (:meth:`Engine._grammar_mask`); a step without
 constrained rows gets no callback and runs exactly as before, and an engine that has never seen a constrained
-request does not even look at the rows. Processing step N early is what ``_finish_inflight`` would have done a
-moment later anyway (its events are returned by the same :meth:`Engine.step` call), so the outputs are those of
-the non-overlapped engine. A request whose grammar is still compiling waits in the queue
-(:meth:`Engine._poll_grammars`); a grammar that fails to compile aborts its request only.
+request does not even look at the rows. Only the matchers need N's tokens before N+1's masks can be filled, so
+only they advance there (:meth:`Engine._accept_early`, a few microseconds per row); the rest of processing N
+(detokenizing every row's token, on a GPU about a millisecond of host work at a few dozen rows) would, done
+there, sit between the forward pass and sampling with the device idle, so it stays in ``_finish_inflight``,
+after N+1's sampling has been launched, where ``_append`` uses the remembered outcome instead of accepting the
+token again. A request that step N finishes or jumps forward gets its row of N+1 masked from a matcher that has
+only accepted N's token (or left unmasked, if that token ended its grammar): that row's token is discarded when
+N+1 is processed, as under overlap without grammars. Each request's matcher sees the same tokens in the same
+order as without overlap, so the outputs are those of the non-overlapped engine. A request whose grammar is
+still compiling waits in the queue (:meth:`Engine._poll_grammars`); a grammar that fails to compile aborts its
+request only.
 
 Jump-forward decoding (``EngineConfig.enable_jump_forward``, :mod:`minisgl_ref.constrained.jump_forward`) happens
 where a token is processed: when the grammar forces a continuation, the request's output grows by the forced
@@ -65,7 +73,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -111,6 +119,17 @@ class Launched:
     batch: ScheduledBatch
     output: StepOutput
     after_idle: bool = False  # nothing ran before it: the time since the previous step was idle, not waiting
+    # Chapter 12: rows whose token the request's matcher has already been given, before the step is processed
+    # (:meth:`Engine._accept_early`), with the outcome (an exception: the matcher failed); ``_append`` uses it.
+    grammar_accepted: dict[int, bool | Exception] = field(default_factory=dict)
+    _tokens: list[int] | None = field(default=None, repr=False)
+
+    def tokens(self) -> list[int]:
+        """The step's sampled tokens on the host (:meth:`StepOutput.tokens`, waited for once and kept: a
+        constrained step's mask may need them before the step is processed)."""
+        if self._tokens is None:
+            self._tokens = self.output.tokens()
+        return self._tokens
 
 
 @dataclass
@@ -204,7 +223,6 @@ class Engine:
         self._bitmask: TokenBitmask | None = None  # allocated with the first constrained step
         self._compiling: list[Req] = []  # waiting requests whose grammar is compiling
         self._constrained: set[Req] = set()  # admitted requests with a grammar, pruned as they finish
-        self._early_events: list[StepEvent] = []  # a step processed early, before a constrained row's sampling
 
     @property
     def max_total_tokens(self) -> int:
@@ -253,16 +271,10 @@ class Engine:
 
         Without overlap: schedule and launch step N, then process it (:meth:`_step_sync`). With overlap: schedule
         and launch step N+1, then process step N, which has been in flight since the previous call
-        (:meth:`_step_overlap`).
-
-        A constrained row may make the launch process the step in flight early (see the module docstring): its
-        events come first."""
+        (:meth:`_step_overlap`)."""
         if self._compiling:
             self._poll_grammars()
-        events = self._step_overlap() if self.overlap else self._step_sync()
-        if self._early_events:
-            events, self._early_events = self._early_events + events, []
-        return events
+        return self._step_overlap() if self.overlap else self._step_sync()
 
     def _step_sync(self) -> list[StepEvent]:
         """Schedule step N, launch it, wait for its tokens and process them. Nothing is ever in flight between two
@@ -328,7 +340,7 @@ class Engine:
         longer live: under overlap, the extra token computed for a request that finished in the step before, or
         the old row of a request retracted since it was scheduled (chapter 06)."""
         batch, out = launched.batch, launched.output
-        tokens = out.tokens()  # the one wait for the device per step: after it, the step's tokens are here
+        tokens = launched.tokens()  # the one wait for the device per step: after it, the step's tokens are here
         if self.trace is not None:
             self.trace.record(batch, launched.after_idle)
         if out.prompt_logprobs is not None:
@@ -342,7 +354,7 @@ class Engine:
             req.num_inflight -= 1
             if logprobs is not None and req.return_logprob:
                 req.output_logprobs.append(logprobs(i, req.top_logprobs_num))
-            delta = self._append(req, token)
+            delta = self._append(req, token, launched.grammar_accepted.get(i))
             if req.grammar is not None and not req.finished and self.config.enable_jump_forward:
                 delta += self._jump_forward(req)
             if req.finished:
@@ -400,13 +412,23 @@ class Engine:
                     req.input_logprobs.append(entry(j, req.top_logprobs_num))
                 j += 1
 
-    def _append(self, req: Req, token: int) -> str:
+    def _append(self, req: Req, token: int, accepted: bool | Exception | None = None) -> str:
         """``req.append_token``, with a failure (in its detokenizer, say) aborting this request only. A
-        constrained request's matcher accepts the token first; if its grammar has ended, so has the request."""
+        constrained request's matcher accepts the token first; if its grammar has ended, so has the request.
+
+        Under overlap the matcher has usually been given the token already, before the next step's sampling
+        (:meth:`_accept_early`); ``accepted`` is then that outcome, and the token is not accepted a second time.
+        Everything else -- detokenizing, the stop rules, ending the request with its grammar, and jump-forward
+        in :meth:`_process` -- happens only here, after the next step's sampling has been launched."""
         try:
-            if req.grammar is not None and not req.grammar.accept(token):
-                req.abort(f"token {token} is not allowed by this request's grammar")  # the mask makes it impossible
-                return ""
+            if req.grammar is not None:
+                if accepted is None:
+                    accepted = req.grammar.accept(token)
+                elif isinstance(accepted, Exception):
+                    raise accepted  # the matcher failed while accepting early: handled as if it failed now
+                if not accepted:
+                    req.abort(f"token {token} is not allowed by this request's grammar")  # the mask forbids it
+                    return ""
             delta = req.append_token(token)
             if req.grammar is not None and not req.finished and req.grammar.is_terminated:
                 delta += req.finish_by_grammar(token)
@@ -452,25 +474,53 @@ class Engine:
         a step without): bring the rows' matchers up to date, fill their masks and apply them to the logits.
 
         Under overlap a constrained row's request may still have its previous token in the step in flight
-        (``num_inflight > 1``: that token and this row's). Then the step in flight is processed now -- the wait
-        for its tokens happens while this step's forward pass is already queued on the device -- and its events
-        are kept for :meth:`step` to return. Rows whose request finished or jumped forward meanwhile are left
-        unmasked: their token is discarded anyway."""
+        (``num_inflight > 1``: that token and this row's). Then only the matchers are advanced now
+        (:meth:`_accept_early`): the wait for the step's tokens happens while this step's forward pass is
+        already queued on the device, and a few microseconds per row of accepting are all that stands between
+        the forward pass and sampling. The rest of processing that step -- detokenizing, the stop rules,
+        jump-forward, finishing requests, a millisecond or so of host work at a few dozen rows -- waits for
+        ``_finish_inflight``, after this step's sampling has been launched: done here, the device would idle
+        through it. A row is left unmasked if its token is discarded anyway: its request finished or jumped
+        forward in an earlier step, its grammar ended with the token just accepted, or that token was refused
+        (the request is aborted when the step is processed)."""
         self._constrained = {r for r in self._constrained if not r.finished}
         rows = [i for i, row in enumerate(batch.rows) if row.emits and row.req.grammar is not None]
         if not rows:
             return None
 
         def apply(logits: torch.Tensor) -> None:
+            refused: set[int] = set()  # requests whose matcher refused (or failed on) their token in flight
             if self.inflight is not None and any(batch.rows[i].req.num_inflight > 1 for i in rows):
-                self._early_events += self._finish_inflight()
-            live = [i for i in rows if batch.rows[i].is_live and batch.rows[i].req.grammar is not None]
+                refused = self._accept_early(self.inflight)
+            live = [i for i in rows if _maskable(batch.rows[i].req, batch.rows[i].is_live, refused)]
             if self._bitmask is None:
                 self._bitmask = TokenBitmask(logits.shape[1], self.config.max_running_requests + 1)
             self._bitmask.fill([(i, batch.rows[i].req.grammar) for i in live])  # type: ignore[misc]
             self._bitmask.apply(logits, live)
 
         return apply
+
+    def _accept_early(self, launched: Launched) -> set[int]:
+        """Advance the matchers by the tokens of ``launched`` (the step in flight) before the next step's masks
+        are filled, and remember each outcome on ``launched`` for :meth:`_append`, which then does not accept
+        the token again. Only rows that :meth:`_process` would append are accepted: they emit, are live, and
+        their request has a grammar. Returns the ids of the requests whose matcher refused its token or failed.
+
+        Nothing else of the step is processed here, so nothing else can change before :meth:`_process`: a row
+        accepted here is still live there, unless its request was aborted meanwhile (then its token is dropped
+        with the request). If the next step's launch fails after this, the step in flight is processed as
+        usual, with these outcomes."""
+        tokens = launched.tokens()  # waits for the step in flight (its forward pass was queued before this one's)
+        rows = launched.batch.rows
+        for i, (row, token) in enumerate(zip(rows, tokens)):
+            req = row.req
+            if not row.emits or not row.is_live or req.grammar is None or i in launched.grammar_accepted:
+                continue
+            try:
+                launched.grammar_accepted[i] = req.grammar.accept(token)
+            except Exception as e:  # noqa: BLE001 - the request fails when its token is processed, alone
+                launched.grammar_accepted[i] = e
+        return {id(rows[i].req) for i, ok in launched.grammar_accepted.items() if isinstance(ok, Exception) or not ok}
 
     def _jump_forward(self, req: Req) -> str:
         """If ``req``'s grammar now forces a continuation, append it without decode steps (chapter 12) and return
@@ -560,6 +610,13 @@ class Engine:
         for req in reqs:
             self.cache.release(req)
         return [StepEvent(r, "", True) for r in reqs] + self._take_aborted()
+
+
+def _maskable(req: Req, live: bool, refused: set[int]) -> bool:
+    """Whether a constrained row's token can still be kept, so that its mask is worth filling: the row is live,
+    its request's matcher did not refuse the token in flight (``refused``: request ids), and has not ended (a
+    matcher that accepted its stop token has no next mask)."""
+    return live and req.grammar is not None and id(req) not in refused and not req.grammar.is_terminated
 
 
 def _rows(logprobs: StepLogprobs) -> Callable[[int, int], TokenLogprob]:
