@@ -45,21 +45,22 @@ the device when the next step is launched. The engine therefore splits such a la
         fill the masks of N+1's constrained rows on the CPU -> apply them on the device -> sample(N+1) ->
         process(N) (detokenizing, stop rules, jump-forward, finishing requests)
 
-The forward pass of N+1 is already queued on the device while the CPU waits for N's tokens and fills the masks,
-so the device still never idles for the CPU's grammar work; what waits is only N+1's sampling. The runner calls
-back into the engine between the forward pass and sampling (:meth:`Engine._grammar_mask`); a step without
-constrained rows gets no callback and runs exactly as before, and an engine that has never seen a constrained
-request does not even look at the rows. Only the matchers need N's tokens before N+1's masks can be filled, so
-only they advance there (:meth:`Engine._accept_early`, a few microseconds per row); the rest of processing N
-(detokenizing every row's token, on a GPU about a millisecond of host work at a few dozen rows) would, done
-there, sit between the forward pass and sampling with the device idle, so it stays in ``_finish_inflight``,
-after N+1's sampling has been launched, where ``_append`` uses the remembered outcome instead of accepting the
-token again. A request that step N finishes or jumps forward gets its row of N+1 masked from a matcher that has
-only accepted N's token (or left unmasked, if that token ended its grammar): that row's token is discarded when
-N+1 is processed, as under overlap without grammars. Each request's matcher sees the same tokens in the same
-order as without overlap, so the outputs are those of the non-overlapped engine. A request whose grammar is
-still compiling waits in the queue (:meth:`Engine._poll_grammars`); a grammar that fails to compile aborts its
-request only.
+The forward pass of N+1 is already queued on the device while the CPU waits for N's tokens and fills the masks, so
+the device still never idles for the CPU's grammar work; what waits is only N+1's sampling. The runner calls back
+into the engine between the forward pass and sampling (:meth:`Engine._grammar_mask`); a step without constrained
+rows gets no callback and runs exactly as before, and an engine that has never seen a constrained request does not
+even look at the rows. Only the matchers need N's tokens before N+1's masks can be filled, so only they advance
+there (:meth:`Engine._accept_early`, a few microseconds per row); the rest of processing N (detokenizing every row's
+token, on a GPU about a millisecond of host work at a few dozen rows) would, done there, sit between the forward
+pass and sampling with the device idle, so it stays in ``_finish_inflight``, after N+1's sampling has been launched,
+where ``_append`` uses the remembered outcome instead of accepting the token again. (The host still processes N
+before it schedules and launches N+2, so where the host's work per step is what sets the step's length, this order
+does not shorten it; the grammar's own cost there is the accepting and the filling.) A request that step N finishes
+or jumps forward gets its row of N+1 masked from a matcher that has only accepted N's token (or left unmasked, if
+that token ended its grammar): that row's token is discarded when N+1 is processed, as under overlap without
+grammars. Each request's matcher sees the same tokens in the same order as without overlap, so the outputs are those
+of the non-overlapped engine. A request whose grammar is still compiling waits in the queue
+(:meth:`Engine._poll_grammars`); a grammar that fails to compile aborts its request only.
 
 Jump-forward decoding (``EngineConfig.enable_jump_forward``, :mod:`minisgl_ref.constrained.jump_forward`) happens
 where a token is processed: when the grammar forces a continuation, the request's output grows by the forced
