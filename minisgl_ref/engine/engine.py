@@ -495,7 +495,7 @@ class Engine:
                 refused = self._accept_early(self.inflight)
             live = [i for i in rows if _maskable(batch.rows[i].req, batch.rows[i].is_live, refused)]
             if self._bitmask is None:
-                self._bitmask = TokenBitmask(logits.shape[1], self.config.max_running_requests + 1)
+                self._bitmask = TokenBitmask(logits.shape[1], self.config.max_running_requests + 1, logits.device)
             self._bitmask.fill([(i, batch.rows[i].req.grammar) for i in live])  # type: ignore[misc]
             self._bitmask.apply(logits, live)
 
