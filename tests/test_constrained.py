@@ -248,6 +248,38 @@ def test_bitmask_bans_padding_ids_and_leaves_free_rows_alone(tokenizer):
     backend.shutdown()
 
 
+def test_bitmask_fill_moves_to_the_thread_pool_only_when_the_rows_are_dear(tokenizer, monkeypatch):
+    """Cheap fills stay on the calling thread, a step whose rows would take one thread longer than twice the
+    pool's hand-off goes to xgrammar's pool, and both ways write the same masks."""
+    from minisgl_ref.constrained import bitmask as bm
+
+    monkeypatch.setattr(bm, "FILL_THREADS", 4)
+    backend = GrammarBackend(tokenizer.hf, len(tokenizer.hf))
+    compiled = backend.compile(GrammarSpec("json_object", ""))
+    states = [backend.matcher(compiled, stop_token_ids=tokenizer.eos_token_ids) for _ in range(6)]
+    prefixes = ['{', '{"a"', '{"a": ', '{"a": "x', '{"a": 1', '{"a": [']
+    for state, prefix in zip(states, prefixes):  # rows at different points of an object
+        assert state.accepts(tokenizer.hf.encode(prefix, add_special_tokens=False))
+    used = []
+    real = xgr.BatchGrammarMatcher.batch_fill_next_token_bitmask
+    monkeypatch.setattr(xgr.BatchGrammarMatcher, "batch_fill_next_token_bitmask",
+                        lambda self, *a, **k: used.append(len(a[0])) or real(self, *a, **k))
+    rows = list(enumerate(states))
+    alone = bm.TokenBitmask(len(tokenizer.hf), 8)
+    alone.fill(rows)  # nothing measured yet: one thread
+    assert used == [] and alone.us_per_row > 0
+    pooled = bm.TokenBitmask(len(tokenizer.hf), 8)
+    pooled.us_per_row = 2 * bm.POOL_HANDOFF_US  # as if the last step's rows had been dear
+    pooled.fill(rows)
+    assert used == [6]
+    assert torch.equal(pooled.host[:6], alone.host[:6])
+    assert len(set(map(tuple, alone.host[:6].tolist()))) > 1  # the rows really differ
+    pooled.us_per_row = 1.0  # cheap again: back to one thread
+    pooled.fill(rows)
+    assert used == [6]
+    backend.shutdown()
+
+
 def test_grammar_host_benchmark_replays_valid_documents(tokenizer):
     """``benchmarks/grammar_host.py`` times the grammar's host work on documents its rows write: each is a valid
     instance of the typical schema, and replaying them through the matchers (one call per row, or xgrammar's batch

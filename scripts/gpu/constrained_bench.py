@@ -132,8 +132,8 @@ def main() -> int:
                    help="write each timed run's step log to DIR and add its steps by kind (decode, extend, mixed) "
                         "to the results")
     p.add_argument("--profile", action="store_true",
-                   help="profile the host (cProfile) during each timed constrained and jump-forward run, top functions "
-                        "to OUT.profile.txt")
+                   help="profile the host (cProfile) during each timed constrained, free and jump-forward run, top "
+                        "functions to OUT.profile.txt")
     p.add_argument("--skip-jump-forward", action="store_true", help="only the constrained and free runs")
     p.add_argument("--repeats", type=int, default=1,
                    help="timed runs of each kind per batch size, constrained and free alternating; the median counts")
@@ -195,7 +195,19 @@ def main() -> int:
             if not jump:  # the free twin: same prompts, the same output lengths, no grammar
                 free = [SamplingParams(temperature=0, max_new_tokens=max(len(o.output_ids), 1), ignore_eos=True)
                         for o in outs]
-                _, r = timed(llm, batch, free, step_log=log_path(bs, "free"))
+                if args.profile:  # the free twin too, to compare the two host profiles function by function
+                    import cProfile
+                    import io
+                    import pstats
+
+                    prof = cProfile.Profile()
+                    _, r = timed(llm, batch, free, prof)
+                    text = io.StringIO()
+                    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+                    with open(args.out + ".profile.txt", "a") as f:
+                        f.write(f"=== batch {bs}, free, {r['wall_s']:.2f} s\n{text.getvalue()}\n")
+                else:
+                    _, r = timed(llm, batch, free, step_log=log_path(bs, "free"))
                 results.append({"batch_size": bs, "run": "free", **r})
                 if args.repeats > 1:  # more timed runs, alternating, so that a slow moment hits both kinds
                     runs = {"constrained": [results[-2]["wall_s"]], "free": [r["wall_s"]]}
