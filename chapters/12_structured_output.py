@@ -843,16 +843,59 @@ for r in HOST["results"]:
 #   call (`batch_accept_token`, the "one call" column) is no faster than a Python call per row. It is paid on the
 #   host for every constrained row of every step, and no thread helps it: each matcher must have its token before
 #   its mask can be filled.
-# * **Filling is about as much again**, on one thread here; the engine spreads it over half the machine's cores
-#   (eight threads on the 16-core host of the H100 machine), so there it shrinks several times.
+# * **Filling is about as much again**, on one thread here. The engine can spread it over half the machine's
+#   cores (eight threads on the 16-core host of the H100 machine), which pays only when the rows are dear, as
+#   below.
 # * **Applying is the CPU's own cost.** On a CPU it writes `-inf` into every forbidden logit of the row, ~0.1 ms
 #   per row of SmolLM2's 49k vocabulary; on a GPU it is one kernel for all rows.
 #
 # At 64 rows the accepts alone are ~0.3-0.4 ms and the fills at most as much again: about half of the ~1.2 ms by
-# which a constrained step at batch 64 outlasts a free one on the H100 above. Where the other half goes is a question
-# for a profile of that run; what the arithmetic already says is that a host-bound step cannot absorb even the
+# which a constrained step at batch 64 outlasts a free one on the H100 above. The rest shows in a profile of that run
+# (below); what the arithmetic already says is that a host-bound step cannot absorb even the
 # grammar's irreducible part, a few µs per row, unless the rest of the host's work per step shrinks first.
 #
+# **Measured again, five times each.** One timed run of a batch lasts 0.5-1 s, and single runs turned out to be
+# too noisy to compare versions: the same code measured a constrained/free ratio of 1.05 in one process and 2.0 in
+# the next. `scripts/gpu/constrained_bench.py --repeats 5` now alternates five constrained and five free runs per
+# batch size and compares medians. With that, one process per engine version, in one session on one H100:
+
+# %%
+for name in ("constrained_order_ab_h100.json", "constrained_fill_ab_h100.json"):
+    ab = json.loads((ROOT / "docs" / "data" / name).read_text())
+    for label, proc in ab["processes"].items():
+        ratios = ", ".join(f"batch {x['batch_size']}: {x['constrained_over_free_time_per_token']:.2f}"
+                           for x in proc["summary"])
+        print(f"{label:<24} constrained / free time per output token  {ratios}")
+    print()
+
+# %% [markdown]
+# * **Where the step in flight is processed does not matter**, nor where the mask is copied from: every version
+#   that fills the masks on xgrammar's thread pool lands between 1.3 and 1.9, the spread of one version between
+#   two processes as wide as the differences between versions. That is what the arithmetic of section 4 says for
+#   a host-bound step: moving the host's work around inside a step leaves its sum, and the step, unchanged.
+# * **A host profile of one constrained and one free run at batch 64** (`constrained_bench_typical_profile_h100.txt`,
+#   cProfile) finds the constrained steps' extra host time in three places: the batch fill, ~0.34 ms a step
+#   although the rows (about 25 on average) fill in a few µs each, so nearly all of it is handing them to the
+#   thread pool and back; the matchers' accepts with their Python around them, ~0.2 ms; the mask's copy and the
+#   masking kernel's launch, ~0.1 ms.
+# * **Filling cheap rows on the engine's own thread** and keeping the pool for steps whose rows are dear (the
+#   bitmask times its fills and decides step by step) brings batch 32 to ~1.2 and batch 64 to ~1.3-1.4.
+#
+# What remains is the grammar's irreducible host work, a few microseconds per row, on a step that the host already
+# paces: on this 135M model a free step at a few dozen rows takes ~1.5 ms, nearly all of it the host's. xgrammar's
+# calls hold Python's global interpreter lock (measured: a fill in a second thread does not overlap Python work),
+# so a helper thread cannot hide them either. With a larger model, whose forward pass outlasts the host's work,
+# the same grammar costs a few percent (the float32 runs above, whose steps were twice as long, stayed within 10%).
+# The whole table once more, with the fills decided step by step:
+
+# %%
+ADAPT = json.loads((ROOT / "docs" / "data" / "constrained_bench_typical_adaptive_h100.json").read_text())
+for x in ADAPT["summary"]:
+    print(f"batch {x['batch_size']:>4}: constrained / free time per output token "
+          f"{x['constrained_over_free_time_per_token']:.2f}, jump-forward / constrained wall "
+          f"{x['jump_forward_over_constrained_wall']:.2f}")
+
+# %% [markdown]
 # One more thing these runs found. All requests of a batch arrive together, and at batch 256 the scheduler
 # admitted them in halves, 128, then 64, 32 and so on, one step each: it counted the requests admitted earlier
 # in the same step twice against `max_running_requests`. With mixed steps every one of those nine steps also

@@ -62,7 +62,12 @@ OTHER_RESULTS = [
     "`docs/data/constrained_bench_real_bounded_h100.json`, and the device profile of a float32 jump-forward run: "
     "`docs/data/constrained_bench_f32_jump_profile_h100.txt`. In bfloat16, with and without mixed steps: "
     "`docs/data/constrained_bench_typical_plain_h100.json`, `docs/data/constrained_bench_typical_mixed_h100.json`. "
-    "The grammar's host work per decode step, part by part, on a 2-core CPU: `docs/data/grammar_host_cpu.json`.",
+    "The grammar's host work per decode step, part by part, on a 2-core CPU: `docs/data/grammar_host_cpu.json`. "
+    "Five alternating runs per kind, one process per engine version (chapter 12, section 7): "
+    "`docs/data/constrained_order_ab_h100.json`, `docs/data/constrained_fill_ab_h100.json`, the full table with "
+    "fills decided step by step `docs/data/constrained_bench_typical_adaptive_h100.json`, a host profile "
+    "`docs/data/constrained_bench_typical_profile_h100.txt`, and the host side of a bitmask's copy "
+    "`docs/data/h2d_copy_h100.json`.",
     "The GPU test suite (`pytest -m gpu`: attention backends against torch_native, CUDA-graph replays, cascade "
     "attention, fused ops, sampling): every GPU test passed on an H100, 60 tests "
     "(`docs/data/gpu_tests_h100_final.txt`); the graph, sampling, fused-kernel and cascade tests again after the KV "
