@@ -422,9 +422,10 @@ for label in ("cold", "warm"):
           f"compiled during the run: {run['compiled_during_run']}")
 
 # %% [markdown]
-# The first process compiles for about a minute before its first request (FlashInfer's JIT and Triton), the second
-# starts in about 10 s from the disk caches, and both run the workload at ~18,200-18,500 output tokens/s,
-# 68-70% of the floor, with nothing compiled inside the timed run.
+# The first process compiles for one to one and a half minutes before its first request (FlashInfer's JIT and
+# Triton; the host's speed varies from machine to machine), the second starts in 10-14 s from the disk caches,
+# and both run the workload at ~18,700 output tokens/s, 70% of the floor, with nothing compiled inside the timed
+# run.
 
 # %% [markdown]
 # ### The gaps between kernels, measured one by one
@@ -1181,8 +1182,8 @@ for run in SA["canonical_runs"]:
 # `canonical_ab_qview_h100.json`: about 18,550-18,600 tok/s on the first timed run of a process (its second
 # runs, 18,930-19,230, found their prompts cached); `canonical_ab_fused_store_h100.json` and
 # `canonical_ab_admission_h100.json`: medians of 18,601 against 18,492 and 18,478 against 18,304;
-# `canonical_bare_machine_h100.json`: `bench offline` on a bare machine starts in about 73 s and runs the
-# workload at about 18,200 tok/s, a second process starts in about 10 s and runs at about 18,500.
+# `canonical_bare_machine_h100.json`: `bench offline` on a bare machine starts in 70-100 s and runs the
+# workload at about 18,700 tok/s, a second process starts in 10-14 s and runs at about 18,700.
 # `decode_balance.sh` (`docs/data/decode_balance_h100.json`, ~1.5 minutes with the compilation): ~218 us per layer
 # for the 256 running contexts against ~199 for the equal-length control, ~197 against ~191 at 128 running, ~43
 # for both at 16.
