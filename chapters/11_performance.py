@@ -457,6 +457,28 @@ for t in GAPS["windows"][-1]["gaps"]["top_transitions"][:6]:
 # layer can remove it: a norm fused into the matrix multiply that follows it, the activation into the one before,
 # and matrix multiplies that read the weights at the bandwidth with a few rows.
 #
+# How far from the bandwidth are the matrix multiplies on their own? `benchmarks/decode_matmuls.py` chains one
+# step's 113 multiplies (28 layers x 4, and the LM head) over fresh weight tensors in a CUDA graph, at each row
+# count, with cuBLAS, cuBLASLt and a plain Triton kernel that streams the weights:
+
+# %%
+MM = json.loads((ROOT / "docs" / "data" / "decode_matmuls_h100.json").read_text())
+print(f"{MM['weight_bytes'] / 1e9:.2f} GB of weights: {MM['floor_ms_at_bandwidth']:.2f} ms at 3.0 TB/s")
+for r in MM["results"]:
+    libs = ", ".join(f"{lib} {min(r[lib]):.3f} ms ({r['tb_per_s'][lib]} TB/s)"
+                     for lib in ("cublas", "cublaslt", "triton") if lib in r)
+    print(f"{r['rows']:>4} rows: {libs}")
+
+# %% [markdown]
+# Even at one row, where a multiply is nothing but a read of its weights, cuBLAS reads them at 1.4 TB/s, under
+# half the bandwidth: 0.84 ms against a floor of 0.40. The matrices are small (4-12 MB a layer, 311 MB for the
+# LM head), so each of the 113 kernels spends a few microseconds filling the GPU with loads and draining it
+# again, about as long as its reading; cuBLASLt's choices are the same within 4%, and the straightforward Triton
+# kernel, one program per slice of output columns, is 20% slower still (a 1,024-column output gives it too few
+# programs for 132 SMs). Reading the weights near the bandwidth at a few rows needs fewer, longer kernels: the
+# four projections of a layer in one persistent kernel, or the norm and activation folded into the multiplies
+# around them.
+#
 # One small kernel did get faster. The sampler's race (chapter 02) draws each row's noise in registers, and its
 # exponential came from a float64 logarithm, to keep the precision of small uniforms; a GPU computes float64
 # logarithms in a long software routine. Kahan's formula gets the same precision in float32:

@@ -55,7 +55,8 @@ OTHER_RESULTS = [
     "The GPU's gaps between the kernels of a decode step, and the sampler's float32 exponential against the float64 "
     "one in one process (chapter 11, section 5): `docs/data/decode_anatomy_gaps_h100.json`, "
     "`docs/data/sampler_race_f32_ab_h100.json`; the GPU tests of the Triton attention kernels: "
-    "`docs/data/gpu_tests_triton_kernels_h100.txt`.",
+    "`docs/data/gpu_tests_triton_kernels_h100.txt`. One step's matrix multiplies alone, cuBLAS, cuBLASLt and a "
+    "plain Triton kernel: `docs/data/decode_matmuls_h100.json`.",
     "Constrained decoding against free decoding, and jump-forward (chapter 12), with the model in float32: random "
     "weights `docs/data/constrained_bench_h100.json`, `docs/data/constrained_bench_typical_h100.json`; the embedded "
     "model's real weights `docs/data/constrained_bench_real_typical_h100.json`, "
