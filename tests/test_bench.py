@@ -57,6 +57,28 @@ def test_decode_balance_stages_are_the_workloads_running_contexts():
         assert 0 <= sum(stages[mark]) - sum(control) < len(control)
 
 
+def test_decode_matmuls_weight_stream_kernel_multiplies_and_tiles_fit():
+    """``benchmarks/decode_matmuls.py``'s Triton kernel (through Triton's interpreter on a CPU, in float32: the
+    interpreter mishandles bf16 inputs) computes ``x @ w.T`` for row counts below and at its block, and every tile
+    it may try divides the Qwen3-0.6B weight shapes it is timed on, or is skipped for that shape."""
+    import benchmarks.decode_matmuls as dm
+
+    if type(__import__("triton").language.cdiv).__name__ == "JITFunction":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 5, 16):
+        x = torch.randn(rows, 256, generator=g)
+        w = torch.randn(64, 256, generator=g)
+        out = torch.zeros(rows, 64, dtype=torch.bfloat16)
+        dm.triton_linear(x, w, out, (16, 128, 3))
+        ref = x @ w.T
+        assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+    shapes = [(dm.Q + 2 * dm.KV, dm.HIDDEN), (dm.HIDDEN, dm.Q), (2 * dm.FFN, dm.HIDDEN), (dm.HIDDEN, dm.FFN),
+              (dm.VOCAB, dm.HIDDEN)]
+    for n, k in shapes:
+        assert any(n % bn == 0 and k % bk == 0 for bn, bk, _ in dm.TILES), (n, k)
+
+
 def test_decode_balance_chunks_merge_back_to_plain_attention(monkeypatch):
     """The ``fi_chunkN`` variant of ``benchmarks/decode_balance.py`` cuts contexts into pieces, runs each piece as a
     request of its own and merges the pieces by log-sum-exp. Its bookkeeping (which piece belongs to which request,
