@@ -68,7 +68,8 @@ OTHER_RESULTS = [
     "`docs/data/constrained_order_ab_h100.json`, `docs/data/constrained_fill_ab_h100.json`, the full table with "
     "fills decided step by step `docs/data/constrained_bench_typical_adaptive_h100.json`, a host profile "
     "`docs/data/constrained_bench_typical_profile_h100.txt`, and the host side of a bitmask's copy "
-    "`docs/data/h2d_copy_h100.json`.",
+    "`docs/data/h2d_copy_h100.json`; the GPU tests of constrained decoding with pinned, double-buffered masks: "
+    "`docs/data/gpu_tests_constrained_h100.txt`.",
     "The GPU test suite (`pytest -m gpu`: attention backends against torch_native, CUDA-graph replays, cascade "
     "attention, fused ops, sampling): every GPU test passed on an H100, 60 tests "
     "(`docs/data/gpu_tests_h100_final.txt`); the graph, sampling, fused-kernel and cascade tests again after the KV "

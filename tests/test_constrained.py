@@ -493,3 +493,46 @@ def test_bad_grammars_are_refused_by_name_and_the_engine_keeps_serving(llm):
     assert bad.finish_reason.kind == "abort" and "regex is not a valid grammar" in bad.finish_reason.message
     assert good.finish_reason.kind == "stop" and re.fullmatch(r"(yes|no)\.", good.output_text)
     assert free.finish_reason.kind == "length" and len(free.output_ids) == 4
+
+
+@pytest.mark.gpu
+def test_gpu_constrained_outputs_stay_valid_with_masks_copied_from_pinned_buffers():
+    """On a GPU the masks go to the device from two pinned host buffers used in turn, while the forward pass runs
+    (overlap on, CUDA graphs, bf16): a buffer refilled before its copy was read would ban the wrong tokens, the
+    matcher would then refuse a sampled token and the request would abort. No request may abort, every constrained
+    one that ends by its grammar (most must; greedy and sampled) holds a valid instance, free requests share the
+    batches, and both ways of filling (one thread, the pool) must have run."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from minisgl_ref.constrained import bitmask as bm
+
+    pooled = []
+    real = xgr.BatchGrammarMatcher.batch_fill_next_token_bitmask
+    original = bm.TokenBitmask.fill
+
+    def fill(self, rows):  # type: ignore[no-untyped-def]
+        self.us_per_row = self.us_per_row if len(pooled) else 10 * bm.POOL_HANDOFF_US  # the first step: the pool
+        return original(self, rows)
+
+    def spy(self, *a, **k):  # type: ignore[no-untyped-def]
+        pooled.append(len(a[0]))
+        return real(self, *a, **k)
+
+    llm = LLM(device="cuda")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(xgr.BatchGrammarMatcher, "batch_fill_next_token_bitmask", spy)
+        mp.setattr(bm.TokenBitmask, "fill", fill)
+        schemas = SCHEMAS
+        prompts = [_schema_prompt(llm, s) for s in schemas] * 2 + [llm.tokenizer.encode(p) for p in FREE_PROMPTS]
+        params = ([_greedy(json_schema=s) for s in schemas]
+                  + [SamplingParams(temperature=0.8, seed=i, max_new_tokens=MAX_NEW_TOKENS, json_schema=s)
+                     for i, s in enumerate(schemas)]
+                  + _free_params())
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    assert pooled, "the pool never filled a step"
+    assert all(o.finish_reason != "abort" for o in outs), [o.text for o in outs if o.finish_reason == "abort"]
+    stopped = [(schema, out) for schema, out in zip(schemas * 2, outs) if out.finish_reason == "stop"]
+    for schema, out in stopped:  # a request cut off by its length limit holds a valid prefix (it never aborted)
+        jsonschema.validate(json.loads(out.text), schema, format_checker=jsonschema.FormatChecker())
+    assert len(stopped) >= len(schemas), f"only {len(stopped)} of {2 * len(schemas)} constrained requests ended"
+    assert all(len(o.output_ids) > 0 for o in outs[2 * len(schemas):])
