@@ -1189,6 +1189,8 @@ for run in SA["canonical_runs"]:
 # BASE=.baseline bash scripts/gpu/canonical_ab.sh     # section 5: interleaved A/B against an older checkout
 # OUT=results bash scripts/gpu/decode_balance.sh --uniform --marks 256,128,16   # section 5: the spread of lengths
 # OUT=results bash scripts/gpu/decode_balance.sh --uniform --variants fi_graph,fi_chunk128,fi_chunk256  # pieces
+# python3 scripts/gpu/decode_anatomy.py --out results --at 256,64,16 --label gaps   # section 5: kernel gaps
+# python -m benchmarks.decode_matmuls --output results/decode_matmuls.json    # section 5: the multiplies alone
 # ```
 #
 # Expected on an H100 80GB HBM3 (`docs/data/gpu_offline_h100.json`): about 17,700-17,850 output tok/s on the
@@ -1208,7 +1210,11 @@ for run in SA["canonical_runs"]:
 # workload at about 18,700 tok/s, a second process starts in 10-14 s and runs at about 18,700.
 # `decode_balance.sh` (`docs/data/decode_balance_h100.json`, ~1.5 minutes with the compilation): ~218 us per layer
 # for the 256 running contexts against ~199 for the equal-length control, ~197 against ~191 at 128 running, ~43
-# for both at 16.
+# for both at 16. `decode_anatomy.py --label gaps` (`decode_anatomy_gaps_h100.json`): about 0.3 ms of gaps between
+# kernels per step at every stage; `decode_matmuls` (`decode_matmuls_h100.json`, under a minute): one step's
+# multiplies in 0.84 ms at 1 row and 1.02 ms at 256 with cuBLAS (floor 0.40 ms), cuBLASLt within 4%, the Triton
+# kernel about 20% slower; `sampler_ab.py` (`sampler_race_f32_ab_h100.json`): the draw at 256 rows in ~156 us
+# (213 with the float64 logarithm).
 #
 # `python scripts/stream_cost.py` (section 10), expected on a 2-core x86_64 CPU (`docs/data/stream_cost_cpu.json`):
 # about 47 us of API-server CPU and 67 us of client CPU per streamed token, against about 83 and 124 before.

@@ -938,6 +938,10 @@ for x in ADAPT["summary"]:
 # python3 scripts/gpu/constrained_bench.py docs/data/constrained_bench_typical_mixed_h100.json --schema typical \
 #     --max-new-tokens 320 --batch-sizes 1 32 64 256 --mixed   # with mixed steps (and without, for _plain)
 # python -m benchmarks.grammar_host --output docs/data/grammar_host_cpu.json   # the grammar's host work per step
+# python3 scripts/gpu/constrained_bench.py results/adaptive.json --schema typical --max-new-tokens 320 \
+#     --batch-sizes 1 32 64 256 --repeats 5                  # five alternating runs per kind, medians
+# OUT=results OVERLAYS="old/pool" bash scripts/gpu/constrained_ab.sh   # versions side by side, one session
+# python -m benchmarks.h2d_copy --output results/h2d_copy.json   # a mask's copy, pageable against pinned
 # ```
 #
 # Expected on a 2-core x86_64 CPU: the chapter in about 40 s; `benchmarks.grammar_host` in about a minute, with
@@ -950,6 +954,9 @@ for x in ADAPT["summary"]:
 # in float32, as the embedded model ran on a GPU then). In bfloat16 (`constrained_bench_typical_{plain,mixed}_h100.json`):
 # the typical schema at about 1.3x the free time per output token at batch 1, 1.5-2.1x at 32 and 64 and
 # 1.06-1.33x at 256; jump-forward 1.1-1.3x the time per step at batch 32, 1.7-2.0x at 64 and 2.3-2.5x at 256.
+# With five alternating runs per kind and fills on one thread while cheap
+# (`constrained_bench_typical_adaptive_h100.json`): about 1.06, 1.16-1.21, 1.30-1.38 and 1.42 at batch 1, 32, 64
+# and 256; `h2d_copy`: a 64-row mask's copy costs the CPU ~65 µs from pageable memory, ~20 µs from pinned.
 
 # %%
 print(f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s")
