@@ -35,12 +35,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--label", required=True)
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--page-size", type=int, default=None, help="the engine's KV page size (default: its own)")
     args = ap.parse_args()
     import minisgl_ref
     from minisgl_ref import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM("qwen3-0.6b", load_format="dummy", dtype="bfloat16", device="cuda")
+    extra = {} if args.page_size is None else {"page_size": args.page_size}
+    llm = LLM("qwen3-0.6b", load_format="dummy", dtype="bfloat16", device="cuda", **extra)
     start_s = time.perf_counter() - t0
 
     def flush() -> None:
@@ -65,7 +67,7 @@ def main() -> None:
         tokens, wall = run(256)
         flush()
         runs.append({"output_tokens": tokens, "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 1)})
-    print(json.dumps({"label": args.label, "package": minisgl_ref.__file__, "engine_start_s": round(start_s, 1),
+    print(json.dumps({"label": args.label, "package": minisgl_ref.__file__, **extra, "engine_start_s": round(start_s, 1),
                       "warmup_32_s": round(warm_s, 2), "runs": runs}), flush=True)
 
 

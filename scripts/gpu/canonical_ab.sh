@@ -5,6 +5,8 @@
 # process and between processes, for both versions. Writes $OUT/canonical_ab.json.
 #
 #   BASE=.baseline BASE_LABEL=7ceb3f6 NEW_LABEL=$(git rev-parse --short HEAD) bash scripts/gpu/canonical_ab.sh
+# BASE_ARGS and NEW_ARGS are extra arguments of each side's benchmarks/canonical_ab.py: with BASE=. the same
+# checkout against itself under two settings, e.g. NEW_ARGS="--page-size 64".
 set -euo pipefail
 OUT=${OUT:-results}
 BASE=${BASE:-.baseline}
@@ -16,8 +18,9 @@ rows="$OUT/canonical_ab.jsonl"
 : >"$rows"
 for round in $(seq 1 "$ROUNDS"); do
     for side in base new; do
-        if [ $side = base ]; then root=$BASE label=${BASE_LABEL:-base}; else root=$here label=${NEW_LABEL:-new}; fi
-        PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" python3 benchmarks/canonical_ab.py --label "$label" \
+        if [ $side = base ]; then root=$BASE label=${BASE_LABEL:-base} args=${BASE_ARGS:-}
+        else root=$here label=${NEW_LABEL:-new} args=${NEW_ARGS:-}; fi
+        PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" python3 benchmarks/canonical_ab.py --label "$label" $args \
             2> >(tail -n 5 >"$OUT/ab_${side}_${round}.err") | tee -a "$rows"
     done
 done
