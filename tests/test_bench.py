@@ -79,6 +79,39 @@ def test_decode_matmuls_weight_stream_kernel_multiplies_and_tiles_fit():
         assert any(n % bn == 0 and k % bk == 0 for bn, bk, _ in dm.TILES), (n, k)
 
 
+def test_padded_model_computes_what_the_small_model_computes():
+    """``scripts/gpu/padded_model.py`` widens a Llama model with zeros (more hidden units, heads with their own KV
+    heads, a wider MLP, rescaled norms): the wide model's logits are the small one's, in float32, for a tiny
+    random grouped-query model checked with HF transformers."""
+    import importlib.util
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = importlib.util.spec_from_file_location("padded_model", REPO / "scripts" / "gpu" / "padded_model.py")
+    assert spec is not None and spec.loader is not None
+    pm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pm)
+    small_cfg = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
+                     num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    small = LlamaForCausalLM(LlamaConfig(**small_cfg)).float().eval()
+    for param in small.parameters():  # norm weights away from 1, so that their rescaling is checked
+        torch.nn.init.normal_(param, mean=0.5 if param.dim() == 1 else 0.0, std=0.3)
+    state = {k: v for k, v in small.state_dict().items() if k != "lm_head.weight"}
+    wide_state = pm.padded_state(state, small_cfg, hidden=96, heads=12, inter=200, dtype=torch.float32)
+    wide_cfg = dict(small_cfg, hidden_size=96, num_attention_heads=12, num_key_value_heads=12, intermediate_size=200,
+                    rms_norm_eps=1e-5 * 48 / 96)
+    wide = LlamaForCausalLM(LlamaConfig(**wide_cfg)).float().eval()
+    missing, unexpected = wide.load_state_dict(wide_state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    wide.tie_weights()
+    ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = small(ids).logits, wide(ids).logits
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+    assert want.std() > 0.1  # the model is not trivially constant
+
+
 def test_decode_balance_chunks_merge_back_to_plain_attention(monkeypatch):
     """The ``fi_chunkN`` variant of ``benchmarks/decode_balance.py`` cuts contexts into pieces, runs each piece as a
     request of its own and merges the pieces by log-sum-exp. Its bookkeeping (which piece belongs to which request,

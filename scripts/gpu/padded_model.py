@@ -42,9 +42,11 @@ def pad(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return out
 
 
-def padded_state(state: dict[str, torch.Tensor], cfg: dict, hidden: int, heads: int, inter: int) -> dict[str, torch.Tensor]:
+def padded_state(state: dict[str, torch.Tensor], cfg: dict, hidden: int, heads: int, inter: int,
+                 dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """The padded model's weights (see the module docstring) from the small model's ``state`` and config."""
-    h0, n0, kv0, d = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    h0, n0, kv0 = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or h0 // n0
     group = n0 // kv0
     norm_scale = (h0 / hidden) ** 0.5
     out: dict[str, torch.Tensor] = {}
@@ -67,7 +69,7 @@ def padded_state(state: dict[str, torch.Tensor], cfg: dict, hidden: int, heads: 
             out[name] = pad(t, (hidden, inter))
         else:
             raise ValueError(f"unexpected weight {name}")
-    return {k: v.to(torch.bfloat16).contiguous() for k, v in out.items()}
+    return {k: v.to(dtype).contiguous() for k, v in out.items()}
 
 
 def main() -> int:
@@ -88,11 +90,15 @@ def main() -> int:
             or args.intermediate < cfg["intermediate_size"]:
         raise SystemExit("the padded model must be at least as wide as the source in every dimension")
     state = padded_state(load_file(source / "model.safetensors"), cfg, args.hidden, args.heads, args.intermediate)
+    if cfg.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
     args.out.mkdir(parents=True, exist_ok=True)
     save_file(state, args.out / "model.safetensors")
-    new = dict(cfg, hidden_size=args.hidden, num_attention_heads=args.heads, num_key_value_heads=args.heads,
-               intermediate_size=args.intermediate, rms_norm_eps=cfg["rms_norm_eps"] * cfg["hidden_size"] / args.hidden,
-               dtype="bfloat16", _model_name_or_path=f"SmolLM2-135M-Instruct zero-padded to width {args.hidden}")
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    new = dict(cfg, head_dim=head_dim, hidden_size=args.hidden, num_attention_heads=args.heads,
+               num_key_value_heads=args.heads, intermediate_size=args.intermediate,
+               rms_norm_eps=cfg["rms_norm_eps"] * cfg["hidden_size"] / args.hidden, dtype="bfloat16",
+               _model_name_or_path=f"SmolLM2-135M-Instruct zero-padded to width {args.hidden}")
     new.pop("torch_dtype", None)
     (args.out / "config.json").write_text(json.dumps(new, indent=1) + "\n")
     for name in TOKENIZER_FILES:
