@@ -430,6 +430,14 @@ plt.show()
 # the machine). With thousands of streams and long answers, the second is the difference between a detokenizer
 # that keeps up and one that becomes the bottleneck of the server.
 #
+# The window's two decodes are short, so most of their cost used to be the wrapper around them, not the decoding:
+# `transformers`' `decode` converts its arguments and checks its clean-up options in Python before it calls the
+# Rust tokenizer underneath, several microseconds per call for a decode of two or three tokens. `Tokenizer.decode`
+# calls the Rust tokenizer (`hf.backend_tokenizer`) directly, with the same result since the clean-up is off
+# anyway, and the window's cost per token fell about threefold (23 to 8 µs on this machine). On a GPU serving
+# a few dozen streams the engine's host thread detokenizes every row of every step, so this is a fraction of a
+# millisecond per step that chapter 11's host-bound small-model steps and chapter 12's grammar both get back.
+#
 # ## 3. Sampling
 #
 # ### `SamplingParams`: what one request asks for
@@ -859,8 +867,8 @@ print(f"this run: detokenizer {us_inc:.0f} us/token incremental vs {us_full:.0f}
 # | what | measured |
 # | --- | --- |
 # | 안녕하세요 / family emoji in SmolLM2 tokens | 14 tokens / 18 tokens, every one U+FFFD when decoded alone |
-# | detokenizer, 500-token output, incremental window | 10–35 µs per token |
-# | detokenizer, same output, re-decoding everything at each step | 75–200 µs per token (6–8x the window) |
+# | detokenizer, 500-token output, incremental window | 5–15 µs per token |
+# | detokenizer, same output, re-decoding everything at each step | 75–200 µs per token (10x the window) |
 # | sampled vs reference frequencies, 7 settings x 50,000 draws | max abs difference 0.004 (< 0.01), no draw outside the kept set |
 # | sampler, batch 64 x 49,152 vocab, greedy | 3–9 ms per step |
 # | sampler, same, temperature 0.8 (hashed noise alone: 75–120 ms) | 120–420 ms per step |
