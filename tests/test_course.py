@@ -62,6 +62,10 @@ def test_every_graded_test_has_one_task_and_every_task_a_cpu_check(tmp_path: Pat
     for task in task_table.tasks:
         mine = [r for r in records if r["task"] == task]
         assert any(not r["gpu"] for r in mine), f"task {task} has no CPU check"
+        # grading one task collects only the files that mark its tests: they must hold every one of them
+        files = grade.task_test_files(ROOT, [task])
+        assert files != ["tests"], f"no test file marks task {task} literally"
+        assert {r["nodeid"].split("::")[0] for r in mine} <= set(files), task
 
 
 def _import_everything(root: Path) -> subprocess.CompletedProcess[str]:
