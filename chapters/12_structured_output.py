@@ -916,20 +916,24 @@ for x in ADAPT["summary"]:
 # which averages over all 2048 units, and its weights and epsilon are rescaled to undo that
 # (`tests/test_bench.py` checks, on a small random model in float32, that the padded model's logits are the
 # original's). The padded model writes the 135M's JSON and makes the device do a 2.1B model's reads and products.
-# The same benchmark as above, typical schema, five alternating runs per kind, on one H100, the padded model and
-# then the 135M model in the same session:
+# The same benchmark as above, typical schema, five alternating runs per kind, on one H100: the padded model and
+# then the 135M model in one session ("before"); then, in another session, the same after the detokenizer's
+# decodes went straight to the Rust tokenizer (chapter 02: three times cheaper per token), with the old decode
+# laid over the new engine as the control:
 
 # %%
-print(f"{'model':<22} {'batch':>5} {'rows/step':>9} {'free ms/step':>12} {'constrained ms/step':>20} "
+print(f"{'model':<25} {'batch':>5} {'rows/step':>9} {'free ms/step':>12} {'constrained ms/step':>20} "
       f"{'ratio (median)':>15} {'ratio (best runs)':>18}")
-for label, name in (("135M padded to 2.1B", "constrained_bench_typical_padded_h100.json"),
-                    ("135M", "constrained_bench_typical_135m_h100.json")):
+RUNS = [("2.1B padded, before", "padded"), ("135M, before", "135m"),
+        ("2.1B padded, Rust decode", "padded_rustdecode"), ("2.1B padded, HF decode", "padded_hfdecode"),
+        ("135M, Rust decode", "135m_rustdecode")]
+for label, name in ((label, f"constrained_bench_typical_{key}_h100.json") for label, key in RUNS):
     run = json.loads((ROOT / "docs" / "data" / name).read_text())
     by = {(r["batch_size"], r["run"]): r for r in run["results"]}
     for b in sorted({r["batch_size"] for r in run["results"]}):
         c, f = by[(b, "constrained")], by[(b, "free")]
         best = min(c["wall_runs_s"]) / min(f["wall_runs_s"])
-        print(f"{label:<22} {b:>5} {c['output_tokens'] / c['steps']:>9.0f} {f['ms_per_step']:>12.2f} "
+        print(f"{label:<25} {b:>5} {c['output_tokens'] / c['steps']:>9.0f} {f['ms_per_step']:>12.2f} "
               f"{c['ms_per_step']:>20.2f} {c['wall_s'] / f['wall_s']:>15.2f} {best:>18.2f}")
 
 # %% [markdown]
@@ -938,19 +942,24 @@ for label, name in (("135M padded to 2.1B", "constrained_bench_typical_padded_h1
 # of 64 has about 32 rows left in a step on average.)
 #
 # * **Batch 1: hidden.** 2% on the padded model, whose 2.6 ms step leaves the host idle most of the time.
-# * **Batch 64: mostly hidden.** A free step of the padded model takes 3.2 ms; the host's own work for such a step
-#   is about 1.7 ms (the 135M's free step, which the host paces), and with the grammar's accepts, fills and copy
-#   about 3.0 ms (the 135M's constrained step): about as long as the padded model's forward pass. The overlap
-#   hides most of it, and 12% is left (7% between the best runs of each kind), short of a tenth.
-# * **Batch 256: not hidden.** The host's work grows with the rows (the 135M's free step is 4.6 ms, 6.6 ms
-#   constrained) faster than the padded model's step (5.5 ms): the host paces the step again, 1.45x.
-# * **The 135M model, measured right after,** is where section 4 left it, host-bound at every batch size: 1.1x
-#   at batch 1 and 1.4-1.8x at 64 and 256, the spread of this noisy measurement included.
+# * **Batch 64, before: mostly hidden.** A free step of the padded model takes 3.2 ms; the host's own work for
+#   such a step is about 1.7 ms (the 135M's free step, which the host paces), and with the grammar's accepts,
+#   fills and copy about 3.0 ms (the 135M's constrained step): about as long as the padded model's forward pass.
+#   The overlap hid most of it, and 12% was left.
+# * **Batch 256, before: not hidden.** The host's work grows with the rows (the 135M's free step 4.6 ms, 6.6 ms
+#   constrained) faster than the padded model's step (5.5 ms): the host paced the step again, 1.45x.
+# * **After: hidden at 64, nearly at 256.** The grammar's work did not change; the host's other work did. At a
+#   few dozen rows the detokenizer was a third of a millisecond per step, and at three times cheaper it gives the
+#   host enough room to finish a constrained step's work inside the padded model's forward pass: 2% at batch 64,
+#   7% at 256. The control, in the same session, with the old decode: 17% and 11%.
+# * **The 135M model stays host-bound.** Its ratio even grows at 256 rows (1.7x): the cheaper detokenizer made its
+#   *free* steps faster (3.0 against 4.6 ms at 256), and the grammar's share of a shorter step is larger.
 #
-# The grammar's host work per row is mostly xgrammar's own (above: a few µs to accept, a few to fill, both
-# holding Python's lock). What would hide it at 256 rows, and on the 135M model, is doing it somewhere else than
-# on the engine's thread: a process of its own that mirrors the matchers, accepts the tokens and fills the masks
-# into shared pinned memory while the engine's thread detokenizes, schedules and launches.
+# So constrained decoding costs what the host cannot hide behind the forward pass, and whether it hides depends on
+# everything else the host does in a step. The grammar's own work per row is mostly xgrammar's (above: a few µs to
+# accept, a few to fill, both holding Python's lock). What would hide it on the 135M model too is doing it
+# somewhere else than on the engine's thread: a process of its own that mirrors the matchers, accepts the tokens
+# and fills the masks into shared pinned memory while the engine's thread detokenizes, schedules and launches.
 
 # %% [markdown]
 # One more thing these runs found. All requests of a batch arrive together, and at batch 256 the scheduler
@@ -1022,7 +1031,9 @@ for label, name in (("135M padded to 2.1B", "constrained_bench_typical_padded_h1
 # and 256; `h2d_copy`: a 64-row mask's copy costs the CPU ~65 µs from pageable memory, ~20 µs from pinned. The
 # padded 2.1B model (`constrained_bench_typical_padded_h100.json`): about 1.02, 1.12 and 1.45 at batch 1, 64 and
 # 256, with free steps of 2.6, 3.2 and 5.5 ms; the 135M model in the same session about 1.1, 1.8 and 1.4; random
-# weights in SmolLM2-1.7B's shape about 1.01, 1.31 and 1.22.
+# weights in SmolLM2-1.7B's shape about 1.01, 1.31 and 1.22. With the detokenizer's Rust decode
+# (`constrained_bench_typical_padded_rustdecode_h100.json`): about 1.02, 1.02 and 1.07, against 1.17 and 1.11 at
+# 64 and 256 with the old decode in the same session; the 135M about 1.03, 1.28 and 1.69.
 
 # %%
 print(f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s")

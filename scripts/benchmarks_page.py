@@ -72,7 +72,11 @@ OTHER_RESULTS = [
     "`docs/data/gpu_tests_constrained_h100.txt`. Against a larger model's forward pass: the embedded model "
     "zero-padded to 2.1B parameters `docs/data/constrained_bench_typical_padded_h100.json`, the 135M model in the "
     "same session `docs/data/constrained_bench_typical_135m_h100.json`, and SmolLM2-1.7B's shape with random "
-    "weights `docs/data/constrained_bench_typical_random_1p7b_h100.json`.",
+    "weights `docs/data/constrained_bench_typical_random_1p7b_h100.json`; after the detokenizer's decode went to the "
+    "Rust tokenizer, with the old decode as a control in the same session: "
+    "`docs/data/constrained_bench_typical_padded_rustdecode_h100.json`, "
+    "`docs/data/constrained_bench_typical_padded_hfdecode_h100.json`, "
+    "`docs/data/constrained_bench_typical_135m_rustdecode_h100.json`.",
     "The GPU test suite (`pytest -m gpu`: attention backends against torch_native, CUDA-graph replays, cascade "
     "attention, fused ops, sampling): every GPU test passed on an H100, 60 tests "
     "(`docs/data/gpu_tests_h100_final.txt`); the graph, sampling, fused-kernel and cascade tests again after the KV "
