@@ -951,7 +951,11 @@ for label, name in ((label, f"constrained_bench_typical_{key}_h100.json") for la
 # * **After: hidden at 64, nearly at 256.** The grammar's work did not change; the host's other work did. At a
 #   few dozen rows the detokenizer was a third of a millisecond per step, and at three times cheaper it gives the
 #   host enough room to finish a constrained step's work inside the padded model's forward pass: 2% at batch 64,
-#   7% at 256. The control, in the same session, with the old decode: 17% and 11%.
+#   7% at 256. The control, in the same session, with the old decode: 17% and 11% in the median, while its best
+#   runs came as close as the new ones (1.03 and 1.00). With the old decode the host had just enough time in a
+#   quiet run and too little whenever anything else stirred on the machine (its constrained runs at batch 64
+#   spread over 0.52-0.63 s, the new decode's over 0.51-0.56 s); with the new one it has room to spare in most
+#   runs.
 # * **The 135M model stays host-bound.** Its ratio even grows at 256 rows (1.7x): the cheaper detokenizer made its
 #   *free* steps faster (3.0 against 4.6 ms at 256), and the grammar's share of a shorter step is larger.
 #
