@@ -358,7 +358,10 @@ plt.show()
 #   nothing and the gaps inside the step grow, so there the host sets the pace.
 # * **Attention runs near its floor.** At every stage the attention kernel takes within ~15% of what its KV
 #   bytes allow at 3.0 TB/s (at small batch a little less: reading alone goes faster than the copy that measured
-#   3.0).
+#   3.0). So larger KV pages, often suggested for decode kernels (chapter 03 weighs them), have little to give
+#   here: with pages of 64 slots the workload ran at 18,858 output tokens/s against 18,803 with single-slot pages
+#   (medians of four timed runs in four interleaved processes, `canonical_ab_page_size_h100.json`), +0.3%, within
+#   the spread of either. Page size 1 stays the default: no slot wasted, prefixes shared token by token.
 # * **What is left is a fixed cost of ~1.6-1.8 ms per step**: 0.77-0.99 ms of matrix multiplies (1.2 GB of
 #   weights read at ~1.2-1.6 TB/s: too few rows to keep the tensor cores fed), ~0.5 ms of 270-340 small kernels
 #   (norms, RoPE, split-K and split-KV reductions, the sampler) and 0.1-0.9 ms of gaps between kernels. It hardly

@@ -47,7 +47,8 @@ OTHER_RESULTS = [
     "Where a decode step's time goes at every stage of the canonical workload (chapter 11, section 5): "
     "`docs/data/decode_anatomy_h100.json`; interleaved A/B processes of the last changes (the query read in place, the "
     "KV store inside the RoPE kernel, a burst admitted in one step): `docs/data/canonical_ab_qview_h100.json`, "
-    "`docs/data/canonical_ab_fused_store_h100.json`, `docs/data/canonical_ab_admission_h100.json`.",
+    "`docs/data/canonical_ab_fused_store_h100.json`, `docs/data/canonical_ab_admission_h100.json`; KV pages of 64 "
+    "slots against 1: `docs/data/canonical_ab_page_size_h100.json`.",
     "Decode attention on the workload's own context lengths against equal-length controls, and the ways of cutting "
     "its work (chapter 11, section 5): `docs/data/decode_balance_h100.json`, with every stage and FlashAttention-3: "
     "`docs/data/decode_balance_stages_h100.json`; contexts cut into pieces of 128 or 256 tokens, on an H200: "
