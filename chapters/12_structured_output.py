@@ -949,9 +949,9 @@ for label, name in ((label, f"constrained_bench_typical_{key}_h100.json") for la
 # * **Batch 256, before: not hidden.** The host's work grows with the rows (the 135M's free step 4.6 ms, 6.6 ms
 #   constrained) faster than the padded model's step (5.5 ms): the host paced the step again, 1.45x.
 # * **After: hidden at 64, nearly at 256.** The grammar's work did not change; the host's other work did. At a
-#   few dozen rows the detokenizer was a third of a millisecond per step, and at three times cheaper it gives the
-#   host enough room to finish a constrained step's work inside the padded model's forward pass: 2% at batch 64,
-#   7% at 256. The control, in the same session, with the old decode: 17% and 11% in the median, while its best
+#   few dozen rows the detokenizer's window decodes every row of every step (chapter 02 measures ~23 µs a token
+#   before and ~8 after on a small CPU), and three times cheaper it leaves the host enough room to finish a
+#   constrained step's work inside the padded model's forward pass: 2% at batch 64, 7% at 256. The control, in the same session, with the old decode: 17% and 11% in the median, while its best
 #   runs came as close as the new ones (1.03 and 1.00). With the old decode the host had just enough time in a
 #   quiet run and too little whenever anything else stirred on the machine (its constrained runs at batch 64
 #   spread over 0.52-0.63 s, the new decode's over 0.51-0.56 s); with the new one it has room to spare in most
