@@ -1190,6 +1190,7 @@ for run in SA["canonical_runs"]:
 # python -m minisgl_ref bench offline --step-log steps.jsonl     # section 11: canonical step times
 # python3 scripts/gpu/decode_anatomy.py --out results --at 256,128,64,32,16   # section 5: every stage
 # BASE=.baseline bash scripts/gpu/canonical_ab.sh     # section 5: interleaved A/B against an older checkout
+# BASE=. BASE_LABEL=page1 NEW_LABEL=page64 NEW_ARGS="--page-size 64" bash scripts/gpu/canonical_ab.sh  # KV pages
 # OUT=results bash scripts/gpu/decode_balance.sh --uniform --marks 256,128,16   # section 5: the spread of lengths
 # OUT=results bash scripts/gpu/decode_balance.sh --uniform --variants fi_graph,fi_chunk128,fi_chunk256  # pieces
 # python3 scripts/gpu/decode_anatomy.py --out results --at 256,64,16 --label gaps   # section 5: kernel gaps
@@ -1209,6 +1210,7 @@ for run in SA["canonical_runs"]:
 # `canonical_ab_qview_h100.json`: about 18,550-18,600 tok/s on the first timed run of a process (its second
 # runs, 18,930-19,230, found their prompts cached); `canonical_ab_fused_store_h100.json` and
 # `canonical_ab_admission_h100.json`: medians of 18,601 against 18,492 and 18,478 against 18,304;
+# `canonical_ab_page_size_h100.json`: medians of 18,858 (pages of 64) against 18,803 (pages of 1);
 # `canonical_bare_machine_h100.json`: `bench offline` on a bare machine starts in 70-100 s and runs the
 # workload at about 18,700 tok/s, a second process starts in 10-14 s and runs at about 18,700.
 # `decode_balance.sh` (`docs/data/decode_balance_h100.json`, ~1.5 minutes with the compilation): ~218 us per layer
