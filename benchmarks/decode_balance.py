@@ -20,7 +20,11 @@ that work:
   graph wrapper);
 - ``fi_chunkN``: the engine's kernel on pieces of at most N tokens, each piece a request of its own, merged
   afterwards by log-sum-exp (the merge's cost included);
+- ``fi_holistic``: FlashInfer's persistent ``BatchAttention``, which balances the KV over its blocks itself;
 - ``fa3``: FlashAttention-3's paged decode with its own split heuristic.
+
+With ``--plan-cost`` each stage also times what an engine pays around the kernel when it plans every step
+(:func:`plan_cost`): the engine's graph wrapper against the persistent ``BatchAttention``.
 
 Each variant's output is checked against ``fi_graph`` (relative error, bf16) before it is timed. Times are the
 median over CUDA-graph replays of 10 calls (``benchmarks.kernels.time_graph``); bandwidth counts the K and V
@@ -157,6 +161,23 @@ def chunked_runner(st: Stage, chunk: int) -> tuple[Callable[[], torch.Tensor], l
     return call, list(range(b))
 
 
+def holistic_runner(st: Stage) -> tuple[Callable[[], torch.Tensor], list[int]]:
+    """FlashInfer's persistent ``BatchAttention``: its planner cuts the whole batch's KV into pieces of similar
+    size and hands them to a fixed set of blocks, one per SM slot, whatever the length of each context."""
+    import flashinfer
+
+    b = len(st.lens)
+    kv_indptr = torch.zeros(b + 1, dtype=torch.int32)
+    kv_indptr[1:] = torch.cumsum(torch.tensor(st.lens, dtype=torch.int32), 0)
+    wrapper = flashinfer.BatchAttention("NHD")
+    wrapper.plan(torch.arange(b + 1, dtype=torch.int32).to(DEVICE), kv_indptr.to(DEVICE),
+                 st.slots(list(range(b))), torch.tensor(st.lens, dtype=torch.int32).to(DEVICE), NUM_Q_HEADS,
+                 NUM_KV_HEADS, HEAD_DIM, HEAD_DIM, 1, causal=False, sm_scale=HEAD_DIM**-0.5,
+                 q_data_type=DTYPE, kv_data_type=DTYPE)  # fmt: skip
+    cache = (st.k.unsqueeze(1), st.v.unsqueeze(1))
+    return (lambda: wrapper.run(st.q, cache)[0]), list(range(b))
+
+
 def fa3_runner(st: Stage) -> tuple[Callable[[], torch.Tensor], list[int]]:
     import flash_attn_interface as fa
 
@@ -188,6 +209,7 @@ def variants() -> dict[str, Callable[[Stage], tuple[Callable[[], torch.Tensor], 
         v[f"fi_chunk{n}"] = lambda st, n=n: chunked_runner(st, n)
     for n in SPLITS:  # FlashInfer pins a split size only outside CUDA graphs
         v[f"fi_tc_split{n}"] = lambda st, n=n: flashinfer_runner(st, tensor_cores=True, graph=False, split=n)
+    v["fi_holistic"] = holistic_runner
     v["fa3"] = fa3_runner
     v["fi_plain"] = lambda st: flashinfer_runner(st, tensor_cores=False, graph=False)
     return v
@@ -218,6 +240,73 @@ def measure_stage(st: Stage, names: list[str], repeats: int) -> list[dict[str, A
     return rows
 
 
+def plan_cost(st: Stage, repeats: int = 30) -> dict[str, dict[str, float]]:
+    """What a decode step pays around the kernel when it plans anew, as an engine must (the lengths change every
+    step): for the engine's graph wrapper and for the persistent ``BatchAttention``, the host time of one plan
+    and the GPU time of plan upload + one graph replay of the kernel, against the replay alone."""
+    import flashinfer
+
+    b = len(st.lens)
+    indptr_cpu = torch.zeros(b + 1, dtype=torch.int32, pin_memory=True)
+    indptr_cpu[1:] = torch.cumsum(torch.tensor(st.lens, dtype=torch.int32), 0)
+    indices = st.slots(list(range(b)))
+    cache = (st.k.unsqueeze(1), st.v.unsqueeze(1))
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device=DEVICE)
+    paged = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        ws, "NHD", use_cuda_graph=True,
+        paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=torch.int32, device=DEVICE),
+        paged_kv_indices_buffer=torch.zeros(indices.numel(), dtype=torch.int32, device=DEVICE),
+        paged_kv_last_page_len_buffer=torch.ones(b, dtype=torch.int32, device=DEVICE),
+    )  # fmt: skip
+    last = torch.ones(b, dtype=torch.int32, pin_memory=True)
+    kw = dict(q_data_type=DTYPE, kv_data_type=DTYPE, sm_scale=HEAD_DIM**-0.5)
+
+    def plan_paged() -> None:
+        paged.plan(indptr_cpu, indices, last, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, 1, **kw)
+
+    persistent = flashinfer.BatchAttention("NHD")
+    qo = torch.arange(b + 1, dtype=torch.int32)
+    lens = torch.tensor(st.lens, dtype=torch.int32)
+    persistent.plan(qo, indptr_cpu, indices, lens, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM, 1,
+                    causal=False, **kw)  # fmt: skip
+
+    def plan_persistent() -> None:  # the planner itself, without the wrapper's device-wide synchronize
+        w = persistent
+        w.module.plan(w.float_workspace_buffer, w.int_workspace_buffer, w.page_locked_int_workspace_buffer, qo,
+                      indptr_cpu, lens, b, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, False)  # fmt: skip
+
+    out: dict[str, dict[str, float]] = {}
+    for name, plan, run in (("fi_graph", plan_paged, lambda: paged.run(st.q, cache)),
+                            ("fi_holistic", plan_persistent, lambda: persistent.run(st.q, cache)[0])):
+        plan()
+        run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        host, gpu, alone = [], [], []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            e0.record()
+            t = time.perf_counter()
+            plan()
+            host.append(time.perf_counter() - t)
+            e1.record()
+            graph.replay()
+            e2.record()
+            e2.synchronize()
+            gpu.append(e0.elapsed_time(e2))
+            alone.append(e1.elapsed_time(e2))
+        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        out[name] = {"plan_host_us": round(med(host) * 1e6, 1), "plan_and_kernel_gpu_us": round(med(gpu) * 1e3, 1),
+                     "kernel_after_plan_gpu_us": round(med(alone) * 1e3, 1)}  # fmt: skip
+        print(f"  {name:<12} plan on the host {out[name]['plan_host_us']:>7} us, GPU plan upload + kernel "
+              f"{out[name]['plan_and_kernel_gpu_us']:>7} us (kernel {out[name]['kernel_after_plan_gpu_us']} us)",
+              flush=True)
+    return out
+
+
 def warm(tensor_cores: bool) -> None:
     """Build (or load from FlashInfer's disk cache) one decode kernel family, on a tiny batch: a script runs the
     two families' compilations side by side before timing anything."""
@@ -234,6 +323,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--uniform", action="store_true", help="add a control stage of equal lengths after each")
     p.add_argument("--warmup-s", type=float, default=3.0, help="keep the GPU busy this long before timing")
+    p.add_argument("--plan-cost", action="store_true", help="also time re-planning every step (plan_cost)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise ValueError("benchmarks.decode_balance needs a CUDA device")
@@ -260,7 +350,8 @@ def main() -> int:
         print(f"{len(lens)} running, {sum(lens):,} context tokens, lengths {min(lens)}..{max(lens)}", flush=True)
         st = Stage(lens, seed=len(lens))
         rows = measure_stage(st, names, args.repeats)
-        result["stages"].append({"stage": mark, "running": len(lens), "context_tokens": sum(lens),
+        extra = {"plan_cost": plan_cost(st)} if args.plan_cost else {}
+        result["stages"].append({**extra, "stage": mark, "running": len(lens), "context_tokens": sum(lens),
                                  "min_len": min(lens), "max_len": max(lens), "kv_bytes": st.bytes,
                                  "kv_floor_us_at_copy_bw": round(st.bytes / copy_bw * 1e6, 2), "variants": rows})  # fmt: skip
         result["elapsed_s"] = round(time.perf_counter() - t0, 1)

@@ -561,6 +561,72 @@ print("FlashAttention-3 / engine's kernel, by running requests: "
 # context and the pieces only add merge work.
 
 # %% [markdown]
+# FlashInfer also ships a kernel built for exactly this problem: `BatchAttention`, a *persistent* kernel. It
+# launches a fixed set of blocks (two per SM) and its planner, on the host, deals out pieces of the contexts so
+# that every block gets about the same number of KV tokens, then merges the pieces of a context that was cut.
+# `decode_balance_holistic_h100.json` times it beside the engine's kernel, and `decode_balance_plan_cost_h100.json`
+# adds what a real step pays around the kernel: the lengths change every step, so the plan must be made again
+# every step, on the host, and uploaded before the kernel runs.
+
+# %%
+HOL = json.loads((ROOT / "docs" / "data" / "decode_balance_holistic_h100.json").read_text())
+print(f"{'stage':<12} {'engine kernel':>13} {'persistent':>10}   (us per layer)")
+for s in HOL["stages"]:
+    t = {r["variant"]: r.get("time_us") for r in s["variants"]}
+    print(f"{s['stage']:<12} {t['fi_graph']:>13.1f} {t['fi_holistic']:>10.1f}  ({t['fi_holistic'] / t['fi_graph'] - 1:+.1%})")
+PLAN = json.loads((ROOT / "docs" / "data" / "decode_balance_plan_cost_h100.json").read_text())
+for s in PLAN["stages"]:
+    for name, c in s["plan_cost"].items():
+        label = "engine kernel" if name == "fi_graph" else "persistent"
+        print(f"{s['running']:>3} running, {label:<13}: plan {c['plan_host_us']:6.1f} us on the host; "
+              f"plan + upload + kernel {c['plan_and_kernel_gpu_us']:6.1f} us, kernel alone {c['kernel_after_plan_gpu_us']:6.1f} us")
+PAB = json.loads((ROOT / "docs" / "data" / "canonical_ab_persistent_h100.json").read_text())
+for label, s in PAB["summary"].items():
+    print(f"canonical workload, {label:<18} {', '.join(f'{x:,.0f}' for x in s['runs_tok_s'])} "
+          f"(median {s['median']:,.0f} output tok/s)")
+
+# %% [markdown]
+# (The middle column runs from the moment planning starts, so it holds the host's plan, the upload and the kernel;
+# in the engine the host plans while the GPU runs the previous step, and only the upload and the kernel are on the
+# GPU's path.) The kernel keeps its promise: with the workload's spread of lengths it reads the KV cache ~7% faster
+# than the engine's kernel at 256 and 192 running; on equal lengths at 256, 128 and 64 running it gains nothing,
+# and below 64 rows its fixed cost makes it slower. But its planner does far more work: ~0.55 ms of host time per
+# step at 256 rows against ~0.09, and its plan, laid out in fixed-size arrays so that a captured graph can keep
+# the same offsets, is several megabytes, uploaded ahead of the graph on the same stream: ~0.12 ms of the GPU's
+# time per step, against ~0.01 for the engine's kernel. In the engine (the kernel from 64 rows up, planned
+# before every replay, the upload on the stream) the canonical workload ran at 18,428 output tokens/s against
+# 18,562 without it, medians of four timed runs in interleaved processes: the ~0.4 ms a step it saves at 256 rows
+# is spent again around it. Hiding the upload behind the previous step (a second workspace, filled on a side
+# stream) could win back at most what the list above puts the spread at, under 3% of the run; until that is
+# measured, the engine keeps its plain kernel.
+#
+# ### Overlapping attention with the matrix multiplies
+#
+# The fixed cost of a step is short kernels that wait on their own ramp-up more than on memory, and the
+# attention is one long kernel that waits on memory. Could they run *at the same time*? Cut the batch in two
+# halves of equal KV, run each half's layers in its own CUDA stream, and make the attention calls take turns (half
+# A's attention of layer l after half B's of layer l-1, B's after A's): each half's matrix multiplies then fall
+# inside the other half's attention. The price is that each half reads the weights, so they are read twice.
+# `benchmarks/overlap_decode.py` rebuilds a Qwen3-0.6B-shaped decode step (random weights, FlashInfer's kernels,
+# the workload's context lengths) and times it whole, as two halves one after the other, overlapped, and with the
+# two streams left free (`overlap_decode_h100.json`):
+
+# %%
+OV = json.loads((ROOT / "docs" / "data" / "overlap_decode_h100.json").read_text())
+print(f"{'running':>7} {'one batch':>9} {'two halves':>10} {'overlapped':>10} {'free':>6} {'attention':>9} "
+      f"{'the rest':>8}   (ms per step)")
+for s in OV["stages"]:
+    m = s["ms"]
+    print(f"{s['running']:>7} {m['serial']:>9.2f} {m['halves']:>10.2f} {m['overlap']:>10.2f} {m['free']:>6.2f} "
+          f"{m['attention_only']:>9.2f} {m['no_attention']:>8.2f}")
+
+# %% [markdown]
+# It loses at every stage. Two halves one after the other cost 1.4-1.6 ms more than one batch, the whole fixed
+# cost a second time: it does not depend on the rows. Overlapping wins back only 1.0-1.1 ms of that, because the
+# attention kernel fills every SM and the other stream's short kernels get an SM only as its blocks drain. So at this model
+# size the fixed cost cannot be hidden behind the attention; it has to shrink.
+
+# %% [markdown]
 # ## 6. Reading a shared prefix once: cascade decode attention
 #
 # Section 2 says a decode step costs what it reads, and most of what it reads is KV. On a workload where many

@@ -52,7 +52,11 @@ OTHER_RESULTS = [
     "Decode attention on the workload's own context lengths against equal-length controls, and the ways of cutting "
     "its work (chapter 11, section 5): `docs/data/decode_balance_h100.json`, with every stage and FlashAttention-3: "
     "`docs/data/decode_balance_stages_h100.json`; contexts cut into pieces of 128 or 256 tokens, on an H200: "
-    "`docs/data/decode_balance_chunks_h200.json`.",
+    "`docs/data/decode_balance_chunks_h200.json`; FlashInfer's persistent `BatchAttention`: "
+    "`docs/data/decode_balance_holistic_h100.json`, its cost of planning every step: "
+    "`docs/data/decode_balance_plan_cost_h100.json`, and the canonical workload with it from 64 rows, interleaved "
+    "processes: `docs/data/canonical_ab_persistent_h100.json`. A decode step cut in two halves whose attention and "
+    "matrix multiplies overlap in two streams: `docs/data/overlap_decode_h100.json`.",
     "The GPU's gaps between the kernels of a decode step, and the sampler's float32 exponential against the float64 "
     "one in one process (chapter 11, section 5): `docs/data/decode_anatomy_gaps_h100.json`, "
     "`docs/data/sampler_race_f32_ab_h100.json`; the GPU tests of the Triton attention kernels: "

@@ -151,6 +151,23 @@ def test_decode_balance_chunks_merge_back_to_plain_attention(monkeypatch):
     torch.testing.assert_close(chunked().float(), whole().float(), rtol=0, atol=2e-2)
 
 
+def test_overlap_decode_halves_split_rows_and_tokens_evenly():
+    """``benchmarks/overlap_decode.py`` runs a decode step as two halves whose attention calls take turns: each row
+    lands in exactly one half, the halves differ by at most one row, and their context tokens by at most the
+    longest context (so neither half's attention is much longer than the other's)."""
+    import random
+
+    from benchmarks.overlap_decode import split_balanced
+
+    rng = random.Random(3)
+    for n in (1, 2, 7, 64, 256):
+        lens = [rng.randint(1, 2000) for _ in range(n)]
+        a, b = split_balanced(lens)
+        assert sorted(a + b) == list(range(n)) and abs(len(a) - len(b)) <= 1
+        assert abs(sum(lens[i] for i in a) - sum(lens[i] for i in b)) <= max(lens)
+    assert split_balanced([1000, 10, 10, 10]) == ([0, 3], [1, 2])  # the long one cannot be balanced by count
+
+
 def test_benchmarks_page_is_what_the_result_files_say():
     """docs/benchmarks.md is written by scripts/benchmarks_page.py from docs/data/: a result file added or changed
     without regenerating the page leaves the site showing old numbers."""
