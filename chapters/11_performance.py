@@ -1261,6 +1261,11 @@ for run in SA["canonical_runs"]:
 # OUT=results bash scripts/gpu/decode_balance.sh --uniform --variants fi_graph,fi_chunk128,fi_chunk256  # pieces
 # python3 scripts/gpu/decode_anatomy.py --out results --at 256,64,16 --label gaps   # section 5: kernel gaps
 # python -m benchmarks.decode_matmuls --output results/decode_matmuls.json    # section 5: the multiplies alone
+# OUT=results bash scripts/gpu/decode_balance.sh --uniform --variants fi_graph,fi_graph_sorted,fi_holistic \
+#     --marks 256,192,128,64,32,16                                  # section 5: the persistent kernel
+# python -m benchmarks.decode_balance --output results/plan_cost.json --variants fi_graph,fi_holistic \
+#     --marks 256,128,64 --plan-cost                                # section 5: planning it every step
+# python -m benchmarks.overlap_decode --output results/overlap_decode.json    # section 5: two overlapped halves
 # ```
 #
 # Expected on an H100 80GB HBM3 (`docs/data/gpu_offline_h100.json`): about 17,700-17,850 output tok/s on the
@@ -1285,7 +1290,11 @@ for run in SA["canonical_runs"]:
 # kernels per step at every stage; `decode_matmuls` (`decode_matmuls_h100.json`, under a minute): one step's
 # multiplies in 0.84 ms at 1 row and 1.02 ms at 256 with cuBLAS (floor 0.40 ms), cuBLASLt within 4%, the Triton
 # kernel about 20% slower; `sampler_ab.py` (`sampler_race_f32_ab_h100.json`): the draw at 256 rows in ~156 us
-# (213 with the float64 logarithm).
+# (213 with the float64 logarithm). The persistent kernel (`decode_balance_holistic_h100.json`, about a minute
+# with its compilation): ~203 against ~218 us per layer at 256 running, ~49 against ~43 at 16; with `--plan-cost`
+# (`decode_balance_plan_cost_h100.json`) its plan takes ~550 us of host time at 256 rows against ~90.
+# `overlap_decode` (`overlap_decode_h100.json`, about a minute): 7.5 ms per step at 256 running as one batch,
+# 8.0 ms as two overlapped halves, 9.1 ms as two halves one after the other.
 #
 # `python scripts/stream_cost.py` (section 10), expected on a 2-core x86_64 CPU (`docs/data/stream_cost_cpu.json`):
 # about 47 us of API-server CPU and 67 us of client CPU per streamed token, against about 83 and 124 before.
