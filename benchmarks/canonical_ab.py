@@ -36,12 +36,16 @@ def main() -> None:
     ap.add_argument("--label", required=True)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--page-size", type=int, default=None, help="the engine's KV page size (default: its own)")
+    ap.add_argument("--persistent-decode-min-batch", type=int, default=None,
+                    help="the engine's --persistent-decode-min-batch (default: its own; 0 turns it off)")
     args = ap.parse_args()
     import minisgl_ref
     from minisgl_ref import LLM, SamplingParams
 
     t0 = time.perf_counter()
     extra = {} if args.page_size is None else {"page_size": args.page_size}
+    if args.persistent_decode_min_batch is not None:
+        extra["persistent_decode_min_batch"] = args.persistent_decode_min_batch
     llm = LLM("qwen3-0.6b", load_format="dummy", dtype="bfloat16", device="cuda", **extra)
     start_s = time.perf_counter() - t0
 

@@ -650,8 +650,11 @@ def test_torch_native_has_no_cuda_graph_hooks():
 
 # MINISGL_TEST_BACKENDS=triton (a comma list) narrows the GPU comparisons to the backends named: after a change to
 # one backend's kernels, the others' first-use compilation need not be paid again.
-GPU_BACKENDS = [n for n in ["triton", "flashinfer", "fa3"]
-                if n in os.environ.get("MINISGL_TEST_BACKENDS", "triton,flashinfer,fa3").split(",")]
+# "flashinfer-persistent" is the flashinfer backend with every decode batch on its persistent kernel (the engine
+# uses that kernel from --persistent-decode-min-batch rows up).
+GPU_BACKENDS = [n for n in ["triton", "flashinfer", "flashinfer-persistent", "fa3"]
+                if n in os.environ.get("MINISGL_TEST_BACKENDS", "triton,flashinfer,flashinfer-persistent,fa3")
+                .split(",")]  # fmt: skip
 NUM_HEADS = 16  # KV heads = 16 / GQA: 16, 8, 4, 2
 
 # Not the full product of GQA x head dim x page size x dtype (96 combinations, each over every shape below): every
@@ -699,7 +702,7 @@ def gpu_backend_available(name: str) -> bool:
     from minisgl_ref.attention.registry import check_backend_can_run
 
     try:
-        check_backend_can_run(name, torch.device("cuda"))
+        check_backend_can_run(name.removesuffix("-persistent"), torch.device("cuda"))
     except ValueError:
         return False
     return True
@@ -710,8 +713,9 @@ def make_backend(name: str, case: Case, page_size: int = 1):  # type: ignore[no-
 
     if not gpu_backend_available(name):
         pytest.skip(f"{name} cannot run here")
-    return build_backend(name, case.pool, case.table, num_q_heads=case.layer.num_heads, page_size=page_size,
-                         device=torch.device("cuda"))  # fmt: skip
+    return build_backend(name.removesuffix("-persistent"), case.pool, case.table, num_q_heads=case.layer.num_heads,
+                         page_size=page_size, device=torch.device("cuda"),
+                         persistent_decode_min_batch=1 if name.endswith("-persistent") else 0)  # fmt: skip
 
 
 def run_backend(backend, case: Case) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -915,8 +919,9 @@ def test_gpu_extend_graphs_match_eager_extend_steps(qwen3_small_path, mixed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("engine_kw", [dict(attention_backend="triton"), dict(attention_backend="flashinfer"),
+                                       dict(attention_backend="flashinfer", persistent_decode_min_batch=1),
                                        dict(attention_backend="fa3"), {}],
-                         ids=["triton", "flashinfer", "fa3", "default"])  # fmt: skip
+                         ids=["triton", "flashinfer", "flashinfer-persistent", "fa3", "default"])  # fmt: skip
 def test_gpu_engine_qwen3_matches_torch_native(qwen3_small_path, engine_kw):
     """The whole engine (chunked prefill, decode with CUDA graphs where the backend has them) on a 4-layer Qwen3
     with dummy weights, in bf16, against the same engine with torch_native attention.

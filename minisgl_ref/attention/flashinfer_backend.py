@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from minisgl_ref.attention.base import AttentionBackend
+from minisgl_ref.attention.flashinfer_persistent import PersistentDecode
 from minisgl_ref.attention.utils import indptr
 
 if TYPE_CHECKING:
@@ -61,7 +62,8 @@ class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graph = True
 
-    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, *, num_q_heads: int) -> None:
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, *, num_q_heads: int,
+                 persistent_decode_min_batch: int = 0) -> None:  # fmt: skip
         import flashinfer  # the registry turns an ImportError into one clear line
 
         super().__init__(kv_pool, req_to_token)
@@ -81,6 +83,10 @@ class FlashInferBackend(AttentionBackend):
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
         )
         self.active_decode_wrapper: Any = self.decode_wrapper
+        # Decode batches of at least this many rows go to the persistent kernel (0: never); built on first use.
+        self.persistent_min_batch = persistent_decode_min_batch
+        self.persistent: PersistentDecode | None = None
+        self.decode_persistent = False  # this step's choice
         self.graph_state: dict[str, torch.Tensor] | None = None
         self.graph_wrappers: dict[int, Any] = {}
 
@@ -99,6 +105,16 @@ class FlashInferBackend(AttentionBackend):
     def _plan_kwargs(self) -> dict[str, Any]:
         return dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.sm_scale)
 
+    def _use_persistent(self, batch_size: int) -> bool:
+        """Whether a decode batch of ``batch_size`` rows goes to the persistent kernel (building it if so)."""
+        if not 0 < self.persistent_min_batch <= batch_size:
+            return False
+        if self.persistent is None:
+            self.persistent = PersistentDecode(self.flashinfer, num_q_heads=self.num_q_heads,
+                                               num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                                               dtype=self.dtype, sm_scale=self.sm_scale, device=self.device)  # fmt: skip
+        return True
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         assert batch.req_pool_indices is not None
         lens = batch.seq_lens_cpu  # whole contexts, new tokens included: they are stored before attention runs
@@ -107,6 +123,11 @@ class FlashInferBackend(AttentionBackend):
         last_page_len = torch.ones(batch.batch_size, dtype=torch.int32)  # pages of one token
         H, KVH, D = self.num_q_heads, self.num_kv_heads, self.head_dim  # noqa: N806
         if batch.mode.is_decode:
+            self.decode_persistent = self._use_persistent(batch.batch_size)
+            if self.decode_persistent:
+                assert self.persistent is not None
+                self.persistent.plan(kv_indptr, kv_indices, lens)
+                return
             self.decode_wrapper.plan(kv_indptr, kv_indices, last_page_len, H, KVH, D, 1, **self._plan_kwargs())
             self.active_decode_wrapper = self.decode_wrapper
         else:
@@ -139,6 +160,9 @@ class FlashInferBackend(AttentionBackend):
         # The kernel takes q's token and head strides: the view into the fused QKV output needs no copy (a
         # kernel fewer per layer; only the head dim must be contiguous).
         q = q if q.stride(-1) == 1 else q.contiguous()
+        if self.decode_persistent:
+            assert self.persistent is not None
+            return self.persistent.run(q, self._paged_cache(layer.layer_id)).view(q.shape[0], -1)
         o = self.active_decode_wrapper.run(q, self._paged_cache(layer.layer_id))
         return o.view(q.shape[0], -1)
 
@@ -159,7 +183,7 @@ class FlashInferBackend(AttentionBackend):
         """A graph wrapper per batch size, reading the static buffers (FlashInfer's rule: its size never changes)."""
         assert self.graph_state is not None, "call init_graph_buffers first"
         g, bs = self.graph_state, batch.batch_size
-        if bs not in self.graph_wrappers:
+        if bs not in self.graph_wrappers and not self._use_persistent(bs):
             self.graph_wrappers[bs] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
                 paged_kv_indptr_buffer=g["kv_indptr"][: bs + 1], paged_kv_indices_buffer=g["kv_indices"],
@@ -174,7 +198,7 @@ class FlashInferBackend(AttentionBackend):
 
         assert self.graph_state is not None and batch.seq_lens is not None and batch.req_pool_indices is not None
         g, bs = self.graph_state, batch.batch_size
-        self.active_decode_wrapper = self.graph_wrappers[bs]
+        self.decode_persistent = self._use_persistent(bs)
         # Pinned host tensors: FlashInfer copies them to the GPU with non_blocking=True, and a copy from pageable
         # memory waits for the GPU to finish the step in flight, which would undo overlap scheduling (G2).
         pin = self.device.type == "cuda"
@@ -182,6 +206,11 @@ class FlashInferBackend(AttentionBackend):
         dev_indptr = indptr(batch.seq_lens, out=g["kv_indptr_dev"][: bs + 1])
         build_kv_indices(self.req_to_token.table, batch.req_pool_indices, batch.seq_lens.to(torch.int32),
                          dev_indptr, g["kv_indices"])  # fmt: skip
+        if self.decode_persistent:
+            assert self.persistent is not None
+            self.persistent.plan(kv_indptr_cpu, g["kv_indices"], batch.seq_lens_cpu)
+            return
+        self.active_decode_wrapper = self.graph_wrappers[bs]
         total = int(kv_indptr_cpu[-1])
         self.active_decode_wrapper.plan(
             kv_indptr_cpu, g["kv_indices"][:total], torch.ones(bs, dtype=torch.int32, pin_memory=pin), self.num_q_heads,
@@ -191,10 +220,19 @@ class FlashInferBackend(AttentionBackend):
 
 def compile_kernels(phase: str, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                     device: torch.device) -> None:
-    """Make FlashInfer build (or load from its disk cache) the ``phase`` ("decode" or "prefill") kernels for this
-    attention shape, by planning and running one tiny batch: the same kernel choice as
+    """Make FlashInfer build (or load from its disk cache) the ``phase`` ("decode", "persistent" or "prefill")
+    kernels for this attention shape, by planning and running one tiny batch: the same kernel choice as
     :class:`FlashInferBackend` (tensor-core decode from GQA 4), so the engine's first real step finds it ready."""
     import flashinfer
+
+    if phase == "persistent":
+        kv = torch.zeros(4, 1, num_kv_heads, head_dim, dtype=dtype, device=device)
+        persistent = PersistentDecode(flashinfer, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                                      head_dim=head_dim, dtype=dtype, sm_scale=head_dim**-0.5, device=device)  # fmt: skip
+        persistent.plan(torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32,
+                        device=device), [2])  # fmt: skip
+        persistent.run(torch.zeros(1, num_q_heads, head_dim, dtype=dtype, device=device), (kv, kv))
+        return
 
     workspace = torch.zeros(16 * 1024 * 1024, dtype=torch.uint8, device=device)
     kv = torch.zeros(4, 1, num_kv_heads, head_dim, dtype=dtype, device=device)  # 4 one-token pages

@@ -45,6 +45,7 @@ class KernelShapes:
     dtype: torch.dtype
     decode_backend: str
     prefill_backend: str
+    persistent_decode: bool = False  # flashinfer decode also builds its persistent kernel
 
 
 def _fused_op(shapes: KernelShapes, device: torch.device, family: str) -> None:
@@ -167,7 +168,8 @@ def shapes_of(model: torch.nn.Module, config: ModelConfig, engine: EngineConfig,
     layer = next(m for m in model.modules() if isinstance(m, AttentionLayer))
     prefill, decode = resolve_backend_names(engine, device, config.dtype)
     return KernelShapes(layer.num_heads, layer.num_kv_heads, config.head_dim, config.hidden_size,
-                        config.intermediate_size, config.vocab_size, config.dtype, decode, prefill)
+                        config.intermediate_size, config.vocab_size, config.dtype, decode, prefill,
+                        persistent_decode=engine.persistent_decode_min_batch > 0)
 
 
 def start(shapes: KernelShapes, device: torch.device, matmuls: list[MatmulShapes] | None = None) -> Warmup:
@@ -184,6 +186,8 @@ def start(shapes: KernelShapes, device: torch.device, matmuls: list[MatmulShapes
     }
     if shapes.decode_backend == "flashinfer":
         todo["decode attention"] = lambda: _attention(shapes, device, "decode")
+        if shapes.persistent_decode:
+            todo["persistent decode attention"] = lambda: _attention(shapes, device, "persistent")
     if shapes.prefill_backend == "flashinfer":
         todo["prefill attention"] = lambda: _attention(shapes, device, "prefill")
     if matmuls:
