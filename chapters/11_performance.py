@@ -580,10 +580,15 @@ for s in PLAN["stages"]:
         label = "engine kernel" if name == "fi_graph" else "persistent"
         print(f"{s['running']:>3} running, {label:<13}: plan {c['plan_host_us']:6.1f} us on the host; "
               f"plan + upload + kernel {c['plan_and_kernel_gpu_us']:6.1f} us, kernel alone {c['kernel_after_plan_gpu_us']:6.1f} us")
-PAB = json.loads((ROOT / "docs" / "data" / "canonical_ab_persistent_h100.json").read_text())
-for label, s in PAB["summary"].items():
-    print(f"canonical workload, {label:<18} {', '.join(f'{x:,.0f}' for x in s['runs_tok_s'])} "
-          f"(median {s['median']:,.0f} output tok/s)")
+for name, what in (("canonical_ab_persistent_h100.json", "plan uploaded on the step's stream"),
+                   ("canonical_ab_persistent_staged_h100.json", "plan uploaded on a side stream")):
+    ab = json.loads((ROOT / "docs" / "data" / name).read_text())
+    base, new = ab["provenance"]["settings"]["base"], ab["provenance"]["settings"]["new"]
+    b, n = ab["summary"][base], ab["summary"][new]
+    print(f"canonical workload, persistent kernel from 64 rows, {what}:")
+    print(f"    without {', '.join(f'{x:,.0f}' for x in b['runs_tok_s'])} (median {b['median']:,.0f})")
+    print(f"    with    {', '.join(f'{x:,.0f}' for x in n['runs_tok_s'])} (median {n['median']:,.0f}, "
+          f"{n['median'] / b['median'] - 1:+.1%}, {n['median'] / floor_tok_s:.0%} of the floor)")
 
 # %% [markdown]
 # (The middle column runs from the moment planning starts, so it holds the host's plan, the upload and the kernel;
@@ -593,12 +598,21 @@ for label, s in PAB["summary"].items():
 # and below 64 rows its fixed cost makes it slower. But its planner does far more work: ~0.55 ms of host time per
 # step at 256 rows against ~0.09, and its plan, laid out in fixed-size arrays so that a captured graph can keep
 # the same offsets, is several megabytes, uploaded ahead of the graph on the same stream: ~0.12 ms of the GPU's
-# time per step, against ~0.01 for the engine's kernel. In the engine (the kernel from 64 rows up, planned
-# before every replay, the upload on the stream) the canonical workload ran at 18,428 output tokens/s against
-# 18,562 without it, medians of four timed runs in interleaved processes: the ~0.4 ms a step it saves at 256 rows
-# is spent again around it. Hiding the upload behind the previous step (a second workspace, filled on a side
-# stream) could win back at most what the list above puts the spread at, under 3% of the run; until that is
-# measured, the engine keeps its plain kernel.
+# time per step, against ~0.01 for the engine's kernel.
+#
+# Used that way in the engine (the kernel from 64 rows up, planned before every replay), it bought nothing: the
+# first comparison above, medians of four timed runs in interleaved processes. The host's 0.55 ms is hidden by
+# overlap scheduling (the host is ahead of the GPU by several milliseconds at these batch sizes); the upload is
+# not, because it sits on the GPU's stream. So `PersistentDecode.plan` (`minisgl_ref/attention/
+# flashinfer_persistent.py`) has the planner upload into a *staging* buffer on a side stream, which runs while the
+# previous step is still on the GPU, and the step's own stream only copies staging to workspace, device to device
+# (a few microseconds), before the graph. Two events keep the buffers honest: the side stream does not refill the
+# staging buffer before the step's stream has copied it out, and the step's stream does not copy before the side
+# stream has filled it. The second comparison: +1.2%, every run with it faster than every run without. It is the
+# default for the `flashinfer` decode backend (`--persistent-decode-min-batch 64`; 0 turns it off), checked
+# against `torch_native` on every GPU test shape (`gpu_tests_persistent_decode_h100.txt`). Its plan keeps the
+# offsets of its arrays fixed, and the planner is checked on every call for exactly that: a captured graph has
+# those offsets in its kernel arguments.
 #
 # ### Overlapping attention with the matrix multiplies
 #
@@ -1257,6 +1271,8 @@ for run in SA["canonical_runs"]:
 # python3 scripts/gpu/decode_anatomy.py --out results --at 256,128,64,32,16   # section 5: every stage
 # BASE=.baseline bash scripts/gpu/canonical_ab.sh     # section 5: interleaved A/B against an older checkout
 # BASE=. BASE_LABEL=page1 NEW_LABEL=page64 NEW_ARGS="--page-size 64" bash scripts/gpu/canonical_ab.sh  # KV pages
+# BASE=. BASE_LABEL=paged NEW_LABEL=persistent BASE_ARGS="--persistent-decode-min-batch 0" \
+#     bash scripts/gpu/canonical_ab.sh                              # section 5: the persistent decode kernel
 # OUT=results bash scripts/gpu/decode_balance.sh --uniform --marks 256,128,16   # section 5: the spread of lengths
 # OUT=results bash scripts/gpu/decode_balance.sh --uniform --variants fi_graph,fi_chunk128,fi_chunk256  # pieces
 # python3 scripts/gpu/decode_anatomy.py --out results --at 256,64,16 --label gaps   # section 5: kernel gaps
@@ -1282,6 +1298,8 @@ for run in SA["canonical_runs"]:
 # runs, 18,930-19,230, found their prompts cached); `canonical_ab_fused_store_h100.json` and
 # `canonical_ab_admission_h100.json`: medians of 18,601 against 18,492 and 18,478 against 18,304;
 # `canonical_ab_page_size_h100.json`: medians of 18,858 (pages of 64) against 18,803 (pages of 1);
+# `canonical_ab_persistent_staged_h100.json`: medians of 19,060 (the persistent kernel from 64 rows, the
+# default) against 18,829 (`--persistent-decode-min-batch 0`);
 # `canonical_bare_machine_h100.json`: `bench offline` on a bare machine starts in 70-100 s and runs the
 # workload at about 18,700 tok/s, a second process starts in 10-14 s and runs at about 18,700.
 # `decode_balance.sh` (`docs/data/decode_balance_h100.json`, ~1.5 minutes with the compilation): ~218 us per layer

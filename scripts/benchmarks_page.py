@@ -55,7 +55,9 @@ OTHER_RESULTS = [
     "`docs/data/decode_balance_chunks_h200.json`; FlashInfer's persistent `BatchAttention`: "
     "`docs/data/decode_balance_holistic_h100.json`, its cost of planning every step: "
     "`docs/data/decode_balance_plan_cost_h100.json`, and the canonical workload with it from 64 rows, interleaved "
-    "processes: `docs/data/canonical_ab_persistent_h100.json`. A decode step cut in two halves whose attention and "
+    "processes: `docs/data/canonical_ab_persistent_h100.json`, with its plan uploaded on a side stream: "
+    "`docs/data/canonical_ab_persistent_staged_h100.json`, and its GPU tests: "
+    "`docs/data/gpu_tests_persistent_decode_h100.txt`. A decode step cut in two halves whose attention and "
     "matrix multiplies overlap in two streams: `docs/data/overlap_decode_h100.json`.",
     "The GPU's gaps between the kernels of a decode step, and the sampler's float32 exponential against the float64 "
     "one in one process (chapter 11, section 5): `docs/data/decode_anatomy_gaps_h100.json`, "
