@@ -735,6 +735,19 @@ def record_errors(test: str, errors: dict[str, float]) -> None:
             f.write(json.dumps({"test": test, "max_rel_error": errors}) + "\n")
 
 
+def test_persistent_decode_workspace_covers_what_flashinfer_reserved():
+    """FlashInfer's persistent planner reserves its partial outputs for a fixed maximum of pieces; with 16 KV heads of
+    128 on an H100 (132 SMs) it asked for 622,854,144 bytes of them and stopped with a buffer overflow in its
+    384 MiB default workspace. ``partial_bytes`` must cover that request plus the log-sum-exps, and keep Qwen3-0.6B's
+    8 KV heads inside the default (so its engine allocates nothing extra)."""
+    from minisgl_ref.attention.flashinfer_persistent import partial_bytes
+
+    partial_o, lse = 622_854_144, 622_854_144 // (2 * 128) * 4
+    assert partial_bytes(16, 128, 132) >= partial_o + lse
+    assert partial_bytes(16, 128, 132) < partial_o + lse + 4096
+    assert partial_bytes(8, 128, 132) <= 384 << 20
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["decode", "extend"])
 @pytest.mark.parametrize("gqa,head_dim,page,dtype", GPU_COMBOS, ids=COMBO_IDS)
