@@ -789,6 +789,12 @@ def test_extend_token_multiple_is_validated():
         EngineConfig(extend_token_multiple=0)
 
 
+def test_persistent_decode_min_batch_is_validated():
+    with pytest.raises(ValueError, match="persistent_decode_min_batch must be >= 0, got -1"):
+        EngineConfig(persistent_decode_min_batch=-1)
+    assert EngineConfig(persistent_decode_min_batch=0).persistent_decode_min_batch == 0  # 0 turns it off
+
+
 SMOL_CONFIGS = [
     pytest.param(dict(), id="defaults"),
     pytest.param(dict(page_size=16, chunked_prefill_size=16, max_total_tokens=96, init_new_token_ratio=0.0,
