@@ -80,10 +80,11 @@ def main() -> int:
                         y.mul_(1.0)
             torch.nn.functional.linear(xs[HIDDEN], head)
 
-        def skinny_step(pdl: bool, prefetch: bool, between: bool = False) -> None:
+        def skinny_step(pdl: bool, prefetch: bool, between: bool = False, late: bool = False) -> None:
             for ws_ in layers:
                 for w in ws_:
-                    y = skinny_linear(xs[w.shape[1]], w, outs[w.shape[0]], ws, picks[tuple(w.shape)], pdl, prefetch)
+                    y = skinny_linear(xs[w.shape[1]], w, outs[w.shape[0]], ws, picks[tuple(w.shape)], pdl, prefetch,
+                                      late)
                     if between:
                         y.mul_(1.0)
             torch.nn.functional.linear(xs[HIDDEN], head)
@@ -93,6 +94,7 @@ def main() -> int:
             "splitk": lambda: skinny_step(False, False),
             "splitk_pdl": lambda: skinny_step(True, False),
             "splitk_pdl_prefetch": lambda: skinny_step(True, True),
+            "splitk_pdl_prefetch_late_trigger": lambda: skinny_step(True, True, late=True),
             "cublas_with_elementwise": lambda: cublas_step(True),
             "splitk_pdl_prefetch_with_elementwise": lambda: skinny_step(True, True, True),
         }

@@ -36,7 +36,7 @@ def _kernel():  # type: ignore[no-untyped-def]
     @triton.jit
     def splitk_gemm(x, w, out, part, count, M, N, K, K_PER,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                    PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
+                    PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LATE_TRIGGER: tl.constexpr):
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -47,14 +47,18 @@ def _kernel():  # type: ignore[no-untyped-def]
                     for k0 in range(k_lo, k_lo + K_PER, PREFETCH_LINES * 64):
                         rl = k0 + tl.arange(0, PREFETCH_LINES) * 64  # one 128-byte line per 64 bf16 values
                         _l2_prefetch(w + rn[:, None] * K + rl[None, :])
-            tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
+            if not LATE_TRIGGER:  # after the wait: at most two multiplies in flight, never a cascade
+                tl.extra.cuda.gdc_launch_dependents()
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, k_lo + K_PER, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(x + rm[:, None] * K + rk[None, :], mask=rm[:, None] < M, other=0.0)
             b = tl.load(w + rn[:, None] * K + rk[None, :])
             acc += tl.dot(a, tl.trans(b))
+        if PDL:
+            if LATE_TRIGGER:
+                tl.extra.cuda.gdc_launch_dependents()
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         if SPLIT == 1:
             tl.store(out + rm[:, None] * N + rn[None, :], acc.to(out.dtype.element_ty), mask=mask)
@@ -83,7 +87,7 @@ class Workspace:
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: Workspace, config: tuple,
-                  pdl: bool = False, prefetch: bool = True) -> torch.Tensor:
+                  pdl: bool = False, prefetch: bool = True, late_trigger: bool = False) -> torch.Tensor:
     """``out = x @ w.T`` with ``config = (BLOCK_N, BLOCK_K, SPLIT, stages)``; ``x`` and ``w`` contiguous."""
     block_n, block_k, split, stages = config
     m, k = x.shape
@@ -95,8 +99,12 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: Works
     if split > 1 and (split * block_m * grid[2] * n > ws.part.numel() or grid[0] * grid[2] > ws.count.numel()):
         raise ValueError("workspace too small for this multiply")
     extra = {"launch_pdl": True} if pdl else {}
-    lines = min(32, k // split // 64) if (pdl and prefetch) else 0
+    lines = 0
+    if pdl and prefetch:  # prefetch lines per row and loop step: a power of two that divides the slice
+        lines = 32
+        while (k // split // 64) % lines:
+            lines //= 2
     _kernel()[grid](x, w, out, ws.part, ws.count, m, n, k, k // split, BLOCK_M=block_m, BLOCK_N=block_n,
-                    BLOCK_K=block_k, SPLIT=split, PDL=pdl, PREFETCH_LINES=lines, num_warps=4, num_stages=stages,
+                    BLOCK_K=block_k, SPLIT=split, PDL=pdl, PREFETCH_LINES=lines, LATE_TRIGGER=late_trigger, num_warps=4, num_stages=stages,
                     **extra)
     return out
