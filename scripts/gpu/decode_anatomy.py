@@ -174,23 +174,27 @@ def kernel_gaps(prof, steps: int) -> dict:  # type: ignore[no-untyped-def]
     """The GPU's idle time between consecutive kernels, per step: in total, and by the kind of kernel that came
     next (a dependent kernel cannot start before the previous one ends, so each gap is the time the next one
     took to get going), with the worst transitions by name. From the profiler's raw device events, in start
-    order on the one stream a decode step uses."""
+    order on the one stream a decode step uses. Copies (memcpy, memset) count as events of their own (kind
+    "copies"), so a gap before or after one is the time the stream took to switch to or from the copy."""
     events = [e for e in prof.profiler.kineto_results.events()
-              if e.device_type().name == "CUDA" and e.duration_ns() > 0 and not e.name().startswith(("Memcpy", "Memset"))]
+              if e.device_type().name == "CUDA" and e.duration_ns() > 0]
     events.sort(key=lambda e: e.start_ns())
     by_kind: dict[str, float] = {}
     by_pair: dict[str, list[float]] = {}
-    total = 0.0
+    total = around_copies = 0.0
     for a, b in zip(events, events[1:]):
         gap = (b.start_ns() - a.end_ns()) / 1e3  # us; negative: overlapped (programmatic dependent launch)
         if gap > 200:  # between steps: the host, not the GPU
             continue
         total += gap
+        if "copies" in (_kind(a.name()), _kind(b.name())):
+            around_copies += gap
         kind = _kind(b.name())
         by_kind[kind] = by_kind.get(kind, 0.0) + gap
         by_pair.setdefault(f"{_short(a.name())} -> {_short(b.name())}", []).append(gap)
     pairs = sorted(by_pair.items(), key=lambda kv: -sum(kv[1]))[:12]
     return {"gap_ms_per_step": round(total / 1e3 / steps, 3),
+            "gap_ms_per_step_next_to_copies": round(around_copies / 1e3 / steps, 3),
             "gap_ms_per_step_by_next_kind": {k: round(v / 1e3 / steps, 3) for k, v in sorted(by_kind.items())},
             "top_transitions": [{"pair": k, "per_step": round(len(v) / steps, 1), "mean_us": round(sum(v) / len(v), 2),
                                  "min_us": round(min(v), 2)} for k, v in pairs]}
