@@ -425,10 +425,11 @@ for label in ("cold", "warm"):
           f"compiled during the run: {run['compiled_during_run']}")
 
 # %% [markdown]
-# The first process compiles for one to one and a half minutes before its first request (FlashInfer's JIT and
-# Triton; the host's speed varies from machine to machine), the second starts in 10-14 s from the disk caches,
-# and both run the workload at ~18,700 output tokens/s, 70% of the floor, with nothing compiled inside the timed
-# run.
+# This is the engine as it stands at the end of the chapter (with the persistent decode kernel of a later
+# section). The first process compiles for about a minute before its first request (FlashInfer's JIT and Triton,
+# then the KV pool and the graph captures; the host's speed varies from machine to machine, and earlier bare
+# machines took up to 100 s), the second starts in about 9 s from the disk caches, and both run the workload at
+# ~19,030 output tokens/s, 71.5% of the floor, with nothing compiled inside the timed run.
 
 # %% [markdown]
 # ### The gaps between kernels, measured one by one
@@ -460,6 +461,32 @@ for t in GAPS["windows"][-1]["gaps"]["top_transitions"][:6]:
 # layer can remove it: a norm fused into the matrix multiply that follows it, the activation into the one before,
 # and matrix multiplies that read the weights at the bandwidth with a few rows.
 #
+# Two cautions on those gaps. The profiler counted only kernels, so a copy on the stream (the step's inputs going
+# from host to device, the graph's input buffers filled from them) showed up as a gap before the kernel after it.
+# And the profiler slows the host down 2-3x, so in a profiled window the host can fall behind the GPU and leave
+# gaps that an ordinary run does not have. A second run (`decode_anatomy_copies_h100.json`, at the engine with the
+# persistent decode kernel of a later section) counts copies as events and sets the profiled gaps beside what an
+# unprofiled window says: its wall time per step minus the GPU's busy time.
+
+# %%
+COPIES = json.loads((ROOT / "docs" / "data" / "decode_anatomy_copies_h100.json").read_text())
+print(f"{'running':>7} {'wall, unprofiled':>16} {'GPU busy':>8} {'difference':>10} {'profiled gaps':>13}   (ms per step)")
+for w in COPIES["windows"]:
+    wall = w["unprofiled"]["wall_ms_per_step"]
+    print(f"{w['running']:>7} {wall:>16.2f} {w['gpu_busy_ms_per_step']:>8.2f} "
+          f"{wall - w['gpu_busy_ms_per_step']:>10.2f} {w['gaps']['gap_ms_per_step']:>13.2f}")
+for t in COPIES["windows"][0]["gaps"]["top_transitions"]:
+    if "Memcpy DtoD" in t["pair"] or t["pair"].startswith("Memcpy HtoD -> at::"):
+        print(f"256 running: {t['per_step']:.0f} x {t['mean_us']:5.1f} us per step  {t['pair']}")
+
+# %% [markdown]
+# With copies in the timeline, the two largest gaps among the eager kernels sit right next to copies (~20 µs each,
+# once per step); but without the profiler a step with 256 or 63 requests running takes only 0.15-0.3 ms longer
+# than its kernels, and part of that is the ~0.1 ms of sub-microsecond gaps inside the graph. Moving the copies
+# off the compute stream could win at most ~0.1 ms a step, ~1% of the run, so the engine keeps them where they
+# are, in stream order, simple to follow. With 14 running it is different: there the host sets the pace (0.6 ms
+# per step beyond the kernels), as the table of the previous section showed.
+#
 # How far from the bandwidth are the matrix multiplies on their own? `benchmarks/decode_matmuls.py` chains one
 # step's 113 multiplies (28 layers x 4, and the LM head) over fresh weight tensors in a CUDA graph, at each row
 # count, with cuBLAS, cuBLASLt and a plain Triton kernel that streams the weights:
@@ -481,6 +508,39 @@ for r in MM["results"]:
 # programs for 132 SMs). Reading the weights near the bandwidth at a few rows needs fewer, longer kernels: the
 # four projections of a layer in one persistent kernel, or the norm and activation folded into the multiplies
 # around them.
+#
+# Could a kernel of our own get closer? `benchmarks/skinny_gemm.py` tries the two obvious ideas. **Split K**: a
+# 1,024-column output in tiles of 32 columns is only 32 programs, so K is cut into up to 8 slices; each program
+# writes a float32 partial sum and bumps a counter, and the last one to arrive at a tile adds the partials up (one
+# kernel, no separate reduction). **Programmatic dependent launch** (PDL, Hopper; FlashInfer's kernels use it):
+# a kernel may be scheduled while its predecessor drains. The weights never depend on the predecessor, so each
+# program first asks the L2 cache to fetch its slice of them (`prefetch.global.L2`), then waits (`gdc_wait`) for
+# its input rows, then lets the next kernel launch. `benchmarks/decode_matmuls_pdl.py` times the 112 layer
+# multiplies of a step as one CUDA graph (the LM head by cuBLAS in every variant, configurations picked per shape
+# by timing), and once more with a small ordinary kernel after each multiply, as norms and activations follow
+# them in a real layer:
+
+# %%
+PDL = json.loads((ROOT / "docs" / "data" / "decode_matmuls_pdl_h100.json").read_text())
+# "elt.": with a small elementwise kernel after each multiply
+names = {"cublas": "cuBLAS", "splitk": "split-K", "splitk_pdl": "+ PDL", "splitk_pdl_prefetch": "+ L2 prefetch",
+         "cublas_with_elementwise": "cuBLAS, elt.", "splitk_pdl_prefetch_with_elementwise": "PDL, elt."}
+print(f"{'rows':>4} " + " ".join(f"{v:>13}" for v in names.values()) + "   (ms per step)")
+for r in PDL["results"]:
+    print(f"{r['rows']:>4} " + " ".join(f"{min(r['step_ms'][k]):>13.3f}" for k in names))
+
+# %% [markdown]
+# Up to 64 rows the split-K kernel with PDL and the prefetch beats cuBLAS by 8-12% (0.74 against 0.83 ms at one
+# row), the first time anything here got closer to the 0.40 ms floor; from 128 rows on cuBLAS wins (1.03 against
+# 1.25-1.39 ms at 256): there the multiplies start to need the tensor cores in earnest, and cuBLAS's Hopper kernels
+# feed them better than a plain Triton tile. And PDL pays only in an unbroken chain: with an ordinary kernel
+# between the multiplies, the PDL version is slower than cuBLAS (1.13 against 0.90 ms at one row), so every norm,
+# activation, RoPE and attention kernel of the layer would have to take part too. One ordering detail matters: a
+# first version let its dependents launch *before* its own wait, so each waiting kernel let the next one launch
+# too, and chains of idle programs held the GPU's slots: 1.02 ms at one row, slower than without PDL at all
+# (`decode_matmuls_pdl_early_trigger_h100.json`). Over the workload, steps with at most 64 rows are about a quarter
+# of the decode steps and would gain at most ~0.1 ms each: well under 1% of the run, for a second matrix-multiply
+# path. The engine stays with cuBLAS; the fixed cost of a step needs the whole layer fused, not faster pieces.
 #
 # One small kernel did get faster. The sampler's race (chapter 02) draws each row's noise in registers, and its
 # exponential came from a float64 logarithm, to keep the precision of small uniforms; a GPU computes float64
@@ -1282,6 +1342,9 @@ for run in SA["canonical_runs"]:
 # python -m benchmarks.decode_balance --output results/plan_cost.json --variants fi_graph,fi_holistic \
 #     --marks 256,128,64 --plan-cost                                # section 5: planning it every step
 # python -m benchmarks.overlap_decode --output results/overlap_decode.json    # section 5: two overlapped halves
+# python3 scripts/gpu/decode_anatomy.py --out results --at 256,64,16 --label copies  # section 5: gaps and copies
+# python -m benchmarks.decode_matmuls_pdl --output results/decode_matmuls_pdl.json  # section 5: split-K and PDL
+# bash scripts/gpu/bare_machine.sh results/bare_machine.json   # section 5: first run on a bare machine, then warm
 # ```
 #
 # Expected on an H100 80GB HBM3 (`docs/data/gpu_offline_h100.json`): about 17,700-17,850 output tok/s on the
@@ -1300,8 +1363,9 @@ for run in SA["canonical_runs"]:
 # `canonical_ab_page_size_h100.json`: medians of 18,858 (pages of 64) against 18,803 (pages of 1);
 # `canonical_ab_persistent_staged_h100.json`: medians of 19,060 (the persistent kernel from 64 rows, the
 # default) against 18,829 (`--persistent-decode-min-batch 0`);
-# `canonical_bare_machine_h100.json`: `bench offline` on a bare machine starts in 70-100 s and runs the
-# workload at about 18,700 tok/s, a second process starts in 10-14 s and runs at about 18,700.
+# `canonical_bare_machine_h100.json` (`bare_machine.sh`, about 2 minutes): `bench offline` on a bare machine
+# starts in about 60 s (up to 100 s on slower hosts) and runs the workload at about 19,000 tok/s, a second process
+# starts in about 9 s and runs at about 19,000.
 # `decode_balance.sh` (`docs/data/decode_balance_h100.json`, ~1.5 minutes with the compilation): ~218 us per layer
 # for the 256 running contexts against ~199 for the equal-length control, ~197 against ~191 at 128 running, ~43
 # for both at 16. `decode_anatomy.py --label gaps` (`decode_anatomy_gaps_h100.json`): about 0.3 ms of gaps between
@@ -1312,7 +1376,11 @@ for run in SA["canonical_runs"]:
 # with its compilation): ~203 against ~218 us per layer at 256 running, ~49 against ~43 at 16; with `--plan-cost`
 # (`decode_balance_plan_cost_h100.json`) its plan takes ~550 us of host time at 256 rows against ~90.
 # `overlap_decode` (`overlap_decode_h100.json`, about a minute): 7.5 ms per step at 256 running as one batch,
-# 8.0 ms as two overlapped halves, 9.1 ms as two halves one after the other.
+# 8.0 ms as two overlapped halves, 9.1 ms as two halves one after the other. `--label copies`
+# (`decode_anatomy_copies_h100.json`): unprofiled steps 0.15-0.3 ms longer than their kernels at 256 and 63
+# running, 0.6 ms at 14. `decode_matmuls_pdl` (`decode_matmuls_pdl_h100.json`, under a minute): the 112 layer
+# multiplies plus cuBLAS's LM head in ~0.74 ms at one row with split-K, PDL and the prefetch against ~0.83 with
+# cuBLAS, ~1.25-1.39 against ~1.03 at 256 rows.
 #
 # `python scripts/stream_cost.py` (section 10), expected on a 2-core x86_64 CPU (`docs/data/stream_cost_cpu.json`):
 # about 47 us of API-server CPU and 67 us of client CPU per streamed token, against about 83 and 124 before.

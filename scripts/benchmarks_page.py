@@ -63,7 +63,11 @@ OTHER_RESULTS = [
     "one in one process (chapter 11, section 5): `docs/data/decode_anatomy_gaps_h100.json`, "
     "`docs/data/sampler_race_f32_ab_h100.json`; the GPU tests of the Triton attention kernels: "
     "`docs/data/gpu_tests_triton_kernels_h100.txt`. One step's matrix multiplies alone, cuBLAS, cuBLASLt and a "
-    "plain Triton kernel: `docs/data/decode_matmuls_h100.json`.",
+    "plain Triton kernel: `docs/data/decode_matmuls_h100.json`; against a split-K Triton kernel with programmatic "
+    "dependent launch and an L2 prefetch of the weights: `docs/data/decode_matmuls_pdl_h100.json` (a first version "
+    "that let its dependents launch before its own wait: `docs/data/decode_matmuls_pdl_early_trigger_h100.json`). "
+    "The gaps again with copies counted as events, beside unprofiled wall times: "
+    "`docs/data/decode_anatomy_copies_h100.json`.",
     "Constrained decoding against free decoding, and jump-forward (chapter 12), with the model in float32: random "
     "weights `docs/data/constrained_bench_h100.json`, `docs/data/constrained_bench_typical_h100.json`; the embedded "
     "model's real weights `docs/data/constrained_bench_real_typical_h100.json`, "
