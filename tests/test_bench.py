@@ -79,6 +79,37 @@ def test_decode_matmuls_weight_stream_kernel_multiplies_and_tiles_fit():
         assert any(n % bn == 0 and k % bk == 0 for bn, bk, _ in dm.TILES), (n, k)
 
 
+def test_skinny_gemm_split_k_adds_every_slice_once_and_resets_its_counters():
+    """``benchmarks/skinny_gemm.py`` (Triton's interpreter, float32): with K cut into slices, the last program to
+    reach a tile adds all the partial sums, for row counts below, at and above one row block, and leaves every
+    counter at zero so that the next call (a CUDA graph replays the same workspace) starts clean; a config that
+    does not tile the weight is refused with the shapes named, and every config the GPU benchmark may pick tiles
+    at least one Qwen3-0.6B layer shape."""
+    import benchmarks.decode_matmuls as dm
+    from benchmarks.decode_matmuls_pdl import CONFIGS
+    from benchmarks.skinny_gemm import Workspace, skinny_linear
+
+    if type(__import__("triton").language.cdiv).__name__ == "JITFunction":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
+    g = torch.Generator().manual_seed(0)
+    ws = Workspace(torch.device("cpu"), floats=1 << 18, tiles=256)
+    for rows in (1, 16, 70):
+        for (n, k), config in (((128, 512), (32, 64, 4, 3)), ((96, 384), (32, 64, 2, 3)), ((64, 256), (64, 64, 1, 3))):
+            x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+            out = torch.zeros(rows, n)
+            for _ in range(2):  # the second call reuses the counters the first one left
+                out.zero_()
+                skinny_linear(x, w, out, ws, config)
+                ref = x @ w.T
+                assert ((out - ref).norm() / ref.norm()).item() < 1e-5, (rows, n, k, config)
+            assert int(ws.count.abs().sum()) == 0
+    with pytest.raises(ValueError, match="does not tile a 96x384"):
+        skinny_linear(torch.zeros(1, 384), torch.zeros(96, 384), torch.zeros(1, 96), ws, (64, 64, 2, 3))
+    shapes = [(dm.Q + 2 * dm.KV, dm.HIDDEN), (dm.HIDDEN, dm.Q), (2 * dm.FFN, dm.HIDDEN), (dm.HIDDEN, dm.FFN)]
+    for bn, bk, split, _ in CONFIGS:
+        assert any(n % bn == 0 and k % (split * bk) == 0 for n, k in shapes), (bn, bk, split)
+
+
 def test_padded_model_computes_what_the_small_model_computes():
     """``scripts/gpu/padded_model.py`` widens a Llama model with zeros (more hidden units, heads with their own KV
     heads, a wider MLP, rescaled norms): the wide model's logits are the small one's, in float32, for a tiny
