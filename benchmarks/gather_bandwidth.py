@@ -1,0 +1,138 @@
+"""How fast can a decode step's KV cache be read, and does the size of each piece matter? (chapter 11)
+
+With one-token pages a request's cached keys sit in slots scattered over the pool: its prompt in one run of slots,
+but every generated token wherever the allocator put it (a decode step hands out a run of slots to the whole batch,
+so one request's tokens end up a batch apart). A token's keys for all KV heads are one contiguous row (8 heads x
+128 values x 2 bytes = 2 KiB for Qwen3-0.6B); a kernel that gives each head its own program reads 256-byte pieces
+of those rows, one that takes all heads at once reads whole rows. This benchmark reads the same slots in both ways,
+plus a plain stream over contiguous memory, and reports the bandwidth of each, for slot orders that run from
+contiguous to the canonical workload's to random. Writes JSON:
+
+    python -m benchmarks.gather_bandwidth --output gather_bandwidth.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+KV_HEADS, HEAD_DIM = 8, 128  # Qwen3-0.6B
+
+
+@functools.cache
+def _kernels():  # type: ignore[no-untyped-def]
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_rows(kv, slots, out, n, ROW: tl.constexpr, PIECE: tl.constexpr, BLOCK_T: tl.constexpr):
+        """Program (t, p): tokens t*BLOCK_T.., piece p of each token's row (PIECE values at offset p*PIECE)."""
+        rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        piece = tl.program_id(1)
+        s = tl.load(slots + rt, mask=rt < n, other=0).to(tl.int64)
+        x = tl.load(kv + s[:, None] * ROW + piece * PIECE + tl.arange(0, PIECE)[None, :], mask=(rt < n)[:, None],
+                    other=0.0)
+        tl.store(out + tl.program_id(0) * tl.num_programs(1) + piece, tl.sum(tl.sum(x.to(tl.float32), 1), 0))
+
+    return read_rows
+
+
+def read(kv: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, piece: int, block_t: int) -> None:
+    row = kv.shape[1]
+    n = slots.numel()
+    grid = (triton_cdiv(n, block_t), row // piece)
+    _kernels()[grid](kv, slots, out, n, ROW=row, PIECE=piece, BLOCK_T=block_t, num_warps=4)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def slot_orders(pool: int, lens: list[int], prefill: list[int], rng: random.Random) -> dict[str, list[int]]:
+    """Slots of the batch's contexts, one request after another, under three allocations."""
+    total = sum(lens)
+    contiguous = list(range(total))
+    # The canonical pattern: each prompt in one run, then the generated tokens handed out a batch at a time.
+    canonical, nxt = [], 0
+    prompt_start = []
+    for p in prefill:
+        prompt_start.append(nxt)
+        nxt += p
+    gen = [ln - p for ln, p in zip(lens, prefill)]
+    gen_slots: list[list[int]] = [[] for _ in lens]
+    step = 0
+    while any(len(g) < want for g, want in zip(gen_slots, gen)):
+        for i, want in enumerate(gen):
+            if len(gen_slots[i]) < want:
+                gen_slots[i].append(nxt)
+                nxt += 1
+        step += 1
+    for i, p in enumerate(prefill):
+        canonical += list(range(prompt_start[i], prompt_start[i] + p)) + gen_slots[i]
+    shuffled = rng.sample(range(pool), total)
+    return {"contiguous": contiguous, "canonical": canonical, "random": shuffled}
+
+
+def time_ms(fn, repeats: int = 30) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        for _ in range(repeats):
+            g.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / repeats)
+    return best
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--output", required=True)
+    p.add_argument("--requests", type=int, default=256)
+    args = p.parse_args()
+    from minisgl_ref.bench.provenance import collect_provenance
+
+    rng = random.Random(0)
+    lens = [rng.randint(100, 1024) + rng.randint(0, 400) for _ in range(args.requests)]  # mid-workload contexts
+    prefill = [min(ln, rng.randint(100, 1024)) for ln in lens]
+    total = sum(lens)
+    pool = 4 * total
+    dev = torch.device("cuda")
+    row = KV_HEADS * HEAD_DIM
+    kv = torch.randn(pool, row, device=dev, dtype=torch.bfloat16)
+    results = []
+    stream_bytes = total * row * 2
+    flat = kv[:total]
+    results.append({"order": "contiguous", "how": "torch.sum over the rows (a plain stream)",
+                    "ms": round(time_ms(lambda: flat.sum(dtype=torch.float32)), 4)})
+    for order, slots_list in slot_orders(pool, lens, prefill, rng).items():
+        slots = torch.tensor(slots_list, dtype=torch.int32, device=dev)
+        for piece, block_t in ((HEAD_DIM, 64), (HEAD_DIM, 128), (2 * HEAD_DIM, 64), (row, 16), (row, 32)):
+            out = torch.empty(triton_cdiv(total, block_t) * (row // piece), device=dev, dtype=torch.float32)
+            ms = time_ms(lambda: read(kv, slots, out, piece, block_t))  # noqa: B023 - timed right here
+            results.append({"order": order, "piece_bytes": piece * 2, "block_tokens": block_t, "ms": round(ms, 4)})
+    for r in results:
+        r["tb_per_s"] = round(stream_bytes / (r["ms"] * 1e-3) / 1e12, 3)
+        print(json.dumps(r), flush=True)
+    doc = {"what": __doc__.split("\n\n")[0], "tokens": total, "bytes_read": stream_bytes, "results": results,
+           "provenance": collect_provenance(sys.argv)}
+    Path(args.output).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
