@@ -139,6 +139,20 @@ def test_store_kv_rejects_mismatched_rows() -> None:
         triton_fused.store_kv_(pool, pool.clone(), torch.arange(3, device=DEVICE), k, v)
 
 
+def test_index_tensors_reach_the_kernels_aligned() -> None:
+    """A view that starts 8 bytes into its tensor is copied to an address that is a multiple of 16 bytes (so
+    Triton meets one pattern of alignment only); an aligned tensor is passed as it is, not copied."""
+    from minisgl_ref.layers.triton_fused import _aligned
+
+    base = torch.arange(9, dtype=torch.int64)
+    assert base.data_ptr() % 16 == 0
+    assert _aligned(base) is base
+    view = base[1:]
+    assert view.data_ptr() % 16 == 8
+    moved = _aligned(view)
+    assert moved.data_ptr() % 16 == 0 and torch.equal(moved, view)
+
+
 def test_cpu_keeps_the_plain_path() -> None:
     """The model takes the kernels only on CUDA in half precision: on the CPU the oracle tests compare plain ops."""
     assert not triton_fused.available(torch.zeros(2, 2, dtype=torch.bfloat16))
@@ -164,9 +178,12 @@ def test_gpu_qk_norm_rope_bf16_matches_plain(tokens) -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_qwen3_attention_stores_kv_in_the_rope_kernel() -> None:
-    """A Qwen3 attention layer in a decode step on the GPU: the RoPE kernel writes K/V into the pool itself, and
-    the layer's output and the pool's contents are exactly those of the path where the backend stores them."""
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+def test_gpu_qwen3_attention_stores_kv_in_the_rope_kernel(mode) -> None:
+    """A Qwen3 attention layer in a decode step and in an extend step (parts of four prompts, after cached
+    prefixes) on the GPU: the RoPE kernel writes K/V into the pool itself, and the layer's output and the pool's
+    contents are exactly those of the path where the backend stores them. The extend step's positions are a view
+    at an address that is not a multiple of 16 bytes (the kernel gets an aligned copy)."""
     from minisgl_ref.attention.torch_native import TorchNativeBackend
     from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
     from minisgl_ref.kvcache.pool import KVPool
@@ -191,18 +208,21 @@ def test_gpu_qwen3_attention_stores_kv_in_the_rope_kernel() -> None:
     pools = [KVPool(cfg.num_layers, 4000, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, DEVICE) for _ in range(2)]
     for a, b in zip(pools[0].k + pools[0].v, pools[1].k + pools[1].v):
         b.copy_(a.normal_())  # the same random cache in both
-    last = torch.tensor([sum(lens[:i + 1]) - 1 for i in range(len(lens))], device=DEVICE)
-    hidden = torch.randn(len(lens), cfg.hidden_size, device=DEVICE, dtype=torch.bfloat16)
-    noise = pools[0].k[3][slots[last]].clone()
+    new = [1] * len(lens) if mode == "decode" else [5, 40, 17, 64]  # new tokens per request, at the end
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    idx = torch.tensor([s + p for s, n, e in zip(starts, lens, new) for p in range(n - e, n)], device=DEVICE)
+    hidden = torch.randn(len(idx), cfg.hidden_size, device=DEVICE, dtype=torch.bfloat16)
+    noise = pools[0].k[3][slots[idx]].clone()
+    spare = torch.tensor([0] + [p for n, e in zip(lens, new) for p in range(n - e, n)], device=DEVICE)
     outs = []
-    for pool, fused in zip(pools, (True, False)):  # the new token's slot holds noise until it is written
+    for pool, fused in zip(pools, (True, False)):  # the new tokens' slots hold noise until they are written
         backend = TorchNativeBackend(pool, table)
-        batch = ForwardBatch(mode=ForwardMode.DECODE, input_ids=torch.zeros(len(lens), dtype=torch.int64,
-                                                                          device=DEVICE),
-                             positions=torch.tensor([n - 1 for n in lens], device=DEVICE),
-                             extend_lens_cpu=[1] * len(lens), prefix_lens_cpu=[n - 1 for n in lens],
+        batch = ForwardBatch(mode=ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND,
+                             input_ids=torch.zeros(len(idx), dtype=torch.int64, device=DEVICE),
+                             positions=spare[1:],  # 8 bytes into its tensor
+                             extend_lens_cpu=new, prefix_lens_cpu=[n - e for n, e in zip(lens, new)],
                              attn_backend=backend, req_pool_indices=torch.arange(len(lens), device=DEVICE),
-                             out_cache_loc=slots[last], seq_lens=torch.tensor(lens, device=DEVICE))
+                             out_cache_loc=slots[idx], seq_lens=torch.tensor(lens, device=DEVICE))
         backend.init_forward_metadata(batch)
         assert rope.can_store_kv(torch.empty(1, 1, cfg.head_dim, device=DEVICE, dtype=torch.bfloat16),
                                  torch.empty(1, device=DEVICE, dtype=torch.bfloat16), batch)
@@ -212,4 +232,4 @@ def test_gpu_qwen3_attention_stores_kv_in_the_rope_kernel() -> None:
     del layer.rotary.can_store_kv
     assert torch.equal(outs[0], outs[1])
     assert all(torch.equal(a, b) for a, b in zip(pools[0].k + pools[0].v, pools[1].k + pools[1].v))
-    assert not torch.equal(pools[0].k[3][slots[last]], noise)  # the new keys were written
+    assert not torch.equal(pools[0].k[3][slots[idx]], noise)  # the new keys were written

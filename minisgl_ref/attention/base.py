@@ -61,13 +61,12 @@ class AttentionBackend:
         """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] for the T new tokens. Returns [T, heads * head_dim].
 
         The new K/V go into the pool first, so attention reads every request's whole context from one place (in
-        decode, the new token is part of its own context). Decode stores K and V with one kernel where it can run
-        (why decode only: :mod:`minisgl_ref.layers.triton_fused`); ``kv_stored=True`` says the model's RoPE kernel
-        has written them already."""
+        decode, the new token is part of its own context); ``kv_stored=True`` says the model's RoPE kernel has
+        written them already."""
         assert batch.out_cache_loc is not None
         decode = batch.mode.is_decode
         if not kv_stored:
-            self.kv_pool.store(layer.layer_id, batch.out_cache_loc, k, v, one_kernel=decode)
+            self.kv_pool.store(layer.layer_id, batch.out_cache_loc, k, v)
         return self.attend_decode(q, layer, batch) if decode else self.attend_extend(q, k, v, layer, batch)
 
     def attend_extend(

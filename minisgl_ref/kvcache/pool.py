@@ -32,15 +32,15 @@ class KVPool:
     def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
-    def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-              one_kernel: bool = False) -> None:
+    def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the new tokens' keys and values [T, kv_heads, head_dim] into their slots [T].
 
-        ``one_kernel=True`` (decode steps: ``AttentionBackend.forward`` decides) writes K and V with one Triton
-        kernel where it can run: one kernel fewer per layer inside a CUDA graph. Other steps keep PyTorch's indexing (why:
-        :mod:`minisgl_ref.layers.triton_fused`)."""
+        On a GPU, one Triton kernel writes K and V together (:mod:`minisgl_ref.layers.triton_fused`): one kernel
+        instead of two, and a copy of whole rows instead of PyTorch's general indexing, which took ~4x the
+        bandwidth's time on the prompts of a prefill step (chapter 11). Elsewhere, plain indexing."""
         pool_k, pool_v = self.k[layer_id], self.v[layer_id]
-        if one_kernel and triton_fused.available(k) and k.dtype == pool_k.dtype and v.dtype == pool_v.dtype:
+        if (triton_fused.available(k) and k.dtype == pool_k.dtype and v.dtype == pool_v.dtype
+                and triton_fused.rows_fit(pool_k, k) and triton_fused.rows_fit(pool_v, v)):
             triton_fused.store_kv_(pool_k, pool_v, slots, k, v)
             return
         self.k[layer_id][slots] = k.to(self.k[layer_id].dtype)

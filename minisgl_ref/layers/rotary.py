@@ -98,13 +98,13 @@ class RotaryEmbedding(nn.Module):
         q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, *,
         store: tuple[torch.Tensor, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """QK-norm (when the model has one, Qwen3) and then RoPE. In decode steps on a CUDA half-precision ``q``,
-        one Triton kernel does both in place (why decode only: :mod:`minisgl_ref.layers.triton_fused`).
+        """QK-norm (when the model has one, Qwen3) and then RoPE. On a CUDA half-precision ``q`` one Triton kernel
+        does both in place, in every step (:mod:`minisgl_ref.layers.triton_fused`).
 
         ``store=(v, layer_id)``, given only when :meth:`can_store_kv` said yes, makes that kernel also write the
         new tokens' rotated keys and their values into layer ``layer_id`` of the KV pool: the attention backend
-        then skips its own store (one kernel fewer per layer of a decode step, chapter 11)."""
-        if batch.mode.is_decode and triton_fused.available(q) and q.shape[-1] == self.head_dim:
+        then skips its own store (one kernel fewer per layer, and one pass fewer over the new K/V, chapter 11)."""
+        if triton_fused.available(q) and q.shape[-1] == self.head_dim:
             norm = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None and k_norm is not None else ()
             kv = None
             if store is not None:
@@ -119,10 +119,10 @@ class RotaryEmbedding(nn.Module):
         return self(positions, q, k)
 
     def can_store_kv(self, q: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> bool:
-        """Whether :meth:`norm_and_rotate` can write this step's K/V into the pool itself: a decode step on the
-        Triton path, with a KV pool of ``v``'s dtype behind the batch's attention backend."""
+        """Whether :meth:`norm_and_rotate` can write this step's K/V into the pool itself: the Triton path, with a
+        KV pool of ``v``'s dtype behind the batch's attention backend."""
         pool = getattr(batch.attn_backend, "kv_pool", None)
-        return (batch.mode.is_decode and triton_fused.available(q) and q.shape[-1] == self.head_dim
+        return (triton_fused.available(q) and q.shape[-1] == self.head_dim
                 and pool is not None and batch.out_cache_loc is not None
                 and pool.k[0].dtype == q.dtype and pool.v[0].dtype == v.dtype)
 

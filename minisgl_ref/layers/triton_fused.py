@@ -1,4 +1,4 @@
-"""Two per-token kernels of our own, in Triton: fewer, not faster, kernels (chapters 08 and 11).
+"""Two per-token kernels of our own, in Triton: fewer kernels, and fewer passes over memory (chapters 08 and 11).
 
 After CUDA graphs removed the launch cost, a decode step of Qwen3-0.6B is still ~370 kernels, and at small batch
 most of them move a few kilobytes: each costs its ~2-4 us of fixed GPU time whatever it does. Two groups of
@@ -16,14 +16,20 @@ Both round at the same points as the plain PyTorch reference (``layers/norm.py``
 again, then rotated in float32 and rounded once more. So they agree with the reference to the last bit but for the
 order of the sum of squares (``tests/test_triton_fused.py``, on the CPU through Triton's interpreter).
 
-They run where the other fused ops run (CUDA, half precision, ``MINISGL_FUSED`` not ``0``), and only in decode
-steps, for two reasons. Decode steps are replayed as CUDA graphs, where a launch costs the host nothing, while
-Triton's Python launcher costs ~20 us of host time per eager launch, twice a PyTorch or FlashInfer launch
-(``scripts/gpu/launch_overhead.py``; H100 host). And Triton compiles a variant of a kernel per pattern of argument
-alignment on first use (pointers aligned to 16 bytes or not, say): graph capture meets every decode variant at
-start-up, whereas prefill steps of new shapes could stall a live server for a compilation. Elsewhere the plain
-ops run. See :mod:`minisgl_ref.attention.triton_kernels` for the conventions (int64 index arithmetic, no helper
-``@triton.jit`` calls) that keep the interpreter fast enough for CPU tests.
+They run where the other fused ops run (CUDA, half precision, ``MINISGL_FUSED`` not ``0``), in decode and prefill
+steps alike. In a decode step the gain is the kernels saved; in a prefill step it is the bandwidth: the step's
+16,384 new tokens of Qwen3-0.6B carry ~130 MB of q, k and v per layer, and FlashInfer's QK-norm, its RoPE and
+PyTorch's indexed store took ~86 ms of an H100's time over the canonical workload's prefill, where one pass that
+reads each value once and writes it once needs about a third of that (``scripts/gpu/prefill_anatomy.py``).
+
+Two costs that once kept them to decode steps are handled here. Triton's Python launcher costs ~20 us of host
+time per eager launch, twice a PyTorch or FlashInfer launch (``scripts/gpu/launch_overhead.py``; H100 host): CUDA
+graphs hide it in decode steps and small prefill steps, and next to a large prefill step's milliseconds it does
+not count (it also replaces three or four launches). And Triton compiles a variant of a kernel per pattern of
+argument alignment (a pointer aligned to 16 bytes or not): a misaligned index tensor is copied first
+(:func:`_aligned`), so every step runs the one variant that graph capture compiles at start-up, and no step of a
+live server waits for a compilation. See :mod:`minisgl_ref.attention.triton_kernels` for the conventions (int64
+index arithmetic, no helper ``@triton.jit`` calls) that keep the interpreter fast enough for CPU tests.
 """
 
 from __future__ import annotations
@@ -166,6 +172,7 @@ def qk_norm_rope_(
     if t == 0:
         return q, k
     has_norm = q_weight is not None
+    positions, slots = _aligned(positions), _aligned(slots)
     kernel[(t,)](
         q, k, v, q_weight if has_norm else q, k_weight if has_norm else k, cos, sin, positions,
         k_pool, v_pool, slots, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), eps,
@@ -173,6 +180,18 @@ def qk_norm_rope_(
         HAS_NORM=has_norm, STORE=store is not None, HALF=d // 2,
     )  # fmt: skip
     return q, k
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a copy of it when its address is not a multiple of 16 bytes: a view into a larger index tensor
+    may start anywhere, and Triton would compile another variant of the kernel for it."""
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
+def rows_fit(k_pool: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``x`` [T, KVH, D] has the pool's row shape with each token's heads contiguous, as :func:`store_kv_`
+    needs (the ``k`` / ``v`` views of a fused QKV output do)."""
+    return x.shape[1:] == k_pool.shape[1:] and x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2])
 
 
 def _next_pow2(n: int) -> int:
@@ -188,10 +207,11 @@ def store_kv_(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k
     t = k.shape[0]
     row = k_pool.shape[1] * k_pool.shape[2]
     for name, x in (("k", k), ("v", v)):
-        if x.shape[1:] != k_pool.shape[1:] or x.stride(2) != 1 or (x.shape[1] > 1 and x.stride(1) != x.shape[2]):
+        if not rows_fit(k_pool, x):
             raise ValueError(f"store_kv_: {name} rows must be {row} contiguous values, got {tuple(x.shape)} "
                              f"strides {x.stride()}")
     if t == 0:
         return
     block = _next_pow2(row)
+    slots = _aligned(slots)
     kernel[(t,)](k, v, k_pool, v_pool, slots, k.stride(0), v.stride(0), ROW=row, BLOCK=block)
