@@ -185,10 +185,10 @@ class FlashAttentionBackend(AttentionBackend):
     def attend_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
-        return self._attend(q.contiguous(), layer, decode=False).reshape(q.shape[0], -1)
+        return self._attend(_last_dim_contiguous(q), layer, decode=False).reshape(q.shape[0], -1)
 
     def attend_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
-        return self._attend(q.contiguous(), layer, decode=True).reshape(q.shape[0], -1)
+        return self._attend(_last_dim_contiguous(q), layer, decode=True).reshape(q.shape[0], -1)
 
     # ---------------------------------------------------------------------------------------- CUDA graphs
 
@@ -263,3 +263,9 @@ class FlashAttentionBackend(AttentionBackend):
         g["lens"].copy_(host.pin_memory(), non_blocking=True)
         width = max(seq)
         g["page_table"][: rows.shape[0], :width].copy_(self.req_to_token.table[rows, :width])
+
+
+def _last_dim_contiguous(q: torch.Tensor) -> torch.Tensor:
+    """``q`` as FA3 takes it: any token and head strides, the head dim contiguous. The query is a view into the
+    fused QKV output; copying it whole would cost a prefill step of 16,384 tokens ~70 us per layer on an H100."""
+    return q if q.stride(-1) == 1 else q.contiguous()
