@@ -425,11 +425,12 @@ for label in ("cold", "warm"):
           f"compiled during the run: {run['compiled_during_run']}")
 
 # %% [markdown]
-# This is the engine as it stands at the end of the chapter (with the persistent decode kernel of a later
-# section). The first process compiles for about a minute before its first request (FlashInfer's JIT and Triton,
-# then the KV pool and the graph captures; the host's speed varies from machine to machine, and earlier bare
-# machines took up to 100 s), the second starts in about 9 s from the disk caches, and both run the workload at
-# ~19,030 output tokens/s, 71.5% of the floor, with nothing compiled inside the timed run.
+# This is the engine as it stands at the end of the chapter (with the persistent decode kernel and the fused
+# prefill store of later sections). The first process compiles for about a minute before its first request
+# (FlashInfer's JIT and Triton, then the KV pool and the graph captures; the host's speed varies from machine to
+# machine, and earlier bare machines took up to 100 s), the second starts in under 10 s from the disk caches, and
+# both run the workload at 19,200-19,450 output tokens/s, 72-73% of the floor, with nothing compiled inside the
+# timed run. (The same measurement before the fused prefill store: 19,034 and 19,027.)
 
 # %% [markdown]
 # ### The gaps between kernels, measured one by one
@@ -674,6 +675,24 @@ for name, what in (("canonical_ab_persistent_h100.json", "plan uploaded on the s
 # offsets of its arrays fixed, and the planner is checked on every call for exactly that: a captured graph has
 # those offsets in its kernel arguments.
 #
+# How much faster could any decode kernel read? With one-token pages a request's generated tokens lie a batch
+# apart in the pool, and a kernel that gives each KV head its own program reads 256-byte pieces of each token's
+# 2 KiB row. `benchmarks/gather_bandwidth.py` reads one layer's keys of 256 mid-workload contexts, with no
+# arithmetic at all, in pieces of each size, for contiguous, canonical and random slot orders
+# (`gather_bandwidth_h100.json`):
+
+# %%
+GB = json.loads((ROOT / "docs" / "data" / "gather_bandwidth_h100.json").read_text())
+for r in GB["results"]:
+    how = r.get("how") or f"pieces of {r['piece_bytes']:>4} bytes, {r['block_tokens']:>3} tokens a program"
+    print(f"{r['order']:<10} {how:<45} {r['tb_per_s']:.2f} TB/s")
+
+# %% [markdown]
+# Whole rows (16 tokens a program) read ~4% faster than 256-byte pieces, and the canonical order costs almost
+# nothing against contiguous slots. The persistent kernel reads the workload's contexts at ~2.89 TB/s, so a
+# kernel of our own that took whole rows could gain at most ~4% of the attention time, ~0.2 s of the run, before
+# doing any arithmetic: the attention is within a few percent of what this GPU can read.
+#
 # ### Overlapping attention with the matrix multiplies
 #
 # The fixed cost of a step is short kernels that wait on their own ramp-up more than on memory, and the
@@ -699,6 +718,51 @@ for s in OV["stages"]:
 # cost a second time: it does not depend on the rows. Overlapping wins back only 1.0-1.1 ms of that, because the
 # attention kernel fills every SM and the other stream's short kernels get an SM only as its blocks drain. So at this model
 # size the fixed cost cannot be hidden behind the attention; it has to shrink.
+
+# %% [markdown]
+# ### The prefill phase
+#
+# All 256 prompts arrive at once, so the workload begins with nine prefill steps of up to 16,384 tokens, and no
+# token comes out until they are done. Their floor is compute: 126 TFLOP of matrix multiplies (two FLOPs per
+# parameter per prompt token) and 11 TFLOP of causal attention, ~170 ms at the ~800 TFLOP/s an H100 reaches on
+# large bf16 multiplies. `scripts/gpu/prefill_anatomy.py` times the phase in a fresh engine without the profiler,
+# then sums its kernels by kind under the profiler:
+
+# %%
+for name, label in (("prefill_anatomy_h100.json", "before"), ("prefill_anatomy_fused_h100.json", "after")):
+    PA = json.loads((ROOT / "docs" / "data" / name).read_text())
+    kinds, top = PA["profiled"]["gpu_ms_by_kind"], PA["profiled"]["top_kernels_ms"]
+    print(f"{label}: prefill phase {PA['unprofiled'][-1]['wall_ms']:.0f} ms (floor {PA['floor']['floor_ms_at_peak']:.0f}),"
+          f" GPU busy {PA['profiled']['gpu_busy_ms']:.0f} ms: matrix multiplies {kinds['matmul']:.0f}, attention "
+          f"{kinds['attention']:.0f}, the rest {kinds['other']:.0f} ({PA['profiled']['kernels']:,} kernels)")
+    for k, v in top.items():
+        if not k.startswith(("nvjet", "cutlass", "flash::", "Mem", "race", "flashinfer::norm::RMSNorm")) and v > 5:
+            print(f"    {v:5.1f} ms  {k}")
+
+# %% [markdown]
+# The matrix multiplies run at ~740 TFLOP/s, near what the GPU gives. The waste was in the rest: the QK-norm,
+# RoPE and KV store that one Triton kernel does in a decode step ran here as three kernels of FlashInfer and
+# PyTorch, and the store, PyTorch's general indexing (`pool.k[layer][slots] = k`), took ~41 ms, four times what
+# writing 134 MB per layer at the bandwidth needs. The fix is to let the fused kernel run in every step (the
+# reasons it was kept to decode steps, and how they are met, are in `minisgl_ref/layers/triton_fused.py`): it
+# reads each token's q, k and v once, writes q and k back rotated and K and V into their slots. FA3 also takes the
+# query as the strided view of the QKV output it is, instead of a copy (the rotated query used to be a new tensor,
+# so that copy was new). The phase drops from ~362 to ~305 ms, about 0.8% of the whole run, and two interleaved
+# A/Bs against the engine before (four processes per side each, two timed runs per process) agree within their
+# spread:
+
+# %%
+for name in ("canonical_ab_prefill_rope_store_h100.json", "canonical_ab_prefill_fused_h100.json"):
+    ab = json.loads((ROOT / "docs" / "data" / name).read_text())
+    base, new = ab["provenance"]["settings"]["base"], ab["provenance"]["settings"]["new"]
+    b, n = ab["summary"][base], ab["summary"][new]
+    print(f"before {', '.join(f'{x:,.0f}' for x in b['runs_tok_s'])} (median {b['median']:,.0f}); after "
+          f"{', '.join(f'{x:,.0f}' for x in n['runs_tok_s'])} (median {n['median']:,.0f}, {n['median'] / b['median'] - 1:+.1%})")
+
+# %% [markdown]
+# (+1.2% and +0.3%: the change is smaller than the ±1% by which processes differ, and only the phase's own time
+# shows it cleanly.) What remains of the phase beyond its floor is ~70 ms of norms, activation and RoPE that run
+# at the bandwidth, ~40 ms of attention on short prompts, and ~20 ms of idle GPU between steps.
 
 # %% [markdown]
 # ## 6. Reading a shared prefix once: cascade decode attention
@@ -1345,6 +1409,8 @@ for run in SA["canonical_runs"]:
 # python3 scripts/gpu/decode_anatomy.py --out results --at 256,64,16 --label copies  # section 5: gaps and copies
 # python -m benchmarks.decode_matmuls_pdl --output results/decode_matmuls_pdl.json  # section 5: split-K and PDL
 # bash scripts/gpu/bare_machine.sh results/bare_machine.json   # section 5: first run on a bare machine, then warm
+# python3 scripts/gpu/prefill_anatomy.py --out results          # section 5: the prefill phase by kernel kind
+# python -m benchmarks.gather_bandwidth --output results/gather_bandwidth.json   # section 5: reading scattered KV
 # ```
 #
 # Expected on an H100 80GB HBM3 (`docs/data/gpu_offline_h100.json`): about 17,700-17,850 output tok/s on the
@@ -1363,9 +1429,14 @@ for run in SA["canonical_runs"]:
 # `canonical_ab_page_size_h100.json`: medians of 18,858 (pages of 64) against 18,803 (pages of 1);
 # `canonical_ab_persistent_staged_h100.json`: medians of 19,060 (the persistent kernel from 64 rows, the
 # default) against 18,829 (`--persistent-decode-min-batch 0`);
-# `canonical_bare_machine_h100.json` (`bare_machine.sh`, about 2 minutes): `bench offline` on a bare machine
-# starts in about 60 s (up to 100 s on slower hosts) and runs the workload at about 19,000 tok/s, a second process
-# starts in about 9 s and runs at about 19,000.
+# `canonical_bare_machine_h100.json` (`bare_machine.sh`, about 2.5 minutes): `bench offline` on a bare machine
+# starts in 60-70 s (up to 100 s on slower hosts) and runs the workload at about 19,200-19,450 tok/s, a second
+# process starts in about 9.5 s and runs at about 19,200. `prefill_anatomy.py` (`prefill_anatomy_fused_h100.json`,
+# about a minute after the compilation): the prefill phase in ~305 ms, ~283 ms of GPU time, 72 ms of it in
+# kernels other than matrix multiplies and attention (`prefill_anatomy_h100.json`, the engine before: ~362 ms and
+# 133 ms). `gather_bandwidth` (`gather_bandwidth_h100.json`, seconds): a layer's keys read at ~2.9 TB/s in
+# 256-byte pieces and ~3.0 TB/s in whole rows of the canonical slot order, ~3.06 TB/s in whole rows of
+# contiguous slots (`torch.sum` over them: ~2.9).
 # `decode_balance.sh` (`docs/data/decode_balance_h100.json`, ~1.5 minutes with the compilation): ~218 us per layer
 # for the 256 running contexts against ~199 for the equal-length control, ~197 against ~191 at 128 running, ~43
 # for both at 16. `decode_anatomy.py --label gaps` (`decode_anatomy_gaps_h100.json`): about 0.3 ms of gaps between

@@ -67,7 +67,12 @@ OTHER_RESULTS = [
     "dependent launch and an L2 prefetch of the weights: `docs/data/decode_matmuls_pdl_h100.json` (a first version "
     "that let its dependents launch before its own wait: `docs/data/decode_matmuls_pdl_early_trigger_h100.json`). "
     "The gaps again with copies counted as events, beside unprofiled wall times: "
-    "`docs/data/decode_anatomy_copies_h100.json`.",
+    "`docs/data/decode_anatomy_copies_h100.json`. The KV cache read in 256-byte pieces against whole rows, for "
+    "several slot orders: `docs/data/gather_bandwidth_h100.json`. The prefill phase of the canonical workload by "
+    "kernel kind, before and after QK-norm, RoPE and the KV store ran as one kernel in prefill steps too: "
+    "`docs/data/prefill_anatomy_h100.json`, `docs/data/prefill_anatomy_fused_h100.json`; the A/Bs "
+    "`docs/data/canonical_ab_prefill_rope_store_h100.json`, `docs/data/canonical_ab_prefill_fused_h100.json`; "
+    "its GPU tests `docs/data/gpu_tests_prefill_store_h100.txt`.",
     "Constrained decoding against free decoding, and jump-forward (chapter 12), with the model in float32: random "
     "weights `docs/data/constrained_bench_h100.json`, `docs/data/constrained_bench_typical_h100.json`; the embedded "
     "model's real weights `docs/data/constrained_bench_real_typical_h100.json`, "
