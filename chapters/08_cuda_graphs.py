@@ -320,7 +320,7 @@ plt.show()
 # | RMSNorm (+ residual) | 8 kernels per norm | 1 FlashInfer kernel (`fused_add_rmsnorm`, and `rmsnorm` on `[T, heads, d]` views for QK-norm, no copies) |
 # | SiLU-and-mul | 3 kernels | 1 FlashInfer kernel |
 # | RoPE | gather cos/sin, ~10 element-wise kernels, 2 copies | 1 FlashInfer kernel, in place on the q/k views |
-# | QK-norm + RoPE, KV store (decode) | 2 norm kernels + 1 RoPE kernel; 2 indexing kernels | 1 Triton kernel each, our own (`layers/triton_fused.py`), in the graphed decode steps; chapter 11 later merges the two into one |
+# | QK-norm + RoPE, KV store | 2 norm kernels + 1 RoPE kernel; 2 indexing kernels | 1 Triton kernel each, our own (`layers/triton_fused.py`), first in the graphed decode steps; chapter 11 later merges the two into one and runs it in prefill steps too |
 # | host syncs per step | one per request (page-table reads) + one for the tokens | **one** (`StepOutput.tokens()`, one step late under overlap, waiting on the step's own copy event) |
 #
 # The fused kernels run only on CUDA in half precision; on the CPU the plain versions in `layers/*.py` run, so

@@ -256,8 +256,9 @@ plt.show()
 # batch's slots in one numpy operation instead of a call and a one-element tensor per request (last row) was
 # worth ~5% (between two GPU calls, so only roughly: calls differ by up to ~4%). Our two Triton kernels (QK-norm + RoPE in one pass, K and V stored in one kernel) cut a decode step
 # from 369 to 313 kernels and batch-1 decode from 1.62 to 1.40 ms (two GPU calls apart; chapter 08), but on this workload they are
-# worth 1-2%, inside the run-to-run spread (`without_triton_fused`). They run in decode steps only: Triton's
-# Python launcher costs the host twice what PyTorch's does, which a CUDA graph hides:
+# worth 1-2%, inside the run-to-run spread (`without_triton_fused`). At first they ran in decode steps only,
+# because Triton's Python launcher costs the host twice what PyTorch's does, which a CUDA graph hides; the prefill
+# phase (later in this section) showed what that left on the table:
 
 # %%
 launch = json.loads((ROOT / "docs" / "data" / "launch_overhead_h100.json").read_text())
