@@ -85,6 +85,19 @@ def weights(device: torch.device) -> list[list[torch.Tensor]]:
     return [[torch.randn(s, device=device, dtype=torch.bfloat16) * 0.02 for s in shapes] for _ in range(LAYERS)]
 
 
+def parse_args(doc: str) -> argparse.Namespace:
+    """``--output`` (the JSON file) and ``--bandwidth`` (bytes/s for the floor), shared by the matmul benchmarks."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--output", required=True)
+    p.add_argument("--bandwidth", type=float, default=3.0e12)
+    return p.parse_args()
+
+
+def step_weights(device: torch.device) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
+    """Every layer's projection weights and the LM head, distinct tensors as in the model."""
+    return weights(device), torch.randn(VOCAB, HIDDEN, device=device, dtype=torch.bfloat16) * 0.02
+
+
 def step(xs: dict[int, torch.Tensor], layers: list[list[torch.Tensor]], head: torch.Tensor) -> None:
     """One step's multiplies in order, each fed a fixed input of its width (the kernels run one after another on
     the stream whatever the data, and the engine's inputs are contiguous too)."""
@@ -116,15 +129,11 @@ def time_graph(fn, repeats: int = 50) -> float:  # type: ignore[no-untyped-def]
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--output", required=True)
-    p.add_argument("--bandwidth", type=float, default=3.0e12)
-    args = p.parse_args()
+    args = parse_args(__doc__)
     from minisgl_ref.bench.provenance import collect_provenance
 
     dev = torch.device("cuda")
-    layers = weights(dev)
-    head = torch.randn(VOCAB, HIDDEN, device=dev, dtype=torch.bfloat16) * 0.02
+    layers, head = step_weights(dev)
     total_bytes = sum(w.numel() for ws in layers for w in ws) * 2 + head.numel() * 2
     floor_ms = total_bytes / args.bandwidth * 1e3
     rows_out = []

@@ -13,14 +13,13 @@ activations sit in a real layer) to see what PDL keeps when its neighbours do no
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import torch
 
-from benchmarks.decode_matmuls import FFN, HIDDEN, KV, LAYERS, Q, VOCAB, time_graph, weights
+from benchmarks.decode_matmuls import FFN, HIDDEN, KV, Q, parse_args, step_weights, time_graph
 from benchmarks.skinny_gemm import Workspace, skinny_linear
 
 ROWS = (1, 16, 64, 128, 256)
@@ -48,15 +47,11 @@ def tune(rows: int, ws_list: list[torch.Tensor], x: torch.Tensor, out: torch.Ten
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--output", required=True)
-    p.add_argument("--bandwidth", type=float, default=3.0e12)
-    args = p.parse_args()
+    args = parse_args(__doc__)
     from minisgl_ref.bench.provenance import collect_provenance
 
     dev = torch.device("cuda")
-    layers = weights(dev)
-    head = torch.randn(VOCAB, HIDDEN, device=dev, dtype=torch.bfloat16) * 0.02
+    layers, head = step_weights(dev)
     layer_bytes = sum(w.numel() for ws in layers for w in ws) * 2
     ws = Workspace(dev, floats=1 << 24, tiles=1 << 14)
     results = []

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.decode_matmuls import time_graph
+
 KV_HEADS, HEAD_DIM = 8, 128  # Qwen3-0.6B
 
 
@@ -79,24 +81,9 @@ def slot_orders(pool: int, lens: list[int], prefill: list[int], rng: random.Rand
     return {"contiguous": contiguous, "canonical": canonical, "random": shuffled}
 
 
-def time_ms(fn, repeats: int = 30) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        start.record()
-        for _ in range(repeats):
-            g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / repeats)
-    return best
+def best_ms(fn) -> float:  # type: ignore[no-untyped-def]
+    """The best of three timings of a CUDA graph of ``fn`` (milliseconds per replay)."""
+    return min(time_graph(fn, repeats=30) for _ in range(3))
 
 
 def main() -> int:
@@ -118,12 +105,12 @@ def main() -> int:
     stream_bytes = total * row * 2
     flat = kv[:total]
     results.append({"order": "contiguous", "how": "torch.sum over the rows (a plain stream)",
-                    "ms": round(time_ms(lambda: flat.sum(dtype=torch.float32)), 4)})
+                    "ms": round(best_ms(lambda: flat.sum(dtype=torch.float32)), 4)})
     for order, slots_list in slot_orders(pool, lens, prefill, rng).items():
         slots = torch.tensor(slots_list, dtype=torch.int32, device=dev)
         for piece, block_t in ((HEAD_DIM, 64), (HEAD_DIM, 128), (2 * HEAD_DIM, 64), (row, 16), (row, 32)):
             out = torch.empty(triton_cdiv(total, block_t) * (row // piece), device=dev, dtype=torch.float32)
-            ms = time_ms(lambda: read(kv, slots, out, piece, block_t))  # noqa: B023 - timed right here
+            ms = best_ms(lambda: read(kv, slots, out, piece, block_t))  # noqa: B023 - timed right here
             results.append({"order": order, "piece_bytes": piece * 2, "block_tokens": block_t, "ms": round(ms, 4)})
     for r in results:
         r["tb_per_s"] = round(stream_bytes / (r["ms"] * 1e-3) / 1e12, 3)
