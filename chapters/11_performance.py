@@ -764,6 +764,38 @@ for name in ("canonical_ab_prefill_rope_store_h100.json", "canonical_ab_prefill_
 # (+1.2% and +0.3%: the change is smaller than the ±1% by which processes differ, and only the phase's own time
 # shows it cleanly.) What remains of the phase beyond its floor is ~70 ms of norms, activation and RoPE that run
 # at the bandwidth, ~40 ms of attention on short prompts, and ~20 ms of idle GPU between steps.
+#
+# ### Where the time of a run goes now
+#
+# Put the pieces of this section together for the first run on a bare machine:
+
+# %%
+run = BARE["cold"]["results"][0]
+wall, floor = run["wall_s"], run["roofline_floor_s"]
+decode_steps = run["decode_steps"]
+weights_s = decode_steps * MM["floor_ms_at_bandwidth"] / 1e3  # every decode step reads the weights once
+kv_s = floor - weights_s  # the rest of the floor: the KV cache, at 3.0 TB/s
+prefill_s = json.loads((ROOT / "docs" / "data" / "prefill_anatomy_fused_h100.json").read_text())["unprofiled"][-1]["wall_ms"] / 1e3
+attention_s = kv_s * 3.0 / 2.89  # the persistent kernel's measured read rate
+fixed_s = wall - prefill_s - attention_s
+target_s = GPU["canonical_output_tokens"] / 20_500
+print(f"run {wall:.2f} s ({run['output_throughput']:,.0f} tok/s); floor {floor:.2f} s = KV {kv_s:.2f} + weights {weights_s:.2f}")
+print(f"  prefill phase                        {prefill_s:5.2f} s")
+print(f"  decode attention at 2.89 TB/s        {attention_s:5.2f} s")
+print(f"  the rest of {decode_steps:,} decode steps      {fixed_s:5.2f} s = {fixed_s / decode_steps * 1e3:.2f} ms a step "
+      f"(of which reading the weights at the bandwidth: {MM['floor_ms_at_bandwidth']:.2f})")
+print(f"20,500 tok/s would be {target_s:.2f} s: {wall - target_s:.2f} s less, "
+      f"{(wall - target_s) / decode_steps * 1e3:.2f} ms a decode step")
+
+# %% [markdown]
+# The attention reads the cache within a few percent of what this GPU can read, and the prefill is within ~0.15 s
+# of its compute floor; what separates the engine from the floor is the ~1.7 ms that every decode step spends
+# outside the attention: ~0.4 ms of it to read the weights, the rest in 270-340 short kernels per step (the
+# matrix multiplies' ramp-up and drain, norms, RoPE, activation, sampling) and the gaps between them. Each idea of
+# this section that attacked it piecewise (faster matrix multiplies, copies off the stream, overlapped halves)
+# is worth at most a percent or two; taking a quarter of the part above the weights' floor away (0.35 ms a step),
+# what 20,500 tokens/s asks, needs the layer's kernels fused into a few long ones that stream the weights while the
+# next kernel's work is already in flight.
 
 # %% [markdown]
 # ## 6. Reading a shared prefix once: cascade decode attention
