@@ -1388,6 +1388,14 @@ for run in SA["canonical_runs"]:
 #    layer? If the pieces bring the workload's lengths to the equal-length control's ~199 µs per layer, what would
 #    that save over the whole workload (section 5's table gives the steps at each stage)? Then check the
 #    prediction, and say at which running count the pieces stop paying for their merge.
+# 11. **The copies between two decode steps (GPU).** Section 5's table of unprofiled steps shows each decode step
+#    taking 0.15-0.6 ms longer than its kernels, more with fewer requests running, and puts the largest eager gaps
+#    next to the host-to-device copy of the step's inputs and the device-to-device copies that fill the graph's
+#    input buffers. First bound the prize: with the steps per running count of section 5, what would removing all
+#    of it save over the workload, and how much of it is the ~1 µs gaps inside the graph, which no change to the
+#    copies touches? Then move the input copy to a side stream (the host knows the inputs while the previous step
+#    still runs; mind which stream owns the memory it writes, `Tensor.record_stream`), fill the static buffers
+#    with kernels instead of `copy_`, and measure with `decode_anatomy.py --label copies` and an interleaved A/B.
 
 # %% [markdown]
 # ## Reproduce
