@@ -81,7 +81,7 @@ class PersistentDecode:
                                       qo_indptr, kv_indptr_cpu, kv_lens, bs, H, KVH, D, False))  # fmt: skip
             self.uploaded.record(self.side)
         main.wait_event(self.uploaded)
-        torch._foreach_copy_([w.int_workspace_buffer], [self.staging])  # a kernel: no memcpy on the step's stream
+        w.int_workspace_buffer.copy_(self.staging)
         self.consumed.record(main)
         if info != self.plan_info:
             raise RuntimeError("FlashInfer's persistent attention moved its workspace layout between two plans; "

@@ -262,13 +262,11 @@ class CudaGraphRunner:
         assert bs is not None
         # The padded batch: the real requests, then dummy ones (prefix 0 + 1 new token = length 1).
         padded = self._static_batch(fb.prefix_lens_cpu + [0] * (bs - raw_bs))
-        # All the fields in one kernel: a ``copy_`` per field would be a device-to-device memcpy each, and on the
-        # GPU every memcpy between kernels idles the SMs for microseconds (chapter 11).
-        torch._foreach_copy_([getattr(padded, name)[:raw_bs] for name in DUMMY_ROW],
-                             [getattr(fb, name) for name in DUMMY_ROW])
-        if bs > raw_bs:  # a bigger earlier batch may have left real slots in the dummy rows
-            for name, value in DUMMY_ROW.items():
-                getattr(padded, name)[raw_bs:].fill_(value)
+        for name, value in DUMMY_ROW.items():
+            static = getattr(padded, name)
+            static[:raw_bs].copy_(getattr(fb, name))
+            if bs > raw_bs:  # a bigger earlier batch may have left real slots in the dummy rows
+                static[raw_bs:].fill_(value)
         self.backend.prepare_replay(padded)
         self.graphs[bs].replay()
         return self.outputs[bs][:raw_bs]

@@ -137,11 +137,11 @@ class ExtendGraphRunner:
         assert key is not None, "no graph for this step: check can_run first"
         rows, t = key
         n, sampled = fb.batch_size, fb.last_token_indices.shape[0]
-        # One kernel for all the copies: each ``copy_`` of a whole tensor would be a device-to-device memcpy, and
-        # on the GPU every memcpy between kernels idles the SMs for microseconds (chapter 11).
-        torch._foreach_copy_([*(self.static[name][:t] for name in TOKEN_INPUTS), self.last[:sampled], self.rows[:n]],
-                             [*(getattr(fb, name) for name in TOKEN_INPUTS), fb.last_token_indices, fb.req_pool_indices])
+        for name in TOKEN_INPUTS:
+            self.static[name][:t].copy_(getattr(fb, name))
+        self.last[:sampled].copy_(fb.last_token_indices)
         self.last[sampled:rows].zero_()
+        self.rows[:n].copy_(fb.req_pool_indices)
         self.rows[n:rows].zero_()
         empty = [0] * (rows - n)
         self.backend.prepare_extend_replay(self.rows[:n], fb.prefix_lens_cpu + empty, fb.extend_lens_cpu + empty)

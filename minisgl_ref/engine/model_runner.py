@@ -155,10 +155,6 @@ class ModelRunner:
         self.sampler = Sampler()
         self.token_buffer = torch.zeros(req_to_token.max_requests, dtype=torch.int64, device=device)
         self._pin = device.type == "cuda"  # pinned host memory makes the H2D copy truly asynchronous
-        # Copies between host and device run on streams of their own (see _upload and run): on the step's stream a
-        # copy leaves the SMs idle while the copy engine takes over and hands back, tens of microseconds a step.
-        self._upload_stream = torch.cuda.Stream(device) if self._pin else None
-        self._download_stream = torch.cuda.Stream(device) if self._pin else None
         # The device page table needs the runner's scatter only when it is not the host table itself.
         self._table_on_device = req_to_token.table is not req_to_token.host
         self._last_sampling: tuple[list, SamplingBatchInfo] | None = None  # (reqs, info) of the last decode
@@ -250,7 +246,9 @@ class ModelRunner:
         seq_lens_t = torch.tensor(prefix_lens, dtype=torch.int64) + torch.tensor(extend_lens)
         # One host tensor, one copy: [ids | positions | slots | token rows | rows | seq lens | last index].
         host = torch.cat([ids_t, pos_t, slots_t, token_rows_t, rows_t, seq_lens_t, last_t])
-        dev = self._upload(host)
+        if self._pin:
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
         t, b = ids_t.shape[0], len(rows)
         ids_d, pos_d, slots_d, token_rows_d, rows_d, seq_lens_d, last_d = dev.split([t, t, t, t, b, b, b])
         if self._table_on_device:
@@ -274,20 +272,6 @@ class ModelRunner:
         )
         return fb
         # END TASK 3.3
-
-    def _upload(self, host: torch.Tensor) -> torch.Tensor:
-        """``host`` on the device. On a GPU the copy goes from pinned memory on a stream of its own: the host builds
-        a step's inputs while the previous step still runs, so the copy is done long before the step's stream
-        reaches the inputs, and that stream only waits for an event that has already happened."""
-        if self._upload_stream is None:
-            return host.to(self.device)
-        host = host.pin_memory()
-        step_stream = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self._upload_stream):
-            dev = host.to(self.device, non_blocking=True)
-        step_stream.wait_stream(self._upload_stream)
-        dev.record_stream(step_stream)  # its memory comes from the upload stream's pool; the step uses it
-        return dev
 
     def pad_extend(self, fb: ForwardBatch) -> ForwardBatch:
         """Round an extend step's token count up to a multiple of ``self.extend_token_multiple`` with one padding
@@ -427,28 +411,20 @@ class ModelRunner:
             idx = to_device(torch.tensor([i for i, e in enumerate(emits) if e]), self.device)
             self.token_buffer[rows[idx]] = next_tokens[idx]
         host_tokens = copy_done = None
-        if next_tokens.is_cuda and self._download_stream is not None:
-            # Start the device-to-host copies as soon as sampling is done, on a stream of their own (the step's
-            # stream goes on with the next step meanwhile), and mark their end with an event: the engine waits
-            # for that event, not for whatever is launched after this step.
-            side = self._download_stream
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                host_tokens = _to_pinned_host(next_tokens, side)
-                logprobs = logprobs.to(lambda t: _to_pinned_host(t, side)) if logprobs is not None else None
-                if prompt_logprobs is not None:
-                    prompt_logprobs = prompt_logprobs.to(lambda t: _to_pinned_host(t, side))
-                copy_done = torch.cuda.Event()
-                copy_done.record(side)
+        if next_tokens.is_cuda:
+            # Start the device-to-host copies now, in stream order right after sampling, and mark their end with
+            # an event: the engine waits for that event, not for whatever is launched after this step.
+            host_tokens = _to_pinned_host(next_tokens)
+            logprobs = logprobs.to(_to_pinned_host) if logprobs is not None else None
+            prompt_logprobs = prompt_logprobs.to(_to_pinned_host) if prompt_logprobs is not None else None
+            copy_done = torch.cuda.Event()
+            copy_done.record()
         prompt = (plan, prompt_logprobs) if plan is not None and prompt_logprobs is not None else None
         return StepOutput(fb, next_tokens, logprobs, prompt, host_tokens, copy_done)
 
 
-def _to_pinned_host(t: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
-    """Start copying a device tensor into pinned host memory on ``stream`` (the current one; read the copy after
-    the event recorded behind it). ``t`` was made on the step's stream: ``record_stream`` keeps its memory from
-    being handed out again before this copy has read it."""
-    t.record_stream(stream)
+def _to_pinned_host(t: torch.Tensor) -> torch.Tensor:
+    """Start copying a device tensor into pinned host memory, in stream order (read it after the step's event)."""
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host
