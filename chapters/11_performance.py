@@ -484,10 +484,12 @@ for t in COPIES["windows"][0]["gaps"]["top_transitions"]:
 # %% [markdown]
 # With copies in the timeline, the two largest gaps among the eager kernels sit right next to copies (~20 µs each,
 # once per step); but without the profiler a step with 256 or 63 requests running takes only 0.15-0.3 ms longer
-# than its kernels, and part of that is the ~0.1 ms of sub-microsecond gaps inside the graph. Moving the copies
-# off the compute stream could win at most ~0.1 ms a step, ~1% of the run, so the engine keeps them where they
-# are, in stream order, simple to follow. With 14 running it is different: there the host sets the pace (0.6 ms
-# per step beyond the kernels), as the table of the previous section showed.
+# than its kernels, and part of that is the ~0.1 ms of sub-microsecond gaps inside the graph. So moving the copies
+# off the compute stream could win ~0.1 ms a step at most. It was tried: the step's inputs went up on an upload
+# stream and the sampled tokens came down on a download stream (each borrowing memory of the other stream, with
+# `record_stream`), and the graph's input buffers were filled by one kernel instead of a memcpy per field. Four
+# runs a side in interleaved processes (`canonical_ab_copy_streams_h100.json`): medians of 18,942 output tokens/s
+# with it against 19,145 without, no gain, so the engine keeps its copies in stream order, simple to follow.
 #
 # How far from the bandwidth are the matrix multiplies on their own? `benchmarks/decode_matmuls.py` chains one
 # step's 113 multiplies (28 layers x 4, and the LM head) over fresh weight tensors in a CUDA graph, at each row
@@ -1391,11 +1393,11 @@ for run in SA["canonical_runs"]:
 # 11. **The copies between two decode steps (GPU).** Section 5's table of unprofiled steps shows each decode step
 #    taking 0.15-0.6 ms longer than its kernels, more with fewer requests running, and puts the largest eager gaps
 #    next to the host-to-device copy of the step's inputs and the device-to-device copies that fill the graph's
-#    input buffers. First bound the prize: with the steps per running count of section 5, what would removing all
-#    of it save over the workload, and how much of it is the ~1 µs gaps inside the graph, which no change to the
-#    copies touches? Then move the input copy to a side stream (the host knows the inputs while the previous step
-#    still runs; mind which stream owns the memory it writes, `Tensor.record_stream`), fill the static buffers
-#    with kernels instead of `copy_`, and measure with `decode_anatomy.py --label copies` and an interleaved A/B.
+#    input buffers; yet moving those copies off the step's stream gained nothing. First bound the prize: with the
+#    steps per running count of section 5, what would removing all of the difference save over the workload, and
+#    how much of it is the ~1 µs gaps inside the graph, which no change to the copies touches? Then find where the
+#    rest goes: run `decode_anatomy.py --label copies` with the profiler's host overhead in mind (which gaps would
+#    a 2-3x slower host open by itself?), and time the eager kernels before the graph one by one with CUDA events.
 
 # %% [markdown]
 # ## Reproduce

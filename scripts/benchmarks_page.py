@@ -72,7 +72,9 @@ OTHER_RESULTS = [
     "kernel kind, before and after QK-norm, RoPE and the KV store ran as one kernel in prefill steps too: "
     "`docs/data/prefill_anatomy_h100.json`, `docs/data/prefill_anatomy_fused_h100.json`; the A/Bs "
     "`docs/data/canonical_ab_prefill_rope_store_h100.json`, `docs/data/canonical_ab_prefill_fused_h100.json`; "
-    "its GPU tests `docs/data/gpu_tests_prefill_store_h100.txt`.",
+    "its GPU tests `docs/data/gpu_tests_prefill_store_h100.txt`. The step's copies moved to streams of their own "
+    "(not adopted: no gain): `docs/data/canonical_ab_copy_streams_h100.json`, its GPU tests "
+    "`docs/data/gpu_tests_copy_streams_h100.txt`.",
     "Constrained decoding against free decoding, and jump-forward (chapter 12), with the model in float32: random "
     "weights `docs/data/constrained_bench_h100.json`, `docs/data/constrained_bench_typical_h100.json`; the embedded "
     "model's real weights `docs/data/constrained_bench_real_typical_h100.json`, "
