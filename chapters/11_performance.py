@@ -403,14 +403,20 @@ for label, s in AB["summary"].items():
 #   budget alone splits them.
 
 # %%
-for name, what in (("canonical_ab_fused_store_h100.json", "KV store in the RoPE kernel"),
-                   ("canonical_ab_admission_h100.json", "burst admitted in one step")):
+def print_ab(name: str, what: str, before: str = "before", after: str = "after") -> None:
+    """One interleaved A/B result file (`scripts/gpu/canonical_ab.sh`): every timed run of each side in output
+    tokens/s, the medians, the change and the fraction of the floor."""
     ab = json.loads((ROOT / "docs" / "data" / name).read_text())
     base, new = ab["provenance"]["settings"]["base"], ab["provenance"]["settings"]["new"]
     b, n = ab["summary"][base], ab["summary"][new]
-    print(f"{what:<28} before {', '.join(f'{x:,.0f}' for x in b['runs_tok_s'])} (median {b['median']:,.0f})")
-    print(f"{'':<28} after  {', '.join(f'{x:,.0f}' for x in n['runs_tok_s'])} (median {n['median']:,.0f}, "
+    print(what)
+    print(f"    {before:<7} {', '.join(f'{x:,.0f}' for x in b['runs_tok_s'])} (median {b['median']:,.0f})")
+    print(f"    {after:<7} {', '.join(f'{x:,.0f}' for x in n['runs_tok_s'])} (median {n['median']:,.0f}, "
           f"{n['median'] / b['median'] - 1:+.1%}, {n['median'] / floor_tok_s:.0%} of the floor)")
+
+
+print_ab("canonical_ab_fused_store_h100.json", "KV store in the RoPE kernel:")
+print_ab("canonical_ab_admission_h100.json", "burst admitted in one step:")
 
 # %% [markdown]
 # About +0.6% and +1%, each beyond the spread of its own side. On a bare machine, the whole thing from the first
@@ -646,13 +652,7 @@ for s in PLAN["stages"]:
               f"plan + upload + kernel {c['plan_and_kernel_gpu_us']:6.1f} us, kernel alone {c['kernel_after_plan_gpu_us']:6.1f} us")
 for name, what in (("canonical_ab_persistent_h100.json", "plan uploaded on the step's stream"),
                    ("canonical_ab_persistent_staged_h100.json", "plan uploaded on a side stream")):
-    ab = json.loads((ROOT / "docs" / "data" / name).read_text())
-    base, new = ab["provenance"]["settings"]["base"], ab["provenance"]["settings"]["new"]
-    b, n = ab["summary"][base], ab["summary"][new]
-    print(f"canonical workload, persistent kernel from 64 rows, {what}:")
-    print(f"    without {', '.join(f'{x:,.0f}' for x in b['runs_tok_s'])} (median {b['median']:,.0f})")
-    print(f"    with    {', '.join(f'{x:,.0f}' for x in n['runs_tok_s'])} (median {n['median']:,.0f}, "
-          f"{n['median'] / b['median'] - 1:+.1%}, {n['median'] / floor_tok_s:.0%} of the floor)")
+    print_ab(name, f"canonical workload, persistent kernel from 64 rows, {what}:", "without", "with")
 
 # %% [markdown]
 # (The middle column runs from the moment planning starts, so it holds the host's plan, the upload and the kernel;
@@ -755,12 +755,8 @@ for name, label in (("prefill_anatomy_h100.json", "before"), ("prefill_anatomy_f
 # spread:
 
 # %%
-for name in ("canonical_ab_prefill_rope_store_h100.json", "canonical_ab_prefill_fused_h100.json"):
-    ab = json.loads((ROOT / "docs" / "data" / name).read_text())
-    base, new = ab["provenance"]["settings"]["base"], ab["provenance"]["settings"]["new"]
-    b, n = ab["summary"][base], ab["summary"][new]
-    print(f"before {', '.join(f'{x:,.0f}' for x in b['runs_tok_s'])} (median {b['median']:,.0f}); after "
-          f"{', '.join(f'{x:,.0f}' for x in n['runs_tok_s'])} (median {n['median']:,.0f}, {n['median'] / b['median'] - 1:+.1%})")
+print_ab("canonical_ab_prefill_rope_store_h100.json", "QK-norm, RoPE and the KV store in one kernel in prefill steps:")
+print_ab("canonical_ab_prefill_fused_h100.json", "the same, and FA3 reading the query view (a second A/B):")
 
 # %% [markdown]
 # (+1.2% and +0.3%: the change is smaller than the ±1% by which processes differ, and only the phase's own time
