@@ -56,15 +56,19 @@ class ServerProcess:
 
     def __init__(self, *extra: str, api_key: str | None = None, env: dict[str, str] | None = None,
                  stdin: Any = None) -> None:
-        self.port = free_port()
         self.api_key = api_key
+        self._args, self._env, self._stdin = extra, env, stdin
         self.log = tempfile.NamedTemporaryFile("w+", prefix="minisgl-server-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "minisgl_ref", "serve", "--port", str(self.port), *extra]
-        if api_key:
-            cmd += ["--api-key", api_key]
+        self._start()
+
+    def _start(self) -> None:
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "minisgl_ref", "serve", "--port", str(self.port), *self._args]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
         self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=stdin, start_new_session=True,
-            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=self._stdin, start_new_session=True,
+            env={**os.environ, **(self._env or {}), "PYTHONUNBUFFERED": "1"},
         )
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -74,8 +78,16 @@ class ServerProcess:
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
+        restarts = 2
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if "address already in use" in self.log_text() and restarts:
+                    # Another process bound the free port between free_port() and the server's bind: try another.
+                    restarts -= 1
+                    self.log.seek(0)
+                    self.log.truncate()
+                    self._start()
+                    continue
                 raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log_text()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
