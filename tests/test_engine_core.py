@@ -769,7 +769,7 @@ def test_matmul_warmup_lists_every_extend_shape_once(tiny_llm):
     lm_head = next(m for m in model.modules() if isinstance(m, ParallelLMHead)).weight
     shapes = warmup.matmul_shapes(model, EngineConfig(max_prefill_tokens=256, max_running_requests=4,
                                                       extend_token_multiple=64))
-    by_weight = {tuple(w.shape): counts for w, _, counts in shapes}
+    by_weight = {tuple(w.shape): counts for w, _, counts, _ in shapes}
     layer = model.layers[0]
     projections = {tuple(m.weight.shape) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)}
@@ -778,10 +778,21 @@ def test_matmul_warmup_lists_every_extend_shape_once(tiny_llm):
     assert by_weight[tuple(lm_head.shape)] == [1, 2, 3, 4]
     mixed = warmup.matmul_shapes(model, EngineConfig(max_prefill_tokens=256, max_running_requests=4,
                                                      extend_token_multiple=64, enable_mixed_chunk=True))
-    assert {tuple(w.shape): c for w, _, c in mixed}[tuple(layer.mlp.down_proj.weight.shape)][-1] == 320
+    assert {tuple(w.shape): c for w, _, c, _ in mixed}[tuple(layer.mlp.down_proj.weight.shape)][-1] == 320
     off = warmup.matmul_shapes(model, EngineConfig(max_running_requests=4, extend_token_multiple=1))
-    assert [(tuple(w.shape), c) for w, _, c in off] == [(tuple(lm_head.shape), [1, 2, 3, 4])]
+    assert [(tuple(w.shape), c) for w, _, c, _ in off] == [(tuple(lm_head.shape), [1, 2, 3, 4])]
+    assert not any(acc for *_, acc in shapes)  # unfolded norms: every matmul is a plain one
     warmup._matmuls(shapes)  # runs (on the CPU here: nothing to warm, but the calls are the real ones)
+    # A model whose norms are folded accumulates its row-parallel projections into the residual stream.
+    model.norms_folded = True
+    try:
+        folded = warmup.matmul_shapes(model, EngineConfig(max_prefill_tokens=256, max_running_requests=4,
+                                                          extend_token_multiple=64))
+    finally:
+        del model.norms_folded
+    accumulating = {tuple(w.shape) for w, _, _, acc in folded if acc}
+    assert accumulating == {tuple(layer.self_attn.o_proj.weight.shape), tuple(layer.mlp.down_proj.weight.shape)}
+    warmup._matmuls(folded)
 
 
 def test_extend_token_multiple_is_validated():

@@ -363,8 +363,8 @@ class TransformersRope(nn.Module):
     def can_store_kv(self, q, v, batch) -> bool:  # type: ignore[no-untyped-def]
         return False  # K/V are stored by the attention backend, as on any CPU step
 
-    def norm_and_rotate(self, positions, q, k, batch, q_norm=None, k_norm=None, *, store=None):  # type: ignore[no-untyped-def]
-        assert store is None
+    def norm_and_rotate(self, positions, q, k, batch, q_norm=None, k_norm=None, *, store=None, row_rms=None):  # type: ignore[no-untyped-def]
+        assert store is None and row_rms is None
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         if q_norm is not None and k_norm is not None:
@@ -381,8 +381,8 @@ class NoRope(nn.Module):
     def can_store_kv(self, q, v, batch) -> bool:  # type: ignore[no-untyped-def]
         return False
 
-    def norm_and_rotate(self, positions, q, k, batch, q_norm=None, k_norm=None, *, store=None):  # type: ignore[no-untyped-def]
-        assert store is None
+    def norm_and_rotate(self, positions, q, k, batch, q_norm=None, k_norm=None, *, store=None, row_rms=None):  # type: ignore[no-untyped-def]
+        assert store is None and row_rms is None
         if q_norm is not None and k_norm is not None:
             q, k = q_norm(q), k_norm(k)
         return q, k

@@ -82,8 +82,9 @@ def _sampler(shapes: KernelShapes, device: torch.device) -> None:
     compile_kernels(shapes.vocab_size, device, tuple(dict.fromkeys((shapes.dtype, torch.float32))))
 
 
-#: One matmul an eager step runs, and the token counts (rows) it will see: (weight, bias or None, counts).
-MatmulShapes = tuple[torch.Tensor, "torch.Tensor | None", list[int]]
+#: One matmul an eager step runs, and the token counts (rows) it will see: (weight, bias or None, counts, whether
+#: it accumulates into its output as ``out += x W^T``, a different cuBLAS call with a first-call cost of its own).
+MatmulShapes = tuple[torch.Tensor, "torch.Tensor | None", list[int], bool]
 
 
 def matmul_shapes(model: torch.nn.Module, engine: EngineConfig) -> list[MatmulShapes]:
@@ -95,7 +96,9 @@ def matmul_shapes(model: torch.nn.Module, engine: EngineConfig) -> list[MatmulSh
     count is padded to a multiple of ``extend_token_multiple`` (``ModelRunner.pad_extend``), the counts an
     extend step can have are few enough to meet them all here: multiples of it up to the step's token budget.
     The LM head sees one row per request of the step. Decode shapes need nothing: capturing their CUDA graphs
-    runs them. With padding off (a multiple of 1) only the LM head's shapes are warmed."""
+    runs them. With padding off (a multiple of 1) only the LM head's shapes are warmed. In a model whose norms
+    are folded (:mod:`~minisgl_ref.layers.norm_folding`) the row-parallel projections accumulate into the
+    residual stream instead."""
     from minisgl_ref.engine.model_runner import EXTEND_TOKEN_MULTIPLE
     from minisgl_ref.layers.embedding import ParallelLMHead
     from minisgl_ref.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -104,28 +107,35 @@ def matmul_shapes(model: torch.nn.Module, engine: EngineConfig) -> list[MatmulSh
     budget = engine.max_prefill_tokens + (engine.max_running_requests if engine.enable_mixed_chunk else 0)
     tokens = list(range(multiple, budget + multiple, multiple)) if multiple > 1 else []
     rows = list(range(1, engine.max_running_requests + 1))
+    folded = bool(getattr(model, "norms_folded", False))
     seen: set[tuple] = set()
     out: list[MatmulShapes] = []
     for m in model.modules():
+        accumulate = False
         if isinstance(m, ParallelLMHead):
             weight, bias, counts = m.weight, None, rows
         elif isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
             weight, bias, counts = m.weight, getattr(m, "bias", None), tokens
+            accumulate = folded and isinstance(m, RowParallelLinear)
         else:
             continue
-        key = (tuple(weight.shape), weight.dtype, bias is not None, len(counts))
+        key = (tuple(weight.shape), weight.dtype, bias is not None, len(counts), accumulate)
         if counts and key not in seen:
             seen.add(key)
-            out.append((weight, bias, counts))
+            out.append((weight, bias, counts, accumulate))
     return out
 
 
 def _matmuls(shapes: list[MatmulShapes]) -> None:
     """Run each matmul once at each of its row counts (inputs of zeros; the outputs are dropped)."""
-    for weight, bias, counts in shapes:
+    for weight, bias, counts, accumulate in shapes:
         x = torch.zeros(max(counts), weight.shape[1], dtype=weight.dtype, device=weight.device)
+        acc = torch.zeros(max(counts), weight.shape[0], dtype=weight.dtype, device=weight.device)
         for n in counts:
-            torch.nn.functional.linear(x[:n], weight, bias)
+            if accumulate:
+                acc[:n].addmm_(x[:n], weight.t())
+            else:
+                torch.nn.functional.linear(x[:n], weight, bias)
 
 
 @dataclass

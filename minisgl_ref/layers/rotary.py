@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from minisgl_ref.layers import fused, triton_fused
+from minisgl_ref.layers import fused, norm_folding, triton_fused
 
 if TYPE_CHECKING:
     from minisgl_ref.core.forward_batch import ForwardBatch
@@ -97,13 +97,18 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, batch: ForwardBatch,
         q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, *,
         store: tuple[torch.Tensor, int] | None = None,
+        row_rms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """QK-norm (when the model has one, Qwen3) and then RoPE. On a CUDA half-precision ``q`` one Triton kernel
         does both in place, in every step (:mod:`minisgl_ref.layers.triton_fused`).
 
         ``store=(v, layer_id)``, given only when :meth:`can_store_kv` said yes, makes that kernel also write the
         new tokens' rotated keys and their values into layer ``layer_id`` of the KV pool: the attention backend
-        then skips its own store (one kernel fewer per layer, and one pass fewer over the new K/V, chapter 11)."""
+        then skips its own store (one kernel fewer per layer, and one pass fewer over the new K/V, chapter 11).
+
+        ``row_rms=(x, v, eps)`` (norm folding, :mod:`~minisgl_ref.layers.norm_folding`): q, k and ``v`` are
+        projections of the unnormalised rows of ``x``; each token's q, k and v are divided by the rms of its row
+        first (``v`` in place)."""
         if triton_fused.available(q) and q.shape[-1] == self.head_dim:
             norm = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None and k_norm is not None else ()
             kv = None
@@ -111,9 +116,14 @@ class RotaryEmbedding(nn.Module):
                 v, layer_id = store
                 pool = batch.attn_backend.kv_pool  # type: ignore[attr-defined]
                 kv = (v, pool.k[layer_id], pool.v[layer_id], batch.out_cache_loc)
-            return triton_fused.qk_norm_rope_(positions, q, k, self.cos_cache, self.sin_cache, *norm, store=kv)
+            return triton_fused.qk_norm_rope_(positions, q, k, self.cos_cache, self.sin_cache, *norm, store=kv,
+                                              row_rms=row_rms)
         if store is not None:
             raise ValueError("norm_and_rotate: store= is only for steps where can_store_kv() is true")
+        if row_rms is not None:
+            x, v, eps = row_rms
+            q, k = (norm_folding.divide_by_rms_(t, x, eps) for t in (q, k))
+            norm_folding.divide_by_rms_(v, x, eps)
         if q_norm is not None and k_norm is not None:
             q, k = q_norm(q), k_norm(k)
         return self(positions, q, k)

@@ -70,12 +70,18 @@ def _kernels():  # type: ignore[no-untyped-def]
         cos, sin,  # [max_position, D / 2] float32
         positions,  # [T]
         k_pool, v_pool, slots,  # [num_slots, KVH, D] contiguous, [T] (ignored without STORE)
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, eps,
+        x,  # [T, HIDDEN] rows whose RMS divides q, k and v first (ignored without ROW_RMS)
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_xt, eps, x_eps,
         NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
         HAS_NORM: tl.constexpr, STORE: tl.constexpr, HALF: tl.constexpr,
+        ROW_RMS: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_X: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, HALF)[None, :]
+        if ROW_RMS:  # the token's input row was multiplied unnormalised: divide by its RMS now (norm folding)
+            xo = tl.arange(0, BLOCK_X)
+            xr = tl.load(x + t * stride_xt + xo, mask=xo < HIDDEN, other=0.0).to(tl.float32)
+            x_r = 1.0 / tl.sqrt(tl.sum(xr * xr, axis=0) / HIDDEN + x_eps)
         # Rows 0..NUM_Q-1 of the tile are the token's query heads, the next NUM_KV its key heads.
         h = tl.arange(0, BLOCK_H)[:, None].to(tl.int64)
         is_q = h < NUM_Q
@@ -88,6 +94,9 @@ def _kernels():  # type: ignore[no-untyped-def]
         dtype = x1.dtype
         a = x1.to(tl.float32)
         b = x2.to(tl.float32)
+        if ROW_RMS:  # rounded as the projection of the normalised row would have been
+            a = (a * x_r).to(dtype).to(tl.float32)
+            b = (b * x_r).to(dtype).to(tl.float32)
         if HAS_NORM:
             mean_sq = (tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1))[:, None] / (2 * HALF)
             r = 1.0 / tl.sqrt(mean_sq + eps)
@@ -103,15 +112,19 @@ def _kernels():  # type: ignore[no-untyped-def]
         y2 = (b * c + a * s).to(dtype)
         tl.store(base + offs, y1, mask=rows)
         tl.store(base + HALF + offs, y2, mask=rows)
+        if STORE or ROW_RMS:
+            hv = tl.arange(0, BLOCK_KV)[:, None].to(tl.int64)
+            d = tl.arange(0, 2 * HALF)[None, :]
+            in_v = hv < NUM_KV
+            val = tl.load(v + t * stride_vt + hv * stride_vh + d, mask=in_v)
+            if ROW_RMS:  # the values are divided by the row's RMS too, in place
+                val = (val.to(tl.float32) * x_r).to(dtype)
+                tl.store(v + t * stride_vt + hv * stride_vh + d, val, mask=in_v)
         if STORE:  # the rotated key heads and the value heads go straight into the token's KV slot
             slot = tl.load(slots + t).to(tl.int64)
             pool_row = slot * (NUM_KV * 2 * HALF) + hk * (2 * HALF)
             tl.store(k_pool + pool_row + offs, y1, mask=is_k)
             tl.store(k_pool + pool_row + HALF + offs, y2, mask=is_k)
-            hv = tl.arange(0, BLOCK_KV)[:, None].to(tl.int64)
-            d = tl.arange(0, 2 * HALF)[None, :]
-            in_v = hv < NUM_KV
-            val = tl.load(v + t * stride_vt + hv * stride_vh + d, mask=in_v)
             tl.store(v_pool + slot * (NUM_KV * 2 * HALF) + hv * (2 * HALF) + d, val, mask=in_v)
 
     @triton.jit
@@ -129,7 +142,25 @@ def _kernels():  # type: ignore[no-untyped-def]
         tl.store(k_pool + slot * ROW + offs, tl.load(k + t * stride_kt + offs, mask=mask), mask=mask)
         tl.store(v_pool + slot * ROW + offs, tl.load(v + t * stride_vt + offs, mask=mask), mask=mask)
 
-    return qk_norm_rope_kernel, store_kv_kernel
+    @triton.jit
+    def silu_and_mul_rms_kernel(
+        gate_up, x, out,  # [T, 2 * I], [T, HIDDEN], [T, I] (rows given by their strides, elements contiguous)
+        stride_gt, stride_xt, stride_ot, x_eps,
+        I: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < I
+        xo = tl.arange(0, BLOCK_X)
+        xr = tl.load(x + t * stride_xt + xo, mask=xo < HIDDEN, other=0.0).to(tl.float32)
+        x_r = 1.0 / tl.sqrt(tl.sum(xr * xr, axis=0) / HIDDEN + x_eps)
+        g = tl.load(gate_up + t * stride_gt + cols, mask=mask, other=0.0)
+        u = tl.load(gate_up + t * stride_gt + I + cols, mask=mask, other=0.0)
+        a = g.to(tl.float32) * x_r
+        y = a / (1.0 + tl.exp(-a)) * (u.to(tl.float32) * x_r)
+        tl.store(out + t * stride_ot + cols, y.to(g.dtype), mask=mask)
+
+    return qk_norm_rope_kernel, store_kv_kernel, silu_and_mul_rms_kernel
 
 
 def qk_norm_rope_(
@@ -143,14 +174,19 @@ def qk_norm_rope_(
     eps: float = 1e-6,
     *,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    row_rms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalise (when weights are given) and rotate ``q`` [T, H, D] and ``k`` [T, KVH, D] in place, neox layout.
 
     ``cos`` / ``sin`` are the rotary tables ``[max_position, D / 2]`` (float32); ``D`` must be a power of two.
     ``store=(v, k_pool, v_pool, slots)`` also writes each token's rotated keys and its values ``v`` [T, KVH, D]
     into its KV slot: ``k_pool[slots] = k; v_pool[slots] = v`` (pools ``[num_slots, KVH, D]``, contiguous), in the
-    same kernel, so a decode step needs no separate store kernel per layer."""
-    kernel, _ = _kernels()
+    same kernel, so a decode step needs no separate store kernel per layer.
+
+    ``row_rms=(x, v, x_eps)`` first divides each token's q, k and ``v`` (in place) by the RMS of its row of ``x``
+    [T, hidden]: q, k and v were projected from ``x`` itself, with the input norm's weight folded into the
+    projection (:mod:`minisgl_ref.layers.norm_folding`), and this is the rest of that norm."""
+    kernel, _, _ = _kernels()
     t, num_q, d = q.shape
     num_kv = k.shape[1]
     if (q_weight is None) != (k_weight is None):
@@ -168,16 +204,27 @@ def qk_norm_rope_(
                              f"{tuple(v.shape)}, pools {tuple(k_pool.shape)} / {tuple(v_pool.shape)}, "
                              f"slots {tuple(slots.shape)}")
     else:
-        v, k_pool, v_pool, slots = k, k, k, positions  # unused without STORE
+        k_pool, v_pool, slots = k, k, positions  # unused without STORE
+        v = row_rms[1] if row_rms is not None else k
+    x, x_eps = q, 0.0  # unused without ROW_RMS
+    if row_rms is not None:
+        x, v_scaled, x_eps = row_rms
+        if (x.dim() != 2 or x.shape[0] != t or x.stride(-1) != 1 or x.dtype != q.dtype
+                or v_scaled is not v or v.shape != k.shape or v.stride(-1) != 1):
+            raise ValueError(f"qk_norm_rope_: row_rms needs x [{t}, hidden] (rows contiguous, dtype {q.dtype}) and "
+                             f"the same v as store=, shaped like k; got x {tuple(x.shape)} {x.dtype}, "
+                             f"v {tuple(v_scaled.shape)}")
     if t == 0:
         return q, k
     has_norm = q_weight is not None
     positions, slots = _aligned(positions), _aligned(slots)
     kernel[(t,)](
         q, k, v, q_weight if has_norm else q, k_weight if has_norm else k, cos, sin, positions,
-        k_pool, v_pool, slots, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), eps,
+        k_pool, v_pool, slots, x, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        x.stride(0), eps, x_eps,
         NUM_Q=num_q, NUM_KV=num_kv, BLOCK_H=_next_pow2(num_q + num_kv), BLOCK_KV=_next_pow2(num_kv),
         HAS_NORM=has_norm, STORE=store is not None, HALF=d // 2,
+        ROW_RMS=row_rms is not None, HIDDEN=x.shape[-1], BLOCK_X=_next_pow2(x.shape[-1]),
     )  # fmt: skip
     return q, k
 
@@ -203,7 +250,7 @@ def store_kv_(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k
               v: torch.Tensor) -> None:
     """``k_pool[slots] = k; v_pool[slots] = v`` in one kernel. Pools ``[num_slots, KVH, D]`` contiguous; ``k`` /
     ``v`` ``[T, KVH, D]`` with each token's heads contiguous (views of the QKV output are)."""
-    _, kernel = _kernels()
+    _, kernel, _ = _kernels()
     t = k.shape[0]
     row = k_pool.shape[1] * k_pool.shape[2]
     for name, x in (("k", k), ("v", v)):
@@ -215,3 +262,34 @@ def store_kv_(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k
     block = _next_pow2(row)
     slots = _aligned(slots)
     kernel[(t,)](k, v, k_pool, v_pool, slots, k.stride(0), v.stride(0), ROW=row, BLOCK=block)
+
+
+#: Columns of the activation one program of :func:`silu_and_mul_rms` computes.
+ACT_BLOCK = 1024
+
+
+def silu_and_mul_rms(gate_up: torch.Tensor, x: torch.Tensor, x_eps: float) -> torch.Tensor:
+    """``silu(gate / rms) * (up / rms)`` with ``gate_up = [gate | up]`` [T, 2 * I] and ``rms`` the RMS of each
+    token's row of ``x`` [T, hidden]: the MLP's activation when the norm before it is folded into ``gate_up``'s
+    weight (:mod:`minisgl_ref.layers.norm_folding`). One kernel, as FlashInfer's ``silu_and_mul`` is; each program
+    reads its token's row of ``x`` (a few kilobytes) to finish the norm."""
+    *_, kernel = _kernels()
+    t, two_i = gate_up.shape
+    if (gate_up.dim() != 2 or two_i % 2 or gate_up.stride(-1) != 1 or x.dim() != 2 or x.shape[0] != t
+            or x.stride(-1) != 1 or x.dtype != gate_up.dtype):
+        raise ValueError(f"silu_and_mul_rms needs gate_up [T, 2 * I] and x [T, hidden] of one dtype with contiguous "
+                         f"rows; got {tuple(gate_up.shape)} {gate_up.dtype} and {tuple(x.shape)} {x.dtype}")
+    inter = two_i // 2
+    out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if t == 0:
+        return out
+    kernel[(t, triton_cdiv(inter, ACT_BLOCK))](
+        gate_up, x, out, gate_up.stride(0), x.stride(0), out.stride(0), x_eps,
+        I=inter, HIDDEN=x.shape[-1], BLOCK_X=_next_pow2(x.shape[-1]), BLOCK=min(ACT_BLOCK, _next_pow2(inter)),
+    )  # fmt: skip
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for grid sizes."""
+    return -(-a // b)
