@@ -23,7 +23,8 @@ PROMPTS = [[1, 5, 9, 200, 17, 3, 44], [7, 8], [100, 101, 102, 103, 104, 105, 106
 
 
 def logits(model, sequences):  # type: ignore[no-untyped-def]
-    batch = ForwardBatch.for_full_sequences(sequences, NoCacheAttentionBackend())
+    device = next(model.parameters()).device
+    batch = ForwardBatch.for_full_sequences(sequences, NoCacheAttentionBackend(), device)
     with torch.inference_mode():
         return model.compute_logits(model(batch.input_ids, batch.positions, batch))
 

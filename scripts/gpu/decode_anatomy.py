@@ -37,7 +37,8 @@ from offline_suite import canonical_in_decode  # this folder, on sys.path when r
 
 def _kind(name: str) -> str:
     low = name.lower()
-    if "batchdecode" in low or "batchprefill" in low or "flash" in low and "attn" in low:
+    if ("batchdecode" in low or "batchprefill" in low or "pagedattention" in low or "mergestates" in low
+            or "flash" in low and "attn" in low):  # FlashInfer's decode, prefill and persistent kernels, FA3
         return "attention"
     if "nvjet" in low or "gemm" in low or "cutlass" in low or "xmma" in low:
         return "matmul"
