@@ -215,7 +215,10 @@ def variants() -> dict[str, Callable[[Stage], tuple[Callable[[], torch.Tensor], 
     return v
 
 
-def measure_stage(st: Stage, names: list[str], repeats: int) -> list[dict[str, Any]]:
+def measure_stage(st: Stage, names: list[str], repeats: int, others: list[Stage] | None = None) -> list[dict[str, Any]]:
+    """Time each variant on ``st``. With ``others`` (stages of the same lengths, their own KV), each timed call
+    runs the variant on ``st`` and then on every one of them, as a decode step runs it on every layer's cache:
+    the time is per layer, and no layer finds its KV left in the L2 cache by the call before."""
     from benchmarks.kernels import time_graph
 
     rows, ref = [], None
@@ -229,7 +232,10 @@ def measure_stage(st: Stage, names: list[str], repeats: int) -> list[dict[str, A
             if ref is None:
                 ref = out.float()
             row["rel_error_vs_first"] = float((out.float() - ref).norm() / ref.norm())
-            seconds, method = time_graph(fn, calls_per_graph=10, repeats=repeats)
+            layers = [fn] + [variants()[name](o)[0] for o in (others or [])]
+            seconds, method = time_graph(lambda: [f() for f in layers], calls_per_graph=1 if others else 10,  # noqa: B023
+                                         repeats=repeats)
+            seconds /= len(layers)
             row.update(time_us=round(seconds * 1e6, 2), timing=method,
                        bandwidth_GBps=round(st.bytes / seconds / 1e9, 1))  # fmt: skip
         except Exception as e:  # one variant failing must not lose the others' numbers
@@ -324,6 +330,9 @@ def main() -> int:
     p.add_argument("--uniform", action="store_true", help="add a control stage of equal lengths after each")
     p.add_argument("--warmup-s", type=float, default=3.0, help="keep the GPU busy this long before timing")
     p.add_argument("--plan-cost", action="store_true", help="also time re-planning every step (plan_cost)")
+    p.add_argument("--layers", type=int, default=1,
+                   help="time each call over this many caches of the same lengths, one after another (a decode "
+                        "step's layers); 1 reruns one cache, which the L2 cache partly holds between calls")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise ValueError("benchmarks.decode_balance needs a CUDA device")
@@ -340,8 +349,9 @@ def main() -> int:
         "what": "one layer's decode attention at stages of the canonical workload (Qwen3-0.6B attention: 16 query "
                 "heads, 8 KV heads, head dim 128, bf16; pages of one token; contexts in consecutive slots)",
         "copy_bandwidth_GBps": round(copy_bw / 1e9, 1),
+        "layers": args.layers,
         "stages": [],
-        "provenance": collect_provenance(variants=names, repeats=args.repeats, kernel_packages={
+        "provenance": collect_provenance(variants=names, repeats=args.repeats, layers=args.layers, kernel_packages={
             n: package_version(n) for n in ("flashinfer-python", "tokenspeed-fa3")}),
     }  # fmt: skip
     out = Path(args.output)
@@ -349,7 +359,9 @@ def main() -> int:
     for mark, lens in stages.items():
         print(f"{len(lens)} running, {sum(lens):,} context tokens, lengths {min(lens)}..{max(lens)}", flush=True)
         st = Stage(lens, seed=len(lens))
-        rows = measure_stage(st, names, args.repeats)
+        others = [Stage(lens, seed=len(lens) + i) for i in range(1, args.layers)]
+        rows = measure_stage(st, names, args.repeats, others)
+        del others
         extra = {"plan_cost": plan_cost(st)} if args.plan_cost else {}
         result["stages"].append({**extra, "stage": mark, "running": len(lens), "context_tokens": sum(lens),
                                  "min_len": min(lens), "max_len": max(lens), "kv_bytes": st.bytes,

@@ -90,6 +90,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output", required=True)
     p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--layers", type=int, default=1,
+                   help="read this many separate pools, one after another, per timed replay (a decode step reads "
+                        "every layer's cache once: with one pool, replays reread what the L2 cache kept)")
     args = p.parse_args()
     from minisgl_ref.bench.provenance import collect_provenance
 
@@ -97,26 +100,26 @@ def main() -> int:
     lens = [rng.randint(100, 1024) + rng.randint(0, 400) for _ in range(args.requests)]  # mid-workload contexts
     prefill = [min(ln, rng.randint(100, 1024)) for ln in lens]
     total = sum(lens)
-    pool = 4 * total
+    pool = (4 if args.layers == 1 else 2) * total
     dev = torch.device("cuda")
     row = KV_HEADS * HEAD_DIM
-    kv = torch.randn(pool, row, device=dev, dtype=torch.bfloat16)
+    kvs = [torch.randn(pool, row, device=dev, dtype=torch.bfloat16) for _ in range(args.layers)]
     results = []
-    stream_bytes = total * row * 2
-    flat = kv[:total]
+    stream_bytes = total * row * 2 * args.layers
+    flats = [kv[:total] for kv in kvs]
     results.append({"order": "contiguous", "how": "torch.sum over the rows (a plain stream)",
-                    "ms": round(best_ms(lambda: flat.sum(dtype=torch.float32)), 4)})
+                    "ms": round(best_ms(lambda: [flat.sum(dtype=torch.float32) for flat in flats]), 4)})
     for order, slots_list in slot_orders(pool, lens, prefill, rng).items():
         slots = torch.tensor(slots_list, dtype=torch.int32, device=dev)
         for piece, block_t in ((HEAD_DIM, 64), (HEAD_DIM, 128), (2 * HEAD_DIM, 64), (row, 16), (row, 32)):
             out = torch.empty(triton_cdiv(total, block_t) * (row // piece), device=dev, dtype=torch.float32)
-            ms = best_ms(lambda: read(kv, slots, out, piece, block_t))  # noqa: B023 - timed right here
+            ms = best_ms(lambda: [read(kv, slots, out, piece, block_t) for kv in kvs])  # noqa: B023 - timed here
             results.append({"order": order, "piece_bytes": piece * 2, "block_tokens": block_t, "ms": round(ms, 4)})
     for r in results:
         r["tb_per_s"] = round(stream_bytes / (r["ms"] * 1e-3) / 1e12, 3)
         print(json.dumps(r), flush=True)
-    doc = {"what": __doc__.split("\n\n")[0], "tokens": total, "bytes_read": stream_bytes, "results": results,
-           "provenance": collect_provenance(sys.argv)}
+    doc = {"what": __doc__.split("\n\n")[0], "tokens": total, "layers": args.layers, "bytes_read": stream_bytes,
+           "results": results, "provenance": collect_provenance(sys.argv)}
     Path(args.output).write_text(json.dumps(doc, indent=1) + "\n")
     return 0
 
