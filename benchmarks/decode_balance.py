@@ -71,10 +71,23 @@ def canonical_stages(marks: tuple[int, ...] = MARKS, uniform: bool = False) -> d
     return stages
 
 
-class Stage:
-    """One layer's KV pool holding ``lens`` contexts in consecutive slots (slot 0 unused), and a query each."""
+def generated_tokens(mark: int) -> int:
+    """How many tokens each running request has generated at the stage of ``mark`` (see canonical_stages)."""
+    from minisgl_ref.bench.workloads import canonical_workload
 
-    def __init__(self, lens: list[int], seed: int = 0) -> None:
+    outputs = [sp["max_new_tokens"] for sp in canonical_workload().sampling_params]
+    return next(t for t in range(max(outputs) + 1) if sum(o > t for o in outputs) <= mark) + 1
+
+
+class Stage:
+    """One layer's KV pool holding ``lens`` contexts (slot 0 unused), and a query each.
+
+    By default each context lies in consecutive slots. With ``generated`` (``--slot-order canonical``) only the
+    first ``len - generated`` tokens of each do (its prompt, stored by one prefill); the generated tokens were
+    handed out one step at a time to the whole batch, so a request's k-th generated token sits a batch of slots
+    after its (k-1)-th, as in the engine's pool with one-token pages."""
+
+    def __init__(self, lens: list[int], seed: int = 0, generated: int | None = None) -> None:
         gen = torch.Generator(DEVICE).manual_seed(seed)
         self.lens = lens
         total = sum(lens)
@@ -84,13 +97,18 @@ class Stage:
         starts, s = [], 1
         for n in lens:
             starts.append(s)
-            s += n
+            s += n - (generated or 0)
         self.starts = starts
+        self.token_slots = [torch.arange(a, a + n, dtype=torch.int32) for a, n in zip(starts, lens)]
+        if generated:
+            b = len(lens)
+            for i, n in enumerate(lens):
+                prompt = n - generated
+                self.token_slots[i][prompt:] = s + i + b * torch.arange(generated, dtype=torch.int32)
         self.bytes = total * KV_BYTES_PER_TOKEN
 
     def slots(self, order: list[int]) -> torch.Tensor:
-        return torch.cat([torch.arange(self.starts[i], self.starts[i] + self.lens[i], dtype=torch.int32)
-                          for i in order]).to(DEVICE)  # fmt: skip
+        return torch.cat([self.token_slots[i] for i in order]).to(DEVICE)
 
 
 def flashinfer_runner(st: Stage, *, tensor_cores: bool, graph: bool, sort: bool = False,
@@ -135,8 +153,7 @@ def chunked_runner(st: Stage, chunk: int) -> tuple[Callable[[], torch.Tensor], l
     pieces = [(i, s, min(chunk, n - s)) for i, n in enumerate(st.lens) for s in range(0, n, chunk)]
     indptr = torch.zeros(len(pieces) + 1, dtype=torch.int32)
     indptr[1:] = torch.cumsum(torch.tensor([n for _, _, n in pieces], dtype=torch.int32), 0)
-    indices = torch.cat([torch.arange(st.starts[i] + s, st.starts[i] + s + n, dtype=torch.int32)
-                         for i, s, n in pieces]).to(DEVICE)  # fmt: skip
+    indices = torch.cat([st.token_slots[i][s : s + n] for i, s, n in pieces]).to(DEVICE)
     owner = torch.tensor([i for i, _, _ in pieces], device=DEVICE)
     # table[r, j]: the j-th piece of request r, or the padding state (index len(pieces): weight 0) past its last
     width = max(-(-n // chunk) for n in st.lens)
@@ -183,8 +200,8 @@ def fa3_runner(st: Stage) -> tuple[Callable[[], torch.Tensor], list[int]]:
 
     b, width = len(st.lens), max(st.lens)
     table = torch.zeros(b, width, dtype=torch.int32)
-    for i, (s, n) in enumerate(zip(st.starts, st.lens)):
-        table[i, :n] = torch.arange(s, s + n, dtype=torch.int32)
+    for i, n in enumerate(st.lens):
+        table[i, :n] = st.token_slots[i]
     table = table.to(DEVICE)
     seqlens = torch.tensor(st.lens, dtype=torch.int32, device=DEVICE)
     q = st.q.unsqueeze(1)
@@ -330,6 +347,8 @@ def main() -> int:
     p.add_argument("--uniform", action="store_true", help="add a control stage of equal lengths after each")
     p.add_argument("--warmup-s", type=float, default=3.0, help="keep the GPU busy this long before timing")
     p.add_argument("--plan-cost", action="store_true", help="also time re-planning every step (plan_cost)")
+    p.add_argument("--slot-order", choices=("contiguous", "canonical"), default="contiguous",
+                   help="canonical: each prompt in a run of slots, generated tokens a batch of slots apart")
     p.add_argument("--layers", type=int, default=1,
                    help="time each call over this many caches of the same lengths, one after another (a decode "
                         "step's layers); 1 reruns one cache, which the L2 cache partly holds between calls")
@@ -350,16 +369,19 @@ def main() -> int:
                 "heads, 8 KV heads, head dim 128, bf16; pages of one token; contexts in consecutive slots)",
         "copy_bandwidth_GBps": round(copy_bw / 1e9, 1),
         "layers": args.layers,
+        "slot_order": args.slot_order,
         "stages": [],
-        "provenance": collect_provenance(variants=names, repeats=args.repeats, layers=args.layers, kernel_packages={
+        "provenance": collect_provenance(variants=names, repeats=args.repeats, layers=args.layers, slot_order=args.slot_order,
+                                         kernel_packages={
             n: package_version(n) for n in ("flashinfer-python", "tokenspeed-fa3")}),
     }  # fmt: skip
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     for mark, lens in stages.items():
         print(f"{len(lens)} running, {sum(lens):,} context tokens, lengths {min(lens)}..{max(lens)}", flush=True)
-        st = Stage(lens, seed=len(lens))
-        others = [Stage(lens, seed=len(lens) + i) for i in range(1, args.layers)]
+        gen = generated_tokens(int(mark)) if args.slot_order == "canonical" and mark.isdigit() else None
+        st = Stage(lens, seed=len(lens), generated=gen)
+        others = [Stage(lens, seed=len(lens) + i, generated=gen) for i in range(1, args.layers)]
         rows = measure_stage(st, names, args.repeats, others)
         del others
         extra = {"plan_cost": plan_cost(st)} if args.plan_cost else {}

@@ -411,3 +411,23 @@ def test_cli_quick_ladder_writes_json_with_provenance(tmp_path):
     assert paged["paged"]["engine_args"]["disable_radix_cache"] is True
     assert paged["overlap"]["engine_args"]["disable_overlap_schedule"] is False
     assert paged["naive"]["prefill_tokens"] > paged["paged"]["prefill_tokens"]  # the oracle recomputes
+
+
+def test_decode_balance_canonical_slots_scatter_the_generated_tokens(monkeypatch):
+    """``--slot-order canonical``: each context's prompt in one run of slots, its generated tokens a batch of slots
+    apart, and every slot of the pool (but the unused slot 0) belongs to exactly one token."""
+    import benchmarks.decode_balance as db
+
+    monkeypatch.setattr(db, "DEVICE", "cpu")
+    lens, generated = [5, 9, 4], 3
+    st = db.Stage(lens, generated=generated)
+    slots = st.slots([0, 1, 2])
+    assert sorted(slots.tolist()) == list(range(1, sum(lens) + 1))
+    for i, n in enumerate(lens):
+        own = st.token_slots[i]
+        prompt = own[: n - generated]
+        assert (prompt[1:] - prompt[:-1]).tolist() == [1] * (len(prompt) - 1)
+        assert (own[n - generated + 1 :] - own[n - generated : -1]).tolist() == [len(lens)] * (generated - 1)
+    plain = db.Stage(lens)
+    assert plain.slots([0, 1, 2]).tolist() == list(range(1, sum(lens) + 1))
+    assert db.generated_tokens(256) == 1  # every request runs at the first decode step, one token generated
