@@ -432,12 +432,14 @@ for label in ("cold", "warm"):
           f"compiled during the run: {run['compiled_during_run']}")
 
 # %% [markdown]
-# This is the engine as it stands at the end of the chapter (with the persistent decode kernel and the fused
-# prefill store of later sections). The first process compiles for about a minute before its first request
-# (FlashInfer's JIT and Triton, then the KV pool and the graph captures; the host's speed varies from machine to
-# machine, and earlier bare machines took up to 100 s), the second starts in under 10 s from the disk caches, and
-# both run the workload at 19,200-19,450 output tokens/s, 72-73% of the floor, with nothing compiled inside the
-# timed run. (The same measurement before the fused prefill store: 19,034 and 19,027.)
+# This is the engine as it stands at the end of the chapter (with the persistent decode kernel, the fused
+# prefill store and the folded norms of later sections). The first process compiles for about a minute before its
+# first request (FlashInfer's JIT and Triton, then the KV pool and the graph captures; the host's speed varies from
+# machine to machine, and earlier bare machines took up to 100 s), the second starts in under 10 s from the disk
+# caches, and both run the workload at ~19,600 output tokens/s, 73.5% of the floor, with nothing compiled inside
+# the timed run. (The same measurement before the folded norms: 19,446 and 19,232, on another machine; before the
+# fused prefill store: 19,034 and 19,027. Machines differ by a percent or two, so only the interleaved A/Bs of
+# section 5 compare changes.)
 
 # %% [markdown]
 # ### The gaps between kernels, measured one by one
@@ -696,6 +698,34 @@ for r in GB["results"]:
 # kernel of our own that took whole rows could gain at most ~4% of the attention time, ~0.2 s of the run, before
 # doing any arithmetic: the attention is within a few percent of what this GPU can read.
 #
+# One doubt about these benchmarks: they reread a single layer's cache, and the GPU's 50 MB L2 cache might keep
+# part of it from one call to the next, which a decode step, reading 28 different layers, never enjoys. Both
+# benchmarks take `--layers 28` (a cache per layer, each call reading all of them in turn), and `decode_balance`
+# takes `--slot-order canonical` (each prompt in one run of slots, the generated tokens a batch of slots apart,
+# as the engine's pool holds them):
+
+# %%
+GBL = json.loads((ROOT / "docs" / "data" / "gather_bandwidth_layers_h100.json").read_text())
+rows = {(r["order"], r.get("piece_bytes"), r.get("block_tokens")): r["tb_per_s"] for r in GBL["results"]}
+print(f"{GBL['layers']} layers, canonical order: 256-byte pieces {rows[('canonical', 256, 64)]:.2f} TB/s, "
+      f"whole rows {rows[('canonical', 2048, 16)]:.2f} TB/s")
+BL = json.loads((ROOT / "docs" / "data" / "decode_balance_layers_h100.json").read_text())
+for st in BL["stages"]:
+    t = {r["variant"]: r["bandwidth_GBps"] for r in st["variants"]}
+    print(f"{BL['layers']} layers, {BL['slot_order']} slots, {st['running']:>3} running: engine's kernel "
+          f"{t['fi_graph'] / 1e3:.2f} TB/s, persistent {t['fi_holistic'] / 1e3:.2f} TB/s")
+print_ab("canonical_ab_page_size_persistent_h100.json", "canonical workload, pages of 64 slots (persistent kernel):",
+         "page 1", "page 64")
+
+# %% [markdown]
+# Neither changes anything: 28 caches read as fast as one, and scattered slots as fast as consecutive ones. Pages
+# of 64 slots, which keep each request's tokens together, are no faster end to end with the persistent kernel
+# either. Yet in the profile of the engine (later in this section) the same kernel takes 6.13 ms a step with 256
+# requests running, whose 146,155 context tokens need 5.59 ms at 3.0 TB/s: ~2.73 TB/s, 5-6% slower than alone.
+# What costs it those percent inside the engine (the GPU's clock under the matrix multiplies' power draw, the
+# strided query, the plan's upload on a side stream) is not yet measured; it is worth about as much as the whole
+# fixed-cost budget below.
+#
 # ### Overlapping attention with the matrix multiplies
 #
 # The fixed cost of a step is short kernels that wait on their own ramp-up more than on memory, and the
@@ -763,6 +793,72 @@ print_ab("canonical_ab_prefill_fused_h100.json", "the same, and FA3 reading the 
 # shows it cleanly.) What remains of the phase beyond its floor is ~70 ms of norms, activation and RoPE that run
 # at the bandwidth, ~40 ms of attention on short prompts, and ~20 ms of idle GPU between steps.
 #
+# ### Folding the norms into their neighbours
+#
+# After the fused kernels a decode step was still ~274 kernels at 256 running requests and ~340 at 14, and 56 of
+# them are RMSNorms: each layer runs `residual += h; x = norm(residual)` twice, as one FlashInfer kernel that reads
+# the residual stream and writes its normalised copy for the next matrix multiply. At decode sizes each is a few
+# microseconds of fixed cost plus a gap of about a microsecond before the next kernel can start, whatever the batch.
+#
+# Two identities let the kernels around a norm do its work instead. With $\mathrm{norm}(x) = x / \mathrm{rms}(x)
+# \odot g$ and the projection $y = \mathrm{norm}(x)\, W^\top$:
+#
+# $$y \;=\; \frac{1}{\mathrm{rms}(x)} \, \bigl(x\, (W \operatorname{diag} g)^\top\bigr).$$
+#
+# The norm's weight $g$ scales the matrix's input columns, so it can be multiplied into $W$ once, when the weights
+# are loaded; and $1 / \mathrm{rms}(x)$ is one number per token, so it can be applied *after* the projection, by
+# the kernel that reads the projection's output next, if that kernel also reads the token's row of $x$ (a few
+# kilobytes) to compute it. After `qkv_proj` that kernel is the Triton QK-norm/RoPE/KV-store kernel, which now
+# divides q, k and v first; after `gate_up_proj` it is a Triton SiLU-and-multiply that divides the gate and the
+# up projection first. The residual add moves into the matrix multiply before the norm: cuBLAS computes
+# $C = AB + C$, so `o_proj` and `down_proj` add their outputs straight into the residual stream (`addmm_`). A
+# layer goes from nine kernels to seven:
+#
+# ```text
+# before: add+norm, qkv, QK-norm/RoPE/store, attention, o_proj, add+norm, gate_up, SiLU*up, down
+# after:            qkv, QK-norm/RoPE/store (/ rms), attention, o_proj (+= x), gate_up, SiLU*up (/ rms), down (+= x)
+# ```
+#
+# `minisgl_ref/layers/norm_folding.py` folds the weights (`fold_`) and says when it applies: where the Triton
+# kernels run, with one tensor-parallel rank (with several, `o_proj` produces a partial sum that an all-reduce
+# completes, and each rank would add the residual once), and no bias on the projections (a bias would be divided
+# by the rms too). The model's forward then takes `LlamaDecoderLayer.forward_folded`, which is short enough to
+# read in full. It moves bf16's roundings rather than adding any: the projection of the unnormalised row is rounded
+# before the division, where the plain layer rounded the normalised row before the projection. The GPU test holds
+# the folded Qwen3-0.6B to the float32 model as closely as the unfolded bf16 model is held
+# (`tests/test_norm_folding.py`; on the CPU the folded forward's plain-PyTorch path matches the plain one to float32
+# rounding):
+
+# %%
+gpu_log = (ROOT / "docs" / "data" / "gpu_tests_norm_folding_h100.txt").read_text().splitlines()
+print(next(line for line in gpu_log if line.startswith("relative error against float32")))
+print(gpu_log[-1])
+before = json.loads((ROOT / "docs" / "data" / "decode_anatomy_copies_h100.json").read_text())["windows"]
+after = {w["running"]: w for w in json.loads((ROOT / "docs" / "data" / "decode_anatomy_folded_h100.json").read_text())["windows"]}
+
+
+def small_kernels_ms(window: dict) -> float:
+    """GPU ms per step of the kernels that are neither attention, matrix multiply, sampler nor copy. (An older
+    profile filed the persistent attention kernel under "other": it is taken out again here.)"""
+    kinds, top = window["ms_per_step_by_kind"], window["top_kernels_ms_per_step"]
+    misfiled = 0.0 if "attention" in kinds else sum(v for k, v in top.items() if "PersistentKernel" in k)
+    return kinds.get("other", 0.0) - misfiled
+
+
+print(f"\n{'running':>7} {'kernels per step':>17} {'small kernels, ms per step':>27}")
+for w in before:
+    a = after[w["running"]]
+    print(f"{w['running']:>7} {w['kernels_per_step']:>8.0f} -> {a['kernels_per_step']:<6.0f} "
+          f"{small_kernels_ms(w):>12.3f} -> {small_kernels_ms(a):.3f}")
+print_ab("canonical_ab_norm_folding_h100.json", "\ncanonical workload, norms folded:")
+
+# %% [markdown]
+# 56 kernels fewer per step at every batch size, and +2.9% on the canonical workload, every run
+# with folding faster than every run without: more than the norms' own GPU time (~0.15 ms a step), because each
+# removed kernel also takes its launch gap with it. In the prefill phase the division costs nothing visible (the
+# phase runs ~300 ms, `prefill_anatomy_folded_h100.json`): the Triton activation reads each token's row once more,
+# 2 KiB next to its 24 KiB of gate and up projections.
+#
 # ### Where the time of a run goes now
 #
 # Put the pieces of this section together for the first run on a bare machine:
@@ -773,27 +869,35 @@ wall, floor = run["wall_s"], run["roofline_floor_s"]
 decode_steps = run["decode_steps"]
 weights_s = decode_steps * MM["floor_ms_at_bandwidth"] / 1e3  # every decode step reads the weights once
 kv_s = floor - weights_s  # the rest of the floor: the KV cache, at 3.0 TB/s
-prefill_s = json.loads((ROOT / "docs" / "data" / "prefill_anatomy_fused_h100.json").read_text())["unprofiled"][-1]["wall_ms"] / 1e3
-attention_s = kv_s * 3.0 / 2.89  # the persistent kernel's measured read rate
-fixed_s = wall - prefill_s - attention_s
+prefill_s = json.loads((ROOT / "docs" / "data" / "prefill_anatomy_folded_h100.json").read_text())["unprofiled"][-1]["wall_ms"] / 1e3
 target_s = GPU["canonical_output_tokens"] / 20_500
 print(f"run {wall:.2f} s ({run['output_throughput']:,.0f} tok/s); floor {floor:.2f} s = KV {kv_s:.2f} + weights {weights_s:.2f}")
-print(f"  prefill phase                        {prefill_s:5.2f} s")
-print(f"  decode attention at 2.89 TB/s        {attention_s:5.2f} s")
-print(f"  the rest of {decode_steps:,} decode steps      {fixed_s:5.2f} s = {fixed_s / decode_steps * 1e3:.2f} ms a step "
-      f"(of which reading the weights at the bandwidth: {MM['floor_ms_at_bandwidth']:.2f})")
+print(f"  prefill phase                                  {prefill_s:5.2f} s")
+# The persistent kernel reads at 2.89 TB/s alone, and at ~2.73 in the engine's profile (see below).
+for rate, where in ((2.89, "alone"), (2.73, "in the engine")):
+    attention_s = kv_s * 3.0 / rate
+    fixed_s = wall - prefill_s - attention_s
+    print(f"  decode attention at {rate} TB/s, {where + ':':<14} {attention_s:5.2f} s, leaving for the rest of the "
+          f"{decode_steps:,} decode steps {fixed_s:4.2f} s = {fixed_s / decode_steps * 1e3:.2f} ms a step")
+print(f"  (reading the weights once a step at the bandwidth: {MM['floor_ms_at_bandwidth']:.2f} ms of it)")
 print(f"20,500 tok/s would be {target_s:.2f} s: {wall - target_s:.2f} s less, "
       f"{(wall - target_s) / decode_steps * 1e3:.2f} ms a decode step")
+print_ab("canonical_ab_cublaslt_h100.json", "\nand one more try at the matrix multiplies: cuBLASLt's kernels for every "
+         "matmul (TORCH_BLAS_PREFER_CUBLASLT=1):", "cuBLAS", "cuBLASLt")
 
 # %% [markdown]
-# The attention reads the cache within a few percent of what this GPU can read, and the prefill is within ~0.15 s
-# of its compute floor; what separates the engine from the floor is the ~1.7 ms that every decode step spends
-# outside the attention: ~0.4 ms of it to read the weights, the rest in 270-340 short kernels per step (the
-# matrix multiplies' ramp-up and drain, norms, RoPE, activation, sampling) and the gaps between them. Each idea of
-# this section that attacked it piecewise (faster matrix multiplies, copies off the stream, overlapped halves)
-# is worth at most a percent or two; taking a quarter of the part above the weights' floor away (0.35 ms a step),
-# what 20,500 tokens/s asks, needs the layer's kernels fused into a few long ones that stream the weights while the
-# next kernel's work is already in flight.
+# (cuBLASLt's kernels instead of cuBLAS's changed nothing: the medians are 0.1% apart, and the two slow runs are
+# the first process on a fresh machine.)
+#
+# The attention reads the cache within 5-10% of what this GPU can read, and the prefill is within ~0.13 s of its
+# compute floor; what separates the engine from the floor is the ~1.4-1.7 ms that every decode step spends outside
+# the attention: ~0.4 ms of it to read the weights, the rest in 220-285 short kernels per step (the matrix
+# multiplies' ramp-up and drain, RoPE, activation, sampling) and the gaps between them. Folding the norms took 56
+# of those kernels away and bought 2.9%; each other idea of this section that attacked the fixed cost piecewise
+# (faster matrix multiplies, copies off the stream, overlapped halves) was worth at most a percent. 20,500
+# tokens/s asks for 0.3 ms less per step, a quarter of what lies above the weights' floor: the layer's remaining
+# seven kernels fused into a few long ones that stream the weights while the next kernel's work is already in
+# flight, or an attention kernel that keeps its isolated read rate inside the engine.
 
 # %% [markdown]
 # ## 6. Reading a shared prefix once: cascade decode attention
@@ -1450,6 +1554,13 @@ for run in SA["canonical_runs"]:
 # bash scripts/gpu/bare_machine.sh results/bare_machine.json   # section 5: first run on a bare machine, then warm
 # python3 scripts/gpu/prefill_anatomy.py --out results          # section 5: the prefill phase by kernel kind
 # python -m benchmarks.gather_bandwidth --output results/gather_bandwidth.json   # section 5: reading scattered KV
+# python -m benchmarks.gather_bandwidth --layers 28 --output results/gather_bandwidth_layers.json  # one cache a layer
+# python -m benchmarks.decode_balance --variants fi_graph,fi_holistic --marks 256,192,128,64 --layers 28 \
+#     --slot-order canonical --output results/decode_balance_layers.json   # section 5: the kernels, as in a step
+# BASE=.baseline bash scripts/gpu/canonical_ab.sh     # section 5: folded norms (.baseline: the commit before them)
+# BASE=. BASE_LABEL=cublas NEW_LABEL=cublaslt NEW_ENV="TORCH_BLAS_PREFER_CUBLASLT=1" \
+#     bash scripts/gpu/canonical_ab.sh                              # section 5: cuBLASLt for every matmul
+# python -m pytest -m gpu tests/test_norm_folding.py tests/test_triton_fused.py   # section 5: folded vs float32
 # ```
 #
 # Expected on an H100 80GB HBM3 (`docs/data/gpu_offline_h100.json`): about 17,700-17,850 output tok/s on the
@@ -1475,7 +1586,13 @@ for run in SA["canonical_runs"]:
 # kernels other than matrix multiplies and attention (`prefill_anatomy_h100.json`, the engine before: ~362 ms and
 # 133 ms). `gather_bandwidth` (`gather_bandwidth_h100.json`, seconds): a layer's keys read at ~2.9 TB/s in
 # 256-byte pieces and ~3.0 TB/s in whole rows of the canonical slot order, ~3.06 TB/s in whole rows of
-# contiguous slots (`torch.sum` over them: ~2.9).
+# contiguous slots (`torch.sum` over them: ~2.9), the same with `--layers 28` (`gather_bandwidth_layers_h100.json`);
+# `decode_balance_layers_h100.json` (about a minute): the persistent kernel at ~2.9 TB/s from 128 to 256 running,
+# 28 caches in the canonical layout. `canonical_ab_norm_folding_h100.json`: medians of 19,691 (folded norms)
+# against 19,130; `canonical_ab_page_size_persistent_h100.json` and `canonical_ab_cublaslt_h100.json`: no change
+# beyond the spread (19,632 against 19,617; 19,406 against 19,388). The bare-machine measurement with folded norms
+# (`canonical_bare_machine_h100.json`): start-up 79 s, then 19,585 tok/s; warm start-up 9.7 s, then 19,600.
+# `decode_anatomy_folded_h100.json`: 218 kernels per step at 256 running, 283 at 14.
 # `decode_balance.sh` (`docs/data/decode_balance_h100.json`, ~1.5 minutes with the compilation): ~218 us per layer
 # for the 256 running contexts against ~199 for the equal-length control, ~197 against ~191 at 128 running, ~43
 # for both at 16. `decode_anatomy.py --label gaps` (`decode_anatomy_gaps_h100.json`): about 0.3 ms of gaps between
