@@ -317,7 +317,7 @@ plt.show()
 # | page-table bookkeeping | the scheduler read one entry of the **GPU** page table per request per step (`int(table[r, i])`: a device sync each) and wrote its new slot with one tiny copy each | a host copy of the page table (`ReqToTokenPool.host`); the runner writes all of a step's new slots to the GPU table with **one scatter** |
 # | step inputs | one `torch.tensor(list).to(device)` per field, per-request slices of the page table | one int64 host tensor (ids, positions, slots, rows, lengths, last-token index) in pinned memory, **one** non-blocking H2D copy, then views |
 # | sampling state | `SamplingBatchInfo.build` (~10 small H2D copies) every step | reused across decode steps of the same requests: only `steps += 1` on the device (a row filter when some finished) |
-# | RMSNorm (+ residual) | 8 kernels per norm | 1 FlashInfer kernel (`fused_add_rmsnorm`, and `rmsnorm` on `[T, heads, d]` views for QK-norm, no copies) |
+# | RMSNorm (+ residual) | 8 kernels per norm | 1 FlashInfer kernel (`fused_add_rmsnorm`, and `rmsnorm` on `[T, heads, d]` views for QK-norm, no copies); chapter 11 later folds the layers' norms into the kernels around them (`layers/norm_folding.py`): none left |
 # | SiLU-and-mul | 3 kernels | 1 FlashInfer kernel |
 # | RoPE | gather cos/sin, ~10 element-wise kernels, 2 copies | 1 FlashInfer kernel, in place on the q/k views |
 # | QK-norm + RoPE, KV store | 2 norm kernels + 1 RoPE kernel; 2 indexing kernels | 1 Triton kernel each, our own (`layers/triton_fused.py`), first in the graphed decode steps; chapter 11 later merges the two into one and runs it in prefill steps too |
