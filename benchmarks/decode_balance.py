@@ -263,6 +263,64 @@ def measure_stage(st: Stage, names: list[str], repeats: int, others: list[Stage]
     return rows
 
 
+#: A Qwen3-0.6B layer's matrix multiplies in a decode step: (output, input) features of qkv, o, gate_up, down.
+LAYER_MATMULS = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072))
+
+
+def with_matmuls(st: Stage, others: list[Stage], name: str, repeats: int) -> dict[str, Any]:
+    """The attention of every layer as a decode step meets it: each layer's call followed by that layer's four
+    matrix multiplies (their own weights, one row per request). Times the whole chain and the multiplies alone
+    with CUDA events, and the attention kernels inside the chain with the profiler: if the attention reads as
+    fast between multiplies as it does back to back, the multiplies' neighbourhood costs it nothing."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.kernels import time_graph
+
+    rows = len(st.lens)
+    attn = [variants()[name](x)[0] for x in [st, *others]]
+    weights = [[torch.randn(o, i, device=DEVICE, dtype=DTYPE) * 0.02 for o, i in LAYER_MATMULS] for _ in attn]
+    inputs = {i: torch.randn(rows, i, device=DEVICE, dtype=DTYPE) for _, i in LAYER_MATMULS}
+
+    def matmuls(layer: int) -> None:
+        for w in weights[layer]:
+            torch.nn.functional.linear(inputs[w.shape[1]], w)
+
+    def chain() -> None:
+        for layer, f in enumerate(attn):
+            f()
+            matmuls(layer)
+
+    def attention_only() -> None:
+        for f in attn:
+            f()
+
+    def profiled_attention_us(fn: Callable[[], None], replays: int = 5) -> float:
+        """GPU time of the attention kernels per layer in replays of a graph of ``fn``, from the profiler."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                graph.replay()
+            torch.cuda.synchronize()
+        us = sum(e.self_device_time_total for e in prof.key_averages()
+                 if any(k in e.key for k in ("Attention", "Persistent", "BatchDecode", "MergeStates")))
+        return us / replays / len(attn)
+
+    total, _ = time_graph(chain, calls_per_graph=1, repeats=repeats)
+    mm_only, _ = time_graph(lambda: [matmuls(layer) for layer in range(len(attn))], calls_per_graph=1, repeats=repeats)
+    alone, between = profiled_attention_us(attention_only), profiled_attention_us(chain)
+    return {"variant": f"{name}_with_matmuls", "layers": len(attn),
+            "chain_us_per_layer": round(total * 1e6 / len(attn), 2),
+            "matmuls_us_per_layer": round(mm_only * 1e6 / len(attn), 2),
+            "attention_us_per_layer_profiled_alone": round(alone, 2),
+            "attention_us_per_layer_profiled_between_matmuls": round(between, 2),
+            "attention_bandwidth_GBps_profiled_alone": round(st.bytes / (alone * 1e-6) / 1e9, 1),
+            "attention_bandwidth_GBps_profiled_between_matmuls": round(st.bytes / (between * 1e-6) / 1e9, 1)}
+
+
 def plan_cost(st: Stage, repeats: int = 30) -> dict[str, dict[str, float]]:
     """What a decode step pays around the kernel when it plans anew, as an engine must (the lengths change every
     step): for the engine's graph wrapper and for the persistent ``BatchAttention``, the host time of one plan
@@ -347,6 +405,8 @@ def main() -> int:
     p.add_argument("--uniform", action="store_true", help="add a control stage of equal lengths after each")
     p.add_argument("--warmup-s", type=float, default=3.0, help="keep the GPU busy this long before timing")
     p.add_argument("--plan-cost", action="store_true", help="also time re-planning every step (plan_cost)")
+    p.add_argument("--with-matmuls", action="store_true",
+                   help="with --layers: also run each layer's matrix multiplies after its attention (with_matmuls)")
     p.add_argument("--slot-order", choices=("contiguous", "canonical"), default="contiguous",
                    help="canonical: each prompt in a run of slots, generated tokens a batch of slots apart")
     p.add_argument("--layers", type=int, default=1,
@@ -383,6 +443,11 @@ def main() -> int:
         st = Stage(lens, seed=len(lens), generated=gen)
         others = [Stage(lens, seed=len(lens) + i, generated=gen) for i in range(1, args.layers)]
         rows = measure_stage(st, names, args.repeats, others)
+        if args.with_matmuls and others:
+            extra_rows = [with_matmuls(st, others, n, args.repeats) for n in names]
+            for r in extra_rows:
+                print(f"  with matmuls: {r}", flush=True)
+            rows += extra_rows
         del others
         extra = {"plan_cost": plan_cost(st)} if args.plan_cost else {}
         result["stages"].append({**extra, "stage": mark, "running": len(lens), "context_tokens": sum(lens),
