@@ -675,7 +675,7 @@ for name, what in (("canonical_ab_persistent_h100.json", "plan uploaded on the s
 # (a few microseconds), before the graph. Two events keep the buffers honest: the side stream does not refill the
 # staging buffer before the step's stream has copied it out, and the step's stream does not copy before the side
 # stream has filled it. The second comparison: +1.2%, every run with it faster than every run without. It is the
-# default for the `flashinfer` decode backend (`--persistent-decode-min-batch 64`; 0 turns it off), checked
+# default for the `flashinfer` decode backend (from 64 rows at first; 144 since the measurement below), checked
 # against `torch_native` on every GPU test shape (`gpu_tests_persistent_decode_h100.txt`). Its plan keeps the
 # offsets of its arrays fixed, and the planner is checked on every call for exactly that: a captured graph has
 # those offsets in its kernel arguments.
@@ -722,9 +722,33 @@ print_ab("canonical_ab_page_size_persistent_h100.json", "canonical workload, pag
 # of 64 slots, which keep each request's tokens together, are no faster end to end with the persistent kernel
 # either. Yet in the profile of the engine (later in this section) the same kernel takes 6.13 ms a step with 256
 # requests running, whose 146,155 context tokens need 5.59 ms at 3.0 TB/s: ~2.73 TB/s, 5-6% slower than alone.
-# What costs it those percent inside the engine (the GPU's clock under the matrix multiplies' power draw, the
-# strided query, the plan's upload on a side stream) is not yet measured; it is worth about as much as the whole
-# fixed-cost budget below.
+#
+# What differs is the company. In a decode step each layer's attention sits between matrix multiplies;
+# `--with-matmuls` runs each layer's four multiplies (its own weights, one row per request) after its attention,
+# times the whole chain with CUDA events and profiles the attention kernels inside it:
+
+# %%
+WM = json.loads((ROOT / "docs" / "data" / "decode_balance_with_matmuls_h100.json").read_text())
+print(f"{'running':>7} {'kernel':<11} {'attention alone':>15} {'between matmuls':>15} {'whole chain':>11}   (us per layer)")
+for st in WM["stages"]:
+    for r in st["variants"]:
+        if r["variant"].endswith("_with_matmuls"):
+            kernel = "persistent" if "holistic" in r["variant"] else "engine's"
+            print(f"{st['running']:>7} {kernel:<11} {r['attention_us_per_layer_profiled_alone']:>15.1f} "
+                  f"{r['attention_us_per_layer_profiled_between_matmuls']:>15.1f} {r['chain_us_per_layer']:>11.1f}")
+print_ab("canonical_ab_persistent_threshold_h100.json",
+         "canonical workload, the persistent kernel from 144 rows instead of 64:", "64", "144")
+
+# %% [markdown]
+# The engine's plain decode kernel reads as fast between the multiplies as alone; the persistent kernel loses
+# 4-7% there, down to the ~2.7-2.8 TB/s of the engine's profile. A likely reason, not yet isolated: the persistent
+# kernel deals its work out to a fixed set of blocks, two per SM, before it starts, so a block whose SM is still
+# draining the multiply before it starts late, and the kernel ends when that block does; the plain kernel's
+# thousands of blocks go to whichever SM frees up first. Over the whole chain the persistent kernel still wins from
+# ~160 rows up (by 1-5%), and loses by 3-5% at 128 and 64 rows, where the plain kernel's imbalance is small. So
+# the engine now switches to it at 144 rows instead of 64: +1.5%, every run above every run before. What the
+# persistent kernel loses next to the multiplies, ~10 µs a layer with 256 running, is still the largest single
+# item of the fixed cost below.
 #
 # ### Overlapping attention with the matrix multiplies
 #
@@ -1561,6 +1585,10 @@ for run in SA["canonical_runs"]:
 # BASE=. BASE_LABEL=cublas NEW_LABEL=cublaslt NEW_ENV="TORCH_BLAS_PREFER_CUBLASLT=1" \
 #     bash scripts/gpu/canonical_ab.sh                              # section 5: cuBLASLt for every matmul
 # python -m pytest -m gpu tests/test_norm_folding.py tests/test_triton_fused.py   # section 5: folded vs float32
+# python -m benchmarks.decode_balance --variants fi_graph,fi_holistic --marks 256,224,192,160,128,64 --layers 28 \
+#     --slot-order canonical --with-matmuls --output results/with_matmuls.json   # section 5: attention between matmuls
+# BASE=. BASE_LABEL=64 NEW_LABEL=144 NEW_ARGS="--persistent-decode-min-batch 144" BASE_ARGS="--persistent-decode-min-batch 64" \
+#     bash scripts/gpu/canonical_ab.sh                              # section 5: where the persistent kernel starts
 # ```
 #
 # Expected on an H100 80GB HBM3 (`docs/data/gpu_offline_h100.json`): about 17,700-17,850 output tok/s on the
@@ -1593,6 +1621,9 @@ for run in SA["canonical_runs"]:
 # beyond the spread (19,632 against 19,617; 19,406 against 19,388). The bare-machine measurement with folded norms
 # (`canonical_bare_machine_h100.json`): start-up 79 s, then 19,585 tok/s; warm start-up 9.7 s, then 19,600.
 # `decode_anatomy_folded_h100.json`: 218 kernels per step at 256 running, 283 at 14.
+# `decode_balance_with_matmuls_h100.json` (about a minute per three stages): the persistent kernel 4-7% slower
+# between a layer's matrix multiplies than alone, the engine's plain kernel unchanged;
+# `canonical_ab_persistent_threshold_h100.json`: medians of 19,316 (from 144 rows) against 19,040 (from 64).
 # `decode_balance.sh` (`docs/data/decode_balance_h100.json`, ~1.5 minutes with the compilation): ~218 us per layer
 # for the 256 running contexts against ~199 for the equal-length control, ~197 against ~191 at 128 running, ~43
 # for both at 16. `decode_anatomy.py --label gaps` (`decode_anatomy_gaps_h100.json`): about 0.3 ms of gaps between

@@ -109,9 +109,9 @@ class EngineConfig:
                                               "one admitted in the same prefill step, so it hits the radix cache "
                                               "next step (chapter 04); -1 disables")
     page_size: int = flag(1, "tokens per KV page")
-    persistent_decode_min_batch: int = flag(64, "flashinfer decode: batches of at least this many rows use the "
-                                                "persistent, load-balanced attention kernel (0 disables; "
-                                                "chapter 11)")
+    persistent_decode_min_batch: int = flag(144, "flashinfer decode: batches of at least this many rows use the "
+                                                 "persistent, load-balanced attention kernel (0 disables; "
+                                                 "chapter 11)")
     disable_radix_cache: bool = flag(False, "no prefix sharing between requests (chapter 04)")
     disable_overlap_schedule: bool = flag(False, "schedule the next step only after this one's tokens are back "
                                                  "(chapter 06)")
