@@ -436,10 +436,12 @@ for label in ("cold", "warm"):
 # prefill store and the folded norms of later sections). The first process compiles for about a minute before its
 # first request (FlashInfer's JIT and Triton, then the KV pool and the graph captures; the host's speed varies from
 # machine to machine, and earlier bare machines took up to 100 s), the second starts in under 10 s from the disk
-# caches, and both run the workload at ~19,600 output tokens/s, 73.5% of the floor, with nothing compiled inside
-# the timed run. (The same measurement before the folded norms: 19,446 and 19,232, on another machine; before the
-# fused prefill store: 19,034 and 19,027. Machines differ by a percent or two, so only the interleaved A/Bs of
-# section 5 compare changes.)
+# caches (~13 s, more graphs to capture since the persistent kernel starts at 144 rows), and both run the workload
+# at 19,500-19,700 output tokens/s, 73-74% of the floor, with nothing compiled inside the timed run. (The same
+# measurement with the folded norms but the persistent kernel from 64 rows: 19,585 and 19,600,
+# `canonical_bare_machine_folded_h100.json`; before the folded norms: 19,446 and 19,232; before the fused prefill
+# store: 19,034 and 19,027; each on another machine. Machines differ by a percent or two, so only the interleaved
+# A/Bs of section 5 compare changes.)
 
 # %% [markdown]
 # ### The gaps between kernels, measured one by one
@@ -741,10 +743,11 @@ print_ab("canonical_ab_persistent_threshold_h100.json",
 
 # %% [markdown]
 # The engine's plain decode kernel reads as fast between the multiplies as alone; the persistent kernel loses
-# 4-7% there, down to the ~2.7-2.8 TB/s of the engine's profile. A likely reason, not yet isolated: the persistent
-# kernel deals its work out to a fixed set of blocks, two per SM, before it starts, so a block whose SM is still
-# draining the multiply before it starts late, and the kernel ends when that block does; the plain kernel's
-# thousands of blocks go to whichever SM frees up first. Over the whole chain the persistent kernel still wins from
+# 4-7% there, down to the ~2.7-2.8 TB/s of the engine's profile. Why is not yet isolated. Kernels of one stream do
+# not overlap, so the persistent kernel starts on an idle GPU either way; what the multiplies change is what they
+# leave in the 50 MB L2 cache (their weights and outputs, where back to back the kernel finds its own plan and
+# partial results), and the persistent kernel, which reads a plan of several megabytes and merges partial results
+# at its end, has more to lose there than the plain one. Over the whole chain the persistent kernel still wins from
 # ~160 rows up (by 1-5%), and loses by 3-5% at 128 and 64 rows, where the plain kernel's imbalance is small. So
 # the engine now switches to it at 144 rows instead of 64: +1.5%, every run above every run before. What the
 # persistent kernel loses next to the multiplies, ~10 µs a layer with 256 running, is still the largest single
@@ -1618,8 +1621,10 @@ for run in SA["canonical_runs"]:
 # `decode_balance_layers_h100.json` (about a minute): the persistent kernel at ~2.9 TB/s from 128 to 256 running,
 # 28 caches in the canonical layout. `canonical_ab_norm_folding_h100.json`: medians of 19,691 (folded norms)
 # against 19,130; `canonical_ab_page_size_persistent_h100.json` and `canonical_ab_cublaslt_h100.json`: no change
-# beyond the spread (19,632 against 19,617; 19,406 against 19,388). The bare-machine measurement with folded norms
-# (`canonical_bare_machine_h100.json`): start-up 79 s, then 19,585 tok/s; warm start-up 9.7 s, then 19,600.
+# beyond the spread (19,632 against 19,617; 19,406 against 19,388). The bare-machine measurement of the final
+# engine (`canonical_bare_machine_h100.json`): start-up 82 s, then 19,538 tok/s; warm start-up 12.8 s, then 19,674
+# (with folded norms and the persistent kernel from 64 rows, `canonical_bare_machine_folded_h100.json`: 79 s and
+# 19,585; 9.7 s and 19,600).
 # `decode_anatomy_folded_h100.json`: 218 kernels per step at 256 running, 283 at 14.
 # `decode_balance_with_matmuls_h100.json` (about a minute per three stages): the persistent kernel 4-7% slower
 # between a layer's matrix multiplies than alone, the engine's plain kernel unchanged;
