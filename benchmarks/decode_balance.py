@@ -309,14 +309,26 @@ def with_matmuls(st: Stage, others: list[Stage], name: str, repeats: int) -> dic
                  if any(k in e.key for k in ("Attention", "Persistent", "BatchDecode", "MergeStates")))
         return us / replays / len(attn)
 
+    # A control for the matmuls' effect: a plain 64 MB copy between the layers replaces the L2 cache's content as
+    # the multiplies do, without their arithmetic (or their power draw).
+    src = torch.empty(64 << 20, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+
+    def with_copies() -> None:
+        for f in attn:
+            f()
+            dst.copy_(src)
+
     total, _ = time_graph(chain, calls_per_graph=1, repeats=repeats)
     mm_only, _ = time_graph(lambda: [matmuls(layer) for layer in range(len(attn))], calls_per_graph=1, repeats=repeats)
     alone, between = profiled_attention_us(attention_only), profiled_attention_us(chain)
+    between_copies = profiled_attention_us(with_copies)
     return {"variant": f"{name}_with_matmuls", "layers": len(attn),
             "chain_us_per_layer": round(total * 1e6 / len(attn), 2),
             "matmuls_us_per_layer": round(mm_only * 1e6 / len(attn), 2),
             "attention_us_per_layer_profiled_alone": round(alone, 2),
             "attention_us_per_layer_profiled_between_matmuls": round(between, 2),
+            "attention_us_per_layer_profiled_between_64mb_copies": round(between_copies, 2),
             "attention_bandwidth_GBps_profiled_alone": round(st.bytes / (alone * 1e-6) / 1e9, 1),
             "attention_bandwidth_GBps_profiled_between_matmuls": round(st.bytes / (between * 1e-6) / 1e9, 1)}
 
