@@ -746,12 +746,26 @@ print_ab("canonical_ab_persistent_threshold_h100.json",
 # 4-7% there, down to the ~2.7-2.8 TB/s of the engine's profile. Why is not yet isolated. Kernels of one stream do
 # not overlap, so the persistent kernel starts on an idle GPU either way; what the multiplies change is what they
 # leave in the 50 MB L2 cache (their weights and outputs, where back to back the kernel finds its own plan and
-# partial results), and the persistent kernel, which reads a plan of several megabytes and merges partial results
-# at its end, has more to lose there than the plain one. Over the whole chain the persistent kernel still wins from
-# ~160 rows up (by 1-5%), and loses by 3-5% at 128 and 64 rows, where the plain kernel's imbalance is small. So
-# the engine now switches to it at 144 rows instead of 64: +1.5%, every run above every run before. What the
-# persistent kernel loses next to the multiplies, ~10 µs a layer with 256 running, is still the largest single
-# item of the fixed cost below.
+# partial results). A control supports that: a plain 64 MB copy between the layers instead of the multiplies, no
+# arithmetic at all, costs the persistent kernel just as much (`decode_balance_l2_control_h100.json`):
+
+# %%
+L2C = json.loads((ROOT / "docs" / "data" / "decode_balance_l2_control_h100.json").read_text())
+for st in L2C["stages"]:
+    for r in st["variants"]:
+        if r["variant"].endswith("_with_matmuls"):
+            kernel = "persistent" if "holistic" in r["variant"] else "engine's"
+            print(f"{st['running']:>4} running, {kernel:<10}: alone {r['attention_us_per_layer_profiled_alone']:6.1f} us, "
+                  f"between matmuls {r['attention_us_per_layer_profiled_between_matmuls']:6.1f}, between 64 MB copies "
+                  f"{r['attention_us_per_layer_profiled_between_64mb_copies']:6.1f}")
+
+# %% [markdown]
+# (The copy also costs the plain kernel ~3%: it leaves up to 50 MB of written lines in the L2 cache, which go
+# back to memory while the next kernel reads. The multiplies write little.) Over the whole chain the persistent
+# kernel still wins from ~160 rows up (by 1-5%), and loses by 3-5% at 128 and 64 rows, where the plain kernel's
+# imbalance is small. So the engine now switches to it at 144 rows instead of 64: +1.5%, every run above every
+# run before. What the persistent kernel loses next to the multiplies, ~10 µs a layer with 256 running, is the
+# largest single item left between the attention and its floor.
 #
 # ### Overlapping attention with the matrix multiplies
 #
