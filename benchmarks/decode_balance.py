@@ -332,7 +332,7 @@ def with_matmuls(st: Stage, others: list[Stage], name: str, repeats: int) -> dic
         for layer, f in enumerate(attn):
             w = plans[layer]
             if w is not None:
-                torch.sum(w.int_workspace_buffer.view(torch.int32), out=sink)
+                torch.sum(w.int_workspace_buffer.view(torch.int32), dim=0, out=sink)
             f()
             matmuls(layer)
 
