@@ -761,7 +761,10 @@ for st in L2C["stages"]:
 
 # %% [markdown]
 # (The copy also costs the plain kernel ~3%: it leaves up to 50 MB of written lines in the L2 cache, which go
-# back to memory while the next kernel reads. The multiplies write little.) Over the whole chain the persistent
+# back to memory while the next kernel reads. The multiplies write little.) It is not the plan: reading the
+# kernel's plan workspace into the L2 cache just before each layer's attention makes it no faster
+# (`decode_balance_plan_warm_h100.json`, the `plan_read_first` column), which leaves the partial results it writes
+# and merges as the next suspect. Over the whole chain the persistent
 # kernel still wins from ~160 rows up (by 1-5%), and loses by 3-5% at 128 and 64 rows, where the plain kernel's
 # imbalance is small. So the engine now switches to it at 144 rows instead of 64: +1.5%, every run above every
 # run before. What the persistent kernel loses next to the multiplies, ~10 µs a layer with 256 running, is the
