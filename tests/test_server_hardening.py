@@ -177,3 +177,41 @@ def test_big_bodies_do_not_freeze_streams(server):
     print(f"stream: {len(times)} events, max gap {max(gaps):.2f} s; answered after "
           + ", ".join(f"{name} {r[2]:.1f} s" for name, r in results.items()))
     assert len(times) > 10 and max(gaps) < 2.0, max(gaps)
+
+
+def test_overlapping_parses_keep_the_collector_paused_until_the_last_ends():
+    """Bodies are parsed in worker threads, several at once: the garbage collector stays off from the first parse
+    to the end of the last, and is on again afterwards, so a parse that finishes early never switches it back on
+    under one still running (which would then collect over the whole heap, holding the GIL)."""
+    import gc
+    import threading
+
+    from minisgl_ref.server.protocol import gc_paused, parse_json_body
+
+    assert gc.isenabled()
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def first() -> None:
+        with gc_paused():
+            first_in.set()
+            second_in.wait(5)
+        first_out.set()
+
+    def second() -> None:
+        first_in.wait(5)
+        with gc_paused():
+            second_in.set()
+            first_out.wait(5)
+            seen.append(gc.isenabled())  # the first parse has ended; this one still runs
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == [False] and gc.isenabled()
+    assert parse_json_body(b'{"prompt": [[1], [2]]}') == {"prompt": [[1], [2]]} and gc.isenabled()
+    with pytest.raises(Exception, match="not valid JSON"):
+        parse_json_body(b"{")
+    assert gc.isenabled()  # a failed parse resumes it too

@@ -46,7 +46,9 @@ from __future__ import annotations
 import gc
 import json
 import re
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -89,25 +91,54 @@ INT_RANGE = (-(2**63), 2**64)  # [low, high): what fits in 64 bits, signed or un
 _SURROGATE = re.compile(r"[\ud800-\udfff]")  # json.loads joins valid pairs, so any left is a lone one
 
 
+class _GCPause:
+    """Pauses the cyclic garbage collector while at least one body is being parsed, in any thread.
+
+    Bodies are parsed in worker threads, several at once. Each parse cannot simply disable the collector and
+    re-enable it when done: the first parse to finish would switch it back on under a second one still parsing a
+    body of millions of small arrays, which then runs full collections, holding the GIL, and pauses every stream
+    of the server for seconds. A count of the parses in flight decides instead: the collector goes off with the
+    first and back on (if it was on before) with the last."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._parses = 0
+        self._was_enabled = False
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if self._parses == 0:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._parses += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._parses -= 1
+                if self._parses == 0 and self._was_enabled:
+                    gc.enable()
+
+
+gc_paused = _GCPause()
+
+
 def parse_json_body(raw: bytes) -> dict[str, Any]:
     """The body as a dict, after the checks of layer 1.
 
     ``json.loads`` holds the GIL throughout, and a body of many small arrays makes it slow: as millions of new
     containers appear, the cyclic garbage collector runs full passes over the whole heap (4.6 s for 32 MiB of
     ``[[1], [1], ...]`` in the API server, 0.8 s without them). Parsed JSON holds no reference cycles, so the
-    collector would find nothing in it: it is paused while parsing."""
-    was_enabled = gc.isenabled()
-    gc.disable()
+    collector would find nothing in it: it is paused while any body is being parsed (:data:`gc_paused`)."""
     try:
-        body = json.loads(raw, parse_constant=_reject_constant)
+        with gc_paused():
+            body = json.loads(raw, parse_constant=_reject_constant)
     except RecursionError as e:
         raise APIError(400, f"the request body nests more than {MAX_JSON_DEPTH} levels deep",
                        code="invalid_json") from e
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
-    finally:
-        if was_enabled:  # else another thread paused it, and that one resumes it
-            gc.enable()
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}",
                        code="invalid_json")
