@@ -201,6 +201,9 @@ for name, c in shipped.items():
 # the new residual. In PyTorch this is just two operations in one call; its point is the *interface*: a fused
 # kernel can later read the activations once instead of three times, without touching the model code. That is why
 # the model carries `residual` as a separate tensor from layer to layer instead of writing `x = x + f(norm(x))`.
+# (On a GPU, chapter 11 goes one step further and folds each norm into the kernels around it: the weight `w` into
+# the next projection, the division into the kernel after that, and the add into the projection before, so a layer
+# has no norm kernel left; `LlamaDecoderLayer.forward_folded` is that version of the layer.)
 
 # %%
 from minisgl_ref.layers.norm import RMSNorm
