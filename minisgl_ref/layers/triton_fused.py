@@ -283,13 +283,8 @@ def silu_and_mul_rms(gate_up: torch.Tensor, x: torch.Tensor, x_eps: float) -> to
     out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
     if t == 0:
         return out
-    kernel[(t, triton_cdiv(inter, ACT_BLOCK))](
+    kernel[(t, -(-inter // ACT_BLOCK))](
         gate_up, x, out, gate_up.stride(0), x.stride(0), out.stride(0), x_eps,
         I=inter, HIDDEN=x.shape[-1], BLOCK_X=_next_pow2(x.shape[-1]), BLOCK=min(ACT_BLOCK, _next_pow2(inter)),
     )  # fmt: skip
     return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for grid sizes."""
-    return -(-a // b)
