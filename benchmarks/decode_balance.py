@@ -21,7 +21,10 @@ that work:
 - ``fi_chunkN``: the engine's kernel on pieces of at most N tokens, each piece a request of its own, merged
   afterwards by log-sum-exp (the merge's cost included);
 - ``fi_holistic``: FlashInfer's persistent ``BatchAttention``, which balances the KV over its blocks itself;
-- ``fa3``: FlashAttention-3's paged decode with its own split heuristic.
+- ``fa3``: FlashAttention-3's paged decode with its own split heuristic;
+- ``triton_S_N_W_T``: the ``triton`` backend's split-KV kernel with every context cut into pieces of about ``S``
+  tokens (tiles of ``N`` tokens, ``W`` warps, ``T`` pipeline stages), one program per piece and KV head;
+- ``allheads_S_N_W_T``: the same split, one program per piece for all KV heads (``benchmarks/decode_allheads.py``).
 
 With ``--plan-cost`` each stage also times what an engine pays around the kernel when it plans every step
 (:func:`plan_cost`): the engine's graph wrapper against the persistent ``BatchAttention``.
@@ -220,6 +223,34 @@ def fa3_runner(st: Stage) -> tuple[Callable[[], torch.Tensor], list[int]]:
     return call, list(range(b))
 
 
+def triton_runner(st: Stage, split_len: int = 128, block_n: int = 64, warps: int = 4,
+                  stages: int = 2, allheads: bool = False) -> tuple[Callable[[], torch.Tensor], list[int]]:  # fmt: skip
+    """The ``triton`` backend's split-KV decode kernel with every context cut into pieces of about ``split_len``
+    tokens (as many splits as the longest context needs), so that its ~1,000 pieces x 8 KV heads balance the
+    work over the SMs the way the persistent kernel's planner does, then merged by a second kernel."""
+    from minisgl_ref.attention.triton_kernels.decode_attention import decode_attention_fwd
+
+    b = len(st.lens)
+    indptr = torch.zeros(b + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(torch.tensor(st.lens, dtype=torch.int32), 0)
+    indptr = indptr.to(DEVICE)
+    indices = st.slots(list(range(b)))
+    max_splits = -(-max(st.lens) // split_len)
+    mid_o = torch.empty(b, NUM_Q_HEADS, max_splits, HEAD_DIM, dtype=torch.float32, device=DEVICE)
+    mid_lse = torch.empty(b, NUM_Q_HEADS, max_splits, dtype=torch.float32, device=DEVICE)
+    out = torch.empty_like(st.q)
+
+    if allheads:
+        from benchmarks.decode_allheads import allheads_decode as decode_attention_fwd  # noqa: F811
+
+    def call() -> torch.Tensor:
+        decode_attention_fwd(st.q, st.k, st.v, out, indptr, indices, mid_o, mid_lse, HEAD_DIM**-0.5, max_splits,
+                             min_split_len=split_len, block_n=block_n, num_warps=warps, num_stages=stages)  # fmt: skip
+        return out
+
+    return call, list(range(b))
+
+
 def variants() -> dict[str, Callable[[Stage], tuple[Callable[[], torch.Tensor], list[int]]]]:
     """Every variant by name, the engine's own first (the others' errors are measured against it)."""
     v: dict[str, Callable[[Stage], tuple[Callable[[], torch.Tensor], list[int]]]] = {
@@ -234,6 +265,15 @@ def variants() -> dict[str, Callable[[Stage], tuple[Callable[[], torch.Tensor], 
     v["fi_holistic"] = holistic_runner
     v["fa3"] = fa3_runner
     v["fi_plain"] = lambda st: flashinfer_runner(st, tensor_cores=False, graph=False)
+    # triton_S_N_W_T: pieces of S tokens, blocks of N tokens, W warps, T pipeline stages
+    for s_, n_, w_, t_ in ((128, 64, 4, 2), (256, 64, 4, 2), (128, 32, 4, 2), (128, 64, 8, 2), (128, 64, 4, 3),
+                           (256, 64, 4, 3), (256, 128, 8, 2), (512, 64, 4, 3)):
+        v[f"triton_{s_}_{n_}_{w_}_{t_}"] = lambda st, a=(s_, n_, w_, t_): triton_runner(st, *a)
+    for s_ in (64, 128, 256):
+        for n_ in (8, 16, 32):
+            for w_ in (4, 8):
+                for t_ in (2, 3):
+                    v[f"allheads_{s_}_{n_}_{w_}_{t_}"] = lambda st, a=(s_, n_, w_, t_): triton_runner(st, *a, allheads=True)
     return v
 
 
@@ -311,7 +351,7 @@ def with_matmuls(st: Stage, others: list[Stage], name: str, repeats: int) -> dic
                 graph.replay()
             torch.cuda.synchronize()
         us = sum(e.self_device_time_total for e in prof.key_averages()
-                 if any(k in e.key for k in ("Attention", "Persistent", "BatchDecode", "MergeStates")))
+                 if any(k in e.key for k in ("Attention", "Persistent", "BatchDecode", "MergeStates", "_decode_stage", "_allheads")))
         return us / replays / len(attn)
 
     # A control for the matmuls' effect: a plain 64 MB copy between the layers replaces the L2 cache's content as

@@ -431,3 +431,29 @@ def test_decode_balance_canonical_slots_scatter_the_generated_tokens(monkeypatch
     plain = db.Stage(lens)
     assert plain.slots([0, 1, 2]).tolist() == list(range(1, sum(lens) + 1))
     assert db.generated_tokens(256) == 1  # every request runs at the first decode step, one token generated
+
+
+def test_decode_allheads_matches_attention_per_head():
+    """``benchmarks/decode_allheads.py`` (Triton's interpreter, float32): one program per piece of context for all
+    KV heads, the other heads' scores masked out, gives each query head softmax attention over its own KV head,
+    with contexts cut into several pieces (merged by the ``triton`` backend's stage 2) and slots out of order."""
+    from benchmarks.decode_allheads import allheads_decode
+
+    if torch.cuda.is_available() or type(__import__("triton").language.cdiv).__name__ == "JITFunction":
+        pytest.skip("runs the kernel in Triton's interpreter, on the CPU")
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, lens = 16, 8, 128, [5, 40, 17]
+    k, v = torch.randn(sum(lens) + 10, kv_heads, dim), torch.randn(sum(lens) + 10, kv_heads, dim)
+    q = torch.randn(len(lens), heads, dim)
+    slots = torch.randperm(sum(lens) + 10)[: sum(lens)].to(torch.int32)
+    indptr = torch.tensor([0, 5, 45, 62], dtype=torch.int32)
+    splits = 4
+    mid_o, mid_lse = torch.empty(len(lens), heads, splits, dim), torch.empty(len(lens), heads, splits)
+    out = torch.empty_like(q)
+    allheads_decode(q, k, v, out, indptr, slots, mid_o, mid_lse, dim**-0.5, splits, min_split_len=8, block_n=4)
+    for b in range(len(lens)):
+        idx = slots[indptr[b] : indptr[b + 1]].long()
+        kk, vv = k[idx].repeat_interleave(2, dim=1), v[idx].repeat_interleave(2, dim=1)
+        probs = (torch.einsum("hd,nhd->hn", q[b], kk) * dim**-0.5).softmax(-1)
+        torch.testing.assert_close(out[b], torch.einsum("hn,nhd->hd", probs, vv), atol=1e-5, rtol=1e-5)
