@@ -258,7 +258,7 @@ def variants() -> dict[str, Callable[[Stage], tuple[Callable[[], torch.Tensor], 
         "fi_tc_graph": lambda st: flashinfer_runner(st, tensor_cores=True, graph=True),
     }
     v["fi_graph_sorted"] = lambda st: flashinfer_runner(st, tensor_cores=False, graph=True, sort=True)
-    for n in (128, 256):
+    for n in (128, 256, 512):
         v[f"fi_chunk{n}"] = lambda st, n=n: chunked_runner(st, n)
     for n in SPLITS:  # FlashInfer pins a split size only outside CUDA graphs
         v[f"fi_tc_split{n}"] = lambda st, n=n: flashinfer_runner(st, tensor_cores=True, graph=False, split=n)
