@@ -22,6 +22,7 @@ that work:
   afterwards by log-sum-exp (the merge's cost included);
 - ``fi_holistic``: FlashInfer's persistent ``BatchAttention``, which balances the KV over its blocks itself;
 - ``fa3``: FlashAttention-3's paged decode with its own split heuristic;
+- ``xqa_pageN``: FlashInfer's XQA decode kernel (from TensorRT-LLM) over the same contexts in pages of N slots;
 - ``triton_S_N_W_T``: the ``triton`` backend's split-KV kernel with every context cut into pieces of about ``S``
   tokens (tiles of ``N`` tokens, ``W`` warps, ``T`` pipeline stages), one program per piece and KV head;
 - ``allheads_S_N_W_T``: the same split, one program per piece for all KV heads (``benchmarks/decode_allheads.py``).
@@ -251,6 +252,44 @@ def triton_runner(st: Stage, split_len: int = 128, block_n: int = 64, warps: int
     return call, list(range(b))
 
 
+def xqa_runner(st: Stage, page_size: int) -> tuple[Callable[[], torch.Tensor], list[int]]:
+    """FlashInfer's XQA decode kernel (TensorRT-LLM's, for grouped-query attention; pages of 16 to 128 tokens).
+    The stage's contexts are copied into pages of ``page_size`` slots, the pages dealt out in a shuffled order as
+    a pool would hand them out, so the kernel reads the same K and V as the others."""
+    from flashinfer.decode import xqa_batch_decode_with_kv_cache
+
+    b = len(st.lens)
+    npages = [-(-n // page_size) for n in st.lens]
+    gen = torch.Generator().manual_seed(len(st.lens))
+    order = torch.randperm(sum(npages), generator=gen).to(torch.int32) + 1  # page 0 unused
+    table = torch.zeros(b, max(npages), dtype=torch.int32)
+    dest, start = [], 0
+    for i, n in enumerate(st.lens):
+        pages = order[start : start + npages[i]]
+        table[i, : npages[i]] = pages
+        start += npages[i]
+        pos = torch.arange(n)
+        dest.append(pages[pos // page_size].long() * page_size + pos % page_size)
+    dest_t = torch.cat(dest).to(DEVICE)
+    src = st.slots(list(range(b))).long()
+    shape = (sum(npages) + 1, page_size, NUM_KV_HEADS, HEAD_DIM)
+    k = torch.zeros(shape, dtype=DTYPE, device=DEVICE)
+    v = torch.zeros(shape, dtype=DTYPE, device=DEVICE)
+    k.view(-1, NUM_KV_HEADS, HEAD_DIM)[dest_t] = st.k[src]
+    v.view(-1, NUM_KV_HEADS, HEAD_DIM)[dest_t] = st.v[src]
+    table = table.to(DEVICE)
+    seq_lens = torch.tensor(st.lens, dtype=torch.int32, device=DEVICE)
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device=DEVICE)
+    out = torch.empty_like(st.q)
+    max_len = max(npages) * page_size
+
+    def call() -> torch.Tensor:
+        return xqa_batch_decode_with_kv_cache(st.q, (k, v), ws, table, seq_lens, max_len,
+                                              bmm1_scale=HEAD_DIM**-0.5, out=out)  # fmt: skip
+
+    return call, list(range(b))
+
+
 def variants() -> dict[str, Callable[[Stage], tuple[Callable[[], torch.Tensor], list[int]]]]:
     """Every variant by name, the engine's own first (the others' errors are measured against it)."""
     v: dict[str, Callable[[Stage], tuple[Callable[[], torch.Tensor], list[int]]]] = {
@@ -265,6 +304,8 @@ def variants() -> dict[str, Callable[[Stage], tuple[Callable[[], torch.Tensor], 
     v["fi_holistic"] = holistic_runner
     v["fa3"] = fa3_runner
     v["fi_plain"] = lambda st: flashinfer_runner(st, tensor_cores=False, graph=False)
+    for n in (16, 32, 64, 128):
+        v[f"xqa_page{n}"] = lambda st, n=n: xqa_runner(st, n)
     # triton_S_N_W_T: pieces of S tokens, blocks of N tokens, W warps, T pipeline stages
     for s_, n_, w_, t_ in ((128, 64, 4, 2), (256, 64, 4, 2), (128, 32, 4, 2), (128, 64, 8, 2), (128, 64, 4, 3),
                            (256, 64, 4, 3), (256, 128, 8, 2), (512, 64, 4, 3)):
@@ -351,7 +392,7 @@ def with_matmuls(st: Stage, others: list[Stage], name: str, repeats: int) -> dic
                 graph.replay()
             torch.cuda.synchronize()
         us = sum(e.self_device_time_total for e in prof.key_averages()
-                 if any(k in e.key for k in ("Attention", "Persistent", "BatchDecode", "MergeStates", "_decode_stage", "_allheads")))
+                 if any(k in e.key for k in ("Attention", "Persistent", "BatchDecode", "MergeStates", "_decode_stage", "_allheads", "xqa", "kernel_mha")))
         return us / replays / len(attn)
 
     # A control for the matmuls' effect: a plain 64 MB copy between the layers replaces the L2 cache's content as
