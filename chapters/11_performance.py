@@ -763,12 +763,88 @@ for st in L2C["stages"]:
 # (The copy also costs the plain kernel ~3%: it leaves up to 50 MB of written lines in the L2 cache, which go
 # back to memory while the next kernel reads. The multiplies write little.) It is not the plan: reading the
 # kernel's plan workspace into the L2 cache just before each layer's attention makes it no faster
-# (`decode_balance_plan_warm_h100.json`, the `plan_read_first` column), which leaves the partial results it writes
-# and merges as the next suspect. Over the whole chain the persistent
+# (`decode_balance_plan_warm_h100.json`, the `plan_read_first` column). Nor its partial results: its planner cuts
+# a context only where it is longer than the batch's KV tokens x KV heads / (2 blocks x 132 SMs), rounded up to
+# 256 (4,608 tokens with 256 running), so at that stage no context is cut and nothing is merged. The cause stays
+# open. Over the whole chain the persistent
 # kernel still wins from ~160 rows up (by 1-5%), and loses by 3-5% at 128 and 64 rows, where the plain kernel's
 # imbalance is small. So the engine now switches to it at 144 rows instead of 64: +1.5%, every run above every
 # run before. What the persistent kernel loses next to the multiplies, ~10 µs a layer with 256 running, is the
 # largest single item left between the attention and its floor.
+#
+# ### Other decode kernels in the same chain
+#
+# Would another kernel read the cache faster where it counts, between the multiplies? The same 28-layer chain
+# (`--with-matmuls`, whole chain timed with CUDA events, microseconds per layer: attention plus four multiplies)
+# with more candidates:
+#
+# * the `triton` backend's own split-KV kernel (chapter 07) with every context cut into pieces of about 128 or 512
+#   tokens, one program per piece and KV head, so that ~1,000 pieces balance the SMs as the persistent planner
+#   does (its backend cuts only small batches);
+# * a variant of it whose programs read all eight KV heads of a token at once, whole 2 KiB rows, which
+#   `gather_bandwidth` found to be the fastest way to gather the cache (`benchmarks/decode_allheads.py`: one
+#   `tl.dot` of the 16 query heads with all 8 x N rows of a tile, the scores against other heads' rows masked);
+# * FlashInfer's plain kernel on pieces of at most 256 or 512 tokens, each piece a request of its own, merged
+#   afterwards (balanced by hand; the copies of queries and results this needs are part of the time);
+# * FlashInfer's XQA kernel (TensorRT-LLM's decode kernel for grouped-query attention), which needs pages of 16
+#   to 128 slots: the same contexts copied into shuffled pages.
+#
+# Each file is one process; the first two rows of each are the engine's two kernels, measured again there:
+
+# %%
+NAMES = {"fi_graph": "FlashInfer decode (engine < 144)", "fi_holistic": "FlashInfer persistent (engine >= 144)",
+         "triton_128_64_4_2": "Triton split-KV, 128-token pieces", "triton_512_64_4_3": "Triton split-KV, 512-token pieces",
+         "allheads_128_16_4_3": "Triton, all heads, 128-token pieces", "allheads_256_16_4_3": "Triton, all heads, 256-token pieces",
+         "fi_chunk256": "FlashInfer decode on 256-token pieces", "fi_chunk512": "FlashInfer decode on 512-token pieces",
+         "xqa_page32": "XQA, pages of 32", "xqa_page64": "XQA, pages of 64", "xqa_page128": "XQA, pages of 128"}
+for name in ("decode_balance_triton_h100.json", "decode_balance_chunks_h100.json", "decode_balance_xqa_h100.json"):
+    stages = json.loads((ROOT / "docs" / "data" / name).read_text())["stages"]
+    chain = {(st["running"], r["variant"].removesuffix("_with_matmuls")): r["chain_us_per_layer"]
+             for st in stages for r in st["variants"] if "chain_us_per_layer" in r}
+    running = [st["running"] for st in stages]
+    print(f"{name}\n{'':<40}" + "".join(f"{n:>9} running" for n in running))
+    for variant in dict.fromkeys(v for _, v in chain):
+        best = [chain[n, "fi_holistic" if n >= 144 else "fi_graph"] for n in running]
+        cells = "".join(f"{chain[n, variant]:>9.1f} ({chain[n, variant] / b - 1:>+5.0%})" for n, b in zip(running, best))
+        print(f"  {NAMES[variant]:<38}{cells}")
+
+# %% [markdown]
+# (In brackets: against the engine's kernel at that size.) None beats the engine's choice at any stage: XQA with
+# pages of 128 comes within 1-2%, the others lose 2-21%. The Triton kernels are balanced but read only 2.4-2.7 TB/s
+# whichever way they cut the work; reading whole 2 KiB rows instead of 256-byte pieces did not lift them, so the
+# layout of the loads is not what holds them back. Balancing FlashInfer's plain kernel by hand costs about what the
+# balance wins back. XQA with pages of 64 or 128 matches the persistent kernel at 256 running and the plain one at
+# 128 (within 1-2%), is ~10% slower than the plain kernel at 32 running, and would impose its large pages on the
+# whole engine. The attention kernels at hand read 2.7-2.8 TB/s in the engine's company; the ~3.0 of a plain copy
+# is out of their reach here.
+#
+# The other side of the chain, the multiplies. They take ~0.8-1.0 ms a step where reading the weights takes
+# 0.4 ms; is it the reading? `benchmarks/matmul_latency.py` runs each layer's four multiplies once with every
+# layer's own weights, as a step does, and once with the first layer's 30 MB of weights every time, which then
+# stay in the 50 MB L2 cache; it prefetches each layer's weights into L2 on a second stream while the layer's
+# attention runs; and it lets PyTorch's TunableOp time every algorithm it can find for each shape:
+
+# %%
+LAT = json.loads((ROOT / "docs" / "data" / "matmul_latency_h100.json").read_text())
+print(f"{'rows':>4} {'own weights':>11} {'weights in L2':>13}   (us per layer, four multiplies)")
+for r in LAT["weights_in_l2"]:
+    print(f"{r['rows']:>4} {r['own_weights_us_per_layer']:>11.1f} {r['weights_in_l2_us_per_layer']:>13.1f}")
+for r in LAT["prefetch_during_attention"]:
+    print(f"{r['running']:>3} running ({r['attention']}): no prefetch {r['no_prefetch_us_per_layer']:.1f} us a layer, "
+          f"L2 prefetch on a side stream {r['prefetch_evict_last_us_per_layer']:.1f} (evict-last), "
+          f"{r['prefetch_plain_us_per_layer']:.1f} (plain)")
+for r in LAT["tunableop"]["rows"]:
+    print(f"{r['rows']:>4} rows, whole step's multiplies: cuBLAS {r['cublas_ms_per_step']:.3f} ms, "
+          f"TunableOp {r['tunableop_ms_per_step']:.3f} ms ({r['tunableop_ms_per_step'] / r['cublas_ms_per_step'] - 1:+.1%})")
+
+# %% [markdown]
+# With the weights already in the L2 cache the multiplies are only 0-21% faster: at 192 and 256 rows not at all,
+# and ~5 µs a layer at one row, where a kernel that only reads would be 2-3x faster from L2. Most of their time
+# is each kernel's own ramp-up, its loop over K and its drain, not memory. So prefetching cannot help, and the
+# measurement agrees: the prefetch kernels compete with the attention for memory and add a fork and a join to
+# every layer, 5-19 µs a layer slower. TunableOp finds algorithms 0.6-1.7% faster than cuBLAS's choice, ~0.01-0.02 ms
+# a step, about 0.2% of a run: not worth a tuning file and a tuning pass at start-up. What would shorten the
+# multiplies is fewer of them, each doing more: the fusion across kernels that section 5's summary ends on.
 #
 # ### Overlapping attention with the matrix multiplies
 #
@@ -1609,6 +1685,12 @@ for run in SA["canonical_runs"]:
 #     --slot-order canonical --with-matmuls --output results/with_matmuls.json   # section 5: attention between matmuls
 # BASE=. BASE_LABEL=64 NEW_LABEL=144 NEW_ARGS="--persistent-decode-min-batch 144" BASE_ARGS="--persistent-decode-min-batch 64" \
 #     bash scripts/gpu/canonical_ab.sh                              # section 5: where the persistent kernel starts
+# python -m benchmarks.decode_balance --variants fi_graph,fi_holistic,triton_128_64_4_2,triton_512_64_4_3,\
+# allheads_128_16_4_3,allheads_256_16_4_3 --marks 256,128,64 --layers 28 --slot-order canonical --with-matmuls \
+#     --output results/decode_balance_triton.json                   # section 5: other kernels in the chain
+# python -m benchmarks.decode_balance --variants fi_graph,fi_holistic,xqa_page32,xqa_page64,xqa_page128 \
+#     --marks 256,128,32 --layers 28 --slot-order canonical --with-matmuls --output results/decode_balance_xqa.json
+# python -m benchmarks.matmul_latency --output results/matmul_latency.json   # section 5: weights in L2, TunableOp
 # ```
 #
 # Expected on an H100 80GB HBM3 (`docs/data/gpu_offline_h100.json`): about 17,700-17,850 output tok/s on the
@@ -1646,6 +1728,10 @@ for run in SA["canonical_runs"]:
 # `decode_balance_with_matmuls_h100.json` (about a minute per three stages): the persistent kernel 4-7% slower
 # between a layer's matrix multiplies than alone, the engine's plain kernel unchanged;
 # `canonical_ab_persistent_threshold_h100.json`: medians of 19,316 (from 144 rows) against 19,040 (from 64).
+# `decode_balance_triton_h100.json`, `decode_balance_chunks_h100.json`, `decode_balance_xqa_h100.json` (1-1.5
+# minutes each): no candidate under the engine's kernel in the 28-layer chain, XQA with pages of 128 within 1-2%.
+# `matmul_latency_h100.json` (about a minute): a layer's multiplies 2-21% faster with their weights in L2, the L2
+# prefetch 5-19 µs a layer slower, TunableOp 0.6-1.7% faster than cuBLAS's choice.
 # `decode_balance.sh` (`docs/data/decode_balance_h100.json`, ~1.5 minutes with the compilation): ~218 us per layer
 # for the 256 running contexts against ~199 for the equal-length control, ~197 against ~191 at 128 running, ~43
 # for both at 16. `decode_anatomy.py --label gaps` (`decode_anatomy_gaps_h100.json`): about 0.3 ms of gaps between

@@ -16,6 +16,11 @@ DATA = ROOT / "docs" / "data"
 
 #: The index of every other result file, by the chapter and section that reads it.
 OTHER_RESULTS = [
+    "Other decode attention kernels in a 28-layer chain with the matrix multiplies (chapter 11, section 5): "
+    "`docs/data/decode_balance_triton_h100.json`, `docs/data/decode_balance_chunks_h100.json`, "
+    "`docs/data/decode_balance_xqa_h100.json`.",
+    "A decode step's matrix multiplies with their weights in L2, an L2 prefetch during attention, TunableOp "
+    "(chapter 11, section 5): `docs/data/matmul_latency_h100.json`.",
     "Attention kernels against the memory roofline (chapter 07): `docs/data/gpu_kernels_h100.json`.",
     "Online serving (chapter 10): `docs/data/bench_serving_h100.json`, `docs/data/bench_serving_cpu.json`.",
     "Prefix sharing, CPU quick run (chapter 04): `docs/data/bench_offline_quick_shared_prefix_cpu.json`.",
