@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl_ref.attention.triton_kernels.decode_attention import context_piece, merge_kv_splits
+
 
 @triton.jit
 def _allheads_stage1(Q, K, V, kv_indptr, kv_indices, Mid_O, Mid_LSE, sm_scale_log2, max_splits,
@@ -32,12 +34,7 @@ def _allheads_stage1(Q, K, V, kv_indptr, kv_indices, Mid_O, Mid_LSE, sm_scale_lo
                      BLOCK_N: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
-    kv_start = tl.load(kv_indptr + b).to(tl.int64)
-    seq_len = tl.load(kv_indptr + b + 1).to(tl.int64) - kv_start
-    num_splits = tl.minimum(max_splits, (seq_len + MIN_SPLIT_LEN - 1) // MIN_SPLIT_LEN)
-    split_len = (seq_len + num_splits - 1) // num_splits
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, seq_len)
+    kv_start, lo, hi = context_piece(kv_indptr, b, split, max_splits, MIN_SPLIT_LEN)
     if lo < hi:
         GROUP: tl.constexpr = H // KVH
         R: tl.constexpr = BLOCK_N * KVH  # rows of a K tile: token-major, head-minor
@@ -79,8 +76,6 @@ def allheads_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.
                     num_stages: int = 2) -> None:
     """Same arguments as :func:`minisgl_ref.attention.triton_kernels.decode_attention.decode_attention_fwd`
     (``k``, ``v``: ``[slots, KV heads, D]`` with each slot's heads contiguous)."""
-    from minisgl_ref.attention.triton_kernels.decode_attention import merge_kv_splits
-
     batch, H, D = q.shape  # noqa: N806
     KVH = k.shape[1]  # noqa: N806
     assert k.stride(1) == D and v.stride(1) == D and q.stride(2) == 1

@@ -95,6 +95,20 @@ def attend_slots(
 
 
 @triton.jit
+def context_piece(kv_indptr, b, split, max_splits, MIN_SPLIT_LEN: tl.constexpr):
+    """Where piece ``split`` of request ``b``'s context lies: ``(kv_start, lo, hi)``, the request's first entry in
+    ``kv_indices`` and the piece's positions ``lo .. hi`` in its context (``lo >= hi``: an unused piece). A
+    request is cut into ``min(max_splits, cdiv(seq_len, MIN_SPLIT_LEN))`` pieces of equal length; stage 2 repeats
+    the first two lines of this arithmetic, and they must agree."""
+    kv_start = tl.load(kv_indptr + b).to(tl.int64)
+    seq_len = tl.load(kv_indptr + b + 1).to(tl.int64) - kv_start
+    num_splits = tl.minimum(max_splits, (seq_len + MIN_SPLIT_LEN - 1) // MIN_SPLIT_LEN)
+    split_len = (seq_len + num_splits - 1) // num_splits
+    lo = split * split_len
+    return kv_start, lo, tl.minimum(lo + split_len, seq_len)
+
+
+@triton.jit
 def _decode_stage1_kernel(
     Q,  # [B, H, D]
     K_Buffer,  # [num_slots, KVH, D]: the layer's KV pool
@@ -140,14 +154,7 @@ def _decode_stage1_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
 
-    kv_start = tl.load(kv_indptr + b).to(tl.int64)
-    seq_len = tl.load(kv_indptr + b + 1).to(tl.int64) - kv_start
-    # How request b's context is cut into pieces. Stage 2 repeats these two lines: they must agree.
-    num_splits = tl.minimum(max_splits, (seq_len + MIN_SPLIT_LEN - 1) // MIN_SPLIT_LEN)
-    split_len = (seq_len + num_splits - 1) // num_splits
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, seq_len)
-
+    kv_start, lo, hi = context_piece(kv_indptr, b, split, max_splits, MIN_SPLIT_LEN)
     if lo < hi:  # programs of unused pieces do nothing
         q = tl.load(
             Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
