@@ -405,6 +405,21 @@ def with_matmuls(st: Stage, others: list[Stage], name: str, repeats: int) -> dic
             f()
             dst.copy_(src)
 
+    # Two more: one tiny kernel between the layers (an elementwise add on one number: a kernel boundary and nothing
+    # else), and one tiny matrix multiply (16 x 16, its weights 512 bytes: a cuBLAS kernel without the traffic).
+    one = torch.zeros(1, device=DEVICE)
+    small_a = torch.randn(16, 16, device=DEVICE, dtype=DTYPE)
+
+    def with_tiny_kernel() -> None:
+        for f in attn:
+            f()
+            one.add_(1.0)
+
+    def with_tiny_matmul() -> None:
+        for f in attn:
+            f()
+            torch.mm(small_a, small_a)
+
     # Another: the matmuls, then the attention's plan (its integer workspace) read once into the L2 cache.
     plans = [getattr(f, "wrapper", None) for f in attn]
     sink = torch.empty((), dtype=torch.int64, device=DEVICE)
@@ -421,6 +436,7 @@ def with_matmuls(st: Stage, others: list[Stage], name: str, repeats: int) -> dic
     mm_only, _ = time_graph(lambda: [matmuls(layer) for layer in range(len(attn))], calls_per_graph=1, repeats=repeats)
     alone, between = profiled_attention_us(attention_only), profiled_attention_us(chain)
     between_copies = profiled_attention_us(with_copies)
+    between_tiny, between_tiny_mm = profiled_attention_us(with_tiny_kernel), profiled_attention_us(with_tiny_matmul)
     warm_plan = profiled_attention_us(chain_warm_plan) if plans[0] is not None else None
     return {"variant": f"{name}_with_matmuls", "layers": len(attn),
             "chain_us_per_layer": round(total * 1e6 / len(attn), 2),
@@ -428,6 +444,8 @@ def with_matmuls(st: Stage, others: list[Stage], name: str, repeats: int) -> dic
             "attention_us_per_layer_profiled_alone": round(alone, 2),
             "attention_us_per_layer_profiled_between_matmuls": round(between, 2),
             "attention_us_per_layer_profiled_between_64mb_copies": round(between_copies, 2),
+            "attention_us_per_layer_profiled_between_tiny_kernels": round(between_tiny, 2),
+            "attention_us_per_layer_profiled_between_tiny_matmuls": round(between_tiny_mm, 2),
             "attention_us_per_layer_profiled_between_matmuls_plan_read_first": None if warm_plan is None
             else round(warm_plan, 2),
             "attention_bandwidth_GBps_profiled_alone": round(st.bytes / (alone * 1e-6) / 1e9, 1),
