@@ -765,8 +765,26 @@ for st in L2C["stages"]:
 # kernel's plan workspace into the L2 cache just before each layer's attention makes it no faster
 # (`decode_balance_plan_warm_h100.json`, the `plan_read_first` column). Nor its partial results: its planner cuts
 # a context only where it is longer than the batch's KV tokens x KV heads / (2 blocks x 132 SMs), rounded up to
-# 256 (4,608 tokens with 256 running), so at that stage no context is cut and nothing is merged. The cause stays
-# open. Over the whole chain the persistent
+# 256 (4,608 tokens with 256 running), so at that stage no context is cut and nothing is merged. Nor the kernel
+# boundary itself: with one tiny elementwise kernel between the layers instead, or a 16 x 16 matrix multiply,
+# the persistent kernel keeps its speed alone (`decode_balance_boundaries_h100.json`):
+
+# %%
+BND = json.loads((ROOT / "docs" / "data" / "decode_balance_boundaries_h100.json").read_text())
+for st in BND["stages"]:
+    for r in st["variants"]:
+        if r["variant"].endswith("_with_matmuls"):
+            kernel = "persistent" if "holistic" in r["variant"] else "engine's"
+            cells = ", ".join(f"{what} {r['attention_us_per_layer_profiled_' + key]:.1f}" for what, key in (
+                ("alone", "alone"), ("tiny kernels", "between_tiny_kernels"), ("16x16 matmuls", "between_tiny_matmuls"),
+                ("64 MB copies", "between_64mb_copies"), ("the layer's matmuls", "between_matmuls")))
+            print(f"{st['running']:>4} running, {kernel:<10}: {cells} (us per layer)")
+
+# %% [markdown]
+# What slows it is the data that passes through the L2 cache between two of its calls: a tiny kernel costs it
+# nothing, a 16 x 16 multiply ~1.5 µs, the layer's multiplies (30 MB of weights) or a 64 MB copy ~9 µs, and
+# reading its plan on top of the multiplies ~4 µs more. It behaves as if it found something useful in the cache
+# that its own previous call left there; what that is stays open. Over the whole chain the persistent
 # kernel still wins from ~160 rows up (by 1-5%), and loses by 3-5% at 128 and 64 rows, where the plain kernel's
 # imbalance is small. So the engine now switches to it at 144 rows instead of 64: +1.5%, every run above every
 # run before. What the persistent kernel loses next to the multiplies, ~10 µs a layer with 256 running, is the
