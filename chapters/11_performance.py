@@ -783,8 +783,10 @@ for st in BND["stages"]:
 # %% [markdown]
 # What slows it is the data that passes through the L2 cache between two of its calls: a tiny kernel costs it
 # nothing, a 16 x 16 multiply ~1.5 µs, the layer's multiplies (30 MB of weights) or a 64 MB copy ~9 µs, and
-# reading its plan on top of the multiplies ~4 µs more. It behaves as if it found something useful in the cache
-# that its own previous call left there; what that is stays open. Over the whole chain the persistent
+# reading its plan on top of the multiplies ~4 µs more. It is not the clock either: `benchmarks/clock_probe.py`
+# samples `nvidia-smi` while each chain replays for three seconds, and the SM clock stays at 1,980 MHz with no
+# throttle reason and 540-630 W drawn, alone or not (`clock_probe_h100.json`). The kernel behaves as if it found
+# something useful in the cache that its own previous call left there; what that is stays open. Over the whole chain the persistent
 # kernel still wins from ~160 rows up (by 1-5%), and loses by 3-5% at 128 and 64 rows, where the plain kernel's
 # imbalance is small. So the engine now switches to it at 144 rows instead of 64: +1.5%, every run above every
 # run before. What the persistent kernel loses next to the multiplies, ~10 µs a layer with 256 running, is the
