@@ -858,8 +858,8 @@ for r in LAT["tunableop"]["rows"]:
           f"TunableOp {r['tunableop_ms_per_step']:.3f} ms ({r['tunableop_ms_per_step'] / r['cublas_ms_per_step'] - 1:+.1%})")
 
 # %% [markdown]
-# With the weights already in the L2 cache the multiplies are only 0-21% faster: at 192 and 256 rows not at all,
-# and ~5 µs a layer at one row, where a kernel that only reads would be 2-3x faster from L2. Most of their time
+# With the weights already in the L2 cache the multiplies are only 1-21% faster: by 1-2% at 192 and 256 rows, and
+# by ~5 µs a layer at one row, where the L2 cache delivers data about twice as fast as memory. Most of their time
 # is each kernel's own ramp-up, its loop over K and its drain, not memory. So prefetching cannot help, and the
 # measurement agrees: the prefetch kernels compete with the attention for memory and add a fork and a join to
 # every layer, 5-19 µs a layer slower. TunableOp finds algorithms 0.6-1.7% faster than cuBLAS's choice, ~0.01-0.02 ms
