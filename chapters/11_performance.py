@@ -786,7 +786,24 @@ for st in BND["stages"]:
 # reading its plan on top of the multiplies ~4 µs more. It is not the clock either: `benchmarks/clock_probe.py`
 # samples `nvidia-smi` while each chain replays for three seconds, and the SM clock stays at 1,980 MHz with no
 # throttle reason and 540-630 W drawn, alone or not (`clock_probe_h100.json`). The kernel behaves as if it found
-# something useful in the cache that its own previous call left there; what that is stays open. Over the whole chain the persistent
+# something useful in the cache that its own previous call left there, and part of that is the kernel itself: run
+# the same kernel on a one-request batch (another plan, another workspace, almost no data) right before each
+# layer's attention, and about half the loss comes back (`decode_balance_code_warm_h100.json`):
+
+# %%
+CW = json.loads((ROOT / "docs" / "data" / "decode_balance_code_warm_h100.json").read_text())
+for st in CW["stages"]:
+    r = next(r for r in st["variants"] if r["variant"] == "fi_holistic_with_matmuls")
+    print(f"{st['running']:>4} running, persistent: alone {r['attention_us_per_layer_profiled_alone']:.1f} us, "
+          f"between matmuls {r['attention_us_per_layer_profiled_between_matmuls']:.1f}, the same after a one-request "
+          f"call {r['attention_us_per_layer_profiled_between_matmuls_after_a_one_request_call']:.1f}")
+
+# %% [markdown]
+# A large kernel's instructions come from memory through the same L2 cache as its data; after 30 MB of weights
+# they are gone, and its 264 blocks start by fetching them again. That fits what was seen: the warm-up call
+# touches almost no data, yet helps. The other half stays unexplained. Neither half comes back for free in the
+# engine: a warm-up call is one more launch of a 264-block kernel on the step's critical path, and a cooperative
+# kernel (this one must have all its blocks resident at once) cannot start early, next to the multiplies. Over the whole chain the persistent
 # kernel still wins from ~160 rows up (by 1-5%), and loses by 3-5% at 128 and 64 rows, where the plain kernel's
 # imbalance is small. So the engine now switches to it at 144 rows instead of 64: +1.5%, every run above every
 # run before. What the persistent kernel loses next to the multiplies, ~10 µs a layer with 256 running, is the
