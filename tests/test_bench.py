@@ -457,3 +457,22 @@ def test_decode_allheads_matches_attention_per_head():
         kk, vv = k[idx].repeat_interleave(2, dim=1), v[idx].repeat_interleave(2, dim=1)
         probs = (torch.einsum("hd,nhd->hn", q[b], kk) * dim**-0.5).softmax(-1)
         torch.testing.assert_close(out[b], torch.einsum("hn,nhd->hd", probs, vv), atol=1e-5, rtol=1e-5)
+
+
+def test_fused_gate_up_matches_projection_then_activation():
+    """``benchmarks/fused_gate_up.py`` (Triton's interpreter, float32): one kernel that multiplies by the gate and
+    up weights, takes each row's RMS on the way and applies ``silu(gate / rms) * (up / rms)`` gives the plain
+    projection-then-activation, over several row tiles (the last one partial) and column tiles."""
+    from benchmarks.fused_gate_up import gate_up_silu
+
+    if torch.cuda.is_available() or type(__import__("triton").language.cdiv).__name__ == "JITFunction":
+        pytest.skip("runs the kernel in Triton's interpreter, on the CPU")
+
+    torch.manual_seed(0)
+    rows, hidden, inter, eps = 37, 64, 48, 1e-6
+    x, w = torch.randn(rows, hidden) * 3, torch.randn(2 * inter, hidden) * hidden**-0.5
+    out = torch.empty(rows, inter)
+    gate_up_silu(x, w, out, eps, (16, 16, 32, 4, 2))
+    normed = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    gate, up = (normed @ w.T).chunk(2, dim=-1)
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
