@@ -52,15 +52,18 @@ def _gate_up_silu_kernel(x, w, out, M, stride_xm, stride_wn, stride_om, eps,
     x_ptr = x + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
     g_ptr = w + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K] of gate's rows
     u_ptr = g_ptr + I * stride_wn  # the same columns of up
+    # The rows' sums of squares first, in a loop of their own: the x tiles come again from L2 in the main loop.
+    # (Taking them from the main loop's tiles, on the way, Triton 3.6 compiled wrong results for many tile shapes.)
+    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        a = tl.load(x_ptr + k, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        sumsq += tl.sum(a * a, axis=1)
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         a = tl.load(x_ptr + k, mask=row_ok[:, None], other=0.0)
         gate = tl.dot(a, tl.trans(tl.load(g_ptr + k)), gate)
         up = tl.dot(a, tl.trans(tl.load(u_ptr + k)), up)
-        af = a.to(tl.float32)
-        sumsq += tl.sum(af * af, axis=1)
     inv_rms = 1.0 / tl.sqrt(sumsq / K + eps)
     g = gate * inv_rms[:, None]
     y = g / (1.0 + tl.exp(-g)) * (up * inv_rms[:, None])
