@@ -8,11 +8,11 @@ activation is short (2-3 µs at 256 rows), but it is a kernel of its own with it
 back the ``[rows, 6144]`` projection.
 
 This kernel does the activation in the multiply's epilogue. Program ``(n, m)`` owns the output tile
-``h[m rows, n cols]``: it accumulates the matching tile of the gate columns *and* of the up columns (two
-``tl.dot`` per step of K, on the same tile of ``x``), and on the way, since it reads every column of its rows of
-``x``, the rows' sums of squares: after the loop it has ``gate``, ``up`` and the RMS, and writes only
-``silu(gate / rms) * (up / rms)``. Its float32 ``gate`` and ``up`` are rounded once, at the end, where the
-two-kernel path rounds them to bf16 in between.
+``h[m rows, n cols]``: it takes its rows' sums of squares (one pass over their ``x``), then accumulates the
+matching tile of the gate columns *and* of the up columns (two ``tl.dot`` per step of K, on the same tile of
+``x``); after the loop it has ``gate``, ``up`` and the RMS, and writes only ``silu(gate / rms) * (up / rms)``.
+Its float32 ``gate`` and ``up`` are rounded once, at the end, where the two-kernel path rounds them to bf16 in
+between.
 
 The question is whether a Triton tile gets close enough to cuBLAS's Hopper kernels at these sizes for the saved
 kernel to show. For each row count the script tunes the tile over a small grid (timed as a CUDA graph of the 28

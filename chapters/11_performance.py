@@ -1016,6 +1016,37 @@ print_ab("canonical_ab_norm_folding_h100.json", "\ncanonical workload, norms fol
 # phase runs ~300 ms, `prefill_anatomy_folded_h100.json`): the Triton activation reads each token's row once more,
 # 2 KiB next to its 24 KiB of gate and up projections.
 #
+# **One step further: the activation inside the multiply.** With the norms folded, the MLP of a layer is
+# `gate_up`, the activation and `down`. The activation could live in the epilogue of `gate_up` itself: a Triton
+# kernel whose program owns a tile of the output $h$, takes its rows' sums of squares, accumulates the matching
+# tiles of the gate *and* of the up columns (two `tl.dot` per step of K on the same tile of x) and writes only
+# $\mathrm{silu}(g / \mathrm{rms}) \cdot (u / \mathrm{rms})$ (`benchmarks/fused_gate_up.py`). It saves a kernel
+# per layer and the round trip of the `[rows, 6144]` projection, and it is *more* accurate than the two kernels
+# (its float32 sums are rounded once). What it costs is the multiply: a Triton tile against cuBLAS's Hopper
+# kernels. The 28 layers' MLP, tile tuned per row count, `down` by cuBLAS in both (`fused_gate_up_h100.json`):
+
+# %%
+FG = json.loads((ROOT / "docs" / "data" / "fused_gate_up_h100.json").read_text())
+print("28 layers' MLP, ms (best of 3), and the relative error of h against float32")
+print(f"{'rows':>4} {'cuBLAS + activation':>19} {'one Triton kernel':>17} {'change':>7} {'error, two kernels':>18} "
+      f"{'one kernel':>10}")
+for r in FG["results"]:
+    m = {k: min(v) for k, v in r["ms_28_layers"].items()}
+    e = r["rel_error_vs_float32"]
+    print(f"{r['rows']:>4} {m['mlp_cublas_then_activation']:>19.3f} {m['mlp_fused']:>17.3f} "
+          f"{m['mlp_fused'] / m['mlp_cublas_then_activation'] - 1:>+7.1%} {e['cublas_then_activation']:>18.4f} "
+          f"{e['fused']:>10.4f}")
+
+# %% [markdown]
+# Only a single row gains (8%); from 16 rows on the fused kernel is slower, by a third at 256 rows, where the
+# decode steps that matter most run. The saved activation was worth ~1.8-2.7 µs a layer and the Triton tile
+# gives away more than that in the multiply, as the split-K kernel above did. One more lesson from the first
+# version of this kernel, which took the sums of squares from the very tiles of x that fed the `tl.dot`, on the
+# way through the loop: Triton 3.6 compiled it to wrong results for 7-18 of the 22-42 tile shapes tried (up to
+# 58% relative error, `fused_gate_up_one_loop_h100.json`, while Triton's interpreter on the CPU agreed with the
+# reference), and a separate loop for the sums fixed every shape. A fused kernel needs its own check against a
+# reference on the GPU, for every tile shape it may pick. The engine keeps cuBLAS and the separate activation.
+#
 # ### Where the time of a run goes now
 #
 # Put the pieces of this section together for the first run on a bare machine:
