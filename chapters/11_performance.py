@@ -1082,10 +1082,12 @@ print_ab("canonical_ab_cublaslt_h100.json", "\nand one more try at the matrix mu
 # the attention: ~0.4 ms of it to read the weights, the rest in 220-285 short kernels per step (the matrix
 # multiplies' ramp-up and drain, RoPE, activation, sampling) and the gaps between them. Folding the norms took 56
 # of those kernels away and bought 2.9%; each other idea of this section that attacked the fixed cost piecewise
-# (faster matrix multiplies, copies off the stream, overlapped halves) was worth at most a percent. 20,500
-# tokens/s asks for 0.3 ms less per step, a quarter of what lies above the weights' floor: the layer's remaining
-# seven kernels fused into a few long ones that stream the weights while the next kernel's work is already in
-# flight, or an attention kernel that keeps its isolated read rate inside the engine.
+# (faster matrix multiplies, copies off the stream, overlapped halves, the activation inside its multiply) was
+# worth at most a percent, or lost. 20,500 tokens/s asks for 0.3 ms less per step, a quarter of what lies above
+# the weights' floor: the layer's remaining seven kernels fused into a few long ones that stream the weights
+# while the next kernel's work is already in flight, with multiplies as good as cuBLAS's Hopper kernels (a
+# Triton tile is not, from 16 rows up), or an attention kernel that keeps its isolated read rate inside the
+# engine.
 
 # %% [markdown]
 # ## 6. Reading a shared prefix once: cascade decode attention
