@@ -38,6 +38,7 @@ whole ladder runs on two CPU cores in seconds; the numbers then teach ratios, no
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -321,6 +322,9 @@ class RunResult:
     # New entries in the on-disk kernel caches (Triton, Inductor, FlashInfer) during the timed run: anything but
     # zeros means a kernel compiled inside the run instead of at start-up.
     compiled_during_run: dict[str, int] | None = None
+    # Python's cyclic garbage collector during the timed run: collections and seconds per generation, and the
+    # objects it tracked at the start (a full collection walks them all, holding the host's only thread).
+    gc_during_run: dict[str, Any] | None = None
 
 
 @dataclass
@@ -366,11 +370,41 @@ def _forget_warmup(llm) -> None:  # type: ignore[no-untyped-def]
         llm.engine.flush_cache()  # through the engine: at tp > 1 the followers flush theirs too
 
 
+class GCWatch:
+    """Counts Python's garbage collections and the time they take while it is entered (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.collections = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self.tracked_at_start = 0
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.collections[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._started
+
+    def __enter__(self) -> GCWatch:
+        self.tracked_at_start = len(gc.get_objects())
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict[str, Any]:
+        return {"collections": self.collections, "seconds": [round(s, 4) for s in self.seconds],
+                "tracked_objects_at_start": self.tracked_at_start, "frozen_objects": gc.get_freeze_count()}
+
+
 def time_generate(llm, workload: Workload, *, warmup: Workload | None = None,  # type: ignore[no-untyped-def]
-                  step_log: str | None = None):
+                  step_log: str | None = None, gc_watch: GCWatch | None = None):
     """Run the workload through ``llm.generate`` once (after an optional untimed warm-up) and return
     ``(outputs, wall seconds, counter deltas)``. The progress bar stays off: drawing it costs time too.
-    ``step_log``: trace the timed run's steps to this file (:mod:`~minisgl_ref.engine.step_trace`)."""
+    ``step_log``: trace the timed run's steps to this file (:mod:`~minisgl_ref.engine.step_trace`);
+    ``gc_watch``: count the garbage collections of the timed run there."""
     if warmup is not None:
         llm.generate(warmup.prompts, warmup.sampling_params, use_tqdm=False)
         _forget_warmup(llm)
@@ -379,15 +413,16 @@ def time_generate(llm, workload: Workload, *, warmup: Workload | None = None,  #
         llm.engine.trace = trace
     before = _Counters.read(llm)
     _synchronize(llm.device)
-    start = time.perf_counter()
-    try:
-        outputs = llm.generate(workload.prompts, workload.sampling_params, use_tqdm=False)
-        _synchronize(llm.device)
-    finally:
-        if trace is not None:
-            llm.engine.trace = None
-            trace.close()
-    wall = time.perf_counter() - start
+    with gc_watch if gc_watch is not None else contextlib.nullcontext():
+        start = time.perf_counter()
+        try:
+            outputs = llm.generate(workload.prompts, workload.sampling_params, use_tqdm=False)
+            _synchronize(llm.device)
+        finally:
+            if trace is not None:
+                llm.engine.trace = None
+                trace.close()
+        wall = time.perf_counter() - start
     return outputs, wall, _Counters.read(llm) - before
 
 
@@ -460,9 +495,11 @@ def measure(llm, stage: str, workload: Workload, bandwidth: float,  # type: igno
     carries the workload's roofline floor and the fraction of it that was reached."""
     on_cuda = llm.device.type == "cuda"
     caches = count_cache_entries() if on_cuda else None
+    watch = GCWatch()
     outputs, wall, counters = time_generate(llm, workload, warmup=warmup_workload() if on_cuda else None,
-                                            step_log=step_log)
+                                            step_log=step_log, gc_watch=watch)
     result = summarize(llm, stage, outputs, wall, counters)
+    result.gc_during_run = watch.summary()
     if on_cuda:
         assert caches is not None
         result.compiled_during_run = {k: v - caches[k] for k, v in count_cache_entries().items()}
