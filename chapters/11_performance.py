@@ -442,6 +442,35 @@ for label in ("cold", "warm"):
 # `canonical_bare_machine_folded_h100.json`; before the folded norms: 19,446 and 19,232; before the fused prefill
 # store: 19,034 and 19,027; each on another machine. Machines differ by a percent or two, so only the interleaved
 # A/Bs of section 5 compare changes.)
+#
+# How far apart are a first and a second process, and where? Two more bare machines with the engine as it
+# stands, the second one tracing every step of both timed runs (`--step-log`) and counting the garbage
+# collector's work (`canonical_bare_machine_repeats_h100.json`):
+
+# %%
+REP = json.loads((ROOT / "docs" / "data" / "canonical_bare_machine_repeats_h100.json").read_text())
+m1, m2 = REP["first_machine"], REP["second_machine"]
+print(f"first machine:  first process {m1['cold']['output_throughput']:,.0f}, second {m1['warm']['output_throughput']:,.0f}"
+      f" output tok/s")
+print(f"second machine: first process {m2['cold']['output_throughput']:,.0f}, second {m2['warm']['output_throughput']:,.0f}"
+      f" output tok/s")
+print(f"\n{'steps, by requests running':<27} {'steps':>5} {'first process':>14} {'second process':>15}   (ms: sum, median)")
+for name, a in m2["cold"]["steps_by_running"].items():
+    b = m2["warm"]["steps_by_running"][name]
+    name = "prefill (steps 2-9)" if name == "prefill" else f"decode, {name} running"
+    print(f"{name:<27} {a['steps']:>5} {a['sum_ms']:>8,.1f} {a['median_ms']:>5.2f} {b['sum_ms']:>9,.1f} {b['median_ms']:>5.2f}")
+for label in ("cold", "warm"):
+    g = m2[label]["gc_during_run"]
+    print(f"garbage collections during the {label} run: {sum(g['collections'])}, {1e3 * sum(g['seconds']):.0f} ms in all")
+
+# %% [markdown]
+# Either process can be the faster one, by 1-2.5%. Step by step, the decode steps with 30 or more requests
+# running take the same time in both (their sums agree to about 0.1%): the GPU sets the pace there, and it is the
+# same GPU. The differences sit where the GPU does not set the pace. In the prefill phase the same 16,384-token
+# step takes 25-49 ms, in either process. In the last hundred steps, with under 30 requests running, the host
+# launching each step is the bottleneck and its speed wanders from one process to the next (median 2.4 against
+# 2.8 ms a step, ~40 ms over the run). The garbage collector is not the culprit: a dozen young-generation
+# collections in a run, ~15 ms in all.
 
 # %% [markdown]
 # ### The gaps between kernels, measured one by one

@@ -24,6 +24,9 @@ OTHER_RESULTS = [
     "The MLP's gate/up multiply and its activation in one Triton kernel against cuBLAS and the activation kernel "
     "(chapter 11, section 5): `docs/data/fused_gate_up_h100.json`; the first version, which Triton compiled wrong "
     "for many tile shapes: `docs/data/fused_gate_up_one_loop_h100.json`.",
+    "The canonical workload on two more bare machines, a first and a second process each, one pair traced step "
+    "by step with the garbage collector's work counted (chapter 11, section 5): "
+    "`docs/data/canonical_bare_machine_repeats_h100.json`.",
     "Attention kernels against the memory roofline (chapter 07): `docs/data/gpu_kernels_h100.json`.",
     "Online serving (chapter 10): `docs/data/bench_serving_h100.json`, `docs/data/bench_serving_cpu.json`.",
     "Prefix sharing, CPU quick run (chapter 04): `docs/data/bench_offline_quick_shared_prefix_cpu.json`.",
