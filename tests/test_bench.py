@@ -476,3 +476,19 @@ def test_fused_gate_up_matches_projection_then_activation():
     normed = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     gate, up = (normed @ w.T).chunk(2, dim=-1)
     torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+def test_gc_watch_counts_collections_while_entered():
+    """``GCWatch`` (the timed run's ``gc_during_run``) counts the collections inside its block, by generation,
+    and none after it."""
+    import gc
+
+    from minisgl_ref.bench.offline import GCWatch
+
+    with GCWatch() as watch:
+        gc.collect()
+        gc.collect(0)
+    gc.collect()
+    summary = watch.summary()
+    assert summary["collections"][2] == 1 and summary["collections"][0] >= 1
+    assert summary["seconds"][2] > 0 and summary["tracked_objects_at_start"] > 0
