@@ -1,0 +1,96 @@
+"""The first prefill phase of a fresh engine against a later one (chapter 11).
+
+``bench offline`` times the canonical workload on an engine that has only run a tiny warm-up workload (four
+32-token prompts), so the timed run's prefill phase is the first time the engine runs steps of thousands of
+tokens. This script measures what that first time costs: in a fresh engine it runs the bench's warm-up workload,
+then (``--prepare``) optionally one burst of prompts as large as a prefill step's token budget, one output token
+each, then times the canonical workload's prefill phase twice, step by step (as ``prefill_anatomy.py`` does),
+and records the caching allocator's device allocations (``cudaMalloc`` calls) of each phase. Writes JSON:
+
+    python3 scripts/gpu/first_prefill.py --prepare none --out results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from minisgl_ref import SamplingParams
+from minisgl_ref.bench.provenance import collect_provenance
+from minisgl_ref.bench.workloads import canonical_workload, warmup_workload
+from minisgl_ref.llm import LLM
+
+
+def allocator() -> dict[str, int]:
+    s = torch.cuda.memory_stats()
+    return {"device_allocs": s.get("num_device_alloc", -1), "reserved_bytes": s["reserved_bytes.all.current"]}
+
+
+def prefill_phase(llm) -> dict:  # type: ignore[no-untyped-def]
+    """Queue the canonical workload, time its prefill phase step by step, then finish it and flush the cache."""
+    engine = llm.engine
+    wl = canonical_workload()
+    torch.cuda.synchronize()
+    before = allocator()
+    t0 = time.perf_counter()
+    for prompt, params in zip(wl.prompts, wl.sampling_params):
+        engine.add_request(llm.make_request(prompt, SamplingParams(**params)))
+    queued = time.perf_counter() - t0
+    marks = []
+    while engine.scheduler.waiting or engine.scheduler.chunked:
+        engine.step()
+        marks.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    after = allocator()
+    while engine.has_work:
+        engine.step()
+    assert engine.flush_cache()
+    return {"queue_ms": round(queued * 1e3, 2), "wall_ms": round(wall * 1e3, 2),
+            "step_end_ms": [round(m * 1e3, 2) for m in marks],
+            "device_allocs": after["device_allocs"] - before["device_allocs"],
+            "reserved_gb_after": round(after["reserved_bytes"] / 1e9, 3)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "results"))
+    ap.add_argument("--prepare", choices=("none", "burst"), default="none")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    llm = LLM("qwen3-0.6b", load_format="dummy", dtype="bfloat16", device="cuda")
+    startup = time.perf_counter() - t0
+    wu = warmup_workload()
+    llm.generate(wu.prompts, wu.sampling_params, use_tqdm=False)
+    assert llm.engine.flush_cache()
+    prepare_ms = None
+    if args.prepare == "burst":
+        budget = llm.engine.config.max_prefill_tokens
+        n = 16
+        g = torch.Generator().manual_seed(7)
+        prompts = torch.randint(100, 10_000, (n, budget // n), generator=g).tolist()
+        t = time.perf_counter()
+        llm.generate(prompts, [{"max_new_tokens": 1, "temperature": 0.6, "ignore_eos": True}] * n, use_tqdm=False)
+        torch.cuda.synchronize()
+        prepare_ms = round((time.perf_counter() - t) * 1e3, 2)
+        assert llm.engine.flush_cache()
+    phases = [prefill_phase(llm) for _ in range(2)]
+    doc = {"what": __doc__.split("\n\n")[0], "prepare": args.prepare, "prepare_ms": prepare_ms,
+           "startup_s": round(startup, 2), "phases": phases, "provenance": collect_provenance(sys.argv)}
+    (out / f"first_prefill_{args.prepare}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    for p in phases:
+        print(f"prepare={args.prepare}: queue {p['queue_ms']} ms, phase {p['wall_ms']} ms, first step ends at "
+              f"{p['step_end_ms'][0]} ms, {p['device_allocs']} device allocations")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
