@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from minisgl_ref.constrained import spec_of, validate_grammar
 from minisgl_ref.core.config import EngineConfig, ModelArgs, TPArgs
-from minisgl_ref.core.request import Req
+from minisgl_ref.core.request import Req, are_token_ids, first_outside
 from minisgl_ref.engine.engine import Engine
 from minisgl_ref.engine.naive import NaiveEngine
 from minisgl_ref.runtime import build_runtime
@@ -125,9 +125,10 @@ class LLM:
                 raise ValueError("prompt is text but this model has no tokenizer (dummy weights): pass token ids")
             return self.tokenizer.encode(prompt)
         ids = list(prompt)
-        if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if not ids or not are_token_ids(ids):
             raise ValueError("prompt must be a string or a non-empty list of token ids (ints)")
-        if any(t < 0 or t >= self.config.vocab_size for t in ids):
+        # Checked here as well as in Req.token_id_problem: the detokenizer decodes the prompt's last ids first.
+        if first_outside(ids, self.config.vocab_size) is not None:
             raise ValueError(f"prompt token ids must lie in [0, {self.config.vocab_size})")
         return ids
 

@@ -51,6 +51,31 @@ def test_bad_token_ids_are_refused_at_the_door(tiny_llm):
     assert not engine.has_work
 
 
+def test_prompt_ids_are_checked_whole(tiny_llm):
+    """The prompt checks (run over every id of a burst, so done in C rather than id by id) refuse the same
+    prompts as the id-by-id rule: a bool, a float, a ``str``, an id on either side of the vocabulary,
+    at the start, the middle or the end of a long prompt; an ``int`` subclass other than bool passes."""
+    from enum import IntEnum
+
+    from minisgl_ref.core.request import are_token_ids, first_outside
+
+    class Tok(IntEnum):
+        A = 7
+
+    params = SamplingParams(max_new_tokens=1)
+    long = list(range(3, VOCAB)) * 2  # within the tiny model's context of 1,024
+    for where in (0, len(long) // 2, len(long) - 1):
+        for bad, err in ((True, "non-empty list of token ids"), (5.0, "non-empty list of token ids"),
+                         ("5", "non-empty list of token ids"), (-1, r"\[0, 320\)"), (VOCAB, r"\[0, 320\)")):
+            prompt = long[:where] + [bad] + long[where + 1 :]
+            with pytest.raises(ValueError, match=err):
+                tiny_llm.make_request(prompt, params)
+            assert not are_token_ids(prompt) or first_outside(prompt, VOCAB) == bad
+    assert are_token_ids([Tok.A, 5]) and not are_token_ids([False])
+    assert first_outside([0, VOCAB - 1], VOCAB) is None and first_outside([4, VOCAB + 3, -2], VOCAB) == VOCAB + 3
+    assert tiny_llm.make_request(long + [Tok.A], params).input_ids[-1] == 7
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 def test_a_request_that_breaks_its_step_is_aborted_alone(tiny_llm, overlap):
     """One request's stop ids are corrupted while it waits for a slot (so the door check is bypassed). When it
