@@ -471,6 +471,19 @@ for label in ("cold", "warm"):
 # launching each step is the bottleneck and its speed wanders from one process to the next (median 2.4 against
 # 2.8 ms a step, ~40 ms over the run). The garbage collector is not the culprit: a dozen young-generation
 # collections in a run, ~15 ms in all.
+#
+# One host cost sits before the first step of every timed run: `generate` checks each prompt, every id an `int`
+# (not a `bool`) inside the vocabulary, before anything is queued. Written as a Python test per id it cost the
+# GPU machine's host 15 ms for the burst's 143k ids, and the request's own check of its ids ran it again; one
+# pass over the ids' types and a `min` and `max`, all in C, take 5 ms (`are_token_ids` and `first_outside` in
+# `minisgl_ref/core/request.py`; `prompt_checks_h100.json`). Over the run that is a fraction of a percent, inside
+# the spread of the interleaved A/B:
+
+# %%
+CHECKS = json.loads((ROOT / "docs" / "data" / "prompt_checks_h100.json").read_text())
+print(f"checking {CHECKS['ids']:,} prompt ids: {CHECKS['best_ms']['per_id']:.1f} ms id by id, "
+      f"{CHECKS['best_ms']['whole']:.1f} ms in C")
+print_ab("canonical_ab_prompt_checks_h100.json", "canonical workload, the prompt checks in C:")
 
 # %% [markdown]
 # ### The gaps between kernels, measured one by one
