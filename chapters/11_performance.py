@@ -467,9 +467,12 @@ for label in ("cold", "warm"):
 # Either process can be the faster one, by 1-2.5%. Step by step, the decode steps with 30 or more requests
 # running take the same time in both (their sums agree to about 0.1%): the GPU sets the pace there, and it is the
 # same GPU. The differences sit where the GPU does not set the pace. In the prefill phase the same 16,384-token
-# step takes 25-49 ms, in either process. In the last hundred steps, with under 30 requests running, the host
-# launching each step is the bottleneck and its speed wanders from one process to the next (median 2.4 against
-# 2.8 ms a step, ~40 ms over the run). The garbage collector is not the culprit: a dozen young-generation
+# step takes 25-49 ms, in either process, and that is not a first-time cost: in three fresh engines a first prefill
+# phase was no slower than a second one (342-536 ms, in no order), a start-up burst as large as a step's token
+# budget changed nothing, and the caching allocator asked the driver for memory only six times in a first phase
+# (`scripts/gpu/first_prefill.py`, `first_prefill_h100.json`). In the last hundred steps, with under 30 requests
+# running, the host launching each step is the bottleneck and its speed wanders from one process to the next
+# (median 2.4 against 2.8 ms a step, ~40 ms over the run). The garbage collector is not the culprit: a dozen young-generation
 # collections in a run, ~15 ms in all.
 #
 # One host cost sits before the first step of every timed run: `generate` checks each prompt, every id an `int`

@@ -29,6 +29,8 @@ OTHER_RESULTS = [
     "`docs/data/canonical_bare_machine_repeats_h100.json`.",
     "Checking a burst's prompt ids id by id against in C, and the canonical A/B of that change (chapter 11, "
     "section 5): `docs/data/prompt_checks_h100.json`, `docs/data/canonical_ab_prompt_checks_h100.json`.",
+    "The first prefill phase of a fresh engine against a later one (chapter 11, section 5): "
+    "`docs/data/first_prefill_h100.json`.",
     "Attention kernels against the memory roofline (chapter 07): `docs/data/gpu_kernels_h100.json`.",
     "Online serving (chapter 10): `docs/data/bench_serving_h100.json`, `docs/data/bench_serving_cpu.json`.",
     "Prefix sharing, CPU quick run (chapter 04): `docs/data/bench_offline_quick_shared_prefix_cpu.json`.",
