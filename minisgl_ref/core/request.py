@@ -29,9 +29,9 @@ _next_id = itertools.count()
 
 def are_token_ids(ids: list[Any]) -> bool:
     """Whether every element is an ``int`` and none a ``bool`` (Python counts a bool as an int; a token id it is
-    not). One pass over the types in C: a burst of 256 prompts is ~140k ids, and a Python-level check per id
-    took tens of milliseconds of the host's time before the first step could start. Only an unusual subclass of
-    ``int`` takes the slow path."""
+    not). One pass over the types in C: a burst of 256 prompts is ~140k ids, and a Python-level test per id took
+    three times as long (15 against 5 ms with the range check, on an H100 machine's host), before the first step
+    could start. Only an unusual subclass of ``int`` takes the slow path."""
     if set(map(type, ids)) <= {int}:
         return True
     return all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
@@ -43,6 +43,7 @@ def first_outside(ids: list[int], vocab_size: int) -> int | None:
     if not ids or (0 <= min(ids) and max(ids) < vocab_size):
         return None
     return next(t for t in ids if not 0 <= t < vocab_size)
+
 
 #: The most alternatives a request may ask for per token (OpenAI's limit for chat's ``top_logprobs``).
 MAX_TOP_LOGPROBS = 20
