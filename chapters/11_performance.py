@@ -443,17 +443,17 @@ for label in ("cold", "warm"):
 # store: 19,034 and 19,027; each on another machine. Machines differ by a percent or two, so only the interleaved
 # A/Bs of section 5 compare changes.)
 #
-# How far apart are a first and a second process, and where? Two more bare machines with the engine as it
+# How far apart are a first and a second process, and where? Three more bare machines with the engine as it
 # stands, the second one tracing every step of both timed runs (`--step-log`) and counting the garbage
 # collector's work (`canonical_bare_machine_repeats_h100.json`):
 
 # %%
 REP = json.loads((ROOT / "docs" / "data" / "canonical_bare_machine_repeats_h100.json").read_text())
-m1, m2 = REP["first_machine"], REP["second_machine"]
-print(f"first machine:  first process {m1['cold']['output_throughput']:,.0f}, second {m1['warm']['output_throughput']:,.0f}"
-      f" output tok/s")
-print(f"second machine: first process {m2['cold']['output_throughput']:,.0f}, second {m2['warm']['output_throughput']:,.0f}"
-      f" output tok/s")
+for machine in ("first", "second", "third"):
+    m = REP[f"{machine}_machine"]
+    print(f"{machine + ' machine:':<16} first process {m['cold']['output_throughput']:,.0f}, second "
+          f"{m['warm']['output_throughput']:,.0f} output tok/s")
+m2 = REP["second_machine"]
 print(f"\n{'steps, by requests running':<27} {'steps':>5} {'first process':>14} {'second process':>15}   (ms: sum, median)")
 for name, a in m2["cold"]["steps_by_running"].items():
     b = m2["warm"]["steps_by_running"][name]
@@ -464,9 +464,9 @@ for label in ("cold", "warm"):
     print(f"garbage collections during the {label} run: {sum(g['collections'])}, {1e3 * sum(g['seconds']):.0f} ms in all")
 
 # %% [markdown]
-# Either process can be the faster one, by 1-2.5%. Step by step, the decode steps with 30 or more requests
-# running take the same time in both (their sums agree to about 0.1%): the GPU sets the pace there, and it is the
-# same GPU. The differences sit where the GPU does not set the pace. In the prefill phase the same 16,384-token
+# Either process can be the faster one, by 1-2.5%, and the first processes ran at 19,048-19,828 output tokens/s
+# (72-74% of the floor). Step by step, the decode steps with 30 or more requests running take the same time in
+# both (their sums agree to about 0.1%): the GPU sets the pace there, and it is the same GPU. The differences sit where the GPU does not set the pace. In the prefill phase the same 16,384-token
 # step takes 25-49 ms, in either process, and that is not a first-time cost: in three fresh engines a first prefill
 # phase was no slower than a second one (342-536 ms, in no order), a start-up burst as large as a step's token
 # budget changed nothing, and the caching allocator asked the driver for memory only six times in a first phase

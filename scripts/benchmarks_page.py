@@ -24,7 +24,7 @@ OTHER_RESULTS = [
     "The MLP's gate/up multiply and its activation in one Triton kernel against cuBLAS and the activation kernel "
     "(chapter 11, section 5): `docs/data/fused_gate_up_h100.json`; the first version, which Triton compiled wrong "
     "for many tile shapes: `docs/data/fused_gate_up_one_loop_h100.json`.",
-    "The canonical workload on two more bare machines, a first and a second process each, one pair traced step "
+    "The canonical workload on three more bare machines, a first and a second process each, one pair traced step "
     "by step with the garbage collector's work counted (chapter 11, section 5): "
     "`docs/data/canonical_bare_machine_repeats_h100.json`.",
     "Checking a burst's prompt ids id by id against in C, and the canonical A/B of that change (chapter 11, "
