@@ -477,7 +477,7 @@ for label in ("cold", "warm"):
 #
 # One host cost sits before the first step of every timed run: `generate` checks each prompt, every id an `int`
 # (not a `bool`) inside the vocabulary, before anything is queued. Written as a Python test per id it cost the
-# GPU machine's host 15 ms for the burst's 143k ids, and the request's own check of its ids ran it again; one
+# H100 server's CPU 15 ms for the burst's 143k ids, and the request's own check of its ids ran it again; one
 # pass over the ids' types and a `min` and `max`, all in C, take 5 ms (`are_token_ids` and `first_outside` in
 # `minisgl_ref/core/request.py`; `prompt_checks_h100.json`). Over the run that is a fraction of a percent, inside
 # the spread of the interleaved A/B:

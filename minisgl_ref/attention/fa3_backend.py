@@ -17,8 +17,8 @@ which FA3 supports for any page size; the table entries are then slots.
 FlashAttention-2 (module ``flash_attn``, for GPUs before Hopper) has the same paged call but only for pages of a
 multiple of 256 tokens and without ``cu_seqlens_q``: when only FA2 is installed this backend uses
 ``flash_attn_varlen_func`` with ``block_table`` = the real pages, and refuses to start unless ``--page-size`` is a
-multiple of 256. (That path is written to FA2's documented API but was not run here: the GPU machine of this
-project has no FA2 build.)
+multiple of 256. (That path follows FA2's documented API but has not been run on a GPU: no FA2 build was at
+hand to test it.)
 
 Host cost: FA3's Python entry point wraps its operator in a ``torch.library.custom_op`` (so that
 ``torch.compile`` can trace it), and that layer costs ~80 us of host time per call on an H100 host. An eager
