@@ -21,41 +21,24 @@ from pathlib import Path
 
 import torch
 
-from minisgl_ref import SamplingParams
-from minisgl_ref.bench.provenance import collect_provenance
-from minisgl_ref.bench.workloads import canonical_workload, warmup_workload
-from minisgl_ref.llm import LLM
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prefill_anatomy import prefill_phase  # noqa: E402 - this folder, put on sys.path above
+
+from minisgl_ref.bench.provenance import collect_provenance  # noqa: E402
+from minisgl_ref.bench.workloads import warmup_workload  # noqa: E402
+from minisgl_ref.llm import LLM  # noqa: E402
 
 
-def allocator() -> dict[str, int]:
-    s = torch.cuda.memory_stats()
-    return {"device_allocs": s.get("num_device_alloc", -1), "reserved_bytes": s["reserved_bytes.all.current"]}
-
-
-def prefill_phase(llm) -> dict:  # type: ignore[no-untyped-def]
-    """Queue the canonical workload, time its prefill phase step by step, then finish it and flush the cache."""
-    engine = llm.engine
-    wl = canonical_workload()
-    torch.cuda.synchronize()
-    before = allocator()
-    t0 = time.perf_counter()
-    for prompt, params in zip(wl.prompts, wl.sampling_params):
-        engine.add_request(llm.make_request(prompt, SamplingParams(**params)))
-    queued = time.perf_counter() - t0
-    marks = []
-    while engine.scheduler.waiting or engine.scheduler.chunked:
-        engine.step()
-        marks.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    after = allocator()
-    while engine.has_work:
-        engine.step()
-    assert engine.flush_cache()
-    return {"queue_ms": round(queued * 1e3, 2), "wall_ms": round(wall * 1e3, 2),
-            "step_end_ms": [round(m * 1e3, 2) for m in marks],
-            "device_allocs": after["device_allocs"] - before["device_allocs"],
-            "reserved_gb_after": round(after["reserved_bytes"] / 1e9, 3)}
+def first_phase(llm) -> dict:  # type: ignore[no-untyped-def]
+    """The canonical workload's prefill phase, timed step by step (``prefill_anatomy.prefill_phase``) from the
+    moment its requests start being queued, as ``bench offline`` times a run, and what the caching allocator
+    holds after it."""
+    phase = prefill_phase(llm, profiled=False)
+    queue = phase["queue_ms"]
+    phase["wall_ms"] = round(phase["wall_ms"] + queue, 2)
+    phase["step_end_ms"] = [round(t + queue, 2) for t in phase["step_end_ms"]]
+    phase["reserved_gb_after"] = round(torch.cuda.memory_stats()["reserved_bytes.all.current"] / 1e9, 3)
+    return phase
 
 
 def main() -> int:
@@ -82,7 +65,7 @@ def main() -> int:
         torch.cuda.synchronize()
         prepare_ms = round((time.perf_counter() - t) * 1e3, 2)
         assert llm.engine.flush_cache()
-    phases = [prefill_phase(llm) for _ in range(2)]
+    phases = [first_phase(llm) for _ in range(2)]
     doc = {"what": __doc__.split("\n\n")[0], "prepare": args.prepare, "prepare_ms": prepare_ms,
            "startup_s": round(startup, 2), "phases": phases, "provenance": collect_provenance(sys.argv)}
     (out / f"first_prefill_{args.prepare}.json").write_text(json.dumps(doc, indent=1) + "\n")

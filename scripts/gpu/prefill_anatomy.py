@@ -33,12 +33,16 @@ from minisgl_ref.llm import LLM  # noqa: E402
 
 
 def prefill_phase(llm, profiled: bool) -> dict:  # type: ignore[no-untyped-def]
-    """Queue the canonical workload and step through its prefill phase; return per-step times (and kernels)."""
+    """Queue the canonical workload and step through its prefill phase; return per-step times (and kernels), the
+    host time it took to queue the requests, and the caching allocator's device allocations during the phase."""
     engine = llm.engine
     wl = canonical_workload()
+    t_queue = time.perf_counter()
     for prompt, params in zip(wl.prompts, wl.sampling_params):
         engine.add_request(llm.make_request(prompt, SamplingParams(**params)))
+    queue_ms = (time.perf_counter() - t_queue) * 1e3
     torch.cuda.synchronize()
+    allocs = torch.cuda.memory_stats().get("num_device_alloc", 0)
     prof = profile(activities=[ProfilerActivity.CUDA]) if profiled else None
     if prof is not None:
         prof.__enter__()
@@ -52,7 +56,8 @@ def prefill_phase(llm, profiled: bool) -> dict:  # type: ignore[no-untyped-def]
     if prof is not None:
         prof.__exit__(None, None, None)
     out: dict = {"steps": len(marks), "wall_ms": round(wall * 1e3, 2),
-                 "step_end_ms": [round(m * 1e3, 2) for m in marks]}
+                 "step_end_ms": [round(m * 1e3, 2) for m in marks], "queue_ms": round(queue_ms, 2),
+                 "device_allocs": torch.cuda.memory_stats().get("num_device_alloc", 0) - allocs}
     if prof is not None:
         by_kind: dict[str, float] = {}
         top: dict[str, float] = {}
