@@ -4,6 +4,7 @@ reference is pasted back, and every kept wrong answer (mutant) is caught by its 
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -185,7 +186,10 @@ def test_the_recorded_mutant_run_is_current_and_caught_them_all() -> None:
     it must cover every mutant as it is written now, and every one must have been caught within 90 seconds."""
     known = mutants.load(ROOT)
     assert known, "no mutants under course/mutants"
-    t = table.load(regions.scan(ROOT))
+    found = regions.scan(ROOT)
+    for m in known:  # each still applies: its find text occurs exactly once in its task's regions
+        mutants.locate(ROOT, m, found)
+    t = table.load(found)
     without = sorted(set(t.tasks) - {m.task for m in known}, key=regions.task_key)
     assert not without, f"tasks without mutants: {without}"
     recorded = {(r["task"], r["name"]): r for r in json.loads((ROOT / "docs/data/course_mutants_cpu.json").read_text())}
@@ -195,18 +199,61 @@ def test_the_recorded_mutant_run_is_current_and_caught_them_all() -> None:
     assert not missed, missed
 
 
+ROTATION = 5  # a fresh run covers every task at least once in this many days
+
+
+def fresh_run_tasks(known: list[mutants.Mutant], recorded: dict, today: int) -> tuple[set[str], set[str]]:
+    """(tasks whose test code changed since the recorded run, a rotating fifth of the other tasks, by day)."""
+    tasks = sorted({m.task for m in known}, key=regions.task_key)
+    digests = {r.get("tests_digest") for r in recorded.values()}
+    changed = {t for t in tasks if mutants.tests_digest(ROOT, t) not in digests}
+    rotating = {t for i, t in enumerate(tasks) if i % ROTATION == today % ROTATION} - changed
+    return changed, rotating
+
+
 @pytest.mark.slow
-def test_one_mutant_of_every_task_is_caught_here() -> None:
-    """A fresh run on this machine of one mutant per task (the first of each, by name): the recorded full run
-    above is only as good as the tests it ran, and this catches a test weakened since."""
+def test_one_mutant_of_every_changed_task_and_of_a_rotating_fifth_is_caught_here() -> None:
+    """A fresh run on this machine of one mutant (the first by name) per task: the recorded full run above is only
+    as good as the tests it ran. Every task whose test code changed since that run is checked (a weakened test
+    shows up here at once); the others, whose recorded result still stands for their tests, take turns, a fifth
+    of them a day, which catches a test weakened by a change elsewhere (an engine change that makes a check
+    vacuous) within a few days without paying for all of them on every run."""
+    known = mutants.load(ROOT)
+    recorded = {(r["task"], r["name"]): r for r in json.loads((ROOT / "docs/data/course_mutants_cpu.json").read_text())}
+    changed, rotating = fresh_run_tasks(known, recorded, datetime.date.today().toordinal())
+    assert rotating or changed, "the rotation picked no task"
     first: dict[str, mutants.Mutant] = {}
-    for m in mutants.load(ROOT):
-        first.setdefault(m.task, m)
+    for m in known:
+        if m.task in changed | rotating:
+            first.setdefault(m.task, m)
+    print(f"\nfresh mutant run: tests changed for {sorted(changed, key=regions.task_key)}, "
+          f"rotation {sorted(rotating, key=regions.task_key)}")
     outcomes = mutants.run(ROOT, first.values(), jobs=2, timeout_s=60)
     missed = [f"{o.mutant.id}: {o.detail}" for o in outcomes if not o.caught]
     assert not missed, missed
     slow = [f"{o.mutant.id}: {o.seconds:.0f} s" for o in outcomes if o.seconds > 90]
     assert not slow, slow
+
+
+def test_the_rotation_covers_every_task_and_a_changed_test_file_is_noticed(tmp_path: Path) -> None:
+    known = mutants.load(ROOT)
+    tasks = {m.task for m in known}
+    recorded = {(t, "r"): {"tests_digest": mutants.tests_digest(ROOT, t)} for t in tasks}
+    covered: set[str] = set()
+    for day in range(ROTATION):
+        changed, rotating = fresh_run_tasks(known, recorded, day)
+        assert not changed and rotating
+        covered |= rotating
+    assert covered == tasks
+    # the digest follows the test files: a copy with one task's test file edited gives that task a new digest
+    task = sorted(tasks, key=regions.task_key)[0]
+    files = grade.task_test_files(ROOT, [task])
+    for rel in (*files, *mutants.SHARED_TEST_FILES):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes((ROOT / rel).read_bytes())
+    assert mutants.tests_digest(tmp_path, task) == mutants.tests_digest(ROOT, task)
+    (tmp_path / files[0]).write_text((ROOT / files[0]).read_text() + "\n# weakened\n")
+    assert mutants.tests_digest(tmp_path, task) != mutants.tests_digest(ROOT, task)
 
 
 def test_updating_a_copy_commits_on_top_and_never_unblanks_by_accident(tmp_path: Path) -> None:

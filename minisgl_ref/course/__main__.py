@@ -101,7 +101,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps([
             {"task": o.mutant.task, "name": o.mutant.name, "digest": o.mutant.digest, "why": o.mutant.why,
-             "caught": o.caught,
+             "tests_digest": mutation.tests_digest(args.root, o.mutant.task), "caught": o.caught,
              "seconds": round(o.seconds, 1), "detail": o.detail} for o in outcomes], indent=1) + "\n")
     return 0 if all(o.caught for o in outcomes) else 1
 

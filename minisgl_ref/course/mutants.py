@@ -24,11 +24,14 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from minisgl_ref.course.grade import checks_of, run_tests
+from minisgl_ref.course.grade import checks_of, run_tests, task_test_files
 from minisgl_ref.course.regions import Region, scan
 
 MUTANTS_DIR = Path("course") / "mutants"
 SCRATCH = ("minisgl_ref", "tests", "benchmarks", "pyproject.toml")  # what a task's tests need to run
+#: Files besides a task's own test files that decide what its tests check: the shared fixtures and the plugin
+#: that turns test outcomes into a grade.
+SHARED_TEST_FILES = ("tests/conftest.py", "minisgl_ref/course/plugin.py")
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,18 @@ def load(root: Path) -> list[Mutant]:
     if duplicates:
         raise ValueError(f"mutant names used twice: {sorted(duplicates)}")
     return sorted(out, key=lambda m: (tuple(int(x) for x in m.task.split(".")), m.name))
+
+
+def tests_digest(root: Path, task: str) -> str:
+    """A fingerprint of the test code that grades ``task``: its test files and the shared ones. A recorded
+    mutant run stays valid for a task while this is unchanged; when it changes, the task's tests may have
+    lost the power to catch a mutant, and only a fresh run can tell."""
+    h = hashlib.sha1()
+    for rel in (*task_test_files(root, [task]), *SHARED_TEST_FILES):
+        path = root / rel
+        if path.is_file():
+            h.update(rel.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
 
 
 def locate(root: Path, mutant: Mutant, regions: list[Region]) -> tuple[str, str]:
