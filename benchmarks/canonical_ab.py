@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=None, help="the engine's KV page size (default: its own)")
     ap.add_argument("--persistent-decode-min-batch", type=int, default=None,
                     help="the engine's --persistent-decode-min-batch (default: its own; 0 turns it off)")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="NAME=JSON",
+                    help="another engine argument, its value as JSON (e.g. cuda_graph_budget_step=false); repeatable")
     args = ap.parse_args()
     import minisgl_ref
     from minisgl_ref import LLM, SamplingParams
@@ -46,6 +48,9 @@ def main() -> None:
     extra = {} if args.page_size is None else {"page_size": args.page_size}
     if args.persistent_decode_min_batch is not None:
         extra["persistent_decode_min_batch"] = args.persistent_decode_min_batch
+    for item in args.engine_arg:
+        name, _, value = item.partition("=")
+        extra[name] = json.loads(value)
     llm = LLM("qwen3-0.6b", load_format="dummy", dtype="bfloat16", device="cuda", **extra)
     start_s = time.perf_counter() - t0
 

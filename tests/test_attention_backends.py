@@ -874,26 +874,32 @@ def engine_logits(path, **engine_kw) -> dict[tuple[int, ...], list[torch.Tensor]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mixed", [False, True], ids=["one-request", "mixed"])
-def test_gpu_extend_graphs_match_eager_extend_steps(qwen3_small_path, mixed):
+@pytest.mark.parametrize("mode", ["one-request", "mixed", "burst"])
+def test_gpu_extend_graphs_match_eager_extend_steps(qwen3_small_path, mode):
     """Extend steps (chunked at 96 tokens, padded to multiples of 64) with extend CUDA graphs (the default)
     against the same engine with the graphs off: the same kernels, so the logits agree to rounding, and so do
     the greedy tokens.
 
     * one-request: one request at a time, so every extend step has one request and is a replay;
     * mixed: all prompts at once with mixed chunks, so extend steps hold several prompts, or a chunk beside the
-      decode rows of requests already running; every one of them fits a row bucket and is a replay."""
+      decode rows of requests already running; every one of them fits a row bucket and is a replay;
+    * burst: all prompts at once, a prefill budget of 448 tokens above the graphs' 256: the first step fills
+      the budget exactly and replays its own graph, the second (the rest) an ordinary one."""
     from minisgl_ref import LLM, SamplingParams
 
     if not gpu_backend_available("fa3"):
         pytest.skip("the extend graphs need the fa3 prefill backend")
 
+    mixed = mode == "mixed"
+    burst = {"max_prefill_tokens": 448, "chunked_prefill_size": 448, "cuda_graph_max_extend_tokens": 256}
+
     def run(**engine_kw):  # type: ignore[no-untyped-def]
-        engine_kw = {"cuda_graph_max_extend_tokens": 1024, "enable_mixed_chunk": mixed, **engine_kw}
+        engine_kw = {"cuda_graph_max_extend_tokens": 1024, "enable_mixed_chunk": mixed, "chunked_prefill_size": 96,
+                     **(burst if mode == "burst" else {}), **engine_kw}
         llm = LLM(qwen3_small_path, load_format="dummy", dtype="bfloat16", device="cuda", max_total_tokens=8192,
-                  chunked_prefill_size=96, cuda_graph_max_bs=8, **engine_kw)  # fmt: skip
+                  cuda_graph_max_bs=8, **engine_kw)  # fmt: skip
         runner = llm.engine.runner
-        forward, rows, replays = runner.forward, [], [0]
+        forward, rows, replays, keys = runner.forward, [], [0], []
 
         def forward_recording(fb, prompt_plan=None):  # type: ignore[no-untyped-def]
             logits, prompt_logprobs = forward(fb, prompt_plan)
@@ -907,22 +913,25 @@ def test_gpu_extend_graphs_match_eager_extend_steps(qwen3_small_path, mixed):
 
             def replay_counting(fb):  # type: ignore[no-untyped-def]
                 replays[0] += 1
+                keys.append(runner.extend_graph_runner.bucket(fb))
                 return replay(fb)
 
             runner.extend_graph_runner.replay = replay_counting
         rng = random.Random(7)
         prompts = [[rng.randrange(100, 150000) for _ in range(n)] for n in (300, 150, 37, 90, 64)]
         params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
-        if mixed:
+        if mode != "one-request":
             tokens = [o.output_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         else:
             tokens = [llm.generate([prompt], params, use_tqdm=False)[0].output_ids for prompt in prompts]
-        return rows, replays[0], tokens
+        return rows, replays[0], tokens, keys
 
-    graphs, replays, tokens = run()
-    eager, replays_off, tokens_off = run(cuda_graph_max_extend_tokens=0)
+    graphs, replays, tokens, keys = run()
+    eager, replays_off, tokens_off, _ = run(cuda_graph_max_extend_tokens=0, cuda_graph_budget_step=False)
+    if mode == "burst":  # 641 prompt tokens: a budget step of 448, then the 193 left, padded to 256
+        assert keys == [(64, 448), (16, 256)], keys
     # each prompt in one step or more (the 300/150-token ones in chunks of 96), alone or beside others
-    assert replays == len(graphs) == len(eager) >= (4 if mixed else 5 + 4)
+    assert replays == len(graphs) == len(eager) >= {"one-request": 5 + 4, "mixed": 4, "burst": 2}[mode]
     assert replays_off == 0
     for a, b in zip(eager, graphs):
         err = ((b - a).norm() / a.norm()).item()

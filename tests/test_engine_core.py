@@ -706,8 +706,8 @@ def test_extend_padding_row_keeps_the_oracle_tokens(tiny_llm, multiple, radix, p
     assert all(t == real for decode, t, real in seen if decode)
 
 
-@pytest.mark.parametrize("mixed", [False, True], ids=["one-request", "mixed"])
-def test_extend_graphs_on_stand_ins_give_the_oracle_tokens(tiny_llm, mixed):
+@pytest.mark.parametrize("mode", ["one-request", "mixed", "burst"])
+def test_extend_graphs_on_stand_ins_give_the_oracle_tokens(tiny_llm, mode):
     """The extend-step graphs of chapter 11 on a CPU, with stand-in graphs (``RerunGraphFactory``) and the
     ``torch_static`` backend, padded to multiples of 8 tokens, graphs up to 64 tokens and 2, 4 or 8 rows.
 
@@ -715,7 +715,9 @@ def test_extend_graphs_on_stand_ins_give_the_oracle_tokens(tiny_llm, mixed):
       a cached shared prefix) and replays a graph of 2 rows;
     * mixed: all requests at once with mixed chunks, so extend steps hold several prompts, or a chunk with the
       running requests' decode rows; each replays the smallest bucket that holds its rows, unless it has more
-      than 8 rows or 64 tokens.
+      than 8 rows or 64 tokens;
+    * burst: all requests at once, no mixed chunks, a prefill budget of 96 tokens with its own graph (8 rows):
+      every step but the last fills the budget exactly and replays that graph.
 
     The greedy tokens are the oracle's, and exactly the steps that fit replayed. A replay that failed to copy an
     input, a last token's index, a row or a length into the static buffers would compute with the capture-time
@@ -724,20 +726,22 @@ def test_extend_graphs_on_stand_ins_give_the_oracle_tokens(tiny_llm, mixed):
     from minisgl_ref.engine.cuda_graph import RerunGraphFactory
     from minisgl_ref.engine.extend_graph import ExtendGraphRunner
 
-    engine = make_engine(tiny_llm, chunked_prefill_size=24, extend_token_multiple=8, enable_mixed_chunk=mixed,
-                         max_prefill_tokens=24 if mixed else 16384)
+    mixed, budget = mode == "mixed", 96 if mode == "burst" else 0
+    engine = make_engine(tiny_llm, chunked_prefill_size=budget or 24, extend_token_multiple=8, enable_mixed_chunk=mixed,
+                         max_prefill_tokens=budget or (24 if mixed else 16384))
     runner = engine.runner
     runner.attn_backend = static = TorchStaticBackend(engine.kv_pool, engine.req_to_token)
     graphs = ExtendGraphRunner(runner.model, static, static, torch.device("cpu"), max_tokens=64, multiple=8,
-                               row_buckets=(2, 4, 8), graph_factory=RerunGraphFactory())
-    assert sorted(graphs.graphs) == [(r, t) for r in (2, 4, 8) for t in range(8, 65, 8)]
+                               row_buckets=(2, 4, 8), budget_tokens=budget, graph_factory=RerunGraphFactory())
+    assert sorted(graphs.graphs) == sorted([(r, t) for r in (2, 4, 8) for t in range(8, 65, 8)]
+                                           + ([(8, budget)] if budget else []))
     runner.extend_graph_runner = graphs
     assert engine.req_to_token.alloc() == 0  # keep row 0, the capture-time row: the requests' rows differ from it
     prompts, params = shared_prefix_workload()
     expected = oracle(tiny_llm, prompts, params)
     reqs = make_reqs(tiny_llm, prompts, params)
     launched = []
-    for group in ([reqs] if mixed else [[r] for r in reqs]):
+    for group in ([reqs] if mode != "one-request" else [[r] for r in reqs]):
         launched += drive(engine, group).launched
     assert_matches_oracle(reqs, expected)
     assert any(r.cached_tokens > 0 for r in reqs)  # some steps extended after a cached prefix
@@ -747,13 +751,20 @@ def test_extend_graphs_on_stand_ins_give_the_oracle_tokens(tiny_llm, mixed):
         tokens = sum(row.extend_len for row in batch.rows)
         rows = len(batch.rows) + (tokens % 8 != 0)  # the padding row
         bucket = next((r for r in (2, 4, 8) if r >= rows), None)
-        if not batch.is_decode and bucket is not None and -(-tokens // 8) * 8 <= 64:
+        if batch.is_decode or bucket is None:
+            continue
+        if -(-tokens // 8) * 8 <= 64:
             fits[bucket] = fits.get(bucket, 0) + 1
             mixed_fits += any(row.is_decode for row in batch.rows)
+        elif tokens == budget:  # the budget step's graph has the most rows
+            fits[8] = fits.get(8, 0) + 1
     replays = {r: sum(g.replays for (rows, _), g in graphs.graphs.items() if rows == r) for r in (2, 4, 8)}
     assert replays == {r: fits.get(r, 0) for r in (2, 4, 8)}
     if mixed:  # steps of several rows replayed, and many of them had decode rows beside a prompt
         assert replays[4] > 0 and replays[8] > 0 and mixed_fits >= 5, (replays, mixed_fits)
+    elif budget:  # every full step replayed the budget graph
+        full = sum(sum(row.extend_len for row in b.rows) == budget for b in launched)
+        assert full >= 3 and graphs.graphs[8, budget].replays == full, (full, replays)
     else:
         assert replays[2] >= len(prompts) and replays[4] == replays[8] == 0
 

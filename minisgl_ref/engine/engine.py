@@ -214,7 +214,9 @@ class Engine:
                                   use_cuda_graph=not self.config.disable_cuda_graph and self.device.type == "cuda",
                                   cuda_graph_max_bs=graph_max_bs, cascade=cascade,
                                   extend_token_multiple=self.config.extend_token_multiple,
-                                  extend_graph_max_tokens=self.config.cuda_graph_max_extend_tokens)
+                                  extend_graph_max_tokens=self.config.cuda_graph_max_extend_tokens,
+                                  extend_graph_budget_tokens=(self.config.max_prefill_tokens
+                                                              if self.config.cuda_graph_budget_step else 0))
         self.overlap = not self.config.disable_overlap_schedule
         self.inflight: Launched | None = None
         self.stats = EngineStats()

@@ -16,6 +16,13 @@ captured like decode, with two things fixed per graph:
   ``prepare_extend_replay``); the query length the kernel is launched for is the graph's token count, of which
   each row uses its own part.
 
+One more graph serves the opposite case, a burst of prompts (a benchmark's, or a crowd arriving at a server at
+once): the scheduler fills every prefill step with exactly ``--max-prefill-tokens`` tokens (chunking the last
+prompt of each step to fit), over a few dozen rows. Launched eagerly, such a step costs the host ~20 ms on top
+of ~15 ms of scheduling and preparing, against ~30 ms of GPU work for 16,384 tokens: the host, not the GPU, set
+the pace of a burst's prefill. ``budget_tokens`` adds a graph for exactly that token count, in the largest row
+bucket only (chapter 11 measures what it bought).
+
 The graph runs the whole forward pass and the LM head on each row's last token, and writes the logits into one
 buffer per bucket, so that 96 graphs do not keep 96 logits tensors. Steps with more rows than the largest bucket,
 prompt log probabilities, or more than ``max_tokens`` tokens run eagerly as before. Only a backend with the three
@@ -53,7 +60,7 @@ class ExtendGraphRunner:
     what the model's layers call (the engine's backend, which may dispatch extend steps to ``backend``)."""
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, attn_backend: Any, device: torch.device, *,
-                 max_tokens: int, multiple: int, row_buckets: tuple[int, ...] = ROW_BUCKETS,
+                 max_tokens: int, multiple: int, row_buckets: tuple[int, ...] = ROW_BUCKETS, budget_tokens: int = 0,
                  graph_factory: CudaGraphFactory | RerunGraphFactory | None = None) -> None:
         from minisgl_ref.engine.cuda_graph import CudaGraphFactory
 
@@ -61,8 +68,11 @@ class ExtendGraphRunner:
             raise ValueError(f"row buckets must be at least 2 (a request and the padding row), got {row_buckets}")
         self.model, self.backend, self.attn_backend = model, backend, attn_backend
         self.sizes = list(range(multiple, max_tokens + 1, multiple))
-        self.max_tokens = self.sizes[-1]
         self.row_buckets = sorted(row_buckets)
+        # The budget step's token count as the step will have it: padded up to the multiple (pad_extend).
+        budget = -(-budget_tokens // multiple) * multiple
+        self.budget_tokens = budget if budget > self.sizes[-1] else 0  # 0: no graph of its own
+        self.max_tokens = max(self.sizes[-1], self.budget_tokens)
         max_rows = self.row_buckets[-1]
         self.static = {name: torch.zeros(self.max_tokens, dtype=torch.int64, device=device) for name in TOKEN_INPUTS}
         self.rows = torch.zeros(max_rows, dtype=torch.int64, device=device)  # page-table rows (0: padding, empty)
@@ -77,8 +87,15 @@ class ExtendGraphRunner:
         self.capture()
         self.graph_factory.finish()
         self.capture_seconds = time.perf_counter() - start
-        logger.info("captured %d extend CUDA graphs (%d..%d tokens; %s rows) in %.1f s", len(self.graphs),
-                    self.sizes[0], self.max_tokens, "/".join(map(str, self.row_buckets)), self.capture_seconds)
+        logger.info("captured %d extend CUDA graphs (%d..%d tokens; %s rows%s) in %.1f s", len(self.graphs),
+                    self.sizes[0], self.sizes[-1], "/".join(map(str, self.row_buckets)),
+                    f"; and {self.budget_tokens} tokens, {self.row_buckets[-1]} rows" if self.budget_tokens else "",
+                    self.capture_seconds)
+
+    def sizes_of(self, rows: int) -> list[int]:
+        """The token counts captured for ``rows`` rows, ascending: the budget step's only with the most rows."""
+        extra = [self.budget_tokens] if self.budget_tokens and rows == self.row_buckets[-1] else []
+        return self.sizes + extra
 
     def _static_batch(self, rows: int, t: int) -> ForwardBatch:
         """An extend batch of ``t`` tokens over ``rows`` rows whose tensors are views of the static buffers. Its
@@ -106,7 +123,7 @@ class ExtendGraphRunner:
         every graph made this capture take 4.5 s and a warm start 17.3 s; warming the first row count only, 2.7 s
         and 14.1 s (``docs/data/canonical_startup_all_warmups_h100.json``, ``canonical_startup_final_h100.json``)."""
         for rows in reversed(self.row_buckets):
-            for t in reversed(self.sizes):
+            for t in reversed(self.sizes_of(rows)):
                 fb = self._static_batch(rows, t)
                 self.backend.prepare_extend_capture(rows, t)
                 if rows == self.row_buckets[-1]:
@@ -116,12 +133,11 @@ class ExtendGraphRunner:
 
     def bucket(self, fb: ForwardBatch) -> tuple[int, int] | None:
         """The graph for an extend step (rows, tokens), or None: the smallest row bucket that holds the step's rows
-        (the padding row included), at the step's token count."""
+        (the padding row included) and has a graph at the step's token count."""
         if fb.mode.is_decode:
             return None
-        rows = next((r for r in self.row_buckets if r >= fb.batch_size), None)
-        key = (rows, fb.input_ids.shape[0])
-        return key if rows is not None and key in self.graphs else None
+        t = fb.input_ids.shape[0]
+        return next(((r, t) for r in self.row_buckets if r >= fb.batch_size and (r, t) in self.graphs), None)
 
     def can_run(self, fb: ForwardBatch) -> bool:
         return self.bucket(fb) is not None

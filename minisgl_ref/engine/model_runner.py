@@ -146,6 +146,7 @@ class ModelRunner:
         cascade: CascadeDecodeBackend | None = None,
         extend_token_multiple: int | None = None,
         extend_graph_max_tokens: int = 0,
+        extend_graph_budget_tokens: int = 0,
     ) -> None:
         self.model = model
         self.vocab_size = vocab_size
@@ -178,7 +179,8 @@ class ModelRunner:
         if (use_cuda_graph and device.type == "cuda" and extend_graph_max_tokens >= multiple > 1
                 and getattr(extend_backend, "supports_extend_graph", False)):
             self.extend_graph_runner = ExtendGraphRunner(model, extend_backend, attn_backend, device,
-                                                         max_tokens=extend_graph_max_tokens, multiple=multiple)
+                                                         max_tokens=extend_graph_max_tokens, multiple=multiple,
+                                                         budget_tokens=extend_graph_budget_tokens)
 
     def _make_graph_runner(self, backend: AttentionBackend, max_bs: int) -> CudaGraphRunner | None:
         if self.device.type != "cuda":
