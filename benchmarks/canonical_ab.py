@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--persistent-decode-min-batch", type=int, default=None,
                     help="the engine's --persistent-decode-min-batch (default: its own; 0 turns it off)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="NAME=JSON",
-                    help="another engine argument, its value as JSON (e.g. cuda_graph_budget_step=false); repeatable")
+                    help="another engine argument, its value as JSON (e.g. disable_budget_step_graph=true); repeatable")
     args = ap.parse_args()
     import minisgl_ref
     from minisgl_ref import LLM, SamplingParams

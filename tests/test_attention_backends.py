@@ -927,7 +927,7 @@ def test_gpu_extend_graphs_match_eager_extend_steps(qwen3_small_path, mode):
         return rows, replays[0], tokens, keys
 
     graphs, replays, tokens, keys = run()
-    eager, replays_off, tokens_off, _ = run(cuda_graph_max_extend_tokens=0, cuda_graph_budget_step=False)
+    eager, replays_off, tokens_off, _ = run(cuda_graph_max_extend_tokens=0, disable_budget_step_graph=True)
     if mode == "burst":  # 641 prompt tokens: a budget step of 448, then the 193 left, padded to 256
         assert keys == [(64, 448), (16, 256)], keys
     # each prompt in one step or more (the 300/150-token ones in chunks of 96), alone or beside others

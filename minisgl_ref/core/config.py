@@ -128,9 +128,9 @@ class EngineConfig:
     cuda_graph_max_extend_tokens: int = flag(2048, "capture extend steps of up to 64 rows (a prompt, or a prompt "
                                                    "beside decode rows) in CUDA graphs up to this many tokens (fa3 "
                                                    "prefill backend; 0 disables; chapter 11)")
-    cuda_graph_budget_step: bool = flag(True, "also capture the extend step of exactly --max-prefill-tokens tokens "
-                                              "(up to 64 rows), which a burst of prompts fills step after step "
-                                              "(chapter 11)")
+    disable_budget_step_graph: bool = flag(False, "do not capture the extend step of exactly --max-prefill-tokens "
+                                                  "tokens (up to 64 rows), which a burst of prompts fills step "
+                                                  "after step (chapter 11)")
     extend_token_multiple: int | None = flag(None, "round each extend step's token count up to a multiple of this "
                                                    "with a padding row, so matmuls see few shapes (default: 64 on "
                                                    "CUDA, 1 = off elsewhere; chapter 11)", type=int)

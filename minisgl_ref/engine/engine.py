@@ -215,8 +215,8 @@ class Engine:
                                   cuda_graph_max_bs=graph_max_bs, cascade=cascade,
                                   extend_token_multiple=self.config.extend_token_multiple,
                                   extend_graph_max_tokens=self.config.cuda_graph_max_extend_tokens,
-                                  extend_graph_budget_tokens=(self.config.max_prefill_tokens
-                                                              if self.config.cuda_graph_budget_step else 0))
+                                  extend_graph_budget_tokens=(0 if self.config.disable_budget_step_graph
+                                                              else self.config.max_prefill_tokens))
         self.overlap = not self.config.disable_overlap_schedule
         self.inflight: Launched | None = None
         self.stats = EngineStats()
