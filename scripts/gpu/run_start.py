@@ -35,7 +35,10 @@ from minisgl_ref.bench.workloads import canonical_workload, warmup_workload  # n
 from minisgl_ref.engine import model_runner  # noqa: E402
 from minisgl_ref.llm import LLM  # noqa: E402
 
-STEPS = 14  # steps of a run whose host intervals and GPU spans are kept
+STEPS = 40  # steps of a run whose host intervals and GPU spans are kept
+#: Caching-allocator counters recorded after each kept launch: a device allocation, a retry (which frees cached
+#: blocks and waits for the device) or a device-wide sync on the host side of a step is a stall.
+ALLOC_STATS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
 
 
 class Timeline:
@@ -47,8 +50,9 @@ class Timeline:
         self.host: list[tuple[str, float, float]] = []
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.steps = 0
+        self.allocs: list[list[int]] = []
         self.targets = [(llm, "_params_list"), (llm, "make_request"), (e, "add_request"), (e.scheduler, "schedule"),
-                        (r, "prepare"), (r, "forward"), (r, "sampling_info"), (r.sampler, "sample"),
+                        (r, "prepare"), (r, "pad_extend"), (r, "forward"), (r, "sampling_info"), (r.sampler, "sample"),
                         (e, "_process")]
         self.run_orig = r.run
         self.tokens_orig = model_runner.StepOutput.tokens
@@ -82,6 +86,8 @@ class Timeline:
                 t.record()
                 self.events.append((s, t))
                 self.host.append(("run", h, time.perf_counter()))
+                stats = torch.cuda.memory_stats()
+                self.allocs.append([stats.get(k, 0) for k in ALLOC_STATS])
             self.steps += 1
             return out
 
@@ -89,6 +95,8 @@ class Timeline:
         self.runner.run = run_with_events
         model_runner.StepOutput.tokens = self._wrap("wait_for_tokens", self.tokens_orig)
         torch.cuda.synchronize()
+        stats = torch.cuda.memory_stats()
+        self.allocs_before = [stats.get(k, 0) for k in ALLOC_STATS]
         self.base = torch.cuda.Event(enable_timing=True)
         self.base.record()
         self.t0 = time.perf_counter()
@@ -107,7 +115,8 @@ class Timeline:
         for label, s, t in self.host:
             totals[label] = totals.get(label, 0.0) + (t - s) * 1e3
         return {"wall_s": round(wall_s, 4), "host": [(label, ms(s), ms(t)) for label, s, t in self.host],
-                "gpu_spans_ms": gpu, "host_ms_by_label": {k: round(v, 2) for k, v in totals.items()}}
+                "gpu_spans_ms": gpu, "host_ms_by_label": {k: round(v, 2) for k, v in totals.items()},
+                "alloc_counters": {"names": ALLOC_STATS, "before": self.allocs_before, "after_each_launch": self.allocs}}
 
 
 def timed_run(llm) -> dict:  # type: ignore[no-untyped-def]
