@@ -489,6 +489,75 @@ print(f"checking {CHECKS['ids']:,} prompt ids: {CHECKS['best_ms']['per_id']:.1f}
 print_ab("canonical_ab_prompt_checks_h100.json", "canonical workload, the prompt checks in C:")
 
 # %% [markdown]
+# Where exactly does the host set the pace in the prefill phase? `scripts/gpu/run_start.py` puts the host and the
+# GPU on one clock: in a fresh engine it runs the canonical workload through `generate` as the bench does, wraps
+# the engine's methods (building the requests, scheduling, preparing, launching, sampling, waiting for tokens)
+# to record when each ran, and records a CUDA event before and after each step's launch, so that each step's
+# GPU span can be read beside the host's work. The first steps of a first timed run, before and after the change
+# described below (`run_start_eager_prefill_h100.json`, `run_start_budget_graph_h100.json`):
+
+# %%
+def start_of_run(name: str, steps: int = 10) -> None:
+    """The host's time per step for scheduling, preparing and launching, and each step's GPU span, of the first
+    timed run in a ``run_start.py`` result file."""
+    run = json.loads((ROOT / "docs" / "data" / name).read_text())["runs"]["first"]
+    host = [(label, t - s) for label, s, t in run["host"]]
+    queued = sum(d for label, d in host if label in ("_params_list", "make_request", "add_request"))
+    print(f"{name}: {queued:.0f} ms to build and queue the 256 requests, then")
+    print(f"{'step':>4} {'schedule':>9} {'prepare':>8} {'launch':>7} {'GPU span':>9}   (ms)")
+    per_step: list[dict[str, float]] = [{}]
+    for label, d in host:
+        if label in ("schedule", "prepare", "forward"):
+            per_step[-1][label] = per_step[-1].get(label, 0.0) + d
+        if label == "run":
+            per_step.append({})
+    for i, (parts, (g0, g1)) in enumerate(zip(per_step, run["gpu_spans_ms"][:steps])):
+        print(f"{i + 1:>4} {parts.get('schedule', 0):>9.1f} {parts.get('prepare', 0):>8.1f} "
+              f"{parts.get('forward', 0):>7.1f} {g1 - g0:>9.1f}")
+
+
+start_of_run("run_start_eager_prefill_h100.json")
+start_of_run("run_start_budget_graph_h100.json")
+
+# %% [markdown]
+# Read the first table. A prefill step of 16,384 tokens needs ~31 ms of GPU work (the phase's kernels, profiled,
+# sum to ~280 ms over nine steps), but each step's span on the GPU was 40-43 ms: the host scheduled it (6-9 ms),
+# prepared its inputs (5-11 ms) and then launched its forward pass eagerly, one operator after another, for
+# 18-21 ms, and the GPU could run no faster than the launches came. Overlap scheduling hides the host's work only
+# when it is shorter than the GPU's, and here it was ~10 ms longer, step after step: the prefill phase of a
+# burst was bound by the host, not by the GPU.
+#
+# Decode steps replay CUDA graphs (chapter 08), and so do extend steps of up to 2,048 tokens. A burst's prefill
+# steps are far larger, but they are all the same size: the scheduler fills each step with exactly
+# `--max-prefill-tokens` tokens, chunking the last prompt of the step to fit. So one more graph covers them: the
+# extend step of exactly the budget, with the largest row bucket (64 rows; `budget_tokens` in
+# `minisgl_ref/engine/extend_graph.py`; `--disable-budget-step-graph` turns it off). Its launch costs the host
+# under a millisecond instead of ~20, and the second table shows the GPU now setting the pace: back-to-back
+# spans of 32-33 ms, while the host waits for tokens. Only the step with the remainder of the burst, of any size,
+# still runs eagerly.
+#
+# What that bought is small, because the phase is short. Interleaved processes on two machines, eight timed runs
+# a side (`canonical_ab_budget_graph_h100.json`; the same commit, the graph switched off for "before"):
+
+# %%
+print_ab("canonical_ab_budget_graph_h100.json", "canonical workload, the prefill budget step as a CUDA graph:")
+BG = json.loads((ROOT / "docs" / "data" / "canonical_ab_budget_graph_h100.json").read_text())["summary"]
+print(f"    first timed run of each process, median: {BG['no-budget-graph']['first_runs_median']:,.0f} before, "
+      f"{BG['budget-graph']['first_runs_median']:,.0f} after")
+m4 = REP["fourth_machine"]
+print(f"a fourth bare machine with it: first process {m4['cold']['output_throughput']:,.0f}, second "
+      f"{m4['warm']['output_throughput']:,.0f} output tok/s (start-up {m4['cold']['startup_s']:.0f} s cold, "
+      f"{m4['warm']['startup_s']:.1f} s warm)")
+
+# %% [markdown]
+# On the first machine the graph was ahead in every pair; on the second the two sides were level. Over both,
+# +0.7% in the median, inside the spread: about the 50-70 ms that the timeline says the eager launches cost a run
+# beyond the GPU's own time. It stays because it is a single graph and it removes the host from the critical path
+# of any burst of prompts, which a server meets too (a crowd of requests arriving at once). The fourth bare
+# machine ran below the third, 19,363 against 19,828 output tokens/s in the first process: machines differ by
+# more than this change.
+
+# %% [markdown]
 # ### The gaps between kernels, measured one by one
 #
 # The table above counted as "gaps" the GPU time of a step not covered by any kernel: the span from the step's

@@ -31,6 +31,10 @@ OTHER_RESULTS = [
     "section 5): `docs/data/prompt_checks_h100.json`, `docs/data/canonical_ab_prompt_checks_h100.json`.",
     "The first prefill phase of a fresh engine against a later one (chapter 11, section 5): "
     "`docs/data/first_prefill_h100.json`.",
+    "The host and GPU timeline of a timed run's first steps, with the prefill phase launched eagerly and with the "
+    "budget step as a CUDA graph, and the canonical A/B of that graph on two machines (chapter 11, section 5): "
+    "`docs/data/run_start_eager_prefill_h100.json`, `docs/data/run_start_budget_graph_h100.json`, "
+    "`docs/data/canonical_ab_budget_graph_h100.json`, `docs/data/gpu_tests_budget_graph_h100.txt`.",
     "Attention kernels against the memory roofline (chapter 07): `docs/data/gpu_kernels_h100.json`.",
     "Online serving (chapter 10): `docs/data/bench_serving_h100.json`, `docs/data/bench_serving_cpu.json`.",
     "Prefix sharing, CPU quick run (chapter 04): `docs/data/bench_offline_quick_shared_prefix_cpu.json`.",
