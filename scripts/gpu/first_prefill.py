@@ -41,6 +41,16 @@ def first_phase(llm) -> dict:  # type: ignore[no-untyped-def]
     return phase
 
 
+def warmed_engine() -> tuple[LLM, float]:
+    """A fresh engine as ``bench offline`` builds it, after the bench's warm-up workload, and its start-up seconds."""
+    t0 = time.perf_counter()
+    llm = LLM("qwen3-0.6b", load_format="dummy", dtype="bfloat16", device="cuda")
+    startup = time.perf_counter() - t0
+    wu = warmup_workload()
+    llm.generate(wu.prompts, wu.sampling_params, use_tqdm=False)
+    return llm, startup
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
@@ -48,11 +58,7 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    llm = LLM("qwen3-0.6b", load_format="dummy", dtype="bfloat16", device="cuda")
-    startup = time.perf_counter() - t0
-    wu = warmup_workload()
-    llm.generate(wu.prompts, wu.sampling_params, use_tqdm=False)
+    llm, startup = warmed_engine()
     assert llm.engine.flush_cache()
     prepare_ms = None
     if args.prepare == "burst":

@@ -28,12 +28,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prefill_anatomy import prefill_phase  # noqa: E402 - this folder, put on sys.path above
+from first_prefill import warmed_engine  # noqa: E402 - this folder, put on sys.path above
+from prefill_anatomy import prefill_phase  # noqa: E402
 
 from minisgl_ref.bench.provenance import collect_provenance  # noqa: E402
-from minisgl_ref.bench.workloads import canonical_workload, warmup_workload  # noqa: E402
+from minisgl_ref.bench.workloads import canonical_workload  # noqa: E402
 from minisgl_ref.engine import model_runner  # noqa: E402
-from minisgl_ref.llm import LLM  # noqa: E402
 
 STEPS = 40  # steps of a run whose host intervals and GPU spans are kept
 #: Caching-allocator counters recorded after each kept launch: a device allocation, a retry (which frees cached
@@ -154,11 +154,7 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    llm = LLM("qwen3-0.6b", load_format="dummy", dtype="bfloat16", device="cuda")
-    startup = time.perf_counter() - t0
-    wu = warmup_workload()
-    llm.generate(wu.prompts, wu.sampling_params, use_tqdm=False)
+    llm, startup = warmed_engine()
     runs = {}
     for name in ("first", "second"):
         runs[name] = timed_run(llm)
