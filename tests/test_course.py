@@ -205,8 +205,7 @@ ROTATION = 5  # a fresh run covers every task at least once in this many days
 def fresh_run_tasks(known: list[mutants.Mutant], recorded: dict, today: int) -> tuple[set[str], set[str]]:
     """(tasks whose test code changed since the recorded run, a rotating fifth of the other tasks, by day)."""
     tasks = sorted({m.task for m in known}, key=regions.task_key)
-    digests = {r.get("tests_digest") for r in recorded.values()}
-    changed = {t for t in tasks if mutants.tests_digest(ROOT, t) not in digests}
+    changed = mutants.stale_tasks(ROOT, known, list(recorded.values()))
     rotating = {t for i, t in enumerate(tasks) if i % ROTATION == today % ROTATION} - changed
     return changed, rotating
 
@@ -238,13 +237,17 @@ def test_one_mutant_of_every_changed_task_and_of_a_rotating_fifth_is_caught_here
 def test_the_rotation_covers_every_task_and_a_changed_test_file_is_noticed(tmp_path: Path) -> None:
     known = mutants.load(ROOT)
     tasks = {m.task for m in known}
-    recorded = {(t, "r"): {"tests_digest": mutants.tests_digest(ROOT, t)} for t in tasks}
+    recorded = {(m.task, m.name): {"task": m.task, "name": m.name, "digest": m.digest,
+                                   "tests_digest": mutants.tests_digest(ROOT, m.task)} for m in known}
     covered: set[str] = set()
     for day in range(ROTATION):
         changed, rotating = fresh_run_tasks(known, recorded, day)
         assert not changed and rotating
         covered |= rotating
     assert covered == tasks
+    first = known[0]  # a mutant edited since the recorded run makes its task stale too
+    edited = dict(recorded, **{(first.task, first.name): dict(recorded[first.task, first.name], digest="0" * 12)})
+    assert mutants.stale_tasks(ROOT, known, list(edited.values())) == {first.task}
     # the digest follows the test files: a copy with one task's test file edited gives that task a new digest
     task = sorted(tasks, key=regions.task_key)[0]
     files = grade.task_test_files(ROOT, [task])

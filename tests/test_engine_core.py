@@ -769,6 +769,27 @@ def test_extend_graphs_on_stand_ins_give_the_oracle_tokens(tiny_llm, mode):
         assert replays[2] >= len(prompts) and replays[4] == replays[8] == 0
 
 
+def test_a_budget_step_graph_that_does_not_fit_in_memory_is_skipped(tiny_llm):
+    """Capturing the prefill budget step's graph needs a whole prefill step's activations; when the GPU has no room
+    for them the runner keeps its other graphs and the budget step runs eagerly, the engine starts all the same."""
+    from minisgl_ref.attention.torch_native import TorchStaticBackend
+    from minisgl_ref.engine.cuda_graph import RerunGraphFactory
+    from minisgl_ref.engine.extend_graph import ExtendGraphRunner
+
+    class ShortOfMemory(RerunGraphFactory):
+        def warm_up(self, forward, batch):  # type: ignore[no-untyped-def]
+            if batch.input_ids.shape[0] == 96:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+            super().warm_up(forward, batch)
+
+    engine = make_engine(tiny_llm, extend_token_multiple=8)
+    static = TorchStaticBackend(engine.kv_pool, engine.req_to_token)
+    graphs = ExtendGraphRunner(engine.runner.model, static, static, torch.device("cpu"), max_tokens=64, multiple=8,
+                               row_buckets=(2, 4, 8), budget_tokens=96, graph_factory=ShortOfMemory())
+    assert graphs.budget_tokens == 0
+    assert sorted(graphs.graphs) == [(r, t) for r in (2, 4, 8) for t in range(8, 65, 8)]
+
+
 def test_matmul_warmup_lists_every_extend_shape_once(tiny_llm):
     """The start-up matmul warm-up (engine/warmup.py) meets each projection weight shape once at every padded
     token count an extend step can have (up to the prefill budget, plus the decode rows of a mixed step), and

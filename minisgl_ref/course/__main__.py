@@ -81,7 +81,17 @@ def cmd_grade(args: argparse.Namespace) -> int:
 def cmd_mutants(args: argparse.Namespace) -> int:
     t = _load(args.root)
     wanted = {task.id for task in _selected(args, t)}
-    chosen = [m for m in mutation.load(args.root) if m.task in wanted]
+    known = mutation.load(args.root)
+    kept: list[dict] = []  # --changed: the records that still hold, rewritten with the new ones
+    if args.changed:
+        if not args.json or not Path(args.json).exists():
+            raise SystemExit("--changed needs --json naming an earlier run's results")
+        kept = json.loads(Path(args.json).read_text())
+        stale = mutation.stale_tasks(args.root, known, kept)
+        wanted &= stale
+        kept = [r for r in kept if r["task"] not in wanted and r["task"] in {m.task for m in known}]
+        print(f"tasks whose tests or mutants changed since that run: {', '.join(sorted(wanted, key=regions.task_key)) or 'none'}")
+    chosen = [m for m in known if m.task in wanted]
 
     def show(o: mutation.Outcome) -> None:
         mark = "caught " if o.caught else "MISSED "
@@ -99,10 +109,13 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     if without:
         print(f"tasks without mutants: {', '.join(without)}")
     if args.json:
-        Path(args.json).write_text(json.dumps([
+        records = kept + [
             {"task": o.mutant.task, "name": o.mutant.name, "digest": o.mutant.digest, "why": o.mutant.why,
              "tests_digest": mutation.tests_digest(args.root, o.mutant.task), "caught": o.caught,
-             "seconds": round(o.seconds, 1), "detail": o.detail} for o in outcomes], indent=1) + "\n")
+             "seconds": round(o.seconds, 1), "detail": o.detail} for o in outcomes]
+        order = {m.id: i for i, m in enumerate(known)}
+        records.sort(key=lambda r: order.get(f"{r['task']}/{r['name']}", len(order)))
+        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
     return 0 if all(o.caught for o in outcomes) else 1
 
 
@@ -166,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=2, help="mutants graded at once")
     p.add_argument("--timeout", type=int, default=60, help="seconds allowed per test")
     p.add_argument("--json", default=None, help="write the outcomes here")
+    p.add_argument("--changed", action="store_true",
+                   help="only the tasks whose tests or mutants changed since the run recorded in --json, whose "
+                        "records are then updated in place")
     p.set_defaults(func=cmd_mutants)
 
     sub.add_parser("tasks", help="print the task table").set_defaults(func=cmd_tasks)

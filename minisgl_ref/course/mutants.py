@@ -90,6 +90,14 @@ def tests_digest(root: Path, task: str) -> str:
     return h.hexdigest()[:12]
 
 
+def stale_tasks(root: Path, known: Iterable[Mutant], records: list[dict]) -> set[str]:
+    """The tasks a recorded run no longer speaks for: a mutant added or edited since, or test code changed."""
+    by_id = {(r["task"], r["name"]): r for r in records}
+    digests = {r["task"]: r.get("tests_digest") for r in records}
+    stale = {m.task for m in known if by_id.get((m.task, m.name), {}).get("digest") != m.digest}
+    return stale | {m.task for m in known if digests.get(m.task) != tests_digest(root, m.task)}
+
+
 def locate(root: Path, mutant: Mutant, regions: list[Region]) -> tuple[str, str]:
     """(file, mutated text of that file); raises ``ValueError`` unless ``find`` occurs exactly once inside the
     task's regions."""

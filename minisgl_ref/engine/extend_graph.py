@@ -124,12 +124,28 @@ class ExtendGraphRunner:
         and 14.1 s (``docs/data/canonical_startup_all_warmups_h100.json``, ``canonical_startup_final_h100.json``)."""
         for rows in reversed(self.row_buckets):
             for t in reversed(self.sizes_of(rows)):
-                fb = self._static_batch(rows, t)
-                self.backend.prepare_extend_capture(rows, t)
-                if rows == self.row_buckets[-1]:
-                    for _ in range(2):
-                        self.graph_factory.warm_up(self._forward, fb)
-                self.graphs[rows, t], _ = self.graph_factory.capture(self._forward, fb)
+                if t != self.budget_tokens:
+                    self._capture_one(rows, t)
+                    continue
+                # The budget step's graph keeps the activations of a whole prefill step in the graphs' pool. Where
+                # memory is short (a large model on a small GPU) that graph is skipped, not the engine: the step
+                # then runs eagerly, as it would without the graph.
+                try:
+                    self._capture_one(rows, t)
+                except torch.cuda.OutOfMemoryError:
+                    logger.warning("not enough GPU memory to capture the %d-token prefill step; it runs eagerly", t)
+                    self.graphs.pop((rows, t), None)
+                    self.budget_tokens = 0
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+
+    def _capture_one(self, rows: int, t: int) -> None:
+        fb = self._static_batch(rows, t)
+        self.backend.prepare_extend_capture(rows, t)
+        if rows == self.row_buckets[-1]:
+            for _ in range(2):
+                self.graph_factory.warm_up(self._forward, fb)
+        self.graphs[rows, t], _ = self.graph_factory.capture(self._forward, fb)
 
     def bucket(self, fb: ForwardBatch) -> tuple[int, int] | None:
         """The graph for an extend step (rows, tokens), or None: the smallest row bucket that holds the step's rows
