@@ -246,7 +246,7 @@ def test_the_rotation_covers_every_task_and_a_changed_test_file_is_noticed(tmp_p
         covered |= rotating
     assert covered == tasks
     first = known[0]  # a mutant edited since the recorded run makes its task stale too
-    edited = dict(recorded, **{(first.task, first.name): dict(recorded[first.task, first.name], digest="0" * 12)})
+    edited = {**recorded, (first.task, first.name): {**recorded[first.task, first.name], "digest": "0" * 12}}
     assert mutants.stale_tasks(ROOT, known, list(edited.values())) == {first.task}
     # the digest follows the test files: a copy with one task's test file edited gives that task a new digest
     task = sorted(tasks, key=regions.task_key)[0]
