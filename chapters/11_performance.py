@@ -1858,6 +1858,9 @@ for run in SA["canonical_runs"]:
 # python3 scripts/gpu/decode_anatomy.py --out results --at 256,64,16 --label copies  # section 5: gaps and copies
 # python -m benchmarks.decode_matmuls_pdl --output results/decode_matmuls_pdl.json  # section 5: split-K and PDL
 # bash scripts/gpu/bare_machine.sh results/bare_machine.json   # section 5: first run on a bare machine, then warm
+# python3 scripts/gpu/run_start.py --out results   # section 5: a timed run's first steps, host and GPU on one clock
+# BASE=. BASE_LABEL=no-budget-graph NEW_LABEL=budget-graph \
+#     BASE_ARGS="--engine-arg disable_budget_step_graph=true" bash scripts/gpu/canonical_ab.sh  # the budget graph
 # python3 scripts/gpu/prefill_anatomy.py --out results          # section 5: the prefill phase by kernel kind
 # python -m benchmarks.gather_bandwidth --output results/gather_bandwidth.json   # section 5: reading scattered KV
 # python -m benchmarks.gather_bandwidth --layers 28 --output results/gather_bandwidth_layers.json  # one cache a layer
