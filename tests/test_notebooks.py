@@ -6,8 +6,8 @@ Each chapter is written once, as ``chapters/NN_slug.py`` (jupytext percent forma
 * ``test_notebook_in_sync``: the notebook has the same cells (type and source) as jupytext makes from the
   script. Outputs and metadata are not compared: notebooks are committed without outputs, and Jupyter adds
   metadata of its own.
-* ``test_notebook_runs`` (``slow``, in two classes of half the chapters each): the notebook is executed in
-  memory, in a fresh ``python3`` kernel of the interpreter running pytest, from the repository root, on CPU (``CUDA_VISIBLE_DEVICES`` is emptied). The
+* ``test_notebook_runs`` (``slow``, in two classes of half the chapters each): the notebook is executed in memory, in a fresh ``python3`` kernel of the
+  interpreter running pytest, from the repository root, on CPU (``CUDA_VISIBLE_DEVICES`` is emptied). The
   first cell that raises fails the test with that cell and its traceback. Nothing is written back to
   ``notebooks/``: the executed notebook, outputs and figures included, is saved as ``build/executed/NN_slug.ipynb``
   (ignored by git), which the site build (``docs/hooks/chapters.py``) renders after each cell. A notebook that

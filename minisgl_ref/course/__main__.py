@@ -90,8 +90,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
         stale = mutation.stale_tasks(args.root, known, kept)
         wanted &= stale
         kept = [r for r in kept if r["task"] not in wanted and r["task"] in {m.task for m in known}]
-        changed = ", ".join(sorted(wanted, key=regions.task_key)) or "none"
-        print(f"tasks whose tests or mutants changed since that run: {changed}")
+        print(f"tasks whose tests or mutants changed since that run: {', '.join(sorted(wanted, key=regions.task_key)) or 'none'}")
     chosen = [m for m in known if m.task in wanted]
 
     def show(o: mutation.Outcome) -> None:
