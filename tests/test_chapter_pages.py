@@ -1,7 +1,7 @@
 """The chapter pages of the site show each code cell's outputs, from the executed notebook the notebook test saves.
 
 ``docs/hooks/chapters.py`` renders ``chapters/NN_slug.py`` as a page; when ``build/executed/NN_slug.ipynb`` (written
-by ``tests/test_notebooks.py::TestNotebookRuns*::test_notebook_runs``) has the same code cells, every code cell is followed by its
+by ``tests/test_notebooks.py::test_notebook_runs``) has the same code cells, every code cell is followed by its
 outputs. These tests build a small executed notebook by hand and check what the page gets from it.
 """
 

@@ -6,7 +6,7 @@ Each chapter is written once, as ``chapters/NN_slug.py`` (jupytext percent forma
 * ``test_notebook_in_sync``: the notebook has the same cells (type and source) as jupytext makes from the
   script. Outputs and metadata are not compared: notebooks are committed without outputs, and Jupyter adds
   metadata of its own.
-* ``test_notebook_runs`` (``slow``, in two classes of half the chapters each): the notebook is executed in memory, in a fresh ``python3`` kernel of the
+* ``test_notebook_runs`` (``slow``): the notebook is executed in memory, in a fresh ``python3`` kernel of the
   interpreter running pytest, from the repository root, on CPU (``CUDA_VISIBLE_DEVICES`` is emptied). The
   first cell that raises fails the test with that cell and its traceback. Nothing is written back to
   ``notebooks/``: the executed notebook, outputs and figures included, is saved as ``build/executed/NN_slug.ipynb``
@@ -131,8 +131,9 @@ def kernel_name(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield name
 
 
-def run_notebook(chapter: Path, kernel_name: str) -> None:
-    """Execute the chapter's notebook in a fresh kernel; save the executed copy, or fail with the cell that raised."""
+@pytest.mark.slow
+@pytest.mark.parametrize("chapter", _by_chapter())
+def test_notebook_runs(chapter: Path, kernel_name: str) -> None:
     notebook = notebook_of(chapter)
     if not notebook.is_file():
         pytest.fail(f"{notebook.relative_to(ROOT)} is missing: {SYNC_HINT}", pytrace=False)
@@ -160,20 +161,3 @@ def run_notebook(chapter: Path, kernel_name: str) -> None:
         problem = f"the kernel died (out of memory?)\n{err}"
     # Outside the except blocks, so the report is the cell's error alone; IPython's colours are removed for logs.
     pytest.fail(f"{notebook.name}: {ANSI_ESCAPE.sub('', problem)}", pytrace=False)
-
-
-# Two classes, each half of the chapters: the test command runs two pytest processes that share out test files
-# whole and a file's classes one by one (``--dist loadscope``), so the notebooks, the suite's slowest file, run in
-# both processes at once instead of one after the other in one of them.
-@pytest.mark.slow
-class TestNotebookRuns:
-    @pytest.mark.parametrize("chapter", _by_chapter()[0::2])
-    def test_notebook_runs(self, chapter: Path, kernel_name: str) -> None:
-        run_notebook(chapter, kernel_name)
-
-
-@pytest.mark.slow
-class TestNotebookRunsOtherHalf:
-    @pytest.mark.parametrize("chapter", _by_chapter()[1::2])
-    def test_notebook_runs(self, chapter: Path, kernel_name: str) -> None:
-        run_notebook(chapter, kernel_name)

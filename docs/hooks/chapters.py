@@ -61,7 +61,7 @@ log = logging.getLogger("mkdocs.hooks.chapters")
 ROOT = Path(__file__).resolve().parents[2]
 CHAPTERS_DIR = ROOT / "chapters"
 NOTEBOOKS_DIR = ROOT / "notebooks"
-EXECUTED_DIR = ROOT / "build" / "executed"  # written by tests/test_notebooks.py::TestNotebookRuns*::test_notebook_runs
+EXECUTED_DIR = ROOT / "build" / "executed"  # written by tests/test_notebooks.py::test_notebook_runs
 NAV_SECTION = "Chapters"
 TABLE_PLACEHOLDER = "<!-- chapters:table -->"
 
