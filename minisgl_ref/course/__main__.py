@@ -90,7 +90,8 @@ def cmd_mutants(args: argparse.Namespace) -> int:
         stale = mutation.stale_tasks(args.root, known, kept)
         wanted &= stale
         kept = [r for r in kept if r["task"] not in wanted and r["task"] in {m.task for m in known}]
-        print(f"tasks whose tests or mutants changed since that run: {', '.join(sorted(wanted, key=regions.task_key)) or 'none'}")
+        changed = ", ".join(sorted(wanted, key=regions.task_key)) or "none"
+        print(f"tasks whose tests or mutants changed since that run: {changed}")
     chosen = [m for m in known if m.task in wanted]
 
     def show(o: mutation.Outcome) -> None:

@@ -116,7 +116,8 @@ class Timeline:
             totals[label] = totals.get(label, 0.0) + (t - s) * 1e3
         return {"wall_s": round(wall_s, 4), "host": [(label, ms(s), ms(t)) for label, s, t in self.host],
                 "gpu_spans_ms": gpu, "host_ms_by_label": {k: round(v, 2) for k, v in totals.items()},
-                "alloc_counters": {"names": ALLOC_STATS, "before": self.allocs_before, "after_each_launch": self.allocs}}
+                "alloc_counters": {"names": ALLOC_STATS, "before": self.allocs_before,
+                                   "after_each_launch": self.allocs}}
 
 
 def timed_run(llm) -> dict:  # type: ignore[no-untyped-def]
