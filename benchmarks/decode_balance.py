@@ -25,7 +25,13 @@ that work:
 - ``xqa_pageN``: FlashInfer's XQA decode kernel (from TensorRT-LLM) over the same contexts in pages of N slots;
 - ``triton_S_N_W_T``: the ``triton`` backend's split-KV kernel with every context cut into pieces of about ``S``
   tokens (tiles of ``N`` tokens, ``W`` warps, ``T`` pipeline stages), one program per piece and KV head;
-- ``allheads_S_N_W_T``: the same split, one program per piece for all KV heads (``benchmarks/decode_allheads.py``).
+- ``allheads_S_N_W_T``: the same split, one program per piece for all KV heads (``benchmarks/decode_allheads.py``);
+- ``cuda_C_U_T``: a hand-written CUDA kernel (``benchmarks/split_decode.cu``): pieces of at most ``C`` tokens, one
+  block of ``T`` threads per piece and KV head, ``U`` rows per half-warp in each of two register buffers, the last
+  piece of a context merging them; suffixes: ``_stream`` reads with streaming (evict-first) loads, ``_sorted``
+  puts the longest pieces first in the grid, ``_even`` cuts a context into pieces of equal length;
+  ``cudafixed_F_U_T`` always has ``F`` percent more pieces than requests (a captured graph's grid is fixed): a
+  piece per context, then the longest piece cut in halves, longest first in the grid.
 
 With ``--plan-cost`` each stage also times what an engine pays around the kernel when it plans every step
 (:func:`plan_cost`): the engine's graph wrapper against the persistent ``BatchAttention``.
@@ -290,6 +296,19 @@ def xqa_runner(st: Stage, page_size: int) -> tuple[Callable[[], torch.Tensor], l
     return call, list(range(b))
 
 
+def split_decode_runner(st: Stage, name: str) -> tuple[Callable[[], torch.Tensor], list[int]]:
+    """``cuda_C_U_T`` with any of the suffixes ``_stream``, ``_sorted``, ``_even`` (see the module docstring);
+    ``cudafixed_F_U_T``: ``F`` percent more pieces than requests, whatever their lengths."""
+    from benchmarks.split_decode import runner
+
+    fields = name.split("_")
+    chunk, unroll, threads = (int(x) for x in fields[1:4])
+    if fields[0] == "cudafixed":
+        return runner(st, 1, unroll, threads, fixed=chunk / 100)
+    return runner(st, chunk, unroll, threads, streaming="stream" in fields, longest_first="sorted" in fields,
+                  even="even" in fields)  # fmt: skip
+
+
 def variants() -> dict[str, Callable[[Stage], tuple[Callable[[], torch.Tensor], list[int]]]]:
     """Every variant by name, the engine's own first (the others' errors are measured against it)."""
     v: dict[str, Callable[[Stage], tuple[Callable[[], torch.Tensor], list[int]]]] = {
@@ -315,6 +334,17 @@ def variants() -> dict[str, Callable[[Stage], tuple[Callable[[], torch.Tensor], 
             for w_ in (4, 8):
                 for t_ in (2, 3):
                     v[f"allheads_{s_}_{n_}_{w_}_{t_}"] = lambda st, a=(s_, n_, w_, t_): triton_runner(st, *a, allheads=True)
+    # cuda_C_U_T[_stream][_sorted][_even]: the hand-written CUDA kernel of benchmarks/split_decode.cu
+    for c_ in (256, 512, 768, 1024):
+        for u_ in (2, 4):
+            for t_ in (128, 256):
+                for extra in ("", "_stream", "_sorted", "_even", "_sorted_even"):
+                    name = f"cuda_{c_}_{u_}_{t_}{extra}"
+                    v[name] = lambda st, n=name: split_decode_runner(st, n)
+    for f_ in (0, 12, 25, 50, 100):  # cudafixed_F_4_T: a fixed count of pieces, F percent more than requests
+        for t_ in (128, 256):
+            name = f"cudafixed_{f_}_4_{t_}"
+            v[name] = lambda st, n=name: split_decode_runner(st, n)
     return v
 
 
@@ -392,7 +422,8 @@ def with_matmuls(st: Stage, others: list[Stage], name: str, repeats: int) -> dic
             for _ in range(replays):
                 graph.replay()
             torch.cuda.synchronize()
-        names = ("Attention", "Persistent", "BatchDecode", "MergeStates", "_decode_stage", "_allheads", "xqa", "kernel_mha")
+        names = ("Attention", "Persistent", "BatchDecode", "MergeStates", "_decode_stage", "_allheads", "xqa", "kernel_mha",
+                 "split_decode")
         us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                  and any(k in e.name for k in names) and e.time_range.elapsed_us() > longer_than_us)  # fmt: skip
         return us / replays / len(attn)

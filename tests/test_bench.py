@@ -182,6 +182,41 @@ def test_decode_balance_chunks_merge_back_to_plain_attention(monkeypatch):
     torch.testing.assert_close(chunked().float(), whole().float(), rtol=0, atol=2e-2)
 
 
+@pytest.mark.parametrize("kind", ["chunk", "chunk_even_sorted", "fixed_0", "fixed_25", "fixed_many"])
+def test_split_decode_plans_cover_every_token_once_and_merge_back(kind):
+    """The CUDA split-KV kernel of ``benchmarks/split_decode.cu`` reads each plan piece (request, first index, end
+    index, result row), and the last piece of a request merges rows ``first .. first + parts - 1``. Here the same
+    arithmetic in plain PyTorch over every plan shape the benchmark uses: every token lies in exactly one piece of
+    its own request, a request's rows are its pieces, and merging them gives plain attention."""
+    from benchmarks.split_decode import plan
+
+    lens = [300, 17, 129, 256, 1, 2048]
+    p = {"chunk": lambda: plan(lens, 128, "cpu"), "chunk_even_sorted": lambda: plan(lens, 100, "cpu", True, True),
+         "fixed_0": lambda: plan(lens, 1, "cpu", fixed=0.0), "fixed_25": lambda: plan(lens, 1, "cpu", fixed=0.25),
+         "fixed_many": lambda: plan([2, 1], 1, "cpu", fixed=3.0)}[kind]()  # more pieces than tokens: empty ones
+    lens = [2, 1] if kind == "fixed_many" else lens
+    items, parts, first = p["items"].tolist(), p["req_parts"].tolist(), p["req_first_item"].tolist()
+    offsets = [sum(lens[:r]) for r in range(len(lens) + 1)]
+    covered = sorted(t for r, a, b, _ in items for t in range(a, b))
+    assert covered == list(range(offsets[-1]))  # every token once
+    assert all(offsets[r] <= a <= b <= offsets[r + 1] for r, a, b, _ in items if b > a)
+    assert kind != "fixed_25" or len(items) == int(len(lens) * 1.25)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(len(lens), 4), torch.randn(offsets[-1], 4), torch.randn(offsets[-1], 4)
+    rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for r, a, b, row in items:
+        if b > a:
+            scores = k[a:b] @ q[r]
+            rows[row] = (torch.logsumexp(scores, 0), scores.softmax(0) @ v[a:b])
+    for r in range(len(lens)):
+        pieces = [rows[first[r] + j] for j in range(parts[r])]  # the merge reads exactly these rows
+        assert sum(1 for it in items if it[0] == r and it[2] > it[1]) == parts[r]
+        lse = torch.stack([x for x, _ in pieces])
+        merged = (torch.softmax(lse, 0)[:, None] * torch.stack([o for _, o in pieces])).sum(0)
+        scores = k[offsets[r] : offsets[r + 1]] @ q[r]
+        torch.testing.assert_close(merged, scores.softmax(0) @ v[offsets[r] : offsets[r + 1]])
+
+
 def test_overlap_decode_halves_split_rows_and_tokens_evenly():
     """``benchmarks/overlap_decode.py`` runs a decode step as two halves whose attention calls take turns: each row
     lands in exactly one half, the halves differ by at most one row, and their context tokens by at most the
