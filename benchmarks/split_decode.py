@@ -1,31 +1,17 @@
-"""A hand-written CUDA split-KV decode kernel (``split_decode.cu``) for ``benchmarks.decode_balance`` (chapter 11).
+"""The engine's split-KV CUDA decode kernel (``minisgl_ref/attention/cuda/split_decode.cu``) under other plans and
+variants, for ``benchmarks.decode_balance`` (chapter 11).
 
-Every context is cut into pieces of at most ``chunk`` tokens; each (piece, KV head) is one thread block of a
-grid several waves long, so the GPU balances the pieces over the SMs by itself, and the last piece of a context
-to finish merges the partial results. :func:`plan` builds the per-piece arrays on the host, as an engine would
-each step; :func:`runner` returns a call over a :class:`benchmarks.decode_balance.Stage`.
+Every context is cut into pieces; each (piece, KV head) is one thread block of a grid several waves long, so the
+GPU balances the pieces over the SMs by itself, and the last piece of a context to finish merges the partial
+results. :func:`plan` cuts pieces of at most ``chunk`` tokens, or (``fixed``) as the engine does, a fixed number
+of pieces per request; :func:`runner` returns a call over a :class:`benchmarks.decode_balance.Stage`.
 """
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
-
-
-@functools.cache
-def module(streaming: bool = False) -> Any:
-    """Compile (or load from the extensions cache) the kernel: ~1 minute the first time on a machine. With
-    ``streaming`` the rows are read with streaming (evict-first) loads instead of ordinary ones."""
-    from torch.utils.cpp_extension import load
-
-    flags = ["-O3", "--use_fast_math", "-gencode=arch=compute_90a,code=sm_90a"]
-    return load(name="split_decode_streaming" if streaming else "split_decode",
-                sources=[str(Path(__file__).with_name("split_decode.cu"))],
-                extra_cuda_cflags=flags + (["-DSPLIT_DECODE_STREAMING_LOADS"] if streaming else []),
-                verbose=False)  # fmt: skip
 
 
 def plan(lens: list[int], chunk: int, device: str = "cuda", longest_first: bool = False, even: bool = False,
@@ -61,34 +47,11 @@ def plan(lens: list[int], chunk: int, device: str = "cuda", longest_first: bool 
 
 
 def _fixed_plan(lens: list[int], fixed: float, device: str) -> dict[str, torch.Tensor]:
-    import heapq
+    from minisgl_ref.attention.split_decode import plan_pieces
 
-    n = int(len(lens) * (1 + fixed))
-    heap = [(-length, r, 0, length) for r, length in enumerate(lens)]  # (-size, request, start, end) in-context
-    heapq.heapify(heap)
-    while len(heap) < n and -heap[0][0] > 1:
-        size, r, a, b = heapq.heappop(heap)
-        mid = a + (b - a) // 2
-        heapq.heappush(heap, (-(mid - a), r, a, mid))
-        heapq.heappush(heap, (-(b - mid), r, mid, b))
-    pieces = sorted(heap, key=lambda p: (p[1], p[2]))  # a request's pieces next to each other: their result rows
-    offsets = [0]
-    for length in lens:
-        offsets.append(offsets[-1] + length)
-    parts = [0] * len(lens)
-    first = [-1] * len(lens)
-    items = []
-    for row, (_, r, a, b) in enumerate(pieces):
-        parts[r] += 1
-        first[r] = row if first[r] < 0 else first[r]
-        items.append((r, offsets[r] + a, offsets[r] + b, row))
-    items.sort(key=lambda it: it[1] - it[2])  # longest first: the GPU starts blocks in grid order
-    items += [(0, 0, 0, 0)] * (n - len(items))  # empty pieces (only when there are fewer tokens than pieces)
-
-    def t(x: list[Any]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.int32, device=device)
-
-    return {"items": t(items), "req_parts": t(parts), "req_first_item": t(first)}
+    items, parts, first = plan_pieces(lens, int(len(lens) * (1 + fixed)))
+    return {"items": torch.from_numpy(items).to(device), "req_parts": torch.from_numpy(parts).to(device),
+            "req_first_item": torch.from_numpy(first).to(device)}  # fmt: skip
 
 
 def runner(st: Any, chunk: int = 512, unroll: int = 4, threads: int = 128, streaming: bool = False,
@@ -96,7 +59,9 @@ def runner(st: Any, chunk: int = 512, unroll: int = 4, threads: int = 128, strea
            fixed: float | None = None) -> tuple[Callable[[], torch.Tensor], list[int]]:  # fmt: skip
     """The kernel over a decode_balance stage: pieces of at most ``chunk`` tokens, blocks of ``threads``,
     ``unroll`` rows per half-warp in each of two buffers (the other options: see :func:`module`, :func:`plan`)."""
-    mod = module(streaming)
+    from minisgl_ref.attention.split_decode import load_kernel
+
+    mod = load_kernel(all_variants=True, streaming=streaming)
     b = len(st.lens)
     p = plan(st.lens, chunk, device=str(st.q.device), longest_first=longest_first, even=even, fixed=fixed)
     items = p["items"].shape[0]

@@ -650,11 +650,12 @@ def test_torch_native_has_no_cuda_graph_hooks():
 
 # MINISGL_TEST_BACKENDS=triton (a comma list) narrows the GPU comparisons to the backends named: after a change to
 # one backend's kernels, the others' first-use compilation need not be paid again.
-# "flashinfer-persistent" is the flashinfer backend with every decode batch on its persistent kernel (the engine
-# uses that kernel from --persistent-decode-min-batch rows up).
-GPU_BACKENDS = [n for n in ["triton", "flashinfer", "flashinfer-persistent", "fa3"]
-                if n in os.environ.get("MINISGL_TEST_BACKENDS", "triton,flashinfer,flashinfer-persistent,fa3")
-                .split(",")]  # fmt: skip
+# "flashinfer-persistent" and "flashinfer-split" are the flashinfer backend with every decode batch on FlashInfer's
+# persistent kernel or on our split-KV kernel (the engine uses them from --persistent-decode-min-batch and
+# --split-decode-min-batch rows up).
+GPU_BACKENDS = [n for n in ["triton", "flashinfer", "flashinfer-persistent", "flashinfer-split", "fa3"]
+                if n in os.environ.get("MINISGL_TEST_BACKENDS",
+                                       "triton,flashinfer,flashinfer-persistent,flashinfer-split,fa3").split(",")]  # fmt: skip
 NUM_HEADS = 16  # KV heads = 16 / GQA: 16, 8, 4, 2
 
 # Not the full product of GQA x head dim x page size x dtype (96 combinations, each over every shape below): every
@@ -702,7 +703,7 @@ def gpu_backend_available(name: str) -> bool:
     from minisgl_ref.attention.registry import check_backend_can_run
 
     try:
-        check_backend_can_run(name.removesuffix("-persistent"), torch.device("cuda"))
+        check_backend_can_run(name.split("-")[0], torch.device("cuda"))
     except ValueError:
         return False
     return True
@@ -713,9 +714,10 @@ def make_backend(name: str, case: Case, page_size: int = 1):  # type: ignore[no-
 
     if not gpu_backend_available(name):
         pytest.skip(f"{name} cannot run here")
-    return build_backend(name.removesuffix("-persistent"), case.pool, case.table, num_q_heads=case.layer.num_heads,
+    return build_backend(name.split("-")[0], case.pool, case.table, num_q_heads=case.layer.num_heads,
                          page_size=page_size, device=torch.device("cuda"),
-                         persistent_decode_min_batch=1 if name.endswith("-persistent") else 0)  # fmt: skip
+                         persistent_decode_min_batch=1 if name.endswith("-persistent") else 0,
+                         split_decode_min_batch=1 if name.endswith("-split") else 0)  # fmt: skip
 
 
 def run_backend(backend, case: Case) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -746,6 +748,57 @@ def test_persistent_decode_workspace_covers_what_flashinfer_reserved():
     assert partial_bytes(16, 128, 132) >= partial_o + lse
     assert partial_bytes(16, 128, 132) < partial_o + lse + 4096
     assert partial_bytes(8, 128, 132) <= 384 << 20
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_split_decode_plan_cuts_each_context_into_its_own_consecutive_pieces(seed):
+    """The split-KV kernel's plan (``plan_pieces``): exactly the asked number of pieces, longest first, every slot
+    index in exactly one piece of its own request, a request's partial-result rows consecutive from its first row
+    (the merge reads that range), and merging the pieces' partial attention by log-sum-exp gives the request's
+    whole attention (the kernel's arithmetic, in plain PyTorch)."""
+    from minisgl_ref.attention.split_decode import piece_count, plan_pieces
+
+    rng = random.Random(seed)
+    bs = rng.choice([1, 2, 7, 64, 200])
+    lens = [rng.choice([1, 2, rng.randint(1, 300), rng.randint(1, 5000)]) for _ in range(bs)]
+    count = piece_count(bs) + rng.choice([0, 0, 3])
+    items, parts, first_row = plan_pieces(lens, count)
+    assert items.shape == (count, 4) and parts.shape == first_row.shape == (bs,)
+    starts = [sum(lens[:r]) for r in range(bs + 1)]
+    real = [tuple(map(int, it)) for it in items if it[2] > it[1]]
+    assert len(real) == min(count, sum(lens)) == int(parts.sum())
+    assert [b - a for _, a, b, _ in real] == sorted((b - a for _, a, b, _ in real), reverse=True)
+    assert sorted(t for _, a, b, _ in real for t in range(a, b)) == list(range(starts[-1]))
+    assert all(starts[r] <= a < b <= starts[r + 1] for r, a, b, _ in real)
+    for r in range(bs):
+        assert sorted(row for q, _, _, row in real if q == r) == list(range(first_row[r], first_row[r] + parts[r]))
+    torch.manual_seed(seed)
+    q, k, v = torch.randn(bs, 8, dtype=torch.float64), torch.randn(starts[-1], 8, dtype=torch.float64), torch.randn(
+        starts[-1], 8, dtype=torch.float64)
+    partial = {row: (torch.logsumexp(k[a:b] @ q[r], 0), torch.softmax(k[a:b] @ q[r], 0) @ v[a:b])
+               for r, a, b, row in real}  # fmt: skip
+    for r in range(bs):
+        rows = [partial[row] for row in range(first_row[r], first_row[r] + parts[r])]
+        weights = torch.softmax(torch.stack([lse for lse, _ in rows]), 0)
+        merged = sum(w * o for w, (_, o) in zip(weights, rows))
+        scores = k[starts[r] : starts[r + 1]] @ q[r]
+        torch.testing.assert_close(merged, torch.softmax(scores, 0) @ v[starts[r] : starts[r + 1]])
+
+
+def test_split_decode_plan_rejects_fewer_pieces_than_requests():
+    from minisgl_ref.attention.split_decode import plan_pieces
+
+    with pytest.raises(ValueError, match="count must be at least the number of requests"):
+        plan_pieces([5, 5, 5], 2)
+
+
+def test_split_decode_handles_only_the_shapes_it_is_compiled_for():
+    from minisgl_ref.attention.split_decode import supports
+
+    assert supports(16, 8, 128, torch.bfloat16) and supports(32, 8, 128, torch.bfloat16)
+    assert not supports(16, 8, 64, torch.bfloat16)  # head dim
+    assert not supports(16, 8, 128, torch.float16)  # dtype
+    assert not supports(64, 8, 128, torch.bfloat16)  # 8 query heads per KV head
 
 
 @pytest.mark.gpu
@@ -940,10 +993,13 @@ def test_gpu_extend_graphs_match_eager_extend_steps(qwen3_small_path, mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("engine_kw", [dict(attention_backend="triton"), dict(attention_backend="flashinfer"),
-                                       dict(attention_backend="flashinfer", persistent_decode_min_batch=1),
+@pytest.mark.parametrize("engine_kw", [dict(attention_backend="triton"),
+                                       dict(attention_backend="flashinfer", split_decode_min_batch=0),
+                                       dict(attention_backend="flashinfer", persistent_decode_min_batch=1,
+                                            split_decode_min_batch=0),
+                                       dict(attention_backend="flashinfer", split_decode_min_batch=1),
                                        dict(attention_backend="fa3"), {}],
-                         ids=["triton", "flashinfer", "flashinfer-persistent", "fa3", "default"])  # fmt: skip
+                         ids=["triton", "flashinfer", "flashinfer-persistent", "flashinfer-split", "fa3", "default"])  # fmt: skip
 def test_gpu_engine_qwen3_matches_torch_native(qwen3_small_path, engine_kw):
     """The whole engine (chunked prefill, decode with CUDA graphs where the backend has them) on a 4-layer Qwen3
     with dummy weights, in bf16, against the same engine with torch_native attention.

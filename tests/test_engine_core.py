@@ -836,6 +836,8 @@ def test_persistent_decode_min_batch_is_validated():
     with pytest.raises(ValueError, match="persistent_decode_min_batch must be >= 0, got -1"):
         EngineConfig(persistent_decode_min_batch=-1)
     assert EngineConfig(persistent_decode_min_batch=0).persistent_decode_min_batch == 0  # 0 turns it off
+    with pytest.raises(ValueError, match="split_decode_min_batch must be >= 0, got -2"):
+        EngineConfig(split_decode_min_batch=-2)
 
 
 SMOL_CONFIGS = [

@@ -28,11 +28,12 @@ lists (``kv_indptr``, ``qo_indptr``, ``last_page_len``), so nothing is copied ba
 stays on the GPU. FlashInfer's planner still copies its small plan (a few KB) from pinned host memory into its
 int workspace and, in the versions we use, waits for that copy: a short host sync per step, not per layer.
 
-Large decode batches: from ``persistent_decode_min_batch`` rows (``--persistent-decode-min-batch``, default 144 in
-the engine) a decode step runs FlashInfer's persistent ``BatchAttention`` instead of the decode wrapper, which
-keeps every SM busy when the contexts' lengths differ (:mod:`.flashinfer_persistent`; chapter 11 measures both,
-alone and between a layer's matrix multiplies, where the persistent kernel loses 4-7% and only pays from ~150
-rows).
+Large decode batches: from ``split_decode_min_batch`` rows (``--split-decode-min-batch``, default 128 in the
+engine) a decode step runs our own split-KV CUDA kernel instead of the decode wrapper, which keeps every SM busy
+when the contexts' lengths differ (:mod:`.split_decode`; bf16 with head dim 128 and 1, 2 or 4 query heads per KV
+head, FlashInfer's kernel otherwise). FlashInfer's persistent ``BatchAttention`` does the same job
+(:mod:`.flashinfer_persistent`, ``--persistent-decode-min-batch``, off by default); chapter 11 measures all three,
+alone and between a layer's matrix multiplies, where the persistent kernel loses 4-7% and ours loses nothing.
 
 CUDA graphs: decode only. For each captured batch size a separate wrapper is created with ``use_cuda_graph=True``
 and fixed ``kv_indptr`` / ``kv_indices`` / ``last_page_len`` buffers (FlashInfer's requirement: a graph wrapper's
@@ -48,6 +49,7 @@ import torch
 
 from minisgl_ref.attention.base import AttentionBackend
 from minisgl_ref.attention.flashinfer_persistent import PersistentDecode
+from minisgl_ref.attention.split_decode import SplitDecode, supports
 from minisgl_ref.attention.utils import indptr
 
 if TYPE_CHECKING:
@@ -69,7 +71,7 @@ class FlashInferBackend(AttentionBackend):
     supports_cuda_graph = True
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, *, num_q_heads: int,
-                 persistent_decode_min_batch: int = 0) -> None:  # fmt: skip
+                 persistent_decode_min_batch: int = 0, split_decode_min_batch: int = 0) -> None:  # fmt: skip
         import flashinfer  # the registry turns an ImportError into one clear line
 
         super().__init__(kv_pool, req_to_token)
@@ -93,6 +95,12 @@ class FlashInferBackend(AttentionBackend):
         self.persistent_min_batch = persistent_decode_min_batch
         self.persistent: PersistentDecode | None = None
         self.decode_persistent = False  # this step's choice
+        # Decode batches of at least this many rows go to our split-KV kernel (0: never; it comes before the
+        # persistent kernel), when it handles the attention shape; built on first use.
+        self.split_min_batch = split_decode_min_batch if supports(num_q_heads, self.num_kv_heads, self.head_dim,
+                                                                  self.dtype) else 0  # fmt: skip
+        self.split: SplitDecode | None = None
+        self.decode_split = False  # this step's choice
         self.graph_state: dict[str, torch.Tensor] | None = None
         self.graph_wrappers: dict[int, Any] = {}
 
@@ -111,9 +119,19 @@ class FlashInferBackend(AttentionBackend):
     def _plan_kwargs(self) -> dict[str, Any]:
         return dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.sm_scale)
 
+    def _use_split(self, batch_size: int) -> bool:
+        """Whether a decode batch of ``batch_size`` rows goes to our split-KV kernel (building it if so)."""
+        if not 0 < self.split_min_batch <= batch_size:
+            return False
+        if self.split is None:
+            self.split = SplitDecode(num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+                                     head_dim=self.head_dim, sm_scale=self.sm_scale,
+                                     max_batch=self.req_to_token.max_requests, device=self.device)  # fmt: skip
+        return True
+
     def _use_persistent(self, batch_size: int) -> bool:
         """Whether a decode batch of ``batch_size`` rows goes to the persistent kernel (building it if so)."""
-        if not 0 < self.persistent_min_batch <= batch_size:
+        if self._use_split(batch_size) or not 0 < self.persistent_min_batch <= batch_size:
             return False
         if self.persistent is None:
             self.persistent = PersistentDecode(self.flashinfer, num_q_heads=self.num_q_heads,
@@ -129,6 +147,11 @@ class FlashInferBackend(AttentionBackend):
         last_page_len = torch.ones(batch.batch_size, dtype=torch.int32)  # pages of one token
         H, KVH, D = self.num_q_heads, self.num_kv_heads, self.head_dim  # noqa: N806
         if batch.mode.is_decode:
+            self.decode_split = self._use_split(batch.batch_size)
+            if self.decode_split:
+                assert self.split is not None
+                self.split.plan(lens, kv_indices)
+                return
             self.decode_persistent = self._use_persistent(batch.batch_size)
             if self.decode_persistent:
                 assert self.persistent is not None
@@ -166,6 +189,10 @@ class FlashInferBackend(AttentionBackend):
         # The kernel takes q's token and head strides: the view into the fused QKV output needs no copy (a
         # kernel fewer per layer; only the head dim must be contiguous).
         q = q if q.stride(-1) == 1 else q.contiguous()
+        if self.decode_split:
+            assert self.split is not None
+            pool = self.kv_pool
+            return self.split.run(q, pool.k[layer.layer_id], pool.v[layer.layer_id]).view(q.shape[0], -1)
         if self.decode_persistent:
             assert self.persistent is not None
             return self.persistent.run(q, self._paged_cache(layer.layer_id)).view(q.shape[0], -1)
@@ -189,7 +216,7 @@ class FlashInferBackend(AttentionBackend):
         """A graph wrapper per batch size, reading the static buffers (FlashInfer's rule: its size never changes)."""
         assert self.graph_state is not None, "call init_graph_buffers first"
         g, bs = self.graph_state, batch.batch_size
-        if bs not in self.graph_wrappers and not self._use_persistent(bs):
+        if bs not in self.graph_wrappers and not self._use_split(bs) and not self._use_persistent(bs):
             self.graph_wrappers[bs] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
                 paged_kv_indptr_buffer=g["kv_indptr"][: bs + 1], paged_kv_indices_buffer=g["kv_indices"],
@@ -204,6 +231,7 @@ class FlashInferBackend(AttentionBackend):
 
         assert self.graph_state is not None and batch.seq_lens is not None and batch.req_pool_indices is not None
         g, bs = self.graph_state, batch.batch_size
+        self.decode_split = self._use_split(bs)
         self.decode_persistent = self._use_persistent(bs)
         # Pinned host tensors: FlashInfer copies them to the GPU with non_blocking=True, and a copy from pageable
         # memory waits for the GPU to finish the step in flight, which would undo overlap scheduling (G2).
@@ -212,6 +240,10 @@ class FlashInferBackend(AttentionBackend):
         dev_indptr = indptr(batch.seq_lens, out=g["kv_indptr_dev"][: bs + 1])
         build_kv_indices(self.req_to_token.table, batch.req_pool_indices, batch.seq_lens.to(torch.int32),
                          dev_indptr, g["kv_indices"])  # fmt: skip
+        if self.decode_split:
+            assert self.split is not None
+            self.split.plan(batch.seq_lens_cpu, g["kv_indices"])
+            return
         if self.decode_persistent:
             assert self.persistent is not None
             self.persistent.plan(kv_indptr_cpu, g["kv_indices"], batch.seq_lens_cpu)

@@ -126,7 +126,8 @@ def check_backend_can_run(name: str, device: torch.device, dtype: torch.dtype | 
 BACKENDS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "torch_native": ("torch_native", "TorchNativeBackend", ()),
     "triton": ("triton_backend", "TritonAttnBackend", ("num_q_heads",)),
-    "flashinfer": ("flashinfer_backend", "FlashInferBackend", ("num_q_heads", "persistent_decode_min_batch")),
+    "flashinfer": ("flashinfer_backend", "FlashInferBackend",
+                   ("num_q_heads", "persistent_decode_min_batch", "split_decode_min_batch")),
     "fa3": ("fa3_backend", "FlashAttentionBackend", ("page_size",)),
 }
 
@@ -140,13 +141,15 @@ def build_backend(
     page_size: int,
     device: torch.device,
     persistent_decode_min_batch: int = 0,
+    split_decode_min_batch: int = 0,
 ) -> AttentionBackend:
     """One backend by name (after :func:`check_backend_can_run`)."""
     check_backend_can_run(name, device)
     module, class_name, wants = BACKENDS[name]
     cls = getattr(importlib.import_module(f"minisgl_ref.attention.{module}"), class_name)
     facts = {"num_q_heads": num_q_heads, "page_size": page_size,
-             "persistent_decode_min_batch": persistent_decode_min_batch}
+             "persistent_decode_min_batch": persistent_decode_min_batch,
+             "split_decode_min_batch": split_decode_min_batch}
     return cls(kv_pool, req_to_token, **{fact: facts[fact] for fact in wants})
 
 
@@ -168,7 +171,8 @@ def create_attention_backend(
     check_backend_can_run(prefill, device, dtype)
     check_backend_can_run(decode, device, dtype)
     kw = dict(num_q_heads=num_q_heads, page_size=config.page_size, device=device,
-              persistent_decode_min_batch=config.persistent_decode_min_batch)
+              persistent_decode_min_batch=config.persistent_decode_min_batch,
+              split_decode_min_batch=config.split_decode_min_batch)
     if prefill == decode:
         return build_backend(prefill, kv_pool, req_to_token, **kw)  # type: ignore[arg-type]
     return HybridAttnBackend(

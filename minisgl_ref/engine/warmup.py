@@ -46,6 +46,7 @@ class KernelShapes:
     decode_backend: str
     prefill_backend: str
     persistent_decode: bool = False  # flashinfer decode also builds its persistent kernel
+    split_decode: bool = False  # flashinfer decode also builds our split-KV kernel
 
 
 def _fused_op(shapes: KernelShapes, device: torch.device, family: str) -> None:
@@ -161,6 +162,19 @@ class Warmup:
         return seconds
 
 
+def _split_supported(shapes: KernelShapes) -> bool:
+    from minisgl_ref.attention.split_decode import supports
+
+    return supports(shapes.num_q_heads, shapes.num_kv_heads, shapes.head_dim, shapes.dtype)
+
+
+def _build_split_decode() -> None:
+    """Our split-KV decode kernel: nvcc and ninja build it once per machine (~1 minute), then it loads from disk."""
+    from minisgl_ref.attention.split_decode import load_kernel
+
+    load_kernel()
+
+
 def _timed(fn: Callable[[], None]) -> float:
     t = time.perf_counter()
     fn()
@@ -179,7 +193,8 @@ def shapes_of(model: torch.nn.Module, config: ModelConfig, engine: EngineConfig,
     prefill, decode = resolve_backend_names(engine, device, config.dtype)
     return KernelShapes(layer.num_heads, layer.num_kv_heads, config.head_dim, config.hidden_size,
                         config.intermediate_size, config.vocab_size, config.dtype, decode, prefill,
-                        persistent_decode=engine.persistent_decode_min_batch > 0)
+                        persistent_decode=engine.persistent_decode_min_batch > 0,
+                        split_decode=engine.split_decode_min_batch > 0)
 
 
 def start(shapes: KernelShapes, device: torch.device, matmuls: list[MatmulShapes] | None = None) -> Warmup:
@@ -198,6 +213,8 @@ def start(shapes: KernelShapes, device: torch.device, matmuls: list[MatmulShapes
         todo["decode attention"] = lambda: _attention(shapes, device, "decode")
         if shapes.persistent_decode:
             todo["persistent decode attention"] = lambda: _attention(shapes, device, "persistent")
+        if shapes.split_decode and _split_supported(shapes):
+            todo["split decode attention"] = _build_split_decode
     if shapes.prefill_backend == "flashinfer":
         todo["prefill attention"] = lambda: _attention(shapes, device, "prefill")
     if matmuls:

@@ -1,0 +1,140 @@
+"""Decode attention for large batches: our own split-KV CUDA kernel (chapter 11).
+
+FlashInfer's decode kernel gives each (request, KV head) one thread block, all of them in about one wave of the
+GPU, so a step lasts as long as the SMs holding the longest contexts: with the canonical workload's contexts of
+~100 to ~1,000 tokens it reads the KV cache ~10% slower than on equal lengths. Its persistent ``BatchAttention``
+balances the work but loses most of that gain between a layer's matrix multiplies. The kernel of
+``cuda/split_decode.cu`` balances the other way round:
+
+* **Small blocks, several waves.** One block of 128 threads per (piece, KV head), and a block keeps enough
+  registers that only a few fit on an SM at once, so there are several waves of them: the GPU starts the next
+  block on whichever SM frees up first, and the pieces are laid out longest first, so the last wave is made of
+  the shortest.
+* **A fixed number of pieces.** A captured CUDA graph keeps the grid it was captured with, so every batch of
+  ``B`` requests is cut into exactly :func:`piece_count` ``(B)`` pieces: one per context, then the longest piece
+  cut in two until the count is reached (:func:`plan_pieces`). An eighth more pieces than requests is enough to
+  keep one very long context from holding up the step.
+* **The merge inside the kernel.** The pieces of one context write partial results (output and log-sum-exp); the
+  last of them to finish, found with one atomic counter per (request, KV head), merges them and resets the
+  counter. No second kernel and no grid-wide barrier.
+
+The plan is a few kilobytes (four numbers a piece), built on the host from the lengths the scheduler already has,
+and uploaded with one asynchronous copy from pinned memory. The kernel is compiled at engine start with PyTorch's
+extension builder (nvcc and ninja), once per machine: the build is cached on disk.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+#: Rows per half-warp in each register buffer, and threads per block: the variant the engine runs.
+UNROLL, THREADS = 4, 128
+#: Query heads per KV head that the kernel is compiled for.
+GROUPS = (1, 2, 4)
+SOURCES = [Path(__file__).with_name("cuda") / name for name in ("split_decode.cu", "split_decode.cpp")]
+
+
+def supports(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel handles this attention shape (the backend falls back to FlashInfer's otherwise)."""
+    return (head_dim == 128 and dtype == torch.bfloat16 and num_q_heads % num_kv_heads == 0
+            and num_q_heads // num_kv_heads in GROUPS)  # fmt: skip
+
+
+@functools.cache
+def load_kernel(all_variants: bool = False, streaming: bool = False) -> Any:
+    """Build (or load from PyTorch's extensions cache) the kernel module. ``all_variants`` and ``streaming``
+    compile the extra variants that ``benchmarks/decode_balance.py`` compares."""
+    from torch.utils.cpp_extension import load
+
+    defines = (["-DSPLIT_DECODE_ALL_VARIANTS"] if all_variants else []) + (
+        ["-DSPLIT_DECODE_STREAMING_LOADS"] if streaming else [])
+    name = "minisgl_split_decode" + ("_all" if all_variants else "") + ("_streaming" if streaming else "")
+    return load(name=name, sources=[str(s) for s in SOURCES], extra_cuda_cflags=["-O3", "--use_fast_math", *defines],
+                extra_cflags=["-O2"], verbose=False)  # fmt: skip
+
+
+def piece_count(batch_size: int) -> int:
+    """Pieces per decode step of ``batch_size`` requests: one each and an eighth more for the longest contexts."""
+    return batch_size + batch_size // 8
+
+
+def plan_pieces(lens: Sequence[int], count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cut contexts of ``lens`` tokens (their slots laid out request after request) into exactly ``count`` pieces.
+
+    Returns ``items`` ``[count, 4]`` (request, first slot index, end slot index, partial-result row) with the
+    longest pieces first; ``parts``, each request's number of pieces; and ``first_row``, each request's first
+    partial-result row (a request's rows are consecutive: the merge reads them in one range). When there are
+    fewer tokens than pieces, the last items are empty and their blocks return at once."""
+    if count < len(lens):
+        raise ValueError(f"count must be at least the number of requests ({len(lens)}), got {count}")
+    heap = [(-n, r, 0, n) for r, n in enumerate(lens)]  # (minus length, request, start, end) within the context
+    heapq.heapify(heap)
+    while len(heap) < count and -heap[0][0] > 1:
+        _, r, a, b = heapq.heappop(heap)
+        mid = (a + b) // 2
+        heapq.heappush(heap, (a - mid, r, a, mid))
+        heapq.heappush(heap, (mid - b, r, mid, b))
+    pieces = np.array(sorted((r, a, b) for _, r, a, b in heap), dtype=np.int64).reshape(-1, 3)
+    starts = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=starts[1:])
+    parts = np.bincount(pieces[:, 0], minlength=len(lens))
+    first_row = np.zeros(len(lens), dtype=np.int64)
+    np.cumsum(parts[:-1], out=first_row[1:])
+    items = np.zeros((count, 4), dtype=np.int32)
+    order = np.argsort(pieces[:, 1] - pieces[:, 2], kind="stable")  # longest first
+    offset = starts[pieces[order, 0]]
+    items[: len(pieces)] = np.stack([pieces[order, 0], offset + pieces[order, 1], offset + pieces[order, 2], order], 1)
+    return items, parts.astype(np.int32), first_row.astype(np.int32)
+
+
+class SplitDecode:
+    """The kernel's buffers for batches of up to ``max_batch`` requests (the request pool's size, so that they
+    never move: a captured graph reads them). :meth:`plan` once per step, :meth:`run` once per layer."""
+
+    def __init__(self, *, num_q_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float, max_batch: int,
+                 device: torch.device) -> None:  # fmt: skip
+        self.kernel = load_kernel()
+        self.num_q_heads, self.head_dim, self.sm_scale = num_q_heads, head_dim, sm_scale
+        self.max_batch = max_batch
+        most = piece_count(max_batch)
+        # One buffer for the whole plan (items, parts, first rows): one upload a step.
+        self.plan_buffer = torch.zeros(most * 4 + 2 * max_batch, dtype=torch.int32, device=device)
+        self.items = self.plan_buffer[: most * 4].view(most, 4)
+        self.parts = self.plan_buffer[most * 4 : most * 4 + max_batch]
+        self.first_row = self.plan_buffer[most * 4 + max_batch :]
+        self.part_o = torch.empty(most, num_q_heads, head_dim, dtype=torch.float32, device=device)
+        self.part_lse = torch.empty(most, num_q_heads, dtype=torch.float32, device=device)
+        self.counters = torch.zeros(max_batch, num_kv_heads, dtype=torch.int32, device=device)  # the kernel resets
+        self.count = 0
+        self.kv_indices: torch.Tensor | None = None
+
+    def plan(self, lens: Sequence[int], kv_indices: torch.Tensor) -> None:
+        """Cut this step's contexts into pieces and upload the plan (queued on the current stream, from pinned
+        memory: the host does not wait). ``kv_indices`` (device) holds their slots end to end and must stay the
+        same tensor while a graph that read it is replayed."""
+        bs = len(lens)
+        if bs > self.max_batch:
+            raise ValueError(f"a decode batch of {bs} requests is larger than the request pool ({self.max_batch})")
+        self.count = piece_count(bs)
+        items, parts, first_row = plan_pieces(lens, self.count)
+        host = np.zeros(self.plan_buffer.numel(), dtype=np.int32)
+        host[: items.size] = items.ravel()
+        host[self.items.numel() : self.items.numel() + bs] = parts
+        host[self.items.numel() + self.max_batch : self.items.numel() + self.max_batch + bs] = first_row
+        self.plan_buffer.copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
+        self.kv_indices = kv_indices
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One layer's decode attention ``[B, H, D]`` over its cache ``k``, ``v`` (``[slots, KV heads, D]``);
+        ``q`` may be a strided view (only the head dimension must be contiguous)."""
+        assert self.kv_indices is not None, "plan before run"
+        out = torch.empty(q.shape[0], self.num_q_heads, self.head_dim, dtype=q.dtype, device=q.device)
+        self.kernel.split_decode(q, k, v, self.kv_indices, self.items[: self.count], self.parts, self.first_row,
+                                 self.part_o, self.part_lse, self.counters, out, self.sm_scale, UNROLL, THREADS)  # fmt: skip
+        return out
