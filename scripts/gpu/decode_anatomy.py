@@ -38,7 +38,7 @@ from offline_suite import canonical_in_decode  # this folder, on sys.path when r
 def _kind(name: str) -> str:
     low = name.lower()
     if ("batchdecode" in low or "batchprefill" in low or "pagedattention" in low or "mergestates" in low
-            or "flash" in low and "attn" in low):  # FlashInfer's decode, prefill and persistent kernels, FA3
+            or "split_decode" in low or "flash" in low and "attn" in low):  # FlashInfer's, ours, FA3
         return "attention"
     if "nvjet" in low or "gemm" in low or "cutlass" in low or "xmma" in low:
         return "matmul"
@@ -243,13 +243,16 @@ def main() -> int:
     ap.add_argument("--bandwidth", type=float, default=3.0e12)
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="NAME=JSON",
+                    help="another engine argument, its value as JSON (e.g. split_decode_min_batch=0); repeatable")
     args = ap.parse_args()
+    extra = {name: json.loads(value) for name, _, value in (a.partition("=") for a in args.engine_arg)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     marks = sorted((int(x) for x in args.at.split(",")), reverse=True)
 
     t0 = time.perf_counter()
-    llm = LLM("qwen3-0.6b", load_format="dummy", dtype="bfloat16", device="cuda")
+    llm = LLM("qwen3-0.6b", load_format="dummy", dtype="bfloat16", device="cuda", **extra)
     start_s = time.perf_counter() - t0
     kv_bytes = llm.engine.runner.model.config.kv_bytes_per_token
     engine = canonical_in_decode(llm)
@@ -275,7 +278,7 @@ def main() -> int:
         "what": "decode steps of the canonical workload, profiled at several numbers of running requests",
         "label": args.label, "start_s": round(start_s, 1), "windows": windows,
         "kv_bytes_per_token": kv_bytes, "bandwidth": args.bandwidth,
-        "provenance": collect_provenance(label=args.label, steps=args.steps),
+        "provenance": collect_provenance(label=args.label, steps=args.steps, engine_args=extra),
     }
     name = f"decode_anatomy{'_' + args.label if args.label else ''}.json"
     (out / name).write_text(json.dumps(result, indent=1))
