@@ -785,6 +785,28 @@ def test_split_decode_plan_cuts_each_context_into_its_own_consecutive_pieces(see
         torch.testing.assert_close(merged, torch.softmax(scores, 0) @ v[starts[r] : starts[r + 1]])
 
 
+def test_split_decode_uploads_each_plan_into_the_same_device_buffers(monkeypatch):
+    """A captured graph reads the plan where it was at capture: every step must land in the same buffers, the
+    pieces first, then each request's piece count and first row, whichever of the two pinned copies it came from."""
+    import minisgl_ref.attention.split_decode as sd
+
+    monkeypatch.setattr(sd, "load_kernel", lambda *a, **k: None)  # the kernel itself needs a GPU
+    split = sd.SplitDecode(num_q_heads=4, num_kv_heads=2, head_dim=128, sm_scale=0.1, max_batch=8,
+                           device=torch.device("cpu"))  # fmt: skip
+    where = split.plan_buffer.data_ptr()
+    for lens in ([5, 300, 2], [7], [1, 1, 1, 1, 900, 3, 3, 3]):
+        kv = torch.zeros(sum(lens), dtype=torch.int32)
+        split.plan(lens, kv)
+        items, parts, first_row = sd.plan_pieces(lens, sd.piece_count(len(lens)))
+        assert split.plan_buffer.data_ptr() == where and split.kv_indices is kv
+        assert split.count == len(items)
+        assert split.items[: split.count].tolist() == items.tolist()
+        assert split.parts[: len(lens)].tolist() == parts.tolist()
+        assert split.first_row[: len(lens)].tolist() == first_row.tolist()
+    with pytest.raises(ValueError, match="a decode batch of 9 requests is larger than the request pool"):
+        split.plan([1] * 9, torch.zeros(9, dtype=torch.int32))
+
+
 def test_split_decode_plan_rejects_fewer_pieces_than_requests():
     from minisgl_ref.attention.split_decode import plan_pieces
 

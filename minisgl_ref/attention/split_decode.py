@@ -111,6 +111,13 @@ class SplitDecode:
         self.part_o = torch.empty(most, num_q_heads, head_dim, dtype=torch.float32, device=device)
         self.part_lse = torch.empty(most, num_q_heads, dtype=torch.float32, device=device)
         self.counters = torch.zeros(max_batch, num_kv_heads, dtype=torch.int32, device=device)  # the kernel resets
+        # Two pinned host copies of the plan, used in turn: while one is being uploaded (the copy runs when the
+        # stream reaches it, after the step in flight), the host fills the other. Allocating pinned memory every
+        # step instead can stall the host for a driver call.
+        pin = torch.device(device).type == "cuda"
+        self.host = [torch.zeros(self.plan_buffer.numel(), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self.uploaded = [torch.cuda.Event() if pin else None for _ in range(2)]  # that copy has read it
+        self.turn = 0
         self.count = 0
         self.kv_indices: torch.Tensor | None = None
 
@@ -123,11 +130,18 @@ class SplitDecode:
             raise ValueError(f"a decode batch of {bs} requests is larger than the request pool ({self.max_batch})")
         self.count = piece_count(bs)
         items, parts, first_row = plan_pieces(lens, self.count)
-        host = np.zeros(self.plan_buffer.numel(), dtype=np.int32)
+        turn, self.turn = self.turn, 1 - self.turn
+        done = self.uploaded[turn]
+        if done is not None:
+            done.synchronize()  # its upload two steps ago (long finished in practice)
+        host = self.host[turn].numpy()
+        most = self.items.numel()
         host[: items.size] = items.ravel()
-        host[self.items.numel() : self.items.numel() + bs] = parts
-        host[self.items.numel() + self.max_batch : self.items.numel() + self.max_batch + bs] = first_row
-        self.plan_buffer.copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
+        host[most : most + bs] = parts
+        host[most + self.max_batch : most + self.max_batch + bs] = first_row
+        self.plan_buffer.copy_(self.host[turn], non_blocking=True)
+        if done is not None:
+            done.record()
         self.kv_indices = kv_indices
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
