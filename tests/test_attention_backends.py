@@ -807,6 +807,30 @@ def test_split_decode_uploads_each_plan_into_the_same_device_buffers(monkeypatch
         split.plan([1] * 9, torch.zeros(9, dtype=torch.int32))
 
 
+def test_flashinfer_backend_falls_back_when_the_split_kernel_cannot_be_built(monkeypatch, caplog):
+    """Without nvcc or ninja the split-KV kernel cannot be built: the backend says so once and sends large decode
+    batches to FlashInfer's kernels instead of failing the step (checked on the choice itself: the backend needs a
+    GPU to be built)."""
+    import types
+
+    pytest.importorskip("triton")
+    fb = pytest.importorskip("minisgl_ref.attention.flashinfer_backend")
+
+    def no_compiler(**kw):
+        raise RuntimeError("Ninja is required to load C++ extensions\nmore detail")
+
+    monkeypatch.setattr(fb, "SplitDecode", no_compiler)
+    backend = types.SimpleNamespace(split_min_batch=128, split=None, num_q_heads=16, num_kv_heads=8, head_dim=128,
+                                    sm_scale=0.1, req_to_token=types.SimpleNamespace(max_requests=256),
+                                    device=torch.device("cpu"))  # fmt: skip
+    assert not fb.FlashInferBackend._use_split(backend, 64)  # below the threshold: nothing is built
+    with caplog.at_level("WARNING"):
+        assert not fb.FlashInferBackend._use_split(backend, 200)
+    assert backend.split_min_batch == 0 and backend.split is None
+    assert "split-KV decode kernel unavailable (RuntimeError: Ninja is required" in caplog.text
+    assert not fb.FlashInferBackend._use_split(backend, 200)  # and it is not tried again
+
+
 def test_split_decode_plan_rejects_fewer_pieces_than_requests():
     from minisgl_ref.attention.split_decode import plan_pieces
 

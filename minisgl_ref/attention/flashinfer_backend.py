@@ -43,6 +43,7 @@ host work, so replay reads the batch's lengths on the host (``seq_lens_cpu``, th
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,6 +58,8 @@ if TYPE_CHECKING:
     from minisgl_ref.kvcache.pool import KVPool
     from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
     from minisgl_ref.layers.attention import AttentionLayer
+
+log = logging.getLogger(__name__)
 
 #: FlashInfer's recommended float workspace (split-KV partial outputs live there).
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -124,9 +127,15 @@ class FlashInferBackend(AttentionBackend):
         if not 0 < self.split_min_batch <= batch_size:
             return False
         if self.split is None:
-            self.split = SplitDecode(num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
-                                     head_dim=self.head_dim, sm_scale=self.sm_scale,
-                                     max_batch=self.req_to_token.max_requests, device=self.device)  # fmt: skip
+            try:
+                self.split = SplitDecode(num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+                                         head_dim=self.head_dim, sm_scale=self.sm_scale,
+                                         max_batch=self.req_to_token.max_requests, device=self.device)  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - no nvcc or ninja here: FlashInfer's kernels do the job instead
+                log.warning("split-KV decode kernel unavailable (%s: %s); large decode batches use FlashInfer's",
+                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")  # fmt: skip
+                self.split_min_batch = 0
+                return False
         return True
 
     def _use_persistent(self, batch_size: int) -> bool:
