@@ -23,7 +23,7 @@
 # | --- | --- | --- |
 # | `torch_native` | plain PyTorch, one request at a time | CPU and GPU: the reference |
 # | `triton` | written in this project, in Triton: split-KV decode, paged extend | any GPU; CPU through Triton's interpreter (tests) |
-# | `flashinfer` | flashinfer-python's paged prefill and decode wrappers; its persistent kernel for decode batches of 64+ rows (chapter 11) | NVIDIA GPUs |
+# | `flashinfer` | flashinfer-python's paged prefill and decode wrappers; our own split-KV CUDA kernel for decode batches of 128+ rows (chapter 11) | NVIDIA GPUs |
 # | `fa3` | FlashAttention-3's `flash_attn_with_kvcache` (FA2's paged call where only FA2 is installed) | Hopper (FA2: Ampere+) |
 #
 # **Why it matters.** Attention is the only part of the model whose cost depends on the *context*: the weights

@@ -16,6 +16,11 @@ DATA = ROOT / "docs" / "data"
 
 #: The index of every other result file, by the chapter and section that reads it.
 OTHER_RESULTS = [
+    "Our split-KV CUDA decode kernel (chapter 11, section 5): alone and in the 28-layer chain "
+    "`docs/data/decode_balance_split_cuda_h100.json`, `docs/data/decode_balance_split_cuda_with_matmuls_h100.json`; "
+    "the engine's decode steps with it and with FlashInfer's persistent kernel "
+    "`docs/data/decode_anatomy_split_h100.json`, `docs/data/decode_anatomy_persistent_h100.json`; three interleaved "
+    "A/Bs `docs/data/canonical_ab_split_decode_h100.json`; GPU tests `docs/data/gpu_tests_split_decode_h100.txt`.",
     "Other decode attention kernels in a 28-layer chain with the matrix multiplies (chapter 11, section 5): "
     "`docs/data/decode_balance_triton_h100.json`, `docs/data/decode_balance_chunks_h100.json`, "
     "`docs/data/decode_balance_xqa_h100.json`.",
