@@ -1906,6 +1906,15 @@ for run in SA["canonical_runs"]:
 #    how much of it is the ~1 µs gaps inside the graph, which no change to the copies touches? Then find where the
 #    rest goes: run `decode_anatomy.py --label copies` with the profiler's host overhead in mind (which gaps would
 #    a 2-3x slower host open by itself?), and time the eager kernels before the graph one by one with CUDA events.
+# 12. **How many pieces? (the plan on a CPU, the timing on a GPU).** `plan_pieces` in
+#    `minisgl_ref/attention/split_decode.py` cuts a batch of B contexts into B + B/8 pieces. On a CPU, feed it the
+#    lengths of section 5's 256-running stage (`benchmarks.decode_balance.canonical_stages`) and of a batch of 144
+#    contexts of 500 tokens plus one of 30,000: how long is the longest piece in each, against the mean piece, and
+#    what does that predict for the last wave of blocks? Then time a count of B (no cutting) against B + B/2 on a
+#    GPU: `benchmarks/decode_balance.py --variants cudafixed_0_4_128,cudafixed_50_4_128` for the workload's stages,
+#    and for the skewed batch `Stage(lens)` and `split_decode_runner` from that module under
+#    `benchmarks.kernels.time_graph`. Where does cutting stop paying for its merge, and why does the answer depend
+#    on the spread of the lengths more than on their mean?
 
 # %% [markdown]
 # ## Reproduce

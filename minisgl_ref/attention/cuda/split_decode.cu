@@ -1,8 +1,9 @@
 // Split-KV decode attention for grouped-query heads of dimension 128, bf16, pages of one token (chapter 11).
 //
-// The work of a decode step is cut into *items*: a piece of at most `chunk` tokens of one request's context,
-// for one KV head. Each item is one thread block, and there are several waves of them, so the GPU hands the
-// next item to whichever SM frees up first: a long context costs no more than its share. An item of a request
+// The work of a decode step is cut into *items*: a piece of one request's context, for one KV head (the host cuts
+// the pieces: minisgl_ref/attention/split_decode.py). Each item is one thread block, and there are several waves
+// of them, so the GPU hands the next item to whichever SM frees up first: a long context costs no more than its
+// share. An item of a request
 // with one piece writes the output directly; the pieces of a longer context write partial results (output and
 // log-sum-exp), and the last of them to finish, found with one atomic counter per (request, KV head), merges
 // them. No second kernel, no grid-wide barrier.
@@ -38,7 +39,7 @@ __device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float* f) {
 template <int GROUP, int UNROLL, int THREADS>
 __global__ void __launch_bounds__(THREADS) split_decode_kernel(const SplitDecodeArgs a) {
   const int kvh = blockIdx.x % a.num_kv_heads;  // the heads of one item are neighbours in the grid
-  const int4 desc = a.items[blockIdx.x / a.num_kv_heads];  // (request, first index, end index, where its partial goes)
+  const int4 desc = a.items[blockIdx.x / a.num_kv_heads];  // (request, first index, end index, partial row)
   const int req = desc.x, begin = desc.y, end = desc.z, item = desc.w;
   if (begin >= end) return;  // padding item (a captured graph keeps its grid size)
   constexpr int HALF_WARPS = THREADS / 16;
