@@ -242,17 +242,17 @@ class FlashInferBackend(AttentionBackend):
         g, bs = self.graph_state, batch.batch_size
         self.decode_split = self._use_split(bs)
         self.decode_persistent = self._use_persistent(bs)
+        dev_indptr = indptr(batch.seq_lens, out=g["kv_indptr_dev"][: bs + 1])
+        build_kv_indices(self.req_to_token.table, batch.req_pool_indices, batch.seq_lens.to(torch.int32),
+                         dev_indptr, g["kv_indices"])  # fmt: skip
+        if self.decode_split:  # its plan is built from the lengths alone
+            assert self.split is not None
+            self.split.plan(batch.seq_lens_cpu, g["kv_indices"])
+            return
         # Pinned host tensors: FlashInfer copies them to the GPU with non_blocking=True, and a copy from pageable
         # memory waits for the GPU to finish the step in flight, which would undo overlap scheduling (G2).
         pin = self.device.type == "cuda"
         kv_indptr_cpu = indptr(batch.seq_lens_cpu, out=torch.zeros(bs + 1, dtype=torch.int32, pin_memory=pin))
-        dev_indptr = indptr(batch.seq_lens, out=g["kv_indptr_dev"][: bs + 1])
-        build_kv_indices(self.req_to_token.table, batch.req_pool_indices, batch.seq_lens.to(torch.int32),
-                         dev_indptr, g["kv_indices"])  # fmt: skip
-        if self.decode_split:
-            assert self.split is not None
-            self.split.plan(batch.seq_lens_cpu, g["kv_indices"])
-            return
         if self.decode_persistent:
             assert self.persistent is not None
             self.persistent.plan(kv_indptr_cpu, g["kv_indices"], batch.seq_lens_cpu)
