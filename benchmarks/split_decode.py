@@ -15,16 +15,17 @@ import torch
 
 
 def plan(lens: list[int], chunk: int, device: str = "cuda", longest_first: bool = False, even: bool = False,
-         fixed: float | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+         fixed: float | None = None, split_above: float | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     """The pieces of contexts of ``lens`` tokens (their slots laid out one request after another in the index
     array): ``items`` holds (request, first index, end index, partial-result row) per piece, longest pieces first
     with ``longest_first`` (the GPU starts blocks in grid order, so the last wave is made of the shortest), and
     each request's piece count and first partial-result row. With ``even`` a context is cut into as many pieces
     as ``chunk`` asks for, all of about the same length, instead of full pieces and a remainder. With ``fixed``
     (>= 0) ``chunk`` is ignored: there are always ``len(lens) * (1 + fixed)`` pieces, as a captured graph's fixed
-    grid needs: a piece per context, then the longest piece cut in two until the count is reached."""
+    grid needs: a piece per context, then the longest piece cut in two until the count is reached, or with
+    ``split_above`` as long as it is longer than that many times the mean context (the engine's rule)."""
     if fixed is not None:
-        return _fixed_plan(lens, fixed, device)
+        return _fixed_plan(lens, fixed, device, split_above)
     if chunk <= 0:
         raise ValueError(f"chunk must be positive, got {chunk}")
     items, parts, first = [], [], []
@@ -46,24 +47,26 @@ def plan(lens: list[int], chunk: int, device: str = "cuda", longest_first: bool 
     return {"items": t(items), "req_parts": t(parts), "req_first_item": t(first)}
 
 
-def _fixed_plan(lens: list[int], fixed: float, device: str) -> dict[str, torch.Tensor]:
+def _fixed_plan(lens: list[int], fixed: float, device: str,
+                split_above: float | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     from minisgl_ref.attention.split_decode import plan_pieces
 
-    items, parts, first = plan_pieces(lens, int(len(lens) * (1 + fixed)))
+    items, parts, first = plan_pieces(lens, int(len(lens) * (1 + fixed)), split_above)
     return {"items": torch.from_numpy(items).to(device), "req_parts": torch.from_numpy(parts).to(device),
             "req_first_item": torch.from_numpy(first).to(device)}  # fmt: skip
 
 
 def runner(st: Any, chunk: int = 512, unroll: int = 4, threads: int = 128, streaming: bool = False,
            longest_first: bool = False, even: bool = False,
-           fixed: float | None = None) -> tuple[Callable[[], torch.Tensor], list[int]]:  # fmt: skip
+           fixed: float | None = None, split_above: float | None = None) -> tuple[Callable[[], torch.Tensor], list[int]]:  # fmt: skip
     """The kernel over a decode_balance stage: pieces of at most ``chunk`` tokens, blocks of ``threads``,
     ``unroll`` rows per half-warp in each of two buffers (the other options: see :func:`module`, :func:`plan`)."""
     from minisgl_ref.attention.split_decode import load_kernel
 
     mod = load_kernel(all_variants=True, streaming=streaming)
     b = len(st.lens)
-    p = plan(st.lens, chunk, device=str(st.q.device), longest_first=longest_first, even=even, fixed=fixed)
+    p = plan(st.lens, chunk, device=str(st.q.device), longest_first=longest_first, even=even, fixed=fixed,
+             split_above=split_above)
     items = p["items"].shape[0]
     heads, dim = st.q.shape[1], st.q.shape[2]
     part_o = torch.empty(items, heads, dim, dtype=torch.float32, device=st.q.device)

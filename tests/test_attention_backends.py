@@ -762,11 +762,18 @@ def test_split_decode_plan_cuts_each_context_into_its_own_consecutive_pieces(see
     bs = rng.choice([1, 2, 7, 64, 200])
     lens = [rng.choice([1, 2, rng.randint(1, 300), rng.randint(1, 5000)]) for _ in range(bs)]
     count = piece_count(bs) + rng.choice([0, 0, 3])
-    items, parts, first_row = plan_pieces(lens, count)
+    split_above = rng.choice([None, 2.0])
+    items, parts, first_row = plan_pieces(lens, count, split_above)
     assert items.shape == (count, 4) and parts.shape == first_row.shape == (bs,)
     starts = [sum(lens[:r]) for r in range(bs + 1)]
     real = [tuple(map(int, it)) for it in items if it[2] > it[1]]
-    assert len(real) == min(count, sum(lens)) == int(parts.sum())
+    assert len(real) == int(parts.sum()) and bs <= len(real) <= min(count, sum(lens))
+    if split_above is None:
+        assert len(real) == min(count, sum(lens))
+    else:  # cut only while a piece is longer than twice the mean context, and then only as long as room is left
+        longest, mean = real[0][2] - real[0][1], sum(lens) / bs
+        assert len(real) == count or longest <= max(1.0, split_above * mean)
+        assert all(parts[r] == 1 for r in range(bs) if lens[r] <= split_above * mean)
     assert [b - a for _, a, b, _ in real] == sorted((b - a for _, a, b, _ in real), reverse=True)
     assert sorted(t for _, a, b, _ in real for t in range(a, b)) == list(range(starts[-1]))
     assert all(starts[r] <= a < b <= starts[r + 1] for r, a, b, _ in real)

@@ -10,10 +10,12 @@ balances the work but loses most of that gain between a layer's matrix multiplie
   registers that only a few fit on an SM at once, so there are several waves of them: the GPU starts the next
   block on whichever SM frees up first, and the pieces are laid out longest first, so the last wave is made of
   the shortest.
-* **A fixed number of pieces.** A captured CUDA graph keeps the grid it was captured with, so every batch of
-  ``B`` requests is cut into exactly :func:`piece_count` ``(B)`` pieces: one per context, then the longest piece
-  cut in two until the count is reached (:func:`plan_pieces`). An eighth more pieces than requests is enough to
-  keep one very long context from holding up the step.
+* **A fixed number of blocks.** A captured CUDA graph keeps the grid it was captured with, so every batch of
+  ``B`` requests has room for :func:`piece_count` ``(B)`` pieces, an eighth more than requests: one per context,
+  then the longest piece cut in two while it is more than :data:`SPLIT_ABOVE` times the mean context and room is
+  left (:func:`plan_pieces`). That keeps one very long context from holding up the step; blocks without a piece
+  return at once. Contexts of similar lengths are not cut at all: the grid is several waves long, so the GPU
+  balances whole contexts by itself, and a cut only adds a merge.
 * **The merge inside the kernel.** The pieces of one context write partial results (output and log-sum-exp); the
   last of them to finish, found with one atomic counter per (request, KV head), merges them and resets the
   counter. No second kernel and no grid-wide barrier.
@@ -35,6 +37,8 @@ import torch
 
 #: Rows per half-warp in each register buffer, and threads per block: the variant the engine runs.
 UNROLL, THREADS = 4, 128
+#: A piece is cut in two only while it is longer than this many times the mean context of the batch.
+SPLIT_ABOVE = 2.0
 #: Query heads per KV head that the kernel is compiled for.
 GROUPS = (1, 2, 4)
 SOURCES = [Path(__file__).with_name("cuda") / name for name in ("split_decode.cu", "split_decode.cpp")]
@@ -64,18 +68,22 @@ def piece_count(batch_size: int) -> int:
     return batch_size + batch_size // 8
 
 
-def plan_pieces(lens: Sequence[int], count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Cut contexts of ``lens`` tokens (their slots laid out request after request) into exactly ``count`` pieces.
+def plan_pieces(lens: Sequence[int], count: int,
+                split_above: float | None = SPLIT_ABOVE) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """Cut contexts of ``lens`` tokens (their slots laid out request after request) into at most ``count`` pieces:
+    one per context, then the longest piece in halves while it is longer than ``split_above`` times the mean
+    context (``None``: until there are ``count`` pieces).
 
     Returns ``items`` ``[count, 4]`` (request, first slot index, end slot index, partial-result row) with the
     longest pieces first; ``parts``, each request's number of pieces; and ``first_row``, each request's first
-    partial-result row (a request's rows are consecutive: the merge reads them in one range). When there are
-    fewer tokens than pieces, the last items are empty and their blocks return at once."""
+    partial-result row (a request's rows are consecutive: the merge reads them in one range). The items after the
+    last piece are empty and their blocks return at once."""
     if count < len(lens):
         raise ValueError(f"count must be at least the number of requests ({len(lens)}), got {count}")
     heap = [(-n, r, 0, n) for r, n in enumerate(lens)]  # (minus length, request, start, end) within the context
     heapq.heapify(heap)
-    while len(heap) < count and -heap[0][0] > 1:
+    longest_kept = 1 if split_above is None or not lens else max(1.0, split_above * sum(lens) / len(lens))
+    while len(heap) < count and -heap[0][0] > longest_kept:
         _, r, a, b = heapq.heappop(heap)
         mid = (a + b) // 2
         heapq.heappush(heap, (a - mid, r, a, mid))
