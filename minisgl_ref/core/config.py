@@ -109,7 +109,7 @@ class EngineConfig:
                                               "one admitted in the same prefill step, so it hits the radix cache "
                                               "next step (chapter 04); -1 disables")
     page_size: int = flag(1, "tokens per KV page")
-    split_decode_min_batch: int = flag(128, "flashinfer decode: batches of at least this many rows use our "
+    split_decode_min_batch: int = flag(48, "flashinfer decode: batches of at least this many rows use our "
                                             "split-KV CUDA kernel, balanced over the SMs (0 disables; chapter 11)")
     persistent_decode_min_batch: int = flag(0, "flashinfer decode: batches of at least this many rows (and below "
                                                "--split-decode-min-batch) use FlashInfer's persistent, "
