@@ -475,6 +475,26 @@ for label in ("cold", "warm"):
 # (median 2.4 against 2.8 ms a step, ~40 ms over the run). The garbage collector is not the culprit: a dozen young-generation
 # collections in a run, ~15 ms in all.
 #
+# How far into the tail does the GPU keep the pace? `scripts/gpu/tail_timeline.py` records, for every decode step
+# of at most 32 rows, each engine phase's host interval and a CUDA event at its start: the event's time on the GPU
+# minus the moment the host issued it is how far the GPU was behind the host there (near zero: the GPU had been
+# waiting for it). Two timed runs of one fresh engine, the 60 steps from 32 running down to about 20
+# (`tail_timeline_h100.json`):
+
+# %%
+TAIL = json.loads((ROOT / "docs" / "data" / "tail_timeline_h100.json").read_text())
+for name, r in TAIL["runs"].items():
+    b = r["by_label"]
+    print(f"{name} run: a step every {r['median_step_period_ms']:.2f} ms (median); host per step: "
+          + ", ".join(f"{k} {b[k]['median_host_ms']:.2f}" for k in ("schedule", "run", "wait_for_tokens", "_process"))
+          + f" ms; the GPU {b['run']['median_gpu_lag_at_entry_ms']:.1f} ms behind the host when a launch begins")
+
+# %% [markdown]
+# Down to about 20 running the GPU is still a step behind the host, so the period of ~2.9 ms is the GPU's own.
+# Only in the last ~40 steps, where a step's kernels take under 2 ms, does the host's ~2 ms of scheduling,
+# preparing, launching and processing set the pace: about a tenth of a second of the run, of which a faster host
+# could win back a few tens of milliseconds.
+#
 # One host cost sits before the first step of every timed run: `generate` checks each prompt, every id an `int`
 # (not a `bool`) inside the vocabulary, before anything is queued. Written as a Python test per id it cost the
 # H100 server's CPU 15 ms for the burst's 143k ids, and the request's own check of its ids ran it again; one
@@ -986,8 +1006,9 @@ for name in ("decode_balance_triton_h100.json", "decode_balance_chunks_h100.json
 #   set of registers while this turn's are used.
 # * **A fixed number of pieces, longest first.** A captured CUDA graph keeps the grid it was captured with, so a
 #   batch of B requests is always cut into B + B/8 pieces: one per context, then the longest piece cut in half
-#   until the count is reached (`plan_pieces` in `minisgl_ref/attention/split_decode.py`). The GPU starts blocks
-#   in grid order, and the pieces are laid out longest first, so the last wave is made of the shortest.
+#   until the count is reached (`plan_pieces` in `minisgl_ref/attention/split_decode.py`; the engine now cuts
+#   fewer, see the end of this subsection). The GPU starts blocks in grid order, and the pieces are laid out
+#   longest first, so the last wave is made of the shortest.
 # * **The merge inside the kernel.** The pieces of one context write partial results; the last of them to finish
 #   (one atomic counter per request and KV head) merges them and resets its counter. No second kernel and no
 #   grid-wide barrier.
@@ -1029,8 +1050,8 @@ for n in running:
 # kernel below 128 rows). It is checked against `torch_native` on every decode shape of the backend grid, through
 # CUDA-graph capture and replay, and in the whole engine (`gpu_tests_split_decode_h100.txt`).
 #
-# In the engine (`--split-decode-min-batch`, 128 by default; the persistent kernel is still there behind
-# `--persistent-decode-min-batch`), the decode profile agrees, step by step:
+# In the engine (`--split-decode-min-batch`, 128 at first, 48 now, see below; the persistent kernel is still there
+# behind `--persistent-decode-min-batch`), the decode profile agrees, step by step:
 
 # %%
 for label in ("persistent", "split"):
@@ -1068,6 +1089,48 @@ for name, series in SPLIT_AB["series"].items():
 # beside FlashInfer's kernels, in ~35 s on a bare machine, and loaded from disk afterwards (the warm starts of the
 # A/B's processes: 10-12.5 s with it, 9-12 s without); where it cannot be built (no nvcc), the engine says so once
 # and keeps FlashInfer's kernels. What it did not do is move the first timed run toward 20,500 output tokens/s.
+#
+# **Fewer cuts, and from 48 rows.** The first table above has a hint that the engine at first ignored: one piece
+# per context (`cudafixed_0`) was as fast as any count from 192 down to 64 running. Cutting pays only when one
+# context would otherwise hold up the last wave, and the canonical workload's contexts are never more than about
+# twice their mean. So `plan_pieces` now keeps the room for B + B/8 pieces (the grid) but cuts a piece only while
+# it is longer than twice the batch's mean context (`SPLIT_ABOVE`); the blocks left without a piece return at
+# once. A batch with one 30,000-token context among 500-token ones is still cut, a batch of similar lengths is
+# not. The same chain, at more stages, with the engine's old plan (`cudafixed_12`), the new one (`cudacap_200`)
+# and FlashInfer's plain kernel, which the engine used below 128 rows
+# (`decode_balance_split_cap_h100.json`, `decode_balance_split_cap_small_h100.json`):
+
+# %%
+chain = {}
+for name in ("decode_balance_split_cap_h100.json", "decode_balance_split_cap_small_h100.json"):
+    for st in json.loads((ROOT / "docs" / "data" / name).read_text())["stages"]:
+        for r in st["variants"]:
+            if "chain_us_per_layer" in r:
+                variant = r["variant"].removesuffix("_with_matmuls")
+                chain.setdefault(st["running"], {})[variant] = r["chain_us_per_layer"]
+print(f"{'running':>7} {'FlashInfer':>10} {'B + B/8 cut':>11} {'cut above 2x mean':>17}   (chain, us per layer)")
+for n in sorted(chain, reverse=True):
+    c = chain[n]
+    print(f"{n:>7} {c['fi_graph']:>10.1f} {c['cudafixed_12_4_128']:>11.1f} {c['cudacap_200_4_128']:>17.1f}"
+          f"   new plan vs FlashInfer {c['cudacap_200_4_128'] / c['fi_graph'] - 1:+.1%}")
+CAP = json.loads((ROOT / "docs" / "data" / "canonical_ab_split_cap_h100.json").read_text())["summary"]
+old, new = CAP["f09bb3e"], CAP["e2add82"]
+print(f"\ncanonical workload, interleaved processes on one machine, output tok/s:")
+for label, s in (("before", old), ("after", new)):
+    print(f"    {label:<6} {', '.join(f'{x:,.0f}' for x in s['runs_tok_s'])} (median {s['median']:,.0f}, "
+          f"first runs {s['first_runs_median']:,.0f})")
+print(f"    median {new['median'] / old['median'] - 1:+.1%}, mean {new['mean'] / old['mean'] - 1:+.1%}, "
+      f"first runs {new['first_runs_median'] / old['first_runs_median'] - 1:+.1%}")
+
+# %% [markdown]
+# From 256 down to 128 running the two plans take turns (within 2.3% either way: the waves fall differently at
+# each batch size). Below 128 the uncut kernel is clearly ahead of FlashInfer's, by 6.4% at 96 running, 3.1% at
+# 63 and 1% at 48, and behind it from 32 rows down, where a batch is too few blocks to fill the GPU without
+# cutting (every variant's output is checked against FlashInfer's first: relative errors of 2e-5 to 3e-3, bf16
+# rounding). So the engine now runs our kernel from 48 rows (`--split-decode-min-batch 48`) with the new plan. Over
+# the run that is +1.5% in the median of nine interleaved processes (the time limit of the call stopped the
+# tenth), +0.9% on first timed runs (`canonical_ab_split_cap_h100.json`); runs of both sides overlap, as always,
+# and the first timed runs reach 19,400-20,000 output tokens/s, still short of 20,500.
 #
 # ### The other side of the chain: the multiplies
 #
@@ -1907,7 +1970,8 @@ for run in SA["canonical_runs"]:
 #    rest goes: run `decode_anatomy.py --label copies` with the profiler's host overhead in mind (which gaps would
 #    a 2-3x slower host open by itself?), and time the eager kernels before the graph one by one with CUDA events.
 # 12. **How many pieces? (the plan on a CPU, the timing on a GPU).** `plan_pieces` in
-#    `minisgl_ref/attention/split_decode.py` cuts a batch of B contexts into B + B/8 pieces. On a CPU, feed it the
+#    `minisgl_ref/attention/split_decode.py` cuts a batch of B contexts into up to B + B/8 pieces (with
+#    `split_above=None` always that many; by default only pieces over twice the mean context). On a CPU, feed it the
 #    lengths of section 5's 256-running stage (`benchmarks.decode_balance.canonical_stages`) and of a batch of 144
 #    contexts of 500 tokens plus one of 30,000: how long is the longest piece in each, against the mean piece, and
 #    what does that predict for the last wave of blocks? Then time a count of B (no cutting) against B + B/2 on a
@@ -1998,6 +2062,12 @@ for run in SA["canonical_runs"]:
 #     --engine-arg split_decode_min_batch=0 --engine-arg persistent_decode_min_batch=144   # and --label split
 # BASE=. BASE_LABEL=persistent144 NEW_LABEL=split128 BASE_ARGS="--engine-arg split_decode_min_batch=0 \
 #     --persistent-decode-min-batch 144" ROUNDS=4 bash scripts/gpu/canonical_ab.sh   # section 5: our kernel, A/B
+# python -m benchmarks.decode_balance --variants fi_graph,cudafixed_0_4_128,cudafixed_12_4_128,cudacap_200_4_128 \
+#     --marks 256,192,160,128,96,64 --layers 28 --slot-order canonical --with-matmuls \
+#     --output results/split_cap.json            # section 5: fewer cuts (and --marks 80,48,32,24,16,8 below 64)
+# git archive f09bb3e minisgl_ref | tar -x -C .baseline && BASE_LABEL=f09bb3e NEW_LABEL=$(git rev-parse --short \
+#     HEAD) ROUNDS=5 bash scripts/gpu/canonical_ab.sh      # section 5: fewer cuts and from 48 rows, end to end
+# python3 scripts/gpu/tail_timeline.py --out results   # section 5: host and GPU on one clock in the run's tail
 # python -m benchmarks.matmul_latency --output results/matmul_latency.json   # section 5: weights in L2, TunableOp
 # ```
 #

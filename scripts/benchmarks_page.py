@@ -20,7 +20,11 @@ OTHER_RESULTS = [
     "`docs/data/decode_balance_split_cuda_h100.json`, `docs/data/decode_balance_split_cuda_with_matmuls_h100.json`; "
     "the engine's decode steps with it and with FlashInfer's persistent kernel "
     "`docs/data/decode_anatomy_split_h100.json`, `docs/data/decode_anatomy_persistent_h100.json`; three interleaved "
-    "A/Bs `docs/data/canonical_ab_split_decode_h100.json`; GPU tests `docs/data/gpu_tests_split_decode_h100.txt`.",
+    "A/Bs `docs/data/canonical_ab_split_decode_h100.json`; GPU tests `docs/data/gpu_tests_split_decode_h100.txt`; "
+    "its plan with fewer cuts, and from 48 rows: `docs/data/decode_balance_split_cap_h100.json`, "
+    "`docs/data/decode_balance_split_cap_small_h100.json`, `docs/data/canonical_ab_split_cap_h100.json`.",
+    "The host and the GPU on one clock in the tail of a canonical run (chapter 11, section 5): "
+    "`docs/data/tail_timeline_h100.json`.",
     "Other decode attention kernels in a 28-layer chain with the matrix multiplies (chapter 11, section 5): "
     "`docs/data/decode_balance_triton_h100.json`, `docs/data/decode_balance_chunks_h100.json`, "
     "`docs/data/decode_balance_xqa_h100.json`.",

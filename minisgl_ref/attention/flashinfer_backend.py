@@ -28,7 +28,7 @@ lists (``kv_indptr``, ``qo_indptr``, ``last_page_len``), so nothing is copied ba
 stays on the GPU. FlashInfer's planner still copies its small plan (a few KB) from pinned host memory into its
 int workspace and, in the versions we use, waits for that copy: a short host sync per step, not per layer.
 
-Large decode batches: from ``split_decode_min_batch`` rows (``--split-decode-min-batch``, default 128 in the
+Large decode batches: from ``split_decode_min_batch`` rows (``--split-decode-min-batch``, default 48 in the
 engine) a decode step runs our own split-KV CUDA kernel instead of the decode wrapper, which keeps every SM busy
 when the contexts' lengths differ (:mod:`.split_decode`; bf16 with head dim 128 and 1, 2 or 4 query heads per KV
 head, FlashInfer's kernel otherwise). FlashInfer's persistent ``BatchAttention`` does the same job
