@@ -1088,7 +1088,9 @@ for name, series in SPLIT_AB["series"].items():
 # memory (memory the KV pool gets back), and it is a kernel a reader can open and change. It is built at start-up
 # beside FlashInfer's kernels, in ~35 s on a bare machine, and loaded from disk afterwards (the warm starts of the
 # A/B's processes: 10-12.5 s with it, 9-12 s without); where it cannot be built (no nvcc), the engine says so once
-# and keeps FlashInfer's kernels. What it did not do is move the first timed run toward 20,500 output tokens/s.
+# and keeps FlashInfer's kernels. (One trap of PyTorch's extension builder: it guards a build with a lock *file*,
+# which a process killed mid-build leaves behind, and every later start then waits for it forever; `load_kernel`
+# therefore builds under an `flock`, which dies with its holder, and clears a lock file it finds stale.) What it did not do is move the first timed run toward 20,500 output tokens/s.
 #
 # **Fewer cuts, and from 48 rows.** The first table above has a hint that the engine at first ignored: one piece
 # per context (`cudafixed_0`) was as fast as any count from 192 down to 64 running. Cutting pays only when one

@@ -838,6 +838,68 @@ def test_flashinfer_backend_falls_back_when_the_split_kernel_cannot_be_built(mon
     assert not fb.FlashInferBackend._use_split(backend, 200)  # and it is not tried again
 
 
+def test_split_decode_build_clears_a_lock_file_left_by_a_killed_build(monkeypatch, tmp_path):
+    """PyTorch's extension builder leaves its lock file behind when a build is killed, and every later start
+    would wait for it forever. Under our own flock, nobody else is building: the stale file goes, the build runs.
+    Two checkouts (two source folders) build in folders of their own."""
+    import torch.utils.cpp_extension as cpp
+
+    import minisgl_ref.attention.split_decode as sd
+
+    calls = []
+
+    def fake_load(**kw):
+        assert not os.path.exists(os.path.join(kw["build_directory"], "lock")), "the stale lock was not removed"
+        calls.append(kw)
+        return "module"
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp, "load", fake_load)
+    sd.load_kernel.cache_clear()
+    try:
+        assert sd.load_kernel() == "module"
+        folder = calls[0]["build_directory"]
+        assert folder.startswith(str(tmp_path)) and calls[0]["name"] == "minisgl_split_decode"
+        sd.load_kernel.cache_clear()
+        open(os.path.join(folder, "lock"), "w").close()  # what a killed build leaves
+        assert sd.load_kernel() == "module" and calls[1]["build_directory"] == folder
+        sd.load_kernel.cache_clear()
+        monkeypatch.setattr(sd, "SOURCES", [tmp_path / "other_checkout" / p.name for p in sd.SOURCES])
+        sd.load_kernel()
+        assert calls[2]["build_directory"] != folder
+    finally:
+        sd.load_kernel.cache_clear()
+
+
+def test_split_decode_build_lock_waits_for_a_live_holder_only(tmp_path):
+    """The flock is exclusive while its holder lives (a second taker times out) and free once it is gone, even
+    when the holder was killed: the operating system releases it."""
+    import signal
+    import subprocess
+
+    from minisgl_ref.attention.split_decode import exclusive
+
+    path = tmp_path / "build.flock"
+    with exclusive(path, 1.0):
+        with pytest.raises(TimeoutError, match="another process has been building build"):
+            with exclusive(path, 0.3):
+                pass
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)", str(path)],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(TimeoutError):
+            with exclusive(path, 0.3):
+                pass
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        with exclusive(path, 5.0):
+            pass
+    finally:
+        holder.kill()
+
+
 def test_split_decode_plan_rejects_fewer_pieces_than_requests():
     from minisgl_ref.attention.split_decode import plan_pieces
 

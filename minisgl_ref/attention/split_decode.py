@@ -27,10 +27,15 @@ extension builder (nvcc and ninja), once per machine: the build is cached on dis
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import hashlib
 import heapq
+import os
+import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -50,17 +55,54 @@ def supports(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dt
             and num_q_heads // num_kv_heads in GROUPS)  # fmt: skip
 
 
+#: How long a start-up waits for another process that is building the same kernel before it gives up (the
+#: backend then keeps FlashInfer's kernels). A build takes ~35 s on an H100 host.
+BUILD_WAIT_S = 600.0
+
+
 @functools.cache
 def load_kernel(all_variants: bool = False, streaming: bool = False) -> Any:
-    """Build (or load from PyTorch's extensions cache) the kernel module. ``all_variants`` and ``streaming``
-    compile the extra variants that ``benchmarks/decode_balance.py`` compares."""
-    from torch.utils.cpp_extension import load
+    """Build (or load from disk) the kernel module. ``all_variants`` and ``streaming`` compile the extra variants
+    that ``benchmarks/decode_balance.py`` compares.
+
+    PyTorch's extension builder guards a build folder with a lock *file*, which a process killed in the middle of
+    a build leaves behind, and every later start then waits for it forever. So each build folder here belongs to
+    one source folder and set of flags (two checkouts do not rebuild each other's kernel), and the build runs
+    under an ``flock`` of our own, which the operating system releases when its holder dies: whoever holds it
+    knows that a lock file still there is stale, and removes it."""
+    from torch.utils.cpp_extension import get_default_build_root, load
 
     defines = (["-DSPLIT_DECODE_ALL_VARIANTS"] if all_variants else []) + (
         ["-DSPLIT_DECODE_STREAMING_LOADS"] if streaming else [])
     name = "minisgl_split_decode" + ("_all" if all_variants else "") + ("_streaming" if streaming else "")
-    return load(name=name, sources=[str(s) for s in SOURCES], extra_cuda_cflags=["-O3", "--use_fast_math", *defines],
-                extra_cflags=["-O2"], verbose=False)  # fmt: skip
+    cuda_flags = ["-O3", "--use_fast_math", *defines]
+    key = "\n".join([*map(str, SOURCES), *cuda_flags, torch.__version__, str(torch.version.cuda)])
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / "minisgl"
+    folder = root / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    folder.mkdir(parents=True, exist_ok=True)
+    with exclusive(folder.with_suffix(".flock"), BUILD_WAIT_S):
+        (folder / "lock").unlink(missing_ok=True)  # a live builder would hold the flock: this one is stale
+        return load(name=name, sources=[str(s) for s in SOURCES], extra_cuda_cflags=cuda_flags, extra_cflags=["-O2"],
+                    build_directory=str(folder), verbose=False)  # fmt: skip
+
+
+@contextlib.contextmanager
+def exclusive(path: Path, timeout_s: float) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if need be); raise ``TimeoutError`` after ``timeout_s``."""
+    with open(path, "a") as f:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has been building {path.stem} for over {timeout_s:.0f} s")
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def piece_count(batch_size: int) -> int:
