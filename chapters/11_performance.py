@@ -1090,7 +1090,8 @@ for name, series in SPLIT_AB["series"].items():
 # A/B's processes: 10-12.5 s with it, 9-12 s without); where it cannot be built (no nvcc), the engine says so once
 # and keeps FlashInfer's kernels. (One trap of PyTorch's extension builder: it guards a build with a lock *file*,
 # which a process killed mid-build leaves behind, and every later start then waits for it forever; `load_kernel`
-# therefore builds under an `flock`, which dies with its holder, and clears a lock file it finds stale.) What it did not do is move the first timed run toward 20,500 output tokens/s.
+# therefore builds under an `flock`, which dies with its holder, and clears a lock file it finds stale.) What it
+# did not do is move the first timed run toward 20,500 output tokens/s.
 #
 # **Fewer cuts, and from 48 rows.** The first table above has a hint that the engine at first ignored: one piece
 # per context (`cudafixed_0`) was as fast as any count from 192 down to 64 running. Cutting pays only when one
@@ -1130,8 +1131,8 @@ print(f"    median {new['median'] / old['median'] - 1:+.1%}, mean {new['mean'] /
 # 63 and 1% at 48, and behind it from 32 rows down, where a batch is too few blocks to fill the GPU without
 # cutting (every variant's output is checked against FlashInfer's first: relative errors of 2e-5 to 3e-3, bf16
 # rounding). So the engine now runs our kernel from 48 rows (`--split-decode-min-batch 48`) with the new plan. Over
-# the run that is +1.5% in the median of nine interleaved processes (the time limit of the call stopped the
-# tenth), +0.9% on first timed runs (`canonical_ab_split_cap_h100.json`); runs of both sides overlap, as always,
+# the run that is +1.5% in the median of nine interleaved processes (five before, four after, two timed runs
+# each), +0.9% on first timed runs (`canonical_ab_split_cap_h100.json`); runs of both sides overlap, as always,
 # and the first timed runs reach 19,400-20,000 output tokens/s, still short of 20,500.
 #
 # ### The other side of the chain: the multiplies
