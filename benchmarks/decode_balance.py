@@ -31,9 +31,9 @@ that work:
   piece of a context merging them; suffixes: ``_stream`` reads with streaming (evict-first) loads, ``_sorted``
   puts the longest pieces first in the grid, ``_even`` cuts a context into pieces of equal length;
   ``cudafixed_F_U_T`` always has ``F`` percent more pieces than requests (a captured graph's grid is fixed): a
-  piece per context, then the longest piece cut in halves, longest first in the grid; ``cudacap_C_U_T``: room
-  for an eighth more pieces, a piece cut only while it is longer than ``C`` percent of the mean context;
-  ``cudamin_M_U_T`` is the engine's plan: ``cudacap_200``, and a small batch cut until it has ``M`` blocks.
+  piece per context, then the longest piece cut in halves, longest first in the grid; ``cudacap_C_U_T`` is the
+  engine's plan: room for an eighth more pieces, a piece cut only while it is longer than ``C`` percent of the
+  mean context.
 
 With ``--plan-cost`` each stage also times what an engine pays around the kernel when it plans every step
 (:func:`plan_cost`): the engine's graph wrapper against the persistent ``BatchAttention``.
@@ -301,18 +301,15 @@ def xqa_runner(st: Stage, page_size: int) -> tuple[Callable[[], torch.Tensor], l
 def split_decode_runner(st: Stage, name: str) -> tuple[Callable[[], torch.Tensor], list[int]]:
     """``cuda_C_U_T`` with any of the suffixes ``_stream``, ``_sorted``, ``_even`` (see the module docstring);
     ``cudafixed_F_U_T``: ``F`` percent more pieces than requests, whatever their lengths; ``cudacap_C_U_T``: room
-    for an eighth more, cut only while a piece is longer than ``C`` percent of the mean context; ``cudamin_M_U_T``:
-    that with ``C`` = 200, and at least ``M`` blocks."""
+    for an eighth more, cut only while a piece is longer than ``C`` percent of the mean context."""
     from benchmarks.split_decode import runner
 
     fields = name.split("_")
     chunk, unroll, threads = (int(x) for x in fields[1:4])
     if fields[0] == "cudafixed":
         return runner(st, 1, unroll, threads, fixed=chunk / 100)
-    if fields[0] == "cudacap":  # room for 12.5% more pieces, cut above chunk% of the mean
+    if fields[0] == "cudacap":  # the engine's plan: room for 12.5% more pieces, cut above chunk% of the mean
         return runner(st, 1, unroll, threads, fixed=0.125, split_above=chunk / 100)
-    if fields[0] == "cudamin":  # the engine's plan: as cudacap_200, and a small batch cut into chunk blocks at least
-        return runner(st, 1, unroll, threads, fixed=0.125, split_above=2.0, min_blocks=chunk)
     return runner(st, chunk, unroll, threads, streaming="stream" in fields, longest_first="sorted" in fields,
                   even="even" in fields)  # fmt: skip
 
@@ -355,9 +352,6 @@ def variants() -> dict[str, Callable[[Stage], tuple[Callable[[], torch.Tensor], 
             v[name] = lambda st, n=name: split_decode_runner(st, n)
     for c_ in (150, 200, 300):  # cudacap_C_4_T: cut a piece only while it is over C% of the mean context
         name = f"cudacap_{c_}_4_128"
-        v[name] = lambda st, n=name: split_decode_runner(st, n)
-    for m_ in (256, 512, 768, 1024, 1536):  # cudamin_M_4_T: cudacap_200, and at least M blocks
-        name = f"cudamin_{m_}_4_128"
         v[name] = lambda st, n=name: split_decode_runner(st, n)
     return v
 

@@ -15,8 +15,7 @@ import torch
 
 
 def plan(lens: list[int], chunk: int, device: str = "cuda", longest_first: bool = False, even: bool = False,
-         fixed: float | None = None, split_above: float | None = None,
-         min_pieces: int = 0) -> dict[str, torch.Tensor]:  # fmt: skip
+         fixed: float | None = None, split_above: float | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     """The pieces of contexts of ``lens`` tokens (their slots laid out one request after another in the index
     array): ``items`` holds (request, first index, end index, partial-result row) per piece, longest pieces first
     with ``longest_first`` (the GPU starts blocks in grid order, so the last wave is made of the shortest), and
@@ -24,10 +23,9 @@ def plan(lens: list[int], chunk: int, device: str = "cuda", longest_first: bool 
     as ``chunk`` asks for, all of about the same length, instead of full pieces and a remainder. With ``fixed``
     (>= 0) ``chunk`` is ignored: there are always ``len(lens) * (1 + fixed)`` pieces, as a captured graph's fixed
     grid needs: a piece per context, then the longest piece cut in two until the count is reached, or with
-    ``split_above`` as long as it is longer than that many times the mean context (the engine's rule), and in any
-    case until there are ``min_pieces`` (the engine's rule for small batches)."""
+    ``split_above`` as long as it is longer than that many times the mean context (the engine's rule)."""
     if fixed is not None:
-        return _fixed_plan(lens, fixed, device, split_above, min_pieces)
+        return _fixed_plan(lens, fixed, device, split_above)
     if chunk <= 0:
         raise ValueError(f"chunk must be positive, got {chunk}")
     items, parts, first = [], [], []
@@ -49,20 +47,18 @@ def plan(lens: list[int], chunk: int, device: str = "cuda", longest_first: bool 
     return {"items": t(items), "req_parts": t(parts), "req_first_item": t(first)}
 
 
-def _fixed_plan(lens: list[int], fixed: float, device: str, split_above: float | None = None,
-                min_pieces: int = 0) -> dict[str, torch.Tensor]:  # fmt: skip
+def _fixed_plan(lens: list[int], fixed: float, device: str,
+                split_above: float | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     from minisgl_ref.attention.split_decode import plan_pieces
 
-    count = max(int(len(lens) * (1 + fixed)), min_pieces)
-    items, parts, first = plan_pieces(lens, count, split_above, at_least=min_pieces)
+    items, parts, first = plan_pieces(lens, int(len(lens) * (1 + fixed)), split_above)
     return {"items": torch.from_numpy(items).to(device), "req_parts": torch.from_numpy(parts).to(device),
             "req_first_item": torch.from_numpy(first).to(device)}  # fmt: skip
 
 
 def runner(st: Any, chunk: int = 512, unroll: int = 4, threads: int = 128, streaming: bool = False,
            longest_first: bool = False, even: bool = False,
-           fixed: float | None = None, split_above: float | None = None,
-           min_blocks: int = 0, pdl: bool = True) -> tuple[Callable[[], torch.Tensor], list[int]]:  # fmt: skip
+           fixed: float | None = None, split_above: float | None = None) -> tuple[Callable[[], torch.Tensor], list[int]]:  # fmt: skip
     """The kernel over a decode_balance stage: pieces of at most ``chunk`` tokens, blocks of ``threads``,
     ``unroll`` rows per half-warp in each of two buffers (the other options: see :func:`module`, :func:`plan`)."""
     from minisgl_ref.attention.split_decode import load_kernel
@@ -70,7 +66,7 @@ def runner(st: Any, chunk: int = 512, unroll: int = 4, threads: int = 128, strea
     mod = load_kernel(all_variants=True, streaming=streaming)
     b = len(st.lens)
     p = plan(st.lens, chunk, device=str(st.q.device), longest_first=longest_first, even=even, fixed=fixed,
-             split_above=split_above, min_pieces=-(-min_blocks // st.k.shape[1]))
+             split_above=split_above)
     items = p["items"].shape[0]
     heads, dim = st.q.shape[1], st.q.shape[2]
     part_o = torch.empty(items, heads, dim, dtype=torch.float32, device=st.q.device)
@@ -81,7 +77,7 @@ def runner(st: Any, chunk: int = 512, unroll: int = 4, threads: int = 128, strea
 
     def call() -> torch.Tensor:
         mod.split_decode(st.q, st.k, st.v, indices, p["items"], p["req_parts"], p["req_first_item"], part_o, part_lse,
-                         counters, out, dim**-0.5, unroll, threads, pdl)  # fmt: skip
+                         counters, out, dim**-0.5, unroll, threads)  # fmt: skip
         return out
 
     return call, list(range(b))

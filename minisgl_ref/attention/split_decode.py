@@ -15,8 +15,7 @@ balances the work but loses most of that gain between a layer's matrix multiplie
   then the longest piece cut in two while it is more than :data:`SPLIT_ABOVE` times the mean context and room is
   left (:func:`plan_pieces`). That keeps one very long context from holding up the step; blocks without a piece
   return at once. Contexts of similar lengths are not cut at all: the grid is several waves long, so the GPU
-  balances whole contexts by itself, and a cut only adds a merge. A small batch is the exception: it is cut
-  until it has :data:`MIN_BLOCKS` blocks, about one wave, or its SMs would sit idle.
+  balances whole contexts by itself, and a cut only adds a merge.
 * **The merge inside the kernel.** The pieces of one context write partial results (output and log-sum-exp); the
   last of them to finish, found with one atomic counter per (request, KV head), merges them and resets the
   counter. No second kernel and no grid-wide barrier.
@@ -43,11 +42,8 @@ import torch
 
 #: Rows per half-warp in each register buffer, and threads per block: the variant the engine runs.
 UNROLL, THREADS = 4, 128
-#: A piece is cut in two only while it is longer than this many times the mean context of the batch...
+#: A piece is cut in two only while it is longer than this many times the mean context of the batch.
 SPLIT_ABOVE = 2.0
-#: ...or while the step has fewer blocks (pieces x KV heads) than this: a small batch is cut until its blocks
-#: about fill the GPU once (an H100 holds four of these blocks on each of its 132 SMs).
-MIN_BLOCKS = 512
 #: Query heads per KV head that the kernel is compiled for.
 GROUPS = (1, 2, 4)
 SOURCES = [Path(__file__).with_name("cuda") / name for name in ("split_decode.cu", "split_decode.cpp")]
@@ -109,23 +105,16 @@ def exclusive(path: Path, timeout_s: float) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def min_pieces(num_kv_heads: int, min_blocks: int = MIN_BLOCKS) -> int:
-    """Pieces that make at least ``min_blocks`` blocks: how far a small batch is cut whatever its lengths."""
-    return -(-min_blocks // num_kv_heads)
+def piece_count(batch_size: int) -> int:
+    """Pieces per decode step of ``batch_size`` requests: one each and an eighth more for the longest contexts."""
+    return batch_size + batch_size // 8
 
 
-def piece_count(batch_size: int, num_kv_heads: int = 1, min_blocks: int = 0) -> int:
-    """Room for pieces in a decode step of ``batch_size`` requests: one each and an eighth more for the longest
-    contexts, and at least :func:`min_pieces` (with ``min_blocks``) for a small batch."""
-    return max(batch_size + batch_size // 8, min_pieces(num_kv_heads, min_blocks) if min_blocks else 0)
-
-
-def plan_pieces(lens: Sequence[int], count: int, split_above: float | None = SPLIT_ABOVE,
-                at_least: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+def plan_pieces(lens: Sequence[int], count: int,
+                split_above: float | None = SPLIT_ABOVE) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
     """Cut contexts of ``lens`` tokens (their slots laid out request after request) into at most ``count`` pieces:
     one per context, then the longest piece in halves while it is longer than ``split_above`` times the mean
-    context (``None``: until there are ``count`` pieces) or there are fewer than ``at_least`` pieces. A piece of
-    one token is never cut.
+    context (``None``: until there are ``count`` pieces).
 
     Returns ``items`` ``[count, 4]`` (request, first slot index, end slot index, partial-result row) with the
     longest pieces first; ``parts``, each request's number of pieces; and ``first_row``, each request's first
@@ -136,7 +125,7 @@ def plan_pieces(lens: Sequence[int], count: int, split_above: float | None = SPL
     heap = [(-n, r, 0, n) for r, n in enumerate(lens)]  # (minus length, request, start, end) within the context
     heapq.heapify(heap)
     longest_kept = 1 if split_above is None or not lens else max(1.0, split_above * sum(lens) / len(lens))
-    while heap and len(heap) < count and (-heap[0][0] > longest_kept or len(heap) < at_least and -heap[0][0] > 1):
+    while len(heap) < count and -heap[0][0] > longest_kept:
         _, r, a, b = heapq.heappop(heap)
         mid = (a + b) // 2
         heapq.heappush(heap, (a - mid, r, a, mid))
@@ -163,8 +152,7 @@ class SplitDecode:
         self.kernel = load_kernel()
         self.num_q_heads, self.head_dim, self.sm_scale = num_q_heads, head_dim, sm_scale
         self.max_batch = max_batch
-        self.num_kv_heads = num_kv_heads
-        most = piece_count(max_batch, num_kv_heads, MIN_BLOCKS)
+        most = piece_count(max_batch)
         # One buffer for the whole plan (items, parts, first rows): one upload a step.
         self.plan_buffer = torch.zeros(most * 4 + 2 * max_batch, dtype=torch.int32, device=device)
         self.items = self.plan_buffer[: most * 4].view(most, 4)
@@ -181,9 +169,6 @@ class SplitDecode:
         self.uploaded = [torch.cuda.Event() if pin else None for _ in range(2)]  # that copy has read it
         self.turn = 0
         self.count = 0
-        # Launched as a programmatic dependent (Hopper and later): its blocks may start while the QK-norm/RoPE
-        # kernel before it runs, read their slot numbers, ask for their first rows, and wait for it there.
-        self.dependent_launch = pin and torch.cuda.get_device_capability(device)[0] >= 9
         self.kv_indices: torch.Tensor | None = None
 
     def plan(self, lens: Sequence[int], kv_indices: torch.Tensor) -> None:
@@ -193,8 +178,8 @@ class SplitDecode:
         bs = len(lens)
         if bs > self.max_batch:
             raise ValueError(f"a decode batch of {bs} requests is larger than the request pool ({self.max_batch})")
-        self.count = piece_count(bs, self.num_kv_heads, MIN_BLOCKS)
-        items, parts, first_row = plan_pieces(lens, self.count, at_least=min_pieces(self.num_kv_heads))
+        self.count = piece_count(bs)
+        items, parts, first_row = plan_pieces(lens, self.count)
         turn, self.turn = self.turn, 1 - self.turn
         done = self.uploaded[turn]
         if done is not None:
@@ -215,6 +200,5 @@ class SplitDecode:
         assert self.kv_indices is not None, "plan before run"
         out = torch.empty(q.shape[0], self.num_q_heads, self.head_dim, dtype=q.dtype, device=q.device)
         self.kernel.split_decode(q, k, v, self.kv_indices, self.items[: self.count], self.parts, self.first_row,
-                                 self.part_o, self.part_lse, self.counters, out, self.sm_scale, UNROLL, THREADS,
-                                 self.dependent_launch)  # fmt: skip
+                                 self.part_o, self.part_lse, self.counters, out, self.sm_scale, UNROLL, THREADS)  # fmt: skip
         return out

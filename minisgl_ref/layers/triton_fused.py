@@ -74,10 +74,8 @@ def _kernels():  # type: ignore[no-untyped-def]
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_xt, eps, x_eps,
         NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
         HAS_NORM: tl.constexpr, STORE: tl.constexpr, HALF: tl.constexpr,
-        ROW_RMS: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_X: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+        ROW_RMS: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_X: tl.constexpr,
     ):  # fmt: skip
-        if LAUNCH_DEPENDENTS:  # the attention kernel after this one may start now; it waits for our writes itself
-            tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, HALF)[None, :]
         if ROW_RMS:  # the token's input row was multiplied unnormalised: divide by its RMS now (norm folding)
@@ -227,17 +225,8 @@ def qk_norm_rope_(
         NUM_Q=num_q, NUM_KV=num_kv, BLOCK_H=_next_pow2(num_q + num_kv), BLOCK_KV=_next_pow2(num_kv),
         HAS_NORM=has_norm, STORE=store is not None, HALF=d // 2,
         ROW_RMS=row_rms is not None, HIDDEN=x.shape[-1], BLOCK_X=_next_pow2(x.shape[-1]),
-        LAUNCH_DEPENDENTS=_dependent_launch(q),
     )  # fmt: skip
     return q, k
-
-
-def _dependent_launch(x: torch.Tensor) -> bool:
-    """Whether the kernel lets the next one start early (programmatic dependent launch, Hopper and later): the
-    split-KV decode kernel that follows it in a decode step is launched as its dependent, does what does not need
-    this kernel's output (its slot numbers, a prefetch of its first rows) and then waits for it. A kernel launched
-    the ordinary way is not affected."""
-    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:

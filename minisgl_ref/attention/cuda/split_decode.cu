@@ -13,12 +13,6 @@
 // memory (a window of 1,024 at a time), and the rows of the next step are loaded into a second set of registers
 // while this step's are used. Compiled with SPLIT_DECODE_STREAMING_LOADS, the rows are read with streaming
 // (evict-first) loads instead of ordinary ones.
-//
-// Launched with programmatic dependent launch (Hopper), a block may start while the kernel before it (the one that
-// writes this step's query, key and value) is still running. What it does before waiting for that kernel never
-// reads what that kernel writes: the plan, the first window of slot numbers, and a request to the L2 cache for
-// the rows of its first two steps (a prefetch only warms the cache, and the L2 cache is where every write lands,
-// so a prefetched row is never stale). Everything it writes comes after the wait.
 #include "split_decode.h"
 
 namespace {
@@ -31,16 +25,6 @@ constexpr int MAX_CHUNK = 1024;            // slot numbers held in shared memory
 #else
 #define LOAD(p) __ldg(p)  // read-only path: the cache does not change during the kernel
 #endif
-
-// Wait for the grids this one depends on to finish and their writes to be visible (a no-op when the kernel was not
-// launched as a dependent, or before Hopper).
-__device__ __forceinline__ void wait_for_previous_kernel() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 __device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float* f) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
@@ -62,28 +46,6 @@ __global__ void __launch_bounds__(THREADS) split_decode_kernel(const SplitDecode
   const int parts = a.req_parts[req];
   const int tid = threadIdx.x, hw = tid >> 4, hl = tid & 15;
   const int num_q_heads = a.num_kv_heads * GROUP;
-  const int64_t head_off = static_cast<int64_t>(kvh) * HEAD_DIM + hl * 8;
-  constexpr int STEP = HALF_WARPS * UNROLL;
-
-  // The item's slot numbers, read into shared memory a window at a time: the row loads below then wait on one
-  // memory latency, not on an index load followed by the row it names. The first window, and the L2 prefetch of
-  // its first two steps' rows, come before the wait for the previous kernel.
-  __shared__ int sm_slot[MAX_CHUNK];
-  auto load_window = [&](int w0, int len) {
-    for (int i = tid; i < len; i += THREADS) sm_slot[i] = a.kv_indices[w0 + i];
-    __syncthreads();
-  };
-  load_window(begin, min(MAX_CHUNK, end - begin));
-#pragma unroll
-  for (int u = 0; u < 2 * UNROLL; ++u) {
-    const int p = hw + HALF_WARPS * u;
-    if (p < min(MAX_CHUNK, end - begin)) {
-      const int64_t off = static_cast<int64_t>(sm_slot[p]) * a.kv_stride_slot + head_off;
-      prefetch_l2(a.k + off);
-      prefetch_l2(a.v + off);
-    }
-  }
-  wait_for_previous_kernel();
 
   float qf[GROUP][8];
 #pragma unroll
@@ -100,13 +62,18 @@ __global__ void __launch_bounds__(THREADS) split_decode_kernel(const SplitDecode
 #pragma unroll
     for (int d = 0; d < 8; ++d) acc[g][d] = 0.f;
   }
+  const int64_t head_off = static_cast<int64_t>(kvh) * HEAD_DIM + hl * 8;
 
+  // The item's slot numbers, read into shared memory a window at a time: the row loads below then wait on one
+  // memory latency, not on an index load followed by the row it names.
+  __shared__ int sm_slot[MAX_CHUNK];
   for (int w0 = begin; w0 < end; w0 += MAX_CHUNK) {
     const int len = min(MAX_CHUNK, end - w0);
-    if (w0 != begin) {
-      __syncthreads();  // every thread is done with the previous window
-      load_window(w0, len);
-    }
+    if (w0 != begin) __syncthreads();  // every thread is done with the previous window
+    for (int i = tid; i < len; i += THREADS) sm_slot[i] = a.kv_indices[w0 + i];
+    __syncthreads();
+
+    constexpr int STEP = HALF_WARPS * UNROLL;
     const int iters = (len + STEP - 1) / STEP;  // the same for every thread: no lane leaves a shuffle early
     uint4 ka[UNROLL], va[UNROLL], kb[UNROLL], vb[UNROLL];
     auto load = [&](uint4 (&kr)[UNROLL], uint4 (&vr)[UNROLL], int it) {
@@ -248,21 +215,13 @@ __global__ void __launch_bounds__(THREADS) split_decode_kernel(const SplitDecode
 // The variants compiled in: the engine's (128 threads, 4 rows per half-warp and buffer) for 1, 2 or 4 query heads
 // per KV head; with SPLIT_DECODE_ALL_VARIANTS also the ones benchmarks/decode_balance.py compares.
 template <int GROUP>
-cudaError_t launch_group(const SplitDecodeArgs& a, int unroll, int threads, bool pdl, cudaStream_t stream) {
+cudaError_t launch_group(const SplitDecodeArgs& a, int unroll, int threads, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(a.num_items * a.num_kv_heads));
   if (grid.x == 0) return cudaSuccess;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.stream = stream;
-  cudaLaunchAttribute dependent;  // may start before the previous kernel ends (it waits for it inside)
-  dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  dependent.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &dependent;
-  config.numAttrs = pdl ? 1 : 0;
-#define SPLIT_DECODE_VARIANT(U, T)                                               \
-  if (unroll == U && threads == T) {                                             \
-    config.blockDim = dim3(T);                                                   \
-    return cudaLaunchKernelEx(&config, split_decode_kernel<GROUP, U, T>, a);     \
+#define SPLIT_DECODE_VARIANT(U, T)                              \
+  if (unroll == U && threads == T) {                            \
+    split_decode_kernel<GROUP, U, T><<<grid, T, 0, stream>>>(a); \
+    return cudaGetLastError();                                  \
   }
   SPLIT_DECODE_VARIANT(4, 128)
 #ifdef SPLIT_DECODE_ALL_VARIANTS
@@ -276,11 +235,11 @@ cudaError_t launch_group(const SplitDecodeArgs& a, int unroll, int threads, bool
 
 }  // namespace
 
-cudaError_t split_decode_launch(const SplitDecodeArgs& a, int unroll, int threads, bool pdl, cudaStream_t stream) {
+cudaError_t split_decode_launch(const SplitDecodeArgs& a, int unroll, int threads, cudaStream_t stream) {
   switch (a.group) {
-    case 1: return launch_group<1>(a, unroll, threads, pdl, stream);
-    case 2: return launch_group<2>(a, unroll, threads, pdl, stream);
-    case 4: return launch_group<4>(a, unroll, threads, pdl, stream);
+    case 1: return launch_group<1>(a, unroll, threads, stream);
+    case 2: return launch_group<2>(a, unroll, threads, stream);
+    case 4: return launch_group<4>(a, unroll, threads, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -23,6 +23,5 @@ struct SplitDecodeArgs {
   float scale_log2;             // softmax scale x log2(e)
 };
 
-// Launches the kernel on `stream` (with `pdl`, as a programmatic dependent of the kernel before it); returns
-// cudaErrorInvalidValue for a shape or variant that is not compiled in.
-cudaError_t split_decode_launch(const SplitDecodeArgs& args, int unroll, int threads, bool pdl, cudaStream_t stream);
+// Launches the kernel on `stream`; returns cudaErrorInvalidValue for a shape or variant that is not compiled in.
+cudaError_t split_decode_launch(const SplitDecodeArgs& args, int unroll, int threads, cudaStream_t stream);
