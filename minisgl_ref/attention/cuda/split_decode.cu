@@ -36,6 +36,53 @@ __device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float* f) {
   }
 }
 
+__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+__device__ __forceinline__ uint4 float_to_bf16x8(const float* f) {
+  uint4 raw;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+  return raw;
+}
+
+// One raw head of q or k, finished as the QK-norm/RoPE kernel of layers/triton_fused.py finishes it, rounding to
+// bf16 at the same points: divided by the row's rms, normalised over the head and scaled by `weight` (when set),
+// rotated. Lane hl of a half-warp holds dimensions hl*8 .. hl*8+7, so a dimension's RoPE partner (i + 64) is in
+// lane hl ^ 8.
+__device__ __forceinline__ void finish_head(const __nv_bfloat16* head, const SplitDecodeArgs& a, float x_r,
+                                            const __nv_bfloat16* weight, int64_t pos, int hl, float* out) {
+  float f[8];
+  bf16x8_to_float(*reinterpret_cast<const uint4*>(head + hl * 8), f);
+  float ss = 0.f;
+#pragma unroll
+  for (int d = 0; d < 8; ++d) {
+    f[d] = round_bf16(f[d] * x_r);
+    ss = fmaf(f[d], f[d], ss);
+  }
+  if (weight != nullptr) {
+#pragma unroll
+    for (int off = 8; off >= 1; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    const float r = 1.f / sqrtf(ss / HEAD_DIM + a.eps);
+    float w[8];
+    bf16x8_to_float(*reinterpret_cast<const uint4*>(weight + hl * 8), w);
+#pragma unroll
+    for (int d = 0; d < 8; ++d) f[d] = round_bf16(w[d] * round_bf16(f[d] * r));
+  }
+  const int i0 = (hl & 7) * 8;  // this lane's first dimension within its half
+  const float4* c4 = reinterpret_cast<const float4*>(a.cos + pos * (HEAD_DIM / 2) + i0);
+  const float4* s4 = reinterpret_cast<const float4*>(a.sin + pos * (HEAD_DIM / 2) + i0);
+  const float4 c_lo = c4[0], c_hi = c4[1], s_lo = s4[0], s_hi = s4[1];
+  const float c[8] = {c_lo.x, c_lo.y, c_lo.z, c_lo.w, c_hi.x, c_hi.y, c_hi.z, c_hi.w};
+  const float s[8] = {s_lo.x, s_lo.y, s_lo.z, s_lo.w, s_hi.x, s_hi.y, s_hi.z, s_hi.w};
+  const bool first_half = hl < 8;
+#pragma unroll
+  for (int d = 0; d < 8; ++d) {
+    const float partner = __shfl_xor_sync(0xffffffffu, f[d], 8);
+    out[d] = round_bf16(first_half ? f[d] * c[d] - partner * s[d] : f[d] * c[d] + partner * s[d]);
+  }
+}
+
 template <int GROUP, int UNROLL, int THREADS>
 __global__ void __launch_bounds__(THREADS) split_decode_kernel(const SplitDecodeArgs a) {
   const int kvh = blockIdx.x % a.num_kv_heads;  // the heads of one item are neighbours in the grid
@@ -46,13 +93,60 @@ __global__ void __launch_bounds__(THREADS) split_decode_kernel(const SplitDecode
   const int parts = a.req_parts[req];
   const int tid = threadIdx.x, hw = tid >> 4, hl = tid & 15;
   const int num_q_heads = a.num_kv_heads * GROUP;
+  const int64_t head_off = static_cast<int64_t>(kvh) * HEAD_DIM + hl * 8;
 
   float qf[GROUP][8];
+  // With a.raw: the new token's K and V rows for this KV head, when this block holds the request's last token.
+  __shared__ uint4 sm_new_k[16], sm_new_v[16];
+  __shared__ float sm_sum[THREADS / 32];
+  bool owner = false;
+  if (a.raw) {
+    // The rms of the request's residual row, summed over the whole block.
+    float ss = 0.f;
+    for (int i = tid * 8; i < a.hidden; i += THREADS * 8) {
+      float f[8];
+      bf16x8_to_float(*reinterpret_cast<const uint4*>(a.x + req * a.x_stride_tok + i), f);
 #pragma unroll
-  for (int g = 0; g < GROUP; ++g) {
-    const int64_t off = req * a.q_stride_tok + (kvh * GROUP + g) * a.q_stride_head + hl * 8;
-    const uint4 raw = *reinterpret_cast<const uint4*>(a.q + off);
-    bf16x8_to_float(raw, qf[g]);
+      for (int d = 0; d < 8; ++d) ss = fmaf(f[d], f[d], ss);
+    }
+#pragma unroll
+    for (int off = 16; off >= 1; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    if ((tid & 31) == 0) sm_sum[tid >> 5] = ss;
+    __syncthreads();
+    ss = 0.f;
+#pragma unroll
+    for (int w = 0; w < THREADS / 32; ++w) ss += sm_sum[w];
+    const float x_r = 1.f / sqrtf(ss / a.hidden + a.x_eps);
+    const int64_t pos = a.positions[req];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g)
+      finish_head(a.q + req * a.q_stride_tok + (kvh * GROUP + g) * a.q_stride_head, a, x_r, a.q_weight, pos, hl,
+                  qf[g]);
+    const int64_t slot = a.new_slots[req];
+    owner = a.kv_indices[end - 1] == slot;  // the same for the whole block
+    if (owner) {
+      float kf[8], vf[8];
+      const int64_t row = req * a.q_stride_tok + kvh * HEAD_DIM;
+      finish_head(a.raw_k + row, a, x_r, a.k_weight, pos, hl, kf);
+      bf16x8_to_float(*reinterpret_cast<const uint4*>(a.raw_v + row + hl * 8), vf);
+#pragma unroll
+      for (int d = 0; d < 8; ++d) vf[d] = round_bf16(vf[d] * x_r);
+      if (hw == 0) {
+        const uint4 kr = float_to_bf16x8(kf), vr = float_to_bf16x8(vf);
+        sm_new_k[hl] = kr;
+        sm_new_v[hl] = vr;
+        const int64_t off = slot * a.kv_stride_slot + head_off;
+        *reinterpret_cast<uint4*>(a.k_pool + off) = kr;
+        *reinterpret_cast<uint4*>(a.v_pool + off) = vr;
+      }
+      __syncthreads();
+    }
+  } else {
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+      const int64_t off = req * a.q_stride_tok + (kvh * GROUP + g) * a.q_stride_head + hl * 8;
+      bf16x8_to_float(*reinterpret_cast<const uint4*>(a.q + off), qf[g]);
+    }
   }
   float m[GROUP], l[GROUP], acc[GROUP][8];
 #pragma unroll
@@ -62,7 +156,6 @@ __global__ void __launch_bounds__(THREADS) split_decode_kernel(const SplitDecode
 #pragma unroll
     for (int d = 0; d < 8; ++d) acc[g][d] = 0.f;
   }
-  const int64_t head_off = static_cast<int64_t>(kvh) * HEAD_DIM + hl * 8;
 
   // The item's slot numbers, read into shared memory a window at a time: the row loads below then wait on one
   // memory latency, not on an index load followed by the row it names.
@@ -75,12 +168,18 @@ __global__ void __launch_bounds__(THREADS) split_decode_kernel(const SplitDecode
 
     constexpr int STEP = HALF_WARPS * UNROLL;
     const int iters = (len + STEP - 1) / STEP;  // the same for every thread: no lane leaves a shuffle early
+    // The new token's rows come from shared memory: this block has just written them to the pool, and the
+    // read-only loads below may not see its own writes.
+    const int fresh = owner && w0 + len == end ? len - 1 : -1;
     uint4 ka[UNROLL], va[UNROLL], kb[UNROLL], vb[UNROLL];
     auto load = [&](uint4 (&kr)[UNROLL], uint4 (&vr)[UNROLL], int it) {
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         const int p = it * STEP + hw + HALF_WARPS * u;
-        if (p < len) {
+        if (p == fresh) {
+          kr[u] = sm_new_k[hl];
+          vr[u] = sm_new_v[hl];
+        } else if (p < len) {
           const int64_t off = static_cast<int64_t>(sm_slot[p]) * a.kv_stride_slot + head_off;
           kr[u] = LOAD(reinterpret_cast<const uint4*>(a.k + off));
           vr[u] = LOAD(reinterpret_cast<const uint4*>(a.v + off));
