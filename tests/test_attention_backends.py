@@ -1022,9 +1022,10 @@ def test_gpu_split_decode_raw_matches_the_triton_prologue_then_the_kernel(qk_nor
     qw = (1 + 0.1 * torch.randn(d, device=dev)).bfloat16() if qk_norm else None
     kw = (1 + 0.1 * torch.randn(d, device=dev)).bfloat16() if qk_norm else None
     outs, pools = [], []
+    cache_k = torch.randn(sum(lens) + 101, kv_heads, d, device=dev, dtype=torch.bfloat16)
+    cache_v = torch.randn_like(cache_k)
     for raw_path in (False, True):
-        pool_k = torch.randn(sum(lens) + 101, kv_heads, d, device=dev, dtype=torch.bfloat16)
-        pool_v = torch.randn_like(pool_k)
+        pool_k, pool_v = cache_k.clone(), cache_v.clone()  # the same cache for both, but for the new rows
         split = SplitDecode(num_q_heads=heads, num_kv_heads=kv_heads, head_dim=d, sm_scale=d**-0.5, max_batch=b,
                             device=dev)  # fmt: skip
         split.plan(lens, kv_indices)
