@@ -95,16 +95,17 @@ void split_decode_raw(const torch::Tensor& q, const torch::Tensor& raw_k, const 
                       double scale, int64_t unroll, int64_t threads) {
   SplitDecodeArgs a =
       common_args(q, k, v, kv_indices, items, req_parts, req_first_row, part_o, part_lse, counters, out, scale);
+  // (A dimension of size one may have any stride in a view: only the rows of a larger batch are checked.)
   const int64_t batch = q.size(0), kv_heads = k.size(1);
   TORCH_CHECK(q.stride(1) == 128, "split_decode_raw: the query heads of a token must be contiguous");
   for (const torch::Tensor* t : {&raw_k, &raw_v}) {
     TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->dim() == 3 && t->size(0) == batch &&
-                    t->size(1) == kv_heads && t->size(2) == 128 && t->stride(0) == q.stride(0) &&
+                    t->size(1) == kv_heads && t->size(2) == 128 && (batch == 1 || t->stride(0) == q.stride(0)) &&
                     t->stride(1) == 128 && t->stride(2) == 1,
                 "split_decode_raw: raw k and v must be [B, KV heads, 128] views of the QKV output");
   }
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.size(0) == batch && x.stride(1) == 1 &&
-                  x.size(1) % 8 == 0 && x.stride(0) % 8 == 0,
+                  x.size(1) % 8 == 0 && (batch == 1 || x.stride(0) % 8 == 0),
               "split_decode_raw: x must be [B, hidden] bf16 rows, hidden a multiple of 8");
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "split_decode_raw: the pool layers must be contiguous");
   TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.dim() == 2 &&
