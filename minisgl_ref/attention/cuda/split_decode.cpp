@@ -107,6 +107,7 @@ void split_decode_raw(const torch::Tensor& q, const torch::Tensor& raw_k, const 
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.size(0) == batch && x.stride(1) == 1 &&
                   x.size(1) % 8 == 0 && (batch == 1 || x.stride(0) % 8 == 0),
               "split_decode_raw: x must be [B, hidden] bf16 rows, hidden a multiple of 8");
+  TORCH_CHECK(x.size(1) <= 32 * threads, "split_decode_raw: a residual row of at most 32 values per thread");
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "split_decode_raw: the pool layers must be contiguous");
   TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.dim() == 2 &&
                   cos.size(1) == 64 && cos.is_contiguous() && sin.sizes() == cos.sizes() && sin.is_contiguous(),
