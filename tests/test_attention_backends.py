@@ -994,61 +994,6 @@ def test_gpu_decode_cuda_graph_replay_matches_eager(name):
             assert rel_error(out, eager.float()) < 1e-2
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("qk_norm", [True, False])
-def test_gpu_split_decode_raw_matches_the_triton_prologue_then_the_kernel(qk_norm):
-    """The split-KV kernel fed the raw QKV projection (``SplitDecode.run_raw``: it divides by each row's rms,
-    applies the QK-norm and RoPE, and stores the new token's K/V itself) against the engine's other path: the
-    Triton QK-norm/RoPE/store kernel, then the kernel on the finished q. Same roundings, so the new K/V rows in
-    the pool agree to a bf16 unit and the outputs to bf16 rounding; contexts long enough to be cut in pieces."""
-    from minisgl_ref.attention.split_decode import SplitDecode, supports
-    from minisgl_ref.layers.attention import RawDecodeInputs
-    from minisgl_ref.layers.rotary import RotaryEmbedding
-    from minisgl_ref.layers.triton_fused import qk_norm_rope_
-
-    if not supports(16, 8, 128, torch.bfloat16):
-        pytest.skip("shape not compiled")
-    torch.manual_seed(0)
-    dev, heads, kv_heads, d, hidden = torch.device("cuda"), 16, 8, 128, 1024
-    lens = [1, 7, 300, 5000, 64, 900, 2, 40]
-    b = len(lens)
-    rot = RotaryEmbedding(d, 8192, 1e6, None).to(dev)
-    slots = torch.randperm(sum(lens) + 100, device=dev)[: sum(lens)].int() + 1
-    kv_indices = slots.clone()
-    new_slots = torch.stack([kv_indices[sum(lens[: i + 1]) - 1] for i in range(b)]).long()
-    positions = torch.tensor([n - 1 for n in lens], device=dev)
-    x = torch.randn(b, hidden, device=dev, dtype=torch.bfloat16) * 3
-    qkv = torch.randn(b, (heads + 2 * kv_heads) * d, device=dev, dtype=torch.bfloat16)
-    qw = (1 + 0.1 * torch.randn(d, device=dev)).bfloat16() if qk_norm else None
-    kw = (1 + 0.1 * torch.randn(d, device=dev)).bfloat16() if qk_norm else None
-    outs, pools = [], []
-    cache_k = torch.randn(sum(lens) + 101, kv_heads, d, device=dev, dtype=torch.bfloat16)
-    cache_v = torch.randn_like(cache_k)
-    for raw_path in (False, True):
-        pool_k, pool_v = cache_k.clone(), cache_v.clone()  # the same cache for both, but for the new rows
-        split = SplitDecode(num_q_heads=heads, num_kv_heads=kv_heads, head_dim=d, sm_scale=d**-0.5, max_batch=b,
-                            device=dev)  # fmt: skip
-        split.plan(lens, kv_indices)
-        work = qkv.clone()
-        if raw_path:
-            raw = RawDecodeInputs(work, x, 1e-6, positions, rot.cos_cache, rot.sin_cache, qw, kw, 1e-6)
-            out = split.run_raw(raw, heads * d, kv_heads * d, pool_k, pool_v, new_slots)
-        else:
-            q, k, v = work.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-            q, k, v = q.view(b, heads, d), k.view(b, kv_heads, d), v.view(b, kv_heads, d)
-            norm = (qw, kw, 1e-6) if qk_norm else ()
-            q, k = qk_norm_rope_(positions, q, k, rot.cos_cache, rot.sin_cache, *norm,
-                                 store=(v, pool_k, pool_v, new_slots), row_rms=(x, v, 1e-6))  # fmt: skip
-            out = split.run(q, pool_k, pool_v)
-        torch.cuda.synchronize()
-        outs.append(out.float())
-        pools.append((pool_k[new_slots].float(), pool_v[new_slots].float()))
-    (k0, v0), (k1, v1) = pools
-    assert (k1 - k0).abs().max() <= 2**-7 * k0.abs().max() and (v1 - v0).abs().max() <= 2**-7 * v0.abs().max()
-    assert rel_error(k1, k0) < 1e-2 and rel_error(v1, v0) < 1e-2
-    assert rel_error(outs[1], outs[0]) < 1e-2
-
-
 # -------------------------------------------------------------------------------- the engine on a Qwen3 model
 
 

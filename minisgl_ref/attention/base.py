@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from minisgl_ref.core.forward_batch import ForwardBatch
     from minisgl_ref.kvcache.pool import KVPool
     from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
-    from minisgl_ref.layers.attention import AttentionLayer, RawDecodeInputs
+    from minisgl_ref.layers.attention import AttentionLayer
 
 
 class AttentionBackend:
@@ -79,13 +79,6 @@ class AttentionBackend:
     def attend_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         """Attention of each request's one new token (already stored) over its whole context: [B, heads * head_dim]."""
         raise NotImplementedError
-
-    def attend_decode_raw(
-        self, raw: RawDecodeInputs, layer: AttentionLayer, batch: ForwardBatch
-    ) -> torch.Tensor | None:
-        """Decode attention from the layer's raw QKV projection (:class:`RawDecodeInputs`), storing the new K/V
-        too, or ``None``: a backend whose kernel cannot finish q, k and v itself leaves that to the model."""
-        return None
 
     # ------------------------------------------------------------------------------------------- CUDA graphs
 

@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from minisgl_ref.core.forward_batch import ForwardBatch
     from minisgl_ref.kvcache.pool import KVPool
     from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
-    from minisgl_ref.layers.attention import AttentionLayer, RawDecodeInputs
+    from minisgl_ref.layers.attention import AttentionLayer
 
 log = logging.getLogger(__name__)
 
@@ -207,21 +207,6 @@ class FlashInferBackend(AttentionBackend):
             return self.persistent.run(q, self._paged_cache(layer.layer_id)).view(q.shape[0], -1)
         o = self.active_decode_wrapper.run(q, self._paged_cache(layer.layer_id))
         return o.view(q.shape[0], -1)
-
-    def attend_decode_raw(
-        self, raw: RawDecodeInputs, layer: AttentionLayer, batch: ForwardBatch
-    ) -> torch.Tensor | None:
-        """Our split-KV kernel finishes the raw q, k and v itself (one kernel a layer fewer); the other decode
-        kernels need them finished."""
-        if (not self.decode_split or raw.qkv.dtype != torch.bfloat16 or raw.cos.dtype != torch.float32
-                or 2 * raw.cos.shape[-1] != self.head_dim):  # fmt: skip
-            return None
-        assert self.split is not None and batch.out_cache_loc is not None
-        pool = self.kv_pool
-        q_size, kv_size = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        out = self.split.run_raw(raw, q_size, kv_size, pool.k[layer.layer_id], pool.v[layer.layer_id],
-                                 batch.out_cache_loc)  # fmt: skip
-        return out.view(raw.qkv.shape[0], -1)
 
     # ---------------------------------------------------------------------------------------- CUDA graphs
 

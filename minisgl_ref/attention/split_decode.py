@@ -35,13 +35,10 @@ import heapq
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from minisgl_ref.layers.attention import RawDecodeInputs
 
 #: Rows per half-warp in each register buffer, and threads per block: the variant the engine runs.
 UNROLL, THREADS = 4, 128
@@ -196,23 +193,6 @@ class SplitDecode:
         if done is not None:
             done.record()
         self.kv_indices = kv_indices
-
-    def run_raw(self, raw: RawDecodeInputs, q_size: int, kv_size: int, k: torch.Tensor, v: torch.Tensor,
-                new_slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """:meth:`run` on the layer's raw QKV projection: the kernel divides q by each row's rms, applies the
-        QK-norm and RoPE itself, and the block holding a request's new token does the same to its key, scales its
-        value, and writes both into ``k`` / ``v`` at ``new_slots`` (one kernel a layer fewer; chapter 11)."""
-        assert self.kv_indices is not None, "plan before run"
-        b, d = raw.qkv.shape[0], self.head_dim
-        q = raw.qkv[:, :q_size].view(b, -1, d)
-        raw_k = raw.qkv[:, q_size : q_size + kv_size].view(b, -1, d)
-        raw_v = raw.qkv[:, q_size + kv_size :].view(b, -1, d)
-        out = torch.empty(b, self.num_q_heads, d, dtype=raw.qkv.dtype, device=raw.qkv.device)
-        self.kernel.split_decode_raw(q, raw_k, raw_v, raw.x, raw.x_eps, raw.q_weight, raw.k_weight, raw.eps, raw.cos,
-                                     raw.sin, raw.positions, new_slots, k, v, self.kv_indices, self.items[: self.count],
-                                     self.parts, self.first_row, self.part_o, self.part_lse, self.counters, out,
-                                     self.sm_scale, UNROLL, THREADS)  # fmt: skip
-        return out
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One layer's decode attention ``[B, H, D]`` over its cache ``k``, ``v`` (``[slots, KV heads, D]``);

@@ -15,7 +15,7 @@ from torch import nn
 
 from minisgl_ref.core.forward_batch import ForwardBatch
 from minisgl_ref.layers.activation import SiluAndMul
-from minisgl_ref.layers.attention import AttentionLayer, RawDecodeInputs
+from minisgl_ref.layers.attention import AttentionLayer
 from minisgl_ref.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl_ref.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from minisgl_ref.layers.norm import RMSNorm
@@ -50,16 +50,7 @@ class LlamaAttention(nn.Module):
         """Attention up to ``o_proj``. With ``rms_eps`` (norm folding, chapter 11) ``hidden`` is the residual
         stream itself, not its normalised copy: the input norm's weight is folded into ``qkv_proj`` and the
         QK-norm/RoPE kernel divides q, k and v by each row's rms."""
-        qkv = self.qkv_proj(hidden)
-        if rms_eps is not None:  # the decode kernel may finish q, k and v itself (chapter 11)
-            norm = self.q_norm is not None and self.k_norm is not None
-            out = self.attn.forward_raw_decode(RawDecodeInputs(
-                qkv, hidden, rms_eps, positions, self.rotary.cos_cache, self.rotary.sin_cache,
-                self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,  # type: ignore[union-attr]
-                self.q_norm.eps if norm else 0.0), batch)  # type: ignore[union-attr]  # fmt: skip
-            if out is not None:
-                return out
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.attn.num_heads, self.attn.head_dim)
         k = k.reshape(-1, self.attn.num_kv_heads, self.attn.head_dim)
         v = v.reshape(-1, self.attn.num_kv_heads, self.attn.head_dim)

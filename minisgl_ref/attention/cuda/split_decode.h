@@ -21,27 +21,6 @@ struct SplitDecodeArgs {
   int64_t out_stride_tok, out_stride_head;
   int num_items, num_kv_heads, group;
   float scale_log2;             // softmax scale x log2(e)
-
-  // With `raw`, the kernel finishes its inputs itself (norm folding, chapter 11): q, k and v come straight from
-  // the QKV projection of the unnormalised residual rows x, and each block divides its query heads by the row's
-  // rms, applies the QK-norm (when q_weight is set) and RoPE; the block holding a request's new token does the
-  // same to its key head, scales its value head, and writes both into the pool at new_slots[request].
-  bool raw;
-  const __nv_bfloat16* raw_k;   // [batch, KV heads, 128] view of the QKV output, token stride q_stride_tok
-  const __nv_bfloat16* raw_v;
-  const __nv_bfloat16* x;       // [batch, hidden] residual rows
-  int64_t x_stride_tok;
-  int hidden;
-  float x_eps;
-  const __nv_bfloat16* q_weight;  // [128] QK-norm weights, or nullptr for a model without QK-norm
-  const __nv_bfloat16* k_weight;
-  float eps;
-  const float* cos;               // [max position, 64] RoPE tables (NeoX pairs: dimension i with i + 64)
-  const float* sin;
-  const int64_t* positions;       // [batch]
-  const int64_t* new_slots;       // [batch] the new token's slot
-  __nv_bfloat16* k_pool;          // the same pool as k and v, written at new_slots
-  __nv_bfloat16* v_pool;
 };
 
 // Launches the kernel on `stream`; returns cudaErrorInvalidValue for a shape or variant that is not compiled in.
