@@ -78,10 +78,10 @@ def _kernels():  # type: ignore[no-untyped-def]
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, HALF)[None, :]
-        if ROW_RMS:  # the token's input row was multiplied unnormalised: divide by its RMS now (norm folding)
-            xo = tl.arange(0, BLOCK_X)
-            xr = tl.load(x + t * stride_xt + xo, mask=xo < HIDDEN, other=0.0).to(tl.float32)
-            x_r = 1.0 / tl.sqrt(tl.sum(xr * xr, axis=0) / HIDDEN + x_eps)
+        # Every load first, then the arithmetic. The loads do not depend on each other (but for the angles, on the
+        # position), so issued together they wait about one memory latency; interleaved with the reductions that
+        # use them, each would wait for the one before, and this kernel is too small to hide that.
+        pos = tl.load(positions + t).to(tl.int64)
         # Rows 0..NUM_Q-1 of the tile are the token's query heads, the next NUM_KV its key heads.
         h = tl.arange(0, BLOCK_H)[:, None].to(tl.int64)
         is_q = h < NUM_Q
@@ -91,37 +91,43 @@ def _kernels():  # type: ignore[no-untyped-def]
         base = tl.where(is_q, q + t * stride_qt + h * stride_qh, k + t * stride_kt + hk * stride_kh)
         x1 = tl.load(base + offs, mask=rows, other=0.0)
         x2 = tl.load(base + HALF + offs, mask=rows, other=0.0)
+        if ROW_RMS:  # the token's input row was multiplied unnormalised: divide by its RMS now (norm folding)
+            xo = tl.arange(0, BLOCK_X)
+            xr = tl.load(x + t * stride_xt + xo, mask=xo < HIDDEN, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            w1 = tl.where(is_q, tl.load(q_weight + offs), tl.load(k_weight + offs)).to(tl.float32)
+            w2 = tl.where(is_q, tl.load(q_weight + HALF + offs), tl.load(k_weight + HALF + offs)).to(tl.float32)
+        if STORE or ROW_RMS:
+            hv = tl.arange(0, BLOCK_KV)[:, None].to(tl.int64)
+            d = tl.arange(0, 2 * HALF)[None, :]
+            in_v = hv < NUM_KV
+            val = tl.load(v + t * stride_vt + hv * stride_vh + d, mask=in_v)
+        if STORE:
+            slot = tl.load(slots + t).to(tl.int64)
+        c = tl.load(cos + pos * HALF + offs)
+        s = tl.load(sin + pos * HALF + offs)
+
         dtype = x1.dtype
         a = x1.to(tl.float32)
         b = x2.to(tl.float32)
         if ROW_RMS:  # rounded as the projection of the normalised row would have been
+            x_r = 1.0 / tl.sqrt(tl.sum(xr * xr, axis=0) / HIDDEN + x_eps)
             a = (a * x_r).to(dtype).to(tl.float32)
             b = (b * x_r).to(dtype).to(tl.float32)
         if HAS_NORM:
             mean_sq = (tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1))[:, None] / (2 * HALF)
             r = 1.0 / tl.sqrt(mean_sq + eps)
             # weight * round(x * r), rounded: the reference's two roundings (RMSNorm._norm)
-            w1 = tl.where(is_q, tl.load(q_weight + offs), tl.load(k_weight + offs)).to(tl.float32)
-            w2 = tl.where(is_q, tl.load(q_weight + HALF + offs), tl.load(k_weight + HALF + offs)).to(tl.float32)
             a = (w1 * (a * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
             b = (w2 * (b * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        pos = tl.load(positions + t).to(tl.int64)
-        c = tl.load(cos + pos * HALF + offs)
-        s = tl.load(sin + pos * HALF + offs)
         y1 = (a * c - b * s).to(dtype)
         y2 = (b * c + a * s).to(dtype)
         tl.store(base + offs, y1, mask=rows)
         tl.store(base + HALF + offs, y2, mask=rows)
-        if STORE or ROW_RMS:
-            hv = tl.arange(0, BLOCK_KV)[:, None].to(tl.int64)
-            d = tl.arange(0, 2 * HALF)[None, :]
-            in_v = hv < NUM_KV
-            val = tl.load(v + t * stride_vt + hv * stride_vh + d, mask=in_v)
-            if ROW_RMS:  # the values are divided by the row's RMS too, in place
-                val = (val.to(tl.float32) * x_r).to(dtype)
-                tl.store(v + t * stride_vt + hv * stride_vh + d, val, mask=in_v)
+        if ROW_RMS:  # the values are divided by the row's RMS too, in place
+            val = (val.to(tl.float32) * x_r).to(dtype)
+            tl.store(v + t * stride_vt + hv * stride_vh + d, val, mask=in_v)
         if STORE:  # the rotated key heads and the value heads go straight into the token's KV slot
-            slot = tl.load(slots + t).to(tl.int64)
             pool_row = slot * (NUM_KV * 2 * HALF) + hk * (2 * HALF)
             tl.store(k_pool + pool_row + offs, y1, mask=is_k)
             tl.store(k_pool + pool_row + HALF + offs, y2, mask=is_k)
@@ -151,11 +157,11 @@ def _kernels():  # type: ignore[no-untyped-def]
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < I
+        g = tl.load(gate_up + t * stride_gt + cols, mask=mask, other=0.0)  # every load first (qk_norm_rope_kernel)
+        u = tl.load(gate_up + t * stride_gt + I + cols, mask=mask, other=0.0)
         xo = tl.arange(0, BLOCK_X)
         xr = tl.load(x + t * stride_xt + xo, mask=xo < HIDDEN, other=0.0).to(tl.float32)
         x_r = 1.0 / tl.sqrt(tl.sum(xr * xr, axis=0) / HIDDEN + x_eps)
-        g = tl.load(gate_up + t * stride_gt + cols, mask=mask, other=0.0)
-        u = tl.load(gate_up + t * stride_gt + I + cols, mask=mask, other=0.0)
         a = g.to(tl.float32) * x_r
         y = a / (1.0 + tl.exp(-a)) * (u.to(tl.float32) * x_r)
         tl.store(out + t * stride_ot + cols, y.to(g.dtype), mask=mask)
