@@ -22,7 +22,19 @@ OTHER_RESULTS = [
     "`docs/data/decode_anatomy_split_h100.json`, `docs/data/decode_anatomy_persistent_h100.json`; three interleaved "
     "A/Bs `docs/data/canonical_ab_split_decode_h100.json`; GPU tests `docs/data/gpu_tests_split_decode_h100.txt`; "
     "its plan with fewer cuts, and from 48 rows: `docs/data/decode_balance_split_cap_h100.json`, "
-    "`docs/data/decode_balance_split_cap_small_h100.json`, `docs/data/canonical_ab_split_cap_h100.json`.",
+    "`docs/data/decode_balance_split_cap_small_h100.json`, `docs/data/canonical_ab_split_cap_h100.json`; its GPU tests "
+    "at that plan `docs/data/gpu_tests_split_cap_h100.txt`; small batches cut into more blocks, which did not pay "
+    "`docs/data/decode_balance_min_blocks_h100.json`.",
+    "The small kernels of a decode layer (chapter 11, section 5): the Triton QK-norm/RoPE/store and activation "
+    "kernels with every load first `docs/data/fused_kernels_loads_first_h100.json`, "
+    "`docs/data/canonical_ab_loads_first_h100.json`, GPU tests `docs/data/gpu_tests_loads_first_h100.txt`; two "
+    "tries that did not pay: the split-KV kernel launched as a programmatic dependent "
+    "`docs/data/dependent_launch_h100.json`, "
+    "and the split-KV kernel finishing the raw QKV projection itself `docs/data/raw_decode_h100.json`, "
+    "`docs/data/canonical_ab_raw_prologue_h100.json`.",
+    "The canonical workload on three more bare machines with the engine at the end of chapter 11: "
+    "`docs/data/canonical_bare_machine_split_cap_h100.json`, `docs/data/canonical_bare_machine_split_cap_2_h100.json`, "
+    "`docs/data/canonical_bare_machine_loads_first_h100.json`.",
     "The host and the GPU on one clock in the tail of a canonical run (chapter 11, section 5): "
     "`docs/data/tail_timeline_h100.json`.",
     "Other decode attention kernels in a 28-layer chain with the matrix multiplies (chapter 11, section 5): "
