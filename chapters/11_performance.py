@@ -432,8 +432,8 @@ for label in ("cold", "warm"):
           f"compiled during the run: {run['compiled_during_run']}")
 
 # %% [markdown]
-# This is the engine as it stands at the end of the chapter (with the persistent decode kernel, the fused
-# prefill store and the folded norms of later sections). The first process compiles for about a minute before its
+# This is the engine with the persistent decode kernel, the fused prefill store and the folded norms of later
+# sections (the end of the chapter comes next). The first process compiles for about a minute before its
 # first request (FlashInfer's JIT and Triton, then the KV pool and the graph captures; the host's speed varies from
 # machine to machine, and earlier bare machines took up to 100 s), the second starts in under 10 s from the disk
 # caches (~13 s, more graphs to capture since the persistent kernel starts at 144 rows), and both run the workload
@@ -441,10 +441,29 @@ for label in ("cold", "warm"):
 # measurement with the folded norms but the persistent kernel from 64 rows: 19,585 and 19,600,
 # `canonical_bare_machine_folded_h100.json`; before the folded norms: 19,446 and 19,232; before the fused prefill
 # store: 19,034 and 19,027; each on another machine. Machines differ by a percent or two, so only the interleaved
-# A/Bs of section 5 compare changes.)
+# A/Bs of section 5 compare changes.) The engine at the end of the chapter (our own split-KV decode kernel and the
+# small kernels' loads issued first, both in section 5) on three more bare machines, the first two a step before the
+# last change:
+
+# %%
+for name in ("canonical_bare_machine_split_cap_h100.json", "canonical_bare_machine_split_cap_2_h100.json",
+             "canonical_bare_machine_loads_first_h100.json"):
+    doc = json.loads((ROOT / "docs" / "data" / name).read_text())
+    cold, warm = doc["cold"]["results"][0], doc["warm"]["results"][0]
+    compiled = sum(cold["compiled_during_run"].values()) + sum(warm["compiled_during_run"].values())
+    print(f"{doc['git_commit'][:7]}: first process start-up {cold['startup_s']:4.1f} s, "
+          f"{cold['output_throughput']:,.0f} tok/s ({cold['roofline_fraction']:.1%} of the floor); "
+          f"second start-up {warm['startup_s']:4.1f} s, {warm['output_throughput']:,.0f} tok/s; "
+          f"compiled during the runs: {compiled}")
+
+# %% [markdown]
+# 19,900-20,250 output tokens/s on the first timed run of a bare machine, 74.6-76.0% of the floor, and the second
+# process within 1.3% of the first; a warm start-up of 9-14 s, a cold one of 70-86 s. That is 1.2-3% short of
+# 20,500. (The last machine is the slowest of the three although its engine is the fastest in the interleaved
+# A/B of section 5: between machines the spread is larger than the change.)
 #
-# How far apart are a first and a second process, and where? Three more bare machines with the engine as it
-# stands, the second one tracing every step of both timed runs (`--step-log`) and counting the garbage
+# How far apart are a first and a second process, and where? Three other bare machines, with the engine of the
+# persistent kernel, the second one tracing every step of both timed runs (`--step-log`) and counting the garbage
 # collector's work (`canonical_bare_machine_repeats_h100.json`):
 
 # %%
@@ -1135,6 +1154,27 @@ print(f"    median {new['median'] / old['median'] - 1:+.1%}, mean {new['mean'] /
 # each), +0.9% on first timed runs (`canonical_ab_split_cap_h100.json`); runs of both sides overlap, as always,
 # and the first timed runs reach 19,400-20,000 output tokens/s, still short of 20,500.
 #
+# Below 48 rows a batch is too few blocks for the GPU: 32 requests x 8 KV heads are 256 blocks where ~500 fit at
+# once. Would our kernel take those steps too if a small batch were always cut until it has enough blocks (at
+# least 256, 512 or 1,024: `cudamin_M`, a variant of the plan measured at commit 31a607a and since removed)? The same chain
+# (`decode_balance_min_blocks_h100.json`):
+
+# %%
+MIN = json.loads((ROOT / "docs" / "data" / "decode_balance_min_blocks_h100.json").read_text())
+names = ["fi_graph", "cudacap_200_4_128", "cudamin_256_4_128", "cudamin_512_4_128", "cudamin_1024_4_128"]
+print(f"{'running':>7} {'FlashInfer':>10} {'ours':>6} {'>= 256 blocks':>13} {'>= 512':>7} {'>= 1,024':>8}"
+      "   (chain, us per layer)")
+for st in MIN["stages"]:
+    c = {r["variant"].removesuffix("_with_matmuls"): r["chain_us_per_layer"] for r in st["variants"]
+         if "chain_us_per_layer" in r}
+    print(f"{st['running']:>7} " + " ".join(f"{c[n]:>{w}.1f}" for n, w in zip(names, (10, 6, 13, 7, 8))))
+
+# %% [markdown]
+# Cutting brings our kernel from 38% behind FlashInfer's at 8 running to level with it, no further: with at least
+# 256 blocks it is 1-6% behind from 8 to 32 rows, with 512 it is 1% ahead at 24 rows and 3-5% behind at the others,
+# and at 48-63 rows, where the engine already uses ours, the extra cuts cost up to 5% or nothing. No single
+# minimum gains anywhere, so the threshold stays at 48 rows and the plan as it was.
+#
 # ### The other side of the chain: the multiplies
 #
 # The multiplies take ~0.8-1.0 ms a step where reading the weights takes
@@ -1331,12 +1371,69 @@ for r in FG["results"]:
 # 0.55 ms at 256 rows.) A fused kernel needs its own check against a reference on the GPU, for every tile shape
 # it may pick. The engine keeps cuBLAS and the separate activation.
 #
-# ### Where the time of a run goes now
+# ### Small kernels wait on latency, not on memory
 #
-# Put the pieces of this section together for the first run on a bare machine:
+# With the norms folded, a layer's two Triton kernels are the only small ones left, and the profile at 256 running
+# gives the QK-norm/RoPE/store kernel ~4 µs a call (0.11 ms a step), for ~5.5 MB read and written: 1.8 µs at the
+# bandwidth. One program per token, and inside each program the loads were interleaved with the arithmetic that
+# uses them: the residual row, then its sum of squares (a reduction across the program's warps, so a barrier),
+# then the q and k heads, their norm, then the position, then the angles it indexes, then v, then the slot. A load
+# after a barrier cannot be issued before it, so the program waited for one memory latency per stage, five or six
+# in a row, and with only 256 programs there is nothing else for the SMs to do meanwhile. Both kernels now issue
+# every load first and compute afterwards (`minisgl_ref/layers/triton_fused.py`); in the compiled code all 56
+# global loads of the QK-norm kernel come before its first barrier, where 8 did. The arithmetic is the same, so the
+# outputs are identical bit for bit. `scripts/gpu/fused_kernels_ab.py` times the two kernels of 28 layers (each
+# layer its own tensors, a copy of the projection included) against the previous version of the file, in one
+# process (`fused_kernels_loads_first_h100.json`), and an interleaved A/B runs the workload
+# (`canonical_ab_loads_first_h100.json`):
 
 # %%
-run = BARE["cold"]["results"][0]
+LF = json.loads((ROOT / "docs" / "data" / "fused_kernels_loads_first_h100.json").read_text())
+for r in LF["results"]:
+    t = r["us_per_layer_both_kernels"]
+    print(f"{r['rows']:>4} rows: {t['old']:5.2f} -> {t['new']:5.2f} us a layer ({r['change']:+.1%}), "
+          f"same outputs: {r['same_outputs']}")
+print_ab("canonical_ab_loads_first_h100.json", "canonical workload, loads first:")
+
+# %% [markdown]
+# About a microsecond a layer at every batch size, 9.5-13% of the two kernels, ~30 µs a step: +0.5% in the medians
+# of the workload, inside the spread between processes, as a change of that size must be.
+#
+# Two ways of going further did not pay. **Launch the attention early.** With programmatic dependent launch (the
+# PDL of the split-K multiplies above), the QK-norm kernel would let the attention kernel launch as soon as it
+# starts, and the attention's blocks would read their slot numbers and ask the L2 cache for their first rows while
+# it runs, then wait for it. It was timed in a 28-layer chain of the engine's own kernels and multiplies, launched
+# both ways in one process (`dependent_launch_h100.json`; the code is at commit 31a607a). **Do without the
+# kernel.** Our split-KV kernel could finish q, k and v itself: each block divides its query heads by the row's
+# rms, normalises and rotates them, and the block that holds a request's new token does the same to its key,
+# scales its value and writes both into the pool, one kernel a layer fewer (the same chain, `raw_decode_h100.json`;
+# the code is at commit 618d25d). Each against the engine's way, as the change in a step's time:
+
+# %%
+for name, other in (("dependent_launch_h100.json", "dependent"), ("raw_decode_h100.json", "raw")):
+    doc = json.loads((ROOT / "docs" / "data" / name).read_text())
+    label = "launched early" if other == "dependent" else "without the QK-norm kernel"
+    cells = ", ".join(f"{st['running']}: {st['change']:+.1%}" for st in doc["stages"])
+    print(f"{label:<27} step time by requests running, against the engine's way: {cells}")
+print_ab("canonical_ab_raw_prologue_h100.json", "canonical workload, the first version without the QK-norm kernel:")
+
+# %% [markdown]
+# Launching early is worth -0.4% to +1%, nothing: the attention kernel's blocks have little to do before they need
+# the query, and a wave of blocks parked at the wait takes the GPU's slots. Doing without the kernel saves its
+# ~4 µs but costs more: the work is not done once per token any more but once per (piece, KV head) block, eight
+# times per request and more for cut contexts, each block reading the token's 2 KiB residual row and reducing it
+# across its warps before its first row of K can be used. Its first version, whose loads came one after another,
+# lost 1.2% end to end; with every load issued first and the first rows of K and V in flight during the arithmetic,
+# the chain is still 0.5-1.9% slower from 128 to 256 running and level below. The engine keeps the kernel.
+#
+# ### Where the time of a run goes now
+#
+# Put the pieces of this section together for the first run on a bare machine, with the engine as it now stands
+# (`canonical_bare_machine_loads_first_h100.json`):
+
+# %%
+LATEST = json.loads((ROOT / "docs" / "data" / "canonical_bare_machine_loads_first_h100.json").read_text())
+run = LATEST["cold"]["results"][0]
 wall, floor = run["wall_s"], run["roofline_floor_s"]
 decode_steps = run["decode_steps"]
 weights_s = decode_steps * MM["floor_ms_at_bandwidth"] / 1e3  # every decode step reads the weights once
@@ -1345,8 +1442,8 @@ prefill_s = json.loads((ROOT / "docs" / "data" / "prefill_anatomy_folded_h100.js
 target_s = GPU["canonical_output_tokens"] / 20_500
 print(f"run {wall:.2f} s ({run['output_throughput']:,.0f} tok/s); floor {floor:.2f} s = KV {kv_s:.2f} + weights {weights_s:.2f}")
 print(f"  prefill phase                                  {prefill_s:5.2f} s")
-# The persistent kernel reads at 2.89 TB/s alone, and at ~2.73 in the engine's profile (see below).
-for rate, where in ((2.89, "alone"), (2.73, "in the engine")):
+# Our split-KV kernel reads the workload's contexts at ~2.9 TB/s, alone and between the multiplies (see above).
+for rate, where in ((2.9, "as in the chain"), (2.85, "2% slower")):
     attention_s = kv_s * 3.0 / rate
     fixed_s = wall - prefill_s - attention_s
     print(f"  decode attention at {rate} TB/s, {where + ':':<14} {attention_s:5.2f} s, leaving for the rest of the "
@@ -1361,14 +1458,15 @@ print_ab("canonical_ab_cublaslt_h100.json", "\nand one more try at the matrix mu
 # (cuBLASLt's kernels instead of cuBLAS's changed nothing: the medians are 0.1% apart, and the two slow runs are
 # the first process on a fresh machine.)
 #
-# The attention reads the cache within 5-10% of what this GPU can read, and the prefill is within ~0.13 s of its
-# compute floor; what separates the engine from the floor is the ~1.4-1.7 ms that every decode step spends outside
+# The attention reads the cache within 3-5% of what this GPU can read, and the prefill is within ~0.13 s of its
+# compute floor; what separates the engine from the floor is the ~1.5-1.6 ms that every decode step spends outside
 # the attention: ~0.4 ms of it to read the weights, the rest in 220-285 short kernels per step (the matrix
 # multiplies' ramp-up and drain, RoPE, activation, sampling) and the gaps between them. Folding the norms took 56
 # of those kernels away and bought 2.9%; each other idea of this section that attacked the fixed cost piecewise
-# (faster matrix multiplies, copies off the stream, overlapped halves, the activation inside its multiply) was
-# worth at most a percent, or lost. 20,500 tokens/s asks for 0.3 ms less per step, a quarter of what lies above
-# the weights' floor: the layer's remaining seven kernels fused into a few long ones that stream the weights
+# (faster matrix multiplies, copies off the stream, overlapped halves, the activation inside its multiply, the
+# small kernels' loads first, the attention launched early or doing the QK-norm's work) was worth at most a
+# percent, or lost. 20,500 tokens/s asks for 0.2 ms less per step on this machine, a sixth of what lies above the
+# weights' floor: the layer's remaining seven kernels fused into a few long ones that stream the weights
 # while the next kernel's work is already in flight, with multiplies as good as cuBLAS's Hopper kernels (a
 # Triton tile is not, from 16 rows up), or an attention kernel that keeps its isolated read rate inside the
 # engine.
@@ -2071,6 +2169,11 @@ for run in SA["canonical_runs"]:
 # git archive f09bb3e minisgl_ref | tar -x -C .baseline && BASE_LABEL=f09bb3e NEW_LABEL=$(git rev-parse --short \
 #     HEAD) ROUNDS=5 bash scripts/gpu/canonical_ab.sh      # section 5: fewer cuts and from 48 rows, end to end
 # python3 scripts/gpu/tail_timeline.py --out results   # section 5: host and GPU on one clock in the run's tail
+# git archive a6ee801 minisgl_ref | tar -x -C .baseline && python3 scripts/gpu/fused_kernels_ab.py \
+#     --old .baseline/minisgl_ref/layers/triton_fused.py --output results/loads_first.json  # section 5: loads first
+# BASE_LABEL=a6ee801 NEW_LABEL=$(git rev-parse --short HEAD) ROUNDS=3 bash scripts/gpu/canonical_ab.sh  # end to end
+# git checkout 618d25d && python -m benchmarks.raw_decode --output results/raw_decode.json  # section 5: the
+#     attention without the QK-norm kernel (and 31a607a: python -m benchmarks.dependent_launch, launched early)
 # python -m benchmarks.matmul_latency --output results/matmul_latency.json   # section 5: weights in L2, TunableOp
 # ```
 #
