@@ -442,12 +442,12 @@ for label in ("cold", "warm"):
 # `canonical_bare_machine_folded_h100.json`; before the folded norms: 19,446 and 19,232; before the fused prefill
 # store: 19,034 and 19,027; each on another machine. Machines differ by a percent or two, so only the interleaved
 # A/Bs of section 5 compare changes.) The engine at the end of the chapter (our own split-KV decode kernel and the
-# small kernels' loads issued first, both in section 5) on three more bare machines, the first two a step before the
+# small kernels' loads issued first, both in section 5) on four more bare machines, the first two a step before the
 # last change:
 
 # %%
 for name in ("canonical_bare_machine_split_cap_h100.json", "canonical_bare_machine_split_cap_2_h100.json",
-             "canonical_bare_machine_loads_first_h100.json"):
+             "canonical_bare_machine_loads_first_h100.json", "canonical_bare_machine_loads_first_2_h100.json"):
     doc = json.loads((ROOT / "docs" / "data" / name).read_text())
     cold, warm = doc["cold"]["results"][0], doc["warm"]["results"][0]
     compiled = sum(cold["compiled_during_run"].values()) + sum(warm["compiled_during_run"].values())
@@ -459,7 +459,7 @@ for name in ("canonical_bare_machine_split_cap_h100.json", "canonical_bare_machi
 # %% [markdown]
 # 19,900-20,250 output tokens/s on the first timed run of a bare machine, 74.6-76.0% of the floor, and the second
 # process within 1.3% of the first; a warm start-up of 9-14 s, a cold one of 70-86 s. That is 1.2-3% short of
-# 20,500. (The last machine is the slowest of the three although its engine is the fastest in the interleaved
+# 20,500. (The third machine is the slowest of the four although its engine is the faster one in the interleaved
 # A/B of section 5: between machines the spread is larger than the change.)
 #
 # How far apart are a first and a second process, and where? Three other bare machines, with the engine of the

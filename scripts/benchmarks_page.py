@@ -32,9 +32,10 @@ OTHER_RESULTS = [
     "`docs/data/dependent_launch_h100.json`, "
     "and the split-KV kernel finishing the raw QKV projection itself `docs/data/raw_decode_h100.json`, "
     "`docs/data/canonical_ab_raw_prologue_h100.json`.",
-    "The canonical workload on three more bare machines with the engine at the end of chapter 11: "
+    "The canonical workload on four more bare machines with the engine at the end of chapter 11: "
     "`docs/data/canonical_bare_machine_split_cap_h100.json`, `docs/data/canonical_bare_machine_split_cap_2_h100.json`, "
-    "`docs/data/canonical_bare_machine_loads_first_h100.json`.",
+    "`docs/data/canonical_bare_machine_loads_first_h100.json`, "
+    "`docs/data/canonical_bare_machine_loads_first_2_h100.json`.",
     "The host and the GPU on one clock in the tail of a canonical run (chapter 11, section 5): "
     "`docs/data/tail_timeline_h100.json`.",
     "Other decode attention kernels in a 28-layer chain with the matrix multiplies (chapter 11, section 5): "
