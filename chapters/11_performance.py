@@ -1380,8 +1380,8 @@ for r in FG["results"]:
 # then the q and k heads, their norm, then the position, then the angles it indexes, then v, then the slot. A load
 # after a barrier cannot be issued before it, so the program waited for one memory latency per stage, five or six
 # in a row, and with only 256 programs there is nothing else for the SMs to do meanwhile. Both kernels now issue
-# every load first and compute afterwards (`minisgl_ref/layers/triton_fused.py`); in the compiled code all 56
-# global loads of the QK-norm kernel come before its first barrier, where 8 did. The arithmetic is the same, so the
+# every load first and compute afterwards (`minisgl_ref/layers/triton_fused.py`); in the PTX that Triton 3.9
+# generates for an H100, all 56 global loads of the QK-norm kernel come before its first barrier, where 8 did. The arithmetic is the same, so the
 # outputs are identical bit for bit. `scripts/gpu/fused_kernels_ab.py` times the two kernels of 28 layers (each
 # layer its own tensors, a copy of the projection included) against the previous version of the file, in one
 # process (`fused_kernels_loads_first_h100.json`), and an interleaved A/B runs the workload
@@ -1418,8 +1418,8 @@ for name, other in (("dependent_launch_h100.json", "dependent"), ("raw_decode_h1
 print_ab("canonical_ab_raw_prologue_h100.json", "canonical workload, the first version without the QK-norm kernel:")
 
 # %% [markdown]
-# Launching early is worth -0.4% to +1%, nothing: the attention kernel's blocks have little to do before they need
-# the query, and a wave of blocks parked at the wait takes the GPU's slots. Doing without the kernel saves its
+# Launching early is worth between -0.4% and +1%, nothing measurable: what an attention block can do before it
+# needs the query (read its slot numbers, ask for its first rows) is short next to the step. Doing without the kernel saves its
 # ~4 µs but costs more: the work is not done once per token any more but once per (piece, KV head) block, eight
 # times per request and more for cut contexts, each block reading the token's 2 KiB residual row and reducing it
 # across its warps before its first row of K can be used. Its first version, whose loads came one after another,
@@ -2080,6 +2080,14 @@ for run in SA["canonical_runs"]:
 #    and for the skewed batch `Stage(lens)` and `split_decode_runner` from that module under
 #    `benchmarks.kernels.time_graph`. Where does cutting stop paying for its merge, and why does the answer depend
 #    on the spread of the lengths more than on their mean?
+# 13. **Loads before barriers (the PTX on a CPU, the timing on a GPU).** Triton compiles for a GPU it does not
+#    have: `triton.compile(ASTSource(fn=kernel, signature=..., constexprs=...), target=GPUTarget("cuda", 90, 32))`
+#    returns the PTX in `.asm["ptx"]`. Do it for `qk_norm_rope_kernel` (from `_kernels()` in
+#    `minisgl_ref/layers/triton_fused.py`, with the decode step's constants: 16 and 8 heads, `HALF=64`, norms,
+#    store and `ROW_RMS` on) and count the `ld.global` instructions before the first `bar.sync`. Then move the
+#    residual row's reduction back above the q and k loads, as the kernel once was, and count again. On a GPU,
+#    `scripts/gpu/fused_kernels_ab.py --old` times the two files against each other. Why does the order not matter
+#    for a prefill step of 16,384 tokens?
 
 # %% [markdown]
 # ## Reproduce
