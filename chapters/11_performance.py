@@ -2185,9 +2185,14 @@ for run in SA["canonical_runs"]:
 # python -m benchmarks.matmul_latency --output results/matmul_latency.json   # section 5: weights in L2, TunableOp
 # ```
 #
-# Expected on an H100 80GB HBM3 (`docs/data/gpu_offline_h100.json`): about 17,700-17,850 output tok/s on the
-# canonical workload with the default engine (67% of the 5.03 s floor at the measured 3.0 TB/s, 60% of the
-# datasheet floor), about 8,200 with `--disable-cuda-graph`, about 18,000 with `--attention-backend triton`.
+# Expected on an H100 80GB HBM3 with the engine as it stands (`bash scripts/gpu/bare_machine.sh`,
+# `canonical_bare_machine_loads_first_h100.json` and `..._loads_first_2_h100.json`, about 2.5 minutes): about
+# 19,900-20,150 output tok/s on the first timed run of `python -m minisgl_ref bench offline` on a bare machine
+# (75-76% of the 5.03 s floor at the measured 3.0 TB/s), a start-up of 70-90 s there and of 10-14 s in a second
+# process, which runs within about a percent of the first. Earlier engines, in the order of this chapter
+# (`docs/data/gpu_offline_h100.json`): about 17,700-17,850 output tok/s on the canonical workload (67% of the
+# floor, 60% of the datasheet floor), about 8,200 with `--disable-cuda-graph`, about 18,000 with
+# `--attention-backend triton`.
 # Separate processes on the same machine vary by about 4%. From `docs/data/perf2_h100.json`: a first process on a
 # bare machine starts in about 93 s and runs the canonical workload at about 17,100 tok/s, a second one starts in
 # about 11 s and runs at about 17,450; the shared-prefix workload runs at about 23,000 tok/s with the radix cache

@@ -32,10 +32,9 @@ OTHER_RESULTS = [
     "`docs/data/dependent_launch_h100.json`, "
     "and the split-KV kernel finishing the raw QKV projection itself `docs/data/raw_decode_h100.json`, "
     "`docs/data/canonical_ab_raw_prologue_h100.json`.",
-    "The canonical workload on four more bare machines with the engine at the end of chapter 11: "
-    "`docs/data/canonical_bare_machine_split_cap_h100.json`, `docs/data/canonical_bare_machine_split_cap_2_h100.json`, "
-    "`docs/data/canonical_bare_machine_loads_first_h100.json`, "
-    "`docs/data/canonical_bare_machine_loads_first_2_h100.json`.",
+    "A fresh process on a machine that was not bare (kernels compiled by an earlier benchmark): "
+    "`docs/data/canonical_fresh_process_split_cap_h100.json`; a wider GPU test run cut off by its time limit, the "
+    "ten tests it finished all passing: `docs/data/gpu_tests_head_partial_h100.txt`.",
     "The host and the GPU on one clock in the tail of a canonical run (chapter 11, section 5): "
     "`docs/data/tail_timeline_h100.json`.",
     "Other decode attention kernels in a 28-layer chain with the matrix multiplies (chapter 11, section 5): "
@@ -295,6 +294,32 @@ def tp_section() -> list[str]:
     return out
 
 
+#: The engine as it stands, on bare machines (newest last): the page opens with them.
+LATEST_BARE = ["canonical_bare_machine_split_cap_h100.json", "canonical_bare_machine_split_cap_2_h100.json",
+               "canonical_bare_machine_loads_first_h100.json", "canonical_bare_machine_loads_first_2_h100.json"]
+
+
+def latest_section() -> list[str]:
+    """The canonical workload on bare machines with the engine at the end of chapter 11: first and second process."""
+    docs = [(name, load(name)) for name in LATEST_BARE]
+    prov = docs[-1][1]["cold"]["provenance"]
+    hw, sw = prov["hardware"], prov["software"]
+    out = ["## The engine as it stands: first run on a bare machine (chapter 11)", "",
+           "`bash scripts/gpu/bare_machine.sh OUT.json` runs `python -m minisgl_ref bench offline` (the canonical "
+           "workload, Qwen3-0.6B config, bf16, dummy weights) in a first process on a machine with empty compile "
+           "caches, then in a second process. One row per machine; machines differ by a percent or two. "
+           f"{hw['gpu']} (driver {hw['nvidia_driver']}), torch {sw['torch']}, flashinfer "
+           f"{sw['packages'].get('flashinfer-python')}.", "",
+           "| data | commit | first process: output tok/s | of the floor | start-up s | second process: output tok/s "
+           "| start-up s |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name, doc in docs:
+        cold, warm = doc["cold"]["results"][0], doc["warm"]["results"][0]
+        out.append(f"| [`{name}`](data/{name}) | {doc['git_commit'][:7]} | **{cold['output_throughput']:,.0f}** | "
+                   f"{cold['roofline_fraction']:.1%} | {cold['startup_s']:.1f} | {warm['output_throughput']:,.0f} | "
+                   f"{warm['startup_s']:.1f} |")
+    return out + [""]
+
+
 def render() -> str:
     """The page's Markdown, from the result files alone."""
     page = ["# Benchmarks", "",
@@ -302,7 +327,7 @@ def render() -> str:
             "the hardware, the software versions and the time it was measured; `python scripts/benchmarks_page.py` "
             "writes this page from them. The chapters that produce the numbers read the same files and plot them (the "
             "site shows the chapters' code; run a chapter or its notebook to see the plots).", ""]
-    page += offline_section() + tp_section()
+    page += latest_section() + offline_section() + tp_section()
     page += ["## Other results", "", *(f"- {line}" for line in OTHER_RESULTS), ""]
     return "\n".join(page)
 
