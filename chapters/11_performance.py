@@ -1380,11 +1380,12 @@ for r in FG["results"]:
 # then the q and k heads, their norm, then the position, then the angles it indexes, then v, then the slot. A load
 # after a barrier cannot be issued before it, so the program waited for one memory latency per stage, five or six
 # in a row, and with only 256 programs there is nothing else for the SMs to do meanwhile. Both kernels now issue
-# every load first and compute afterwards (`minisgl_ref/layers/triton_fused.py`); in the PTX that Triton 3.9
-# generates for an H100, all 56 global loads of the QK-norm kernel come before its first barrier, where 8 did. The arithmetic is the same, so the
-# outputs are identical bit for bit. `scripts/gpu/fused_kernels_ab.py` times the two kernels of 28 layers (each
-# layer its own tensors, a copy of the projection included) against the previous version of the file, in one
-# process (`fused_kernels_loads_first_h100.json`), and an interleaved A/B runs the workload
+# every load first and compute afterwards (`minisgl_ref/layers/triton_fused.py`). In the PTX that Triton 3.9
+# generates for an H100, all 56 global loads of the QK-norm kernel come before its first barrier, where 8 did; a
+# CPU test compiles both kernels for an H100 and holds them to that (`tests/test_triton_fused.py`). The arithmetic
+# is the same, so the outputs are identical bit for bit. `scripts/gpu/fused_kernels_ab.py` times the two kernels
+# of 28 layers (each layer its own tensors, a copy of the projection included) against the previous version of
+# the file, in one process (`fused_kernels_loads_first_h100.json`), and an interleaved A/B runs the workload
 # (`canonical_ab_loads_first_h100.json`):
 
 # %%

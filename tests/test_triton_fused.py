@@ -233,3 +233,53 @@ def test_gpu_qwen3_attention_stores_kv_in_the_rope_kernel(mode) -> None:
     assert torch.equal(outs[0], outs[1])
     assert all(torch.equal(a, b) for a, b in zip(pools[0].k + pools[0].v, pools[1].k + pools[1].v))
     assert not torch.equal(pools[0].k[3][slots[idx]], noise)  # the new keys were written
+
+
+# The decode step's kernels compiled for an H100 (sm_90) in a process without Triton's interpreter: Triton compiles
+# for a GPU it does not have. Prints, per kernel, the global loads before its first barrier and in all.
+_PTX_LOADS = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from minisgl_ref.layers.triton_fused import ACT_BLOCK, _kernels
+
+qk, _, silu = _kernels()
+ptrs = ["q", "k", "v", "q_weight", "k_weight", "cos", "sin", "positions", "k_pool", "v_pool", "slots", "x"]
+types = ["*bf16"] * 5 + ["*fp32"] * 2 + ["*i64", "*bf16", "*bf16", "*i64", "*bf16"]
+sig = dict(zip(ptrs, types))
+strides = ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_xt")
+sig.update({n: "i64" for n in strides})
+sig.update(eps="fp32", x_eps="fp32")
+qk_consts = dict(NUM_Q=16, NUM_KV=8, BLOCK_H=32, BLOCK_KV=8, HAS_NORM=True, STORE=True, HALF=64, ROW_RMS=True,
+                 HIDDEN=1024, BLOCK_X=1024)
+silu_sig = {"gate_up": "*bf16", "x": "*bf16", "out": "*bf16", "stride_gt": "i64", "stride_xt": "i64",
+            "stride_ot": "i64", "x_eps": "fp32"}
+silu_consts = dict(I=3072, HIDDEN=1024, BLOCK_X=1024, BLOCK=ACT_BLOCK)
+counts = {}
+for name, fn, s, c in (("qk_norm_rope", qk, sig, qk_consts), ("silu_and_mul_rms", silu, silu_sig, silu_consts)):
+    s = {**s, **{k: "constexpr" for k in c}}
+    ptx = triton.compile(ASTSource(fn=fn, signature=s, constexprs=c), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    lines = [line.strip() for line in ptx.splitlines()]
+    barrier = next(i for i, line in enumerate(lines) if "bar.sync" in line)
+    counts[name] = [sum("ld.global" in line for line in lines[:barrier]), sum("ld.global" in line for line in lines)]
+print(json.dumps(counts))
+"""
+
+
+def test_decode_kernels_issue_every_load_before_their_first_barrier() -> None:
+    """Chapter 11: with one program per token, a decode step gives these kernels too few programs to hide memory
+    latency, so each program must not wait for one load before issuing the next. In the code Triton generates for
+    an H100, for the decode step's shapes, every global load of the QK-norm/RoPE/store kernel and of the activation
+    comes before the first barrier (a reduction across warps): a load after a barrier cannot be issued before it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _PTX_LOADS], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    counts = json.loads(run.stdout.strip().splitlines()[-1])
+    for name, (before, total) in counts.items():
+        assert before == total > 0, f"{name}: {before} of its {total} global loads before the first barrier"
