@@ -148,6 +148,20 @@ def show(name: str, run: dict) -> None:
         print(f"  make_request x{len(first)}: {first[0][0]:.2f} -> {first[-1][1]:.2f} ms")
 
 
+def profile_text(prof: cProfile.Profile, *sorts: tuple[str, int]) -> str:
+    """A cProfile's top functions under each (sort key, how many) in turn, as pstats prints them."""
+    text = io.StringIO()
+    for key, n in sorts:
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(n)
+    return text.getvalue()
+
+
+def write_result(out: Path, stem: str, label: str, result: dict) -> None:
+    """``result`` with the run's provenance, as ``out/STEM[_LABEL].json``."""
+    result["provenance"] = collect_provenance(label=label)
+    (out / f"{stem}{'_' + label if label else ''}.json").write_text(json.dumps(result, indent=1))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
@@ -166,16 +180,13 @@ def main() -> int:
     phase = prefill_phase(llm, profiled=False)
     prof.disable()
     llm.engine.run_until_done()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(35)
-    print(text.getvalue())
-    result = {"what": "the host and GPU timeline of the first steps of two timed canonical runs in one fresh engine, "
-                      "and a cProfile of a third run's queueing and prefill steps",
-              "startup_s": round(startup, 1), "runs": runs, "profiled_prefill_phase": phase,
-              "profile_top": text.getvalue().splitlines()[:60],
-              "provenance": collect_provenance(label=args.label)}
-    name = f"run_start{'_' + args.label if args.label else ''}.json"
-    (out / name).write_text(json.dumps(result, indent=1))
+    text = profile_text(prof, ("tottime", 35))
+    print(text)
+    write_result(out, "run_start", args.label, {
+        "what": "the host and GPU timeline of the first steps of two timed canonical runs in one fresh engine, and a "
+                "cProfile of a third run's queueing and prefill steps",
+        "startup_s": round(startup, 1), "runs": runs, "profiled_prefill_phase": phase,
+        "profile_top": text.splitlines()[:60]})
     return 0
 
 

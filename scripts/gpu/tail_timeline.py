@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
-import json
 import os
-import pstats
 import sys
 import time
 from pathlib import Path
@@ -28,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from first_prefill import warmed_engine  # noqa: E402 - this folder, put on sys.path above
+from run_start import profile_text, write_result  # noqa: E402
 
-from minisgl_ref.bench.provenance import collect_provenance  # noqa: E402
 from minisgl_ref.bench.workloads import canonical_workload  # noqa: E402
 from minisgl_ref.engine import model_runner  # noqa: E402
 
@@ -154,17 +151,13 @@ def main() -> int:
                   f"GPU lag at entry {d['median_gpu_lag_at_entry_ms']} ms")
     prof = cProfile.Profile()
     timed_run(llm, args.below, args.keep, prof)
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
-    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
-    print(text.getvalue()[:12000])
-    result = {"what": "host phases and GPU marks of the decode steps of at most --below rows of two timed canonical "
-                      "runs in one fresh engine, and a cProfile of the same steps of a third run",
-              "below": args.below, "startup_s": round(startup, 1), "runs": runs,
-              "profile_top": text.getvalue().splitlines()[:140],
-              "provenance": collect_provenance(label=args.label)}
-    name = f"tail_timeline{'_' + args.label if args.label else ''}.json"
-    (out / name).write_text(json.dumps(result, indent=1))
+    text = profile_text(prof, ("tottime", 30), ("cumulative", 40))
+    print(text[:12000])
+    write_result(out, "tail_timeline", args.label, {
+        "what": "host phases and GPU marks of the decode steps of at most --below rows of two timed canonical runs in "
+                "one fresh engine, and a cProfile of the same steps of a third run",
+        "below": args.below, "startup_s": round(startup, 1), "runs": runs,
+        "profile_top": text.splitlines()[:140]})
     return 0
 
 
