@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(THREADS) split_decode_kernel(const SplitDecode
 // compares (for 2 query heads per KV head).
 template <int GROUP>
 cudaError_t launch_group(const SplitDecodeArgs& a, int unroll, int threads, int heads, cudaStream_t stream) {
-  if (heads < 1 || a.num_kv_heads % heads != 0) return cudaErrorInvalidValue;
+  if (heads < 1 || a.num_kv_heads % heads != 0) return cudaErrorNotSupported;
   const dim3 grid(static_cast<unsigned>(a.num_items * (a.num_kv_heads / heads)));
   if (grid.x == 0) return cudaSuccess;
 #define SPLIT_DECODE_VARIANT(U, T, H)                               \
@@ -258,7 +258,7 @@ cudaError_t launch_group(const SplitDecodeArgs& a, int unroll, int threads, int 
   }
 #endif
 #undef SPLIT_DECODE_VARIANT
-  return cudaErrorInvalidValue;
+  return cudaErrorNotSupported;
 }
 
 }  // namespace
@@ -268,6 +268,6 @@ cudaError_t split_decode_launch(const SplitDecodeArgs& a, int unroll, int thread
     case 1: return launch_group<1>(a, unroll, threads, heads, stream);
     case 2: return launch_group<2>(a, unroll, threads, heads, stream);
     case 4: return launch_group<4>(a, unroll, threads, heads, stream);
-    default: return cudaErrorInvalidValue;
+    default: return cudaErrorNotSupported;
   }
 }

@@ -23,6 +23,6 @@ struct SplitDecodeArgs {
   float scale_log2;             // softmax scale x log2(e)
 };
 
-// Launches the kernel on `stream`, one block per piece and `heads` KV heads; returns cudaErrorInvalidValue for a
+// Launches the kernel on `stream`, one block per piece and `heads` KV heads; returns cudaErrorNotSupported for a
 // shape or variant that is not compiled in.
 cudaError_t split_decode_launch(const SplitDecodeArgs& args, int unroll, int threads, int heads, cudaStream_t stream);
