@@ -309,7 +309,7 @@ def split_decode_runner(st: Stage, name: str) -> tuple[Callable[[], torch.Tensor
     fields = name.split("_")
     if fields[0] == "cudaheads":
         heads, per_100, unroll, threads = (int(x) for x in fields[1:5])
-        return runner(st, 1, unroll, threads, fixed=per_100 / 100 - 1, heads=heads)
+        return runner(st, 1, unroll, threads, fixed=per_100 / 100 - 1, heads_per_block=heads)
     chunk, unroll, threads = (int(x) for x in fields[1:4])
     if fields[0] == "cudafixed":
         return runner(st, 1, unroll, threads, fixed=chunk / 100)
