@@ -301,15 +301,10 @@ def xqa_runner(st: Stage, page_size: int) -> tuple[Callable[[], torch.Tensor], l
 def split_decode_runner(st: Stage, name: str) -> tuple[Callable[[], torch.Tensor], list[int]]:
     """``cuda_C_U_T`` with any of the suffixes ``_stream``, ``_sorted``, ``_even`` (see the module docstring);
     ``cudafixed_F_U_T``: ``F`` percent more pieces than requests, whatever their lengths; ``cudacap_C_U_T``: room
-    for an eighth more, cut only while a piece is longer than ``C`` percent of the mean context;
-    ``cudaheads_H_P_U_T``: blocks of ``H`` KV heads (``H`` = 8: whole 2 KiB rows of the cache), ``P`` pieces per
-    hundred requests, the longest piece cut in two until there are that many."""
+    for an eighth more, cut only while a piece is longer than ``C`` percent of the mean context."""
     from benchmarks.split_decode import runner
 
     fields = name.split("_")
-    if fields[0] == "cudaheads":
-        heads, per_100, unroll, threads = (int(x) for x in fields[1:5])
-        return runner(st, 1, unroll, threads, fixed=per_100 / 100 - 1, heads_per_block=heads)
     chunk, unroll, threads = (int(x) for x in fields[1:4])
     if fields[0] == "cudafixed":
         return runner(st, 1, unroll, threads, fixed=chunk / 100)
@@ -358,11 +353,6 @@ def variants() -> dict[str, Callable[[Stage], tuple[Callable[[], torch.Tensor], 
     for c_ in (150, 200, 300):  # cudacap_C_4_T: cut a piece only while it is over C% of the mean context
         name = f"cudacap_{c_}_4_128"
         v[name] = lambda st, n=name: split_decode_runner(st, n)
-    # cudaheads_H_P_U_T: H KV heads a block, P pieces per hundred requests
-    for h_, u_, t_ in ((8, 4, 128), (8, 2, 128), (8, 4, 256), (4, 4, 128), (2, 4, 128)):
-        for p_ in (200, 400, 800, 1600):
-            name = f"cudaheads_{h_}_{p_}_{u_}_{t_}"
-            v[name] = lambda st, n=name: split_decode_runner(st, n)
     return v
 
 

@@ -19,8 +19,7 @@ void check_i32(const torch::Tensor& t, const char* name) {
 void split_decode(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                   const torch::Tensor& kv_indices, const torch::Tensor& items, const torch::Tensor& req_parts,
                   const torch::Tensor& req_first_row, torch::Tensor& part_o, torch::Tensor& part_lse,
-                  torch::Tensor& counters, torch::Tensor& out, double scale, int64_t unroll, int64_t threads,
-                  int64_t heads) {
+                  torch::Tensor& counters, torch::Tensor& out, double scale, int64_t unroll, int64_t threads) {
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
                   v.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
               "split_decode: bf16 query, cache and output only");
@@ -29,9 +28,6 @@ void split_decode(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   TORCH_CHECK(q.size(2) == 128 && k.size(2) == 128 && q.stride(2) == 1 && k.stride(2) == 1 && out.stride(2) == 1,
               "split_decode: head dim 128, contiguous");
   TORCH_CHECK(k.stride(1) == 128 && v.strides() == k.strides(), "split_decode: K and V rows of [KV heads, 128]");
-  // Queries are read 16 bytes at a time.
-  TORCH_CHECK(q.stride(0) % 8 == 0 && q.stride(1) % 8 == 0 && reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0,
-              "split_decode: q rows must be 16-byte aligned");
   TORCH_CHECK(items.dim() == 2 && items.size(1) == 4, "split_decode: items must be [n, 4]");
   check_i32(kv_indices, "kv_indices");
   check_i32(items, "items");
@@ -67,9 +63,9 @@ void split_decode(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   a.group = static_cast<int>(q.size(1)) / kv_heads;
   a.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   const cudaError_t err = split_decode_launch(a, static_cast<int>(unroll), static_cast<int>(threads),
-                                              static_cast<int>(heads), c10::cuda::getCurrentCUDAStream());
+                                              c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "split_decode: ", err == cudaErrorNotSupported ?
-              "no compiled variant for this group size, unroll, block size and heads per block" : cudaGetErrorString(err));
+              "no compiled variant for this group size, unroll and block size" : cudaGetErrorString(err));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -36,20 +36,15 @@ __device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float* f) {
   }
 }
 
-template <int GROUP, int UNROLL, int THREADS, int HEADS>
+template <int GROUP, int UNROLL, int THREADS>
 __global__ void __launch_bounds__(THREADS) split_decode_kernel(const SplitDecodeArgs a) {
-  constexpr int HALF_WARPS = THREADS / 16;
-  constexpr int LANES = HALF_WARPS / HEADS;  // half-warps that share one KV head's tokens
-  static_assert(LANES >= 1 && HALF_WARPS % HEADS == 0, "a block's half-warps split evenly over its heads");
-  const int head_blocks = a.num_kv_heads / HEADS;  // blocks per item
-  const int hb = blockIdx.x % head_blocks;  // the blocks of one item are neighbours in the grid
-  const int4 desc = a.items[blockIdx.x / head_blocks];  // (request, first index, end index, partial row)
+  const int kvh = blockIdx.x % a.num_kv_heads;  // the heads of one item are neighbours in the grid
+  const int4 desc = a.items[blockIdx.x / a.num_kv_heads];  // (request, first index, end index, partial row)
   const int req = desc.x, begin = desc.y, end = desc.z, item = desc.w;
   if (begin >= end) return;  // padding item (a captured graph keeps its grid size)
+  constexpr int HALF_WARPS = THREADS / 16;
   const int parts = a.req_parts[req];
   const int tid = threadIdx.x, hw = tid >> 4, hl = tid & 15;
-  // Neighbouring half-warps take neighbouring heads: with HEADS > 1 a warp reads 512 contiguous bytes of a row.
-  const int kvh = hb * HEADS + hw % HEADS, lane = hw / HEADS;
   const int num_q_heads = a.num_kv_heads * GROUP;
 
   float qf[GROUP][8];
@@ -78,13 +73,13 @@ __global__ void __launch_bounds__(THREADS) split_decode_kernel(const SplitDecode
     for (int i = tid; i < len; i += THREADS) sm_slot[i] = a.kv_indices[w0 + i];
     __syncthreads();
 
-    constexpr int STEP = LANES * UNROLL;
+    constexpr int STEP = HALF_WARPS * UNROLL;
     const int iters = (len + STEP - 1) / STEP;  // the same for every thread: no lane leaves a shuffle early
     uint4 ka[UNROLL], va[UNROLL], kb[UNROLL], vb[UNROLL];
     auto load = [&](uint4 (&kr)[UNROLL], uint4 (&vr)[UNROLL], int it) {
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
-        const int p = it * STEP + lane + LANES * u;
+        const int p = it * STEP + hw + HALF_WARPS * u;
         if (p < len) {
           const int64_t off = static_cast<int64_t>(sm_slot[p]) * a.kv_stride_slot + head_off;
           kr[u] = LOAD(reinterpret_cast<const uint4*>(a.k + off));
@@ -118,7 +113,7 @@ __global__ void __launch_bounds__(THREADS) split_decode_kernel(const SplitDecode
         float mx = m[g];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-          const bool valid = it * STEP + lane + LANES * u < len;
+          const bool valid = it * STEP + hw + HALF_WARPS * u < len;
           s[g][u] = valid ? s[g][u] * a.scale_log2 : -INFINITY;
           mx = fmaxf(mx, s[g][u]);
         }
@@ -152,70 +147,56 @@ __global__ void __launch_bounds__(THREADS) split_decode_kernel(const SplitDecode
     }
   }
 
-  // The block's result for its heads: the output itself for a request of one piece, else a partial result
-  // (output and log-sum-exp) for the merge below.
-  auto emit = [&](int head, int d, float o, float lse) {
+  // Combine the half-warps' running states.
+  __shared__ float sm_m[HALF_WARPS][GROUP], sm_l[HALF_WARPS][GROUP];
+  __shared__ float sm_acc[HALF_WARPS][GROUP][HEAD_DIM];
+  __shared__ int sm_last;
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) {
+    if (hl == 0) {
+      sm_m[hw][g] = m[g];
+      sm_l[hw][g] = l[g];
+    }
+#pragma unroll
+    for (int d = 0; d < 8; ++d) sm_acc[hw][g][hl * 8 + d] = acc[g][d];
+  }
+  __syncthreads();
+  for (int x = tid; x < GROUP * HEAD_DIM; x += THREADS) {  // one output value (head, dimension) per step
+    const int g = x / HEAD_DIM, d = x % HEAD_DIM;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int h = 0; h < HALF_WARPS; ++h) mx = fmaxf(mx, sm_m[h][g]);
+    float sum_l = 0.f, o = 0.f;
+#pragma unroll
+    for (int h = 0; h < HALF_WARPS; ++h) {
+      const float w = sm_m[h][g] == -INFINITY ? 0.f : exp2f(sm_m[h][g] - mx);
+      sum_l += sm_l[h][g] * w;
+      o += sm_acc[h][g][d] * w;
+    }
+    o /= sum_l;
+    const int head = kvh * GROUP + g;
     if (parts == 1) {
       a.out[req * a.out_stride_tok + head * a.out_stride_head + d] = __float2bfloat16(o);
     } else {
       a.part_o[(static_cast<int64_t>(item) * num_q_heads + head) * HEAD_DIM + d] = o;
-      if (d == 0) a.part_lse[static_cast<int64_t>(item) * num_q_heads + head] = lse;
-    }
-  };
-  __shared__ int sm_last;
-  if constexpr (LANES == 1) {
-    // A half-warp saw every token of its head: its running state is the result.
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-      const float inv = 1.f / l[g], lse = m[g] + log2f(l[g]);
-#pragma unroll
-      for (int d = 0; d < 8; ++d) emit(kvh * GROUP + g, hl * 8 + d, acc[g][d] * inv, lse);
-    }
-  } else {
-    // Combine the running states of the half-warps that shared a head.
-    __shared__ float sm_m[HALF_WARPS][GROUP], sm_l[HALF_WARPS][GROUP];
-    __shared__ float sm_acc[HALF_WARPS][GROUP][HEAD_DIM];
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-      if (hl == 0) {
-        sm_m[hw][g] = m[g];
-        sm_l[hw][g] = l[g];
-      }
-#pragma unroll
-      for (int d = 0; d < 8; ++d) sm_acc[hw][g][hl * 8 + d] = acc[g][d];
-    }
-    __syncthreads();
-    for (int x = tid; x < HEADS * GROUP * HEAD_DIM; x += THREADS) {  // one output value (head, dimension) per step
-      const int hh = x / (GROUP * HEAD_DIM), g = x / HEAD_DIM % GROUP, d = x % HEAD_DIM;
-      float mx = -INFINITY;
-#pragma unroll
-      for (int ln = 0; ln < LANES; ++ln) mx = fmaxf(mx, sm_m[ln * HEADS + hh][g]);
-      float sum_l = 0.f, o = 0.f;
-#pragma unroll
-      for (int ln = 0; ln < LANES; ++ln) {
-        const int h = ln * HEADS + hh;
-        const float w = sm_m[h][g] == -INFINITY ? 0.f : exp2f(sm_m[h][g] - mx);
-        sum_l += sm_l[h][g] * w;
-        o += sm_acc[h][g][d] * w;
-      }
-      emit((hb * HEADS + hh) * GROUP + g, d, o / sum_l, mx + log2f(sum_l));
+      if (d == 0) a.part_lse[static_cast<int64_t>(item) * num_q_heads + head] = mx + log2f(sum_l);
     }
   }
   if (parts == 1) return;
 
-  // The last piece of this (request, block of heads) to finish merges all of them.
+  // The last piece of this (request, KV head) to finish merges all of them.
   __threadfence();
   __syncthreads();
   if (tid == 0) {
-    const int done = atomicAdd(&a.counters[req * a.num_kv_heads + hb], 1);
+    const int done = atomicAdd(&a.counters[req * a.num_kv_heads + kvh], 1);
     sm_last = done == parts - 1;
   }
   __syncthreads();
   if (!sm_last) return;
   __threadfence();
   const int first = a.req_first_row[req];
-  for (int x = tid; x < HEADS * GROUP * HEAD_DIM; x += THREADS) {
-    const int head = hb * HEADS * GROUP + x / HEAD_DIM, d = x % HEAD_DIM;
+  for (int x = tid; x < GROUP * HEAD_DIM; x += THREADS) {
+    const int head = kvh * GROUP + x / HEAD_DIM, d = x % HEAD_DIM;
     float mx = -INFINITY;
     for (int p = 0; p < parts; ++p)
       mx = fmaxf(mx, __ldcg(a.part_lse + static_cast<int64_t>(first + p) * num_q_heads + head));
@@ -228,34 +209,25 @@ __global__ void __launch_bounds__(THREADS) split_decode_kernel(const SplitDecode
     }
     a.out[req * a.out_stride_tok + head * a.out_stride_head + d] = __float2bfloat16(o / sum_w);
   }
-  if (tid == 0) a.counters[req * a.num_kv_heads + hb] = 0;  // ready for the next call (and the next graph replay)
+  if (tid == 0) a.counters[req * a.num_kv_heads + kvh] = 0;  // ready for the next call (and the next graph replay)
 }
 
-// The variants compiled in: the engine's (128 threads, 4 rows per half-warp and buffer, one KV head a block) for
-// 1, 2 or 4 query heads per KV head; with SPLIT_DECODE_ALL_VARIANTS also the ones benchmarks/decode_balance.py
-// compares (for 2 query heads per KV head).
+// The variants compiled in: the engine's (128 threads, 4 rows per half-warp and buffer) for 1, 2 or 4 query heads
+// per KV head; with SPLIT_DECODE_ALL_VARIANTS also the ones benchmarks/decode_balance.py compares.
 template <int GROUP>
-cudaError_t launch_group(const SplitDecodeArgs& a, int unroll, int threads, int heads, cudaStream_t stream) {
-  if (heads < 1 || a.num_kv_heads % heads != 0) return cudaErrorNotSupported;
-  const dim3 grid(static_cast<unsigned>(a.num_items * (a.num_kv_heads / heads)));
+cudaError_t launch_group(const SplitDecodeArgs& a, int unroll, int threads, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(a.num_items * a.num_kv_heads));
   if (grid.x == 0) return cudaSuccess;
-#define SPLIT_DECODE_VARIANT(U, T, H)                               \
-  if (unroll == U && threads == T && heads == H) {                  \
-    split_decode_kernel<GROUP, U, T, H><<<grid, T, 0, stream>>>(a); \
-    return cudaGetLastError();                                      \
+#define SPLIT_DECODE_VARIANT(U, T)                              \
+  if (unroll == U && threads == T) {                            \
+    split_decode_kernel<GROUP, U, T><<<grid, T, 0, stream>>>(a); \
+    return cudaGetLastError();                                  \
   }
-  SPLIT_DECODE_VARIANT(4, 128, 1)
+  SPLIT_DECODE_VARIANT(4, 128)
 #ifdef SPLIT_DECODE_ALL_VARIANTS
-  if constexpr (GROUP == 2) {
-    SPLIT_DECODE_VARIANT(2, 128, 1)
-    SPLIT_DECODE_VARIANT(2, 256, 1)
-    SPLIT_DECODE_VARIANT(4, 256, 1)
-    SPLIT_DECODE_VARIANT(4, 128, 2)
-    SPLIT_DECODE_VARIANT(4, 128, 4)
-    SPLIT_DECODE_VARIANT(4, 128, 8)
-    SPLIT_DECODE_VARIANT(2, 128, 8)
-    SPLIT_DECODE_VARIANT(4, 256, 8)
-  }
+  SPLIT_DECODE_VARIANT(2, 128)
+  SPLIT_DECODE_VARIANT(2, 256)
+  SPLIT_DECODE_VARIANT(4, 256)
 #endif
 #undef SPLIT_DECODE_VARIANT
   return cudaErrorNotSupported;
@@ -263,11 +235,11 @@ cudaError_t launch_group(const SplitDecodeArgs& a, int unroll, int threads, int 
 
 }  // namespace
 
-cudaError_t split_decode_launch(const SplitDecodeArgs& a, int unroll, int threads, int heads, cudaStream_t stream) {
+cudaError_t split_decode_launch(const SplitDecodeArgs& a, int unroll, int threads, cudaStream_t stream) {
   switch (a.group) {
-    case 1: return launch_group<1>(a, unroll, threads, heads, stream);
-    case 2: return launch_group<2>(a, unroll, threads, heads, stream);
-    case 4: return launch_group<4>(a, unroll, threads, heads, stream);
+    case 1: return launch_group<1>(a, unroll, threads, stream);
+    case 2: return launch_group<2>(a, unroll, threads, stream);
+    case 4: return launch_group<4>(a, unroll, threads, stream);
     default: return cudaErrorNotSupported;
   }
 }

@@ -16,13 +16,13 @@ struct SplitDecodeArgs {
   const int32_t* req_first_row; // a request's first partial-result row (its rows are consecutive)
   float* part_o;                // [rows, query heads, 128]
   float* part_lse;              // [rows, query heads], base 2
-  int32_t* counters;            // [batch, KV heads] (one per block of heads used), zero between calls
+  int32_t* counters;            // [batch, KV heads], zero between calls
   __nv_bfloat16* out;           // [batch, query heads, 128]
   int64_t out_stride_tok, out_stride_head;
   int num_items, num_kv_heads, group;
   float scale_log2;             // softmax scale x log2(e)
 };
 
-// Launches the kernel on `stream`, one block per piece and `heads` KV heads; returns cudaErrorNotSupported for a
-// shape or variant that is not compiled in.
-cudaError_t split_decode_launch(const SplitDecodeArgs& args, int unroll, int threads, int heads, cudaStream_t stream);
+// Launches the kernel on `stream`; returns cudaErrorNotSupported for a shape or variant that is not compiled in
+// (a failed launch returns its own error).
+cudaError_t split_decode_launch(const SplitDecodeArgs& args, int unroll, int threads, cudaStream_t stream);
