@@ -1175,6 +1175,41 @@ for st in MIN["stages"]:
 # and at 48-63 rows, where the engine already uses ours, the extra cuts cost up to 5% or nothing. No single
 # minimum gains anywhere, so the threshold stays at 48 rows and the plan as it was.
 #
+# **Whole rows.** `gather_bandwidth` read the cache ~4% faster in whole 2 KiB rows than in 256-byte pieces. Our
+# kernel reads 256-byte pieces: a block serves one KV head. A variant of it (commit d0aad47, since reverted) made
+# the number of KV heads a block serves a template parameter: with 2 heads a warp reads 512 contiguous bytes, with
+# 8 a block reads whole rows, each half-warp keeping its own head. But a block of 8 heads takes all the work of
+# its piece, so a batch of B contexts is only B blocks, too few for the waves to balance; the contexts must be
+# cut into more pieces (`cudaheads_H_P_U_T`: H heads a block, P pieces per hundred requests). The same 28-layer
+# chain (`decode_balance_heads_h100.json`; every output within 5e-5 of the engine's kernel):
+
+# %%
+HEADS = json.loads((ROOT / "docs" / "data" / "decode_balance_heads_h100.json").read_text())
+print(f"{'variant':<24} {'heads/block':>11} {'pieces/100':>10}" + "".join(f"{st['running']:>7} run."
+                                                                           for st in HEADS["stages"])
+      + "   (chain, us per layer)")
+for variant in [r["variant"] for r in HEADS["stages"][0]["variants"] if "time_us" in r]:
+    cells = []
+    for st in HEADS["stages"]:
+        c = {r["variant"]: r["chain_us_per_layer"] for r in st["variants"] if "chain_us_per_layer" in r}
+        base = c["cudacap_200_4_128_with_matmuls"]
+        us = c[variant + "_with_matmuls"]
+        cells.append(f"{us:>7.1f}" + (f" ({us / base - 1:+.0%})" if us != base else " " * 7))
+    f = variant.split("_")
+    heads, per100 = (f[1], f[2]) if f[0] == "cudaheads" else ("1", "<= 112")
+    print(f"{variant:<24} {heads:>11} {per100:>10} " + " ".join(cells))
+
+# %% [markdown]
+# Every variant is slower than one head a block: 2 heads (512-byte pieces) by 3-4%, 4 heads by 4-9%, whole rows
+# by 7-42%. With few pieces (200 per hundred requests) the grid is too coarse; with many (800-1,600) each piece
+# pays its own start (the queries, a window of slot numbers) and end (a partial result written and merged), and
+# those costs grow faster than the reads get cheaper. The 4% of `gather_bandwidth` does not appear in a kernel that
+# has to balance its work; a likely reason is that the eight blocks of one piece, one per head, are neighbours in
+# the grid and start together, so the eight 256-byte pieces of a row are already read at about the same time. The
+# kernel keeps one head a block. (`scripts/gpu/split_decode_check.py` checks each compiled variant of the kernel
+# against a float64 softmax, one to sixteen pieces a context, twice in a row so that the merge's counters must have
+# been reset: `split_decode_check_h100.json`.)
+#
 # ### The other side of the chain: the multiplies
 #
 # The multiplies take ~0.8-1.0 ms a step where reading the weights takes
@@ -1470,7 +1505,7 @@ print_ab("canonical_ab_cublaslt_h100.json", "\nand one more try at the matrix mu
 # weights' floor: the layer's remaining seven kernels fused into a few long ones that stream the weights
 # while the next kernel's work is already in flight, with multiplies as good as cuBLAS's Hopper kernels (a
 # Triton tile is not, from 16 rows up), or an attention kernel that keeps its isolated read rate inside the
-# engine.
+# engine (reading whole rows of the cache, the one lead the gather benchmark gave, made ours slower).
 
 # %% [markdown]
 # ## 6. Reading a shared prefix once: cascade decode attention
