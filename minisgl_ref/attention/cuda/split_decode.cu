@@ -261,16 +261,16 @@ template <int GROUP>
 cudaError_t launch_group(const SplitDecodeArgs& a, int unroll, int threads, int stages, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(a.num_items * a.num_kv_heads));
   if (grid.x == 0) return cudaSuccess;
-#define SPLIT_DECODE_VARIANT(U, T, S)                                                                        \
-  if (unroll == U && threads == T && stages == S) {                                                        \
-    constexpr int smem = S * 2 * U * T * 16;                                                               \
-    if (smem > 48 * 1024) {                                                                                \
-      static const cudaError_t set = cudaFuncSetAttribute(split_decode_kernel<GROUP, U, T, S>,             \
+#define SPLIT_DECODE_VARIANT(U, T, S)                                                                          \
+  if (unroll == U && threads == T && stages == S) {                                                          \
+    constexpr int smem = S * 2 * U * T * 16;                                                                 \
+    if (smem > 0) { /* over 48 KB with the static arrays: the kernel must be allowed more, once */           \
+      static const cudaError_t set = cudaFuncSetAttribute(split_decode_kernel<GROUP, U, T, S>,               \
                                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem); \
-      if (set != cudaSuccess) return set;                                                                  \
-    }                                                                                                      \
-    split_decode_kernel<GROUP, U, T, S><<<grid, T, smem, stream>>>(a);                                     \
-    return cudaGetLastError();                                                                             \
+      if (set != cudaSuccess) return set;                                                                    \
+    }                                                                                                        \
+    split_decode_kernel<GROUP, U, T, S><<<grid, T, smem, stream>>>(a);                                       \
+    return cudaGetLastError();                                                                               \
   }
   SPLIT_DECODE_VARIANT(4, 128, 0)
 #ifdef SPLIT_DECODE_ALL_VARIANTS
