@@ -301,14 +301,10 @@ def xqa_runner(st: Stage, page_size: int) -> tuple[Callable[[], torch.Tensor], l
 def split_decode_runner(st: Stage, name: str) -> tuple[Callable[[], torch.Tensor], list[int]]:
     """``cuda_C_U_T`` with any of the suffixes ``_stream``, ``_sorted``, ``_even`` (see the module docstring);
     ``cudafixed_F_U_T``: ``F`` percent more pieces than requests, whatever their lengths; ``cudacap_C_U_T``: room
-    for an eighth more, cut only while a piece is longer than ``C`` percent of the mean context;
-    ``cudaasync_U_S``: the engine's plan, the rows copied asynchronously through ``S`` turns of shared memory."""
+    for an eighth more, cut only while a piece is longer than ``C`` percent of the mean context."""
     from benchmarks.split_decode import runner
 
     fields = name.split("_")
-    if fields[0] == "cudaasync":
-        unroll, stages = int(fields[1]), int(fields[2])
-        return runner(st, 1, unroll, 128, fixed=0.125, split_above=2.0, stages=stages)
     chunk, unroll, threads = (int(x) for x in fields[1:4])
     if fields[0] == "cudafixed":
         return runner(st, 1, unroll, threads, fixed=chunk / 100)
@@ -356,9 +352,6 @@ def variants() -> dict[str, Callable[[Stage], tuple[Callable[[], torch.Tensor], 
             v[name] = lambda st, n=name: split_decode_runner(st, n)
     for c_ in (150, 200, 300):  # cudacap_C_4_T: cut a piece only while it is over C% of the mean context
         name = f"cudacap_{c_}_4_128"
-        v[name] = lambda st, n=name: split_decode_runner(st, n)
-    for u_, s_ in ((4, 2), (4, 3), (2, 3), (2, 4), (2, 6), (1, 8)):  # cudaasync_U_S: rows through shared memory
-        name = f"cudaasync_{u_}_{s_}"
         v[name] = lambda st, n=name: split_decode_runner(st, n)
     return v
 

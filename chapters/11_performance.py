@@ -1210,6 +1210,30 @@ for variant in [r["variant"] for r in HEADS["stages"][0]["variants"] if "time_us
 # against a float64 softmax, one to sixteen pieces a context, twice in a row so that the merge's counters must have
 # been reset: `split_decode_check_h100.json`.)
 #
+# **Rows through shared memory.** Is the kernel short of reads in flight? Each thread holds the rows of the next
+# step in a second set of registers, so a block has at most ~16 KB on its way, and 166 registers a thread let
+# three blocks share an SM. A variant (commit 379af6c, since reverted) instead copies each thread's 16-byte pieces
+# with `cp.async` into S turns of shared memory, S - 1 turns ahead of their use: no registers held, and, as each
+# thread reads back only the pieces it copied itself, no thread ever waits for another. With 72-90 registers a
+# thread, 80-140 KB are in flight per SM. The same chain (`decode_balance_async_h100.json`, `cudaasync_U_S`: U
+# rows per half-warp a turn, S turns):
+
+# %%
+ASYNC = json.loads((ROOT / "docs" / "data" / "decode_balance_async_h100.json").read_text())
+print(f"{'variant':<18}" + "".join(f"{st['running']:>9} run." for st in ASYNC["stages"]) + "   (chain, us per layer)")
+for variant in [r["variant"] for r in ASYNC["stages"][0]["variants"] if "time_us" in r]:
+    cells = []
+    for st in ASYNC["stages"]:
+        c = {r["variant"]: r["chain_us_per_layer"] for r in st["variants"] if "chain_us_per_layer" in r}
+        us, base = c[variant + "_with_matmuls"], c["cudacap_200_4_128_with_matmuls"]
+        cells.append(f"{us:>7.1f}" + (f" ({us / base - 1:+.0%})" if us != base else " " * 7))
+    print(f"{variant:<18}" + " ".join(cells))
+
+# %% [markdown]
+# Every depth is 4-16% slower: twice to three times the reads in flight buy nothing, and the extra trip through
+# shared memory costs. The register double buffer already keeps enough reads on their way; what is left between
+# ~2.9 TB/s and the ~3.0 TB/s of a plain gather is not latency the kernel fails to hide.
+#
 # ### The other side of the chain: the multiplies
 #
 # The multiplies take ~0.8-1.0 ms a step where reading the weights takes

@@ -1,9 +1,9 @@
 """Check every compiled variant of the split-KV decode kernel against a float64 softmax on the GPU (chapter 11).
 
 Contexts of 1 to ~3,000 tokens in scattered slots, cut into pieces by the engine's planner with one to sixteen
-pieces per request, for 1, 2 and 4 query heads per KV head; every variant (rows per half-warp, threads, turns of
-shared memory) of the all-variants build, and the engine's build, each called twice (the second call finds the
-merge counters reset by the first). Prints one line per case and writes JSON:
+pieces per request, for 1, 2 and 4 query heads per KV head; every variant (rows per half-warp, threads) of the
+all-variants build, and the engine's build, each called twice (the second call finds the merge counters reset by
+the first). Prints one line per case and writes JSON:
 
     python scripts/gpu/split_decode_check.py --output split_decode_check.json
 """
@@ -19,10 +19,8 @@ import torch
 
 from minisgl_ref.attention.split_decode import load_kernel, plan_pieces
 
-#: (rows per half-warp, threads, turns of shared memory) of the all-variants build; those with turns are compiled
-#: for two query heads per KV head only.
-ALL_VARIANTS = ((4, 128, 0), (2, 128, 0), (2, 256, 0), (4, 256, 0))
-ASYNC_VARIANTS = ((4, 128, 2), (4, 128, 3), (2, 128, 3), (2, 128, 4), (2, 128, 6), (1, 128, 8))
+#: (rows per half-warp, threads) of the all-variants build.
+ALL_VARIANTS = ((4, 128), (2, 128), (2, 256), (4, 256))
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: list[torch.Tensor], scale: float) -> torch.Tensor:
@@ -59,19 +57,18 @@ def main() -> int:
         for per_request in (1, 2, 8, 16):
             items, parts, first = (torch.from_numpy(x).to(dev) for x in
                                    plan_pieces(lens, len(lens) * per_request, None if per_request > 1 else 2.0))
-            variants = [("engine", engine, (4, 128, 0))] + [("all", every, x) for x in ALL_VARIANTS]
-            variants += [("all", every, x) for x in ASYNC_VARIANTS if group == 2]
-            for build, mod, (unroll, threads, stages) in variants:
+            variants = [("engine", engine, (4, 128))] + [("all", every, x) for x in ALL_VARIANTS]
+            for build, mod, (unroll, threads) in variants:
                 part_o = torch.full((items.shape[0], heads, 128), float("nan"), device=dev)
                 part_lse = torch.full((items.shape[0], heads), float("nan"), device=dev)
                 counters = torch.zeros(len(lens), kv_heads, dtype=torch.int32, device=dev)
                 out = torch.full_like(q, float("nan"))
                 row = {"kv_heads": kv_heads, "group": group, "pieces_per_request": per_request, "build": build,
-                       "unroll": unroll, "threads": threads, "stages": stages}
+                       "unroll": unroll, "threads": threads}
                 try:
                     for _ in range(2):  # the second call checks that the counters were reset
                         mod.split_decode(q, k, v, indices, items, parts, first, part_o, part_lse, counters, out, scale,
-                                         unroll, threads, stages)  # fmt: skip
+                                         unroll, threads)  # fmt: skip
                     torch.cuda.synchronize()
                     err = (out.double() - ref).abs().max().item()
                     row.update(max_abs_error=err, ok=bool(err < 2e-2), counters_reset=bool((counters == 0).all()))

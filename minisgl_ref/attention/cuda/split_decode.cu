@@ -36,18 +36,7 @@ __device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float* f) {
   }
 }
 
-// Copies 16 bytes from global to shared memory without passing through registers (cp.async, cached in L2 only).
-[[maybe_unused]] __device__ __forceinline__ void copy_async_16(void* smem, const void* gmem) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
-}
-[[maybe_unused]] __device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void copy_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-// STAGES = 0: the rows go through two sets of registers. STAGES >= 2: they are copied into STAGES turns of shared
-// memory (each thread its own 16-byte pieces, so no thread waits for another), STAGES - 1 turns ahead of use.
-template <int GROUP, int UNROLL, int THREADS, int STAGES>
+template <int GROUP, int UNROLL, int THREADS>
 __global__ void __launch_bounds__(THREADS) split_decode_kernel(const SplitDecodeArgs a) {
   const int kvh = blockIdx.x % a.num_kv_heads;  // the heads of one item are neighbours in the grid
   const int4 desc = a.items[blockIdx.x / a.num_kv_heads];  // (request, first index, end index, partial row)
@@ -145,48 +134,16 @@ __global__ void __launch_bounds__(THREADS) split_decode_kernel(const SplitDecode
         m[g] = mx;
       }
     };
-    if constexpr (STAGES == 0) {
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) ka[u] = va[u] = kb[u] = vb[u] = make_uint4(0, 0, 0, 0);
-      // Two register buffers: the rows of the next step are in flight while this step's are used.
-      load(ka, va, 0);
-      for (int it = 0; it < iters; it += 2) {
-        if (it + 1 < iters) load(kb, vb, it + 1);
-        consume(ka, va, it);
-        if (it + 1 >= iters) break;
-        if (it + 2 < iters) load(ka, va, it + 2);
-        consume(kb, vb, it + 1);
-      }
-    } else {
-      extern __shared__ uint4 sm_rows[];  // [STAGES][K, V][UNROLL][THREADS]
-      auto slot = [&](int stage, int kv, int u) { return sm_rows + ((stage * 2 + kv) * UNROLL + u) * THREADS + tid; };
-      auto issue = [&](int it) {
-        if (it < iters) {
-#pragma unroll
-          for (int u = 0; u < UNROLL; ++u) {
-            const int p = it * STEP + hw + HALF_WARPS * u;
-            if (p < len) {
-              const int64_t off = static_cast<int64_t>(sm_slot[p]) * a.kv_stride_slot + head_off;
-              copy_async_16(slot(it % STAGES, 0, u), a.k + off);
-              copy_async_16(slot(it % STAGES, 1, u), a.v + off);
-            }
-          }
-        }
-        copy_async_commit();  // an empty group past the end keeps the count of groups in flight fixed
-      };
-#pragma unroll
-      for (int s = 0; s < STAGES - 1; ++s) issue(s);
-      for (int it = 0; it < iters; ++it) {
-        issue(it + STAGES - 1);  // into the turn used by the step before this one (this thread's own pieces)
-        copy_async_wait<STAGES - 1>();  // this step's group has landed
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-          const bool valid = it * STEP + hw + HALF_WARPS * u < len;  // shared memory past the end is stale
-          ka[u] = valid ? *slot(it % STAGES, 0, u) : make_uint4(0, 0, 0, 0);
-          va[u] = valid ? *slot(it % STAGES, 1, u) : make_uint4(0, 0, 0, 0);
-        }
-        consume(ka, va, it);
-      }
+    for (int u = 0; u < UNROLL; ++u) ka[u] = va[u] = kb[u] = vb[u] = make_uint4(0, 0, 0, 0);
+    // Two register buffers: the rows of the next step are in flight while this step's are used.
+    load(ka, va, 0);
+    for (int it = 0; it < iters; it += 2) {
+      if (it + 1 < iters) load(kb, vb, it + 1);
+      consume(ka, va, it);
+      if (it + 1 >= iters) break;
+      if (it + 2 < iters) load(ka, va, it + 2);
+      consume(kb, vb, it + 1);
     }
   }
 
@@ -258,33 +215,19 @@ __global__ void __launch_bounds__(THREADS) split_decode_kernel(const SplitDecode
 // The variants compiled in: the engine's (128 threads, 4 rows per half-warp and buffer) for 1, 2 or 4 query heads
 // per KV head; with SPLIT_DECODE_ALL_VARIANTS also the ones benchmarks/decode_balance.py compares.
 template <int GROUP>
-cudaError_t launch_group(const SplitDecodeArgs& a, int unroll, int threads, int stages, cudaStream_t stream) {
+cudaError_t launch_group(const SplitDecodeArgs& a, int unroll, int threads, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(a.num_items * a.num_kv_heads));
   if (grid.x == 0) return cudaSuccess;
-#define SPLIT_DECODE_VARIANT(U, T, S)                                                                          \
-  if (unroll == U && threads == T && stages == S) {                                                          \
-    constexpr int smem = S * 2 * U * T * 16;                                                                 \
-    if (smem > 0) { /* over 48 KB with the static arrays: the kernel must be allowed more, once */           \
-      static const cudaError_t set = cudaFuncSetAttribute(split_decode_kernel<GROUP, U, T, S>,               \
-                                                          cudaFuncAttributeMaxDynamicSharedMemorySize, smem); \
-      if (set != cudaSuccess) return set;                                                                    \
-    }                                                                                                        \
-    split_decode_kernel<GROUP, U, T, S><<<grid, T, smem, stream>>>(a);                                       \
-    return cudaGetLastError();                                                                               \
+#define SPLIT_DECODE_VARIANT(U, T)                              \
+  if (unroll == U && threads == T) {                            \
+    split_decode_kernel<GROUP, U, T><<<grid, T, 0, stream>>>(a); \
+    return cudaGetLastError();                                  \
   }
-  SPLIT_DECODE_VARIANT(4, 128, 0)
+  SPLIT_DECODE_VARIANT(4, 128)
 #ifdef SPLIT_DECODE_ALL_VARIANTS
-  SPLIT_DECODE_VARIANT(2, 128, 0)
-  SPLIT_DECODE_VARIANT(2, 256, 0)
-  SPLIT_DECODE_VARIANT(4, 256, 0)
-  if constexpr (GROUP == 2) {
-    SPLIT_DECODE_VARIANT(4, 128, 2)
-    SPLIT_DECODE_VARIANT(4, 128, 3)
-    SPLIT_DECODE_VARIANT(2, 128, 3)
-    SPLIT_DECODE_VARIANT(2, 128, 4)
-    SPLIT_DECODE_VARIANT(2, 128, 6)
-    SPLIT_DECODE_VARIANT(1, 128, 8)
-  }
+  SPLIT_DECODE_VARIANT(2, 128)
+  SPLIT_DECODE_VARIANT(2, 256)
+  SPLIT_DECODE_VARIANT(4, 256)
 #endif
 #undef SPLIT_DECODE_VARIANT
   return cudaErrorNotSupported;
@@ -292,12 +235,11 @@ cudaError_t launch_group(const SplitDecodeArgs& a, int unroll, int threads, int 
 
 }  // namespace
 
-cudaError_t split_decode_launch(const SplitDecodeArgs& a, int unroll, int threads, int stages,
-                                cudaStream_t stream) {
+cudaError_t split_decode_launch(const SplitDecodeArgs& a, int unroll, int threads, cudaStream_t stream) {
   switch (a.group) {
-    case 1: return launch_group<1>(a, unroll, threads, stages, stream);
-    case 2: return launch_group<2>(a, unroll, threads, stages, stream);
-    case 4: return launch_group<4>(a, unroll, threads, stages, stream);
+    case 1: return launch_group<1>(a, unroll, threads, stream);
+    case 2: return launch_group<2>(a, unroll, threads, stream);
+    case 4: return launch_group<4>(a, unroll, threads, stream);
     default: return cudaErrorNotSupported;
   }
 }
