@@ -66,6 +66,14 @@ def _kernel():  # type: ignore[no-untyped-def]
 
 
 @functools.cache
+def _compiled() -> bool:
+    """Whether the kernel is compiled for the GPU (not run by Triton's interpreter, which lacks ``lg2.approx``)."""
+    import triton
+
+    return isinstance(_kernel(), triton.runtime.JITFunction)
+
+
+@functools.cache
 def _triton_importable() -> bool:
     try:
         import triton  # noqa: F401
@@ -109,7 +117,8 @@ def _race(x: torch.Tensor, inv_temperatures: torch.Tensor | None, seeds: torch.T
     ids = torch.empty(rows, chunks, dtype=torch.int64, device=x.device)
     inv = inv_temperatures if inv_temperatures is not None else scores  # unused without LOG_SPACE
     _kernel()[(rows, chunks)](x, x.stride(0), inv, seeds.to(torch.int64), steps.to(torch.int64), scores, ids,
-                              vocab, chunk_size, LOG_SPACE=log_space, BLOCK=block, num_warps=8)  # fmt: skip
+                              vocab, chunk_size, LOG_SPACE=log_space, BLOCK=block, FAST_LOG=_compiled(),
+                              num_warps=8)  # fmt: skip
     # argmax keeps the first of equal scores: the lowest chunk, whose id is below every later chunk's.
     return ids.gather(1, scores.argmax(dim=1, keepdim=True)).squeeze(1)
 

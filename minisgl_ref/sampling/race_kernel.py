@@ -30,10 +30,23 @@ code. The seed and step enter by truncation to 32 bits, which is the ``& 0xFFFFF
 
 The logits may be float32, bfloat16 or float16: they are converted to float32 as they are loaded, which is
 exact, so the caller need not make a float32 copy of ``[B, V]`` first.
+
+Why the second logarithm is the GPU's approximate one. The kernel is bound by its instructions, not by the logits
+it reads, and a float32 ``log`` is a software routine of ~25 instructions and a branch (which also keeps the
+compiler from interleaving the work of neighbouring entries). The race needs two per entry. The first, inside
+``log1p``, must be exact to the last bits near 1, where the winners' noise lives; the second, ``log(E)`` in the
+score, needs only an error small against the score's own rounding: the hardware's ``lg2.approx`` is off by at most
+~2**-22 in absolute terms, while a score of magnitude 1-30 is rounded to 2**-23-2**-19 anyway. So with
+``FAST_LOG`` the score takes ``lg2.approx`` (one instruction), and two draws can differ only where two scores tie
+to within float32 rounding, as they already may between this kernel and the eager code. Triton's interpreter has
+no such instruction; on the CPU the kernel keeps ``tl.log``.
 """
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -55,7 +68,7 @@ def race_kernel(
     seeds, steps,  # [B] int64
     chunk_scores, chunk_ids,  # [B, C] float32 and int64: each chunk's best score and its id (C = grid axis 1)
     vocab_size, chunk_size,  # chunk_size: a multiple of BLOCK
-    LOG_SPACE: tl.constexpr, BLOCK: tl.constexpr,
+    LOG_SPACE: tl.constexpr, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr = False,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -88,7 +101,10 @@ def race_kernel(
         e = tl.where(w == 1.0, u, -tl.log(w) * (u / (1.0 - w)))
         val = tl.load(x_row + v, mask=mask, other=0.0).to(tl.float32)
         if LOG_SPACE:
-            score = val * inv_t - tl.log(e)
+            if FAST_LOG:
+                score = val * inv_t - libdevice.fast_log2f(e) * LN2  # lg2.approx: see the module docstring
+            else:
+                score = val * inv_t - tl.log(e)
         else:
             score = val / e
         better = mask & (score > best)  # strictly better: an equal score later in the row keeps the earlier id

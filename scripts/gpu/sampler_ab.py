@@ -85,6 +85,14 @@ def main() -> int:
         row["same_tokens"] = agree
         eager = sampler.temperature_sample(logits.float(), temps, seeds, steps)
         row["new_same_as_eager"] = bool(torch.equal(variants["new"][0](logits, temps, seeds, steps), eager))
+        if rows == 256:  # many draws: how often do the two kernels pick different tokens?
+            logits = (torch.randn(rows, vocab, device=dev) * 3).to(torch.bfloat16)
+            differ = 0
+            for step in range(200):
+                steps.fill_(step)
+                differ += int((variants["new"][0](logits, temps, seeds, steps)
+                               != variants["old"][0](logits, temps, seeds, steps)).sum())
+            row.update(draws_compared=200 * rows, draws_differing=differ)
         micro.append(row)
         print(json.dumps(row), flush=True)
 
