@@ -2,7 +2,8 @@
 directly, each row's vocabulary split over several programs) against an earlier version given as two files
 (its launcher and its kernel; with ``--old-float32`` the old launcher is fed float32 logits, as the first
 versions needed). Runs alternate, A B A B ..., on one
-engine, after the usual untimed warm-up; also times the draw alone at a few row counts.
+engine, after the usual untimed warm-up; also times the draw alone at a few row counts (CUDA graphs of ten draws,
+so that the host's launches do not count; ``--draw-only``: only that).
 
     python3 scripts/gpu/sampler_ab.py OUT.json --old-launcher OLD_fused_draw.py --old-kernel OLD_race_kernel.py
 
@@ -36,9 +37,11 @@ def main() -> int:
     p.add_argument("--old-kernel", required=True)
     p.add_argument("--pairs", type=int, default=2)
     p.add_argument("--old-float32", action="store_true", help="convert the logits to float32 for the old launcher")
+    p.add_argument("--draw-only", action="store_true", help="time the draw alone, not the canonical workload")
     args = p.parse_args()
     import torch
 
+    from benchmarks.kernels import time_graph
     from minisgl_ref.bench import offline
     from minisgl_ref.bench.provenance import collect_provenance
     from minisgl_ref.bench.workloads import canonical_workload, warmup_workload
@@ -69,17 +72,10 @@ def main() -> int:
         seeds = torch.arange(rows, device=dev)
         steps = torch.zeros(rows, dtype=torch.int64, device=dev)
         row = {"rows": rows}
-        for name in ("new", "old", "new", "old"):
+        for name in ("new", "old", "new", "old"):  # each call captured ten times in a CUDA graph: no launch cost
             fn = variants[name][0]
-            agree = None
-            for _ in range(3):
-                out = fn(logits, temps, seeds, steps)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(50):
-                out = fn(logits, temps, seeds, steps)
-            torch.cuda.synchronize()
-            row.setdefault(f"{name}_us", []).append(round((time.perf_counter() - t0) / 50 * 1e6, 1))
+            seconds, _ = time_graph(lambda: fn(logits, temps, seeds, steps), repeats=30)  # noqa: B023
+            row.setdefault(f"{name}_us", []).append(round(seconds * 1e6, 1))
         agree = bool(torch.equal(variants["new"][0](logits, temps, seeds, steps),
                                  variants["old"][0](logits, temps, seeds, steps)))
         row["same_tokens"] = agree
@@ -96,6 +92,10 @@ def main() -> int:
         micro.append(row)
         print(json.dumps(row), flush=True)
 
+    if args.draw_only:
+        result = {"what": __doc__.split("\n\n")[0], "draw_alone_us": micro, "provenance": collect_provenance(sys.argv)}
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     model = offline.resolve_model(None, None, quick=False)
     kwargs = offline.resolve_engine_kwargs({}, False)
     llm = offline.build_llm(model, "paged", kwargs)
