@@ -441,13 +441,14 @@ for label in ("cold", "warm"):
 # measurement with the folded norms but the persistent kernel from 64 rows: 19,585 and 19,600,
 # `canonical_bare_machine_folded_h100.json`; before the folded norms: 19,446 and 19,232; before the fused prefill
 # store: 19,034 and 19,027; each on another machine. Machines differ by a percent or two, so only the interleaved
-# A/Bs of section 5 compare changes.) The engine at the end of the chapter (our own split-KV decode kernel and the
-# small kernels' loads issued first, both in section 5) on four more bare machines, the first two a step before the
-# last change:
+# A/Bs of section 5 compare changes.) The engine at the end of the chapter (our own split-KV decode kernel, the
+# small kernels' loads issued first and the sampler's approximate logarithm, all in section 5) on five more bare
+# machines, the first four a step or two before the last changes:
 
 # %%
 for name in ("canonical_bare_machine_split_cap_h100.json", "canonical_bare_machine_split_cap_2_h100.json",
-             "canonical_bare_machine_loads_first_h100.json", "canonical_bare_machine_loads_first_2_h100.json"):
+             "canonical_bare_machine_loads_first_h100.json", "canonical_bare_machine_loads_first_2_h100.json",
+             "canonical_bare_machine_fast_log_h100.json"):
     doc = json.loads((ROOT / "docs" / "data" / name).read_text())
     cold, warm = doc["cold"]["results"][0], doc["warm"]["results"][0]
     compiled = sum(cold["compiled_during_run"].values()) + sum(warm["compiled_during_run"].values())
@@ -458,9 +459,10 @@ for name in ("canonical_bare_machine_split_cap_h100.json", "canonical_bare_machi
 
 # %% [markdown]
 # 19,900-20,250 output tokens/s on the first timed run of a bare machine, 74.6-76.0% of the floor, and the second
-# process within 1.3% of the first; a warm start-up of 9-14 s, a cold one of 70-86 s. That is 1.2-3% short of
-# 20,500. (The third machine is the slowest of the four although its engine is the faster one in the interleaved
-# A/B of section 5: between machines the spread is larger than the change.)
+# process within 4.1% of the first (within 1.3% on four of the five machines); a warm start-up of 9-14 s, a cold
+# one of 70-90 s. That is 1.2-3% short of 20,500. (The third machine is the slowest of the five although its
+# engine is faster than the first two's in the interleaved A/B of section 5: between machines the spread is larger
+# than the change.)
 #
 # How far apart are a first and a second process, and where? Three other bare machines, with the engine of the
 # persistent kernel, the second one tracing every step of both timed runs (`--step-log`) and counting the garbage
@@ -725,6 +727,35 @@ for row in RACE["draw_alone_us"]:
           f" same tokens as the eager sampler: {row['new_same_as_eager']}")
 print("canonical workload, median of two runs each:",
       ", ".join(f"{'float32' if k == 'new' else 'float64'} {v:,.0f} tok/s" for k, v in RACE["median_output_tok_s"].items()))
+
+# %% [markdown]
+# The race was still the longest small kernel of a step (~0.14 ms at 256 rows, 2% of the step), and it is bound by
+# its instructions, not by the logits it reads. Each entry takes two float32 logarithms, and Triton's `tl.log` is
+# a libdevice routine of ~25 instructions with a branch for special values, which also keeps the compiler from
+# interleaving neighbouring entries. The first logarithm, inside `log1p`, must stay exact near 1, where the
+# winners' noise lives. The second, `log(E)` in the score `l / T - log(E)`, only has to be exact against the
+# score's own rounding: the hardware's `lg2.approx` (one instruction of the special-function unit) is off by at
+# most 2^-22 between 0.5 and 2 and by 2 units in the last place elsewhere, the order of the rounding of a score of
+# magnitude 1-30. In the PTX of the kernel the loop shrinks from 1,593 lines to 1,297 and from 20 branches to 12.
+# Triton's interpreter has no such instruction, so the kernel takes it only when compiled (`FAST_LOG`). The draw
+# alone, in CUDA graphs so that the host's launches do not count (`sampler_fast_log_draw_h100.json`), and the
+# tokens of both kernels compared over 200 steps of 256 rows:
+
+# %%
+FAST = json.loads((ROOT / "docs" / "data" / "sampler_fast_log_draw_h100.json").read_text())
+for row in FAST["draw_alone_us"]:
+    old, new = min(row["old_us"]), min(row["new_us"])
+    differing = f"; tokens differing: {row['draws_differing']} of {row['draws_compared']:,}" if "draws_compared" in row else ""
+    print(f"{row['rows']:>4} rows: exact log {old:6.1f} us, lg2.approx {new:6.1f} us ({new / old - 1:+.0%}){differing}")
+FAST_AB = json.loads((ROOT / "docs" / "data" / "sampler_fast_log_ab_h100.json").read_text())
+print("canonical workload, one process, runs alternating:",
+      ", ".join(f"{r['variant']} {r['output_tok_s']:,.0f}" for r in FAST_AB["canonical_runs"]))
+
+# %% [markdown]
+# The draw is 21-23% shorter from 64 rows up, ~35 µs a step at 256 rows, and not one of 51,200 draws picked another
+# token. Over the workload that is worth ~0.4%, less than the spread of the runs: in the alternating runs of one
+# process the new kernel is ahead in two pairs (0.9% and 0.7%) and behind in one (4.1%, a slow run). The timing of
+# the kernel alone is the measurement here; the change stays.
 
 # %% [markdown]
 # ### What the spread of context lengths costs the attention kernel

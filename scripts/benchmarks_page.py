@@ -102,7 +102,9 @@ OTHER_RESULTS = [
     "matrix multiplies overlap in two streams: `docs/data/overlap_decode_h100.json`.",
     "The GPU's gaps between the kernels of a decode step, and the sampler's float32 exponential against the float64 "
     "one in one process (chapter 11, section 5): `docs/data/decode_anatomy_gaps_h100.json`, "
-    "`docs/data/sampler_race_f32_ab_h100.json`; the GPU tests of the Triton attention kernels: "
+    "`docs/data/sampler_race_f32_ab_h100.json`; its score's logarithm from lg2.approx "
+    "`docs/data/sampler_fast_log_draw_h100.json`, `docs/data/sampler_fast_log_ab_h100.json`; "
+    "the GPU tests of the Triton attention kernels: "
     "`docs/data/gpu_tests_triton_kernels_h100.txt`. One step's matrix multiplies alone, cuBLAS, cuBLASLt and a "
     "plain Triton kernel: `docs/data/decode_matmuls_h100.json`; against a split-K Triton kernel with programmatic "
     "dependent launch and an L2 prefetch of the weights: `docs/data/decode_matmuls_pdl_h100.json` (a first version "
@@ -297,7 +299,8 @@ def tp_section() -> list[str]:
 
 #: The engine as it stands, on bare machines (newest last): the page opens with them.
 LATEST_BARE = ["canonical_bare_machine_split_cap_h100.json", "canonical_bare_machine_split_cap_2_h100.json",
-               "canonical_bare_machine_loads_first_h100.json", "canonical_bare_machine_loads_first_2_h100.json"]
+               "canonical_bare_machine_loads_first_h100.json", "canonical_bare_machine_loads_first_2_h100.json",
+               "canonical_bare_machine_fast_log_h100.json"]
 
 
 def latest_section() -> list[str]:

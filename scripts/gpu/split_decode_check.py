@@ -23,7 +23,9 @@ from minisgl_ref.attention.split_decode import load_kernel, plan_pieces
 ALL_VARIANTS = ((4, 128), (2, 128), (2, 256), (4, 256))
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: list[torch.Tensor], scale: float) -> torch.Tensor:
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: list[torch.Tensor],
+              scale: float) -> torch.Tensor:
+    """Each request's attention in float64, one softmax over its whole context."""
     outs = []
     group = q.shape[1] // k.shape[1]
     for i, s in enumerate(slots):
