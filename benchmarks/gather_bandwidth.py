@@ -33,23 +33,46 @@ def _kernels():  # type: ignore[no-untyped-def]
     import triton.language as tl
 
     @triton.jit
-    def read_rows(kv, slots, out, n, ROW: tl.constexpr, PIECE: tl.constexpr, BLOCK_T: tl.constexpr):
-        """Program (t, p): tokens t*BLOCK_T.., piece p of each token's row (PIECE values at offset p*PIECE)."""
-        rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        piece = tl.program_id(1)
+    def read_rows(kv, slots, out, n, ROW: tl.constexpr, PIECE: tl.constexpr, BLOCK_T: tl.constexpr,
+                  PIECES_FIRST: tl.constexpr = False):
+        """Program (t, p): tokens t*BLOCK_T.., piece p of each token's row (PIECE values at offset p*PIECE). With
+        PIECES_FIRST the grid is (p, t): the pieces of one block of tokens are neighbours in launch order."""
+        block, piece = (tl.program_id(1), tl.program_id(0)) if PIECES_FIRST else (tl.program_id(0), tl.program_id(1))
+        rt = block * BLOCK_T + tl.arange(0, BLOCK_T)
         s = tl.load(slots + rt, mask=rt < n, other=0).to(tl.int64)
         x = tl.load(kv + s[:, None] * ROW + piece * PIECE + tl.arange(0, PIECE)[None, :], mask=(rt < n)[:, None],
                     other=0.0)
-        tl.store(out + tl.program_id(0) * tl.num_programs(1) + piece, tl.sum(tl.sum(x.to(tl.float32), 1), 0))
+        tl.store(out + block * (ROW // PIECE) + piece, tl.sum(tl.sum(x.to(tl.float32), 1), 0))
 
-    return read_rows
+    @triton.jit
+    def read_head_major(kv, slots, out, n, pool, DIM: tl.constexpr, BLOCK_T: tl.constexpr):
+        """Program (h, t): KV head h's keys of tokens t*BLOCK_T.., in a pool laid out head by head."""
+        head = tl.program_id(0)
+        rt = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        s = tl.load(slots + rt, mask=rt < n, other=0).to(tl.int64)
+        x = tl.load(kv + head * pool * DIM + s[:, None] * DIM + tl.arange(0, DIM)[None, :], mask=(rt < n)[:, None],
+                    other=0.0)
+        tl.store(out + tl.program_id(1) * tl.num_programs(0) + head, tl.sum(tl.sum(x.to(tl.float32), 1), 0))
+
+    return read_rows, read_head_major
 
 
-def read(kv: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, piece: int, block_t: int) -> None:
+def read(kv: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, piece: int, block_t: int,
+         pieces_first: bool = False) -> None:
     row = kv.shape[1]
     n = slots.numel()
-    grid = (triton_cdiv(n, block_t), row // piece)
-    _kernels()[grid](kv, slots, out, n, ROW=row, PIECE=piece, BLOCK_T=block_t, num_warps=4)
+    grid = (row // piece, triton_cdiv(n, block_t)) if pieces_first else (triton_cdiv(n, block_t), row // piece)
+    _kernels()[0][grid](kv, slots, out, n, ROW=row, PIECE=piece, BLOCK_T=block_t, PIECES_FIRST=pieces_first,
+                        num_warps=4)
+
+
+def read_head_major(kv: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, block_t: int) -> None:
+    """The same keys from a pool laid out ``[KV heads, slots, 128]``: one head's tokens lie 256 bytes apart, so
+    a prompt's keys of one head are one contiguous run (as in pages laid out head by head)."""
+    heads, pool, dim = kv.shape
+    n = slots.numel()
+    grid = (heads, triton_cdiv(n, block_t))  # the heads of one block of tokens are neighbours in the grid
+    _kernels()[1][grid](kv, slots, out, n, pool, DIM=dim, BLOCK_T=block_t, num_warps=4)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -93,6 +116,8 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=1,
                    help="read this many separate pools, one after another, per timed replay (a decode step reads "
                         "every layer's cache once: with one pool, replays reread what the L2 cache kept)")
+    p.add_argument("--head-major", action="store_true",
+                   help="also read the keys from pools laid out [KV heads, slots, 128] (one head's tokens together)")
     args = p.parse_args()
     from minisgl_ref.bench.provenance import collect_provenance
 
@@ -104,6 +129,7 @@ def main() -> int:
     dev = torch.device("cuda")
     row = KV_HEADS * HEAD_DIM
     kvs = [torch.randn(pool, row, device=dev, dtype=torch.bfloat16) for _ in range(args.layers)]
+    hms = [kv.view(pool, KV_HEADS, HEAD_DIM).transpose(0, 1).contiguous() for kv in kvs] if args.head_major else []
     results = []
     stream_bytes = total * row * 2 * args.layers
     flats = [kv[:total] for kv in kvs]
@@ -115,6 +141,16 @@ def main() -> int:
             out = torch.empty(triton_cdiv(total, block_t) * (row // piece), device=dev, dtype=torch.float32)
             ms = best_ms(lambda: [read(kv, slots, out, piece, block_t) for kv in kvs])  # noqa: B023 - timed here
             results.append({"order": order, "piece_bytes": piece * 2, "block_tokens": block_t, "ms": round(ms, 4)})
+        if args.head_major:
+            out = torch.empty(triton_cdiv(total, 64) * KV_HEADS, device=dev, dtype=torch.float32)
+            ms = best_ms(lambda: [read(kv, slots, out, HEAD_DIM, 64, pieces_first=True) for kv in kvs])  # noqa: B023
+            results.append({"order": order, "layout": "pieces of a block of tokens launched together",
+                            "piece_bytes": HEAD_DIM * 2, "block_tokens": 64, "ms": round(ms, 4)})
+            for block_t in (32, 64, 128):
+                out = torch.empty(triton_cdiv(total, block_t) * KV_HEADS, device=dev, dtype=torch.float32)
+                ms = best_ms(lambda: [read_head_major(kv, slots, out, block_t) for kv in hms])  # noqa: B023
+                results.append({"order": order, "layout": "head-major", "piece_bytes": HEAD_DIM * 2,
+                                "block_tokens": block_t, "ms": round(ms, 4)})
     for r in results:
         r["tb_per_s"] = round(stream_bytes / (r["ms"] * 1e-3) / 1e12, 3)
         print(json.dumps(r), flush=True)
