@@ -301,9 +301,12 @@ def xqa_runner(st: Stage, page_size: int) -> tuple[Callable[[], torch.Tensor], l
 def split_decode_runner(st: Stage, name: str) -> tuple[Callable[[], torch.Tensor], list[int]]:
     """``cuda_C_U_T`` with any of the suffixes ``_stream``, ``_sorted``, ``_even`` (see the module docstring);
     ``cudafixed_F_U_T``: ``F`` percent more pieces than requests, whatever their lengths; ``cudacap_C_U_T``: room
-    for an eighth more, cut only while a piece is longer than ``C`` percent of the mean context."""
+    for an eighth more, cut only while a piece is longer than ``C`` percent of the mean context;
+    ``cudalockstep``: the engine's plan and variant, the blocks of one piece (its KV heads) a cluster in lockstep."""
     from benchmarks.split_decode import runner
 
+    if name == "cudalockstep":
+        return runner(st, 1, 4, 128, fixed=0.125, split_above=2.0, lockstep=True)
     fields = name.split("_")
     chunk, unroll, threads = (int(x) for x in fields[1:4])
     if fields[0] == "cudafixed":
@@ -353,6 +356,7 @@ def variants() -> dict[str, Callable[[Stage], tuple[Callable[[], torch.Tensor], 
     for c_ in (150, 200, 300):  # cudacap_C_4_T: cut a piece only while it is over C% of the mean context
         name = f"cudacap_{c_}_4_128"
         v[name] = lambda st, n=name: split_decode_runner(st, n)
+    v["cudalockstep"] = lambda st: split_decode_runner(st, "cudalockstep")
     return v
 
 

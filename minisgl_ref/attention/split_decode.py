@@ -40,8 +40,9 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-#: Rows per half-warp in each register buffer, and threads per block: the variant the engine runs.
-UNROLL, THREADS = 4, 128
+#: Rows per half-warp in each register buffer, threads per block, and whether the blocks of one piece (its KV heads)
+#: run as a cluster in lockstep: the variant the engine runs.
+UNROLL, THREADS, LOCKSTEP = 4, 128, False
 #: A piece is cut in two only while it is longer than this many times the mean context of the batch.
 SPLIT_ABOVE = 2.0
 #: Query heads per KV head that the kernel is compiled for.
@@ -200,5 +201,6 @@ class SplitDecode:
         assert self.kv_indices is not None, "plan before run"
         out = torch.empty(q.shape[0], self.num_q_heads, self.head_dim, dtype=q.dtype, device=q.device)
         self.kernel.split_decode(q, k, v, self.kv_indices, self.items[: self.count], self.parts, self.first_row,
-                                 self.part_o, self.part_lse, self.counters, out, self.sm_scale, UNROLL, THREADS)  # fmt: skip
+                                 self.part_o, self.part_lse, self.counters, out, self.sm_scale, UNROLL, THREADS,
+                                 LOCKSTEP)  # fmt: skip
         return out
