@@ -99,12 +99,16 @@ class Stage:
     handed out one step at a time to the whole batch, so a request's k-th generated token sits a batch of slots
     after its (k-1)-th, as in the engine's pool with one-token pages."""
 
-    def __init__(self, lens: list[int], seed: int = 0, generated: int | None = None) -> None:
+    def __init__(self, lens: list[int], seed: int = 0, generated: int | None = None, interleaved: bool = False) -> None:
         gen = torch.Generator(DEVICE).manual_seed(seed)
         self.lens = lens
         total = sum(lens)
-        self.k = torch.randn(total + 1, NUM_KV_HEADS, HEAD_DIM, generator=gen, device=DEVICE, dtype=DTYPE)
-        self.v = torch.randn(total + 1, NUM_KV_HEADS, HEAD_DIM, generator=gen, device=DEVICE, dtype=DTYPE)
+        if interleaved:  # a token's K row and V row side by side, 4 KiB in all: k and v are strided views
+            kv = torch.randn(total + 1, 2, NUM_KV_HEADS, HEAD_DIM, generator=gen, device=DEVICE, dtype=DTYPE)
+            self.k, self.v = kv[:, 0], kv[:, 1]
+        else:
+            self.k = torch.randn(total + 1, NUM_KV_HEADS, HEAD_DIM, generator=gen, device=DEVICE, dtype=DTYPE)
+            self.v = torch.randn(total + 1, NUM_KV_HEADS, HEAD_DIM, generator=gen, device=DEVICE, dtype=DTYPE)
         self.q = torch.randn(len(lens), NUM_Q_HEADS, HEAD_DIM, generator=gen, device=DEVICE, dtype=DTYPE)
         starts, s = [], 1
         for n in lens:
@@ -597,6 +601,9 @@ def main() -> int:
                    help="with --layers: also run each layer's matrix multiplies after its attention (with_matmuls)")
     p.add_argument("--slot-order", choices=("contiguous", "canonical"), default="contiguous",
                    help="canonical: each prompt in a run of slots, generated tokens a batch of slots apart")
+    p.add_argument("--kv-layout", choices=("separate", "interleaved"), default="separate",
+                   help="interleaved: each token's K and V rows side by side in one tensor (FlashInfer's combined "
+                        "paged layout) instead of a K tensor and a V tensor")
     p.add_argument("--layers", type=int, default=1,
                    help="time each call over this many caches of the same lengths, one after another (a decode "
                         "step's layers); 1 reruns one cache, which the L2 cache partly holds between calls")
@@ -618,6 +625,7 @@ def main() -> int:
         "copy_bandwidth_GBps": round(copy_bw / 1e9, 1),
         "layers": args.layers,
         "slot_order": args.slot_order,
+        "kv_layout": args.kv_layout,
         "stages": [],
         "provenance": collect_provenance(variants=names, repeats=args.repeats, layers=args.layers, slot_order=args.slot_order,
                                          kernel_packages={
@@ -628,8 +636,9 @@ def main() -> int:
     for mark, lens in stages.items():
         print(f"{len(lens)} running, {sum(lens):,} context tokens, lengths {min(lens)}..{max(lens)}", flush=True)
         gen = generated_tokens(int(mark)) if args.slot_order == "canonical" and mark.isdigit() else None
-        st = Stage(lens, seed=len(lens), generated=gen)
-        others = [Stage(lens, seed=len(lens) + i, generated=gen) for i in range(1, args.layers)]
+        st = Stage(lens, seed=len(lens), generated=gen, interleaved=args.kv_layout == "interleaved")
+        others = [Stage(lens, seed=len(lens) + i, generated=gen, interleaved=args.kv_layout == "interleaved")
+                  for i in range(1, args.layers)]
         rows = measure_stage(st, names, args.repeats, others)
         if args.with_matmuls and others:
             extra_rows = [with_matmuls(st, others, n, args.repeats) for n in names]
