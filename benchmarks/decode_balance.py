@@ -306,11 +306,11 @@ def split_decode_runner(st: Stage, name: str) -> tuple[Callable[[], torch.Tensor
     """``cuda_C_U_T`` with any of the suffixes ``_stream``, ``_sorted``, ``_even`` (see the module docstring);
     ``cudafixed_F_U_T``: ``F`` percent more pieces than requests, whatever their lengths; ``cudacap_C_U_T``: room
     for an eighth more, cut only while a piece is longer than ``C`` percent of the mean context;
-    ``cudalockstep``: the engine's plan and variant, the blocks of one piece (its KV heads) a cluster in lockstep."""
+    ``cudaocc4``: the engine's plan and variant compiled so that four blocks fit an SM (at most 128 registers)."""
     from benchmarks.split_decode import runner
 
-    if name == "cudalockstep":
-        return runner(st, 1, 4, 128, fixed=0.125, split_above=2.0, lockstep=True)
+    if name == "cudaocc4":
+        return runner(st, 1, 4, 128, fixed=0.125, split_above=2.0, min_blocks=4)
     fields = name.split("_")
     chunk, unroll, threads = (int(x) for x in fields[1:4])
     if fields[0] == "cudafixed":
@@ -360,7 +360,7 @@ def variants() -> dict[str, Callable[[Stage], tuple[Callable[[], torch.Tensor], 
     for c_ in (150, 200, 300):  # cudacap_C_4_T: cut a piece only while it is over C% of the mean context
         name = f"cudacap_{c_}_4_128"
         v[name] = lambda st, n=name: split_decode_runner(st, n)
-    v["cudalockstep"] = lambda st: split_decode_runner(st, "cudalockstep")
+    v["cudaocc4"] = lambda st: split_decode_runner(st, "cudaocc4")
     return v
 
 

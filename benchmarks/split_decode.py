@@ -59,7 +59,7 @@ def _fixed_plan(lens: list[int], fixed: float, device: str,
 def runner(st: Any, chunk: int = 512, unroll: int = 4, threads: int = 128, streaming: bool = False,
            longest_first: bool = False, even: bool = False,
            fixed: float | None = None, split_above: float | None = None,
-           lockstep: bool = False) -> tuple[Callable[[], torch.Tensor], list[int]]:  # fmt: skip
+           min_blocks: int = 1) -> tuple[Callable[[], torch.Tensor], list[int]]:  # fmt: skip
     """The kernel over a decode_balance stage: pieces of at most ``chunk`` tokens, blocks of ``threads``,
     ``unroll`` rows per half-warp in each of two buffers (the other options: see :func:`module`, :func:`plan`)."""
     from minisgl_ref.attention.split_decode import load_kernel
@@ -78,7 +78,7 @@ def runner(st: Any, chunk: int = 512, unroll: int = 4, threads: int = 128, strea
 
     def call() -> torch.Tensor:
         mod.split_decode(st.q, st.k, st.v, indices, p["items"], p["req_parts"], p["req_first_item"], part_o, part_lse,
-                         counters, out, dim**-0.5, unroll, threads, lockstep)  # fmt: skip
+                         counters, out, dim**-0.5, unroll, threads, min_blocks)  # fmt: skip
         return out
 
     return call, list(range(b))

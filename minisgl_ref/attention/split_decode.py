@@ -40,9 +40,9 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-#: Rows per half-warp in each register buffer, threads per block, and whether the blocks of one piece (its KV heads)
-#: run as a cluster in lockstep: the variant the engine runs.
-UNROLL, THREADS, LOCKSTEP = 4, 128, False
+#: Rows per half-warp in each register buffer, threads per block, and blocks an SM must hold at once (1: the
+#: compiler's choice): the variant the engine runs.
+UNROLL, THREADS, MIN_BLOCKS = 4, 128, 1
 #: A piece is cut in two only while it is longer than this many times the mean context of the batch.
 SPLIT_ABOVE = 2.0
 #: Query heads per KV head that the kernel is compiled for.
@@ -202,5 +202,5 @@ class SplitDecode:
         out = torch.empty(q.shape[0], self.num_q_heads, self.head_dim, dtype=q.dtype, device=q.device)
         self.kernel.split_decode(q, k, v, self.kv_indices, self.items[: self.count], self.parts, self.first_row,
                                  self.part_o, self.part_lse, self.counters, out, self.sm_scale, UNROLL, THREADS,
-                                 LOCKSTEP)  # fmt: skip
+                                 MIN_BLOCKS)  # fmt: skip
         return out

@@ -19,8 +19,9 @@ import torch
 
 from minisgl_ref.attention.split_decode import load_kernel, plan_pieces
 
-#: (rows per half-warp, threads, lockstep) of the all-variants build.
-ALL_VARIANTS = ((4, 128, False), (2, 128, False), (2, 256, False), (4, 256, False), (4, 128, True))
+#: (rows per half-warp, threads, blocks an SM must hold) of the all-variants build; the last only for one or two
+#: query heads per KV head.
+ALL_VARIANTS = ((4, 128, 1), (2, 128, 1), (2, 256, 1), (4, 256, 1), (4, 128, 4))
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: list[torch.Tensor],
@@ -59,18 +60,19 @@ def main() -> int:
         for per_request in (1, 2, 8, 16):
             items, parts, first = (torch.from_numpy(x).to(dev) for x in
                                    plan_pieces(lens, len(lens) * per_request, None if per_request > 1 else 2.0))
-            variants = [("engine", engine, (4, 128, False))] + [("all", every, x) for x in ALL_VARIANTS]
-            for build, mod, (unroll, threads, lockstep) in variants:
+            variants = [("engine", engine, (4, 128, 1))]
+            variants += [("all", every, x) for x in ALL_VARIANTS if x[2] == 1 or group <= 2]
+            for build, mod, (unroll, threads, min_blocks) in variants:
                 part_o = torch.full((items.shape[0], heads, 128), float("nan"), device=dev)
                 part_lse = torch.full((items.shape[0], heads), float("nan"), device=dev)
                 counters = torch.zeros(len(lens), kv_heads, dtype=torch.int32, device=dev)
                 out = torch.full_like(q, float("nan"))
                 row = {"kv_heads": kv_heads, "group": group, "pieces_per_request": per_request, "build": build,
-                       "unroll": unroll, "threads": threads, "lockstep": lockstep}
+                       "unroll": unroll, "threads": threads, "min_blocks": min_blocks}
                 try:
                     for _ in range(2):  # the second call checks that the counters were reset
                         mod.split_decode(q, k, v, indices, items, parts, first, part_o, part_lse, counters, out, scale,
-                                         unroll, threads, lockstep)  # fmt: skip
+                                         unroll, threads, min_blocks)  # fmt: skip
                     torch.cuda.synchronize()
                     err = (out.double() - ref).abs().max().item()
                     row.update(max_abs_error=err, ok=bool(err < 2e-2), counters_reset=bool((counters == 0).all()))

@@ -20,7 +20,7 @@ void split_decode(const torch::Tensor& q, const torch::Tensor& k, const torch::T
                   const torch::Tensor& kv_indices, const torch::Tensor& items, const torch::Tensor& req_parts,
                   const torch::Tensor& req_first_row, torch::Tensor& part_o, torch::Tensor& part_lse,
                   torch::Tensor& counters, torch::Tensor& out, double scale, int64_t unroll, int64_t threads,
-                  bool lockstep) {
+                  int64_t min_blocks) {
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
                   v.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
               "split_decode: bf16 query, cache and output only");
@@ -63,10 +63,10 @@ void split_decode(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   a.num_kv_heads = kv_heads;
   a.group = static_cast<int>(q.size(1)) / kv_heads;
   a.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-  const cudaError_t err = split_decode_launch(a, static_cast<int>(unroll), static_cast<int>(threads), lockstep,
-                                              c10::cuda::getCurrentCUDAStream());
+  const cudaError_t err = split_decode_launch(a, static_cast<int>(unroll), static_cast<int>(threads),
+                                              static_cast<int>(min_blocks), c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "split_decode: ", err == cudaErrorNotSupported ?
-              "no compiled variant for this group size, unroll, block size and lockstep" : cudaGetErrorString(err));
+              "no compiled variant for this group size, unroll, block size and blocks per SM" : cudaGetErrorString(err));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

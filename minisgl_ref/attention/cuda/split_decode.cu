@@ -36,14 +36,10 @@ __device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float* f) {
   }
 }
 
-// Hopper's cluster barrier, in two halves: a thread arrives, and later waits until every thread of its cluster has.
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::); }
-
-// LOCKSTEP: the blocks of one item (its KV heads) are launched as one cluster and wait for each other every two
-// steps, so that the pieces of a row are read at about the same time.
-template <int GROUP, int UNROLL, int THREADS, bool LOCKSTEP>
-__global__ void __launch_bounds__(THREADS) split_decode_kernel(const SplitDecodeArgs a) {
+// MIN_BLOCKS: the blocks an SM must be able to hold at once (the compiler keeps the registers a thread uses low
+// enough); 1 leaves the choice to the compiler.
+template <int GROUP, int UNROLL, int THREADS, int MIN_BLOCKS = 1>
+__global__ void __launch_bounds__(THREADS, MIN_BLOCKS) split_decode_kernel(const SplitDecodeArgs a) {
   const int kvh = blockIdx.x % a.num_kv_heads;  // the heads of one item are neighbours in the grid
   const int4 desc = a.items[blockIdx.x / a.num_kv_heads];  // (request, first index, end index, partial row)
   const int req = desc.x, begin = desc.y, end = desc.z, item = desc.w;
@@ -146,9 +142,7 @@ __global__ void __launch_bounds__(THREADS) split_decode_kernel(const SplitDecode
     load(ka, va, 0);
     for (int it = 0; it < iters; it += 2) {
       if (it + 1 < iters) load(kb, vb, it + 1);
-      if constexpr (LOCKSTEP) cluster_arrive();
       consume(ka, va, it);
-      if constexpr (LOCKSTEP) cluster_wait();  // every block of the item has issued the loads of step it + 1
       if (it + 1 >= iters) break;
       if (it + 2 < iters) load(ka, va, it + 2);
       consume(kb, vb, it + 1);
@@ -223,32 +217,21 @@ __global__ void __launch_bounds__(THREADS) split_decode_kernel(const SplitDecode
 // The variants compiled in: the engine's (128 threads, 4 rows per half-warp and buffer) for 1, 2 or 4 query heads
 // per KV head; with SPLIT_DECODE_ALL_VARIANTS also the ones benchmarks/decode_balance.py compares.
 template <int GROUP>
-cudaError_t launch_group(const SplitDecodeArgs& a, int unroll, int threads, bool lockstep, cudaStream_t stream) {
+cudaError_t launch_group(const SplitDecodeArgs& a, int unroll, int threads, int min_blocks, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(a.num_items * a.num_kv_heads));
   if (grid.x == 0) return cudaSuccess;
-#define SPLIT_DECODE_VARIANT(U, T)                                     \
-  if (unroll == U && threads == T && !lockstep) {                      \
-    split_decode_kernel<GROUP, U, T, false><<<grid, T, 0, stream>>>(a); \
-    return cudaGetLastError();                                         \
+#define SPLIT_DECODE_VARIANT(U, T, B)                                 \
+  if (unroll == U && threads == T && min_blocks == B) {               \
+    split_decode_kernel<GROUP, U, T, B><<<grid, T, 0, stream>>>(a);   \
+    return cudaGetLastError();                                        \
   }
-  SPLIT_DECODE_VARIANT(4, 128)
+  SPLIT_DECODE_VARIANT(4, 128, 1)
 #ifdef SPLIT_DECODE_ALL_VARIANTS
-  SPLIT_DECODE_VARIANT(2, 128)
-  SPLIT_DECODE_VARIANT(2, 256)
-  SPLIT_DECODE_VARIANT(4, 256)
-  if (unroll == 4 && threads == 128 && lockstep) {  // one cluster per item: its KV heads
-    if (a.num_kv_heads > 8 || 8 % a.num_kv_heads != 0) return cudaErrorNotSupported;
-    cudaLaunchConfig_t config{};
-    config.gridDim = grid;
-    config.blockDim = dim3(128);
-    config.stream = stream;
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = static_cast<unsigned>(a.num_kv_heads);
-    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-    config.attrs = &attr;
-    config.numAttrs = 1;
-    return cudaLaunchKernelEx(&config, split_decode_kernel<GROUP, 4, 128, true>, a);
+  SPLIT_DECODE_VARIANT(2, 128, 1)
+  SPLIT_DECODE_VARIANT(2, 256, 1)
+  SPLIT_DECODE_VARIANT(4, 256, 1)
+  if constexpr (GROUP <= 2) {  // four blocks of 128 threads an SM: at most 128 registers a thread, no spills
+    SPLIT_DECODE_VARIANT(4, 128, 4)
   }
 #endif
 #undef SPLIT_DECODE_VARIANT
@@ -257,12 +240,12 @@ cudaError_t launch_group(const SplitDecodeArgs& a, int unroll, int threads, bool
 
 }  // namespace
 
-cudaError_t split_decode_launch(const SplitDecodeArgs& a, int unroll, int threads, bool lockstep,
+cudaError_t split_decode_launch(const SplitDecodeArgs& a, int unroll, int threads, int min_blocks,
                                 cudaStream_t stream) {
   switch (a.group) {
-    case 1: return launch_group<1>(a, unroll, threads, lockstep, stream);
-    case 2: return launch_group<2>(a, unroll, threads, lockstep, stream);
-    case 4: return launch_group<4>(a, unroll, threads, lockstep, stream);
+    case 1: return launch_group<1>(a, unroll, threads, min_blocks, stream);
+    case 2: return launch_group<2>(a, unroll, threads, min_blocks, stream);
+    case 4: return launch_group<4>(a, unroll, threads, min_blocks, stream);
     default: return cudaErrorNotSupported;
   }
 }

@@ -25,5 +25,5 @@ struct SplitDecodeArgs {
 
 // Launches the kernel on `stream`; returns cudaErrorNotSupported for a shape or variant that is not compiled in
 // (a failed launch returns its own error).
-cudaError_t split_decode_launch(const SplitDecodeArgs& args, int unroll, int threads, bool lockstep,
+cudaError_t split_decode_launch(const SplitDecodeArgs& args, int unroll, int threads, int min_blocks,
                                 cudaStream_t stream);
