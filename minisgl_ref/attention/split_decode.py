@@ -40,9 +40,12 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-#: Rows per half-warp in each register buffer, threads per block, and blocks an SM must hold at once (1: the
-#: compiler's choice): the variant the engine runs.
-UNROLL, THREADS, MIN_BLOCKS = 4, 128, 1
+#: Rows per half-warp in each register buffer, and threads per block: the variant the engine runs.
+UNROLL, THREADS = 4, 128
+#: From this many requests (and for one or two query heads per KV head), the kernel is the build that fits four
+#: blocks on an SM instead of three (at most 128 registers a thread): more reads in flight pay when every SM has
+#: several waves of blocks; with fewer requests the coarser waves cost more than they gain.
+FOUR_BLOCKS_FROM = 224
 #: A piece is cut in two only while it is longer than this many times the mean context of the batch.
 SPLIT_ABOVE = 2.0
 #: Query heads per KV head that the kernel is compiled for.
@@ -151,6 +154,8 @@ class SplitDecode:
     def __init__(self, *, num_q_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float, max_batch: int,
                  device: torch.device) -> None:  # fmt: skip
         self.kernel = load_kernel()
+        self.group = num_q_heads // num_kv_heads
+        self.min_blocks = 1
         self.num_q_heads, self.head_dim, self.sm_scale = num_q_heads, head_dim, sm_scale
         self.max_batch = max_batch
         most = piece_count(max_batch)
@@ -180,6 +185,7 @@ class SplitDecode:
         if bs > self.max_batch:
             raise ValueError(f"a decode batch of {bs} requests is larger than the request pool ({self.max_batch})")
         self.count = piece_count(bs)
+        self.min_blocks = 4 if bs >= FOUR_BLOCKS_FROM and self.group <= 2 else 1
         items, parts, first_row = plan_pieces(lens, self.count)
         turn, self.turn = self.turn, 1 - self.turn
         done = self.uploaded[turn]
@@ -202,5 +208,5 @@ class SplitDecode:
         out = torch.empty(q.shape[0], self.num_q_heads, self.head_dim, dtype=q.dtype, device=q.device)
         self.kernel.split_decode(q, k, v, self.kv_indices, self.items[: self.count], self.parts, self.first_row,
                                  self.part_o, self.part_lse, self.counters, out, self.sm_scale, UNROLL, THREADS,
-                                 MIN_BLOCKS)  # fmt: skip
+                                 self.min_blocks)  # fmt: skip
         return out

@@ -60,7 +60,7 @@ def main() -> int:
         for per_request in (1, 2, 8, 16):
             items, parts, first = (torch.from_numpy(x).to(dev) for x in
                                    plan_pieces(lens, len(lens) * per_request, None if per_request > 1 else 2.0))
-            variants = [("engine", engine, (4, 128, 1))]
+            variants = [("engine", engine, (4, 128, 1))] + ([("engine", engine, (4, 128, 4))] if group <= 2 else [])
             variants += [("all", every, x) for x in ALL_VARIANTS if x[2] == 1 or group <= 2]
             for build, mod, (unroll, threads, min_blocks) in variants:
                 part_o = torch.full((items.shape[0], heads, 128), float("nan"), device=dev)

@@ -215,7 +215,8 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) split_decode_kernel(const
 }
 
 // The variants compiled in: the engine's (128 threads, 4 rows per half-warp and buffer) for 1, 2 or 4 query heads
-// per KV head; with SPLIT_DECODE_ALL_VARIANTS also the ones benchmarks/decode_balance.py compares.
+// per KV head, and for 1 or 2 also the build for four blocks an SM (large batches); with SPLIT_DECODE_ALL_VARIANTS
+// also the ones benchmarks/decode_balance.py compares.
 template <int GROUP>
 cudaError_t launch_group(const SplitDecodeArgs& a, int unroll, int threads, int min_blocks, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(a.num_items * a.num_kv_heads));
@@ -226,13 +227,13 @@ cudaError_t launch_group(const SplitDecodeArgs& a, int unroll, int threads, int 
     return cudaGetLastError();                                        \
   }
   SPLIT_DECODE_VARIANT(4, 128, 1)
+  if constexpr (GROUP <= 2) {  // four blocks of 128 threads an SM: at most 128 registers a thread, no spills
+    SPLIT_DECODE_VARIANT(4, 128, 4)
+  }
 #ifdef SPLIT_DECODE_ALL_VARIANTS
   SPLIT_DECODE_VARIANT(2, 128, 1)
   SPLIT_DECODE_VARIANT(2, 256, 1)
   SPLIT_DECODE_VARIANT(4, 256, 1)
-  if constexpr (GROUP <= 2) {  // four blocks of 128 threads an SM: at most 128 registers a thread, no spills
-    SPLIT_DECODE_VARIANT(4, 128, 4)
-  }
 #endif
 #undef SPLIT_DECODE_VARIANT
   return cudaErrorNotSupported;
