@@ -1265,6 +1265,61 @@ for variant in [r["variant"] for r in ASYNC["stages"][0]["variants"] if "time_us
 # shared memory costs. The register double buffer already keeps enough reads on their way; what is left between
 # ~2.9 TB/s and the ~3.0 TB/s of a plain gather is not latency the kernel fails to hide.
 #
+# **What makes the gather fast?** `gather_bandwidth --head-major` adds two more ways to read the same keys
+# (`gather_bandwidth_head_major_h100.json`, 28 layers): 256-byte pieces whose programs for the eight heads of a
+# block of tokens are neighbours in launch order (above, a row's eight pieces were launched far apart), and a pool
+# laid out head by head, `[KV heads, slots, 128]`, where one head's keys of a prompt are one contiguous run:
+
+# %%
+HM = json.loads((ROOT / "docs" / "data" / "gather_bandwidth_head_major_h100.json").read_text())
+for r in HM["results"]:
+    if r["order"] != "canonical":
+        continue
+    how = r.get("layout") or f"pieces of {r['piece_bytes']} bytes, launched {'far apart' if r['piece_bytes'] < 2048 else 'as rows'}"
+    print(f"{how:<50} {r['block_tokens']:>4} tokens a program   {r['tb_per_s']:.2f} TB/s")
+
+# %% [markdown]
+# Launched side by side, 256-byte pieces read as fast as whole rows or a head-major pool, ~3.07 TB/s: what the
+# memory wants is a row's pieces asked for at about the same time, however they are cut. Our kernel already
+# launches the blocks of one piece (its eight heads) side by side, and still reads ~2.86-2.94 TB/s alone. Three
+# guesses at the rest, each measured in the 28-layer chain:
+#
+# * *The heads drift apart over a long piece.* A variant launched each piece's eight blocks as a Hopper thread
+#   block cluster, waiting at a split cluster barrier every two steps (commit facf4af, since reverted,
+#   `decode_balance_lockstep_h100.json`): level alone, 2-4% slower in the chain.
+# * *K and V are two streams.* Each token's K and V rows side by side in one tensor, FlashInfer's combined paged
+#   layout (`decode_balance --kv-layout interleaved`, `decode_balance_kv_separate_h100.json` against
+#   `decode_balance_kv_interleaved_h100.json`): 0-1.6% shorter chains, within the spread of one run to the next;
+#   not worth a new pool layout for every backend.
+# * *Three blocks an SM are too few.* The kernel uses 163-168 registers a thread for two query heads per KV head, so
+#   three blocks of 128 threads fit an SM. Compiled for four (`__launch_bounds__(128, 4)`: 128 registers and, for
+#   one or two query heads per KV head, no spills; `cudaocc4`):
+
+# %%
+rows = {}
+for name in ("decode_balance_occupancy_h100.json", "decode_balance_occupancy_2_h100.json"):
+    for st in json.loads((ROOT / "docs" / "data" / name).read_text())["stages"]:
+        c = {r["variant"]: r.get("time_us") or r["chain_us_per_layer"] for r in st["variants"]}
+        rows[st["running"]] = (c["cudacap_200_4_128"], c["cudaocc4"], c["cudacap_200_4_128_with_matmuls"],
+                               c["cudaocc4_with_matmuls"])
+print(f"{'running':>7} {'3 blocks':>9} {'4 blocks':>9} {'chain, 3':>9} {'chain, 4':>9}   (us per layer)")
+for n in sorted(rows, reverse=True):
+    a3, a4, c3, c4 = rows[n]
+    print(f"{n:>7} {a3:>9.1f} {a4:>9.1f} {c3:>9.1f} {c4:>9.1f}   alone {a4 / a3 - 1:+.1%}, chain {c4 / c3 - 1:+.1%}")
+FOUR = json.loads((ROOT / "docs" / "data" / "canonical_ab_four_blocks_h100.json").read_text())["summary"]
+print("\ncanonical workload, interleaved processes, output tok/s:")
+for label, s in FOUR.items():
+    print(f"    {label:<22} {', '.join(f'{x:,.0f}' for x in s['runs_tok_s'])} (median {s['median']:,.0f})")
+
+# %% [markdown]
+# Four blocks an SM read 1-2% faster where every SM has many waves of blocks (239-256 running), nothing at 128-224,
+# and up to 4% slower below 128 requests, where the waves get too coarse. So the engine builds both and takes the
+# four-block build from 224 requests (`FOUR_BLOCKS_FROM`; a captured graph keeps the build of its batch size). In
+# interleaved processes the medians move from 20,270 to 20,385 output tokens/s (+0.6%), inside the spread of the
+# runs (`canonical_ab_four_blocks_h100.json`; this machine was a fast one: both sides have runs above 20,400).
+# None of the three explains the gap to the gather: the kernel reads about as the gather reads with a row's
+# pieces far apart, although it launches them side by side.
+#
 # ### The other side of the chain: the multiplies
 #
 # The multiplies take ~0.8-1.0 ms a step where reading the weights takes
