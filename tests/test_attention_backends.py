@@ -814,6 +814,23 @@ def test_split_decode_uploads_each_plan_into_the_same_device_buffers(monkeypatch
         split.plan([1] * 9, torch.zeros(9, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(16, 8), (8, 8), (32, 8)])
+def test_split_decode_takes_the_four_block_build_for_large_batches_only(monkeypatch, num_q_heads, num_kv_heads):
+    """From FOUR_BLOCKS_FROM requests the kernel is launched as the build that fits four blocks on an SM, which
+    exists (without spilling registers) for one or two query heads per KV head only; smaller batches, and four
+    query heads per KV head at any size, keep the default build."""
+    import minisgl_ref.attention.split_decode as sd
+
+    monkeypatch.setattr(sd, "load_kernel", lambda *a, **k: None)
+    split = sd.SplitDecode(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=128, sm_scale=0.1,
+                           max_batch=256, device=torch.device("cpu"))  # fmt: skip
+    small_group = num_q_heads // num_kv_heads <= 2
+    for bs, want in ((1, 1), (sd.FOUR_BLOCKS_FROM - 1, 1), (sd.FOUR_BLOCKS_FROM, 4 if small_group else 1),
+                     (256, 4 if small_group else 1), (8, 1)):  # fmt: skip
+        split.plan([3] * bs, torch.zeros(3 * bs, dtype=torch.int32))
+        assert split.min_blocks == want, (bs, split.min_blocks)
+
+
 def test_flashinfer_backend_falls_back_when_the_split_kernel_cannot_be_built(monkeypatch, caplog):
     """Without nvcc or ninja the split-KV kernel cannot be built: the backend says so once and sends large decode
     batches to FlashInfer's kernels instead of failing the step (checked on the choice itself: the backend needs a
