@@ -2329,13 +2329,27 @@ for run in SA["canonical_runs"]:
 # git checkout 618d25d && python -m benchmarks.raw_decode --output results/raw_decode.json  # section 5: the
 #     attention without the QK-norm kernel (and 31a607a: python -m benchmarks.dependent_launch, launched early)
 # python -m benchmarks.matmul_latency --output results/matmul_latency.json   # section 5: weights in L2, TunableOp
+# python3 scripts/gpu/split_decode_check.py --output results/split_decode_check.json   # every build vs float64
+# git checkout d0aad47 && python -m benchmarks.decode_balance --variants cudacap_200_4_128,cudaheads_8_800_4_128,\
+# cudaheads_2_200_4_128 --marks 256,128,63 --layers 28 --slot-order canonical --with-matmuls \
+#     --output results/heads.json      # section 5: blocks of several heads (379af6c: cudaasync_4_3, shared memory;
+#     # facf4af: cudalockstep)
+# python -m benchmarks.gather_bandwidth --layers 28 --head-major --output results/head_major.json  # section 5
+# python -m benchmarks.decode_balance --variants cudacap_200_4_128 --kv-layout interleaved --marks 256,192,128,63 \
+#     --layers 28 --slot-order canonical --with-matmuls --output results/kv_interleaved.json  # K and V together
+# python -m benchmarks.decode_balance --variants cudacap_200_4_128,cudaocc4 --marks 256,239,224,192,128,96,48 \
+#     --layers 28 --slot-order canonical --with-matmuls --output results/occupancy.json  # four blocks an SM
+# git show 8001d91~1:minisgl_ref/sampling/race_kernel.py > OLD_race_kernel.py  # (and fused_draw.py) then:
+# python3 scripts/gpu/sampler_ab.py results/fast_log.json --old-launcher OLD_fused_draw.py \
+#     --old-kernel OLD_race_kernel.py --draw-only    # section 5: the score's logarithm from lg2.approx
 # ```
 #
 # Expected on an H100 80GB HBM3 with the engine as it stands (`bash scripts/gpu/bare_machine.sh`,
-# `canonical_bare_machine_loads_first_h100.json` and `..._loads_first_2_h100.json`, about 2.5 minutes): about
-# 19,900-20,150 output tok/s on the first timed run of `python -m minisgl_ref bench offline` on a bare machine
+# `canonical_bare_machine_fast_log_h100.json` and the four machines before it, about 2.5 minutes): about
+# 19,900-20,250 output tok/s on the first timed run of `python -m minisgl_ref bench offline` on a bare machine
 # (75-76% of the 5.03 s floor at the measured 3.0 TB/s), a start-up of 70-90 s there and of 10-14 s in a second
-# process, which runs within about a percent of the first. Earlier engines, in the order of this chapter
+# process, which runs within a few percent of the first (on a fast machine the interleaved processes of
+# `canonical_ab_four_blocks_h100.json` reach 19,800-20,500). Earlier engines, in the order of this chapter
 # (`docs/data/gpu_offline_h100.json`): about 17,700-17,850 output tok/s on the canonical workload (67% of the
 # floor, 60% of the datasheet floor), about 8,200 with `--disable-cuda-graph`, about 18,000 with
 # `--attention-backend triton`.
