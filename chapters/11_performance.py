@@ -1207,7 +1207,7 @@ for st in MIN["stages"]:
 # minimum gains anywhere, so the threshold stays at 48 rows and the plan as it was.
 #
 # **Whole rows.** `gather_bandwidth` read the cache ~4% faster in whole 2 KiB rows than in 256-byte pieces. Our
-# kernel reads 256-byte pieces: a block serves one KV head. A variant of it (commit d0aad47, since reverted) made
+# kernel reads 256-byte pieces: a block serves one KV head. A variant of it (commit 576dd80, since reverted) made
 # the number of KV heads a block serves a template parameter: with 2 heads a warp reads 512 contiguous bytes, with
 # 8 a block reads whole rows, each half-warp keeping its own head. But a block of 8 heads takes all the work of
 # its piece, so a batch of B contexts is only B blocks, too few for the waves to balance; the contexts must be
@@ -2330,7 +2330,7 @@ for run in SA["canonical_runs"]:
 #     attention without the QK-norm kernel (and 31a607a: python -m benchmarks.dependent_launch, launched early)
 # python -m benchmarks.matmul_latency --output results/matmul_latency.json   # section 5: weights in L2, TunableOp
 # python3 scripts/gpu/split_decode_check.py --output results/split_decode_check.json   # every build vs float64
-# git checkout d0aad47 && python -m benchmarks.decode_balance --variants cudacap_200_4_128,cudaheads_8_800_4_128,\
+# git checkout 576dd80 && python -m benchmarks.decode_balance --variants cudacap_200_4_128,cudaheads_8_800_4_128,\
 # cudaheads_2_200_4_128 --marks 256,128,63 --layers 28 --slot-order canonical --with-matmuls \
 #     --output results/heads.json      # section 5: blocks of several heads (379af6c: cudaasync_4_3, shared memory;
 #     # facf4af: cudalockstep)
