@@ -2234,6 +2234,13 @@ for run in SA["canonical_runs"]:
 #    residual row's reduction back above the q and k loads, as the kernel once was, and count again. On a GPU,
 #    `scripts/gpu/fused_kernels_ab.py --old` times the two files against each other. Why does the order not matter
 #    for a prefill step of 16,384 tokens?
+# 14. **Two logarithms (the PTX on a CPU).** Compile `race_kernel` (`minisgl_ref/sampling/race_kernel.py`) for
+#    sm_90 as in exercise 13, with `LOG_SPACE=True`, `BLOCK=2048`, `num_warps=8` in `options`, once with
+#    `FAST_LOG=False` and once with `True`. Count the lines, the `bra` instructions and the `lg2.approx`
+#    instructions of each PTX, and find the inlined libdevice logarithm (its polynomial is a chain of `fma.rn`
+#    with constants). Why must the logarithm inside `log1p` stay the exact one, while the one in the score may be
+#    approximate? Work it out for `u = 2**-20`: how large is `log2(1 - u)`, and what does an absolute error of
+#    2^-22 do to it?
 
 # %% [markdown]
 # ## Reproduce
