@@ -1005,3 +1005,44 @@ def test_sampler_hands_bf16_logits_to_the_fused_draw_on_the_plain_path(monkeypat
     params[0] = SamplingParams(seed=1, temperature=0.8, presence_penalty=0.5)
     info = SamplingBatchInfo.build(params, [[]] * 4, None, None, vocab, device)
     assert Sampler()(logits.to(device), info).tolist() == want and dtypes[-1] == torch.float32
+
+
+# The race kernel compiled for an H100 (sm_90) in a process without Triton's interpreter: Triton compiles for a GPU
+# it does not have. Prints, per FAST_LOG, the PTX's lines and its lg2.approx instructions.
+_RACE_PTX = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from minisgl_ref.sampling.race_kernel import race_kernel
+
+sig = {"x": "*bf16", "stride_x": "i64", "inv_temperatures": "*fp32", "seeds": "*i64", "steps": "*i64",
+       "chunk_scores": "*fp32", "chunk_ids": "*i64", "vocab_size": "i32", "chunk_size": "i32",
+       "LOG_SPACE": "constexpr", "BLOCK": "constexpr", "FAST_LOG": "constexpr"}
+counts = {}
+for fast in (False, True):
+    consts = {"LOG_SPACE": True, "BLOCK": 2048, "FAST_LOG": fast}
+    ptx = triton.compile(ASTSource(fn=race_kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 8}).asm["ptx"]
+    counts[str(fast)] = [ptx.count("\n"), ptx.count("lg2.approx")]
+print(json.dumps(counts))
+"""
+
+
+def test_race_kernel_takes_the_approximate_logarithm_for_the_score_only() -> None:
+    """Chapter 11: compiled for an H100 with FAST_LOG, each of a thread's 8 entries per block (2,048 entries, 256
+    threads) gets exactly one lg2.approx -- the score's -- while the logarithm inside log1p stays the exact
+    routine; without FAST_LOG (what Triton's interpreter runs) there is none, and the kernel is longer."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _RACE_PTX], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    counts = json.loads(run.stdout.strip().splitlines()[-1])
+    (exact_lines, exact_lg2), (fast_lines, fast_lg2) = counts["False"], counts["True"]
+    assert exact_lg2 == 0 and fast_lg2 == 2048 // 256
+    assert fast_lines < 0.9 * exact_lines
