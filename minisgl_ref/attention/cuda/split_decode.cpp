@@ -65,8 +65,10 @@ void split_decode(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   a.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   const cudaError_t err = split_decode_launch(a, static_cast<int>(unroll), static_cast<int>(threads),
                                               static_cast<int>(min_blocks), c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "split_decode: ", err == cudaErrorNotSupported ?
-              "no compiled variant for this group size, unroll, block size and blocks per SM" : cudaGetErrorString(err));
+  const char* why = err == cudaErrorNotSupported
+                        ? "no compiled variant for this group size, unroll, block size and blocks per SM"
+                        : cudaGetErrorString(err);
+  TORCH_CHECK(err == cudaSuccess, "split_decode: ", why);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
