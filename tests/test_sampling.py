@@ -21,7 +21,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minisgl_ref.sampling import Sampler, SamplingBatchInfo, SamplingParams
+from minisgl_ref.sampling.params import GREEDY_TEMPERATURE_EPS
 from minisgl_ref.sampling.sampler import (
+    PENALISED_LOGIT_LIMIT,
     apply_penalties,
     sample_from_probs,
     seeded_uniform,
@@ -546,6 +548,27 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() ->
     logits = torch.tensor([[2.0, -2.0, 4.0, -1.0]])
     info = build([SamplingParams(repetition_penalty=2.0)], 4, prompts=[[0, 1]], outputs=[[2]])
     assert apply_penalties(logits, info).tolist() == [[1.0, -4.0, 2.0, -1.0]]
+
+
+@pytest.mark.task("2.2")
+@pytest.mark.parametrize("penalty", [5e-324, 1e-40, 1e-35])
+@pytest.mark.parametrize("temperature", [1.0, GREEDY_TEMPERATURE_EPS])
+def test_a_tiny_repetition_penalty_leaves_the_logits_finite(penalty: float, temperature: float) -> None:
+    """r near 0 (5e-324 is even 0 in float32) would divide a seen positive logit to +inf, and two of them made the
+    softmax NaN. The capped logits stay finite; the seen positive ids tie at the cap and share the draws."""
+    inf = float("inf")
+    logits = torch.tensor([[2.0, -2.0, 4.0, -1.0, 3.0, -inf]])  # id 5: masked out by a grammar, and seen
+    params = SamplingParams(repetition_penalty=penalty, temperature=temperature)
+    info = build([params], 6, prompts=[[0, 1, 5]], outputs=[[2]])
+    got = apply_penalties(logits, info)[0]
+    assert torch.isfinite(got[:5]).all() and got[5] == -inf  # no NaN, and the masked id stays masked
+    assert got[0] == got[2] == PENALISED_LOGIT_LIMIT  # the seen positive ids, tied at the cap
+    assert got[1] <= 0 and got[3] == -1.0 and got[4] == 3.0  # seen negative: towards 0; unseen: as it was
+    n = 400
+    rows = [SamplingParams(**{**params.to_dict(), "seed": s}) for s in range(n)]
+    tokens = sampler(logits.expand(n, 6).clone(), build(rows, 6, prompts=[[0, 1, 5]] * n, outputs=[[2]] * n))
+    counts = np.bincount(tokens.numpy(), minlength=6)
+    assert counts[0] + counts[2] == n and min(counts[0], counts[2]) > n // 4, counts
 
 
 @pytest.mark.task("2.2")

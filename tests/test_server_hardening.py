@@ -65,6 +65,21 @@ def test_harmless_fields_are_accepted(server):
     assert a.json()["choices"][0]["message"] == b.json()["choices"][0]["message"]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("response_format", [None, {"type": "json_object"}])
+def test_extreme_repetition_penalties_answer(server, temperature, response_format):
+    """A repetition penalty near 0 is valid, and 5e-324 is even 0 in float32. It once made the prompt's tokens
+    +inf, the softmax NaN and the draw a token the grammar forbids: a 500. Now every answer is a 200."""
+    for penalty in (5e-324, 1e-40, 2.0):
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 4, "temperature": temperature, "seed": 7,
+                "repetition_penalty": penalty}
+        if response_format:
+            body["response_format"] = response_format
+        r = server.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, (penalty, r.text)
+        assert r.json()["usage"]["completion_tokens"] >= 1
+
+
 def test_model_routes(server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)

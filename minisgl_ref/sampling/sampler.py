@@ -409,6 +409,10 @@ def _rows_to_dense(
     return out
 
 
+#: The largest penalised logit. A repetition penalty r near 0 divides a positive logit by almost
+#: nothing; the clamp keeps the result finite even after the smallest sampled temperature divides it again.
+PENALISED_LOGIT_LIMIT = torch.finfo(torch.float32).max * GREEDY_TEMPERATURE_EPS / 2
+
 # ----------------------------------------------------------------------------------------------------------------
 # The three stages.
 # ----------------------------------------------------------------------------------------------------------------
@@ -421,7 +425,8 @@ def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tens
     1. **Repetition** (only if ``info.need_repetition``): every id that occurs in the prompt
        (``info.prompt_mask``, [B, V] bool) *or* in the output so far (``info.output_counts > 0``) has its logit
        divided by the row's ``repetition_penalties`` r when it is positive, and multiplied by r when it is not:
-       both push it down for r > 1.
+       both push it down for r > 1. r is kept above float32's smallest normal number and the results are
+       capped at ``PENALISED_LOGIT_LIMIT``, so that a tiny r makes neither a +inf nor a NaN.
     2. **Frequency and presence** (only if ``info.need_frequency_presence``): with ``count`` the number of times
        the id was *generated* (``info.output_counts``, [B, V] int; the prompt does not count),
        ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
@@ -438,9 +443,13 @@ def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tens
     if info.need_repetition:
         assert info.prompt_mask is not None and info.output_counts is not None
         seen = info.prompt_mask | (info.output_counts > 0)
-        rep = info.repetition_penalties[:, None]
+        # An r below ~1e-45 rounds to 0 in float32, and a grammar's -inf times 0 is NaN: keep r positive.
+        rep = info.repetition_penalties[:, None].clamp_min(torch.finfo(torch.float32).tiny)
         # Dividing a positive logit and multiplying a negative one both push it *down* for r > 1.
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        # A tiny r overflows the division to +inf, and two +inf logits make the softmax inf - inf = NaN.
+        # Capping them keeps them finite (a grammar's -inf stays -inf): the seen positive ids tie at the cap.
+        penalised = penalised.clamp_max(PENALISED_LOGIT_LIMIT)
         logits = torch.where(seen, penalised, logits)
     if info.need_frequency_presence:
         assert info.output_counts is not None
