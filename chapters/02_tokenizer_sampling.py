@@ -539,7 +539,9 @@ print(task_source(apply_penalties, "2.2"))
 # ### Temperature, top-k, top-p, min-p (task 2.3)
 #
 # After penalties, non-greedy rows become probabilities `softmax(logits / T)`: T < 1 sharpens the distribution,
-# T > 1 flattens it. Three filters then remove the unlikely tail, applied in sequence as in HF's logits
+# T > 1 flattens it. Both ends are guarded: T below `GREEDY_TEMPERATURE_EPS` is greedy, and T above
+# `MAX_TEMPERATURE` (1e30) is sampled at 1e30 — 1e300 is infinite in float32, and a grammar's `-inf` divided by
+# infinity is NaN, while at 1e30 the distribution over the allowed tokens is already uniform. Three filters then remove the unlikely tail, applied in sequence as in HF's logits
 # processors and vLLM:
 #
 # 1. **top-k** keeps the k most probable tokens;

@@ -571,6 +571,23 @@ def test_a_tiny_repetition_penalty_leaves_the_logits_finite(penalty: float, temp
     assert counts[0] + counts[2] == n and min(counts[0], counts[2]) > n // 4, counts
 
 
+@pytest.mark.parametrize("temperature", [1e30, 1e39, 1e300])
+def test_a_huge_temperature_samples_uniformly_without_nan(temperature: float) -> None:
+    """1e300 is a valid temperature but inf in float32: a grammar's -inf divided by it was NaN, in the draw and in
+    the log probabilities. It is sampled at MAX_TEMPERATURE: uniform over the allowed ids, finite logprobs."""
+    inf = float("inf")
+    logits = torch.tensor([2.0, -inf, 4.0, -1.0, -inf])
+    n = 600
+    rows = [SamplingParams(temperature=temperature, seed=s) for s in range(n)]
+    tokens, logprobs = sampler.sample(logits.expand(n, 5).clone(), build(rows, 5), top_logprobs=2)
+    counts = np.bincount(tokens.numpy(), minlength=5)
+    assert counts[1] == counts[4] == 0
+    assert chi_square(counts, np.array([1, 0, 1, 1, 0]) / 3) < CHI2_CRIT_001[2], counts
+    assert logprobs is not None
+    assert torch.allclose(logprobs.chosen, torch.full((n,), -math.log(3)))
+    assert torch.isfinite(logprobs.top_values).all()
+
+
 @pytest.mark.task("2.2")
 def test_update_accumulates_counts_like_building_from_scratch() -> None:
     vocab = 12

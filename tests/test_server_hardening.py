@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from typing import Any
 
@@ -65,19 +66,29 @@ def test_harmless_fields_are_accepted(server):
     assert a.json()["choices"][0]["message"] == b.json()["choices"][0]["message"]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("response_format", [None, {"type": "json_object"}])
-def test_extreme_repetition_penalties_answer(server, temperature, response_format):
-    """A repetition penalty near 0 is valid, and 5e-324 is even 0 in float32. It once made the prompt's tokens
-    +inf, the softmax NaN and the draw a token the grammar forbids: a 500. Now every answer is a 200."""
-    for penalty in (5e-324, 1e-40, 2.0):
+def test_extreme_but_valid_sampling_numbers_answer(server, response_format):
+    """A repetition penalty near 0 is valid, and 5e-324 is even 0 in float32; a temperature of 1e300 is valid and
+    inf in float32. Both once made NaN logits, so that the draw took a token the grammar forbids (a 500) or the
+    log probabilities were NaN. Every answer is a 200 now, with finite log probabilities. (The OpenAI routes
+    take temperatures up to 2, as OpenAI does; /generate takes any.)"""
+    for temperature, penalty in [(0.0, 5e-324), (1.0, 5e-324), (1.0, 1e-40)]:
         body = {"model": MODEL, "messages": CHAT, "max_tokens": 4, "temperature": temperature, "seed": 7,
-                "repetition_penalty": penalty}
+                "repetition_penalty": penalty, "logprobs": True, "top_logprobs": 2}
         if response_format:
             body["response_format"] = response_format
         r = server.post("/v1/chat/completions", json=body)
-        assert r.status_code == 200, (penalty, r.text)
-        assert r.json()["usage"]["completion_tokens"] >= 1
+        assert r.status_code == 200, (temperature, penalty, r.text)
+        entries = r.json()["choices"][0]["logprobs"]["content"]
+        assert entries and all(math.isfinite(e["logprob"]) for e in entries)
+    grammar = {"json_schema": json.dumps({"type": "object"})} if response_format else {}
+    for temperature, penalty in [(1e300, 1.0), (1e300, 5e-324)]:
+        r = server.post("/generate", json={"text": "The capital of France is", "return_logprob": True,
+                                           "sampling_params": {"max_new_tokens": 4, "temperature": temperature,
+                                                               "repetition_penalty": penalty, **grammar}})
+        assert r.status_code == 200, (temperature, penalty, r.text)
+        entries = r.json()["meta_info"]["output_token_logprobs"]
+        assert entries and all(math.isfinite(e[0]) for e in entries), entries
 
 
 def test_model_routes(server):

@@ -63,6 +63,11 @@ import regex
 #: softmax into NaN; SGLang draws the same line. ``temperature=0`` is the documented way to ask for greedy.
 GREEDY_TEMPERATURE_EPS = 1e-6
 
+#: Temperatures above this are sampled at this one. 1e300 is a valid temperature but infinite in float32, and a
+#: grammar's ``-inf`` logit divided by inf (or times 1/inf = 0) is NaN. At 1e30 the distribution over the finite
+#: logits is already uniform to float32 precision, and 1/T is still a normal float32 that no GPU flushes to 0.
+MAX_TEMPERATURE = 1e30
+
 
 #: ``json_schema=ANY_JSON``: any JSON object, whatever its properties (OpenAI's
 #: ``response_format={"type": "json_object"}``). The same sentinel string as SGLang's, so a client that sends it to

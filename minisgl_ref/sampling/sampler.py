@@ -49,7 +49,7 @@ from enum import IntEnum
 import torch
 
 from minisgl_ref.sampling import fused_draw
-from minisgl_ref.sampling.params import GREEDY_TEMPERATURE_EPS, SamplingParams
+from minisgl_ref.sampling.params import GREEDY_TEMPERATURE_EPS, MAX_TEMPERATURE, SamplingParams
 
 # ----------------------------------------------------------------------------------------------------------------
 # Integer hashing on int64 tensors, without overflow.
@@ -222,7 +222,7 @@ class SamplingBatchInfo:
         f32, i64 = torch.float32, torch.int64
         info = cls(
             vocab_size=v,
-            temperatures=row([p.temperature for p in params_list], f32),
+            temperatures=row([min(p.temperature, MAX_TEMPERATURE) for p in params_list], f32),
             top_ks=row([v if p.top_k == -1 else min(p.top_k, v) for p in params_list], i64),
             top_ps=row([p.top_p for p in params_list], f32),
             min_ps=row([p.min_p for p in params_list], f32),
