@@ -493,7 +493,9 @@ for bad in ({"top_p": 0}, {"temperature": "hot"}, {"top_k": 2.5}, {"max_tokens":
 #   is divided by r, a negative one multiplied by r — both push the logit down when r > 1;
 # * `frequency_penalty` f and `presence_penalty` p count only *generated* ids:
 #   `logit -= f * count + p * (count > 0)`; repetition is applied first (vLLM's order — they do not commute);
-# * while fewer than `min_new_tokens` ids have been generated, EOS and `stop_token_ids` get `-inf`;
+# * while fewer than `min_new_tokens` ids have been generated, EOS and `stop_token_ids` get `-inf` — unless a
+#   grammar (chapter 12) has already set every other logit of the row to `-inf` because its answer is complete:
+#   a row with no finite logit has no distribution at all, so there the grammar wins and the row may stop;
 # * r may be any number in (0, 2], and one near 0 is a trap: a logit of 3 divided by `1e-40` is `+inf` in float32,
 #   two `+inf` make the softmax `inf - inf = NaN`, and `5e-324` even rounds to 0, so that a grammar's `-inf`
 #   times r is NaN too. So r is kept above float32's smallest normal number and the divided logits are capped at

@@ -531,6 +531,23 @@ print(r.status_code, r.json()["error"])
 assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
 
 # %% [markdown]
+# **Valid numbers can be traps too.** A repetition penalty may be any number in (0, 2], and a `/generate`
+# temperature any number from 0 up. In float32, `5e-324` is 0 and `1e300` is infinite; a grammar's `-inf` logit
+# times 0, or divided by infinity, is NaN, and a NaN row let the draw pick a token the grammar forbids, which
+# aborted the request with a 500. A property-based fuzzer found this one (`tests/test_server_fuzz.py`). The
+# sampler now keeps both numbers inside float32's range (chapter 02, penalties and temperature), and the request
+# is served. The same fuzzer found a third way to a row of `-inf`: `min_tokens` bans EOS, but a grammar whose answer
+# is complete allows nothing else; there the grammar now wins.
+
+# %%
+r = httpx.post(URL + "/generate", timeout=60, json={
+    "text": "The capital of France is", "return_logprob": True,
+    "sampling_params": {"max_new_tokens": 6, "temperature": 1e300, "repetition_penalty": 5e-324,
+                        "json_schema": json.dumps({"type": "object"})}})
+print(r.status_code, repr(r.json()["text"]), [round(e[0], 2) for e in r.json()["meta_info"]["output_token_logprobs"]])
+assert r.status_code == 200
+
+# %% [markdown]
 # **A client that leaves.** Here a client asks for 2,000 tokens, reads three events and closes the connection.
 # The server notices (the response task is cancelled), sends `AbortReq`, and the scheduler frees the KV. We
 # watch the pool through `/get_server_info` (`available_kv_tokens` counts free slots plus cached ones that

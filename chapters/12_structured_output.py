@@ -44,7 +44,6 @@
 # %% tags=["setup"]
 import json
 import os
-import random
 import re
 import time
 from pathlib import Path
@@ -361,6 +360,20 @@ for o in mixed:
 assert [o.output_ids for o in mixed[2:]] == [o.output_ids for o in alone]
 assert [o.text for o in mixed[:2]] == [o.text for o in json_outs]
 print("free requests identical to a run without the constrained ones: True")
+
+# %% [markdown]
+# **The mask against the other rules.** The grammar's `-inf` meets the sampler's own rules (chapter 02), and one of
+# them can ban what the grammar allows. `min_new_tokens` bans EOS until the answer is long enough; once `(yes|no)`
+# has written its word, EOS is all the grammar allows. Both together would leave a row with no finite logit, whose
+# softmax is NaN and whose draw is any token at all. The sampler lets the grammar win: the answer is complete and
+# ends, shorter than `min_new_tokens`.
+
+# %%
+short = llm.generate(chat("Is Paris in France? Answer yes or no."),
+                     SamplingParams(temperature=0, max_new_tokens=8, min_new_tokens=6, regex="(yes|no)"),
+                     use_tqdm=False)[0]
+print(f"{short.finish_reason:<6} {short.text!r} ({len(short.output_ids)} tokens, min_new_tokens=6)")
+assert short.text in ("yes", "no") and short.finish_reason == "stop"
 
 # %% [markdown]
 # ## 4. Where the mask is filled: the overlap

@@ -633,6 +633,27 @@ def test_min_new_tokens_masks_eos_and_stop_ids_until_reached(ignore_eos: bool) -
 
 
 @pytest.mark.task("2.2")
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_new_tokens_yields_to_a_grammar_that_allows_only_stop_ids(temperature: float) -> None:
+    """A grammar whose answer is complete leaves only EOS (or a stop id) finite. Banning those too left a row of
+    -inf: a NaN softmax, and a draw of a token the grammar forbids. That row keeps its stop ids; the others in the
+    batch are still masked."""
+    vocab, eos, stop_id, inf = 8, 7, 3, float("inf")
+    logits = torch.full((3, vocab), -inf)
+    logits[0, eos] = logits[0, stop_id] = 1.0  # only stop ids allowed: the grammar wins
+    logits[1] = torch.arange(vocab, dtype=torch.float32)  # free row: still masked
+    logits[2, [eos, 2]] = 1.0  # the grammar allows EOS and token 2: EOS is masked, 2 is drawn
+    params = [SamplingParams(temperature=temperature, seed=1, min_new_tokens=4, stop_token_ids=[stop_id])] * 3
+    info = build(params, vocab, eos=[[eos]] * 3)
+    got = apply_penalties(logits, info)
+    assert torch.equal(got[0], logits[0])
+    assert got[1, eos] == got[1, stop_id] == -inf and got[1, 6] == 6.0
+    assert got[2, eos] == -inf and got[2, 2] == 1.0
+    tokens = sampler(logits, info)
+    assert tokens[0] in (eos, stop_id) and tokens[1] not in (eos, stop_id) and tokens[2] == 2
+
+
+@pytest.mark.task("2.2")
 def test_min_new_tokens_counts_tokens_already_generated() -> None:
     """A resumed request with 2 outputs and min_new_tokens=3 is masked for exactly one more step."""
     vocab = 8

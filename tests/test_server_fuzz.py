@@ -497,6 +497,16 @@ def edge_cases() -> list[FuzzRequest]:
                 bodies.append((path, body(name, value)))
         for value in (str(2**70), str(-(2**70)), str(2**64), "0", "-1", "1e400", "NaN", "[]"):
             bodies.append((path, body("max_new_tokens" if path == "/generate" else "max_tokens", value)))
+        # Valid extremes, alone and under a grammar: values that are 0 or infinite in float32 must not turn into a
+        # NaN that lets the draw pick a token the grammar forbids.
+        grammar = ('"response_format": {"type": "json_object"}' if path == "/v1/chat/completions"
+                   else '"json_schema": "{\\"type\\": \\"object\\"}"')
+        hottest = "1e300" if path == "/generate" else "2"
+        for name, values in (("temperature", ("5e-324", "1e-6", hottest)), ("top_p", ("5e-324",)),
+                             ("min_p", ("5e-324", "1")), ("repetition_penalty", ("5e-324", "1e-40", "2")),
+                             ("presence_penalty", ("-2", "2")), ("frequency_penalty", ("-2", "2"))):
+            for value in values:
+                bodies += [(path, body(name, value)), (path, body(name, value + ", " + grammar))]
         for value in ('["\\ud800"]', '"\\udfff"', '["a\\ud800\\udc00b"]', '[""]', '["x", ""]',
                       '["' + "x" * 100_000 + '"]', "[" + ", ".join(['"ab"'] * 5000) + "]"):
             bodies.append((path, body("stop", value)))

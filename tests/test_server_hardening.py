@@ -91,6 +91,23 @@ def test_extreme_but_valid_sampling_numbers_answer(server, response_format):
         assert entries and all(math.isfinite(e[0]) for e in entries), entries
 
 
+def test_min_tokens_yields_to_a_complete_grammar(server):
+    """The grammar "(yes|no)" is complete after one word and then allows only EOS, which min_new_tokens bans: the
+    row had no token left, and the draw took one the grammar forbids (a 500). The grammar wins: a 200, "yes" or
+    "no". Likewise when the request's stop_token_ids cover what the grammar allows."""
+    for extra in ({}, {"stop_token_ids": list(range(0, 49152, 7))}):
+        for temperature in (0.0, 1.0):
+            r = server.post("/generate", json={"text": "Is Paris in France? Answer:", "sampling_params": {
+                "max_new_tokens": 8, "min_new_tokens": 6, "temperature": temperature, "regex": "(yes|no)",
+                **extra}})
+            assert r.status_code == 200, (extra.keys(), temperature, r.text)
+            assert r.json()["text"] in ("yes", "no")
+    r = server.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 8, "min_tokens": 8,
+                                                 "response_format": {"type": "json_object"}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"].startswith("{")
+
+
 def test_model_routes(server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)

@@ -26,7 +26,8 @@ Penalty semantics (OpenAI and vLLM conventions):
 * The repetition penalty is applied first, then the additive ones (vLLM's order; the two do not commute).
 * ``min_new_tokens`` m: while a request has produced fewer than m tokens, the logits of its EOS ids and its
   ``stop_token_ids`` are set to ``-inf``. This holds whatever ``ignore_eos`` says: ``ignore_eos`` only tells the
-  scheduler not to stop on EOS; it does not change the distribution.
+  scheduler not to stop on EOS; it does not change the distribution. It yields to a grammar: where the grammar
+  allows only stop ids (its answer is complete), they stay allowed, rather than leave no token to draw.
 * Penalties apply to greedy rows too -- they change which token is the argmax.
 
 Log probabilities, when a request asks for them, are those of the distribution its token was drawn from: the
@@ -432,7 +433,8 @@ def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tens
        ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
     3. **min_new_tokens** (only if ``info.need_min_new_tokens``): in a row that has generated fewer than its
        ``min_new_tokens`` tokens (``info.steps`` counts them), the ids of ``info.stop_token_mask`` (its EOS and stop
-       token ids) get ``-inf``.
+       token ids) get ``-inf`` -- unless that leaves the row no finite logit (a grammar already masked every other
+       id): then the row is left as it was.
 
     Per-row knobs are [B] tensors (``info.repetition_penalties`` ...); the [B, V] state is None when no row needs
     it, which the ``need_*`` flags tell. Whole-batch tensor ops only: no Python loop over rows. Rows whose knobs
@@ -462,7 +464,11 @@ def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tens
     if info.need_min_new_tokens:
         assert info.stop_token_mask is not None
         too_early = info.steps < info.min_new_tokens  # [B]; evaluated on the device, no sync
-        logits = logits.masked_fill(info.stop_token_mask & too_early[:, None], float("-inf"))
+        banned = logits.masked_fill(info.stop_token_mask & too_early[:, None], float("-inf"))
+        # A grammar that has nothing left to add allows only EOS: banning it too would leave no token at all,
+        # and a row of -inf is a NaN softmax. There the grammar wins and the row keeps its stop ids.
+        nothing_left = torch.isneginf(banned).all(dim=-1, keepdim=True)
+        logits = torch.where(nothing_left, logits, banned)
     return logits
     # END TASK 2.2
 
