@@ -475,6 +475,48 @@ def test_property_sampled_tokens_lie_in_the_allowed_set(case: tuple[list[float],
         assert p[t] >= params.min_p * p.max() * (1 - 1e-5) - 1e-12, "below min-p"
 
 
+@st.composite
+def _masked_rows_and_extreme_params(draw: st.DrawFn) -> tuple:
+    """Rows that a grammar has masked (at least one id left finite), and any valid parameters, the extreme ones
+    favoured: values that are 0 or infinite in float32, and every rule that bans ids."""
+    vocab, rows = draw(st.integers(2, 24)), draw(st.integers(1, 4))
+    extreme = st.sampled_from
+    logits, params, prompts, outputs, eos = [], [], [], [], []
+    for _ in range(rows):
+        allowed = draw(st.lists(st.booleans(), min_size=vocab, max_size=vocab).filter(any))
+        values = draw(st.lists(st.floats(-30, 30, width=32), min_size=vocab, max_size=vocab))
+        logits.append([x if ok else -math.inf for x, ok in zip(values, allowed)])
+        ids = st.integers(0, vocab - 1)
+        params.append(SamplingParams(
+            temperature=draw(extreme([0.0, 5e-324, GREEDY_TEMPERATURE_EPS, 0.7, 2.0, 1e30, 1e39, 1e300])),
+            top_k=draw(extreme([-1, 1, 2, vocab])), top_p=draw(extreme([5e-324, 0.3, 1.0])),
+            min_p=draw(extreme([0.0, 5e-324, 0.5, 1.0])),
+            repetition_penalty=draw(extreme([5e-324, 1e-40, 1e-35, 0.5, 1.0, 2.0])),
+            frequency_penalty=draw(extreme([-2.0, 0.0, 2.0])), presence_penalty=draw(extreme([-2.0, 0.0, 2.0])),
+            min_new_tokens=draw(extreme([0, 3])), stop_token_ids=draw(st.lists(ids, max_size=vocab)),
+            logit_bias={str(k): v for k, v in draw(st.dictionaries(ids, extreme([-100.0, 100.0]), max_size=3)).items()},
+            seed=draw(st.integers(0, 2**32))))
+        prompts.append(draw(st.lists(ids, max_size=6)))
+        outputs.append(draw(st.lists(ids, max_size=2)))
+        eos.append(draw(st.lists(ids, min_size=1, max_size=2)))
+    return torch.tensor(logits), params, prompts, outputs, eos
+
+
+@settings(max_examples=300, deadline=None)
+@given(_masked_rows_and_extreme_params())
+def test_property_no_valid_request_draws_a_masked_token_or_a_nan(case: tuple) -> None:
+    """Whatever valid numbers a request brings, the token drawn is one its grammar allowed, and its log probability
+    is a number: no rule may leave a row with no finite logit, and no float32 overflow may turn one into NaN."""
+    logits, params, prompts, outputs, eos = case
+    info = SamplingBatchInfo.build(params, prompts, outputs, eos, logits.shape[1], "cpu")
+    tokens, logprobs = sampler.sample(logits.clone(), info, top_logprobs=2)
+    assert logprobs is not None
+    for row, token in enumerate(tokens.tolist()):
+        assert math.isfinite(logits[row, token]), (row, token, params[row])
+        assert math.isfinite(logprobs.chosen[row]), (row, token, params[row])
+    assert not torch.isnan(logprobs.top_values).any()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Penalties and min_new_tokens (task 2.2)
 # ---------------------------------------------------------------------------------------------------------------
