@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minisgl_ref.sampling import Sampler, SamplingBatchInfo, SamplingParams
-from minisgl_ref.sampling.params import GREEDY_TEMPERATURE_EPS
+from minisgl_ref.sampling.params import GREEDY_TEMPERATURE_EPS, MAX_TEMPERATURE
 from minisgl_ref.sampling.sampler import (
     PENALISED_LOGIT_LIMIT,
     apply_penalties,
@@ -502,19 +502,32 @@ def _masked_rows_and_extreme_params(draw: st.DrawFn) -> tuple:
     return torch.tensor(logits), params, prompts, outputs, eos
 
 
+def check_no_masked_token_and_no_nan(case: tuple, device: str) -> None:
+    logits, params, prompts, outputs, eos = case
+    info = SamplingBatchInfo.build(params, prompts, outputs, eos, logits.shape[1], device)
+    for top_logprobs in (-1, 2):  # without logprobs, a GPU takes its one-pass kernel where it can
+        tokens, logprobs = sampler.sample(logits.to(device), info, top_logprobs=top_logprobs)
+        for row, token in enumerate(tokens.tolist()):
+            assert math.isfinite(logits[row, token]), (row, token, params[row])
+        if logprobs is not None:
+            assert torch.isfinite(logprobs.chosen).all(), params
+            assert not torch.isnan(logprobs.top_values).any()
+
+
 @settings(max_examples=300, deadline=None)
 @given(_masked_rows_and_extreme_params())
 def test_property_no_valid_request_draws_a_masked_token_or_a_nan(case: tuple) -> None:
     """Whatever valid numbers a request brings, the token drawn is one its grammar allowed, and its log probability
     is a number: no rule may leave a row with no finite logit, and no float32 overflow may turn one into NaN."""
-    logits, params, prompts, outputs, eos = case
-    info = SamplingBatchInfo.build(params, prompts, outputs, eos, logits.shape[1], "cpu")
-    tokens, logprobs = sampler.sample(logits.clone(), info, top_logprobs=2)
-    assert logprobs is not None
-    for row, token in enumerate(tokens.tolist()):
-        assert math.isfinite(logits[row, token]), (row, token, params[row])
-        assert math.isfinite(logprobs.chosen[row]), (row, token, params[row])
-    assert not torch.isnan(logprobs.top_values).any()
+    check_no_masked_token_and_no_nan(case, "cpu")
+
+
+@pytest.mark.gpu
+@settings(max_examples=300, deadline=None)
+@given(_masked_rows_and_extreme_params())
+def test_property_no_valid_request_draws_a_masked_token_or_a_nan_on_the_gpu(case: tuple) -> None:
+    """The same on a GPU, whose draws are Triton kernels that read the logits in log space."""
+    check_no_masked_token_and_no_nan(case, "cuda")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1024,6 +1037,24 @@ def test_fused_draw_picks_the_eager_token(vocab: int) -> None:
     # different seeds give different draws: the test would not pass with constant noise
     assert len(set(fused_draw.temperature_sample(logits[:1].expand(rows, -1), torch.ones(rows, device=device),
                                                  seeds, steps).tolist())) > 3
+
+
+def test_fused_draw_never_picks_a_masked_id_at_the_extremes() -> None:
+    """The fused race reads the penalised logits in log space, ``l / T - log E``: at the cap on the penalised
+    logits and the smallest sampled temperature, and at MAX_TEMPERATURE, a grammar's -inf must stay the loser."""
+    fused_draw, device = _fused_draw_and_device()
+    vocab, inf = 300, float("inf")
+    logits = torch.full((4, vocab), -inf)
+    logits[:, 7] = logits[:, 150] = PENALISED_LOGIT_LIMIT  # a tiny repetition penalty's tie
+    logits[:, 290] = 3.0
+    temperatures = torch.tensor([GREEDY_TEMPERATURE_EPS, 1.0, MAX_TEMPERATURE, MAX_TEMPERATURE])
+    seeds, steps = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 5, 9, 11])
+    logits, temperatures, seeds, steps = (x.to(device) for x in (logits, temperatures, seeds, steps))
+    got = fused_draw.temperature_sample(logits, temperatures, seeds, steps).tolist()
+    assert got[:2] in ([7, 7], [7, 150], [150, 7], [150, 150]) and set(got[2:]) <= {7, 150, 290}, got
+    probs = torch.softmax(logits / temperatures[:, None], dim=-1)
+    assert torch.isfinite(probs).all()
+    assert set(fused_draw.sample_from_probs(probs, seeds, steps).tolist()) <= {7, 150, 290}
 
 
 def test_fused_draw_chunk_count_fills_the_gpu_and_never_exceeds_the_blocks() -> None:
