@@ -769,7 +769,7 @@ plt.show()
 tiny_tmp.cleanup()
 print("this run:",
       f"oracle max relative error {max(tiny_errors):.1e} (tiny Qwen3), {max(emb_errors):.1e} (SmolLM2);",
-      f"SmolLM2 forward", " / ".join(f"{s * 1e3:.0f}" for s in timings.values()), "ms at T =",
+      "SmolLM2 forward", " / ".join(f"{s * 1e3:.0f}" for s in timings.values()), "ms at T =",
       " / ".join(map(str, timings)), f"({torch.get_num_threads()} thread(s));",
       f"Qwen3-0.6B dummy build {build_s:.1f} s, 16-token forward {qwen_fwd_s * 1e3:.0f} ms;",
       f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s")

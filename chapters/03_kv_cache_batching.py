@@ -59,7 +59,7 @@ from minisgl_ref.core.forward_batch import ForwardBatch
 from minisgl_ref.course import task_source
 from minisgl_ref.engine.engine import Engine
 from minisgl_ref.engine.model_runner import ModelRunner
-from minisgl_ref.kvcache import KVPool, PageAllocator, ReqToTokenPool
+from minisgl_ref.kvcache import KVPool, PageAllocator
 from minisgl_ref.scheduler.cache_manager import NaiveCacheManager
 from minisgl_ref.scheduler.scheduler import Scheduler
 

@@ -50,7 +50,6 @@ import time
 from dataclasses import dataclass, field
 
 import matplotlib.pyplot as plt
-import numpy as np
 import torch
 from matplotlib.patches import Patch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -58,7 +57,6 @@ from transformers.utils import logging as hf_logging
 
 from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.core.config import EngineConfig
-from minisgl_ref.core.request import Req
 from minisgl_ref.course import task_source
 from minisgl_ref.engine.engine import Engine
 from minisgl_ref.scheduler.scheduler import Scheduler

@@ -69,7 +69,6 @@ from matplotlib.patches import FancyArrowPatch, Rectangle
 from minisgl_ref.attention.base import AttentionBackend
 from minisgl_ref.attention.registry import (
     HybridAttnBackend,
-    check_backend_can_run,
     create_attention_backend,
     default_backends,
 )

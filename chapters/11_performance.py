@@ -1168,7 +1168,7 @@ for n in sorted(chain, reverse=True):
           f"   new plan vs FlashInfer {c['cudacap_200_4_128'] / c['fi_graph'] - 1:+.1%}")
 CAP = json.loads((ROOT / "docs" / "data" / "canonical_ab_split_cap_h100.json").read_text())["summary"]
 old, new = CAP["f09bb3e"], CAP["e2add82"]
-print(f"\ncanonical workload, interleaved processes on one machine, output tok/s:")
+print("\ncanonical workload, interleaved processes on one machine, output tok/s:")
 for label, s in (("before", old), ("after", new)):
     print(f"    {label:<6} {', '.join(f'{x:,.0f}' for x in s['runs_tok_s'])} (median {s['median']:,.0f}, "
           f"first runs {s['first_runs_median']:,.0f})")
