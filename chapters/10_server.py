@@ -536,8 +536,9 @@ assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
 # times 0, or divided by infinity, is NaN, and a NaN row let the draw pick a token the grammar forbids, which
 # aborted the request with a 500. A property-based fuzzer found this one (`tests/test_server_fuzz.py`). The
 # sampler now keeps both numbers inside float32's range (chapter 02, penalties and temperature), and the request
-# is served. The same fuzzer found a third way to a row of `-inf`: `min_tokens` bans EOS, but a grammar whose answer
-# is complete allows nothing else; there the grammar now wins.
+# is served. The same fuzzer found two more ways to a row of `-inf`: `min_tokens` bans EOS where a complete grammar
+# allows nothing else (there the grammar now wins), and `stop_token_ids` that are text tokens can corner a grammar
+# (there the stop ids now win; chapter 12 shows both).
 
 # %%
 r = httpx.post(URL + "/generate", timeout=60, json={

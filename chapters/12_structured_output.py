@@ -376,6 +376,25 @@ print(f"{short.finish_reason:<6} {short.text!r} ({len(short.output_ids)} tokens,
 assert short.text in ("yes", "no") and short.finish_reason == "stop"
 
 # %% [markdown]
+# The request's `stop_token_ids` meet the grammar in the matcher: they are its stop tokens, allowed only where the
+# grammar is complete, so that a stop id cannot cut a JSON object in half. A stop token is never text to the
+# grammar, though, and a client may name ordinary text tokens as stop ids. Then the grammar can be cornered: every
+# token it would allow next is a stop id, and the filled mask row allows nothing at all. The bitmask finds such rows
+# after each fill (one check over the step's rows) and allows the request's stop ids there; the one drawn ends the
+# request, as a stop id ends a free one (and, like any stop id, it is not part of the text). Here every token made
+# of digits is a stop id, and the regex wants digits:
+
+# %%
+digit_ids = [t for t in range(VOCAB) if (piece := tok.hf.decode([t])).isascii() and piece.isdigit()]
+cornered = llm.generate(chat("What year did the first person walk on the moon?"),
+                        SamplingParams(temperature=0, max_new_tokens=8, regex="[0-9]{4}", stop_token_ids=digit_ids),
+                        use_tqdm=False)[0]
+last = cornered.output_ids[-1]
+print(f"{cornered.finish_reason:<6} text {cornered.text!r}, ended by stop id {last} ({tok.hf.decode([last])!r}) "
+      f"after {len(cornered.output_ids) - 1} other tokens")
+assert cornered.finish_reason == "stop" and cornered.output_ids[-1] in digit_ids
+
+# %% [markdown]
 # ## 4. Where the mask is filled: the overlap
 #
 # A mask depends on every token the request has accepted so far, including the one sampled at the previous step.

@@ -248,6 +248,36 @@ def test_bitmask_bans_padding_ids_and_leaves_free_rows_alone(tokenizer):
     backend.shutdown()
 
 
+@pytest.mark.parametrize("pooled", [False, True])
+def test_a_grammar_cornered_by_its_stop_ids_allows_them_and_ends(tokenizer, monkeypatch, pooled):
+    """Stop ids are never text to the grammar. When they cover every token the grammar allows next (here: the
+    regex wants digits, and every token made of digits is a stop id), the filled row allows nothing;
+    the stop ids are allowed instead, and accepting one ends the grammar. A row with a way on is left alone."""
+    from minisgl_ref.constrained import bitmask as bm
+
+    if pooled:  # the same on xgrammar's thread pool
+        monkeypatch.setattr(bm, "FILL_THREADS", 4)
+        monkeypatch.setattr(bm, "POOL_HANDOFF_US", 0.0)
+    vocab = len(tokenizer.hf)
+    backend = GrammarBackend(tokenizer.hf, vocab)
+    digits = [t for t in range(vocab) if (text := tokenizer.decode([t])).isascii() and text.isdigit()]
+    compiled = backend.compile(GrammarSpec("regex", "[0-9]+"))
+    cornered = backend.matcher(compiled, [*tokenizer.eos_token_ids, *digits])
+    free = backend.matcher(compiled, tokenizer.eos_token_ids)
+    mask = TokenBitmask(vocab, 4)
+    for _ in range(2):  # twice, so the pool's cost estimate sends the second fill there
+        mask.fill([(0, cornered), (2, free)])
+    logits = torch.zeros(3, vocab)
+    mask.apply(logits, [0, 2])
+    allowed = (logits[0] > float("-inf")).nonzero().flatten().tolist()
+    assert cornered.at_dead_end and not free.at_dead_end
+    assert allowed == sorted([*tokenizer.eos_token_ids, *digits])  # every stop id, nothing else
+    assert (logits[2] > float("-inf")).nonzero().flatten().tolist() == digits  # a way on: digits, no EOS yet
+    assert not cornered.is_terminated and cornered.accept(digits[-1]) and cornered.is_terminated
+    assert not free.accept(min(tokenizer.eos_token_ids))  # not at a dead end, EOS is refused before a digit
+    backend.shutdown()
+
+
 def test_bitmask_fill_moves_to_the_thread_pool_only_when_the_rows_are_dear(tokenizer, monkeypatch):
     """Cheap fills stay on the calling thread, a step whose rows would take one thread longer than twice the
     pool's hand-off goes to xgrammar's pool, and both ways write the same masks."""
@@ -372,6 +402,47 @@ def test_no_sampled_token_is_ever_rejected_by_the_grammar(llm):
                 prefix = llm.tokenizer.decode(req.output_ids[:k])
                 if "\ufffd" not in prefix:
                     assert regex_pkg.fullmatch(src, prefix, partial=True), (src, prefix)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [False, True])
+def test_grammars_hold_under_every_sampling_rule_at_its_valid_extreme(llm, overlap):
+    """Each request brings a grammar and one sampling rule at a valid extreme: numbers that are 0 or infinite in
+    float32, filters that keep one token, biases against what the grammar wants, and bans on its stop ids (EOS by
+    ``min_new_tokens``, and ``stop_token_ids`` over a seventh of the vocabulary). No request is aborted, and every
+    token is one the grammar allows, but for a stop id that ends the output where the grammar could go on only
+    through one of the request's stop ids (a dead end: a stop token is never text to the grammar)."""
+    backend, stops = llm.engine.grammar, sorted(llm.eos_token_ids)
+    every_seventh = list(range(0, llm.config.vocab_size, 7))
+    rules = [dict(temperature=1e300), dict(temperature=1e-6, seed=1), dict(repetition_penalty=5e-324),
+             dict(repetition_penalty=1e-40, temperature=1.0, seed=2), dict(top_p=5e-324, temperature=1.0, seed=3),
+             dict(min_p=1.0, temperature=1.0, seed=4), dict(frequency_penalty=2.0, presence_penalty=-2.0),
+             dict(logit_bias={str(t): -100.0 for t in range(30, 60)}),
+             dict(min_new_tokens=24, temperature=1.0, seed=5),
+             dict(min_new_tokens=24, stop_token_ids=every_seventh, temperature=1.0, seed=6)]
+    grammars = [("regex", r"(yes|no)\."), ("json_schema", json.dumps(SCHEMAS[1])), ("ebnf", SUM_EBNF)]
+    cases = [(kind, src, rule) for rule in rules for kind, src in grammars]
+    params = [SamplingParams(**{"max_new_tokens": 24, **rule, kind: src}) for kind, src, rule in cases]
+    reqs = _run(llm, _engine(llm, disable_overlap_schedule=not overlap),
+                [_chat(llm, "Is the sky blue? Answer in the form you must.")] * len(cases), params)
+    dead_ends = 0
+    for (kind, src, rule), req in zip(cases, reqs):
+        assert req.finish_reason.kind in ("stop", "length"), (kind, rule, req.finish_reason)
+        compiled = backend.compile(spec_of(req.params))
+        request_stops = sorted(set(req.params.stop_token_ids or ()) | set(stops))  # what ends this grammar
+        ok, n = _accepts_all(compiled, req.output_ids, request_stops)
+        if req.finish_reason.kind == "length":
+            assert n == len(req.output_ids), (kind, rule, req.output_ids[: n + 1])
+        elif not ok:  # a dead end: the tokens before the stop id were allowed, and then nothing was
+            *text, last = req.output_ids
+            assert last in req.params.stop_token_ids and n == len(text), (kind, rule, req.output_ids[: n + 1])
+            state = backend.matcher(compiled, request_stops)
+            assert state.accepts(text)
+            mask = xgr.allocate_token_bitmask(1, llm.config.vocab_size)
+            state.fill(mask, 0)
+            assert not mask.any(), (kind, rule, req.output_ids)
+            dead_ends += 1
+    assert dead_ends > 0  # the stop ids over a seventh of the vocabulary do corner some grammar
 
 
 @pytest.mark.slow

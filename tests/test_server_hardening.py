@@ -106,6 +106,15 @@ def test_min_tokens_yields_to_a_complete_grammar(server):
                                                  "response_format": {"type": "json_object"}})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"].startswith("{")
+    # Stop ids that are text tokens can corner a grammar: the only ways on are stop ids. One of them ends it.
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    for seed in range(4):
+        r = server.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": CHAT, "max_tokens": 16, "min_tokens": 16, "temperature": 1.0, "seed": seed,
+            "stop_token_ids": list(range(0, 49152, 7)), "response_format": {"type": "json_schema", "json_schema": {
+                "name": "answer", "schema": schema}}})
+        assert r.status_code == 200, (seed, r.text)
+        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
 def test_model_routes(server):

@@ -12,12 +12,19 @@ the request accepts, and answers the three questions the engine asks it:
 The stop tokens are the request's (its EOS ids and ``stop_token_ids``): the mask allows them exactly when the
 grammar is complete, so a constrained request cannot stop half-way through its JSON, and once the grammar is
 complete the model may still choose to continue where the grammar allows (a number can take more digits).
+
+A stop token is never text to the grammar. So ``stop_token_ids`` that are ordinary text tokens (``"``, a digit)
+can leave the grammar at a *dead end*: every token it would allow next is one of the request's stop ids, and the
+mask allows nothing. The request asked to stop at those ids, and the grammar can only go on through one of them:
+:meth:`open_dead_end` then allows the stop ids, and the one drawn ends the request (:attr:`is_terminated`), as a
+stop id does in a free request. Without it the row would have no finite logit, and no token to draw.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -29,10 +36,17 @@ class GrammarState:
     def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: Iterable[int] | None = None) -> None:
         stops = sorted(set(stop_token_ids)) if stop_token_ids is not None else None
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None)
+        self.stop_token_ids: list[int] = list(self._matcher.stop_token_ids)
         self.num_accepted = 0  # tokens accepted so far (those rollback can undo)
+        self.at_dead_end = False  # the last fill allowed nothing; open_dead_end allowed the stop ids instead
+        self._stopped = False  # a stop id was accepted at a dead end
 
     def accept(self, token_id: int) -> bool:
-        """Advance by ``token_id``; False (and no change) if the grammar does not allow it here."""
+        """Advance by ``token_id``; False (and no change) if the grammar does not allow it here. At a dead end,
+        a stop id is allowed and ends the output."""
+        if self.at_dead_end and token_id in self.stop_token_ids:
+            self._stopped = True
+            return True
         ok = self._matcher.accept_token(token_id)
         self.num_accepted += ok
         return ok
@@ -61,12 +75,22 @@ class GrammarState:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into ``bitmask[row]`` (an int32 CPU tensor, one bit per token)."""
+        self.at_dead_end = False
         self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def open_dead_end(self, bitmask: torch.Tensor, row: int) -> None:
+        """``bitmask[row]``, just filled, allows nothing: allow the request's stop ids there instead (see the
+        module docstring), so that the one drawn ends the output."""
+        self.at_dead_end = True
+        words = bitmask[row].numpy().view(np.uint32)  # bit 31 of an int32 word is its sign: set it unsigned
+        for t in self.stop_token_ids:
+            if t // 32 < words.shape[0]:
+                words[t // 32] |= np.uint32(1 << (t % 32))
 
     @property
     def is_terminated(self) -> bool:
-        """A stop token was accepted after the grammar was complete: nothing may follow."""
-        return self._matcher.is_terminated()
+        """A stop token was accepted after the grammar was complete, or at a dead end: nothing may follow."""
+        return self._stopped or self._matcher.is_terminated()
 
     def jump_forward_string(self) -> str:
         """The text every continuation allowed by the grammar starts with ("" when there is a choice)."""
