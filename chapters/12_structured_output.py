@@ -379,8 +379,9 @@ assert short.text in ("yes", "no") and short.finish_reason == "stop"
 # The request's `stop_token_ids` meet the grammar in the matcher: they are its stop tokens, allowed only where the
 # grammar is complete, so that a stop id cannot cut a JSON object in half. A stop token is never text to the
 # grammar, though, and a client may name ordinary text tokens as stop ids. Then the grammar can be cornered: every
-# token it would allow next is a stop id, and the filled mask row allows nothing at all. The bitmask finds such rows
-# after each fill (one check over the step's rows) and allows the request's stop ids there; the one drawn ends the
+# token it would allow next is a stop id, and the filled mask row allows nothing at all. After each fill the
+# bitmask checks the rows of requests whose stop ids include text tokens (no other request can be cornered, so no
+# other pays for the check), and where a row allows nothing it allows the request's stop ids; the one drawn ends the
 # request, as a stop id ends a free one (and, like any stop id, it is not part of the text). Here every token made
 # of digits is a stop id, and the regex wants digits:
 

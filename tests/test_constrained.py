@@ -270,6 +270,7 @@ def test_a_grammar_cornered_by_its_stop_ids_allows_them_and_ends(tokenizer, monk
     logits = torch.zeros(3, vocab)
     mask.apply(logits, [0, 2])
     allowed = (logits[0] > float("-inf")).nonzero().flatten().tolist()
+    assert cornered.can_be_cornered and not free.can_be_cornered  # only the first pays for the check
     assert cornered.at_dead_end and not free.at_dead_end
     assert allowed == sorted([*tokenizer.eos_token_ids, *digits])  # every stop id, nothing else
     assert (logits[2] > float("-inf")).nonzero().flatten().tolist() == digits  # a way on: digits, no EOS yet

@@ -82,8 +82,9 @@ class TokenBitmask:
             return
         pool = len(rows) > 1 and FILL_THREADS > 1 and len(rows) * self.us_per_row > 2 * POOL_HANDOFF_US
         start = time.perf_counter()
+        cornerable = [(i, state) for i, state in rows if state.can_be_cornered]
         if pool:
-            for _, state in rows:
+            for _, state in cornerable:
                 state.at_dead_end = False
             self._batch.batch_fill_next_token_bitmask([state.xgr_matcher for _, state in rows], self.host,
                                                       [i for i, _ in rows])
@@ -94,10 +95,11 @@ class TokenBitmask:
         if pool:
             elapsed_us = max(elapsed_us - POOL_HANDOFF_US, 0.0) * min(FILL_THREADS, len(rows))
         self.us_per_row = elapsed_us / len(rows)
-        # A row that allows nothing is a grammar at a dead end (matcher.py): one whole-batch check finds them.
-        filled = self.host[torch.tensor([i for i, _ in rows])]
-        for k in (filled == 0).all(dim=1).nonzero().flatten().tolist():
-            rows[k][1].open_dead_end(self.host, rows[k][0])
+        # A row that allows nothing is a grammar at a dead end (matcher.py). Only a request whose stop ids include
+        # text tokens can get there, so the others pay nothing for the check.
+        for i, state in cornerable:
+            if not self.host[i].any():
+                state.open_dead_end(self.host, i)
 
     def apply(self, logits: torch.Tensor, rows: list[int]) -> None:
         """Set to ``-inf``, in place, the logits of ``rows`` whose tokens their mask rows forbid."""

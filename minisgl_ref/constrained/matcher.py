@@ -37,6 +37,10 @@ class GrammarState:
         stops = sorted(set(stop_token_ids)) if stop_token_ids is not None else None
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None)
         self.stop_token_ids: list[int] = list(self._matcher.stop_token_ids)
+        # Only a stop id that is text elsewhere (not special, not the tokenizer's own stop) can corner the grammar.
+        info = compiled.tokenizer_info
+        never_text = set(info.special_token_ids) | set(info.stop_token_ids)
+        self.can_be_cornered = any(t not in never_text for t in self.stop_token_ids)
         self.num_accepted = 0  # tokens accepted so far (those rollback can undo)
         self.at_dead_end = False  # the last fill allowed nothing; open_dead_end allowed the stop ids instead
         self._stopped = False  # a stop id was accepted at a dead end
