@@ -1057,6 +1057,37 @@ def test_fused_draw_never_picks_a_masked_id_at_the_extremes() -> None:
     assert set(fused_draw.sample_from_probs(probs, seeds, steps).tolist()) <= {7, 150, 290}
 
 
+@pytest.mark.parametrize("scale", [0.01, 1.0, 3.0, 40.0], ids=["flat", "unit", "spread", "peaked"])
+def test_pruned_race_draws_the_tokens_of_the_full_race(scale: float) -> None:
+    """The race skips the exact noise of blocks whose bound ``l / T - log(u)`` cannot beat the best score so far
+    (``PRUNE``, chapter 11). It must draw the same token as the race without skipping and as the eager sampler:
+    on flat and on peaked rows (where almost every block is skipped), with grammar-masked stretches (-inf), a row
+    whose winner sits in the last, partial block, exact ties of huge logits across blocks (the lowest id), and
+    the extreme temperatures."""
+    from minisgl_ref.sampling.sampler import temperature_sample
+
+    fused_draw, device = _fused_draw_and_device()
+    vocab, block, rows = 3000, 128, 8  # 24 blocks, the last partial: each program walks many blocks
+    g = torch.Generator().manual_seed(int(scale * 100))
+    logits = torch.randn(rows, vocab, generator=g) * scale
+    logits[1, :2500] = -float("inf")  # a grammar allows only the tail of the row
+    logits[2, 2990] += 50 * max(scale, 1.0)  # the winner in the last, partial block
+    logits[3, [100, 1500, 2999]] = 1e38  # exact ties in three blocks: the lowest id wins
+    logits[4, ::2] = -float("inf")
+    temperatures = torch.tensor([0.6, 1.0, 0.3, 1.0, 1.7, GREEDY_TEMPERATURE_EPS, MAX_TEMPERATURE, 0.6])
+    seeds = torch.tensor([0, 1, -1, 2**40 + 7, -(2**50), 2**62, 12345, 2**33])
+    steps = torch.arange(rows) * 1009
+    want = temperature_sample(logits, temperatures, seeds, steps).tolist()
+    args = [t.to(device) for t in (logits, temperatures, seeds, steps)]
+    want[3] = 100  # the eager sampler's softmax makes no ties of 1e38 (each is 1/3): the race ties, lowest id wins
+    for chunks in (1, 3):
+        pruned = fused_draw.temperature_sample(*args, block=block, chunks=chunks).tolist()
+        full = fused_draw.temperature_sample(*args, block=block, chunks=chunks, prune=False).tolist()
+        assert pruned == full == want, (chunks, pruned, full, want)
+    assert want[1] >= 2500 and want[4] % 2 == 1
+    assert len(set(want)) > 3  # the rows really sample
+
+
 def test_fused_draw_chunk_count_fills_the_gpu_and_never_exceeds_the_blocks() -> None:
     from minisgl_ref.sampling.fused_draw import TARGET_PROGRAMS, num_chunks
 
@@ -1142,7 +1173,7 @@ def test_sampler_hands_bf16_logits_to_the_fused_draw_on_the_plain_path(monkeypat
 
 
 # The race kernel compiled for an H100 (sm_90) in a process without Triton's interpreter: Triton compiles for a GPU
-# it does not have. Prints, per FAST_LOG, the PTX's lines and its lg2.approx instructions.
+# it does not have. Prints, per (FAST_LOG, PRUNE), the PTX's lines and its lg2.approx instructions.
 _RACE_PTX = r"""
 import json
 import triton
@@ -1152,21 +1183,23 @@ from minisgl_ref.sampling.race_kernel import race_kernel
 
 sig = {"x": "*bf16", "stride_x": "i64", "inv_temperatures": "*fp32", "seeds": "*i64", "steps": "*i64",
        "chunk_scores": "*fp32", "chunk_ids": "*i64", "vocab_size": "i32", "chunk_size": "i32",
-       "LOG_SPACE": "constexpr", "BLOCK": "constexpr", "FAST_LOG": "constexpr"}
+       "LOG_SPACE": "constexpr", "BLOCK": "constexpr", "FAST_LOG": "constexpr", "PRUNE": "constexpr"}
 counts = {}
 for fast in (False, True):
-    consts = {"LOG_SPACE": True, "BLOCK": 2048, "FAST_LOG": fast}
-    ptx = triton.compile(ASTSource(fn=race_kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": 8}).asm["ptx"]
-    counts[str(fast)] = [ptx.count("\n"), ptx.count("lg2.approx")]
+    for prune in (False, True):
+        consts = {"LOG_SPACE": True, "BLOCK": 2048, "FAST_LOG": fast, "PRUNE": prune}
+        ptx = triton.compile(ASTSource(fn=race_kernel, signature=sig, constexprs=consts),
+                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+        counts[f"{fast},{prune}"] = [ptx.count("\n"), ptx.count("lg2.approx")]
 print(json.dumps(counts))
 """
 
 
-def test_race_kernel_takes_the_approximate_logarithm_for_the_score_only() -> None:
+def test_race_kernel_takes_the_approximate_logarithm_for_the_score_and_the_bound_only() -> None:
     """Chapter 11: compiled for an H100 with FAST_LOG, each of a thread's 8 entries per block (2,048 entries, 256
-    threads) gets exactly one lg2.approx -- the score's -- while the logarithm inside log1p stays the exact
-    routine; without FAST_LOG (what Triton's interpreter runs) there is none, and the kernel is longer."""
+    threads) gets exactly one lg2.approx for its score and, when the kernel prunes, one more for its bound, while
+    the logarithm inside log1p stays the exact routine; without FAST_LOG (what Triton's interpreter runs) there is
+    none, and the kernel is longer."""
     import json
     import os
     import subprocess
@@ -1177,6 +1210,8 @@ def test_race_kernel_takes_the_approximate_logarithm_for_the_score_only() -> Non
     run = subprocess.run([sys.executable, "-c", _RACE_PTX], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     counts = json.loads(run.stdout.strip().splitlines()[-1])
-    (exact_lines, exact_lg2), (fast_lines, fast_lg2) = counts["False"], counts["True"]
-    assert exact_lg2 == 0 and fast_lg2 == 2048 // 256
-    assert fast_lines < 0.9 * exact_lines
+    per_thread = 2048 // 256
+    for prune in (False, True):
+        (exact_lines, exact_lg2), (fast_lines, fast_lg2) = counts[f"False,{prune}"], counts[f"True,{prune}"]
+        assert exact_lg2 == 0 and fast_lg2 == per_thread * (2 if prune else 1)
+        assert fast_lines < 0.9 * exact_lines

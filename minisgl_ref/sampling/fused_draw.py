@@ -101,7 +101,7 @@ def num_chunks(rows: int, vocab: int, block: int = BLOCK_V) -> int:
 
 
 def _race(x: torch.Tensor, inv_temperatures: torch.Tensor | None, seeds: torch.Tensor, steps: torch.Tensor,
-          log_space: bool, block: int, chunks: int | None) -> torch.Tensor:
+          log_space: bool, block: int, chunks: int | None, prune: bool = True) -> torch.Tensor:
     """Launch the kernel over ``rows x chunks`` programs, then pick each row's winner among its chunks."""
     rows, vocab = x.shape
     if x.dtype not in _NATIVE_DTYPES:
@@ -118,18 +118,21 @@ def _race(x: torch.Tensor, inv_temperatures: torch.Tensor | None, seeds: torch.T
     inv = inv_temperatures if inv_temperatures is not None else scores  # unused without LOG_SPACE
     _kernel()[(rows, chunks)](x, x.stride(0), inv, seeds.to(torch.int64), steps.to(torch.int64), scores, ids,
                               vocab, chunk_size, LOG_SPACE=log_space, BLOCK=block, FAST_LOG=_compiled(),
-                              num_warps=8)  # fmt: skip
+                              PRUNE=prune, num_warps=8)  # fmt: skip
     # argmax keeps the first of equal scores: the lowest chunk, whose id is below every later chunk's.
     return ids.gather(1, scores.argmax(dim=1, keepdim=True)).squeeze(1)
 
 
 def temperature_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
-                       steps: torch.Tensor, *, block: int = BLOCK_V, chunks: int | None = None) -> torch.Tensor:
+                       steps: torch.Tensor, *, block: int = BLOCK_V, chunks: int | None = None,
+                       prune: bool = True) -> torch.Tensor:
     """One token per row from ``softmax(logits / temperatures)`` with the seeded noise: the eager
     :func:`~minisgl_ref.sampling.sampler.temperature_sample` in one pass over the logits (float32, bfloat16 or
-    float16). ``block`` and ``chunks`` override the launch layout (tests); they do not change the tokens."""
+    float16). ``block`` and ``chunks`` override the launch layout (tests); ``prune=False`` makes the exact noise of
+    every entry instead of skipping the blocks that cannot win (benchmarks, tests). None of them changes the
+    tokens."""
     inv = (1.0 / temperatures.float()).contiguous()
-    return _race(logits, inv, seeds, steps, log_space=True, block=block, chunks=chunks)
+    return _race(logits, inv, seeds, steps, log_space=True, block=block, chunks=chunks, prune=prune)
 
 
 def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, *, block: int = BLOCK_V,

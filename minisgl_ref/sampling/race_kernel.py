@@ -40,6 +40,18 @@ score, needs only an error small against the score's own rounding: the hardware'
 ``FAST_LOG`` the score takes ``lg2.approx`` (one instruction), and two draws can differ only where two scores tie
 to within float32 rounding, as they already may between this kernel and the eager code. Triton's interpreter has
 no such instruction; on the CPU the kernel keeps ``tl.log``.
+
+Why most blocks skip the exact noise (``PRUNE``). Only the winner's score matters, and a cheap bound says which
+entries cannot be it: ``E = -log1p(-u)`` is at least ``u``, so an entry scores at most ``l / T - log(u)``, one
+approximate logarithm of a number the hash already gave. A program keeps its best score so far; a block of entries
+whose bounds are all at or below it cannot change the winner, and skips the exact ``log1p``, the division and the
+score's logarithm -- most of the kernel's instructions. For scores without structure, the ``k``-th block of a
+program holds the best of its first ``k`` blocks with probability ``1 / k`` (the bound, a little looser than the
+score, passes a little more often), and the peaked rows of a trained model pass far less often, so after the first
+blocks most take the short path. The bound carries a slack
+(``BOUND_SLACK``) larger than every rounding between it and the computed score, so the winner, and the tokens, are
+exactly those of ``PRUNE=False``. The probability path (``p / E``) does not prune: it runs after top-k/top-p, whose
+own passes over the row cost more than the race.
 """
 
 import triton
@@ -47,6 +59,20 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+#: Added to the bound ``l / T - log(u)`` so that it stays above the computed score whatever the rounding: the two
+#: logarithms (of u and of E) are each within ~2e-6 of exact (lg2.approx: 2**-22, then the multiply by ln 2 on
+#: values up to 23), E within a few units in the last place of -log1p(-u), and subtracting the slack rounds by
+#: at most 1e-6. 2e-5 covers the sum with room to spare.
+BOUND_SLACK: tl.constexpr = tl.constexpr(2e-5)
+
+
+@triton.jit
+def _log(x, FAST_LOG: tl.constexpr):
+    """Natural logarithm: the hardware's lg2.approx times ln 2 with FAST_LOG, the exact routine otherwise."""
+    if FAST_LOG:
+        return libdevice.fast_log2f(x) * LN2
+    else:
+        return tl.log(x)
 
 
 @triton.jit
@@ -68,7 +94,7 @@ def race_kernel(
     seeds, steps,  # [B] int64
     chunk_scores, chunk_ids,  # [B, C] float32 and int64: each chunk's best score and its id (C = grid axis 1)
     vocab_size, chunk_size,  # chunk_size: a multiple of BLOCK
-    LOG_SPACE: tl.constexpr, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr = False,
+    LOG_SPACE: tl.constexpr, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr = False, PRUNE: tl.constexpr = True,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -87,29 +113,39 @@ def race_kernel(
     offs = tl.arange(0, BLOCK)
     best = tl.full((BLOCK,), -float("inf"), tl.float32)  # per lane: the best score so far...
     best_id = tl.zeros((BLOCK,), dtype=tl.int32)  # ...and the first id that reached it
+    top = tl.max(best, axis=0)  # the program's best score so far (-inf)
     for block_start in range(start, end, BLOCK):
         v = block_start + offs
         mask = v < end
         h = hash32(hash32(v.to(tl.uint32) ^ key1) ^ key2)
         u = (h.to(tl.float32) + 0.5) * (2.0**-32)
         u = tl.minimum(u, 1.0 - 2.0**-24)
-        # E = -log1p(-u), not -log(1 - u): in float32, 1 - u loses the low bits of a small u, and the winners of
-        # the race live there. Kahan's log1p: w = 1 - u is rounded, but log(w) / (w - 1) varies so slowly near 1
-        # that evaluating it at the rounded w and multiplying by the exact -u gives log1p(-u) to a few units in
-        # the last place, in float32 (a float64 logarithm is as exact and a long software routine on a GPU).
-        w = 1.0 - u
-        e = tl.where(w == 1.0, u, -tl.log(w) * (u / (1.0 - w)))
         val = tl.load(x_row + v, mask=mask, other=0.0).to(tl.float32)
         if LOG_SPACE:
-            if FAST_LOG:
-                score = val * inv_t - libdevice.fast_log2f(e) * LN2  # lg2.approx: see the module docstring
+            val = val * inv_t
+        exact = True
+        if PRUNE and LOG_SPACE:
+            # E >= u, so no entry of the block can score above l / T - log(u) (plus BOUND_SLACK, which covers the
+            # logarithms' rounding): one cheap logarithm of u. A block whose bounds all stay at or below the best
+            # score so far cannot change the winner, and skips the exact noise.
+            bound = tl.where(mask, val - (_log(u, FAST_LOG) - BOUND_SLACK), -float("inf"))
+            exact = tl.max(bound, axis=0) > top
+        if exact:
+            # E = -log1p(-u), not -log(1 - u): in float32, 1 - u loses the low bits of a small u, and the winners of
+            # the race live there. Kahan's log1p: w = 1 - u is rounded, but log(w) / (w - 1) varies so slowly near
+            # 1 that evaluating it at the rounded w and multiplying by the exact -u gives log1p(-u) to a few units
+            # in the last place, in float32 (a float64 logarithm is as exact and a long software routine on a GPU).
+            w = 1.0 - u
+            e = tl.where(w == 1.0, u, -tl.log(w) * (u / (1.0 - w)))
+            if LOG_SPACE:
+                score = val - _log(e, FAST_LOG)  # lg2.approx with FAST_LOG: see the module docstring
             else:
-                score = val * inv_t - tl.log(e)
-        else:
-            score = val / e
-        better = mask & (score > best)  # strictly better: an equal score later in the row keeps the earlier id
-        best_id = tl.where(better, v, best_id)
-        best = tl.where(better, score, best)
+                score = val / e
+            better = mask & (score > best)  # strictly better: an equal score later in the row keeps the earlier id
+            best_id = tl.where(better, v, best_id)
+            best = tl.where(better, score, best)
+            if PRUNE and LOG_SPACE:
+                top = tl.max(best, axis=0)
     top = tl.max(best, axis=0)
     top_id = tl.min(tl.where(best == top, best_id, vocab_size), axis=0)  # ties: the lowest id
     out = row * tl.num_programs(1) + chunk
