@@ -49,10 +49,12 @@ import torch
 
 #: Vocabulary entries a program handles per loop iteration.
 BLOCK_V = 2048
-#: Programs one launch aims for: about 16 per SM on the 132 SMs of an H100. That is more than an SM holds at
-#: once, on purpose: programs then run in several waves of short ones, so an SM that finishes early takes the
-#: next one instead of idling while a few long programs finish elsewhere.
-TARGET_PROGRAMS = 2048
+#: Programs one launch aims for: about 8 per SM on the 132 SMs of an H100, about what an SM holds at once. Fewer,
+#: longer programs would leave SMs idle at small batches; more, shorter ones skip fewer blocks, because a program
+#: prunes against the best score of the blocks it has already seen (:mod:`.race_kernel`). On an H100 at 256 rows,
+#: 4 chunks of 19 blocks took 89 us and 8 chunks of 10 blocks 92 us; at 128 rows 8 chunks took 54 us and 16
+#: chunks 60 us (``docs/data/race_prune_h100.json``).
+TARGET_PROGRAMS = 1024
 #: Logit dtypes the kernel reads directly; anything else is converted to float32 first.
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -93,8 +95,9 @@ def num_chunks(rows: int, vocab: int, block: int = BLOCK_V) -> int:
 
     One program per row would leave most of the GPU idle when rows are fewer than its SMs (decode batches of 1 to
     64 rows are common) and give each SM few programs even at 256 rows. Splitting further than
-    ``TARGET_PROGRAMS`` gains nothing once every SM is busy, and each extra chunk costs one more candidate to
-    compare at the end; a chunk smaller than a block would only leave lanes idle.
+    ``TARGET_PROGRAMS`` gains nothing once every SM is busy: each extra chunk costs one more candidate to compare at
+    the end and shortens the run of blocks over which a program prunes. A chunk smaller than a block would only
+    leave lanes idle.
     """
     blocks = -(-vocab // block)
     return max(1, min(blocks, -(-TARGET_PROGRAMS // max(rows, 1))))
@@ -116,6 +119,7 @@ def _race(x: torch.Tensor, inv_temperatures: torch.Tensor | None, seeds: torch.T
     scores = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
     ids = torch.empty(rows, chunks, dtype=torch.int64, device=x.device)
     inv = inv_temperatures if inv_temperatures is not None else scores  # unused without LOG_SPACE
+    prune = prune and chunk_size > block  # a program of one block has nothing to prune against
     _kernel()[(rows, chunks)](x, x.stride(0), inv, seeds.to(torch.int64), steps.to(torch.int64), scores, ids,
                               vocab, chunk_size, LOG_SPACE=log_space, BLOCK=block, FAST_LOG=_compiled(),
                               PRUNE=prune, num_warps=8)  # fmt: skip
