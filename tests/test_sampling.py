@@ -1088,6 +1088,34 @@ def test_pruned_race_draws_the_tokens_of_the_full_race(scale: float) -> None:
     assert len(set(want)) > 3  # the rows really sample
 
 
+def test_start_up_compiles_every_race_variant_a_decode_step_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chapter 11: kernels compile at engine start, not inside the first requests. Triton compiles one variant per
+    dtype and constexpr (``LOG_SPACE``, ``PRUNE``); ``compile_kernels`` must launch every variant that a decode
+    step of any batch size will, with one block a program (small batches) and several (large ones)."""
+    pytest.importorskip("triton")
+    from minisgl_ref.sampling import fused_draw
+
+    launched: set[tuple] = set()
+
+    class Spy:  # stands in for the jitted kernel: records what each launch would compile
+        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+            def launch(x, *args, **constexprs):  # type: ignore[no-untyped-def]
+                launched.add((x.dtype, constexprs["LOG_SPACE"], constexprs["PRUNE"], constexprs["BLOCK"]))
+            return launch
+
+    monkeypatch.setattr(fused_draw, "_kernel", lambda: Spy())
+    vocab = 151_936
+    fused_draw.compile_kernels(vocab, torch.device("cpu"))
+    compiled, launched = launched, set()
+    for rows in (1, 3, 8, 64, 128, 256):
+        temps, seeds = torch.full((rows,), 0.6), torch.arange(rows)
+        for dtype in (torch.bfloat16, torch.float32):
+            fused_draw.temperature_sample(torch.zeros(rows, vocab, dtype=dtype), temps, seeds, seeds)
+        fused_draw.sample_from_probs(torch.zeros(rows, vocab), seeds, seeds)
+    assert {v[2] for v in launched} == {False, True}  # both paths occur
+    assert launched <= compiled, launched - compiled
+
+
 def test_fused_draw_chunk_count_fills_the_gpu_and_never_exceeds_the_blocks() -> None:
     from minisgl_ref.sampling.fused_draw import TARGET_PROGRAMS, num_chunks
 

@@ -119,7 +119,9 @@ def _race(x: torch.Tensor, inv_temperatures: torch.Tensor | None, seeds: torch.T
     scores = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
     ids = torch.empty(rows, chunks, dtype=torch.int64, device=x.device)
     inv = inv_temperatures if inv_temperatures is not None else scores  # unused without LOG_SPACE
-    prune = prune and chunk_size > block  # a program of one block has nothing to prune against
+    # Pruning is for the log-space race, and a program of one block has nothing to prune against. (Passing
+    # PRUNE=False otherwise also keeps the number of compiled variants down: Triton builds one per constexpr.)
+    prune = prune and log_space and chunk_size > block
     _kernel()[(rows, chunks)](x, x.stride(0), inv, seeds.to(torch.int64), steps.to(torch.int64), scores, ids,
                               vocab, chunk_size, LOG_SPACE=log_space, BLOCK=block, FAST_LOG=_compiled(),
                               PRUNE=prune, num_warps=8)  # fmt: skip
@@ -156,6 +158,8 @@ def compile_kernels(vocab_size: int, device: torch.device,
         ones = torch.ones(rows, dtype=torch.float32, device=device)
         zeros = torch.zeros(rows, dtype=torch.int64, device=device)
         for dtype in logit_dtypes:
-            temperature_sample(torch.zeros(rows, vocab_size, dtype=dtype, device=device), ones, zeros, zeros)
+            logits = torch.zeros(rows, vocab_size, dtype=dtype, device=device)
+            for chunks in (None, 1):  # one block a program (no pruning) and a whole row a program (pruning)
+                temperature_sample(logits, ones, zeros, zeros, chunks=chunks)
         probs = torch.full((rows, vocab_size), 1.0 / vocab_size, dtype=torch.float32, device=device)
         sample_from_probs(probs, zeros, zeros)
