@@ -222,7 +222,7 @@ print(GPU["history_note"])
 ceiling = GPU["canonical_output_tokens"] / GPU["roofline_floor_s"]
 steps = GPU["history"]
 labels = [textwrap.shorten(h["change"].removeprefix("+ ").split(" (")[0], 60, placeholder="...") for h in steps]
-fig, ax = plt.subplots(figsize=(10, 4.4))
+fig, ax = plt.subplots(figsize=(10, 1.2 + 0.26 * len(steps)))
 ax.barh([f"{i + 1}. {textwrap.fill(t, 42)}" for i, t in enumerate(labels)],
         [h["output_throughput"] for h in steps], color="tab:blue")
 for y, h in enumerate(steps):
@@ -443,13 +443,16 @@ for label in ("cold", "warm"):
 # store: 19,034 and 19,027; each on another machine. Machines differ by a percent or two, so only the interleaved
 # A/Bs of section 5 compare changes.) The engine at the end of the chapter (our own split-KV decode kernel, the
 # small kernels' loads issued first and the sampler's approximate logarithm, all in section 5) on five more bare
-# machines, the first four a step or two before the last changes:
+# machines, the first four a step or two before the last changes, and then, with the sampler's race skipping the
+# blocks that cannot win (end of section 5), on five more:
 
 # %%
-for name in ("canonical_bare_machine_split_cap_h100.json", "canonical_bare_machine_split_cap_2_h100.json",
-             "canonical_bare_machine_loads_first_h100.json", "canonical_bare_machine_loads_first_2_h100.json",
-             "canonical_bare_machine_fast_log_h100.json"):
-    doc = json.loads((ROOT / "docs" / "data" / name).read_text())
+BARE_BEFORE = ["split_cap", "split_cap_2", "loads_first", "loads_first_2", "fast_log"]
+BARE_PRUNED = ["prune", "prune_2", "prune_3", "prune_4", "prune_5"]
+for name in BARE_BEFORE + BARE_PRUNED:
+    if name == "prune":
+        print("with the pruned race:")
+    doc = json.loads((ROOT / "docs" / "data" / f"canonical_bare_machine_{name}_h100.json").read_text())
     cold, warm = doc["cold"]["results"][0], doc["warm"]["results"][0]
     compiled = sum(cold["compiled_during_run"].values()) + sum(warm["compiled_during_run"].values())
     print(f"{doc['git_commit'][:7]}: first process start-up {cold['startup_s']:4.1f} s, "
@@ -458,11 +461,22 @@ for name in ("canonical_bare_machine_split_cap_h100.json", "canonical_bare_machi
           f"compiled during the runs: {compiled}")
 
 # %% [markdown]
-# 19,900-20,250 output tokens/s on the first timed run of a bare machine, 74.6-76.0% of the floor, and the second
-# process within 4.1% of the first (within 1.3% on four of the five machines); a warm start-up of 9-14 s, a cold
-# one of 70-90 s. That is 1.2-3% short of 20,500. (The third machine is the slowest of the five although its
-# engine is faster than the first two's in the interleaved A/B of section 5: between machines the spread is larger
-# than the change.)
+# Before the pruned race: 19,900-20,250 output tokens/s on the first timed run of a bare machine, 74.6-76.0% of the
+# floor, and the second process within 4.1% of the first (within 1.3% on four of the five machines); a warm
+# start-up of 9-14 s, a cold one of 70-90 s; 1.2-3% short of 20,500. (The third machine is the slowest of the five
+# although its engine is faster than the first two's in the interleaved A/B of section 5: between machines the
+# spread is larger than the change.)
+#
+# With it, three of the five machines ran the first timed run at 20,504-20,533 output tokens/s (77.0-77.1% of the
+# floor) and a fourth at 20,371. The second machine is a slow one: its second process, with nothing to compile,
+# ran at 19,306, and its first (19,111) also compiled the pruning variant of the race inside the timed run (the 8
+# Triton compiles in its line), because start-up then compiled only the one-block programs of one or two rows,
+# which never prune. Start-up now compiles both (`compile_kernels` in `minisgl_ref/sampling/fused_draw.py`), a CPU
+# test checks that it launches every variant a decode step of any size will, and the last three machines compiled
+# nothing during their runs. (The first machine ran the commit before the race's 1,024 programs a launch, with
+# 2,048.) The second processes ran within 2% of the first, and started in 12-17 s (under 15 s on four). So on a
+# typical H100 the engine now runs the canonical workload at about 20,400-20,500 output tokens/s from the first
+# request; the spread between machines (a slow one 6% below) is larger than anything this section changed.
 #
 # How far apart are a first and a second process, and where? Three other bare machines, with the engine of the
 # persistent kernel, the second one tracing every step of both timed runs (`--step-log`) and counting the garbage
@@ -756,6 +770,50 @@ print("canonical workload, one process, runs alternating:",
 # token. Over the workload that is worth ~0.4%, less than the spread of the runs: in the alternating runs of one
 # process the new kernel is ahead in two pairs (0.9% and 0.7%) and behind in one (4.1%, a slow run). The timing of
 # the kernel alone is the measurement here; the change stays.
+#
+# **Skipping what cannot win.** The race needs only its winner, and most entries are nowhere near it. Each entry's
+# noise is `E = -log1p(-u)` for its hashed uniform `u`, and `E >= u`, so an entry scores at most `l / T - log(u)`:
+# one approximate logarithm of a number the hash has already produced, where the exact score needs the `log1p`
+# routine, a division and a second logarithm. A program keeps the best score of the blocks it has walked; when no
+# entry of the next block can beat it by its bound, the block skips the exact noise (`PRUNE` in
+# `minisgl_ref/sampling/race_kernel.py`). The bound carries a slack of 2e-5, above every rounding between it and
+# the computed score, so no entry that could win is ever skipped and the tokens are exactly those of the full race
+# (`tests/test_sampling.py` holds them equal on flat, peaked and masked rows, ties and extreme temperatures).
+#
+# How often does a block pass? For scores without structure, the `k`-th block of a program holds the best of the
+# first `k` with probability `1 / k`, so the longer a program, the larger the share it skips: about 70% of the
+# blocks at 10 blocks a program (the split of 256 rows into 2,048 programs), about 80% at 19 (a trained model's
+# peaked rows skip far more). So fewer, longer programs now pay, and a launch aims at 1,024 programs instead of
+# 2,048. A program of one block has nothing to prune against (small batches cut each row into one-block programs),
+# and runs the full race as before. The draw alone at the workload's logit scale, in CUDA graphs, with the full
+# race at the old split (`race_prune_h100.json`) and both races at the new one (`race_prune_chunks_h100.json`, on
+# another machine), and the tokens of the two races compared:
+
+# %%
+OLD_SPLIT = {r["rows"]: r for r in json.loads((ROOT / "docs" / "data" / "race_prune_h100.json").read_text())["results"]}
+PRUNED = json.loads((ROOT / "docs" / "data" / "race_prune_chunks_h100.json").read_text())["results"]
+print(f"{'rows':>4} {'full race, 2,048 programs':>26} {'full race, 1,024':>17} {'pruned, 1,024':>14}   (us per draw)")
+differing = compared = 0
+for r in PRUNED:
+    old = OLD_SPLIT[r["rows"]]
+    old_full = min(old[f"scale0.4_chunks{old['default_chunks']}_full_us"])
+    full, pruned = (min(r[f"scale0.4_chunks{r['default_chunks']}_{k}_us"]) for k in ("full", "prune"))
+    print(f"{r['rows']:>4} {old_full:>26.1f} {full:>17.1f} {pruned:>14.1f}  ({pruned / full - 1:+.0%})")
+    differing += r["scale0.4_draws_differing"] + r["scale3.0_draws_differing"]
+    compared += r["scale0.4_draws_compared"] + r["scale3.0_draws_compared"]
+print(f"tokens differing between the two races: {differing} of {compared:,} draws")
+PRUNE_AB = json.loads((ROOT / "docs" / "data" / "sampler_prune_ab_h100.json").read_text())
+print("canonical workload, one process, runs alternating:",
+      ", ".join(f"{'pruned' if r['variant'] == 'new' else 'full'} {r['output_tok_s']:,.0f}"
+                for r in PRUNE_AB["canonical_runs"]))
+print_ab("canonical_ab_race_prune_h100.json", "canonical workload, interleaved processes, against the engine before:")
+
+# %% [markdown]
+# The draw at 256 rows drops from ~117 to ~89 µs (-24%), at 128 rows by 15%, at 64 by 6%, and at 1-8 rows, where
+# every program is one block, it is unchanged; not one of 89,960 draws changed its token. Over the run, whose batch
+# shrinks from 256 rows to a few, that is ~15 µs a step on average, ~0.2%; the two A/Bs measure +0.6% (the medians
+# of runs alternating in one process) and +0.7% (interleaved processes), inside their spread. It stays because it
+# is exact, it costs a reader one bound and one branch, and a trained model's peaked logits skip more.
 
 # %% [markdown]
 # ### What the spread of context lengths costs the attention kernel
@@ -2349,14 +2407,20 @@ for run in SA["canonical_runs"]:
 # git show 8001d91~1:minisgl_ref/sampling/race_kernel.py > OLD_race_kernel.py  # (and fused_draw.py) then:
 # python3 scripts/gpu/sampler_ab.py results/fast_log.json --old-launcher OLD_fused_draw.py \
 #     --old-kernel OLD_race_kernel.py --draw-only    # section 5: the score's logarithm from lg2.approx
+# python3 scripts/gpu/race_prune.py results/race_prune.json   # section 5: the race with and without pruning
+# git show 169b22a:minisgl_ref/sampling/race_kernel.py > OLD_race_kernel.py  # (and fused_draw.py) then:
+# python3 scripts/gpu/sampler_ab.py results/prune_ab.json --old-launcher OLD_fused_draw.py \
+#     --old-kernel OLD_race_kernel.py --pairs 3    # section 5: the pruned race, one process
 # ```
 #
 # Expected on an H100 80GB HBM3 with the engine as it stands (`bash scripts/gpu/bare_machine.sh`,
-# `canonical_bare_machine_fast_log_h100.json` and the four machines before it, about 2.5 minutes): about
-# 19,900-20,250 output tok/s on the first timed run of `python -m minisgl_ref bench offline` on a bare machine
-# (75-76% of the 5.03 s floor at the measured 3.0 TB/s), a start-up of 70-90 s there and of 10-14 s in a second
-# process, which runs within a few percent of the first (on a fast machine the interleaved processes of
-# `canonical_ab_four_blocks_h100.json` reach 19,800-20,500). Earlier engines, in the order of this chapter
+# `canonical_bare_machine_prune_3_h100.json` to `_prune_5_`, about 2.5 minutes): about 20,400-20,500 output tok/s
+# on the first timed run of `python -m minisgl_ref bench offline` on a bare machine (76.5-77% of the 5.03 s floor
+# at the measured 3.0 TB/s), a start-up of 80-90 s there and of 12-15 s in a second process, which runs within 1%
+# of the first; a slow machine runs ~6% lower (`canonical_bare_machine_prune_2_h100.json`, whose second process
+# ran at 19,306). `race_prune.py` (`race_prune_chunks_h100.json`, under a minute): the draw at 256 rows in ~89 us
+# pruned against ~117 us in full, no token changed. Before the pruned race (`canonical_bare_machine_fast_log_h100.json`
+# and the four machines before it): 19,900-20,250 on the first timed run. Earlier engines, in the order of this chapter
 # (`docs/data/gpu_offline_h100.json`): about 17,700-17,850 output tok/s on the canonical workload (67% of the
 # floor, 60% of the datasheet floor), about 8,200 with `--disable-cuda-graph`, about 18,000 with
 # `--attention-backend triton`.

@@ -159,6 +159,15 @@ OTHER_RESULTS = [
     "attention, fused ops, sampling): every GPU test passed on an H100, 60 tests "
     "(`docs/data/gpu_tests_h100_final.txt`); the graph, sampling, fused-kernel and cascade tests again after the KV "
     "store moved into the RoPE kernel, 34 tests (`docs/data/gpu_tests_h100_ff3d759.txt`).",
+    "The sampler's race skipping the blocks that cannot win (chapter 11, section 5): the draw alone with and "
+    "without it `docs/data/race_prune_h100.json`, `docs/data/race_prune_chunks_h100.json`; the canonical workload "
+    "with the two races alternating in one process `docs/data/sampler_prune_ab_h100.json`, in interleaved "
+    "processes `docs/data/canonical_ab_race_prune_h100.json`; the GPU tests of sampling, CUDA graphs, folded norms "
+    "and fused kernels with it, 27 tests `docs/data/gpu_tests_prune_h100.txt`. The five bare machines before it: "
+    "`docs/data/canonical_bare_machine_split_cap_h100.json`, `docs/data/canonical_bare_machine_split_cap_2_h100.json`, "
+    "`docs/data/canonical_bare_machine_loads_first_h100.json`, "
+    "`docs/data/canonical_bare_machine_loads_first_2_h100.json`, `docs/data/canonical_bare_machine_fast_log_h100.json` "
+    "(first runs of 19,875-20,251 output tok/s).",
 ]
 
 
@@ -298,9 +307,8 @@ def tp_section() -> list[str]:
 
 
 #: The engine as it stands, on bare machines (newest last): the page opens with them.
-LATEST_BARE = ["canonical_bare_machine_split_cap_h100.json", "canonical_bare_machine_split_cap_2_h100.json",
-               "canonical_bare_machine_loads_first_h100.json", "canonical_bare_machine_loads_first_2_h100.json",
-               "canonical_bare_machine_fast_log_h100.json"]
+LATEST_BARE = ["canonical_bare_machine_prune_h100.json"] + [f"canonical_bare_machine_prune_{i}_h100.json"
+                                                           for i in range(2, 6)]
 
 
 def latest_section() -> list[str]:
@@ -311,17 +319,25 @@ def latest_section() -> list[str]:
     out = ["## The engine as it stands: first run on a bare machine (chapter 11)", "",
            "`bash scripts/gpu/bare_machine.sh OUT.json` runs `python -m minisgl_ref bench offline` (the canonical "
            "workload, Qwen3-0.6B config, bf16, dummy weights) in a first process on a machine with empty compile "
-           "caches, then in a second process. One row per machine; machines differ by a percent or two. "
+           "caches, then in a second process. One row per machine; machines differ by a few percent. "
            f"{hw['gpu']} (driver {hw['nvidia_driver']}), torch {sw['torch']}, flashinfer "
            f"{sw['packages'].get('flashinfer-python')}.", "",
            "| data | commit | first process: output tok/s | of the floor | start-up s | second process: output tok/s "
-           "| start-up s |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+           "| start-up s | kernels compiled during the runs |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, doc in docs:
         cold, warm = doc["cold"]["results"][0], doc["warm"]["results"][0]
         out.append(f"| [`{name}`](data/{name}) | {doc['git_commit'][:7]} | **{cold['output_throughput']:,.0f}** | "
                    f"{cold['roofline_fraction']:.1%} | {cold['startup_s']:.1f} | {warm['output_throughput']:,.0f} | "
-                   f"{warm['startup_s']:.1f} |")
-    return out + [""]
+                   f"{warm['startup_s']:.1f} | {compiled_during(cold) + compiled_during(warm)} |")
+    return out + ["", "The second machine's first process compiled the sampler's pruning kernel inside its timed run "
+                  "(start-up compiled only the one-block variant then; it compiles both since b687267), and the "
+                  "machine is a slow one: its second process, with nothing to compile, ran at 19,306.", ""]
+
+
+def compiled_during(run: dict) -> int:
+    """Kernels compiled inside a timed run (Triton, Inductor, FlashInfer), from its cache counters."""
+    return sum(run["compiled_during_run"].values())
 
 
 def render() -> str:
