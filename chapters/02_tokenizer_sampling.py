@@ -779,7 +779,10 @@ for name, ms in {**timings, **stage}.items():
 # runs the hash and the race as one Triton kernel (`minisgl_ref/sampling/fused_draw.py`): each row's vocabulary is
 # cut into chunks, one program per chunk walks its slice once with the noise in registers, and an `argmax` over
 # the chunks' winners picks the row's token (chapter 11 measures why the split). Without filtering it needs no softmax either: the token
-# that maximises `p / E` also maximises `logit / T - log E`.
+# that maximises `p / E` also maximises `logit / T - log E`. And since `E` is never below the uniform `u` it
+# comes from, an entry cannot score above `logit / T - log u`: a program that has already seen a better score
+# skips the exact noise of every block whose entries all fall under that bound, and still draws the same token
+# (chapter 11, section 5).
 #
 # ## 4. End to end: seeded, stoppable generation with the embedded model
 #

@@ -804,8 +804,8 @@ for r in PRUNED:
 print(f"tokens differing between the two races: {differing} of {compared:,} draws")
 PRUNE_AB = json.loads((ROOT / "docs" / "data" / "sampler_prune_ab_h100.json").read_text())
 print("canonical workload, one process, runs alternating:",
-      ", ".join(f"{'pruned' if r['variant'] == 'new' else 'full'} {r['output_tok_s']:,.0f}"
-                for r in PRUNE_AB["canonical_runs"]))
+      ", ".join(f"{'pruned' if r['variant'] == 'new' else 'full'} {r['output_tok_s']:,.0f} "
+                f"({r['roofline_fraction']:.1%})" for r in PRUNE_AB["canonical_runs"]))
 print_ab("canonical_ab_race_prune_h100.json", "canonical workload, interleaved processes, against the engine before:")
 
 # %% [markdown]
