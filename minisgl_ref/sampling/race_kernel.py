@@ -59,10 +59,12 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
-#: Added to the bound ``l / T - log(u)`` so that it stays above the computed score whatever the rounding: the two
-#: logarithms (of u and of E) are each within ~2e-6 of exact (lg2.approx: 2**-22, then the multiply by ln 2 on
-#: values up to 23), E within a few units in the last place of -log1p(-u), and subtracting the slack rounds by
-#: at most 1e-6. 2e-5 covers the sum with room to spare.
+#: Added to the bound ``l / T - log(u)`` so that it stays above the computed score whatever the rounding. Where
+#: u < 2**-25, E is u itself (``w == 1`` below), both logarithms take the same input and agree bit for bit. Above
+#: it, log2 of u and of E lies in (-25, 4.1], where lg2.approx is within 2 units in the last place (~3.8e-6 at 25,
+#: ~2.6e-6 once times ln 2) and the multiply by ln 2 rounds by ~1e-6; E is within a few units in the last place
+#: of -log1p(-u) (~4e-7 in its logarithm), and subtracting the slack rounds by ~1e-6. The worst case of the sum,
+#: ~9e-6, is under half the slack.
 BOUND_SLACK: tl.constexpr = tl.constexpr(2e-5)
 
 
