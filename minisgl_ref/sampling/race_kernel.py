@@ -48,10 +48,9 @@ whose bounds are all at or below it cannot change the winner, and skips the exac
 score's logarithm -- most of the kernel's instructions. For scores without structure, the ``k``-th block of a
 program holds the best of its first ``k`` blocks with probability ``1 / k`` (the bound, a little looser than the
 score, passes a little more often), and the peaked rows of a trained model pass far less often, so after the first
-blocks most take the short path. The bound carries a slack
-(``BOUND_SLACK``) larger than every rounding between it and the computed score, so the winner, and the tokens, are
-exactly those of ``PRUNE=False``. The probability path (``p / E``) does not prune: it runs after top-k/top-p, whose
-own passes over the row cost more than the race.
+blocks most take the short path. The bound carries a slack (``BOUND_SLACK``) larger than every rounding between it
+and the computed score, so the winner, and the tokens, are exactly those of ``PRUNE=False``. The probability path
+(``p / E``) does not prune: it runs after top-k/top-p, whose own passes over the row cost more than the race.
 """
 
 import triton
