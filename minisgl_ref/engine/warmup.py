@@ -175,11 +175,16 @@ def _build_split_decode() -> None:
     load_kernel()
 
 
-def _timed(fn: Callable[[], None]) -> float:
+def _timed(fn: Callable[[], None], device: torch.device) -> float:
+    """Run one compile job on ``device`` and time it.
+
+    The current CUDA device belongs to a thread, and a new thread starts on GPU 0: without the guard, a
+    tensor-parallel rank on ``cuda:1`` would launch its warm-up kernels against GPU 0 (Triton refuses a pointer
+    of another device, "cannot be accessed from Triton") and make a context there that holds memory for nothing."""
     t = time.perf_counter()
-    fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    with torch.cuda.device(device):
+        fn()
+        torch.cuda.synchronize(device)
     return time.perf_counter() - t
 
 
@@ -221,6 +226,6 @@ def start(shapes: KernelShapes, device: torch.device, matmuls: list[MatmulShapes
         todo["matmul shapes"] = lambda: _matmuls(matmuls)
     log.info("start-up: compiling %s in parallel (cached on disk for the next start)", ", ".join(todo))
     pool = ThreadPoolExecutor(max_workers=len(todo), thread_name_prefix="compile")
-    warm.jobs = {name: pool.submit(_timed, fn) for name, fn in todo.items()}
+    warm.jobs = {name: pool.submit(_timed, fn, device) for name, fn in todo.items()}
     pool.shutdown(wait=False)
     return warm
