@@ -182,6 +182,13 @@ class ModelRunner:
                                                          max_tokens=extend_graph_max_tokens, multiple=multiple,
                                                          budget_tokens=extend_graph_budget_tokens)
 
+    def release_graphs(self) -> None:
+        """Drop every captured CUDA graph (the decode, cascade and extend graph runners); later steps run eagerly.
+
+        With tensor parallelism a graph holds the all-reduces it captured, and NCCL keeps a communicator alive
+        until each graph that uses it is destroyed: a rank that destroys its communicator first waits for ever."""
+        self.graph_runner = self.cascade_graph_runner = self.extend_graph_runner = None
+
     def _make_graph_runner(self, backend: AttentionBackend, max_bs: int) -> CudaGraphRunner | None:
         if self.device.type != "cuda":
             logger.info("CUDA graphs need a CUDA device; running %s eagerly", self.device)

@@ -114,15 +114,16 @@ class TPGroup:
                 pass
 
     def leave(self) -> None:
-        """Before a rank leaves its process group: drop the engine's CUDA graphs (their captured all-reduces use
-        the NCCL communicator about to be destroyed), wait for the device, then leave.
+        """Before a rank leaves its process group: drop every CUDA graph of the engine (their captured all-reduces
+        use the NCCL communicator about to be destroyed, whose teardown waits until no graph holds it), wait for
+        the device, then leave.
 
         ``MINISGL_SHUTDOWN_TRACE_S=N`` prints every thread's Python stack if teardown still runs N seconds later:
         how to find out where a rank hangs on a machine without a debugger."""
         if env.shutdown_trace_s() > 0:
             faulthandler.dump_traceback_later(env.shutdown_trace_s(), exit=False)
-        if self.engine is not None and self.engine.runner.graph_runner is not None:
-            self.engine.runner.graph_runner = None
+        if self.engine is not None:
+            self.engine.runner.release_graphs()
             gc.collect()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()

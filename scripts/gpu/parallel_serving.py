@@ -137,8 +137,9 @@ def run_watched(name: str, cmd: list[str], result: Path, out: Path, limit: float
         if seen is None and result.exists() and '"phase_wall_s"' in result.read_text():  # the final write
             seen = time.monotonic()
             rec["result_after_s"] = seen - t0
-        if seen is not None and time.monotonic() - seen > 20:
-            rec["lingered"] = True
+        late = time.monotonic() - t0 > limit - 25  # out of time: see where it is before it is killed
+        if (seen is not None and time.monotonic() - seen > 20) or late:
+            rec["lingered" if seen is not None else "unfinished"] = True
             dump_stacks(tree(proc.pid), out / f"hang_{name}.txt")
             break
         time.sleep(0.2)
