@@ -32,6 +32,7 @@ from minisgl_ref.engine.cuda_graph import (
 from minisgl_ref.kvcache.pool import KVPool
 from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
 from minisgl_ref.layers.attention import AttentionLayer
+from tests.engine_fixtures import make_engine, tiny_llm, tiny_engine_path  # noqa: F401 - fixtures
 
 
 @pytest.mark.task("8.1")
@@ -343,3 +344,16 @@ def test_gpu_engine_graphs_match_eager(small_qwen3, overlap: bool) -> None:
         torch.cuda.empty_cache()
     assert outs[True] == outs[False]
     assert [len(o) for o in outs[True]] == [p.max_new_tokens for p in params]
+
+
+def test_release_graphs_drops_every_graph_runner(tiny_llm) -> None:
+    """A tensor-parallel rank calls ``release_graphs`` before it destroys its NCCL communicator, whose teardown
+    waits until no CUDA graph holds the all-reduces it captured (chapter 09): a graph runner the method forgot
+    would hang every tensor-parallel shutdown. Every attribute of the runner that holds one must be dropped."""
+    runner = make_engine(tiny_llm).runner
+    holders = [name for name in vars(runner) if name.endswith("graph_runner")]
+    assert {"graph_runner", "cascade_graph_runner", "extend_graph_runner"} <= set(holders)
+    for name in holders:
+        setattr(runner, name, object())
+    runner.release_graphs()
+    assert {name: getattr(runner, name) for name in holders} == dict.fromkeys(holders)

@@ -50,6 +50,8 @@ class ServerArgs:
     step_log: str | None = flag(None, "append one JSON line per engine step to this file (what ran, and the "
                                       "time since the previous step's tokens): where an inter-token latency "
                                       "tail comes from")
+    watchdog_timeout: float = flag(60.0, "/health and /health_generate answer 503 while the scheduler has been "
+                                         "inside one engine step for longer than this many seconds (0: off)")
     log_level: str = flag("info", choices=LOG_LEVELS)
     shell: bool = flag(False, "chat in this terminal instead of serving HTTP")
     # data parallelism: N whole servers behind SGLang's router (data_parallel.py)
@@ -75,6 +77,8 @@ class ServerArgs:
             raise ValueError("--api-key must not be empty")
         if not 0 < args.max_request_body_mb < float("inf"):
             raise ValueError(f"--max-request-body-mb must be a positive number, got {args.max_request_body_mb}")
+        if not 0 <= args.watchdog_timeout < float("inf"):
+            raise ValueError(f"--watchdog-timeout must be a number of seconds >= 0, got {args.watchdog_timeout}")
         if args.dp_size < 1:
             raise ValueError(f"--dp-size must be at least 1, got {args.dp_size}")
         if args.dp_size > 1 and args.shell:

@@ -9,7 +9,8 @@ POST /v1/completions        OpenAI completions: a prompt, a batch of prompts, or
 GET  /v1/models             the one model served
 GET  /v1/models/{id}        that model (404 for any other id)
 POST /generate              SGLang's native API: text or input_ids, sampling_params, cumulative stream
-GET  /health                200 while every process is alive, 503 (and why) otherwise
+GET  /health                200 while every process is alive and the scheduler is not stuck inside one
+                            step (--watchdog-timeout), 503 (and why) otherwise
 GET  /health_generate       200 once a one-token request has gone through the whole pipeline
 GET  /model_info            model path, context length, vocabulary (also at /get_model_info)
 GET  /server_info           the server's arguments and the scheduler's state: running, queued, KV use
@@ -250,16 +251,23 @@ async def validated(request: Request, prepare: Callable[[ServerState, dict[str, 
 
 # ----------------------------------------------------------------------------------- health & info
 
+def _unhealthy(manager: TokenizerManager) -> JSONResponse | None:
+    """503 while a child process is dead or the scheduler is stuck inside one step (server/watchdog.py)."""
+    reason = manager.dead or manager.step_stuck()
+    if reason is None:
+        return None
+    return JSONResponse(error_body(reason, "service_unavailable", code=503), status_code=503)
+
 @router.get("/health")
 async def health(request: Request) -> Response:
-    manager = _state(request).manager
-    if manager.dead is not None:
-        return JSONResponse(error_body(manager.dead, "service_unavailable", code=503), status_code=503)
-    return Response(status_code=200)
+    return _unhealthy(_state(request).manager) or Response(status_code=200)
 
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
     manager = _state(request).manager
+    unhealthy = _unhealthy(manager)
+    if unhealthy is not None:  # a stuck scheduler would not answer the probe's token either
+        return unhealthy
     params = SamplingParams(max_new_tokens=1, temperature=0.0)
 
     async def one_token() -> None:

@@ -15,7 +15,8 @@ The life of ``python -m minisgl_ref serve``:
    SIGTERM, joined, and killed if it lingers. If a *child* dies instead, the watchdog fails every request in
    flight, ``/health`` and new requests answer 503 naming the dead process for a short grace period, and then
    the server stops the rest and exits with status 1, so a supervisor (systemd, Kubernetes) restarts it rather
-   than leaving a server that accepts connections and never answers.
+   than leaving a server that accepts connections and never answers. A scheduler that is alive but stuck inside
+   one step turns ``/health`` to 503 too, while it lasts (:mod:`~minisgl_ref.server.watchdog`).
 
 Children also watch their parent: if it is killed outright (SIGKILL, where no cleanup can run) they notice that
 they were re-parented and exit on their own.
@@ -36,6 +37,7 @@ from typing import Any
 
 from minisgl_ref.server.args import Addresses, ServerArgs
 from minisgl_ref.server.process_utils import configure_logging
+from minisgl_ref.server.watchdog import LoopClock
 
 log = logging.getLogger("minisgl_ref.server")
 
@@ -71,6 +73,7 @@ class Launcher:
         self.exit_code = 0
         self.stop_signal: int | None = None
         self.uvicorn_server: Any = None
+        self.clock: LoopClock | None = None
 
     # ------------------------------------------------------------------------------------------------- main
 
@@ -120,8 +123,10 @@ class Launcher:
         dist_cfg = DistConfig.of(self.args.tp)
         if self.args.tp.tp_size > 1 and self.args.tp.dist_init_addr is None:
             self.args.tp = dataclasses.replace(self.args.tp, dist_init_addr=dist_cfg.with_free_port().dist_init_addr)
+        self.clock = LoopClock(ctx)  # when rank 0's loop last came round (watchdog.py)
         targets: dict[str, tuple[Any, tuple[Any, ...]]] = {
-            ("scheduler" if rank == 0 else f"scheduler-tp{rank}"): (run_scheduler_process, (rank,))
+            ("scheduler" if rank == 0 else f"scheduler-tp{rank}"): (run_scheduler_process,
+                                                                    (rank, self.clock if rank == 0 else None))
             for rank in dist_cfg.node_ranks()
         }
         if self.args.tp.node_rank == 0:
@@ -214,6 +219,9 @@ class Launcher:
 
         metrics = ServerMetrics(self.model_name) if self.args.enable_metrics else None
         manager = TokenizerManager(self.args, self.addrs, info, tokenizer, metrics)
+        clock, timeout = self.clock, self.args.watchdog_timeout
+        if clock is not None:
+            manager.step_stuck = lambda: clock.stuck(timeout)
         manager.start()
         return manager
 
@@ -224,8 +232,17 @@ class Launcher:
         return self.args.served_model_name or self.args.model.model_path or EMBEDDED_NAME
 
     async def watchdog(self, manager: Any, on_dead: Any) -> None:
+        stuck_since: float | None = None  # when the current stuck step was first seen, for the logs
         while True:
             await asyncio.sleep(WATCHDOG_PERIOD_S)
+            stuck = manager.step_stuck()
+            if stuck is not None and stuck_since is None:
+                stuck_since = asyncio.get_running_loop().time()
+                log.error("%s: /health answers 503 until it ends", stuck)
+            elif stuck is None and stuck_since is not None:
+                log.warning("the stuck engine step has ended (%.1f s after it was reported); /health is 200 again",
+                            asyncio.get_running_loop().time() - stuck_since)
+                stuck_since = None
             reason = self.dead_child() or manager.dead
             if reason is None:
                 continue

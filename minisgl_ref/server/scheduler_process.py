@@ -48,7 +48,8 @@ from minisgl_ref.server.messages import (
     decode,
     encode,
 )
-from minisgl_ref.server.process_utils import ParentWatch, child_process_setup, report_ready
+from minisgl_ref.server.process_utils import child_process_setup, report_ready
+from minisgl_ref.server.watchdog import LoopClock, LoopWatch, start_stuck_step_logger
 from minisgl_ref.tokenizer import IncrementalDetokenizer
 
 # Prompt ids the detokenizer gets as context for the first output token (IncrementalDetokenizer looks at most
@@ -59,7 +60,7 @@ log = logging.getLogger("minisgl_ref.scheduler")
 
 
 class SchedulerWorker:
-    def __init__(self, rt: Runtime, addrs: Addresses) -> None:
+    def __init__(self, rt: Runtime, addrs: Addresses, clock: LoopClock | None = None) -> None:
         # The runtime is built exactly as the offline LLM builds its own (build_runtime), so an HTTP request and
         # an LLM.generate call with the same settings run the very same engine code.
         self.rt = rt
@@ -76,7 +77,7 @@ class SchedulerWorker:
         self.to_detok.connect(addrs.detokenizer)
         self.to_api = self.ctx.socket(zmq.PUSH)
         self.to_api.connect(addrs.api)
-        self.watch = ParentWatch()
+        self.watch = LoopWatch(clock)  # the parent's life, and each turn's start for the watchdog (watchdog.py)
 
     def info(self) -> dict[str, Any]:
         cfg = self.rt.model_config
@@ -199,6 +200,12 @@ class SchedulerWorker:
             resp = RpcResp(msg.rpc_id, False, f"{type(e).__name__}: {e}")
         self.to_api.send(encode(resp))
 
+    def describe(self) -> str:
+        """What the engine holds, in one line (for the stuck-step log)."""
+        sched = self.engine.scheduler
+        return (f"{self.engine.stats.steps} steps done, {len(sched.running)} running, {len(sched.waiting)} waiting, "
+                f"a step in flight: {self.engine.inflight is not None}, {len(self.reqs)} requests tracked")
+
     def stats(self) -> dict[str, Any]:
         engine, sched, cache = self.engine, self.engine.scheduler, self.engine.cache
         total = engine.max_total_tokens
@@ -310,9 +317,11 @@ def run_follower_rank(rt: Runtime, args: ServerArgs, log: Any, parent_conn: Any 
             parent_conn.close()
 
 
-def run_scheduler_process(args: ServerArgs, addrs: Addresses, ready_conn: Any, tp_rank: int = 0) -> None:
+def run_scheduler_process(args: ServerArgs, addrs: Addresses, ready_conn: Any, tp_rank: int = 0,
+                          clock: LoopClock | None = None) -> None:
     """The child process's entry point (``multiprocessing`` spawn target): build this rank's runtime, then run
-    the scheduler loop (rank 0) or follow rank 0 (the others)."""
+    the scheduler loop (rank 0) or follow rank 0 (the others). ``clock`` (rank 0) tells the API server when the
+    loop last came round (:mod:`~minisgl_ref.server.watchdog`)."""
     log = child_process_setup(args.log_level, f"scheduler TP{tp_rank}")
     try:
         import torch
@@ -323,7 +332,7 @@ def run_scheduler_process(args: ServerArgs, addrs: Addresses, ready_conn: Any, t
             torch.set_num_threads(env.cpu_threads(spare=1))  # one core for the API server and the detokenizer
         group = TPGroup.member(args.tp, tp_rank) if args.tp.enabled else None
         rt = build_runtime(args.model, args.engine, args.tp, group=group)
-        worker = SchedulerWorker(rt, addrs) if tp_rank == 0 else None
+        worker = SchedulerWorker(rt, addrs, clock) if tp_rank == 0 else None
         if worker is not None and args.step_log:
             worker.engine.trace = StepTrace(args.step_log)
     except Exception as e:  # noqa: BLE001 - the parent prints this one line and exits
@@ -333,6 +342,8 @@ def run_scheduler_process(args: ServerArgs, addrs: Addresses, ready_conn: Any, t
         report_ready(ready_conn, {"ok": {"tp_rank": tp_rank, "device": str(rt.device)}}, close=False)
         return run_follower_rank(rt, args, log, ready_conn)
     t0 = time.perf_counter()
+    if clock is not None:
+        start_stuck_step_logger(clock, args.watchdog_timeout, worker.describe, log)
     report_ready(ready_conn, {"ok": worker.info()}, close=False)
     log.info("ready: %s", worker.info())
     try:

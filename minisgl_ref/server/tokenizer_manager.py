@@ -27,7 +27,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,6 +132,8 @@ class TokenizerManager:
         self.rpcs: dict[int, asyncio.Future] = {}
         self._rpc_ids = itertools.count()
         self.dead: str | None = None  # why the server cannot serve any more (a child process died)
+        # why the scheduler counts as stuck inside one step, or None (the launcher sets it: server/watchdog.py)
+        self.step_stuck: Callable[[], str | None] = lambda: None
         # Sending never blocks (a PUSH socket queues up to its high-water mark), so a plain socket works from
         # async code, and also from a `finally` that runs while the task is being cancelled.
         self._sync_ctx = zmq.Context()
