@@ -15,9 +15,9 @@
 # # Chapter 10 — The server
 #
 # **What you will build.** `python -m minisgl_ref serve`: the engine of chapters 03-09 behind an HTTP server that
-# speaks OpenAI's API (`/v1/chat/completions`, `/v1/completions`, `/v1/models`) and SGLang's native one
-# (`/generate` and friends), streams tokens as they are made, notices clients that leave, and reports Prometheus
-# metrics. Its heartbeat is the scheduler's loop, which feeds the engine and drains it (task 10.2). Then
+# speaks OpenAI's API (`/v1/chat/completions`, `/v1/completions`, `/v1/responses`, `/v1/models`) and SGLang's
+# native one (`/generate` and friends), streams tokens as they are made, notices clients that leave, and reports
+# Prometheus metrics. Its heartbeat is the scheduler's loop, which feeds the engine and drains it (task 10.2). Then
 # `python -m minisgl_ref bench serving`, the load generator that measures a server the way its users experience
 # it (task 10.1).
 #
@@ -483,6 +483,39 @@ call = forced.choices[0].message.tool_calls[0]
 print("tool call:", forced.choices[0].finish_reason, call.function.name, call.function.arguments)
 refused = httpx.post(URL + "/v1/chat/completions", json={"messages": CHAT, "structural_tag": "{}"}, timeout=30)
 print(refused.status_code, refused.json()["error"]["message"])
+
+# %% [markdown]
+# ### The Responses API
+#
+# OpenAI's newer API, `POST /v1/responses` (what the SDK's `client.responses.create` calls), asks for what a chat
+# request asks, under other names: the conversation is `input` (a string, or a list of *items*: messages, the
+# model's earlier `function_call`s and the `function_call_output`s that answer them), the system prompt is
+# `instructions`, the limit is `max_output_tokens`, a grammar is `text.format`, and a function tool loses chat's
+# `function` wrapper. `minisgl_ref/server/responses.py` translates such a request into a chat request and runs the
+# chat route's own code on it: the template, the tools' prompt and grammar, the sampling parameters and every check
+# (an error is renamed to the field the client sent). So the two routes give the same greedy answer to the same
+# conversation. What changes is the answer's shape. `output` is a list of items, a `message` with `output_text`
+# parts and a `function_call` per call, in the order the text held them; `status` is `"incomplete"`, with
+# `incomplete_details.reason: "max_output_tokens"`, when the limit cut the answer; and a stream is a sequence of
+# named events (an `event:` line, then its `data:`, each with a `sequence_number`) from `response.created` to
+# `response.completed` (or `response.incomplete`, as in the four-token stream below). A response is kept in memory
+# unless the request says `store: false` (the store is bounded: the oldest are forgotten first), so
+# `previous_response_id` continues a conversation without sending it again and `GET /v1/responses/{id}` reads one
+# back. What the engine cannot do (`background`, `reasoning`, web search and the other built-in tools, image
+# inputs) is refused by name.
+
+# %%
+first = client.responses.create(model="SmolLM2-135M-Instruct", input=CHAT[0]["content"], max_output_tokens=32,
+                                temperature=0)
+as_chat = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=32, temperature=0)
+print(first.status, repr(first.output_text), "same as chat:", first.output_text == as_chat.choices[0].message.content)
+assert first.output_text == as_chat.choices[0].message.content
+follow_up = client.responses.create(model="SmolLM2-135M-Instruct", previous_response_id=first.id,
+                                    input="And the capital of Italy?", max_output_tokens=24, temperature=0)
+print(repr(follow_up.output_text), follow_up.usage.input_tokens, "input tokens,",
+      follow_up.usage.input_tokens_details.cached_tokens, "of them cached")
+print([e.type for e in client.responses.create(model="SmolLM2-135M-Instruct", input="Say hello.",
+                                                max_output_tokens=4, temperature=0, stream=True)])
 
 # %% [markdown]
 # ## 6. Bad requests, walking away, metrics

@@ -15,7 +15,8 @@ dataclasses (:mod:`minisgl_ref.server.messages`)::
   to the scheduler, routes outputs back to the waiting HTTP handlers and aborts requests whose client left.
 * :mod:`~minisgl_ref.server.scheduler_process` owns the :class:`~minisgl_ref.engine.engine.Engine`.
 * :mod:`~minisgl_ref.server.detokenizer_process` turns token ids into streamed text.
-* :mod:`~minisgl_ref.server.http_server` holds the OpenAI-compatible and SGLang-native endpoints;
+* :mod:`~minisgl_ref.server.http_server` holds the OpenAI-compatible and SGLang-native endpoints
+  (:mod:`~minisgl_ref.server.responses` adds OpenAI's Responses API on top of the chat route's code);
   :mod:`~minisgl_ref.server.protocol` their request schemas and error bodies; :mod:`~minisgl_ref.server.metrics`
   the Prometheus metrics; :mod:`~minisgl_ref.server.shell` the ``--shell`` chat.
 """

@@ -6,6 +6,10 @@ route                       what it does
 POST /v1/chat/completions   OpenAI chat: streaming or not, n, stop, seed, usage with cached tokens,
                             response_format, tools and tool_choice (:mod:`~minisgl_ref.server.tools`)
 POST /v1/completions        OpenAI completions: a prompt, a batch of prompts, or token ids
+POST /v1/responses          OpenAI's Responses API: input items, instructions, text.format, function tools,
+                            named stream events; the chat route's code under the new names
+                            (:mod:`~minisgl_ref.server.responses`, which also serves GET and DELETE
+                            /v1/responses/{id} from its in-memory store of past responses)
 GET  /v1/models             the one model served
 GET  /v1/models/{id}        that model (404 for any other id)
 POST /generate              SGLang's native API: text or input_ids, sampling_params, cumulative stream

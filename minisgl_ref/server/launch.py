@@ -257,9 +257,11 @@ class Launcher:
         import uvicorn
 
         from minisgl_ref.server.http_server import create_app
+        from minisgl_ref.server.responses import router as responses_router
 
         manager = self.make_manager(info, tokenizer)
         app = create_app(manager, self.args, self.model_name)
+        app.include_router(responses_router)  # /v1/responses, built on the chat route's code (server/responses.py)
         config = uvicorn.Config(
             app, host=self.args.host, port=self.args.port, log_level=self.args.log_level, http=HTTP_PARSER,
             access_log=self.args.log_level == "debug", lifespan="off", timeout_graceful_shutdown=3,

@@ -289,6 +289,9 @@ class Delta:
 
     content: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    #: The same content (as strings) and tool-call pieces, in the order the text held them. Chat keeps content and
+    #: calls in separate fields and needs no order; the Responses API makes them one list of output items.
+    pieces: list[str | dict[str, Any]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.content or self.tool_calls)
@@ -403,8 +406,8 @@ class ToolCallParser:
         call = ToolCall(new_call_id(), name, "")
         self.calls.append(call)
         self._ws = ""  # whitespace before a call is not content
-        self._out.tool_calls.append({"index": len(self.calls) - 1, "id": call.id, "type": "function",
-                                     "function": {"name": name, "arguments": ""}})
+        self._emit_call_piece({"index": len(self.calls) - 1, "id": call.id, "type": "function",
+                               "function": {"name": name, "arguments": ""}})
         self._buf = self._buf[m.end() - 1:]  # from the "{" that opens the arguments
         self._state, self._depth, self._in_string, self._escaped = "arguments", 0, False, False
         return True
@@ -528,11 +531,16 @@ class ToolCallParser:
         if text:
             self.content += text
             self._out.content += text
+            self._out.pieces.append(text)
+
+    def _emit_call_piece(self, piece: dict[str, Any]) -> None:
+        self._out.tool_calls.append(piece)
+        self._out.pieces.append(piece)
 
     def _arguments(self, piece: str) -> None:
         if piece:
             self.calls[-1].arguments += piece
-            self._out.tool_calls.append({"index": len(self.calls) - 1, "function": {"arguments": piece}})
+            self._emit_call_piece({"index": len(self.calls) - 1, "function": {"arguments": piece}})
 
     def _whole_call(self, obj: Any) -> bool:
         """Add ``obj`` as a finished call if it is one: ``{"name": <known>, "arguments": {...}}`` (``parameters``
@@ -551,10 +559,9 @@ class ToolCallParser:
         self.calls.append(call)
         self._ws = ""
         index = len(self.calls) - 1
-        self._out.tool_calls += [
-            {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}},
-            {"index": index, "function": {"arguments": call.arguments}},
-        ]
+        self._emit_call_piece({"index": index, "id": call.id, "type": "function",
+                               "function": {"name": call.name, "arguments": ""}})
+        self._emit_call_piece({"index": index, "function": {"arguments": call.arguments}})
         return True
 
     def _whole_block(self, raw: str, closed: bool) -> None:
