@@ -36,7 +36,9 @@
 #    against the unsharded model;
 # 4. read the lock-step engine (task 9.2) and check that `LLM(tp_size=2)` gives exactly `LLM()`'s tokens;
 # 5. count the bytes every collective moves per step, check the count against the formula, and time it;
-# 6. read the GPU results (2 x H200, Qwen3-14B) if they have been measured.
+# 6. read the GPU results (2 x H200, Qwen3-14B) if they have been measured;
+# 7. see two bugs that only two real GPUs showed (a thread on the wrong GPU, a graph that held the communicator)
+#    and the start, disconnect storm and shutdown of `serve --tp-size 2` on two H200s.
 #
 # Modules: `minisgl_ref/layers/linear.py` (column- and row-parallel layers, `shard_heads`),
 # `minisgl_ref/layers/embedding.py` (vocabulary-parallel embedding and LM head),
@@ -453,6 +455,60 @@ else:
 # every rank of the communicator, so the follower sat in its teardown waiting for the leader, which was waiting
 # for the follower. Now every rank drops its CUDA graphs (their captured all-reduces use the communicator),
 # synchronises, and leaves the group before anyone joins anyone (`TPGroup.close` and `TPGroup.leave` in `tp/group.py`).
+#
+# ## 7. Starting and stopping, as a user does
+#
+# Two more bugs only showed when two GPUs ran the engine the way a user runs it, and both are instructive.
+#
+# **A thread starts on GPU 0.** Start-up compiles its kernels in a pool of threads (chapter 11), and PyTorch's
+# "current device" belongs to a thread: rank 0 had set `cuda:0` and rank 1 `cuda:1`, but the pool's threads of
+# *both* ranks started on GPU 0. Rank 1's sampler compile then launched a Triton kernel on GPU 0 with pointers into
+# GPU 1, which Triton refused ("cannot be accessed from Triton"), so that kernel compiled later inside a timed
+# step, and rank 1 had made a CUDA context on the wrong GPU for nothing. Each compile job now runs inside
+# `torch.cuda.device(device)` (`engine/warmup.py`), and both ranks' logs say what they compiled.
+#
+# **A graph holds the communicator.** The leader's shutdown dropped the decode CUDA graphs before leaving the group,
+# but the engine also captures graphs of extend steps (chapter 08), and those captured all-reduces too. NCCL keeps
+# a communicator alive while any graph that used it exists, so destroying it waited for ever: the check above
+# finished its work and then never exited. `ModelRunner.release_graphs` now drops every graph runner the runner
+# holds, and a test sets every attribute whose name ends in `graph_runner` and checks that none survives it.
+#
+# The cell below reads `docs/data/parallel_serving_h200.json`, written by `scripts/gpu/parallel_serving.py` on two
+# H200s: the check as a process (how long it lives after its result), `serve --tp-size 2` with a storm of clients
+# that disconnect mid-stream, and SIGTERM to a server and to an offline `LLM(tp_size=2)` in the middle of work.
+
+# %%
+PARALLEL_RESULTS = ROOT / "docs" / "data" / "parallel_serving_h200.json"
+if PARALLEL_RESULTS.is_file():
+    runs = json.loads(PARALLEL_RESULTS.read_text())["runs"]
+    phases = {name: (run, phase) for run in runs for name, phase in run["phases"].items()
+              if "error" not in phase and not phase.get("check", {}).get("killed")}
+    if "tp_exit" in phases:
+        run, ph = phases["tp_exit"]
+        c = ph["check"]
+        print(f"{run['provenance']['gpus'][0].split(',')[0]} x {len(run['provenance']['gpus'])}, torch "
+              f"{run['provenance']['torch']}: the check wrote its result after {c['result_after_s']:.0f} s and exited "
+              f"{c['exit_after_result_s']:.1f} s later (status {c['exit_code']}); tp=2 shutdown "
+              f"{c['result']['shutdown_s']['tp2']:.2f} s; greedy tokens in common with tp=1: "
+              f"{c['result']['greedy_common_prefix']} of 32; failed start-up compiles: {len(c['compile_failures'])}")
+    if "tp_serve" in phases:
+        ph = phases["tp_serve"][1]
+        storm, stop = ph["storm"], ph["stop"]
+        print(f"serve --tp-size 2: ready in {ph['ready_s']:.0f} s; the same prompt twice: identical tokens "
+              f"{ph['greedy']['repeat_identical']}, {ph['greedy']['repeat_cached_tokens']} prompt tokens cached; "
+              f"{storm['clients']} clients that leave mid-stream -> nothing left running after "
+              f"{storm['idle_after_s']:.2f} s, /health {ph['after_storm']['health']}, same greedy tokens after: "
+              f"{ph['after_storm']['greedy_again_identical']}; SIGTERM -> all {stop['processes']} processes gone in "
+              f"{stop['all_exited_s']:.1f} s (exit status {stop['exit_code']})")
+        for line in ph["compile_lines"]:
+            print("  ", line[line.index("scheduler"):])
+        sigterm = next((r["phases"]["tp_exit"].get("sigterm") for r in runs
+                        if r["phases"].get("tp_exit", {}).get("sigterm")), None)
+        if sigterm:
+            print(f"offline LLM(tp_size=2), SIGTERM in the middle of generate: all {sigterm['processes']} processes "
+                  f"gone in {sigterm['all_exited_s']:.1f} s")
+else:
+    print(f"not measured yet: {PARALLEL_RESULTS.relative_to(ROOT)} does not exist")
 
 # %% [markdown]
 # ## Exercises
@@ -489,6 +545,7 @@ else:
 # python -m minisgl_ref serve --tp-size 2               # one scheduler process per rank
 # # two GPUs with flashinfer-python and FlashAttention-3 installed:
 # export PYTHONPATH=$PWD:$PYTHONPATH && bash scripts/gpu/tp_bench.sh
+# NCCL_NVLS_ENABLE=0 python3 scripts/gpu/parallel_serving.py --out results --phases tp_exit,tp_serve
 # ```
 #
 # Measured on a 2-core x86_64 CPU shared with other jobs, no GPU, Python 3.11, torch 2.13 (CPU), one torch
@@ -511,6 +568,16 @@ else:
 # | decode step, batch 1, prompt 256 | 12.1 ms | 9.8 ms |
 # | decode step, batch 64, prompt 256 | 15.6 ms | 12.8 ms |
 # | tp=2 vs tp=1 logits, Qwen3-0.6B bf16 | | max relative error 1.9e-2 (tolerance 2e-2), ranks identical |
+#
+# Expected on 2 x H200 (`docs/data/parallel_serving_h200.json`; `NCCL_NVLS_ENABLE=0 python3
+# scripts/gpu/parallel_serving.py --out results`; Qwen3-0.6B config, bf16, dummy weights, FlashInfer attention):
+#
+# | what | measured |
+# | --- | --- |
+# | the tp=2 check as a process: exit after its result | 1.0 s (status 0); tp=2 greedy tokens equal tp=1 for 32/32/32 |
+# | `serve --tp-size 2`: start-up compiles failed, on either rank | none |
+# | 64 streaming clients that disconnect at random moments | nothing running 0.04 s later; `/health` 200 |
+# | SIGTERM to `serve --tp-size 2` / to an offline `LLM(tp_size=2)` mid-generate | all processes gone in 1.8 s / 1.3 s |
 
 # %%
 print(f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s")

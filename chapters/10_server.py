@@ -875,6 +875,18 @@ for r in gpu["runs"]:
 # naming the dead process for a short grace period, and the server exits with status 1, so a supervisor restarts
 # it instead of leaving a server that accepts connections and never answers
 # (`tests/test_server.py::test_dead_scheduler_fails_fast` kills the scheduler to check exactly this).
+#
+# A scheduler can also be alive and stuck: a kernel that never returns, a collective waiting for a rank that hangs.
+# Its process exists, so the check above sees nothing, and without more `/health` would say 200 while every request
+# waits for ever. The scheduler's loop comes round at least every 200 ms when idle and once per step when busy, so
+# the time since it last came round is the time spent inside the current step. It writes that moment into a few
+# bytes of shared memory at the top of every turn (`minisgl_ref/server/watchdog.py`), and past
+# `--watchdog-timeout` seconds (60 by default) `/health` and `/health_generate` answer 503 saying for how long,
+# within 0.2 s of the limit; a thread in the scheduler logs its main thread's Python stack, which says where it is
+# stuck. Requests are not refused meanwhile, and everything turns back by itself if the step ends: a step that is
+# only slow (a huge prompt in one chunk on a CPU) is reported but not punished. SGLang's flag of the same name ends
+# the server instead; here a supervisor that probes `/health` decides. `tests/test_server_watchdog.py` checks both
+# kinds: one long prefill step, and a scheduler frozen with SIGSTOP while idle.
 
 # %%
 kids = children(server.pid)
@@ -982,6 +994,17 @@ print("python", " ".join(router_command(dp_args, dp_urls, metrics_port=41003)[1:
 # parallelism is on a machine with several GPUs, where `--dp-size 2` doubles the hardware serving requests
 # (`--dp-size 2 --tp-size 2` needs four GPUs: two servers of two ranks each).
 #
+# On two H200s (`docs/data/parallel_serving_h200.json`, from `scripts/gpu/parallel_serving.py`; Qwen3-0.6B config,
+# bf16, dummy weights), 1,024 requests of 256-512 prompt and 128-256 output tokens, sent all at once by
+# `bench serving`: one server on one GPU completed them at 71 requests/s (13.6k output tok/s); `--dp-size 2`, one
+# worker per GPU behind the router, at 212 requests/s (40.7k output tok/s), 2.98 times as many. More than twice,
+# because with the whole burst queued a single server is limited by more than its GPU: it decodes at most
+# `--max-running-requests` (256) requests at a time, and its one API server process carries every streamed token.
+# Two servers double both, and the median time to first token falls from 4.7 s to 1.0 s. Then one worker was killed
+# (SIGKILL) in the middle of a run: the launcher saw it, stopped the router and the other worker, and exited with
+# status 1 after 2.2 s, leaving no process behind. (The router's log warns that it could not download the model's
+# tokenizer: it tries, for routing by tokens, and routes by text without it.)
+#
 # ## Exercises
 #
 # 1. **Task 10.1.** Write the three `TASK 10.1` regions of `minisgl_ref/bench/serving.py` (the stream reader's
@@ -1034,6 +1057,8 @@ print("python", " ".join(router_command(dp_args, dp_urls, metrics_port=41003)[1:
 # # data parallelism: two workers behind SGLang's router (pip install 'minisgl_ref[router]' first)
 # ./minisgl serve --dp-size 2 --device cpu
 # python -m pytest tests/test_data_parallel.py           # about 1 minute on 2 busy cores
+# python -m pytest tests/test_server_watchdog.py        # the stuck-step watchdog, about 30 s
+# NCCL_NVLS_ENABLE=0 python3 scripts/gpu/parallel_serving.py --out results --phases dp   # two GPUs
 #
 # # the GPU numbers: a server on one H100, then one bench per rate (4, 16, inf)
 # python -m minisgl_ref serve --model-path qwen3-0.6b --load-format dummy --dtype bfloat16 &
@@ -1071,6 +1096,14 @@ print("python", " ".join(router_command(dp_args, dp_urls, metrics_port=41003)[1:
 # | 4 req/s | 814 | 25 ms | 2.4 / 13.4 ms | 2.7 ms |
 # | 16 req/s | 3,078 | 42 ms | 3.9 / 37.8 ms | 5.2 ms |
 # | all at once | 10,200 | 568 ms | 0.05 / 113 ms | 14.0 ms |
+#
+# Expected on 2 x H200 (`docs/data/parallel_serving_h200.json`; Qwen3-0.6B config, bf16, dummy weights; 1,024
+# requests of 256-512 prompt and 128-256 output tokens, all at once):
+#
+# | server | requests/s | output tok/s | TTFT median |
+# | --- | --- | --- | --- |
+# | one server, one GPU | 71 | 13,645 | 4.7 s |
+# | `--dp-size 2`, one worker per GPU behind the router | 212 (2.98x) | 40,703 | 1.0 s |
 
 # %%
 print(f"this run: server ready in {startup_s:.0f} s; greedy chat answer in {chat_s:.2f} s; bench serving "
