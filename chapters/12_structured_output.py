@@ -55,12 +55,14 @@ import regex as regex_pkg
 import torch
 import xgrammar as xgr
 from IPython.display import Markdown, display
+from xgrammar.testing import _is_grammar_accept_string
 
 from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.constrained import ANY_JSON, spec_of
 from minisgl_ref.constrained import jump_forward
 from minisgl_ref.constrained.bitmask import TokenBitmask
 from minisgl_ref.constrained.jump_forward import plan_jump
+from minisgl_ref.constrained.schema_support import unsupported_keyword
 from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.course import task_source
 from minisgl_ref.engine.engine import Engine
@@ -396,6 +398,57 @@ print(f"{cornered.finish_reason:<6} text {cornered.text!r}, ended by stop id {la
 assert cornered.finish_reason == "stop" and cornered.output_ids[-1] in digit_ids
 
 # %% [markdown]
+# **What a schema may ask for.** The grammar is the only thing that holds the model to a schema, so a keyword
+# xgrammar does not turn into grammar is not a hint the model may follow, it is a hole: xgrammar logs a warning
+# at most, and the output can be `["a", "a"]` under `uniqueItems`, or a bare `12321` where an `allOf` of two
+# object schemas asked for an object. So before a schema is compiled, the engine reads it the way xgrammar's
+# converter does (`constrained/schema_support.py`) and refuses it if any keyword would be skipped, naming the
+# keyword and where it sits: a `ValueError` offline, an HTTP 400 on the server.
+
+# %%
+TAGS = {"type": "object", "required": ["tags"],
+        "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}
+print("xgrammar's grammar for TAGS accepts a repeated tag:",
+      _is_grammar_accept_string(xgr.Grammar.from_json_schema(json.dumps(TAGS)), '{"tags": ["a", "a"]}'))
+try:
+    llm.generate(chat("List three tags."), SamplingParams(max_new_tokens=8, json_schema=TAGS), use_tqdm=False)
+except ValueError as e:
+    print("refused:", e)
+for schema in [{"type": "number", "multipleOf": 0.5}, {"allOf": [{"type": "object"}, {"required": ["a"]}]},
+               {"type": "string", "pattern": "^(?!admin)[a-z]+$"}, {"minimum": 5}]:
+    print(f"{json.dumps(schema):<60} {unsupported_keyword(schema)}")
+assert unsupported_keyword(PERSON) is None and unsupported_keyword(TAGS).startswith("the keyword 'uniqueItems'")
+
+# %% [markdown]
+# What passes is an allow-list:
+#
+# - **enforced everywhere:** `type`, `enum`, `const`, `anyOf`, `$ref` with `$defs`/`definitions` (recursion
+#   included), `properties`, `additionalProperties`, `unevaluatedProperties`, `maxProperties`, `items`,
+#   `prefixItems`, `unevaluatedItems`, `minItems`, `maxItems`, `minimum`, `maximum`, `exclusiveMinimum`,
+#   `exclusiveMaximum`, `minLength`, `maxLength`, `pattern`, and `format` for the formats xgrammar knows (`date`,
+#   `time`, `date-time`, `duration`, `email`, `hostname`, `ipv4`, `ipv6`, `uuid`, `uri`, `uri-reference`,
+#   `uri-template`; by their shape: a 31 February passes);
+# - **enforced under conditions** the check verifies: `required` only of names among the properties, `allOf` with
+#   a single subschema, `oneOf` whose options are provably disjoint (by type, by listed values, or by a required
+#   property with different constants: what a tagged union has), `multipleOf` on integers (a whole number up to
+#   1024, with no bound or with both), lengths only without a `pattern` or `format` beside them, `minProperties`
+#   where no key beyond the named properties can appear, `propertyNames` and a single `patternProperties` entry
+#   only on objects without named properties;
+# - **ignored because they only describe:** `title`, `description`, `examples`, `default`, `$comment`,
+#   `$schema`, `$id` (at the root), `deprecated`, `readOnly`, `writeOnly`;
+# - **refused:** `not`, `if`/`then`/`else`, `uniqueItems`, `contains`, `minContains`, `maxContains`,
+#   `dependentRequired`, `dependentSchemas`, `dependencies`, `multipleOf` on numbers, unknown formats, lookaround
+#   or mid-pattern anchors in a `pattern`, any keyword beside `$ref`, `anyOf` or `allOf` (xgrammar reads only the
+#   combinator there) or in a schema without a `type`, and every keyword not named above.
+#
+# Why refuse rather than do one's best? Some of these have no small grammar at all: `uniqueItems` over strings
+# needs an automaton that remembers every item written so far, and `not` asks for the complement of a
+# context-free language, which need not be context-free. The others could be approximated, but an approximation
+# that lets one bad output through breaks the same promise as ignoring the keyword. A client that gets a 400 can
+# rewrite its schema (drop `uniqueItems` and deduplicate, spell `oneOf` as `anyOf`); a client that gets a 200
+# with a duplicate in its "unique" list never finds out.
+
+# %% [markdown]
 # ## 4. Where the mask is filled: the overlap
 #
 # A mask depends on every token the request has accepted so far, including the one sampled at the previous step.
@@ -659,6 +712,25 @@ print(f"auto: content {auto.content!r}, calls {[c.openai()['function'] for c in 
 # allowed). In `"auto"` mode the second snippet is hand-written text, fed in two pieces as a stream would deliver
 # it: the parser sends the content and, once the head `{"name": "get_time", "arguments": ` has been read, the
 # call.
+#
+# **Definitions move to the root.** A tool made from a pydantic model with nested models
+# (`openai.pydantic_function_tool`) keeps them in `$defs` and points at them with `{"$ref": "#/$defs/Address"}`.
+# A reference is resolved from the root of the *whole* schema, and in the call schema a function's parameters sit
+# two levels down, so `call_schema` moves each function's definitions to the root, under names that start with
+# the function's, and rewrites its references to match (two tools may both define an `Address`; a reference to a
+# schema's own root becomes a definition of its own, so recursive schemas stay recursive). The forced modes also
+# refuse a tool whose schema uses a refused keyword: its arguments are promised to fit. In `"auto"` nothing is
+# enforced, and the schema is only text in the prompt.
+
+# %%
+ADDRESS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
+ship = Function("ship", None, {"$defs": {"Address": ADDRESS}, "type": "object",
+                               "properties": {"to": {"$ref": "#/$defs/Address"}}, "required": ["to"]})
+bill = Function("bill", None, {"$defs": {"Address": {**ADDRESS, "required": []}}, "type": "object",
+                               "properties": {"of": {"$ref": "#/$defs/Address"}}, "required": ["of"]})
+both = call_schema(plan_tools([ship, bill], "required", parallel=False))
+print(json.dumps(both["anyOf"][0]["properties"]["arguments"]), "|", list(both["$defs"]))
+assert list(both["$defs"]) == ["ship.Address", "bill.Address"]
 #
 # ## 7. The oracle
 #

@@ -567,6 +567,51 @@ def test_bad_grammars_are_refused_by_name_and_the_engine_keeps_serving(llm):
     assert free.finish_reason.kind == "length" and len(free.output_ids) == 4
 
 
+# Each (schema, a request that tempts the model to break it) for keywords the grammar enforces; the refused
+# keywords are tests/test_schema_support.py's REFUSED table, each with the output the grammar would have let out.
+TEMPTING: list[tuple[dict, str]] = [
+    ({"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 2, "maxItems": 3},
+     'Write the JSON list ["cat", "cat", "cat", "cat", "cat"] and nothing else.'),
+    ({"allOf": [{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+                 "additionalProperties": False}]}, "Reply with the bare number 12321 and nothing else."),
+    ({"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 100}, "Reply with the number 7."),
+    ({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}, "What is the value of pi?"),
+    ({"oneOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "string", "maxLength": 4}]},
+     "Reply with the JSON value [1, 2, 3]."),
+    ({"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}}, "required": ["name"],
+      "additionalProperties": False, "maxProperties": 1}, "Describe a person as JSON with name, age and city."),
+    ({"type": "object", "properties": {"not": {"type": "boolean"}, "if": {"type": "string", "maxLength": 5}},
+      "required": ["not", "if"]}, "Write a JSON object with the keys not and if."),
+    ({"type": "string", "format": "date"}, "What day is it today? Answer in words."),
+    ({"type": "string", "pattern": "^[A-Z]{3}$"}, "Write the word hello in lower case."),
+    ({"type": "object", "propertyNames": {"pattern": "^[a-c]$"}, "additionalProperties": {"type": "integer"},
+      "maxProperties": 2}, 'Write the JSON object {"apple": 1, "zebra": 2}.'),
+    ({"type": "string", "enum": ["red", "green"]}, "What color is the sky?"),
+    ({"type": "array", "prefixItems": [{"type": "string", "maxLength": 5}, {"type": "integer", "minimum": 0,
+                                                                      "maximum": 99}], "items": False, "minItems": 2},
+     "Write a JSON list of five fruits."),
+]
+
+
+@pytest.mark.slow
+def test_tempting_requests_keep_every_enforced_keyword_and_unenforced_ones_are_refused(llm):
+    """Offline, a schema with a keyword the grammar would skip is a ``ValueError`` naming the keyword and its
+    place, before anything runs; a schema of enforced keywords holds even when the prompt asks for the opposite."""
+    from tests.test_schema_support import REFUSED
+
+    prompt = llm.tokenizer.encode("Hello")
+    for schema, keyword, path, _ in REFUSED:
+        with pytest.raises(ValueError, match=re.escape(f"json_schema: the keyword {keyword!r} at {path} ")):
+            llm.generate([prompt, prompt], [SamplingParams(max_new_tokens=4), _greedy(json_schema=schema)],
+                         use_tqdm=False)
+    assert not llm.engine.has_work
+    prompts = [_chat(llm, question) for _, question in TEMPTING]
+    outs = llm.generate(prompts, [_greedy(json_schema=schema) for schema, _ in TEMPTING], use_tqdm=False)
+    for (schema, question), out in zip(TEMPTING, outs):
+        assert out.finish_reason == "stop", (question, out.text)
+        jsonschema.validate(json.loads(out.text), schema)
+
+
 @pytest.mark.gpu
 def test_gpu_constrained_outputs_stay_valid_with_masks_copied_from_pinned_buffers():
     """On a GPU the masks go to the device from two pinned host buffers used in turn, while the forward pass runs

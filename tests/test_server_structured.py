@@ -502,3 +502,104 @@ def test_bad_grammars_and_tools_are_400s(server, client):
     between = server.post("/v1/chat/completions", json=good)
     assert between.json()["choices"][0]["message"] == before.json()["choices"][0]["message"]
     assert server.get("/health").status_code == 200
+
+
+# ============================================================ JSON-schema keywords the grammar would not enforce
+
+
+@pytest.mark.slow
+def test_unenforced_keywords_are_400s_naming_the_keyword_and_its_place(server, client):
+    """Every refused keyword of tests/test_schema_support.py (each with an output the grammar would have let
+    through) is a 400 on every route a schema comes in by, naming the keyword and where it sits in the schema --
+    never a 200 whose output may break the schema. The server answers the same before and after."""
+    from tests.test_schema_support import REFUSED
+
+    good = {"model": MODEL, "messages": CHAT, "max_tokens": 12, "temperature": 0,
+            "response_format": {"type": "json_object"}}
+    before = server.post("/v1/chat/completions", json=good)
+    assert before.status_code == 200, before.text
+    for schema, keyword, path, _ in REFUSED:
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        r = server.post("/v1/chat/completions", json={"messages": CHAT, "response_format": fmt})
+        assert_error(r, "response_format.json_schema.schema", f"the keyword {keyword!r} at {path} is not supported")
+    schema, keyword, path, _ = REFUSED[0]  # uniqueItems at #/properties/tags
+    fragment = f"the keyword {keyword!r} at {path} is not supported"
+    for route, body, param in [
+        ("/generate", {"text": "hi", "sampling_params": {"json_schema": json.dumps(schema)}}, "json_schema"),
+        ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": schema}}}, "response_format.json_schema.schema"),
+        ("/v1/completions", {"prompt": "hi", "json_schema": json.dumps(schema)}, "json_schema"),
+        ("/v1/chat/completions", {"messages": CHAT, "json_schema": schema}, "json_schema"),
+    ]:
+        assert_error(server.post(route, json=body), param, fragment)
+    # A tool's parameters: refused where the call is forced (its arguments are promised to fit) ...
+    tool = {"type": "function", "function": {"name": "tag", "parameters": schema}}
+    for choice, parallel in [("required", True), ("required", False),
+                             ({"type": "function", "function": {"name": "tag"}}, False)]:
+        r = server.post("/v1/chat/completions", json={"messages": CHAT, "tools": [WEATHER, tool],
+                                                      "tool_choice": choice, "parallel_tool_calls": parallel})
+        assert_error(r, "tools.1.function.parameters", fragment)
+    # ... but not where nothing is forced: in "auto" the schema is only text in the prompt, and forcing another
+    # function leaves this one out of the grammar.
+    for choice in ("auto", {"type": "function", "function": {"name": "get_weather"}}):
+        r = server.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "tools": [tool, WEATHER],
+                                                      "tool_choice": choice, "max_tokens": 30, "temperature": 0})
+        assert r.status_code == 200, r.text
+    after = server.post("/v1/chat/completions", json=good)
+    assert after.json()["choices"][0]["message"] == before.json()["choices"][0]["message"]
+
+
+@pytest.mark.slow
+def test_tempting_requests_keep_the_enforced_keywords(client):
+    """Asked for what the schema forbids, the answer still follows it: a bare number where a one-subschema
+    ``allOf`` wants an object, and properties whose names are keywords (``not``, ``if``: names, not keywords)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    for schema, question in [
+        ({"allOf": [{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+                     "additionalProperties": False}]}, "Reply with the bare number 12321 and nothing else."),
+        ({"type": "object", "properties": {"not": {"type": "boolean"}, "if": {"type": "string", "maxLength": 5},
+                                           "uniqueItems": {"type": "array", "items": {"const": "a"}, "maxItems": 3}},
+          "required": ["not", "if", "uniqueItems"], "additionalProperties": False},
+         'Write the JSON object {"not": "yes", "if": 3, "uniqueItems": ["b", "b"]}.'),
+    ]:
+        resp = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=60, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+        assert resp.choices[0].finish_reason == "stop", resp
+        jsonschema.validate(json.loads(resp.choices[0].message.content), schema)
+
+
+@pytest.mark.slow
+def test_pydantic_tools_with_defs_under_every_forced_tool_choice(client, server):
+    """Tools made by ``openai.pydantic_function_tool`` from models with nested models carry ``$defs`` (two of
+    them an ``Item`` of different shapes, one recursive). Forced -- "required" with and without parallel calls,
+    or a named function -- each call's arguments validate against its own tool's schema, references and all."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from tests.test_schema_support import pydantic_tools
+
+    tools = pydantic_tools()
+    validators = {t["function"]["name"]: jsonschema.Draft202012Validator(t["function"]["parameters"])
+                  for t in tools}
+    question = [{"role": "user", "content": "Order two apples (sku app) to Paris, and check the stock of pears."}]
+    # Greedy, the 135M model repeats itself where the grammar has no end in sight (one more call in the array,
+    # one more level of the tree); a repetition penalty lets it finish, whatever the grammar then holds it to.
+    penalty = {"repetition_penalty": 1.3}
+    names = set()
+    for choice, parallel in [("required", True), ("required", False), ("PlaceOrder", False), ("CheckStock", False),
+                             ("Node", False)]:
+        tool_choice = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
+        resp = client.chat.completions.create(model=MODEL, messages=question, tools=tools, tool_choice=tool_choice,
+                                              parallel_tool_calls=parallel, max_tokens=200, temperature=0,
+                                              extra_body=penalty)
+        answer = resp.choices[0]
+        assert answer.finish_reason == "tool_calls", answer
+        calls = answer.message.tool_calls
+        assert calls and (parallel or len(calls) == 1)
+        for call in calls:
+            assert choice == "required" or call.function.name == choice
+            validators[call.function.name].validate(json.loads(call.function.arguments))
+            names.add(call.function.name)
+    assert names == {"PlaceOrder", "CheckStock", "Node"}  # both tools that define an Item were called
+    # "auto" took the same tools before; it still does.
+    resp = client.chat.completions.create(model=MODEL, messages=question, tools=tools, max_tokens=20, temperature=0)
+    assert resp.choices[0].finish_reason in ("stop", "length", "tool_calls")

@@ -8,6 +8,7 @@ grammar work; this package adapts it to the engine, one mechanism per module:
 =================================  ==============================================================================
 :mod:`~.spec`                      which grammar a request asks for (kind + source), and error messages
 :mod:`~.validate`                  the admission check: is the grammar valid? (no model or tokenizer needed)
+:mod:`~.schema_support`            which JSON-schema keywords the grammar enforces; the refusal of the others
 :mod:`~.backend`                   compiling grammars for the model's vocabulary: cached, on a thread pool
 :mod:`~.matcher`                   one request's position in its grammar: accept, mask row, termination, jump
 :mod:`~.bitmask`                   packing the batch's masks and applying them to the logits on their device
@@ -29,7 +30,9 @@ A server maps OpenAI's ``response_format`` this way: ``{"type": "json_schema", "
 nothing. Forcing a tool call is a JSON schema too (the call's arguments schema, or an ``anyOf`` over the tools).
 
 **Rejecting bad grammars early.** ``validate_grammar(params)`` raises ``ValueError`` (message: the field name and
-xgrammar's reason) for a schema, regex or grammar xgrammar cannot parse; the server calls it at admission and
+xgrammar's reason) for a schema, regex or grammar xgrammar cannot parse, and for a JSON schema that uses a keyword
+xgrammar would silently skip (``uniqueItems``, ``not``, ``allOf`` of several subschemas, ...: the message names
+the keyword and its place in the schema, see :mod:`~.schema_support`); the server calls it at admission and
 answers HTTP 400. It needs no tokenizer and caches its verdicts. Offline, ``LLM.generate`` calls it before
 anything runs. A grammar that still fails to compile in the engine aborts only its own request (finish reason
 ``abort`` with the message).

@@ -41,6 +41,7 @@ from typing import Any
 import xgrammar as xgr
 
 from minisgl_ref.constrained.matcher import GrammarState
+from minisgl_ref.constrained.schema_support import check_schema_support
 from minisgl_ref.constrained.spec import GrammarSpec, grammar_error
 
 #: Compiled grammars kept (least recently used dropped first). A compiled JSON schema holds a few hundred KB.
@@ -85,6 +86,8 @@ class GrammarBackend:
             return self._compiler
 
     def _compile_now(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        if spec.kind == "json_schema":  # a request that skipped the admission check is refused here instead
+            check_schema_support(spec.source)
         compiler = self._get_compiler()
         try:
             if spec.kind == "json_schema":

@@ -6,6 +6,11 @@ end (``xgrammar.Grammar.from_json_schema`` / ``from_regex`` / ``from_ebnf``): th
 compiler runs first, so what passes here compiles there, and it needs neither the model nor its tokenizer -- the
 server's front-end process can call it. Results are cached per grammar, so a client that sends the same schema
 with every request pays for parsing once.
+
+A JSON schema that parses is then read once more, by :mod:`~minisgl_ref.constrained.schema_support`: xgrammar
+silently skips the keywords it cannot turn into grammar (``uniqueItems``, ``not``, ``allOf`` with two
+subschemas, ...), so a schema that uses one is refused too, by the keyword's name and its place in the schema --
+it would otherwise come back as a 200 whose output may break the schema.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import functools
 
 import xgrammar as xgr
 
+from minisgl_ref.constrained.schema_support import check_schema_support
 from minisgl_ref.constrained.spec import GrammarSpec, grammar_error, spec_of
 from minisgl_ref.sampling.params import SamplingParams
 
@@ -22,8 +28,9 @@ VALIDATION_CACHE_SIZE = 1024
 
 
 @functools.lru_cache(maxsize=VALIDATION_CACHE_SIZE)
-def _problem(spec: GrammarSpec) -> str | None:
-    """xgrammar's verdict on ``spec``: None if it parses, else the error message (a string, so it caches)."""
+def _problem(spec: GrammarSpec, keywords: bool) -> str | None:
+    """The verdict on ``spec``: None if xgrammar parses it (and, with ``keywords``, enforces every keyword of a
+    JSON schema), else the error message (a string, so it caches)."""
     try:
         if spec.kind == "json_schema":
             xgr.Grammar.from_json_schema(spec.source)
@@ -34,17 +41,24 @@ def _problem(spec: GrammarSpec) -> str | None:
         # json_object: the built-in JSON grammar is always valid
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError from C++ for every kind of bad input
         return str(grammar_error(spec, e))
+    if keywords and spec.kind == "json_schema":
+        try:
+            check_schema_support(spec.source)
+        except ValueError as e:
+            return str(e)
     return None
 
 
-def validate_grammar(params: SamplingParams) -> None:
-    """Raise ``ValueError`` if ``params`` asks for a grammar xgrammar cannot parse; the message names the field
-    (``json_schema``, ``regex`` or ``ebnf``) and gives xgrammar's reason. Free-text requests always pass.
+def validate_grammar(params: SamplingParams, *, keywords: bool = True) -> None:
+    """Raise ``ValueError`` if ``params`` asks for a grammar xgrammar cannot parse, or (unless ``keywords`` is
+    False) a JSON schema with a keyword the grammar would not enforce; the message starts with the field
+    (``json_schema``, ``regex`` or ``ebnf``) and gives the reason. Free-text requests always pass.
 
-    ``SamplingParams`` itself already rejects two grammar fields at once and a ``json_schema`` that is not JSON."""
+    ``SamplingParams`` itself already rejects two grammar fields at once and a ``json_schema`` that is not JSON.
+    ``keywords=False`` is for a schema nothing will enforce anyway (a tool's, when the model may call it freely)."""
     spec = spec_of(params)
     if spec is None:
         return
-    problem = _problem(spec)
+    problem = _problem(spec, keywords)
     if problem is not None:
         raise ValueError(problem)

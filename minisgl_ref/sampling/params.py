@@ -38,7 +38,9 @@ ebnf                   None or a grammar in xgrammar's EBNF dialect (its start r
 **Structured output (chapter 12).** ``json_schema``, ``regex`` and ``ebnf`` are SGLang's names for constrained
 decoding: at most one may be set. Here they are only checked for shape (a string, valid JSON for a schema); whether
 the grammar itself is valid is xgrammar's call, made by :func:`minisgl_ref.constrained.validate_grammar` (the
-server's admission check, an HTTP 400) and again when the engine compiles it. ``json_schema=ANY_JSON`` asks for any
+server's admission check, an HTTP 400; ``LLM.generate``'s, a ``ValueError``) and again when the engine compiles
+it. The same check refuses a schema that uses a keyword the grammar would not enforce, by name
+(:mod:`minisgl_ref.constrained.schema_support`). ``json_schema=ANY_JSON`` asks for any
 JSON object, whatever its properties: that is what OpenAI's ``response_format={"type": "json_object"}`` means, and
 it is *not* ``'{"type": "object"}'``, which a strict schema compiler reads as "an object with no properties at
 all".

@@ -386,9 +386,14 @@ def chat_tool_plan(req: ChatCompletionRequest) -> ToolPlan:
         if params.get("type", "object") != "object":
             raise APIError(400, f"{where}: a function's arguments are a JSON object, so its parameters schema "
                                 f"must have type 'object' (got {json.dumps(params.get('type'))})", param=where)
-        sampling_params({"json_schema": json.dumps(params)}, names={"json_schema": where})  # a valid schema?
+        sampling_params({"json_schema": json.dumps(params)}, names={"json_schema": where}, keywords=False)
         functions.append(Function(fn.name, fn.description, params))
     plan = plan_tools(functions, req.tool_choice, req.parallel_tool_calls)
+    if plan.constrained:  # a forced call promises arguments that fit: its grammar must enforce every keyword
+        for i, f in enumerate(functions):
+            if plan.mode == "required" or f.name == plan.named:
+                where = f"tools.{i}.function.parameters"
+                sampling_params({"json_schema": json.dumps(f.parameters)}, names={"json_schema": where})
     if plan.active and req.constraint()[0]:
         raise APIError(400, "response_format, json_schema, regex and ebnf cannot be combined with tools unless "
                             "tool_choice is 'none' (the answer could not both follow them and call a tool)",

@@ -26,7 +26,8 @@ A body is checked in three layers, each naming the field it refuses:
    back to OpenAI's (``max_new_tokens`` -> ``max_tokens``). A grammar (``response_format``, ``json_schema``,
    ``regex``, ``ebnf``, or the schema of a forced tool call) is parsed by xgrammar here too
    (:func:`~minisgl_ref.constrained.validate_grammar`, which remembers its verdicts): a schema it cannot read
-   is a 400 naming the field, never a request that fails later inside the scheduler.
+   is a 400 naming the field, never a request that fails later inside the scheduler; so is a schema with a
+   keyword the grammar would silently skip (``uniqueItems``, ``not``, ...), named with its place in the schema.
 
 Structured output, as each route spells it::
 
@@ -205,13 +206,15 @@ def validate(model: type[M], body: dict[str, Any]) -> M:
         raise APIError(400, f"{param}: {msg}" if param else msg, param=param) from e
 
 
-def sampling_params(kwargs: dict[str, Any], *, names: dict[str, str] | None = None) -> SamplingParams:
+def sampling_params(kwargs: dict[str, Any], *, names: dict[str, str] | None = None,
+                    keywords: bool = True) -> SamplingParams:
     """Build :class:`SamplingParams`, turning its ``ValueError`` into a 400 whose ``param`` is the field named at
-    the start of the message (translated through ``names`` for OpenAI's spelling)."""
+    the start of the message (translated through ``names`` for OpenAI's spelling). ``keywords=False`` skips the
+    check that a JSON schema's keywords are all enforced (for a schema that only goes into a prompt)."""
     names = names or {}
     try:
         params = SamplingParams(**kwargs)
-        validate_grammar(params)  # is the grammar (json_schema, regex or ebnf) valid? xgrammar parses it
+        validate_grammar(params, keywords=keywords)  # is the grammar valid, and all of a schema enforced?
         return params
     except (ValueError, TypeError) as e:
         message = str(e)

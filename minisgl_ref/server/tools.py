@@ -16,7 +16,10 @@ four pieces of that convention:
 2. **The grammar** (:func:`call_schema`). ``tool_choice: "required"`` and a named function are *promises*: the
    answer is a call, and its arguments fit the function's JSON schema. A prompt cannot promise anything to a
    135M-parameter model, so these two modes constrain decoding with a JSON schema built from the tools (see
-   :mod:`minisgl_ref.constrained`): the output *is* the JSON of the calls, valid by construction.
+   :mod:`minisgl_ref.constrained`): the output *is* the JSON of the calls, valid by construction. The promise is
+   only as good as the grammar, so in these two modes a tool whose parameters use a JSON-schema keyword the
+   grammar would not enforce (:mod:`minisgl_ref.constrained.schema_support`) is refused by name; in ``"auto"``
+   nothing is enforced, and the schema is only text in the prompt.
 3. **The parser** (:class:`ToolCallParser`). ``"auto"`` leaves the choice to the model, so nothing is constrained:
    the parser finds ``<tool_call>`` blocks in whatever the model wrote, returns them as calls and the rest as
    content. If the model called nothing, the whole text is the content.
@@ -40,6 +43,7 @@ from typing import Any, Literal
 
 import regex
 
+from minisgl_ref.constrained.schema_support import hoist_definitions
 from minisgl_ref.server.protocol import APIError
 
 # ---------------------------------------------------------------------------------------------- the tools
@@ -130,15 +134,21 @@ def call_schema(plan: ToolPlan) -> dict[str, Any]:
     ``const`` so that the arguments' schema is the one of the function named (``anyOf`` over the functions when
     there are several). The properties come in that order (the grammar keeps the schema's order), so that the
     parser can send the name before the arguments are written. With ``parallel_tool_calls`` (OpenAI's default),
-    ``"required"`` asks for a non-empty array of calls; otherwise for exactly one call."""
+    ``"required"`` asks for a non-empty array of calls; otherwise for exactly one call.
+
+    A function's parameters are nested two levels down here, and a ``$ref`` is resolved from the root of the
+    whole schema: each function's ``$defs`` / ``definitions`` therefore move to the root, under names that start
+    with the function's (``get_weather.Address``), with its references rewritten to match
+    (:func:`~minisgl_ref.constrained.schema_support.hoist_definitions`). That is what a tool made from a pydantic
+    model with nested models needs (``openai.pydantic_function_tool``); two tools may use the same names."""
     functions = plan.functions if plan.mode == "required" else [f for f in plan.functions if f.name == plan.named]
+    defs: dict[str, Any] = {}
     calls = [{"type": "object",
-              "properties": {"name": {"const": f.name}, "arguments": f.parameters},
+              "properties": {"name": {"const": f.name}, "arguments": hoist_definitions(f.parameters, f.name, defs)},
               "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
     one = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    if plan.mode == "required" and plan.parallel:
-        return {"type": "array", "items": one, "minItems": 1}
-    return one
+    schema = {"type": "array", "items": one, "minItems": 1} if plan.mode == "required" and plan.parallel else one
+    return {**schema, "$defs": defs} if defs else schema
 
 
 # ------------------------------------------------------------------------------------------------ the prompt
