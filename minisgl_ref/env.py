@@ -9,6 +9,10 @@
 ``MINISGL_DEAD_CHILD_GRACE_S`` how long a server whose child died keeps answering 503 before it exits
 ``MINISGL_GIT_COMMIT``     the commit benchmark reports name, when the checkout's ``.git`` is missing or stale
 ``TRITON_INTERPRET=1``     Triton's CPU interpreter (lets the ``triton`` attention backend run on a CPU, slowly)
+``MINISGL_FOLD_NORMS=0``   do not fold the RMSNorm weights into the next matmuls (chapter 11)
+``TORCH_EXTENSIONS_DIR``   where PyTorch builds C++/CUDA extensions (our split-KV decode kernel among them)
+``TRITON_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``, ``FLASHINFER_WORKSPACE_BASE``
+                           the compilers' own cache folders, read (never set) to count what a run compiled
 ========================== ==================================================================================
 """
 
@@ -63,3 +67,24 @@ def pinned_git_commit() -> str | None:
 
 def triton_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fold_norms_enabled() -> bool:
+    return os.environ.get("MINISGL_FOLD_NORMS", "1") != "0"
+
+
+def torch_extensions_dir() -> str | None:
+    return _get("TORCH_EXTENSIONS_DIR")
+
+
+def kernel_cache_dirs() -> dict[str, Path]:
+    """Where Triton, Inductor and FlashInfer keep the kernels they compiled (their defaults, or the environment's
+    overrides)."""
+    import getpass
+    import tempfile
+
+    home = Path.home()
+    inductor = _get("TORCHINDUCTOR_CACHE_DIR") or str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
+    flashinfer = Path(_get("FLASHINFER_WORKSPACE_BASE") or home) / ".cache" / "flashinfer"
+    return {"triton": Path(_get("TRITON_CACHE_DIR") or home / ".triton" / "cache"), "inductor": Path(inductor),
+            "flashinfer": flashinfer}

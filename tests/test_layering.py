@@ -173,6 +173,30 @@ def test_no_upward_imports():
     )
 
 
+def environment_reads(root: Path = ROOT) -> list[str]:
+    """``file:line`` of every read of an environment variable (``os.environ.get``, ``os.environ[...]``,
+    ``os.getenv``) outside ``env.py``. Copying the whole environment for a child process (``dict(os.environ)``) is
+    not a read of a variable."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path == root / "env.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            is_environ = lambda n: isinstance(n, ast.Attribute) and n.attr == "environ"  # noqa: E731
+            read = (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and ((node.func.attr == "get" and is_environ(node.func.value)) or node.func.attr == "getenv"))
+            read = read or (isinstance(node, ast.Subscript) and is_environ(node.value)
+                            and isinstance(node.ctx, ast.Load))
+            if read:
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    return found
+
+
+def test_every_environment_variable_is_read_in_env_py():
+    found = environment_reads()
+    assert not found, "environment variables read outside minisgl_ref/env.py:\n" + "\n".join(found)
+
+
 if __name__ == "__main__":
     edges = import_edges()
     found_cycles = cycles(edges)

@@ -32,13 +32,14 @@ import fcntl
 import functools
 import hashlib
 import heapq
-import os
 import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
+
+from minisgl_ref import env
 
 #: Rows per half-warp in each register buffer, and threads per block: the variant the engine runs.
 UNROLL, THREADS = 4, 128
@@ -81,7 +82,7 @@ def load_kernel(all_variants: bool = False, streaming: bool = False) -> Any:
     name = "minisgl_split_decode" + ("_all" if all_variants else "") + ("_streaming" if streaming else "")
     cuda_flags = ["-O3", "--use_fast_math", *defines]
     key = "\n".join([*map(str, SOURCES), *cuda_flags, torch.__version__, str(torch.version.cuda)])
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / "minisgl"
+    root = Path(env.torch_extensions_dir() or get_default_build_root()) / "minisgl"
     folder = root / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     folder.mkdir(parents=True, exist_ok=True)
     with exclusive(folder.with_suffix(".flock"), BUILD_WAIT_S):

@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from minisgl_ref import env
 from minisgl_ref.bench.provenance import collect_provenance
 from minisgl_ref.bench.workloads import Workload, canonical_workload, shared_prefix_workload, warmup_workload
 from minisgl_ref.core.config import EngineConfig
@@ -426,22 +427,9 @@ def time_generate(llm, workload: Workload, *, warmup: Workload | None = None,  #
     return outputs, wall, _Counters.read(llm) - before
 
 
-def kernel_cache_dirs() -> dict[str, Path]:
-    """Where Triton, Inductor and FlashInfer keep the kernels they compiled (their defaults, or the environment's
-    overrides)."""
-    import getpass
-
-    home = Path.home()
-    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(Path(tempfile.gettempdir())
-                                                                 / f"torchinductor_{getpass.getuser()}")
-    flashinfer = os.environ.get("FLASHINFER_WORKSPACE_BASE") or str(home)
-    return {"triton": Path(os.environ.get("TRITON_CACHE_DIR") or home / ".triton" / "cache"),
-            "inductor": Path(inductor), "flashinfer": Path(flashinfer) / ".cache" / "flashinfer"}
-
-
 def count_cache_entries() -> dict[str, int]:
     """Files under each kernel cache (0 where there is none): two counts around a run say what it compiled."""
-    return {name: sum(len(files) for _, _, files in os.walk(folder)) for name, folder in kernel_cache_dirs().items()}
+    return {name: sum(len(files) for _, _, files in os.walk(folder)) for name, folder in env.kernel_cache_dirs().items()}
 
 
 def _hit_rate(engine_args: dict[str, Any], cached: int, prompt: int) -> float | None:

@@ -39,7 +39,7 @@ the checkpoint's: :func:`fold_` marks the model, and the model's forward takes t
 
 from __future__ import annotations
 
-import os
+from minisgl_ref import env
 
 import torch
 from torch import nn
@@ -64,7 +64,7 @@ def divide_by_rms_(t: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor
 def should_fold(model: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether folding pays on this device: the Triton kernels that finish the norm run there, and the model is
     one whose layers can be folded (see the module docstring)."""
-    if os.environ.get("MINISGL_FOLD_NORMS", "1") == "0" or get_tp_info().size != 1:
+    if not env.fold_norms_enabled() or get_tp_info().size != 1:
         return False
     probe = torch.empty(0, dtype=dtype, device=device)
     if not triton_fused.available(probe) or not hasattr(model, "layers"):
