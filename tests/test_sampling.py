@@ -730,19 +730,24 @@ def request_logits(request: int, step: int, vocab: int) -> torch.Tensor:
 
 
 class Running:
-    """A tiny continuous-batching loop: requests join (merge) and leave (filter) the batch between steps."""
+    """A tiny continuous-batching loop: requests join and leave the batch between steps. As in the engine, a batch
+    whose rows changed gets its sampling state built afresh from each request's parameters, prompt and output so
+    far (the state must not depend on which batch a request was in before)."""
 
     def __init__(self, vocab: int) -> None:
         self.vocab, self.ids, self.info, self.tokens = vocab, [], None, {}
+        self.requests: dict[int, tuple[SamplingParams, list[int]]] = {}
+
+    def _rebuild(self) -> None:
+        reqs = [self.requests[r] for r in self.ids]
+        self.info = SamplingBatchInfo.build([p for p, _ in reqs], [prompt for _, prompt in reqs],
+                                            [self.tokens[r] for r in self.ids], [[0]] * len(reqs), self.vocab, "cpu")
 
     def join(self, rid: int, params: SamplingParams, prompt: list[int]) -> None:
-        new = SamplingBatchInfo.build([params], [prompt], None, [[0]], self.vocab, "cpu")
-        if self.info is None:
-            self.info = new
-        else:
-            self.info.merge(new)
+        self.requests[rid] = (params, prompt)
         self.ids.append(rid)
         self.tokens[rid] = []
+        self._rebuild()
 
     def leave(self, rid: int) -> None:
         keep = [i for i, r in enumerate(self.ids) if r != rid]
@@ -934,7 +939,8 @@ def test_flags_let_cheap_batches_skip_work() -> None:
     info = build([SamplingParams(temperature=0), SamplingParams(top_k=1)], 8)
     assert info.all_greedy and not info.need_penalties and not info.need_filtering
     assert info.output_counts is None and info.prompt_mask is None and info.stop_token_mask is None
-    info.merge(build([SamplingParams(top_p=0.5, presence_penalty=0.5)], 8))
+    info = build([SamplingParams(temperature=0), SamplingParams(top_k=1), SamplingParams(top_p=0.5,
+                                                                                      presence_penalty=0.5)], 8)
     assert not info.all_greedy and info.any_greedy and info.need_top_p and not info.need_top_k
     assert info.need_frequency_presence and info.output_counts.shape == (3, 8) and info.prompt_mask is None
     info.filter([0, 1])
@@ -943,7 +949,7 @@ def test_flags_let_cheap_batches_skip_work() -> None:
     assert not build([SamplingParams(top_k=8)], 8).need_top_k
 
 
-def test_filter_and_merge_equal_a_fresh_build() -> None:
+def test_filter_equals_a_fresh_build() -> None:
     vocab = 10
     params = [
         SamplingParams(seed=1, repetition_penalty=1.4),
@@ -953,8 +959,7 @@ def test_filter_and_merge_equal_a_fresh_build() -> None:
     prompts = [[1, 1, 2], [3, 4], [5]]
     outputs = [[6], [7, 7], []]
     eos = [[0], [0], [0]]
-    a = build(params[:2], vocab, prompts[:2], outputs[:2], eos[:2])
-    a.merge(build(params[2:], vocab, prompts[2:], outputs[2:], eos[2:]))
+    a = build(params, vocab, prompts, outputs, eos)
     a.filter([2, 0])
     b = build([params[2], params[0]], vocab, [prompts[2], prompts[0]], [outputs[2], outputs[0]], eos[:2])
     for name in ("temperatures", "top_ks", "top_ps", "min_ps", "frequency_penalties", "presence_penalties",

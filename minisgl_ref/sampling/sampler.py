@@ -114,7 +114,7 @@ class _Flag(IntEnum):
     LOGIT_BIAS = 7
 
 
-# Per-row tensors of shape [B]; filter() and merge() treat them all alike.
+# Per-row tensors of shape [B]; filter() treats them all alike.
 _ROW_FIELDS = (
     "temperatures",
     "top_ks",
@@ -128,7 +128,7 @@ _ROW_FIELDS = (
     "min_new_tokens",
 )
 # Per-row state of shape [B, V], allocated only when some row needs it (it is B * V elements: 40M at B=256 for a
-# 152k vocabulary). A row whose params make a state irrelevant may hold zeros there, e.g. after a merge.
+# 152k vocabulary). A row whose params make a state irrelevant may hold zeros there.
 _STATE_FIELDS = ("output_counts", "prompt_mask", "stop_token_mask", "logit_bias")
 
 
@@ -136,9 +136,9 @@ _STATE_FIELDS = ("output_counts", "prompt_mask", "stop_token_mask", "logit_bias"
 class SamplingBatchInfo:
     """Everything the sampler needs about a batch, as tensors on the logits' device.
 
-    Build it once when requests join (:meth:`build`), call :meth:`update` after every sampling step, and use
-    :meth:`filter` / :meth:`merge` when requests finish or join a running batch -- none of those touch Python lists
-    of tokens again.
+    Build it when the batch's requests change (:meth:`build`; new requests joining a running batch mean a new
+    build, from each request's parameters, prompt and output so far), call :meth:`update` after every sampling
+    step, and :meth:`filter` when requests finish -- neither of those touches Python lists of tokens again.
 
     The ``need_*`` flags let a cheap batch skip work (an all-greedy batch never calls softmax). They are computed from
     ``row_flags``, a small CPU tensor, so reading them never waits for the device -- which matters once the CPU runs
@@ -335,25 +335,6 @@ class SamplingBatchInfo:
                 setattr(self, name, t[keep])
         self.row_flags = self.row_flags[keep_cpu]
         self._drop_unneeded_state()
-
-    def merge(self, other: SamplingBatchInfo) -> None:
-        """Append ``other``'s rows after ours, in place (new requests joining a running batch)."""
-        if other.vocab_size != self.vocab_size:
-            raise ValueError(f"cannot merge vocab sizes {self.vocab_size} and {other.vocab_size}")
-        for name in _ROW_FIELDS:
-            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name).to(self.device)]))
-        for name in _STATE_FIELDS:
-            mine, theirs = getattr(self, name), getattr(other, name)
-            if mine is None and theirs is None:
-                continue
-            # A side without this state has no row that needs it, so zeros are a faithful stand-in.
-            dtype = (mine if mine is not None else theirs).dtype
-            if mine is None:
-                mine = torch.zeros(len(self.row_flags), self.vocab_size, dtype=dtype, device=self.device)
-            if theirs is None:
-                theirs = torch.zeros(len(other), self.vocab_size, dtype=dtype, device=self.device)
-            setattr(self, name, torch.cat([mine, theirs.to(self.device)]))
-        self.row_flags = torch.cat([self.row_flags, other.row_flags])
 
     def _drop_unneeded_state(self) -> None:
         """Free [B, V] state that no remaining row needs (keeps memory proportional to what is used)."""
