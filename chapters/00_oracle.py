@@ -150,12 +150,14 @@ assert "Paris" in req.output_text
 #
 # Today a request is *running* from the moment it exists, and *finished* once it has a finish reason. Chapter 03
 # puts a *waiting* state in front of running (a request must wait for free KV-cache memory) and lets the
-# scheduler send a running request back to waiting when memory runs out.
+# scheduler send a running request back to waiting when memory runs out. A request with `max_new_tokens == 0` is
+# finished at birth, unless it asks for its prompt's log probabilities (chapter 10): then its prefill computes
+# them, and it ends right after, with no token appended.
 #
 # ```mermaid
 # stateDiagram-v2
 #     [*] --> running: Req(...)
-#     [*] --> finished: max_new_tokens == 0
+#     [*] --> finished: max_new_tokens == 0 (nothing to score)
 #     running --> running: append_token, no rule fired
 #     running --> finished: EOS, stop token id or stop string (stop)
 #     running --> finished: max_new_tokens or context window (length)

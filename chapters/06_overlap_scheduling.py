@@ -273,7 +273,9 @@ print(inspect.getsource(Engine._commit_launched))
 #
 # What `_process` has to guard against is the rest of this chapter: a row whose request finished (or was
 # retracted, which bumps `req.retractions`) after the row was scheduled is skipped, so its token is dropped; a
-# partial prefill chunk (chapter 05) emits nothing.
+# partial prefill chunk (chapter 05) emits nothing. (The `prefill_only` branch ends a request that only wanted its
+# prompt scored, chapter 10, at its prefill row: the scheduler never gives it a decode row, so overlap computes no
+# extra token for it.)
 #
 # ## 3. Two timelines, and what overlap would save
 #

@@ -287,9 +287,9 @@ shutil.rmtree(addrs.folder)  # the socket folder of this demo
 #   apart, and cost nine extra steps.
 # * **Send each token once.** After a step, each request that advanced gets one row with the ids it gained since
 #   its last row (`self.sent[rid]` counts what went out), all rows of the step in one `BatchTokenOut`. The row
-#   that finishes a request is its last one; a request answered at the door (`max_new_tokens=0`, or refused)
-#   gets a single final row; and a step that raises ends in an abort of everything in flight, not in a dead
-#   process.
+#   that finishes a request is its last one; a request answered at the door (`max_new_tokens=0` with no prompt
+#   scores asked for, or refused) gets a single final row; and a step that raises ends in an abort of everything
+#   in flight, not in a dead process.
 
 # %%
 print(task_source(scheduler_process, "10.2"))
@@ -402,7 +402,16 @@ with httpx.stream("POST", URL + "/v1/chat/completions", json=body, timeout=120) 
 # %% [markdown]
 # The first chunk (the assistant's role) goes out as soon as the request is accepted; the first *token* follows
 # after the prefill. SGLang's native stream differs in one way: each event carries the *cumulative* text and ids
-# so far, not a delta.
+# so far, not a delta. Its log probabilities are the exception, as in SGLang: an event holds the entries of the
+# output tokens it adds (`output_token_logprobs`, `output_top_logprobs`) and `output_token_logprobs_length`, the
+# count so far (equal to `completion_tokens`), so a stream of n tokens sends n entries rather than n²/2; the
+# prompt's entries, all known after the prefill, come whole in every event.
+#
+# Usage, on the OpenAI routes, comes once at the end with `stream_options.include_usage`. With
+# `stream_options.continuous_usage_stats` (SGLang's and vLLM's extension) *every* chunk carries a `usage` object
+# for its choice so far: the prompt's tokens, all computed before the first token, and the tokens generated up to
+# that chunk, so a client can show a running count or stop paying attention at a budget without counting tokens
+# itself.
 #
 # ### Log probabilities
 #
@@ -439,6 +448,25 @@ print("echo, prompt and answer:", [(t, None if lp is None else round(lp, 2))
 # A greedy answer's tokens are always the top alternative. The first prompt token has no score (nothing came
 # before it to predict it), which OpenAI's API writes as `null`.
 #
+# **Scoring without generating: prefill-only requests.** Likelihood-based evaluation, and the `select` of SGLang's
+# frontend language, ask how likely a *given* text is, and want nothing generated: `max_new_tokens: 0` with
+# `return_logprob` and a `logprob_start_len`. Such a request (`Req.prefill_only`) is scheduled like any other; its
+# prefill computes the prompt's log probabilities, and the engine then ends it, by `length`, without appending the
+# token that step sampled. A request with `max_new_tokens: 0` that wants no prompt scores has nothing to compute and
+# is answered at once, as before. Here three continuations are scored in one batch, as `select` does (and
+# `tests/test_sglang_frontend.py` runs SGLang's own frontend programs against this server):
+
+# %%
+choices = [" Paris", " London", " a city"]
+outs = httpx.post(URL + "/generate", timeout=60, json={
+    "text": ["The capital of France is" + c for c in choices], "return_logprob": True, "logprob_start_len": 5,
+    "return_text_in_logprobs": True, "sampling_params": {"max_new_tokens": 0}}).json()
+for c, out in zip(choices, outs):
+    meta = out["meta_info"]
+    entries = meta["input_token_logprobs"]
+    print(f"{c!r:>10}: mean {sum(e[0] for e in entries) / len(entries):6.2f} over {[e[2] for e in entries]}, "
+          f"completion_tokens={meta['completion_tokens']}, finish={meta['finish_reason']}")
+#
 # ### More of what a request can ask
 #
 # | field | where | what it does |
@@ -450,6 +478,8 @@ print("echo, prompt and answer:", [(t, None if lp is None else round(lp, 2))
 # | `response_format` | OpenAI routes | `{"type": "json_object"}`: a JSON object; `{"type": "json_schema", "json_schema": {"name", "schema"}}`: JSON valid for the schema |
 # | `json_schema`, `regex`, `ebnf` | OpenAI routes, `sampling_params` | SGLang's spelling of a grammar the whole answer must follow (one at most; `json_schema` is a JSON string) |
 # | `tools`, `tool_choice`, `parallel_tool_calls` | chat | OpenAI's function calling: the answer may (`"auto"`), must (`"required"`, or a named function) or must not (`"none"`) call one of the functions |
+# | `stream_options.continuous_usage_stats` | OpenAI routes | every streamed chunk carries its choice's usage so far |
+# | `rid` | `/generate` | the request's name, reported back as `meta_info.id` (one per prompt, or `rid_0`, `rid_1`, ...) |
 #
 # A grammar is enforced while decoding (chapter 12 shows how): every token that would leave it is banned before
 # sampling, so the answer is valid by construction, even from a 135M-parameter model. Tools are a convention on
@@ -458,10 +488,16 @@ print("echo, prompt and answer:", [(t, None if lp is None else round(lp, 2))
 # `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), `"required"` and a named function are forced by a
 # JSON schema built from the functions' parameters, and `"auto"` answers are parsed: a call the model wrote comes
 # back as `message.tool_calls` with `finish_reason: "tool_calls"`, anything else as content. Streams send a call's
-# id and name first and its arguments in fragments after, as OpenAI's do.
+# id and name first and its arguments in fragments after, as OpenAI's do. A function's `strict: true` (arguments
+# that follow its schema exactly) is what the grammar of `"required"` and named calls gives; an `"auto"` answer is
+# free text that nothing could hold to the schema, so there `strict: true` is refused.
 #
 # Fields that would change the answer but are not implemented (`structural_tag`, images, LoRA adapters, ...) are
-# refused with a 400 that names them: an answer that silently ignored one would look right and be wrong.
+# refused with a 400 that names them: an answer that silently ignored one would look right and be wrong. A chat
+# message's fields beyond role and content (`reasoning_content`, say) go to the chat template, which decides what
+# the model reads; the retired `function_call` and `audio`, which no template here renders, are refused. Fields that
+# change nothing by their nature are accepted: `user` (for a provider's abuse monitoring), `stream_options` without
+# a stream (a whole answer always carries its usage).
 
 # %%
 opened = CHAT + [{"role": "assistant", "content": "Sure! The capital of France is"}]

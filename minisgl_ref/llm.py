@@ -193,7 +193,8 @@ class LLM:
 
         ``return_logprob`` adds each output token's log probability (and its ``top_logprobs_num`` most likely
         alternatives) to the outputs, and the prompt's from position ``logprob_start_len`` on (-1: none); SGLang's
-        names and meaning (chapter 10)."""
+        names and meaning (chapter 10). With ``max_new_tokens=0`` and ``logprob_start_len >= 0`` a request only
+        scores its prompt: one prefill, no output token (``Req.prefill_only``)."""
         options: dict[str, Any] = {}
         if return_logprob:
             if isinstance(self.engine, NaiveEngine):

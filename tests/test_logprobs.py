@@ -134,3 +134,85 @@ def test_bad_logprob_options_name_the_field(tiny_engine_path, bad, fragment):
     llm = LLM(tiny_engine_path, device="cpu")
     with pytest.raises(ValueError, match=fragment):
         llm.generate([5, 6, 7], SamplingParams(max_new_tokens=2), use_tqdm=False, return_logprob=True, **bad)
+
+
+# ---------------------------------------------------------------------------------------- prefill-only requests
+#
+# max_new_tokens=0 with prompt log probabilities asked for is a scoring request (SGLang's select, likelihood
+# evaluation): it runs its prefill and ends there, with no output token, and its prompt entries are exactly those
+# of the same prompt asked with max_new_tokens=1.
+
+SCORING_CONFIGS = [
+    dict(),
+    dict(disable_overlap_schedule=True),
+    dict(chunked_prefill_size=16),
+    dict(chunked_prefill_size=16, disable_overlap_schedule=True, page_size=4),
+    dict(disable_radix_cache=True),
+]
+SCORING_IDS = ["overlap", "no-overlap", "chunked-overlap", "chunked-paged-no-overlap", "no-radix"]
+
+
+@pytest.mark.parametrize("config", SCORING_CONFIGS, ids=SCORING_IDS)
+def test_prefill_only_requests_score_the_prompt(tiny_engine_path, hf_model, config):
+    llm = LLM(tiny_engine_path, device="cpu", **config)
+    batch = prompts()
+    # Every prompt is cached whole first: a cached prefix must not hide a position whose log probability is wanted.
+    llm.generate(batch, SamplingParams(temperature=0, max_new_tokens=2), use_tqdm=False)
+    score = SamplingParams(temperature=0, max_new_tokens=0)
+    one = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
+    k = 3
+    for prompt, start in zip(batch, [0, 30, 50]):
+        opts = dict(use_tqdm=False, return_logprob=True, top_logprobs_num=k, logprob_start_len=start)
+        scored = llm.generate(prompt, score, **opts)[0]
+        assert (scored.output_ids, scored.completion_tokens, scored.finish_reason) == ([], 0, "length")
+        assert scored.output_token_logprobs == [] and scored.text == ""
+        assert len(scored.input_token_logprobs) == len(prompt) - start
+        assert scored.input_token_logprobs == llm.generate(prompt, one, **opts)[0].input_token_logprobs
+        ref = hf_logprobs(hf_model, prompt)
+        for j, entry in enumerate(scored.input_token_logprobs):
+            pos = start + j
+            if pos == 0:
+                assert entry == (None, prompt[0], [])
+            else:
+                check_entry(entry, prompt[pos], ref[pos - 1], k)
+
+
+@pytest.mark.parametrize("config", SCORING_CONFIGS, ids=SCORING_IDS)
+def test_prefill_only_requests_beside_generating_ones(tiny_engine_path, config):
+    """Scoring requests in the same steps as requests that generate (one prefilled in chunks): each scoring
+    request ends after its prefill, and the others' tokens are those they get alone."""
+    llm = LLM(tiny_engine_path, device="cpu", **config)
+    batch = prompts(seed=5) + prompts(seed=6)
+    gen = SamplingParams(temperature=0, max_new_tokens=7, ignore_eos=True)
+    score = SamplingParams(temperature=0, max_new_tokens=0)
+    alone = [llm.generate(p, gen, use_tqdm=False)[0].output_ids for p in batch[::2]]
+    scores = [llm.generate(p, score, use_tqdm=False, return_logprob=True, logprob_start_len=1)[0]
+              for p in batch[1::2]]
+    outs = llm.generate(batch, [gen, score] * 3, use_tqdm=False, return_logprob=True, logprob_start_len=1)
+    assert [o.output_ids for o in outs[::2]] == alone
+    for prompt, out, single in zip(batch[1::2], outs[1::2], scores):
+        assert (out.output_ids, out.finish_reason, out.output_token_logprobs) == ([], "length", [])
+        assert len(out.input_token_logprobs) == len(single.input_token_logprobs) == len(prompt) - 1
+        assert [(t, top) for _, t, top in out.input_token_logprobs] == \
+            [(t, top) for _, t, top in single.input_token_logprobs]
+        for (a, _, _), (b, _, _) in zip(out.input_token_logprobs, single.input_token_logprobs):
+            assert abs(a - b) < TOL  # another batch shape may round differently
+    assert not llm.engine.has_work and llm.engine.cache.available_tokens == llm.engine.max_total_tokens
+
+
+def test_max_new_tokens_zero_without_prompt_logprobs_finishes_on_arrival(tiny_engine_path):
+    """Nothing to generate and nothing to score (no prompt log probabilities asked for, or all of them known
+    without a forward pass: a one-token prompt's only entry is None): done at once, no step taken."""
+    llm = LLM(tiny_engine_path, device="cpu")
+    zero = SamplingParams(max_new_tokens=0)
+    cases = [(list(range(5, 25)), {}), (list(range(5, 25)), dict(return_logprob=True)),
+             ([7], dict(return_logprob=True, logprob_start_len=0))]
+    for prompt, opts in cases:
+        req = llm.make_request(prompt, zero, **opts)
+        assert req.finished and req.finish_reason.kind == "length", opts
+    steps = llm.engine.stats.steps
+    out = llm.generate([7], zero, use_tqdm=False, return_logprob=True, logprob_start_len=0)[0]
+    assert out.input_token_logprobs == [(None, 7, [])] and out.output_ids == []
+    assert llm.engine.stats.steps == steps
+    scoring = llm.make_request(list(range(5, 25)), zero, return_logprob=True, logprob_start_len=3)
+    assert scoring.prefill_only and not scoring.finished

@@ -171,8 +171,10 @@ SHARED_SAMPLING = {
 OPENAI_SAMPLING = {
     **SHARED_SAMPLING,
     "model": (choose(MODEL, "default", None), st.one_of(clean_text, wrong)),
-    "stream_options": (st.one_of(st.none(), st.fixed_dictionaries({"include_usage": st.booleans()})),
-                       st.one_of(choose({"include_usage": "yes"}, {"include_usage": None}, "x", [], 1), wrong)),
+    "stream_options": (st.one_of(st.none(), st.fixed_dictionaries({"include_usage": st.booleans()},
+                                                                  optional={"continuous_usage_stats": st.booleans()})),
+                       st.one_of(choose({"include_usage": "yes"}, {"include_usage": None}, "x", [], 1,
+                                        {"continuous_usage_stats": 1}), wrong)),
     "user": (clean_text, st.one_of(surrogate_text, choose(1, [], {}))),
     "cache_salt": (st.one_of(st.none(), clean_text), st.one_of(choose(1, [], {}), surrogate_text)),
     "stop_regex": (st.one_of(choose(*SAFE_STOP_REGEX), st.lists(choose(*SAFE_STOP_REGEX), max_size=3)),
@@ -235,7 +237,7 @@ NATIVE_SAMPLING = {
     **{k: v for k, v in UNSUPPORTED.items() if k == "no_stop_trim"},
 }
 GENERATE_OTHER = {
-    "rid": (clean_junk, surrogate_text),
+    "rid": (st.one_of(st.none(), clean_text), st.one_of(choose(1, {}, [1], ["a", "b", "c", "d"]), surrogate_text)),
     "return_logprob": (choose(False), st.one_of(choose(True, 1, None), wrong)),
     "logprob_start_len": (st.integers(-1, 10_000), st.one_of(choose(2**70, -5, "0", None), wrong)),
     "top_logprobs_num": (st.integers(0, 20), st.one_of(choose(-1, 21, 2**70, 10**6, "1", None), wrong)),
@@ -344,7 +346,8 @@ def messages(draw: Any, fields: Draw) -> Any:
         if one_in(draw, 5):
             msg.append(("name", fields.value("name", clean_text, wrong)))
         if one_in(draw, 7):
-            msg.append((draw(clean_text), draw(clean_junk)))  # extra keys are allowed in a message
+            # extra keys go to the chat template (but for the server's own "_" markers and the refused ones)
+            msg.append((draw(clean_text.filter(lambda k: not k.startswith("_"))), draw(clean_junk)))
         out.append(Obj(msg))
     return out
 

@@ -258,6 +258,13 @@ def leader_run(dummy_qwen2) -> tuple[list, list]:
         leader.step()
         leader.step()
         leader.add_request(req("unseeded", 9, temperature=0.9, max_new_tokens=8))
+        # A prefill-only (scoring) request: the follower must rebuild it as one (from its ReqSpec) and end it at
+        # the same step, or the two engines would run different batches.
+        scoring = Req(input_ids=[rng.randint(0, 319) for _ in range(21)], rid="scored", context_len=256,
+                      params=SamplingParams(temperature=0, max_new_tokens=0), return_logprob=True,
+                      logprob_start_len=2)
+        assert scoring.prefill_only and not scoring.finished
+        leader.add_request(scoring)
         doomed = req("aborted", 7, temperature=0.7, seed=3, max_new_tokens=40)
         leader.add_request(doomed)
         for _ in range(3):
@@ -373,6 +380,34 @@ def test_llm_tp2_generates_the_same_tokens_as_tp1(tiny_checkpoints):
     assert got[3].finish_reason == "stop" and len(got[3].output_ids) < 16
     assert got_abort == expected_abort and got_abort[1] == "abort" and got_abort[3]
     assert again[0].output_ids == expected[0].output_ids
+
+
+def test_prefill_only_requests_at_tp2_match_tp1(tiny_checkpoints):
+    """Scoring requests (max_new_tokens=0 with prompt log probabilities) beside generating ones, at tp=2: every
+    rank prefills them and ends them after the prefill, so the ranks stay in step, and the prompt's log
+    probabilities and the other requests' tokens are those of tp=1."""
+    from minisgl_ref import LLM, SamplingParams
+
+    torch.set_num_threads(1)
+    rng = random.Random(4)
+    prompts = [[rng.randint(0, 319) for _ in range(n)] for n in (50, 9, 70, 12)]
+    params = [SamplingParams(temperature=0, max_new_tokens=0), SamplingParams(temperature=0, max_new_tokens=6),
+              SamplingParams(temperature=0, max_new_tokens=0), SamplingParams(temperature=0, max_new_tokens=4)]
+    kw = dict(device="cpu", chunked_prefill_size=32, max_prefill_tokens=64)
+    path = str(tiny_checkpoints["qwen2"])
+    opts = dict(use_tqdm=False, return_logprob=True, logprob_start_len=1)
+    expected = LLM(path, **kw).generate(prompts, params, **opts)
+    with LLM(path, tp_size=2, **kw) as llm:
+        got = llm.generate(prompts, params, **opts)
+        again = llm.generate(prompts[1], params[1], use_tqdm=False)  # the ranks are still in step
+    assert [o.output_ids for o in got] == [o.output_ids for o in expected]
+    assert [len(o.output_ids) for o in got] == [0, 6, 0, 4]
+    for g, e, prompt in zip(got, expected, prompts):
+        assert len(g.input_token_logprobs) == len(prompt) - 1 and g.finish_reason == e.finish_reason == "length"
+        assert [t for _, t, _ in g.input_token_logprobs] == prompt[1:]
+        for (a, _, _), (b, _, _) in zip(g.input_token_logprobs, e.input_token_logprobs):
+            assert abs(a - b) < 1e-4
+    assert again[0].output_ids == expected[1].output_ids
 
 
 @pytest.mark.task("9.2")

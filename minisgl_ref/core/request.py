@@ -133,8 +133,22 @@ class Req:
                              f"got {self.logprob_start_len}")
         if self.return_logprob and self.logprob_start_len == 0 and not self.input_logprobs:
             self.input_logprobs.append(TokenLogprob(None, []))  # nothing precedes the first prompt token
-        if self.params.max_new_tokens == 0:
-            self.finish_reason = FinishReason("length")  # nothing to generate: done on arrival
+        if self.params.max_new_tokens == 0 and not self.wants_input_logprobs:
+            self.finish_reason = FinishReason("length")  # nothing to generate, nothing to score: done on arrival
+
+    @property
+    def prefill_only(self) -> bool:
+        """``max_new_tokens=0`` with prompt log probabilities asked for: a *scoring* request (SGLang's ``select``,
+        likelihood-based evaluation). Its answer is the prompt's log probabilities, which only a prefill computes,
+        so it is scheduled like any request and ends right after its prefill, with no output token: the engine
+        drops the token that step sampled (:meth:`end_after_prefill`)."""
+        return self.params.max_new_tokens == 0 and self.return_logprob and self.logprob_start_len >= 0
+
+    def end_after_prefill(self) -> None:
+        """A prefill-only request's prefill has run (its prompt log probabilities are recorded): it ends here, by
+        length, with nothing appended."""
+        assert self.prefill_only and not self.finished, f"{self.rid} is not a prefill-only request in flight"
+        self.finish_reason = FinishReason("length")
 
     @property
     def finished(self) -> bool:

@@ -341,7 +341,11 @@ class Engine:
 
         A row is skipped if it emits nothing (a partial prefill chunk, whose KV was committed at launch) or is no
         longer live: under overlap, the extra token computed for a request that finished in the step before, or
-        the old row of a request retracted since it was scheduled (chapter 06)."""
+        the old row of a request retracted since it was scheduled (chapter 06). A prefill-only request
+        (``Req.prefill_only``, chapter 10) ends at its emitting row, and its token is dropped too: the prompt's log
+        probabilities, recorded first, are its answer. Under overlap the next step never holds a row of it (the
+        scheduler gives decode rows only to requests below ``max_new_tokens``), and at any tensor-parallel rank
+        the request is rebuilt with the same fields, so every rank ends it at the same step."""
         batch, out = launched.batch, launched.output
         tokens = launched.tokens()  # the one wait for the device per step: after it, the step's tokens are here
         if self.trace is not None:
@@ -355,6 +359,11 @@ class Engine:
             if not row.emits or not row.is_live:
                 continue
             req.num_inflight -= 1
+            if req.prefill_only:  # scoring: the prompt's log probabilities were the answer, not a token
+                req.end_after_prefill()
+                self.scheduler.finish(req)
+                events.append(StepEvent(req, "", True))
+                continue
             if logprobs is not None and req.return_logprob:
                 req.output_logprobs.append(logprobs(i, req.top_logprobs_num))
             delta = self._append(req, token, launched.grammar_accepted.get(i))
@@ -507,7 +516,8 @@ class Engine:
         """Advance the matchers by the tokens of ``launched`` (the step in flight) before the next step's masks
         are filled, and remember each outcome on ``launched`` for :meth:`_append`, which then does not accept
         the token again. Only rows that :meth:`_process` would append are accepted: they emit, are live, and
-        their request has a grammar. Returns the ids of the requests whose matcher refused its token or failed.
+        their request has a grammar (and is not prefill-only). Returns the ids of the requests whose matcher
+        refused its token or failed.
 
         Nothing else of the step is processed here, so nothing else can change before :meth:`_process`: a row
         accepted here is still live there, unless its request was aborted meanwhile (then its token is dropped
@@ -517,7 +527,8 @@ class Engine:
         rows = launched.batch.rows
         for i, (row, token) in enumerate(zip(rows, tokens)):
             req = row.req
-            if not row.emits or not row.is_live or req.grammar is None or i in launched.grammar_accepted:
+            if (not row.emits or not row.is_live or req.grammar is None or i in launched.grammar_accepted
+                    or req.prefill_only):
                 continue
             try:
                 launched.grammar_accepted[i] = req.grammar.accept(token)

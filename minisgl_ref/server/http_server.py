@@ -6,6 +6,7 @@ route                       what it does
 POST /v1/chat/completions   OpenAI chat: streaming or not, n, stop, seed, usage with cached tokens,
                             response_format, tools and tool_choice (:mod:`~minisgl_ref.server.tools`)
 POST /v1/completions        OpenAI completions: a prompt, a batch of prompts, or token ids
+                            (both: a stream's usage at its end, or on every chunk)
 POST /v1/responses          OpenAI's Responses API: input items, instructions, text.format, function tools,
                             named stream events; the chat route's code under the new names
                             (:mod:`~minisgl_ref.server.responses`, which also serves GET and DELETE
@@ -13,6 +14,7 @@ POST /v1/responses          OpenAI's Responses API: input items, instructions, t
 GET  /v1/models             the one model served
 GET  /v1/models/{id}        that model (404 for any other id)
 POST /generate              SGLang's native API: text or input_ids, sampling_params, cumulative stream
+                            (logprobs: each event's new ones), prefill-only scoring
 GET  /health                200 while every process is alive and the scheduler is not stuck inside one
                             step (--watchdog-timeout), 503 (and why) otherwise
 GET  /health_generate       200 once a one-token request has gone through the whole pipeline
@@ -364,7 +366,7 @@ def chat_request(s: ServerState, body: dict[str, Any]
 
 def _message(m: ChatMessage, i: int) -> dict[str, Any]:
     """One message of the conversation, as the chat template (or :func:`render_messages`) reads it."""
-    out: dict[str, Any] = {"role": m.role, "content": m.text(i)}
+    out: dict[str, Any] = {**m.template_fields(i), "role": m.role, "content": m.text(i)}
     if m.name:
         out["name"] = m.name
     if m.tool_calls:
@@ -389,6 +391,12 @@ def chat_tool_plan(req: ChatCompletionRequest) -> ToolPlan:
         sampling_params({"json_schema": json.dumps(params)}, names={"json_schema": where}, keywords=False)
         functions.append(Function(fn.name, fn.description, params))
     plan = plan_tools(functions, req.tool_choice, req.parallel_tool_calls)
+    strict = next((i for i, tool in enumerate(req.tools or []) if tool.function.strict), None)
+    if strict is not None and plan.mode == "auto":
+        where = f"tools.{strict}.function.strict"
+        raise APIError(400, f"{where}: with tool_choice 'auto' the model's calls are parsed from free text, so "
+                            "their arguments cannot be promised to follow the schema; strict function schemas are "
+                            "enforced (by a grammar) with tool_choice 'required' or a named function", param=where)
     if plan.constrained:  # a forced call promises arguments that fit: its grammar must enforce every keyword
         for i, f in enumerate(functions):
             if plan.mode == "required" or f.name == plan.named:
@@ -413,7 +421,7 @@ async def chat_completions(request: Request) -> Response:
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         gen = _chat_stream(manager, subs, options, rid, created, model_name, include_usage, req.n,
-                           names if req.logprobs else None, plan)
+                           names if req.logprobs else None, plan, continuous=_continuous_usage(req))
         return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
     outs = await _collect(manager, subs, request, options)
     finals = [_final(o) for o in outs]
@@ -478,7 +486,8 @@ async def completions(request: Request) -> Response:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         gen = _completion_stream(manager, subs, options, rid, created, model_name, include_usage,
                                  [len(ids) for ids in id_lists], names if want else None,
-                                 [echoed[k // per_prompt] for k in range(len(subs))] if echoed else None)
+                                 [echoed[k // per_prompt] for k in range(len(subs))] if echoed else None,
+                                 continuous=_continuous_usage(req))
         return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
     outs = await _collect(manager, subs, request, options)
     finals = [_final(o) for o in outs]
@@ -501,8 +510,10 @@ async def completions(request: Request) -> Response:
 
 # ----------------------------------------------------------------------------------- native /generate
 
-def generate_request(s: ServerState, body: dict[str, Any]) -> tuple[GenerateRequest, bool, list[Sub]]:
-    """The request, whether its answer is a batch (a list), and its sub-requests."""
+def generate_request(s: ServerState, body: dict[str, Any]
+                     ) -> tuple[GenerateRequest, bool, list[Sub], list[str] | None]:
+    """The request, whether its answer is a batch (a list), its sub-requests, and the ids the client gave them
+    (``rid``; None: the server's own)."""
     manager = s.manager
     req = validate(GenerateRequest, body)
     if (req.text is None) == (req.input_ids is None):
@@ -533,11 +544,27 @@ def generate_request(s: ServerState, body: dict[str, Any]) -> tuple[GenerateRequ
             raise APIError(400, f"logprob_start_len ({req.logprob_start_len}) must be below the prompt's "
                                 f"{len(ids)} tokens", param="logprob_start_len")
         subs += _fan_out([ids], params, params.n)
-    return req, not single or len(subs) > 1, subs
+    rids = client_rids(req.rid, [p.n for p in params_list])
+    return req, not single or len(subs) > 1, subs, rids
+
+
+def client_rids(rid: str | list[str] | None, samples: list[int]) -> list[str] | None:
+    """The ``meta_info.id`` of each sequence when the client named its request (SGLang's ``rid``; ``samples``:
+    the sequences of each prompt). A string names one sequence; for several it gets ``_0``, ``_1``, ...
+    appended. A list gives one rid per prompt, and a prompt with ``n > 1`` numbers its samples the same way.
+    The scheduler keeps its own unique ids: two clients may well pick the same rid."""
+    if rid is None:
+        return None
+    if isinstance(rid, str):
+        total = sum(samples)
+        return [rid] if total == 1 else [f"{rid}_{i}" for i in range(total)]
+    if len(rid) != len(samples):
+        raise APIError(400, f"rid has {len(rid)} entries for {len(samples)} prompts", param="rid")
+    return [r if n == 1 else f"{r}_{j}" for r, n in zip(rid, samples) for j in range(n)]
 
 @router.post("/generate")
 async def generate(request: Request) -> Response:
-    s, (req, batch, subs) = await validated(request, generate_request)
+    s, (req, batch, subs, rids) = await validated(request, generate_request)
     manager, names = s.manager, s.names
     manager.check_alive()
     # Without return_logprob the other logprob fields mean nothing (as in SGLang), and are not passed on.
@@ -546,10 +573,13 @@ async def generate(request: Request) -> Response:
                              cache_salt=req.cache_salt)
     texts = (names if req.return_text_in_logprobs else None) if req.return_logprob else False
     if req.stream:
-        return StreamingResponse(_generate_stream(manager, subs, options, batch, texts),
+        return StreamingResponse(_generate_stream(manager, subs, options, batch, texts, rids),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     outs = [_native(o, subs[i][0], options, texts) for i, o in
             enumerate(await _collect(manager, subs, request, options))]
+    if rids is not None:
+        for out, rid in zip(outs, rids):
+            out["meta_info"]["id"] = rid
     return JSONResponse(outs if batch else outs[0])
 
 
@@ -603,6 +633,7 @@ class Output:
     last: Chunk | None = None  # its final chunk, once it has one
     last_seen: Chunk | None = None  # its latest chunk
     ids_json: str = ""  # ``ids`` as JSON array items ("1,2,3"), grown with them: see :func:`native_sse`
+    streamed: int = 0  # output log-probability entries already sent in native stream events (:func:`_native`)
 
     def add(self, chunk: Chunk) -> None:
         self.last_seen = chunk
@@ -653,9 +684,15 @@ def _final(out: Output) -> dict[str, Any]:
 
 
 def _native(out: Output, prompt: list[int], options: RequestOptions, texts: TokenText | None | bool,
-            finished: bool = True) -> dict[str, Any]:
-    """One answer (or, unfinished, one stream event) of ``/generate``; ``texts`` is False without logprobs, else
-    the token names for ``return_text_in_logprobs`` (or None)."""
+            finished: bool = True, streamed: int | None = None) -> dict[str, Any]:
+    """One answer (or one stream event) of ``/generate``; ``texts`` is False without logprobs, else the token
+    names for ``return_text_in_logprobs`` (or None).
+
+    A stream event (``streamed``: the output log-probability entries earlier events carried) has SGLang's stream
+    shape: the text and ids so far, but only the *new* output entries, with ``output_token_logprobs_length``
+    counting them all (it equals ``completion_tokens``). Repeating every entry in every event would make a
+    stream of n tokens send n**2 / 2 of them. The prompt's entries come whole in every event, as SGLang sends
+    them (they all arrive with the prefill, so the list only grows before the first token)."""
     if finished:
         meta = _final(out)["meta_info"]
     else:
@@ -667,8 +704,11 @@ def _native(out: Output, prompt: list[int], options: RequestOptions, texts: Toke
         prompt_ids = prompt[max(options.logprob_start_len, 0):] if options.logprob_start_len >= 0 else []
         meta["input_token_logprobs"], meta["input_top_logprobs"] = sglang_logprobs(
             texts, out.input_logprobs, prompt_ids)  # type: ignore[arg-type]
+        start = streamed or 0
         meta["output_token_logprobs"], meta["output_top_logprobs"] = sglang_logprobs(
-            texts, out.output_logprobs, out.ids)  # type: ignore[arg-type]
+            texts, out.output_logprobs[start:], out.ids[start:])  # type: ignore[arg-type]
+        if streamed is not None:
+            meta["output_token_logprobs_length"] = len(out.output_logprobs)
     return {"text": out.text, "output_ids": out.ids, "meta_info": meta}
 
 
@@ -717,6 +757,20 @@ def _usage(finals: list[dict[str, Any]], prompt_lens: list[int]) -> dict[str, An
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def _continuous_usage(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    return bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
+
+def _usage_so_far(prompt_tokens: int, c: Chunk | None) -> dict[str, Any]:
+    """``stream_options.continuous_usage_stats``: the usage of one sequence up to chunk ``c`` (None: before its
+    first), on every chunk of it, as SGLang and vLLM send it. The prompt counts whole from the first chunk on
+    (it is all computed before the first token); ``completion_tokens`` counts the tokens generated so far, so
+    the last content chunk's matches that sequence's share of the final usage."""
+    done, cached = (c.completion_tokens, c.cached_tokens) if c is not None else (0, 0)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
 def _stream_error(reason: dict[str, Any]) -> str:
     return sse(error_body(f"the request was aborted: {reason.get('message', 'unknown')}", "server_error"))
 
@@ -741,21 +795,27 @@ def _tool_reason(reason: str) -> str:
 
 async def _chat_stream(manager: TokenizerManager, subs: list[Sub], options: RequestOptions, rid: str, created: int,
                        model: str, include_usage: bool, n: int, names: TokenText | None,
-                       plan: ToolPlan) -> AsyncIterator[str]:
+                       plan: ToolPlan, *, continuous: bool = False) -> AsyncIterator[str]:
+    latest: list[Chunk | None] = [None] * len(subs)  # each sequence's latest chunk, for continuous usage
+
     def chunk(i: int, delta: dict[str, Any], finish: str | None, matched: Any = None,
               logprobs: list[Any] | None = None) -> str:
         choice = {"index": i, "delta": delta, "logprobs": None if logprobs is None else {"content": logprobs},
                   "finish_reason": finish}
         if finish is not None:
             choice["matched_stop"] = matched
-        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [choice]})
+        event = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                 "choices": [choice]}
+        if continuous:
+            event["usage"] = _usage_so_far(len(subs[i][0]), latest[i])
+        return sse(event)
 
     finals: list[dict[str, Any]] = [{} for _ in subs]
     parsers = [_tool_parser(plan) for _ in subs] if plan.active else None
     for i in range(n):
         yield chunk(i, {"role": "assistant", "content": ""}, None)
     async for i, c in manager.generate(subs, options=options):
+        latest[i] = c
         logprobs = chat_content(names, *_chunk_answer(c), options.top_logprobs_num) if names else None
         if parsers is None:
             if c.text or logprobs:
@@ -788,21 +848,26 @@ async def _chat_stream(manager: TokenizerManager, subs: list[Sub], options: Requ
 
 async def _completion_stream(manager: TokenizerManager, subs: list[Sub], options: RequestOptions, rid: str,
                              created: int, model: str, include_usage: bool, prompt_lens: list[int],
-                             names: TokenText | None, echoed: list[str] | None) -> AsyncIterator[str]:
+                             names: TokenText | None, echoed: list[str] | None, *,
+                             continuous: bool = False) -> AsyncIterator[str]:
     """OpenAI's completion stream. With ``echo`` the first chunk of each sequence starts with its prompt's text
     (and, with ``logprobs``, the prompt tokens' entries); ``text_offset`` counts from the start of it all."""
+    latest: list[Chunk | None] = [None] * len(subs)  # each sequence's latest chunk, for continuous usage
 
     def chunk(i: int, text: str, finish: str | None, matched: Any = None, logprobs: Any = None) -> str:
         choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if finish is not None:
             choice["matched_stop"] = matched
-        return sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [choice]})
+        event = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+        if continuous:
+            event["usage"] = _usage_so_far(len(subs[i][0]), latest[i])
+        return sse(event)
 
     finals: list[dict[str, Any]] = [{} for _ in subs]
     sent = [0] * len(subs)  # characters sent so far per sequence, for text_offset
     started = [False] * len(subs)
     async for i, c in manager.generate(subs, options=options):
+        latest[i] = c
         text, parts = c.text, []
         if not started[i]:
             started[i] = True
@@ -834,15 +899,20 @@ async def _completion_stream(manager: TokenizerManager, subs: list[Sub], options
 
 
 async def _generate_stream(manager: TokenizerManager, subs: list[Sub], options: RequestOptions, batch: bool,
-                           texts: TokenText | None | bool) -> AsyncIterator[str]:
-    """SGLang's native stream: every event carries the *cumulative* text, ids (and log probabilities) so far."""
+                           texts: TokenText | None | bool, rids: list[str] | None) -> AsyncIterator[str]:
+    """SGLang's native stream: every event carries the *cumulative* text and ids so far, and the log
+    probabilities of the output tokens it adds (see :func:`_native`)."""
     outs = [Output() for _ in subs]
     async for i, c in manager.generate(subs, options=options):
-        outs[i].add(c)
+        out = outs[i]
+        out.add(c)
         if not c.text and not c.token_ids and not c.finished:
             continue
-        event = _native(outs[i], subs[i][0], options, texts, finished=c.finished)
+        event = _native(out, subs[i][0], options, texts, finished=c.finished, streamed=out.streamed)
+        out.streamed = len(out.output_logprobs)
         if batch:
             event["index"] = i
-        yield native_sse(event, outs[i].ids_json)
+        if rids is not None:
+            event["meta_info"]["id"] = rids[i]
+        yield native_sse(event, out.ids_json)
     yield SSE_DONE

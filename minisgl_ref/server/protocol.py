@@ -309,7 +309,9 @@ TokenIdsBatch = Annotated[list[TokenIds], Field(fail_fast=True)]
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the whole request's usage
+    # every chunk carries its sequence's usage so far (SGLang's and vLLM's extension; independent of the above)
+    continuous_usage_stats: bool = False
 
 
 #: OpenAI's rule for the names of functions and response formats.
@@ -319,10 +321,11 @@ NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 class JSONSchemaFormat(_Strict):
     """``response_format.json_schema``: a named schema that the answer must follow."""
 
-    name: str = Field(pattern=NAME_PATTERN)
+    name: str = Field(pattern=NAME_PATTERN)  # a label: checked, and a legitimate no-op
+    # A no-op, as in SGLang and vLLM: the grammar, not a description, decides the shape of the answer.
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON value
-    strict: bool | None = None  # OpenAI's "follow the schema exactly"; a grammar always does
+    strict: bool | None = None  # OpenAI's "follow the schema exactly"; a grammar always does (a no-op)
 
 
 class ResponseFormat(_Strict):
@@ -347,13 +350,13 @@ class _OpenAISampling(_Strict):
     top_p: float | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = None  # without a stream a no-op: a whole answer carries its usage
     stop: str | Texts | None = Field(None, union_mode="left_to_right")
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias in [-100, 100]
-    user: str | None = None
+    user: str | None = None  # the end user, for the provider's abuse monitoring: a legitimate no-op here
     # SGLang extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -430,7 +433,16 @@ class ToolCallItem(_Strict):
     function: FunctionCall
 
 
+#: Message fields of OpenAI's API that would change what the model reads and that no chat template here renders:
+#: the retired ``function_call`` (use ``tool_calls``) and audio.
+UNSUPPORTED_MESSAGE_FIELDS = ("function_call", "audio")
+
+
 class ChatMessage(BaseModel):
+    """One message of a conversation. Fields beyond the declared ones (``reasoning_content``, ``refusal``, ...)
+    go to the chat template with the message, as Hugging Face's ``apply_chat_template`` takes them: what the
+    model reads is what its template renders (see :meth:`template_fields`)."""
+
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -457,11 +469,25 @@ class ChatMessage(BaseModel):
             pieces.append(part["text"])
         return "".join(pieces)
 
+    def template_fields(self, index: int) -> dict[str, Any]:
+        """The message's extra fields, for the chat template. A null one says nothing and is left out (clients
+        echo an earlier answer with ``"refusal": null, "audio": null``); one of
+        :data:`UNSUPPORTED_MESSAGE_FIELDS` set to anything else is refused by name, and so is a name starting
+        with ``_`` (the server's own markers)."""
+        extra = {k: v for k, v in (self.model_extra or {}).items() if v is not None}
+        for key in extra:
+            if key in UNSUPPORTED_MESSAGE_FIELDS or key.startswith("_"):
+                raise APIError(400, f"messages.{index}.{key} is not supported by this server",
+                               param=f"messages.{index}.{key}")
+        return extra
+
 
 class FunctionSpec(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object; None: no arguments
+    # Arguments that follow the schema exactly: what a grammar gives (tool_choice "required" or a named function);
+    # with "auto" the calls are parsed from free text, so strict: true is refused there (chat_tool_plan)
     strict: bool | None = None
 
 
@@ -517,7 +543,8 @@ class GenerateRequest(_Strict):
     input_ids: TokenIds | TokenIdsBatch | None = Field(None, union_mode="left_to_right")
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
-    rid: Any = None
+    # SGLang's request id: reported back as meta_info.id (one string, or one per prompt; see client_rids)
+    rid: str | Texts | None = Field(None, union_mode="left_to_right")
     return_logprob: bool = False  # log probabilities of the output tokens, and of the prompt's from ...
     logprob_start_len: int = Field(-1, ge=-1)  # ... this position on (-1: none of the prompt)
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token

@@ -103,11 +103,11 @@ class SchedulerWorker:
         Each turn of the loop:
 
         1. **Receive.** Take every message waiting on ``self.recv`` (:meth:`_drain_messages`) and send on the
-           rows that handling them produced (requests answered at once: ``max_new_tokens=0``, refusals, aborts)
-           with :meth:`_send_rows`. While the engine has work (``self.engine.has_work``) never wait for a message:
-           take what is there and go on to the step, or every running stream would stall. With no work, sleep on
-           the socket, ``poller.poll(IDLE_POLL_MS)`` (a timeout, so that a dead parent is noticed), and drain only
-           if something arrived.
+           rows that handling them produced (requests answered at once: ``max_new_tokens=0`` without prompt log
+           probabilities, refusals, aborts) with :meth:`_send_rows`. While the engine has work
+           (``self.engine.has_work``) never wait for a message: take what is there and go on to the step, or every
+           running stream would stall. With no work, sleep on the socket, ``poller.poll(IDLE_POLL_MS)`` (a
+           timeout, so that a dead parent is noticed), and drain only if something arrived.
         2. **Step.** If the engine has work, run one ``self.engine.step()`` and send the rows of its events
            (:meth:`_rows_for`). A step that raises must not end the loop (the process, and with it the server,
            would die): log it with ``log.exception`` and abort everything in flight with
@@ -175,8 +175,9 @@ class SchedulerWorker:
         self.reqs[req.rid] = req
         self.sent[req.rid] = 0
         if req.finished:
-            # max_new_tokens == 0, or refused at the door (a prompt bigger than the whole pool). The engine
-            # reports the latter again at its next step; by then the rid is gone and that event is ignored.
+            # max_new_tokens == 0 with no prompt log probabilities to compute (a prefill-only request runs its
+            # prefill first: Req.prefill_only), or refused at the door (a prompt bigger than the whole pool). The
+            # engine reports the latter again at its next step; by then the rid is gone and that event is ignored.
             rows.append((req, [], True))
 
     def _abort(self, rid: str, rows: list) -> None:
