@@ -419,7 +419,12 @@ with httpx.stream("POST", URL + "/v1/chat/completions", json=body, timeout=120) 
 # question: how likely was each token? OpenAI's chat API answers it with `logprobs: true` (and `top_logprobs: k`
 # for the k likeliest alternatives at each position), its completions API with `logprobs: k` (and `echo: true`
 # to score the prompt too), and SGLang's `/generate` with `return_logprob`, `top_logprobs_num` and
-# `logprob_start_len` (the first prompt position to score; -1, the default, scores only the output).
+# `logprob_start_len`, the first prompt position to score. Its default, -1, means SGLang's "from the last prompt
+# token on": `input_token_logprobs` then holds one entry, the last prompt token's, which SGLang's frontend reads
+# when it scores choices against their unconditional likelihood. That position differs between the prompts of one
+# batch, so the request carries the rule and each sequence turns it into a position against its own prompt
+# (`RequestOptions.logprob_start`). The engine's `Req` keeps the plain meaning, -1 for none of the prompt, which the
+# OpenAI routes need: chat never scores the prompt, completions only with `echo` (from position 0).
 #
 # *Which* probabilities? Those of the distribution the token was drawn from: the logits after `logit_bias` and
 # the penalties, divided by the temperature (by 1 for greedy requests), before top-k/top-p/min-p cut it down.
@@ -450,10 +455,11 @@ print("echo, prompt and answer:", [(t, None if lp is None else round(lp, 2))
 #
 # **Scoring without generating: prefill-only requests.** Likelihood-based evaluation, and the `select` of SGLang's
 # frontend language, ask how likely a *given* text is, and want nothing generated: `max_new_tokens: 0` with
-# `return_logprob` and a `logprob_start_len`. Such a request (`Req.prefill_only`) is scheduled like any other; its
-# prefill computes the prompt's log probabilities, and the engine then ends it, by `length`, without appending the
-# token that step sampled. A request with `max_new_tokens: 0` that wants no prompt scores has nothing to compute and
-# is answered at once, as before. Here three continuations are scored in one batch, as `select` does (and
+# `return_logprob` (from `logprob_start_len` on, or by default the last prompt token). Such a request
+# (`Req.prefill_only`) is scheduled like any other; its prefill computes the prompt's log probabilities, and the
+# engine then ends it, by `length`, without appending the token that step sampled. A request with
+# `max_new_tokens: 0` that wants no prompt scores (no `return_logprob`) has nothing to compute and is answered at
+# once, as before. Here three continuations are scored in one batch, as `select` does (and
 # `tests/test_sglang_frontend.py` runs SGLang's own frontend programs against this server):
 
 # %%
@@ -466,7 +472,13 @@ for c, out in zip(choices, outs):
     entries = meta["input_token_logprobs"]
     print(f"{c!r:>10}: mean {sum(e[0] for e in entries) / len(entries):6.2f} over {[e[2] for e in entries]}, "
           f"completion_tokens={meta['completion_tokens']}, finish={meta['finish_reason']}")
-#
+# Without logprob_start_len: each prompt's last token only (one entry each, though the prompts differ in length).
+last = httpx.post(URL + "/generate", timeout=60, json={
+    "text": ["The capital of France is" + c for c in choices], "return_logprob": True,
+    "return_text_in_logprobs": True, "sampling_params": {"max_new_tokens": 0}}).json()
+print("default start:", [[(e[2], round(e[0], 2)) for e in o["meta_info"]["input_token_logprobs"]] for o in last])
+
+# %% [markdown]
 # ### More of what a request can ask
 #
 # | field | where | what it does |

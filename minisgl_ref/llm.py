@@ -192,9 +192,10 @@ class LLM:
         """Complete each prompt. With ``n > 1`` a prompt yields n outputs, consecutive in the returned list.
 
         ``return_logprob`` adds each output token's log probability (and its ``top_logprobs_num`` most likely
-        alternatives) to the outputs, and the prompt's from position ``logprob_start_len`` on (-1: none); SGLang's
-        names and meaning (chapter 10). With ``max_new_tokens=0`` and ``logprob_start_len >= 0`` a request only
-        scores its prompt: one prefill, no output token (``Req.prefill_only``)."""
+        alternatives) to the outputs, and the prompt's from position ``logprob_start_len`` on (-1: none; SGLang's
+        names, chapter 10, though SGLang's -1 means the last prompt token, as the server's ``/generate`` does).
+        With ``max_new_tokens=0`` and ``logprob_start_len >= 0`` a request only scores its prompt: one prefill,
+        no output token (``Req.prefill_only``)."""
         options: dict[str, Any] = {}
         if return_logprob:
             if isinstance(self.engine, NaiveEngine):

@@ -7,7 +7,9 @@ subprocess with the embedded SmolLM2-135M-Instruct. Two things it relies on are 
 ``/generate`` itself too:
 
 * **Prefill-only requests.** ``select`` scores each choice with ``max_new_tokens: 0`` and ``logprob_start_len``:
-  the server runs the prefill and answers with the prompt's log probabilities, and no output token.
+  the server runs the prefill and answers with the prompt's log probabilities, and no output token. Without
+  ``logprob_start_len`` (SGLang's -1) each prompt reports its own last token, which
+  ``unconditional_likelihood_normalized`` relies on.
 * **Streams with log probabilities.** Each event carries the text so far but only the *new* output tokens'
   log probabilities, and ``output_token_logprobs_length`` (= ``completion_tokens``) counts them all.
 """
@@ -21,11 +23,15 @@ import re
 
 import pytest
 
-from tests.server_utils import parse_sse, running_server
+from tests.server_utils import parse_sse, running_server, wait_idle
 
 sgl = pytest.importorskip("sglang", reason="SGLang's frontend language: scripts/setup.sh dev installs it")
 
 pytestmark = pytest.mark.slow
+#: How far apart the same log probability may come out of two batches: the scheduler groups a request's rows into
+#: steps as they arrive, and a row computed beside others rounds differently in float32 (by up to ~2e-5 on values
+#: around -9 here; test_server.py's LP_TOL is the same bound). A wrong position would be off by whole units.
+BATCH_TOL = 1e-4
 IP = r"((25[0-5]|2[0-4]\d|[01]?\d\d?)\.){3}(25[0-5]|2[0-4]\d|[01]?\d\d?)"
 
 
@@ -86,6 +92,47 @@ def test_select_picks_the_likeliest_choice(server, backend):
     again = capital.run(backend=backend)
     assert again["city"] == " Paris"
     assert again.get_meta_info("city")["normalized_prompt_logprobs"] == pytest.approx(scores, abs=1e-5)
+
+
+def test_select_normalized_by_unconditional_likelihood(server, backend):
+    """``choices_method=unconditional_likelihood_normalized`` asks a third question: how likely is each choice's
+    last token given only the few tokens scored with it, without the prompt before them? It sends those token ids
+    with ``return_logprob`` and no ``logprob_start_len``, and reads the one entry SGLang's default (-1: from the
+    last prompt token on) gives."""
+    choices = [" cold", " blue", " fast"]
+
+    @sgl.function
+    def opposite(s):
+        s += "The opposite of hot is" + sgl.select("word", choices=choices,
+                                                   choices_method=sgl.unconditional_likelihood_normalized)
+
+    def run_uncached():  # the same computation each time: no prefix comes from the cache of earlier requests
+        wait_idle(server)  # (a flush is refused while requests run)
+        assert server.post("/flush_cache").status_code == 200
+        return opposite.run(backend=backend)
+
+    state = run_uncached()
+    meta = state.get_meta_info("word")
+    scores = meta["normalized_unconditional_prompt_logprobs"]
+    assert len(scores) == 3 and all(math.isfinite(x) for x in scores)
+    assert state["word"] == " cold" == choices[scores.index(max(scores))]
+    # Each unconditional answer is the last token of the choice's scored ids, as the same ids report it when the
+    # whole of them is asked for; the score is the conditional entries' mean less that one value.
+    id_lists = [[t for _, t, _ in conditional] for conditional in meta["input_token_logprobs"]]
+    wholes = generate(server, input_ids=id_lists, return_logprob=True, logprob_start_len=0,
+                      sampling_params={"max_new_tokens": 0})
+    for conditional, unconditional, whole, score in zip(meta["input_token_logprobs"],
+                                                        meta["unconditional_token_logprobs"], wholes, scores):
+        ids = [t for _, t, _ in conditional]
+        assert len(ids) > 1 and len(unconditional) == 1 and unconditional[0][1] == ids[-1]
+        assert unconditional[0][0] == pytest.approx(whole["meta_info"]["input_token_logprobs"][-1][0],
+                                                    abs=BATCH_TOL)
+        assert score == pytest.approx(sum(lp for lp, _, _ in conditional) / len(conditional) - unconditional[0][0],
+                                      abs=1e-9)  # the frontend's own arithmetic on the numbers it was sent
+    again = run_uncached()
+    assert again["word"] == " cold"
+    assert again.get_meta_info("word")["normalized_unconditional_prompt_logprobs"] == pytest.approx(scores,
+                                                                                                   abs=BATCH_TOL)
 
 
 def test_select_over_batched_programs(backend):
@@ -222,6 +269,41 @@ def test_prefill_only_request_answers_with_the_prompt_logprobs(server):
                       sampling_params={"max_new_tokens": 0})
     assert [t for _, t, _ in by_ids[0]["meta_info"]["input_token_logprobs"]] == ids
     assert by_ids[0]["meta_info"]["input_token_logprobs"][0][0] is None
+
+
+def test_default_logprob_start_is_each_prompts_last_token(server):
+    """SGLang's ``logprob_start_len`` -1, the default: each prompt reports its log probabilities from its *own*
+    last token on, so a batch of prompts of different lengths gets one prompt entry each, the same entry that prompt
+    reports when it is scored whole. With ``max_new_tokens: 0`` that makes a prefill-only request."""
+    prompts = ["The quick brown fox jumps over the lazy dog", "Hello there"]
+    ids = [tokenize(server, p) for p in prompts]
+    assert len(ids[0]) != len(ids[1])
+    whole = [generate(server, input_ids=i, return_logprob=True, logprob_start_len=0,
+                      sampling_params={"max_new_tokens": 0})["meta_info"]["input_token_logprobs"] for i in ids]
+
+    def check_last(entries: list[list], k: int) -> None:
+        assert len(entries) == 1 and entries[0][1] == ids[k][-1] == whole[k][-1][1]
+        assert math.isfinite(entries[0][0]) and entries[0][0] == pytest.approx(whole[k][-1][0], abs=1e-5)
+
+    for extra in ({}, {"logprob_start_len": -1}):
+        batch = generate(server, text=prompts, return_logprob=True, **extra,
+                         sampling_params={"max_new_tokens": 0, "temperature": 0})
+        for k, out in enumerate(batch):
+            assert out["output_ids"] == [] and out["meta_info"]["completion_tokens"] == 0
+            check_last(out["meta_info"]["input_token_logprobs"], k)
+    # Generating too, streamed or not: the same one prompt entry, beside the output's.
+    body = dict(text=prompts, return_logprob=True, sampling_params={"max_new_tokens": 3, "temperature": 0})
+    for k, out in enumerate(generate(server, **body)):
+        assert len(out["meta_info"]["output_token_logprobs"]) == 3
+        check_last(out["meta_info"]["input_token_logprobs"], k)
+    events = parse_sse(server.post("/generate", json={**body, "stream": True}).text)
+    assert events[-1] == "[DONE]"
+    assert {e["index"] for e in events[:-1]} == {0, 1}
+    for e in events[:-1]:
+        check_last(e["meta_info"]["input_token_logprobs"], e["index"])
+    # A one-token prompt's last token is its first, which nothing precedes: no value, as with logprob_start_len 0.
+    one = generate(server, input_ids=ids[0][:1], return_logprob=True, sampling_params={"max_new_tokens": 0})
+    assert one["meta_info"]["input_token_logprobs"] == [[None, ids[0][0], None]]
 
 
 def test_select_cache_request_answers_at_once_with_the_prompt_length(server):

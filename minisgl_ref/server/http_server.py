@@ -14,7 +14,8 @@ POST /v1/responses          OpenAI's Responses API: input items, instructions, t
 GET  /v1/models             the one model served
 GET  /v1/models/{id}        that model (404 for any other id)
 POST /generate              SGLang's native API: text or input_ids, sampling_params, cumulative stream
-                            (logprobs: each event's new ones), prefill-only scoring
+                            (logprobs: each event's new ones), prefill-only scoring; a prompt's
+                            logprobs from logprob_start_len on (-1, the default: its last token)
 GET  /health                200 while every process is alive and the scheduler is not stuck inside one
                             step (--watchdog-timeout), 503 (and why) otherwise
 GET  /health_generate       200 once a one-token request has gone through the whole pipeline
@@ -81,7 +82,7 @@ from minisgl_ref.server.protocol import (
     sampling_params,
     validate,
 )
-from minisgl_ref.server.tokenizer_manager import Chunk, RequestOptions, TokenizerManager
+from minisgl_ref.server.tokenizer_manager import LAST_PROMPT_TOKEN, Chunk, RequestOptions, TokenizerManager
 from minisgl_ref.server.tools import (
     NO_PARAMETERS,
     Function,
@@ -567,10 +568,11 @@ async def generate(request: Request) -> Response:
     s, (req, batch, subs, rids) = await validated(request, generate_request)
     manager, names = s.manager, s.names
     manager.check_alive()
-    # Without return_logprob the other logprob fields mean nothing (as in SGLang), and are not passed on.
+    # Without return_logprob the other logprob fields mean nothing (as in SGLang), and are not passed on. With
+    # it, SGLang's -1 (the default) reports each prompt from its own last token on.
+    start = req.logprob_start_len if req.logprob_start_len >= 0 else LAST_PROMPT_TOKEN
     options = RequestOptions(return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
-                             logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
-                             cache_salt=req.cache_salt)
+                             logprob_start_len=start if req.return_logprob else -1, cache_salt=req.cache_salt)
     texts = (names if req.return_text_in_logprobs else None) if req.return_logprob else False
     if req.stream:
         return StreamingResponse(_generate_stream(manager, subs, options, batch, texts, rids),
@@ -692,7 +694,10 @@ def _native(out: Output, prompt: list[int], options: RequestOptions, texts: Toke
     shape: the text and ids so far, but only the *new* output entries, with ``output_token_logprobs_length``
     counting them all (it equals ``completion_tokens``). Repeating every entry in every event would make a
     stream of n tokens send n**2 / 2 of them. The prompt's entries come whole in every event, as SGLang sends
-    them (they all arrive with the prefill, so the list only grows before the first token)."""
+    them (they all arrive with the prefill, so the list only grows before the first token).
+
+    ``input_token_logprobs`` holds the prompt's tokens from the sequence's own start on
+    (:meth:`RequestOptions.logprob_start`): on ``/generate`` by default one entry, its last prompt token's."""
     if finished:
         meta = _final(out)["meta_info"]
     else:
@@ -701,7 +706,8 @@ def _native(out: Output, prompt: list[int], options: RequestOptions, texts: Toke
                 "completion_tokens": c.completion_tokens, "cached_tokens": c.cached_tokens,
                 "e2e_latency": round(c.e2e_latency, 6)}
     if texts is not False:
-        prompt_ids = prompt[max(options.logprob_start_len, 0):] if options.logprob_start_len >= 0 else []
+        first = options.logprob_start(len(prompt))
+        prompt_ids = prompt[first:] if first >= 0 else []
         meta["input_token_logprobs"], meta["input_top_logprobs"] = sglang_logprobs(
             texts, out.input_logprobs, prompt_ids)  # type: ignore[arg-type]
         start = streamed or 0

@@ -546,7 +546,7 @@ class GenerateRequest(_Strict):
     # SGLang's request id: reported back as meta_info.id (one string, or one per prompt; see client_rids)
     rid: str | Texts | None = Field(None, union_mode="left_to_right")
     return_logprob: bool = False  # log probabilities of the output tokens, and of the prompt's from ...
-    logprob_start_len: int = Field(-1, ge=-1)  # ... this position on (-1: none of the prompt)
+    logprob_start_len: int = Field(-1, ge=-1)  # ... this position on (-1: each prompt's last token, as SGLang)
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token
     return_text_in_logprobs: bool = False  # each token's text beside its id
     cache_salt: str | None = None

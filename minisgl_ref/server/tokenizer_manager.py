@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import zmq
 import zmq.asyncio
@@ -92,15 +92,35 @@ def coalesce(pending: list[tuple[int, Chunk]]) -> list[tuple[int, Chunk]]:
     return list(merged.items())
 
 
+#: ``RequestOptions.logprob_start_len`` for "each prompt from its own last token": what SGLang's ``/generate``
+#: means by -1, its default. The position differs between the prompts of one batch, so the request carries this
+#: rule and each sequence resolves it against its own prompt (:meth:`RequestOptions.logprob_start`).
+LAST_PROMPT_TOKEN = "last"
+
+
 @dataclass(frozen=True)
 class RequestOptions:
     """What a request asks of the engine besides its sampling parameters; the same for every sequence of one
-    HTTP request. The names are SGLang's (see :class:`~minisgl_ref.core.request.Req`)."""
+    HTTP request. The names are SGLang's (see :class:`~minisgl_ref.core.request.Req`).
+
+    ``logprob_start_len`` is the first prompt position whose log probability is reported: a position, -1 for
+    none of the prompt (the engine's meaning, and what the OpenAI routes need), or :data:`LAST_PROMPT_TOKEN`."""
 
     return_logprob: bool = False
     top_logprobs_num: int = 0
-    logprob_start_len: int = -1
+    logprob_start_len: int | Literal["last"] = -1
     cache_salt: str | None = None
+
+    def logprob_start(self, prompt_len: int) -> int:
+        """The engine's ``logprob_start_len`` (a position, or -1: none) for one sequence whose prompt has
+        ``prompt_len`` tokens. Without ``return_logprob`` no position is reported."""
+        start = self.logprob_start_len
+        if not self.return_logprob:
+            return -1
+        if isinstance(start, str):
+            assert start == LAST_PROMPT_TOKEN, start
+            return prompt_len - 1
+        return start
 
 
 @dataclass
@@ -258,7 +278,7 @@ class TokenizerManager:
                 self.states[st.rid] = st
                 self._send(GenerateReqInput(st.rid, list(ids), params.to_dict(), options.cache_salt,
                                             options.return_logprob, options.top_logprobs_num,
-                                            options.logprob_start_len))
+                                            options.logprob_start(len(ids))))
                 if self.metrics is not None and not internal:
                     st.track = self.metrics.start(st.prompt_tokens, st.created)
             while remaining:
