@@ -306,6 +306,47 @@ def tp_section() -> list[str]:
     return out
 
 
+def parallel_serving_section() -> list[str]:
+    """Tensor- and data-parallel serving on two GPUs, as a user starts and stops it (chapters 09 and 10)."""
+    doc = load("parallel_serving_h200.json")
+    phases = {name: (run, ph) for run in doc["runs"] for name, ph in run["phases"].items()
+              if "error" not in ph and not ph.get("check", {}).get("killed")}
+    run, check = phases["tp_exit"]
+    serve, dp = phases["tp_serve"][1], phases["dp"][1]
+    sigterm = next(r["phases"]["tp_exit"]["sigterm"] for r in doc["runs"] if r["phases"].get("tp_exit", {}).get("sigterm"))
+    prov = run["provenance"]
+    c = check["check"]
+    one, two = dp["dp1"], dp["dp2"]
+    out = ["## Serving with tensor and data parallelism on two H200s (chapters 09 and 10)", "",
+           "Data: [`docs/data/parallel_serving_h200.json`](data/parallel_serving_h200.json) (log beside it), from "
+           f"`scripts/gpu/parallel_serving.py` on **{len(prov['gpus'])} x {prov['gpus'][0].split(',')[0]}** "
+           f"(torch {prov['torch']}, flashinfer {prov['flashinfer']}, NVLink multicast off); Qwen3-0.6B config, bf16, "
+           "dummy weights. Each phase in the file carries its own commit.", "",
+           "| what | measured |", "| --- | --- |",
+           f"| the tp=2 check as a process | result after {c['result_after_s']:.0f} s (kernels compiled on a bare "
+           f"machine), exit {c['exit_after_result_s']:.1f} s later; greedy tokens equal tp=1 for "
+           f"{c['result']['greedy_common_prefix']} of 32 |",
+           f"| `serve --tp-size 2` | ready in {serve['ready_s']:.0f} s; no failed start-up compile on either rank |",
+           f"| {serve['storm']['clients']} streaming clients that disconnect at random moments | nothing running "
+           f"{serve['storm']['idle_after_s']:.2f} s later, `/health` {serve['after_storm']['health']}, same greedy "
+           f"tokens after: {serve['after_storm']['greedy_again_identical']} |",
+           f"| SIGTERM to `serve --tp-size 2` | all {serve['stop']['processes']} processes gone in "
+           f"{serve['stop']['all_exited_s']:.1f} s (status {serve['stop']['exit_code']}) |",
+           f"| SIGTERM to an offline `LLM(tp_size=2)` in the middle of generate | all {sigterm['processes']} processes "
+           f"gone in {sigterm['all_exited_s']:.1f} s |",
+           f"| {dp['prompts']} requests at once, one server on one GPU | {one['request_throughput']:.0f} req/s, "
+           f"{one['output_throughput']:,.0f} output tok/s, TTFT median {one['median_ttft_ms'] / 1e3:.1f} s |",
+           f"| the same, `serve --dp-size 2` (one worker per GPU behind SGLang's router) | "
+           f"{two['request_throughput']:.0f} req/s ({dp['dp2_over_dp1_request_throughput']:.2f}x), "
+           f"{two['output_throughput']:,.0f} output tok/s, TTFT median {two['median_ttft_ms'] / 1e3:.1f} s |",
+           f"| one data-parallel worker killed (SIGKILL) mid-run | launcher exit status "
+           f"{dp['after_kill']['launcher_exit_code']} after {dp['after_kill']['launcher_exit_s']:.1f} s, no process "
+           "left |", ""]
+    out += [f"- run {i + 1}: {r['note']}" for i, r in enumerate(doc["runs"])]
+    out.append("")
+    return out
+
+
 #: The engine as it stands, on bare machines (newest last): the page opens with them.
 LATEST_BARE = ["canonical_bare_machine_prune_h100.json"] + [f"canonical_bare_machine_prune_{i}_h100.json"
                                                            for i in range(2, 6)]
@@ -347,7 +388,7 @@ def render() -> str:
             "the hardware, the software versions and the time it was measured; `python scripts/benchmarks_page.py` "
             "writes this page from them. The chapters that produce the numbers read the same files and plot them (the "
             "site shows the chapters' code; run a chapter or its notebook to see the plots).", ""]
-    page += latest_section() + offline_section() + tp_section()
+    page += latest_section() + offline_section() + tp_section() + parallel_serving_section()
     page += ["## Other results", "", *(f"- {line}" for line in OTHER_RESULTS), ""]
     return "\n".join(page)
 
