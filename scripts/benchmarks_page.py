@@ -323,8 +323,8 @@ def parallel_serving_section() -> list[str]:
            f"(torch {prov['torch']}, flashinfer {prov['flashinfer']}, NVLink multicast off); Qwen3-0.6B config, bf16, "
            "dummy weights. Each phase in the file carries its own commit.", "",
            "| what | measured |", "| --- | --- |",
-           f"| the tp=2 check as a process | result after {c['result_after_s']:.0f} s (kernels compiled on a bare "
-           f"machine), exit {c['exit_after_result_s']:.1f} s later; greedy tokens equal tp=1 for "
+           f"| the tp=2 check as a process | result after {c['result_after_s']:.0f} s (a cold start: every kernel "
+           f"compiled first), exit {c['exit_after_result_s']:.1f} s later; greedy tokens equal tp=1 for "
            f"{c['result']['greedy_common_prefix']} of 32 |",
            f"| `serve --tp-size 2` | ready in {serve['ready_s']:.0f} s; no failed start-up compile on either rank |",
            f"| {serve['storm']['clients']} streaming clients that disconnect at random moments | nothing running "
