@@ -501,11 +501,12 @@ print("default start:", [[(e[2], round(e[0], 2)) for e in o["meta_info"]["input_
 # JSON schema built from the functions' parameters, and `"auto"` answers are parsed: a call the model wrote comes
 # back as `message.tool_calls` with `finish_reason: "tool_calls"`, anything else as content. Streams send a call's
 # id and name first and its arguments in fragments after, as OpenAI's do. A function's `strict: true` (arguments
-# that follow its schema exactly) is what the grammar of `"required"` and named calls gives; an `"auto"` answer is
-# free text that nothing could hold to the schema, so there `strict: true` is refused.
+# that follow its schema exactly) is what the grammar of `"required"` and named calls gives; under `"auto"` it is
+# kept by a *structural tag* (chapter 12): the text stays free until the model writes `<tool_call>`, and from there
+# a grammar holds the call to one of the functions and its arguments to that function's schema.
 #
-# Fields that would change the answer but are not implemented (`structural_tag`, images, LoRA adapters, ...) are
-# refused with a 400 that names them: an answer that silently ignored one would look right and be wrong. A chat
+# Fields that would change the answer but are not implemented (`structural_tag` on the OpenAI routes -- `/generate`
+# takes it in `sampling_params` --, images, LoRA adapters, ...) are refused with a 400 that names them: an answer that silently ignored one would look right and be wrong. A chat
 # message's fields beyond role and content (`reasoning_content`, say) go to the chat template, which decides what
 # the model reads; the retired `function_call` and `audio`, which no template here renders, are refused. Fields that
 # change nothing by their nature are accepted: `user` (for a provider's abuse monitoring), `stream_options` without

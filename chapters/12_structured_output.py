@@ -66,7 +66,8 @@ from minisgl_ref.constrained.schema_support import unsupported_keyword
 from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.course import task_source
 from minisgl_ref.engine.engine import Engine
-from minisgl_ref.server.tools import Function, ToolCallParser, call_schema, plan_tools
+from minisgl_ref.constrained.structural_tag import to_xgrammar
+from minisgl_ref.server.tools import Function, ToolCallParser, call_schema, call_structural_tag, plan_tools
 
 CHAPTER_START = time.perf_counter()
 # One torch thread, as in the other chapters: on a small shared CPU two threads that wait for each other at
@@ -679,8 +680,9 @@ assert runs[True][2].stats.steps < runs[False][2].stats.steps
 # - `"required"` or a named function promises that the answer *is* a call with valid arguments. A prompt cannot
 #   promise that for a 135M model, so the server turns the tools into a JSON schema (`call_schema`: the name
 #   pinned with `const`, the arguments by the function's parameter schema) and constrains decoding with it;
-# - `"auto"` leaves the choice to the model: nothing is constrained, and a parser (`ToolCallParser`) finds
-#   `<tool_call>` blocks in whatever the model wrote.
+# - `"auto"` leaves the choice to the model: whether to call is never constrained, and a parser
+#   (`ToolCallParser`) finds `<tool_call>` blocks in whatever the model wrote. Once a tool is `strict`, the
+#   calls' *arguments* are held to their schemas all the same, by a structural tag (below).
 
 # %%
 weather = Function("get_weather", "Current weather in a city.",
@@ -713,14 +715,40 @@ print(f"auto: content {auto.content!r}, calls {[c.openai()['function'] for c in 
 # it: the parser sends the content and, once the head `{"name": "get_time", "arguments": ` has been read, the
 # call.
 #
+# **Strict tools under `"auto"`: a structural tag.** A function marked `strict: true` promises arguments that
+# follow its schema, even when the model decides for itself whether to call. A grammar can keep that promise
+# without taking the decision away, by constraining only *part* of the output. A structural tag (SGLang's
+# `structural_tag` sampling parameter, xgrammar's triggered tags) lists a *trigger*, `<tool_call>`, and one
+# *structure* per function: a fixed begin string (the trigger and the call's head, naming the function, exactly as
+# the prompt teaches it and the parser reads it), the function's parameter schema, and a fixed end string. The
+# text is free until the trigger is written; from there the grammar allows only one of the structures, and after
+# its end the text is free again. The server builds it with `call_structural_tag` for every tool once any is
+# strict (the model picks the function only after the trigger), and the same keyword check as for forced calls
+# refuses a schema the grammar would not enforce.
+
+# %%
+strict = SamplingParams(structural_tag=call_structural_tag(plan_tools([weather, clock], "auto")))
+print("begin:", repr(json.loads(strict.structural_tag)["structures"][0]["begin"]))
+tagged = xgr.Grammar.from_structural_tag(to_xgrammar(strict.structural_tag))
+call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "Europe/Paris"}}\n</tool_call>'
+for text in ["No call is needed.", f"Let me check. {call} Done.",
+             call.replace("get_time", "get_date"), call.replace('"Europe/Paris"', "42")]:
+    print(f"{_is_grammar_accept_string(tagged, text)!s:5}  {text!r}")
+assert _is_grammar_accept_string(tagged, f"Let me check. {call} Done.")
+assert not _is_grammar_accept_string(tagged, call.replace('"Europe/Paris"', "42"))
+
+# %% [markdown]
+# Free text passes, and so does a well-formed call amid it; a call to a function that is not among the tools, or
+# with a number where the schema asks for a string, cannot be written.
+#
 # **Definitions move to the root.** A tool made from a pydantic model with nested models
 # (`openai.pydantic_function_tool`) keeps them in `$defs` and points at them with `{"$ref": "#/$defs/Address"}`.
 # A reference is resolved from the root of the *whole* schema, and in the call schema a function's parameters sit
 # two levels down, so `call_schema` moves each function's definitions to the root, under names that start with
 # the function's, and rewrites its references to match (two tools may both define an `Address`; a reference to a
 # schema's own root becomes a definition of its own, so recursive schemas stay recursive). The forced modes also
-# refuse a tool whose schema uses a refused keyword: its arguments are promised to fit. In `"auto"` nothing is
-# enforced, and the schema is only text in the prompt.
+# refuse a tool whose schema uses a refused keyword: its arguments are promised to fit (and so does `"auto"` with a
+# strict tool). In `"auto"` without strict tools nothing is enforced, and the schema is only text in the prompt.
 
 # %%
 ADDRESS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}

@@ -1,7 +1,7 @@
 """Options of the OpenAI routes that must not be accepted and then ignored (chapter 10).
 
 ``stream_options.continuous_usage_stats`` puts the usage so far on every chunk; ``strict`` function schemas are
-honoured where a grammar enforces them and refused by name where nothing could; a chat message's extra fields go
+honoured by a grammar under every tool_choice (a structural tag under "auto"); a chat message's extra fields go
 to the chat template, except those no template here can render, which are refused by name.
 """
 
@@ -95,12 +95,23 @@ def test_stream_options_and_user_are_no_ops_without_a_stream(server):
 
 
 @pytest.mark.slow
-def test_strict_tools_are_refused_where_nothing_enforces_them(server):
-    err = error(server, "/v1/chat/completions", dict(messages=CHAT, tools=[WEATHER], max_tokens=8))
-    assert err["param"] == "tools.0.function.strict" and "tool_choice 'auto'" in err["message"]
-    err = error(server, "/v1/chat/completions", dict(messages=CHAT, tools=[{**WEATHER, "function": {
-        **WEATHER["function"], "name": "get_time", "strict": False}}, WEATHER], tool_choice="auto", max_tokens=8))
-    assert err["param"] == "tools.1.function.strict"
+def test_strict_tools_are_honoured_under_every_tool_choice(server):
+    # Under "auto" (the default, and explicit) a structural tag keeps every call the model writes to its schema.
+    weather = [{"role": "user", "content": "What is the weather in Paris? Call the function."}]
+    get_time = {**WEATHER, "function": {**WEATHER["function"], "name": "get_time", "strict": False}}
+    for tools, choice in [([WEATHER], None), ([get_time, WEATHER], "auto")]:
+        body = dict(model=MODEL, messages=weather, tools=tools, max_tokens=60, temperature=0,
+                    repetition_penalty=1.3, **({"tool_choice": choice} if choice else {}))
+        r = server.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        for c in r.json()["choices"][0]["message"].get("tool_calls") or []:
+            assert c["function"]["name"] in {"get_weather", "get_time"}
+            args = json.loads(c["function"]["arguments"])
+            assert list(args) == ["city"] and isinstance(args["city"], str)
+    # What cannot hold together is still refused: a response_format besides tools that may be called.
+    err = error(server, "/v1/chat/completions", dict(messages=CHAT, tools=[WEATHER], max_tokens=8,
+                                                     response_format={"type": "json_object"}))
+    assert err["param"] == "tool_choice"
     # Enforced by a grammar: a required or named call follows the schema, so strict is honoured.
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         r = server.post("/v1/chat/completions", json=dict(model=MODEL, messages=[

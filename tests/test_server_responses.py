@@ -395,6 +395,12 @@ def test_forced_function_calls(server, client):
     auto = client.responses.create(model=MODEL, input=one_shot, tools=[WEATHER, ADD], max_output_tokens=40,
                                    temperature=0)
     assert calls(auto.output) == [("get_weather", '{"city": "Paris"}')] and auto.output_text == ""
+    # Strict tools under the default "auto": a structural tag holds every call the model writes to its schema.
+    strict = client.responses.create(model=MODEL, input=one_shot, tools=[{**WEATHER, "strict": True}, ADD],
+                                     max_output_tokens=40, temperature=0)
+    assert strict.status == "completed" and calls(strict.output)
+    for name, arguments in calls(strict.output):
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
     none = client.responses.create(model=MODEL, input=one_shot, tools=[WEATHER, ADD], tool_choice="none",
                                    max_output_tokens=40, temperature=0)
     assert calls(none.output) == [] and none.output[0].type == "message"
@@ -500,6 +506,8 @@ BAD = [
      "type 'object'"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "add"}}, "tool_choice", "not among the tools"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [{**WEATHER, "strict": True, "parameters": {"type": "object", "properties": {
+        "t": {"type": "array", "uniqueItems": True}}}}]}, "tools.0.parameters", "'uniqueItems'"),
     ({"tools": [WEATHER], "text": {"format": {"type": "json_object"}}}, "tool_choice", "cannot be combined"),
     ({"previous_response_id": "resp_never"}, "previous_response_id", "no stored response"),
 ]

@@ -27,6 +27,7 @@ from minisgl_ref.server.tools import (
     Function,
     ToolCallParser,
     call_schema,
+    call_structural_tag,
     plan_tools,
     render_messages,
     template_renders_tools,
@@ -215,6 +216,67 @@ def test_call_schema_forces_the_shape():
     assert list(named["properties"]) == ["name", "arguments"]  # the name is written first
 
 
+def test_structural_tag_of_strict_tools_under_auto():
+    """The grammar of strict tools under "auto", compiled by xgrammar for a one-character-per-token vocabulary:
+    text is free until ``<tool_call>``, then only a listed function's head, arguments that fit its schema and the
+    closing tag, then free text again. What it lets through is a call the parser reads."""
+    import xgrammar as xgr
+
+    from minisgl_ref.constrained import validate_grammar
+    from minisgl_ref.constrained.structural_tag import to_xgrammar
+    from minisgl_ref.sampling.params import SamplingParams
+    from tests.test_schema_support import EOS, VOCAB
+
+    params = SamplingParams(structural_tag=json.dumps(call_structural_tag(plan_tools(FUNCTIONS, "auto"))))
+    validate_grammar(params)
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(VOCAB, stop_token_ids=[EOS]), cache_enabled=False)
+    compiled = compiler.compile_structural_tag(to_xgrammar(params.structural_tag))
+
+    def accepts(text: str, *, ends: bool = False) -> bool:
+        matcher = xgr.GrammarMatcher(compiled)
+        return matcher.accept_string(text) and (not ends or (matcher.accept_token(EOS) and matcher.is_terminated()))
+
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    assert accepts("Sure, no function is needed: it is 4. <tool> and {json} are just text.", ends=True)
+    assert accepts("<tool_call>\n") and accepts('<tool_call>\n{"name": "get_weather", "arguments": ')
+    for head in ('<tool_call>\n{"name": "get_time"', '<tool_call>\n{"name": "ad"}', "<tool_call>hello",
+                 '<tool_call>\n{"arguments": {'):
+        assert not accepts(head), head  # only a listed function's head may follow the trigger
+    for args in ('{"a": "1"', '{"a": 1, "b": 1000', '{"b": 2', '{"a": 1}', '{"a": 1, "b": 2, "c"'):
+        assert not accepts('<tool_call>\n{"name": "add", "arguments": ' + args), args  # breaks ADD_PARAMS
+    assert not accepts('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')  # the newline
+    assert not accepts(call[:-3], ends=True)  # a call cut short cannot end the answer
+    answer = f"Let me add them. {call} And the weather: " + call.replace(
+        '"add", "arguments": {"a": 1, "b": 2}', '"get_weather", "arguments": {"city": "Oslo"}') + " Done."
+    assert accepts(answer, ends=True)
+    parser, _ = parse(answer)
+    assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [
+        ("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Oslo"})]
+    assert "".join(parser.content.split()) == "Letmeaddthem.Andtheweather:Done."  # the text around the calls
+
+
+def test_structural_tag_sampling_param_is_checked():
+    """SGLang's ``structural_tag`` sampling parameter: a bad shape, or a schema with a keyword the grammar would
+    not enforce, is a ``ValueError`` that starts with the field's name."""
+    from minisgl_ref.constrained import validate_grammar
+    from minisgl_ref.sampling.params import SamplingParams
+
+    item = {"begin": "<f>", "schema": WEATHER_PARAMS, "end": "</f>"}
+    good = {"type": "structural_tag", "structures": [item], "triggers": ["<f"]}
+    validate_grammar(SamplingParams(structural_tag=good))
+    validate_grammar(SamplingParams(structural_tag=json.dumps(good)))
+    for bad in ["{", "[]", {**good, "type": "tag"}, {**good, "triggers": []}, {**good, "structures": []},
+                {**good, "structures": [{"begin": "<f>", "schema": WEATHER_PARAMS}]},
+                {**good, "triggers": ["<g"]}, {**good, "extra": 1}]:
+        with pytest.raises(ValueError, match="^structural_tag"):
+            SamplingParams(structural_tag=bad)
+    with pytest.raises(ValueError, match="^only one of"):
+        SamplingParams(structural_tag=good, regex="a")
+    unique = {"type": "object", "properties": {"t": {"type": "array", "uniqueItems": True}}}
+    with pytest.raises(ValueError, match=r"^structural_tag: structures\[0\]\.schema: the keyword 'uniqueItems'"):
+        validate_grammar(SamplingParams(structural_tag={**good, "structures": [{**item, "schema": unique}]}))
+
+
 def test_history_for_a_template_without_tools():
     plan = plan_tools(FUNCTIONS, "auto")
     history = [
@@ -374,13 +436,27 @@ def test_generate_with_grammars(server):
         ({"ebnf": 'root ::= "The answer is " digit digit? "."\ndigit ::= [0-9]'},
          lambda t: re.fullmatch(r"The answer is [0-9]{1,2}\.", t)),
     ]
+    tag = {"type": "structural_tag", "triggers": ["<answer>"],
+           "structures": [{"begin": "<answer>", "schema": schema, "end": "</answer>"}]}
+
+    def tagged(text: str) -> None:  # free text, and every tagged answer fits the schema
+        for m in re.finditer(r"<answer>(.*?)</answer>", text, re.S):
+            jsonschema.validate(json.loads(m.group(1)), schema)
+        assert "<answer>" not in re.sub(r"<answer>(.*?)</answer>", "", text, flags=re.S)
+
+    cases.append(({"structural_tag": json.dumps(tag)}, tagged))
     for grammar, check in cases:
         r = server.post("/generate", json={"text": "Is 2 + 2 equal to 4? Answer:", "sampling_params": {
             "max_new_tokens": 48, "temperature": 0, **grammar}})
         assert r.status_code == 200, r.text
         out = r.json()
-        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        assert out["meta_info"]["finish_reason"]["type"] in (("stop", "length") if "structural_tag" in grammar
+                                                             else ("stop",)), out
         assert check(out["text"]) is not False, (grammar, out["text"])
+    for bad, fragment in [("{", "not valid JSON"), (json.dumps({**tag, "triggers": []}), "triggers")]:
+        r = server.post("/generate", json={"text": "hi", "sampling_params": {"structural_tag": bad}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "structural_tag", r.text
+        assert fragment in r.json()["error"]["message"], r.text
 
 
 @pytest.mark.slow
@@ -539,8 +615,12 @@ def test_unenforced_keywords_are_400s_naming_the_keyword_and_its_place(server, c
         r = server.post("/v1/chat/completions", json={"messages": CHAT, "tools": [WEATHER, tool],
                                                       "tool_choice": choice, "parallel_tool_calls": parallel})
         assert_error(r, "tools.1.function.parameters", fragment)
-    # ... but not where nothing is forced: in "auto" the schema is only text in the prompt, and forcing another
-    # function leaves this one out of the grammar.
+    # ... and under "auto" once any tool is strict (a structural tag then holds every call to its schema) ...
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    r = server.post("/v1/chat/completions", json={"messages": CHAT, "tools": [strict, tool]})
+    assert_error(r, "tools.1.function.parameters", fragment)
+    # ... but not where nothing is forced: in "auto" without strict tools the schema is only text in the prompt,
+    # and forcing another function leaves this one out of the grammar.
     for choice in ("auto", {"type": "function", "function": {"name": "get_weather"}}):
         r = server.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "tools": [tool, WEATHER],
                                                       "tool_choice": choice, "max_tokens": 30, "temperature": 0})
@@ -600,11 +680,19 @@ def test_pydantic_tools_with_defs_under_every_forced_tool_choice(client, server)
             validators[call.function.name].validate(json.loads(call.function.arguments))
             names.add(call.function.name)
     assert names == {"PlaceOrder", "CheckStock", "Node"}  # both tools that define an Item were called
-    # pydantic_function_tool marks its tools strict, a promise that "auto" (calls parsed from free text) cannot
-    # keep: refused by name. The same tools without the promise are accepted under "auto".
-    refused = server.post("/v1/chat/completions", json={"model": MODEL, "messages": question, "tools": tools,
-                                                         "max_tokens": 20})
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools.0.function.strict", refused.text
+    # pydantic_function_tool marks its tools strict: under "auto" (the default) a structural tag keeps every call
+    # the model chooses to make to its own tool's schema, references and all, and the rest of the text free.
+    calls = []
+    for choice in (None, "auto"):
+        resp = client.chat.completions.create(model=MODEL, messages=question, tools=tools, max_tokens=200,
+                                              temperature=0, extra_body=penalty,
+                                              **({"tool_choice": choice} if choice else {}))
+        answer = resp.choices[0]
+        assert answer.finish_reason in ("stop", "length", "tool_calls"), answer
+        calls += answer.message.tool_calls or []
+    for call in calls:
+        validators[call.function.name].validate(json.loads(call.function.arguments))
+    # The same tools without the promise are accepted under "auto" too (their schemas only text in the prompt).
     loose = [{**t, "function": {k: v for k, v in t["function"].items() if k != "strict"}} for t in tools]
     resp = client.chat.completions.create(model=MODEL, messages=question, tools=loose, max_tokens=20, temperature=0)
     assert resp.choices[0].finish_reason in ("stop", "length", "tool_calls")

@@ -9,6 +9,7 @@ grammar work; this package adapts it to the engine, one mechanism per module:
 :mod:`~.spec`                      which grammar a request asks for (kind + source), and error messages
 :mod:`~.validate`                  the admission check: is the grammar valid? (no model or tokenizer needed)
 :mod:`~.schema_support`            which JSON-schema keywords the grammar enforces; the refusal of the others
+:mod:`~.structural_tag`            SGLang's structural tag (free text, triggered structures) as xgrammar's
 :mod:`~.backend`                   compiling grammars for the model's vocabulary: cached, on a thread pool
 :mod:`~.matcher`                   one request's position in its grammar: accept, mask row, termination, jump
 :mod:`~.bitmask`                   packing the batch's masks and applying them to the logits on their device
@@ -23,7 +24,10 @@ at most one per request, else ``ValueError`` naming the fields):
   properties and values. This is what OpenAI's ``response_format={"type": "json_object"}`` maps to; spelling
   it as a sentinel keeps "whatever object the model likes" apart from a user's schema in logs and caches;
 * ``regex``: the whole output matches this regular expression;
-* ``ebnf``: the output is a sentence of this grammar (xgrammar's EBNF dialect, start rule ``root``).
+* ``ebnf``: the output is a sentence of this grammar (xgrammar's EBNF dialect, start rule ``root``);
+* ``structural_tag``: free text until a trigger, then one of the listed structures (begin string, JSON for a
+  schema, end string), then free text again (:mod:`~.structural_tag`). This is how strict tools are honoured
+  under ``tool_choice: "auto"``: every call the model chooses to write fits its function's schema.
 
 A server maps OpenAI's ``response_format`` this way: ``{"type": "json_schema", "json_schema": {"schema": S}}`` ->
 ``json_schema=json.dumps(S)``; ``{"type": "json_object"}`` -> ``json_schema=ANY_JSON``; ``{"type": "text"}`` ->

@@ -43,6 +43,7 @@ import xgrammar as xgr
 from minisgl_ref.constrained.matcher import GrammarState
 from minisgl_ref.constrained.schema_support import check_schema_support
 from minisgl_ref.constrained.spec import GrammarSpec, grammar_error
+from minisgl_ref.constrained.structural_tag import check_structural_tag_support, to_xgrammar
 
 #: Compiled grammars kept (least recently used dropped first). A compiled JSON schema holds a few hundred KB.
 COMPILE_CACHE_SIZE = 256
@@ -88,6 +89,8 @@ class GrammarBackend:
     def _compile_now(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         if spec.kind == "json_schema":  # a request that skipped the admission check is refused here instead
             check_schema_support(spec.source)
+        if spec.kind == "structural_tag":
+            check_structural_tag_support(spec.source)
         compiler = self._get_compiler()
         try:
             if spec.kind == "json_schema":
@@ -97,6 +100,8 @@ class GrammarBackend:
                                                     any_whitespace=JSON_ANY_WHITESPACE)
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.source)
+            if spec.kind == "structural_tag":
+                return compiler.compile_structural_tag(to_xgrammar(spec.source))
             return compiler.compile_grammar(spec.source)
         except Exception as e:  # noqa: BLE001 - xgrammar reports every bad grammar as a RuntimeError from C++
             raise grammar_error(spec, e) from e

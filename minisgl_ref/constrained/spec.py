@@ -1,6 +1,7 @@
 """What a request's output must look like, as one hashable value (chapter 12).
 
-A request names its grammar with one of three sampling parameters (``json_schema``, ``regex``, ``ebnf``;
+A request names its grammar with one of four sampling parameters (``json_schema``, ``regex``, ``ebnf``,
+``structural_tag``;
 :mod:`minisgl_ref.sampling.params`). Everything downstream -- the compile cache, the error messages, the engine's
 bookkeeping -- needs the same two facts: *which kind* of grammar, and *its source text*. :class:`GrammarSpec` is
 that pair. It is frozen and hashable because it is the key of the compiled-grammar cache: two requests with the
@@ -18,7 +19,7 @@ from typing import Literal
 
 from minisgl_ref.sampling.params import ANY_JSON, SamplingParams
 
-GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf"]
+GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf", "structural_tag"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ def spec_of(params: SamplingParams) -> GrammarSpec | None:
         return GrammarSpec("regex", params.regex)
     if params.ebnf is not None:
         return GrammarSpec("ebnf", params.ebnf)
+    if params.structural_tag is not None:
+        return GrammarSpec("structural_tag", params.structural_tag)
     return None
 
 

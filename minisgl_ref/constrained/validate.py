@@ -2,7 +2,8 @@
 
 The server should refuse a bad schema with an HTTP 400 *before* the request reaches the engine, where it could
 only end as an aborted request. :func:`validate_grammar` parses the grammar with xgrammar's tokenizer-free front
-end (``xgrammar.Grammar.from_json_schema`` / ``from_regex`` / ``from_ebnf``): the same parser the engine's
+end (``xgrammar.Grammar.from_json_schema`` / ``from_regex`` / ``from_ebnf`` / ``from_structural_tag``): the same
+parser the engine's
 compiler runs first, so what passes here compiles there, and it needs neither the model nor its tokenizer -- the
 server's front-end process can call it. Results are cached per grammar, so a client that sends the same schema
 with every request pays for parsing once.
@@ -21,6 +22,7 @@ import xgrammar as xgr
 
 from minisgl_ref.constrained.schema_support import check_schema_support
 from minisgl_ref.constrained.spec import GrammarSpec, grammar_error, spec_of
+from minisgl_ref.constrained.structural_tag import check_structural_tag_support, to_xgrammar
 from minisgl_ref.sampling.params import SamplingParams
 
 #: How many distinct grammars the admission check remembers (the verdict, not the grammar).
@@ -38,12 +40,17 @@ def _problem(spec: GrammarSpec, keywords: bool) -> str | None:
             xgr.Grammar.from_regex(spec.source)
         elif spec.kind == "ebnf":
             xgr.Grammar.from_ebnf(spec.source)
+        elif spec.kind == "structural_tag":
+            xgr.Grammar.from_structural_tag(to_xgrammar(spec.source))
         # json_object: the built-in JSON grammar is always valid
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError from C++ for every kind of bad input
         return str(grammar_error(spec, e))
-    if keywords and spec.kind == "json_schema":
+    if keywords and spec.kind in ("json_schema", "structural_tag"):
         try:
-            check_schema_support(spec.source)
+            if spec.kind == "json_schema":
+                check_schema_support(spec.source)
+            else:
+                check_structural_tag_support(spec.source)
         except ValueError as e:
             return str(e)
     return None
@@ -51,8 +58,9 @@ def _problem(spec: GrammarSpec, keywords: bool) -> str | None:
 
 def validate_grammar(params: SamplingParams, *, keywords: bool = True) -> None:
     """Raise ``ValueError`` if ``params`` asks for a grammar xgrammar cannot parse, or (unless ``keywords`` is
-    False) a JSON schema with a keyword the grammar would not enforce; the message starts with the field
-    (``json_schema``, ``regex`` or ``ebnf``) and gives the reason. Free-text requests always pass.
+    False) a JSON schema (alone or in a structural tag) with a keyword the grammar would not enforce; the message
+    starts with the field (``json_schema``, ``regex``, ``ebnf`` or ``structural_tag``) and gives the reason.
+    Free-text requests always pass.
 
     ``SamplingParams`` itself already rejects two grammar fields at once and a ``json_schema`` that is not JSON.
     ``keywords=False`` is for a schema nothing will enforce anyway (a tool's, when the model may call it freely)."""

@@ -33,10 +33,14 @@ seed                   None or an int
 json_schema            None, a JSON schema (a JSON string; a dict is serialised), or ANY_JSON (any object)
 regex                  None or a regular expression the whole output must match
 ebnf                   None or a grammar in xgrammar's EBNF dialect (its start rule is ``root``)
+structural_tag         None or SGLang's structural tag (a JSON string; a dict is serialised), see below
 =====================  ======================================================
 
-**Structured output (chapter 12).** ``json_schema``, ``regex`` and ``ebnf`` are SGLang's names for constrained
-decoding: at most one may be set. Here they are only checked for shape (a string, valid JSON for a schema); whether
+**Structured output (chapter 12).** ``json_schema``, ``regex``, ``ebnf`` and ``structural_tag`` are SGLang's names
+for constrained decoding: at most one may be set. A structural tag, ``{"type": "structural_tag", "structures":
+[{"begin": ..., "schema": {...}, "end": ...}], "triggers": [...]}``, leaves the text free until one of the triggers
+is written, then forces one of the structures (its begin string, JSON for its schema, its end string), then frees
+the text again: each begin must start with a trigger. Here they are only checked for shape (a string, valid JSON for a schema); whether
 the grammar itself is valid is xgrammar's call, made by :func:`minisgl_ref.constrained.validate_grammar` (the
 server's admission check, an HTTP 400; ``LLM.generate``'s, a ``ValueError``) and again when the engine compiles
 it. The same check refuses a schema that uses a keyword the grammar would not enforce, by name
@@ -77,7 +81,7 @@ MAX_TEMPERATURE = 1e30
 ANY_JSON = "$$ANY$$"
 
 #: The sampling parameters that constrain the output with a grammar; at most one of them may be set.
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 def _describe(value: Any) -> str:
@@ -167,15 +171,56 @@ def _normalize_json_schema(value: Any) -> str | None:
     return value
 
 
+def _normalize_structural_tag(value: Any) -> str | None:
+    """SGLang's structural tag, checked for shape and stored as JSON text (the grammar cache's key). Each schema's
+    meaning (and its keywords) is checked later, like ``json_schema``'s."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"structural_tag is not valid JSON: {e}") from e
+    if not isinstance(value, Mapping):
+        raise ValueError(f"structural_tag must be a JSON object, got {_describe(value)}")
+    if value.get("type") != "structural_tag":
+        raise ValueError(f'structural_tag: "type" must be "structural_tag", got {value.get("type")!r}')
+    unknown = sorted(set(value) - {"type", "structures", "triggers"})
+    if unknown:
+        raise ValueError(f"structural_tag: unknown key {unknown[0]!r} (expected type, structures and triggers)")
+    triggers, structures = value.get("triggers"), value.get("structures")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError(f"structural_tag: triggers must be a non-empty list of non-empty strings, "
+                         f"got {_describe(triggers)}")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError(f"structural_tag: structures must be a non-empty list, got {_describe(structures)}")
+    for i, item in enumerate(structures):
+        where = f"structural_tag: structures[{i}]"
+        if not isinstance(item, Mapping) or set(item) != {"begin", "schema", "end"}:
+            raise ValueError(f"{where} must be an object with exactly begin, schema and end, got {_describe(item)}")
+        if not isinstance(item["begin"], str) or not isinstance(item["end"], str):
+            raise ValueError(f"{where}: begin and end must be strings")
+        if not isinstance(item["schema"], (Mapping, bool)):
+            raise ValueError(f"{where}.schema must be a JSON schema (an object), got {_describe(item['schema'])}")
+        if not any(item["begin"].startswith(t) for t in triggers):
+            raise ValueError(f"{where}.begin {item['begin']!r} does not start with any of the triggers")
+    try:
+        return json.dumps({"type": "structural_tag", "structures": structures, "triggers": triggers})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"structural_tag: not JSON-serialisable: {e}") from e
+
+
 def _check_grammar_fields(params: SamplingParams) -> None:
     for name in ("regex", "ebnf"):
         value = getattr(params, name)
         if value is not None and (not isinstance(value, str) or not value):
             raise ValueError(f"{name} must be a non-empty string, got {_describe(value)}")
     params.json_schema = _normalize_json_schema(params.json_schema)
+    params.structural_tag = _normalize_structural_tag(params.structural_tag)
     given = [name for name in GRAMMAR_FIELDS if getattr(params, name) is not None]
     if len(given) > 1:
-        raise ValueError(f"only one of json_schema, regex and ebnf may be set, got {' and '.join(given)}")
+        raise ValueError(f"only one of json_schema, regex, ebnf and structural_tag may be set, "
+                         f"got {' and '.join(given)}")
 
 
 #: OpenAI's range for a logit bias: -100 bans a token in practice, +100 all but forces it.
@@ -230,6 +275,7 @@ class SamplingParams:
     json_schema: str | None = None  # a JSON schema as a JSON string (a dict is serialised), or ANY_JSON
     regex: str | None = None  # the output must match this regular expression, whole
     ebnf: str | None = None  # the output must be a sentence of this grammar (start rule ``root``)
+    structural_tag: str | None = None  # SGLang's structural tag as JSON text (a dict is serialised)
 
     def __post_init__(self) -> None:
         # Lengths.
@@ -288,7 +334,7 @@ class SamplingParams:
 
     @property
     def grammar_field(self) -> str | None:
-        """The name of the grammar field that is set (``json_schema``, ``regex`` or ``ebnf``), or None."""
+        """The name of the grammar field that is set (one of :data:`GRAMMAR_FIELDS`), or None."""
         return next((name for name in GRAMMAR_FIELDS if getattr(self, name) is not None), None)
 
     @property

@@ -89,6 +89,7 @@ from minisgl_ref.server.tools import (
     ToolCallParser,
     ToolPlan,
     call_schema,
+    call_structural_tag,
     plan_tools,
     render_messages,
     template_renders_tools,
@@ -358,9 +359,11 @@ def chat_request(s: ServerState, body: dict[str, Any]
     ids = manager.chat_ids(rendered, continue_final_message=req.continue_final_message, **template_kwargs)
     requested = req.max_completion_tokens or req.max_tokens
     manager.check_prompt(ids, requested, param="messages")
-    # With "required" or a named function the answer is the calls' JSON, by grammar.
-    params = req.to_sampling_params(requested or manager.context_length - len(ids),
-                                    tool_schema=call_schema(plan) if plan.constrained else None)
+    # With "required" or a named function the answer is the calls' JSON, by grammar; with strict tools under
+    # "auto" the text is free and every call in it is held to its schema (a structural tag).
+    tool_grammar = ({"json_schema": call_schema(plan)} if plan.constrained else
+                    {"structural_tag": call_structural_tag(plan)} if _strict_auto(req, plan) else None)
+    params = req.to_sampling_params(requested or manager.context_length - len(ids), tool_grammar=tool_grammar)
     manager.check_params(params)
     return req, ids, _fan_out([ids], params, req.n), plan
 
@@ -392,15 +395,9 @@ def chat_tool_plan(req: ChatCompletionRequest) -> ToolPlan:
         sampling_params({"json_schema": json.dumps(params)}, names={"json_schema": where}, keywords=False)
         functions.append(Function(fn.name, fn.description, params))
     plan = plan_tools(functions, req.tool_choice, req.parallel_tool_calls)
-    strict = next((i for i, tool in enumerate(req.tools or []) if tool.function.strict), None)
-    if strict is not None and plan.mode == "auto":
-        where = f"tools.{strict}.function.strict"
-        raise APIError(400, f"{where}: with tool_choice 'auto' the model's calls are parsed from free text, so "
-                            "their arguments cannot be promised to follow the schema; strict function schemas are "
-                            "enforced (by a grammar) with tool_choice 'required' or a named function", param=where)
-    if plan.constrained:  # a forced call promises arguments that fit: its grammar must enforce every keyword
-        for i, f in enumerate(functions):
-            if plan.mode == "required" or f.name == plan.named:
+    if plan.constrained or _strict_auto(req, plan):  # a promise that arguments fit: the grammar must enforce
+        for i, f in enumerate(functions):                 # every keyword of the schemas it covers
+            if plan.mode in ("required", "auto") or f.name == plan.named:
                 where = f"tools.{i}.function.parameters"
                 sampling_params({"json_schema": json.dumps(f.parameters)}, names={"json_schema": where})
     if plan.active and req.constraint()[0]:
@@ -408,6 +405,11 @@ def chat_tool_plan(req: ChatCompletionRequest) -> ToolPlan:
                             "tool_choice is 'none' (the answer could not both follow them and call a tool)",
                        param="tool_choice")
     return plan
+
+
+def _strict_auto(req: ChatCompletionRequest, plan: ToolPlan) -> bool:
+    """Is this an ``"auto"`` answer whose calls a structural tag keeps to their schemas (a tool is strict)?"""
+    return plan.mode == "auto" and any(tool.function.strict for tool in req.tools or [])
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:

@@ -56,7 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from minisgl_ref.constrained import validate_grammar
 from minisgl_ref.core.request import MAX_TOP_LOGPROBS
-from minisgl_ref.sampling.params import ANY_JSON, SamplingParams
+from minisgl_ref.sampling.params import ANY_JSON, GRAMMAR_FIELDS, SamplingParams
 
 
 class APIError(Exception):
@@ -249,7 +249,7 @@ def refuse_unsupported(body: Mapping[str, Any], table: Mapping[str, tuple[Any, .
 # Fields of SGLang's and OpenAI's APIs that would change the answer and that this server does not implement yet,
 # with their "not used" values.
 _DECODING_UNSUPPORTED = {  # SGLang's sampling parameters: top-level on the OpenAI routes, in /generate's
-    "structural_tag": UNSET,  # constrained decoding by tags (json_schema, regex and ebnf are supported)
+    "structural_tag": UNSET,  # constrained decoding by tags: /generate's sampling_params has it, OpenAI routes not
     "no_stop_trim": (None, False), "spaces_between_special_tokens": (None, True),  # detokenizing
     "custom_params": UNSET,  # for a custom logit processor
 }
@@ -269,11 +269,13 @@ _GENERATE_UNSUPPORTED = {
 def native_sampling_params(raw: dict[str, Any]) -> SamplingParams:
     """``/generate``'s ``sampling_params`` (SGLang's names): a key this server knows but does not implement is
     refused as unsupported, any other unknown key as unknown (a typo like ``top-p`` must not be ignored)."""
-    refuse_unsupported(raw, _DECODING_UNSUPPORTED, where="sampling_params.")
-    raw = {k: v for k, v in raw.items() if k not in _DECODING_UNSUPPORTED}  # all of them at their "not used" values
-    grammars = [k for k in ("json_schema", "regex", "ebnf") if raw.get(k) is not None]
+    unsupported = {k: v for k, v in _DECODING_UNSUPPORTED.items() if k != "structural_tag"}  # /generate has it
+    refuse_unsupported(raw, unsupported, where="sampling_params.")
+    raw = {k: v for k, v in raw.items() if k not in unsupported}  # all of them at their "not used" values
+    grammars = [k for k in GRAMMAR_FIELDS if raw.get(k) is not None]
     if len(grammars) > 1:
-        raise APIError(400, f"{grammars[1]}: give only one of json_schema, regex and ebnf; these sampling_params "
+        raise APIError(400, f"{grammars[1]}: give only one of json_schema, regex, ebnf and structural_tag; these "
+                            f"sampling_params "
                             f"give {grammars[0]} and {grammars[1]}", param=grammars[1])
     unknown = sorted(set(raw) - set(SamplingParams.__dataclass_fields__))
     if unknown:
@@ -399,9 +401,11 @@ class _OpenAISampling(_Strict):
             return {"json_schema": ANY_JSON}, {"json_schema": "response_format.json_schema"}
         return {"json_schema": json.dumps(schema)}, {"json_schema": "response_format.json_schema.schema"}
 
-    def to_sampling_params(self, max_new_tokens: int, tool_schema: dict[str, Any] | None = None) -> SamplingParams:
-        """The request's :class:`SamplingParams`; ``tool_schema`` is the grammar of a forced tool call
-        (:func:`minisgl_ref.server.tools.call_schema`), which takes the place of any other."""
+    def to_sampling_params(self, max_new_tokens: int,
+                           tool_grammar: dict[str, dict[str, Any]] | None = None) -> SamplingParams:
+        """The request's :class:`SamplingParams`; ``tool_grammar`` (one grammar field and its value: the
+        ``json_schema`` of a forced tool call, :func:`minisgl_ref.server.tools.call_schema`, or the
+        ``structural_tag`` of strict tools under ``"auto"``) takes the place of any other."""
         kw: dict[str, Any] = {"max_new_tokens": max_new_tokens, "ignore_eos": self.ignore_eos,
                               "skip_special_tokens": self.skip_special_tokens}
         for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
@@ -415,8 +419,9 @@ class _OpenAISampling(_Strict):
             if value is not None:
                 kw[ours] = value
         grammar, names = self.constraint()
-        if tool_schema is not None:
-            grammar, names = {"json_schema": json.dumps(tool_schema)}, {"json_schema": "tools"}
+        if tool_grammar is not None:
+            grammar = {field: json.dumps(value) for field, value in tool_grammar.items()}
+            names = {field: "tools" for field in tool_grammar}
         return sampling_params({**kw, **grammar}, names={**OPENAI_NAMES, **names})
 
 

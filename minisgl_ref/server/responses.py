@@ -24,8 +24,8 @@ chat route's, and an error it raises is renamed to the field the client sent (``
 other than functions, image, file and audio inputs), as are the chat fields that have a Responses name
 (``max_tokens``, ``response_format``, ...); other unknown fields are ignored, as on every route. A function's
 ``strict`` means what it means on chat: a call that ``tool_choice`` forces (``"required"`` or a named function)
-follows the parameters' schema by grammar, and a call the model chose to write under ``"auto"`` is parsed as
-written.
+follows the parameters' schema by grammar, and under ``"auto"`` a strict tool puts the answer under a structural
+tag, so that a call the model chooses to write follows its schema too.
 
 **Output items.** The answer's text goes through the chat's :class:`~minisgl_ref.server.tools.ToolCallParser`
 when tools are active, and :class:`OutputItems` turns what the parser makes certain, in text order, into items:

@@ -18,10 +18,13 @@ four pieces of that convention:
    135M-parameter model, so these two modes constrain decoding with a JSON schema built from the tools (see
    :mod:`minisgl_ref.constrained`): the output *is* the JSON of the calls, valid by construction. The promise is
    only as good as the grammar, so in these two modes a tool whose parameters use a JSON-schema keyword the
-   grammar would not enforce (:mod:`minisgl_ref.constrained.schema_support`) is refused by name; in ``"auto"``
-   nothing is enforced, and the schema is only text in the prompt.
-3. **The parser** (:class:`ToolCallParser`). ``"auto"`` leaves the choice to the model, so nothing is constrained:
-   the parser finds ``<tool_call>`` blocks in whatever the model wrote, returns them as calls and the rest as
+   grammar would not enforce (:mod:`minisgl_ref.constrained.schema_support`) is refused by name. In ``"auto"``
+   a schema is only text in the prompt -- unless a tool is ``strict``: then the answer is constrained by a
+   *structural tag* (:func:`call_structural_tag`), free text until ``<tool_call>`` and from there a call head
+   naming one of the functions, arguments that fit its schema and the closing tag, so every call the model
+   chooses to make is valid (SGLang's way; the same keyword check applies).
+3. **The parser** (:class:`ToolCallParser`). ``"auto"`` leaves the choice to the model, so whether to call is
+   never constrained: the parser finds ``<tool_call>`` blocks in whatever the model wrote, returns them as calls and the rest as
    content. If the model called nothing, the whole text is the content.
 4. **Streaming.** The same parser runs on the streamed text, one chunk at a time, and says what can be sent so
    far: content up to (not into) anything that may be the start of a ``<tool_call>`` tag, a call's id and name as
@@ -149,6 +152,19 @@ def call_schema(plan: ToolPlan) -> dict[str, Any]:
     one = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema = {"type": "array", "items": one, "minItems": 1} if plan.mode == "required" and plan.parallel else one
     return {**schema, "$defs": defs} if defs else schema
+
+
+def call_structural_tag(plan: ToolPlan) -> dict[str, Any]:
+    """The structural tag that keeps an ``"auto"`` answer's calls to their functions' schemas (strict tools).
+
+    The text stays free until the model writes ``<tool_call>``; from there it must go on with one of the
+    functions' call heads, exactly as the prompt teaches it and the parser reads it (``<tool_call>`` newline
+    ``{"name": "f", "arguments": ``), then arguments that fit that function's parameters, then ``}`` newline
+    ``</tool_call>``; after that the text is free again. Every function gets its structure, strict or not, once
+    one of them is strict: the model picks the function after the trigger, so the grammar must know them all."""
+    structures = [{"begin": f"{CALL_OPEN}\n{{\"name\": {json.dumps(f.name, ensure_ascii=False)}, \"arguments\": ",
+                   "schema": f.parameters, "end": f"}}\n{CALL_CLOSE}"} for f in plan.functions]
+    return {"type": "structural_tag", "structures": structures, "triggers": [CALL_OPEN]}
 
 
 # ------------------------------------------------------------------------------------------------ the prompt
