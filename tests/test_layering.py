@@ -29,6 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("attention",),  # attention backends
     ("scheduler",),  # the scheduler and the cache manager it drives
     ("engine",),  # the engine loop, model runner, CUDA graphs
+    ("perf",),  # extensions (chapter 11): cascade and split-KV decode, folded norms, fused kernels
     ("tp",),  # the tensor-parallel engine, group membership and rank launching
     ("runtime",),  # build_runtime: model, tokenizer and engine for one process (offline, server, followers)
     ("llm",),  # the offline LLM
