@@ -426,6 +426,11 @@ with httpx.stream("POST", URL + "/v1/chat/completions", json=body, timeout=120) 
 # (`RequestOptions.logprob_start`). The engine's `Req` keeps the plain meaning, -1 for none of the prompt, which the
 # OpenAI routes need: chat never scores the prompt, completions only with `echo` (from position 0).
 #
+# Inside the engine the three flat fields become one object, `Req.logprobs`, a `LogprobRequest` (None for a request
+# that asked for nothing, the common case): the question, `top` alternatives per token and the first prompt
+# position `start`, and the answers as the engine computes them, one `TokenLogprob` per token in `prompt` (from
+# `start` on) and in `output`. Each bound is checked when the request is built, and the error names the field.
+#
 # *Which* probabilities? Those of the distribution the token was drawn from: the logits after `logit_bias` and
 # the penalties, divided by the temperature (by 1 for greedy requests), before top-k/top-p/min-p cut it down.
 # That is what SGLang reports, and for a greedy request it is plain `log_softmax` of the model's logits, which

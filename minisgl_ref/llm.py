@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from minisgl_ref.constrained import spec_of, validate_grammar
 from minisgl_ref.core.config import EngineConfig, ModelArgs, TPArgs
-from minisgl_ref.core.request import Req, are_token_ids, first_outside
+from minisgl_ref.core.request import LogprobRequest, Req, are_token_ids, first_outside
 from minisgl_ref.engine.engine import Engine
 from minisgl_ref.engine.naive import NaiveEngine
 from minisgl_ref.runtime import build_runtime
@@ -133,8 +133,8 @@ class LLM:
         return ids
 
     def make_request(self, prompt: Prompt, params: SamplingParams, **options: Any) -> Req:
-        """A :class:`Req` for ``prompt``; ``options`` are per-request fields of :class:`Req` (``return_logprob``,
-        ``top_logprobs_num``, ``logprob_start_len``, ``cache_salt``)."""
+        """A :class:`Req` for ``prompt``; ``options`` are per-request fields of :class:`Req` (``logprobs``,
+        ``cache_salt``)."""
         if not self.is_leader:
             raise ValueError(f"this process is tensor-parallel rank {self.tp_rank}; only rank 0 takes requests")
         spec = spec_of(params)
@@ -196,12 +196,11 @@ class LLM:
         names, chapter 10, though SGLang's -1 means the last prompt token, as the server's ``/generate`` does).
         With ``max_new_tokens=0`` and ``logprob_start_len >= 0`` a request only scores its prompt: one prefill,
         no output token (``Req.prefill_only``)."""
-        options: dict[str, Any] = {}
+        wanted: LogprobRequest | None = None
         if return_logprob:
             if isinstance(self.engine, NaiveEngine):
                 raise ValueError("return_logprob needs the paged engine (engine='paged')")
-            options = dict(return_logprob=True, top_logprobs_num=top_logprobs_num,
-                           logprob_start_len=logprob_start_len)
+            wanted = LogprobRequest(top_logprobs_num, logprob_start_len)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -209,7 +208,9 @@ class LLM:
         reqs: list[Req] = []
         for prompt, params in zip(prompts, params_list):
             for _ in range(params.n):
-                reqs.append(self.make_request(prompt, params, **options))
+                # every request gets its own copy of the question, to fill in with its own answers
+                logprobs = wanted.fresh() if wanted is not None else None
+                reqs.append(self.make_request(prompt, params, logprobs=logprobs))
         self._run(reqs, use_tqdm)
         return [self._output(r) for r in reqs]
 
@@ -273,6 +274,7 @@ class LLM:
     @staticmethod
     def _output(req: Req) -> GenerateOutput:
         assert req.finish_reason is not None
+        lp = req.logprobs
         return GenerateOutput(
             text=req.output_text,
             output_ids=list(req.output_ids),
@@ -282,8 +284,8 @@ class LLM:
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,
             rid=req.rid,
-            input_token_logprobs=[(e.logprob, t, e.top) for e, t in zip(
-                req.input_logprobs, req.input_ids[max(req.logprob_start_len, 0):])] if req.return_logprob else None,
-            output_token_logprobs=[(e.logprob, t, e.top) for e, t in zip(req.output_logprobs, req.output_ids)]
-            if req.return_logprob else None,
+            input_token_logprobs=None if lp is None else [(e.logprob, t, e.top) for e, t in zip(
+                lp.prompt, req.input_ids[max(lp.start, 0):])],
+            output_token_logprobs=None if lp is None else [(e.logprob, t, e.top) for e, t in zip(
+                lp.output, req.output_ids)],
         )

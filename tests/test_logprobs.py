@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from minisgl_ref import LLM, SamplingParams
+from minisgl_ref.core.request import MAX_TOP_LOGPROBS, LogprobRequest, Req, TokenLogprob
 from tests.engine_fixtures import tiny_engine_path  # noqa: F401 - fixture
 
 VOCAB = 320
@@ -136,6 +137,36 @@ def test_bad_logprob_options_name_the_field(tiny_engine_path, bad, fragment):
         llm.generate([5, 6, 7], SamplingParams(max_new_tokens=2), use_tqdm=False, return_logprob=True, **bad)
 
 
+@pytest.mark.parametrize("top, start, fragment", [
+    (MAX_TOP_LOGPROBS + 1, -1, "logprobs.top"),
+    (-1, -1, "logprobs.top"),
+    (0, -2, "logprobs.start"),
+    (0, 3, "logprobs.start"),  # the prompt below has 3 tokens: positions 0..2
+])
+def test_bad_logprob_request_names_the_field(top, start, fragment):
+    """A request's log-probability question is checked where it is made: ``top`` and the lower bound of ``start``
+    by :class:`LogprobRequest` itself, ``start`` against the prompt's length by the :class:`Req` that holds it."""
+    with pytest.raises(ValueError, match=fragment):
+        Req(input_ids=[5, 6, 7], params=SamplingParams(max_new_tokens=2), logprobs=LogprobRequest(top, start))
+
+
+def test_logprob_request_holds_the_question_and_the_answers():
+    """One object per request that asks (none for one that does not); position 0 has its answer at once, since
+    nothing precedes it; and a fresh copy, what a tensor-parallel follower rebuilds, shares no answer list."""
+    plain = Req(input_ids=[5, 6, 7], params=SamplingParams(max_new_tokens=2))
+    assert plain.logprobs is None and not plain.return_logprob and not plain.wants_prompt_logprobs
+    asked = Req(input_ids=[5, 6, 7], params=SamplingParams(max_new_tokens=2),
+                logprobs=LogprobRequest.asked(True, top_logprobs_num=MAX_TOP_LOGPROBS, logprob_start_len=0))
+    assert asked.logprobs is not None and asked.logprobs.top == MAX_TOP_LOGPROBS
+    assert asked.logprobs.prompt == [TokenLogprob(None, [])] and asked.logprobs.output == []
+    assert asked.wants_prompt_logprobs  # positions 1 and 2 still need a forward pass
+    assert asked.reusable_prefix_len == 0  # position 1 is predicted by position 0, which must be computed
+    copy = asked.logprobs.fresh()
+    assert (copy.top, copy.start, copy.prompt) == (MAX_TOP_LOGPROBS, 0, [TokenLogprob(None, [])])
+    assert copy.prompt is not asked.logprobs.prompt and copy.output is not asked.logprobs.output
+    assert LogprobRequest.asked(False, top_logprobs_num=5, logprob_start_len=1) is None
+
+
 # ---------------------------------------------------------------------------------------- prefill-only requests
 #
 # max_new_tokens=0 with prompt log probabilities asked for is a scoring request (SGLang's select, likelihood
@@ -205,8 +236,8 @@ def test_max_new_tokens_zero_without_prompt_logprobs_finishes_on_arrival(tiny_en
     without a forward pass: a one-token prompt's only entry is None): done at once, no step taken."""
     llm = LLM(tiny_engine_path, device="cpu")
     zero = SamplingParams(max_new_tokens=0)
-    cases = [(list(range(5, 25)), {}), (list(range(5, 25)), dict(return_logprob=True)),
-             ([7], dict(return_logprob=True, logprob_start_len=0))]
+    cases = [(list(range(5, 25)), {}), (list(range(5, 25)), dict(logprobs=LogprobRequest())),
+             ([7], dict(logprobs=LogprobRequest(start=0)))]
     for prompt, opts in cases:
         req = llm.make_request(prompt, zero, **opts)
         assert req.finished and req.finish_reason.kind == "length", opts
@@ -214,5 +245,5 @@ def test_max_new_tokens_zero_without_prompt_logprobs_finishes_on_arrival(tiny_en
     out = llm.generate([7], zero, use_tqdm=False, return_logprob=True, logprob_start_len=0)[0]
     assert out.input_token_logprobs == [(None, 7, [])] and out.output_ids == []
     assert llm.engine.stats.steps == steps
-    scoring = llm.make_request(list(range(5, 25)), zero, return_logprob=True, logprob_start_len=3)
+    scoring = llm.make_request(list(range(5, 25)), zero, logprobs=LogprobRequest(start=3))
     assert scoring.prefill_only and not scoring.finished

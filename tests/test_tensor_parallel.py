@@ -233,7 +233,7 @@ def leader_run(dummy_qwen2) -> tuple[list, list]:
     arrive while others run (one prefilled in chunks, one sampled without a seed, one with a seed), steps with
     no news, an abort, a cache flush, and a request after the flush; then it stops its followers."""
     import minisgl_ref.tp.engine as tp_engine
-    from minisgl_ref.core.request import Req
+    from minisgl_ref.core.request import LogprobRequest, Req
     from minisgl_ref.sampling.params import SamplingParams
 
     torch.set_num_threads(1)
@@ -261,8 +261,7 @@ def leader_run(dummy_qwen2) -> tuple[list, list]:
         # A prefill-only (scoring) request: the follower must rebuild it as one (from its ReqSpec) and end it at
         # the same step, or the two engines would run different batches.
         scoring = Req(input_ids=[rng.randint(0, 319) for _ in range(21)], rid="scored", context_len=256,
-                      params=SamplingParams(temperature=0, max_new_tokens=0), return_logprob=True,
-                      logprob_start_len=2)
+                      params=SamplingParams(temperature=0, max_new_tokens=0), logprobs=LogprobRequest(start=2))
         assert scoring.prefill_only and not scoring.finished
         leader.add_request(scoring)
         doomed = req("aborted", 7, temperature=0.7, seed=3, max_new_tokens=40)

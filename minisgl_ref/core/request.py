@@ -58,6 +58,51 @@ class TokenLogprob(NamedTuple):
     top: list[tuple[int, float]]
 
 
+@dataclass(eq=False)
+class LogprobRequest:
+    """What a request asked to learn about its tokens' log probabilities (chapter 10), and the answers so far.
+
+    A request that asks for none has no such object (``Req.logprobs is None``), so the common case costs nothing:
+    not a field to fill, nor an extra kernel in the sampler. The question is two numbers, ``top`` and ``start``;
+    the answers, ``prompt`` and ``output``, grow as the engine computes them, one entry per token.
+    """
+
+    #: Alternatives to report per token, the likeliest first (0..MAX_TOP_LOGPROBS): the sampler's ``topk`` is
+    #: as wide as the widest request of its step.
+    top: int = 0
+    #: The first prompt position to report, or -1 for none of the prompt (only the output). A wanted position
+    #: must be computed, so it also limits how much of the prompt the prefix cache may supply.
+    start: int = -1
+    #: One entry per prompt position from ``start`` on, in order; the first prompt token's value is None.
+    prompt: list[TokenLogprob] = field(default_factory=list)
+    #: One entry per output token, in order.
+    output: list[TokenLogprob] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # Each message names the field and, in parentheses, the API parameter that fills it (SGLang's names).
+        if not 0 <= self.top <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs.top (top_logprobs_num) must be in [0, {MAX_TOP_LOGPROBS}], got {self.top}")
+        if self.start < -1:
+            raise ValueError(f"logprobs.start (logprob_start_len) must be -1 or a prompt position, got {self.start}")
+        if self.start == 0 and not self.prompt:
+            self.prompt.append(TokenLogprob(None, []))  # nothing precedes the first prompt token to predict it
+
+    @classmethod
+    def asked(cls, return_logprob: bool, top_logprobs_num: int = 0,
+              logprob_start_len: int = -1) -> LogprobRequest | None:
+        """The object for the three flat fields that APIs and messages carry (SGLang's names), None if
+        ``return_logprob`` is off: without it the other two mean nothing."""
+        return cls(top_logprobs_num, logprob_start_len) if return_logprob else None
+
+    def fresh(self) -> LogprobRequest:
+        """The same question with no answers yet: what a rank that rebuilds the request starts from (chapter 09)."""
+        return LogprobRequest(self.top, self.start)
+
+    def prompt_pending(self, prompt_len: int) -> bool:
+        """Whether prompt positions are asked for that have not all been computed yet."""
+        return self.start >= 0 and len(self.prompt) < prompt_len - self.start
+
+
 @dataclass(frozen=True)
 class FinishReason:
     """Why a request stopped. ``kind`` uses OpenAI's words: ``stop`` (EOS, a stop token or a stop string),
@@ -103,13 +148,8 @@ class Req:
     last_node: Any = None  # deepest radix node this request pins
     num_inflight: int = 0  # tokens sampled on the device but not yet appended (overlap scheduling)
     retractions: int = 0
-    # Log probabilities (chapter 10), filled in as tokens are computed. ``logprob_start_len`` is the first
-    # prompt position to report (-1: none of the prompt, only the output).
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
-    input_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt positions logprob_start_len..
-    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token
+    # Log probabilities (chapter 10): what the request asked for and the entries computed so far; None if none.
+    logprobs: LogprobRequest | None = None
     # Structured output (chapter 12): the request's grammar matcher, once its grammar is compiled; until then the
     # compile's future (the scheduler leaves the request in the queue while it is set).
     grammar: GrammarState | None = None
@@ -126,14 +166,10 @@ class Req:
                 f"input_ids has {len(self.input_ids)} tokens, which leaves no room in the context window "
                 f"of {self.context_len} tokens"
             )
-        if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}")
-        if not -1 <= self.logprob_start_len < len(self.input_ids):
-            raise ValueError(f"logprob_start_len must be -1 or a prompt position below {len(self.input_ids)}, "
-                             f"got {self.logprob_start_len}")
-        if self.return_logprob and self.logprob_start_len == 0 and not self.input_logprobs:
-            self.input_logprobs.append(TokenLogprob(None, []))  # nothing precedes the first prompt token
-        if self.params.max_new_tokens == 0 and not self.wants_input_logprobs:
+        if self.logprobs is not None and self.logprobs.start >= len(self.input_ids):
+            raise ValueError(f"logprobs.start (logprob_start_len) must be -1 or a prompt position below "
+                             f"{len(self.input_ids)}, got {self.logprobs.start}")
+        if self.params.max_new_tokens == 0 and not self.wants_prompt_logprobs:
             self.finish_reason = FinishReason("length")  # nothing to generate, nothing to score: done on arrival
 
     @property
@@ -142,7 +178,7 @@ class Req:
         likelihood-based evaluation). Its answer is the prompt's log probabilities, which only a prefill computes,
         so it is scheduled like any request and ends right after its prefill, with no output token: the engine
         drops the token that step sampled (:meth:`end_after_prefill`)."""
-        return self.params.max_new_tokens == 0 and self.return_logprob and self.logprob_start_len >= 0
+        return self.params.max_new_tokens == 0 and self.logprobs is not None and self.logprobs.start >= 0
 
     def end_after_prefill(self) -> None:
         """A prefill-only request's prefill has run (its prompt log probabilities are recorded): it ends here, by
@@ -177,10 +213,14 @@ class Req:
         return None
 
     @property
-    def wants_input_logprobs(self) -> bool:
+    def return_logprob(self) -> bool:
+        """Whether log probabilities were asked for at all (SGLang's name for the switch)."""
+        return self.logprobs is not None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
         """Prompt log probabilities asked for and not all computed yet."""
-        return (self.return_logprob and self.logprob_start_len >= 0
-                and len(self.input_logprobs) < len(self.input_ids) - self.logprob_start_len)
+        return self.logprobs is not None and self.logprobs.prompt_pending(len(self.input_ids))
 
     @property
     def reusable_prefix_len(self) -> int:
@@ -188,8 +228,9 @@ class Req:
         needed), and a prompt position whose log probability is wanted must be computed, together with the
         position before it, whose logits predict it."""
         limit = len(self.all_ids) - 1
-        if self.wants_input_logprobs:
-            limit = min(limit, max(self.logprob_start_len - 1, 0))
+        if self.wants_prompt_logprobs:
+            assert self.logprobs is not None
+            limit = min(limit, max(self.logprobs.start - 1, 0))
         return limit
 
     @property

@@ -364,8 +364,8 @@ class Engine:
                 self.scheduler.finish(req)
                 events.append(StepEvent(req, "", True))
                 continue
-            if logprobs is not None and req.return_logprob:
-                req.output_logprobs.append(logprobs(i, req.top_logprobs_num))
+            if logprobs is not None and req.logprobs is not None:
+                req.logprobs.output.append(logprobs(i, req.logprobs.top))
             delta = self._append(req, token, launched.grammar_accepted.get(i))
             if req.grammar is not None and not req.finished and self.config.enable_jump_forward:
                 delta += self._jump_forward(req)
@@ -418,10 +418,11 @@ class Engine:
         j = 0
         for i, first, count in plan.spans:
             row = batch.rows[i]
-            req = row.req
+            wanted = row.req.logprobs
+            assert wanted is not None  # the plan lists only rows that asked
             for pos in range(first, first + count):
-                if row.is_live and pos == req.logprob_start_len + len(req.input_logprobs):
-                    req.input_logprobs.append(entry(j, req.top_logprobs_num))
+                if row.is_live and pos == wanted.start + len(wanted.prompt):
+                    wanted.prompt.append(entry(j, wanted.top))
                 j += 1
 
     def _append(self, req: Req, token: int, accepted: bool | Exception | None = None) -> str:

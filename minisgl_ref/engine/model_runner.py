@@ -69,7 +69,7 @@ class PromptLogprobPlan:
 
     @staticmethod
     def of(batch: ScheduledBatch) -> PromptLogprobPlan | None:
-        """Position ``q`` of a row predicts prompt token ``q + 1``; the row reports tokens ``logprob_start_len``
+        """Position ``q`` of a row predicts prompt token ``q + 1``; the row reports tokens ``logprobs.start``
         .. end of prompt. The spans of successive chunks are disjoint, so each token is computed once (the
         engine skips any that a retracted request computes again)."""
         spans: list[tuple[int, int, int]] = []
@@ -78,14 +78,15 @@ class PromptLogprobPlan:
         top_k, offset = 0, 0
         for i, row in enumerate(batch.rows):
             req, start, n = row.req, row.prefix_len, row.extend_len
-            if req.wants_input_logprobs and not row.is_decode:
-                first = max(start, req.logprob_start_len - 1, 0)
+            wanted = req.logprobs
+            if wanted is not None and wanted.prompt_pending(len(req.input_ids)) and not row.is_decode:
+                first = max(start, wanted.start - 1, 0)
                 last = min(start + n, len(req.input_ids) - 1)  # the last prompt position predicts the output
                 if last > first:
                     spans.append((i, first + 1, last - first))
                     index += range(offset + first - start, offset + last - start)
                     targets += req.input_ids[first + 1 : last + 1]
-                    top_k = max(top_k, req.top_logprobs_num)
+                    top_k = max(top_k, wanted.top)
             offset += n
         return PromptLogprobPlan(spans, index, targets, top_k) if spans else None
 
@@ -410,7 +411,7 @@ class ModelRunner:
         if before_sampling is not None:
             before_sampling(logits)
         # -1: nobody asked for log probabilities in this step (the common case: not a single extra kernel)
-        top_k = max((r.top_logprobs_num for r in batch.reqs if r.return_logprob), default=-1)
+        top_k = max((r.logprobs.top for r in batch.reqs if r.logprobs is not None), default=-1)
         next_tokens, logprobs = self.sampler.sample(logits, info, top_k)
         # Rows that emit a token publish it where the next decode step will look for it.
         emits = [row.emits for row in batch.rows]

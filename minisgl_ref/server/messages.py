@@ -31,7 +31,7 @@ class GenerateReqInput:
     input_ids: list[int]
     sampling_params: dict[str, Any]
     cache_salt: str | None = None  # requests with different salts never share cached prefixes
-    return_logprob: bool = False  # and the two below: see Req (chapter 10)
+    return_logprob: bool = False  # and the two below: SGLang's flat fields, Req.logprobs once built (chapter 10)
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
 

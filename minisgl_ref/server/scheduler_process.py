@@ -33,7 +33,7 @@ from typing import Any
 import zmq
 
 from minisgl_ref import env
-from minisgl_ref.core.request import FinishReason, Req
+from minisgl_ref.core.request import FinishReason, LogprobRequest, Req
 from minisgl_ref.engine.engine import Engine
 from minisgl_ref.engine.step_trace import StepTrace
 from minisgl_ref.runtime import Runtime, build_runtime
@@ -165,8 +165,8 @@ class SchedulerWorker:
                                                prompt_ids=msg.input_ids)
             req = Req(input_ids=list(msg.input_ids), params=params, eos_token_ids=self.rt.eos_token_ids,
                       detokenizer=detok, context_len=self.rt.context_length, rid=msg.rid,
-                      cache_salt=msg.cache_salt, return_logprob=msg.return_logprob,
-                      top_logprobs_num=msg.top_logprobs_num, logprob_start_len=msg.logprob_start_len)
+                      cache_salt=msg.cache_salt,
+                      logprobs=LogprobRequest.asked(msg.return_logprob, msg.top_logprobs_num, msg.logprob_start_len))
             self.engine.add_request(req)  # raises ValueError for a request this model cannot run
         except (ValueError, TypeError) as e:
             # The API server validates first, so this is a bug or a race; answer rather than leave it hanging.
@@ -262,7 +262,7 @@ class SchedulerWorker:
             out.finished.append(finished)
             out.finish_reasons.append(req.finish_reason.to_dict() if finished else None)
             out.cached_tokens.append(req.cached_tokens)
-            out.logprobs.append(self._new_logprobs(req) if req.return_logprob else None)
+            out.logprobs.append(self._new_logprobs(req.rid, req.logprobs) if req.logprobs is not None else None)
             out.inits.append({
                 "stop": list(req.params.stop),
                 "stop_regex": list(req.params.stop_regex),
@@ -284,12 +284,12 @@ class SchedulerWorker:
         reason = FinishReason("abort", message=message).to_dict()
         self.to_detok.send(encode(BatchTokenOut([rid], [[]], [True], [reason], [0], [init])))
 
-    def _new_logprobs(self, req: Req) -> dict[str, Any]:
-        """The log-probability entries ``req`` gained since its last row."""
-        n_in, n_out = self.sent_logprobs.get(req.rid, (0, 0))
-        self.sent_logprobs[req.rid] = (len(req.input_logprobs), len(req.output_logprobs))
-        return {"input": [[e.logprob, [list(t) for t in e.top]] for e in req.input_logprobs[n_in:]],
-                "output": [[e.logprob, [list(t) for t in e.top]] for e in req.output_logprobs[n_out:]]}
+    def _new_logprobs(self, rid: str, logprobs: LogprobRequest) -> dict[str, Any]:
+        """The log-probability entries request ``rid`` gained since its last row."""
+        n_in, n_out = self.sent_logprobs.get(rid, (0, 0))
+        self.sent_logprobs[rid] = (len(logprobs.prompt), len(logprobs.output))
+        return {"input": [[e.logprob, [list(t) for t in e.top]] for e in logprobs.prompt[n_in:]],
+                "output": [[e.logprob, [list(t) for t in e.top]] for e in logprobs.output[n_out:]]}
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)

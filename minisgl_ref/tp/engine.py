@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from minisgl_ref.core.request import Req
+from minisgl_ref.core.request import LogprobRequest, Req
 from minisgl_ref.distributed.group import broadcast_object, peer_failures
 from minisgl_ref.distributed.parallel_state import broadcast_tensor, get_tp_info
 from minisgl_ref.engine.engine import Engine, LaunchFailed, StepEvent
@@ -53,16 +53,14 @@ class ReqSpec:
     stop_strings: bool  # whether the leader's request checks stop strings (it has a detokenizer with stops)
     # These change what a step computes (the cached prefix, prompt logits), so every rank must know them.
     cache_salt: str | None = None
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
+    logprobs: LogprobRequest | None = None  # the question only (LogprobRequest.fresh): answers are rank 0's
 
     @classmethod
     def of(cls, req: Req) -> ReqSpec:
         has_stops = req.detokenizer is not None and bool(req.params.stop or req.params.stop_regex)
         return cls(req.rid, list(req.input_ids), req.params, req.eos_token_ids, req.context_len,
-                   req.sampling_seed, has_stops, req.cache_salt, req.return_logprob, req.top_logprobs_num,
-                   req.logprob_start_len)
+                   req.sampling_seed, has_stops, req.cache_salt,
+                   req.logprobs.fresh() if req.logprobs is not None else None)
 
     def build(self, tokenizer: Any) -> Req:
         detok = None
@@ -76,8 +74,7 @@ class ReqSpec:
                                            prompt_ids=self.input_ids)
         return Req(input_ids=list(self.input_ids), params=self.params, eos_token_ids=self.eos_token_ids,
                    detokenizer=detok, context_len=self.context_len, rid=self.rid, sampling_seed=self.sampling_seed,
-                   cache_salt=self.cache_salt, return_logprob=self.return_logprob,
-                   top_logprobs_num=self.top_logprobs_num, logprob_start_len=self.logprob_start_len)
+                   cache_salt=self.cache_salt, logprobs=self.logprobs.fresh() if self.logprobs is not None else None)
 
 
 class RankZeroTokens:
