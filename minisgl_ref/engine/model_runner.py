@@ -80,12 +80,10 @@ class StepOutput:
 class ModelRunner:
     """Turns a :class:`ScheduledBatch` into device work and returns a :class:`StepOutput`.
 
-    ``planner`` chooses each step's attention backend (:class:`~minisgl_ref.engine.attention_planner.AttentionPlanner`;
-    ``planner.backend`` is the engine's). ``graphs`` says which CUDA graphs to capture (CUDA only): decode steps
-    padded to batch sizes up to ``graphs.decode_max_bs``, one set per decode backend of the planner
-    (:mod:`~minisgl_ref.engine.cuda_graph`), and extend steps (:mod:`~minisgl_ref.engine.extend_graph`). Steps
-    that no graph takes, and every step on the CPU, run eagerly. ``extend_token_multiple``: see :meth:`pad_extend`.
-    """
+    ``planner`` chooses each step's attention backend (``planner.backend`` is the engine's). ``graphs`` says which
+    CUDA graphs to capture (CUDA only): decode steps padded to batch sizes up to ``graphs.decode_max_bs``, one set
+    per decode backend of the planner, and extend steps. Steps that no graph takes, and every step on the CPU, run
+    eagerly. ``extend_token_multiple``: see :meth:`pad_extend`."""
 
     def __init__(self, model: nn.Module, vocab_size: int, req_to_token: ReqToTokenPool, planner: AttentionPlanner,
                  device: torch.device, *, graphs: GraphSettings = GraphSettings(),
