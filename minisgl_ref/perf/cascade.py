@@ -8,10 +8,10 @@ of the KV bytes a decode step reads are copies of the same prefix pages. Decode 
 
 1. **Grouping** (:func:`find_prefix_groups`, host side, once per distinct decode batch): compare the batch's
    page-table rows and find sets of rows whose first whole pages are the same slots. A set is a
-   :class:`PrefixGroups` entry only if it has at least two rows and shares at
-   least ``min_prefix_len`` tokens (``--cascade-min-prefix-len``, default 256): below that the prefix pass and
-   the merge cost about what they save (a few hundred bytes of partial results per row and head against
-   ``shared_len x kv_bytes`` per extra row), and a step without groups stays on the backend's normal decode.
+   :class:`PrefixGroups` entry only if it has at least two rows and shares at least ``min_prefix_len`` tokens
+   (``--cascade-min-prefix-len``, default 256): below that the prefix pass and the merge cost about what they
+   save (a few hundred bytes of partial results per row and head against ``shared_len x kv_bytes`` per extra
+   row), and a step without groups stays on the backend's normal decode.
 2. **Three passes** (:mod:`minisgl_ref.perf.cascade_kernels` on the GPU, :func:`cascade_attention_reference`
    in plain PyTorch for the CPU and the book): attention of every group's queries over its prefix (read once),
    attention of every row over its own suffix, and :func:`merge_state` of the two partial results by their
@@ -114,8 +114,8 @@ def find_prefix_groups(
     agree further, whichever saves more prefix reads (``(rows - 1) x L`` tokens). On SGLang's shared-prefix
     workload that gives one group per system prompt; with a short common template in front, the same.
 
-    Cost: numpy over the candidate rows' contexts, run only when the batch's rows change (the model runner
-    caches the result while a decode batch stays the same)."""
+    Cost: numpy over the candidate rows' contexts, run only when the batch's rows change
+    (:meth:`CascadeDecodeBackend.groups_for` keeps the result while a decode batch stays the same)."""
     rows_a = np.asarray(rows, dtype=np.int64)
     whole = (np.asarray(seq_lens, dtype=np.int64) // page_size) * page_size  # tokens in whole pages
     candidates = np.flatnonzero(whole >= min_prefix_len)
