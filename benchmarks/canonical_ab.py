@@ -36,8 +36,6 @@ def main() -> None:
     ap.add_argument("--label", required=True)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--page-size", type=int, default=None, help="the engine's KV page size (default: its own)")
-    ap.add_argument("--persistent-decode-min-batch", type=int, default=None,
-                    help="the engine's --persistent-decode-min-batch (default: its own; 0 turns it off)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="NAME=JSON",
                     help="another engine argument, its value as JSON (e.g. disable_budget_step_graph=true); repeatable")
     args = ap.parse_args()
@@ -46,8 +44,6 @@ def main() -> None:
 
     t0 = time.perf_counter()
     extra = {} if args.page_size is None else {"page_size": args.page_size}
-    if args.persistent_decode_min_batch is not None:
-        extra["persistent_decode_min_batch"] = args.persistent_decode_min_batch
     for item in args.engine_arg:
         name, _, value = item.partition("=")
         extra[name] = json.loads(value)

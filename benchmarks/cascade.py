@@ -79,25 +79,24 @@ class SharedPrefixProblem:
         """The per-layer call of backend ``name`` (planned once): ``cascade`` or a registered decode backend."""
         import dataclasses
 
+        groups = None
         if name == "cascade":
-            from minisgl_ref.attention.cascade import CascadeDecodeBackend
+            from minisgl_ref.perf.cascade import CascadeDecodeBackend
 
             backend = CascadeDecodeBackend(self.pool, self.table, num_q_heads=NUM_Q_HEADS, page_size=1)
-            groups = backend.groups_for(self.rows, self.lens)
-            backend.step_groups = groups
-            batch = dataclasses.replace(self.batch, attn_backend=backend, prefix_groups=groups)
+            groups = backend.attach(dataclasses.replace(self.batch, attn_backend=backend), self.rows)
         else:
             from minisgl_ref.attention.registry import build_backend
 
             backend = build_backend(name, self.pool, self.table, num_q_heads=NUM_Q_HEADS, page_size=1,
                                     device=torch.device("cuda"))  # fmt: skip
-            batch = dataclasses.replace(self.batch, attn_backend=backend)
+        batch = dataclasses.replace(self.batch, attn_backend=backend)
         backend.init_forward_metadata(batch)
-        return lambda: backend.attend_decode(self.q, self.layer, batch), getattr(batch, "prefix_groups", None)
+        return lambda: backend.attend_decode(self.q, self.layer, batch), groups
 
 
 def run(shapes: tuple[tuple[int, ...], ...], names: list[str], repeats: int) -> dict[str, Any]:
-    from minisgl_ref.attention.cascade import kv_tokens_read
+    from minisgl_ref.perf.cascade import kv_tokens_read
 
     copy_bw = copy_bandwidth()
     rows: list[dict[str, Any]] = []

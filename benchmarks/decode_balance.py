@@ -26,14 +26,15 @@ that work:
 - ``triton_S_N_W_T``: the ``triton`` backend's split-KV kernel with every context cut into pieces of about ``S``
   tokens (tiles of ``N`` tokens, ``W`` warps, ``T`` pipeline stages), one program per piece and KV head;
 - ``allheads_S_N_W_T``: the same split, one program per piece for all KV heads (``benchmarks/decode_allheads.py``);
-- ``cuda_C_U_T``: a hand-written CUDA kernel (``benchmarks/split_decode.cu``): pieces of at most ``C`` tokens, one
-  block of ``T`` threads per piece and KV head, ``U`` rows per half-warp in each of two register buffers, the last
-  piece of a context merging them; suffixes: ``_stream`` reads with streaming (evict-first) loads, ``_sorted``
-  puts the longest pieces first in the grid, ``_even`` cuts a context into pieces of equal length;
-  ``cudafixed_F_U_T`` always has ``F`` percent more pieces than requests (a captured graph's grid is fixed): a
-  piece per context, then the longest piece cut in halves, longest first in the grid; ``cudacap_C_U_T`` is the
-  engine's plan: room for an eighth more pieces, a piece cut only while it is longer than ``C`` percent of the
-  mean context.
+- ``cuda_C_4_128``: the engine's split-KV CUDA kernel (``minisgl_ref/perf/cuda/split_decode.cu``): pieces of at
+  most ``C`` tokens, one block of 128 threads per piece and KV head, 4 rows per half-warp in each of two register
+  buffers, the last piece of a context merging them; suffixes: ``_sorted`` puts the longest pieces first in the
+  grid, ``_even`` cuts a context into pieces of equal length; ``cudafixed_F_4_128`` always has ``F`` percent more
+  pieces than requests (a captured graph's grid is fixed): a piece per context, then the longest piece cut in
+  halves, longest first in the grid; ``cudacap_C_4_128`` is the engine's plan: room for an eighth more pieces, a
+  piece cut only while it is longer than ``C`` percent of the mean context. (The kernel's builds with 2 rows, 256
+  threads or streaming loads, which chapter 11 measured as ``cuda_C_U_T`` and ``_stream``, were removed after those
+  measurements; commit e598280 has them.)
 
 With ``--plan-cost`` each stage also times what an engine pays around the kernel when it plans every step
 (:func:`plan_cost`): the engine's graph wrapper against the persistent ``BatchAttention``.
@@ -303,7 +304,7 @@ def xqa_runner(st: Stage, page_size: int) -> tuple[Callable[[], torch.Tensor], l
 
 
 def split_decode_runner(st: Stage, name: str) -> tuple[Callable[[], torch.Tensor], list[int]]:
-    """``cuda_C_U_T`` with any of the suffixes ``_stream``, ``_sorted``, ``_even`` (see the module docstring);
+    """``cuda_C_U_T`` with any of the suffixes ``_sorted``, ``_even`` (see the module docstring);
     ``cudafixed_F_U_T``: ``F`` percent more pieces than requests, whatever their lengths; ``cudacap_C_U_T``: room
     for an eighth more, cut only while a piece is longer than ``C`` percent of the mean context;
     ``cudaocc4``: the engine's plan and variant compiled so that four blocks fit an SM (at most 128 registers)."""
@@ -317,8 +318,7 @@ def split_decode_runner(st: Stage, name: str) -> tuple[Callable[[], torch.Tensor
         return runner(st, 1, unroll, threads, fixed=chunk / 100)
     if fields[0] == "cudacap":  # the engine's plan: room for 12.5% more pieces, cut above chunk% of the mean
         return runner(st, 1, unroll, threads, fixed=0.125, split_above=chunk / 100)
-    return runner(st, chunk, unroll, threads, streaming="stream" in fields, longest_first="sorted" in fields,
-                  even="even" in fields)  # fmt: skip
+    return runner(st, chunk, unroll, threads, longest_first="sorted" in fields, even="even" in fields)
 
 
 def variants() -> dict[str, Callable[[Stage], tuple[Callable[[], torch.Tensor], list[int]]]]:
@@ -346,17 +346,14 @@ def variants() -> dict[str, Callable[[Stage], tuple[Callable[[], torch.Tensor], 
             for w_ in (4, 8):
                 for t_ in (2, 3):
                     v[f"allheads_{s_}_{n_}_{w_}_{t_}"] = lambda st, a=(s_, n_, w_, t_): triton_runner(st, *a, allheads=True)
-    # cuda_C_U_T[_stream][_sorted][_even]: the hand-written CUDA kernel of benchmarks/split_decode.cu
+    # cuda_C_4_128[_sorted][_even]: the engine's split-KV CUDA kernel (minisgl_ref/perf/cuda/split_decode.cu)
     for c_ in (256, 512, 768, 1024):
-        for u_ in (2, 4):
-            for t_ in (128, 256):
-                for extra in ("", "_stream", "_sorted", "_even", "_sorted_even"):
-                    name = f"cuda_{c_}_{u_}_{t_}{extra}"
-                    v[name] = lambda st, n=name: split_decode_runner(st, n)
-    for f_ in (0, 12, 25, 50, 100):  # cudafixed_F_4_T: a fixed count of pieces, F percent more than requests
-        for t_ in (128, 256):
-            name = f"cudafixed_{f_}_4_{t_}"
+        for extra in ("", "_sorted", "_even", "_sorted_even"):
+            name = f"cuda_{c_}_4_128{extra}"
             v[name] = lambda st, n=name: split_decode_runner(st, n)
+    for f_ in (0, 12, 25, 50, 100):  # cudafixed_F_4_128: a fixed count of pieces, F percent more than requests
+        name = f"cudafixed_{f_}_4_128"
+        v[name] = lambda st, n=name: split_decode_runner(st, n)
     for c_ in (150, 200, 300):  # cudacap_C_4_T: cut a piece only while it is over C% of the mean context
         name = f"cudacap_{c_}_4_128"
         v[name] = lambda st, n=name: split_decode_runner(st, n)

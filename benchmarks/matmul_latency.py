@@ -198,7 +198,7 @@ def main() -> int:
     result["weights_in_l2"] = weights_in_l2(args.repeats)
     result["prefetch_during_attention"] = []
     for mark in (int(m) for m in args.marks.split(",")):
-        # the engine's kernel at that size: the persistent one from 144 rows (EngineConfig's default)
+        # the kernel the engine ran at that size when this was measured: FlashInfer's persistent one from 144 rows
         name = "fi_holistic" if mark >= 144 else "fi_graph"
         result["prefetch_during_attention"].append(prefetch_during_attention(mark, name, args.repeats))
         torch.cuda.empty_cache()

@@ -1,5 +1,5 @@
-"""The engine's split-KV CUDA decode kernel (``minisgl_ref/attention/cuda/split_decode.cu``) under other plans and
-variants, for ``benchmarks.decode_balance`` (chapter 11).
+"""The engine's split-KV CUDA decode kernel (``minisgl_ref/perf/cuda/split_decode.cu``) under other plans, for
+``benchmarks.decode_balance`` (chapter 11).
 
 Every context is cut into pieces; each (piece, KV head) is one thread block of a grid several waves long, so the
 GPU balances the pieces over the SMs by itself, and the last piece of a context to finish merges the partial
@@ -49,22 +49,24 @@ def plan(lens: list[int], chunk: int, device: str = "cuda", longest_first: bool 
 
 def _fixed_plan(lens: list[int], fixed: float, device: str,
                 split_above: float | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
-    from minisgl_ref.attention.split_decode import plan_pieces
+    from minisgl_ref.perf.split_decode import plan_pieces
 
     items, parts, first = plan_pieces(lens, int(len(lens) * (1 + fixed)), split_above)
     return {"items": torch.from_numpy(items).to(device), "req_parts": torch.from_numpy(parts).to(device),
             "req_first_item": torch.from_numpy(first).to(device)}  # fmt: skip
 
 
-def runner(st: Any, chunk: int = 512, unroll: int = 4, threads: int = 128, streaming: bool = False,
-           longest_first: bool = False, even: bool = False,
-           fixed: float | None = None, split_above: float | None = None,
+def runner(st: Any, chunk: int = 512, unroll: int = 4, threads: int = 128, longest_first: bool = False,
+           even: bool = False, fixed: float | None = None, split_above: float | None = None,
            min_blocks: int = 1) -> tuple[Callable[[], torch.Tensor], list[int]]:  # fmt: skip
     """The kernel over a decode_balance stage: pieces of at most ``chunk`` tokens, blocks of ``threads``,
-    ``unroll`` rows per half-warp in each of two buffers (the other options: see :func:`module`, :func:`plan`)."""
-    from minisgl_ref.attention.split_decode import load_kernel
+    ``unroll`` rows per half-warp in each of two buffers (the other options: see :func:`plan`). The kernel module
+    is the engine's, compiled for 4 rows and 128 threads (one or, for 1-2 query heads per KV head, four blocks an
+    SM); the builds with other rows, block sizes and streaming loads that chapter 11 compares were removed after
+    their measurements (commit e598280 has them)."""
+    from minisgl_ref.perf.split_decode import load_kernel
 
-    mod = load_kernel(all_variants=True, streaming=streaming)
+    mod = load_kernel()
     b = len(st.lens)
     p = plan(st.lens, chunk, device=str(st.q.device), longest_first=longest_first, even=even, fixed=fixed,
              split_above=split_above)

@@ -102,7 +102,7 @@ class StepClock:
     def __init__(self, engine: Engine) -> None:
         self.times = {p: [] for p in self.PARTS}
         for obj, method, part in [(engine.scheduler, "schedule", "schedule"), (engine.runner, "prepare", "prepare"),
-                                  (engine.runner, "sampling_info", "sampling_info"), (engine, "_process", "process"),
+                                  (engine.runner.sampling, "info", "sampling_info"), (engine, "_process", "process"),
                                   (engine.runner, "run", "run")]:
             self._time(obj, method, part)
 
@@ -177,9 +177,10 @@ print("(medians per decode step, in ms)")
 # %% [markdown]
 # What the columns are: `schedule` is `Scheduler.schedule` (pick the rows, allocate a KV slot for each new token,
 # write the page table); `prepare` is `ModelRunner.prepare` (flatten the rows into `[T]` ids, positions and slots,
-# chapter 03); `sampling` is `ModelRunner.sampling_info` (pack every request's sampling parameters into tensors,
-# chapter 02); `process` is `Engine._process` (read the tokens back, append them, apply the stop rules, release
-# finished requests). `forward` is everything else in the model runner: the model, the logits, the sampler.
+# chapter 03); `sampling` is `SamplingState.info` (pack every request's sampling parameters into tensors,
+# chapter 02, or move the last decode step's tensors one step on: `minisgl_ref/engine/sampling_state.py`);
+# `process` is `Engine._process` (read the tokens back, append them, apply the stop rules, release finished
+# requests). `forward` is everything else in the model runner: the model, the logits, the sampler.
 #
 # Two things to take away:
 #
@@ -253,7 +254,7 @@ print(inspect.getsource(StepOutput.tokens))
 # schedule time it knows how long each request will be once the step in flight lands. It uses that to skip
 # requests that will certainly have reached `max_new_tokens` (the `decodable` filter in `Scheduler.schedule`), and
 # the model runner uses it to count the in-flight token in seeded sampling and penalties
-# (`ModelRunner.sampling_info`), so that overlap changes no random stream.
+# (`SamplingState.info`), so that overlap changes no random stream.
 #
 # **Sharing that runs ahead.** The radix tree (chapter 04) learns a prompt's tokens when its request *commits*
 # them. If that happened in `_process`, it would be one step late under overlap: step N+1 is scheduled before
@@ -639,7 +640,7 @@ assert any(r.finish_reason.matched in eos for r in naive_reqs)
 #    outputs change on this CPU? Explain why not, using the ordering argument of race 2, and describe a change to
 #    the engine (a second stream, or a reused pinned host buffer) after which they could.
 # 3. **Hidden syncs.** List every place that `Scheduler.schedule`, `ModelRunner.prepare`,
-#    `ModelRunner.sampling_info` and the attention backend's `init_forward_metadata` turn a device tensor into a
+#    `SamplingState.info` and the attention backend's `init_forward_metadata` turn a device tensor into a
 #    Python value (`int(...)`, `.item()`, `.tolist()`). On a GPU each of them waits for the step in flight. Which
 #    could you avoid by keeping a CPU copy of the data?
 # 4. **The radix tree.** With the radix cache on, a finished request's computed tokens move into the tree, whose

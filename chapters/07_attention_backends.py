@@ -23,7 +23,7 @@
 # | --- | --- | --- |
 # | `torch_native` | plain PyTorch, one request at a time | CPU and GPU: the reference |
 # | `triton` | written in this project, in Triton: split-KV decode, paged extend | any GPU; CPU through Triton's interpreter (tests) |
-# | `flashinfer` | flashinfer-python's paged prefill and decode wrappers; our own split-KV CUDA kernel for decode batches of 128+ rows (chapter 11) | NVIDIA GPUs |
+# | `flashinfer` | flashinfer-python's paged prefill and decode wrappers; decode batches of 48+ rows on chapter 11's split-KV CUDA kernel when the engine hands it one | NVIDIA GPUs |
 # | `fa3` | FlashAttention-3's `flash_attn_with_kvcache` (FA2's paged call where only FA2 is installed) | Hopper (FA2: Ampere+) |
 #
 # **Why it matters.** Attention is the only part of the model whose cost depends on the *context*: the weights
@@ -342,7 +342,11 @@ print(inspect.getsource(default_backends))
 # MMA, TMA loads) lead (section 5 measures it); decode is streaming, where FlashInfer's planner keeps every SM
 # busy for any mix of context lengths. When the phases differ the engine gets a `HybridAttnBackend`: extend steps
 # go to one backend, decode steps (and the CUDA-graph hooks) to the other; both read and write the same KV pool.
-# On this CPU:
+# Whoever needs one half asks `phase_backend(decode)`, which every backend answers (itself, or a hybrid's half):
+# the base class declares every hook the engine calls, each with a default that means "not supported", so the
+# engine never has to ask what kind of backend it holds. Chapter 11 adds two more of them: extend steps in CUDA
+# graphs (`supports_extend_graph` and three hooks like the decode ones) and `use_decode_kernel`, through which
+# the engine hands the `flashinfer` backend a decode kernel of its own for large batches. On this CPU:
 
 # %%
 print("default on this machine:", default_backends(torch.device("cuda" if torch.cuda.is_available() else "cpu")))

@@ -35,7 +35,9 @@
 # 5. look at the other per-token costs of a step, and what removing each one bought.
 #
 # Modules: `minisgl_ref/engine/cuda_graph.py` (tasks 8.1, 8.2), `minisgl_ref/engine/model_runner.py` (the step's
-# host path), `minisgl_ref/layers/fused.py` (fused kernels), `minisgl_ref/attention/base.py` (the hooks).
+# host path), `minisgl_ref/engine/graphs.py` and `minisgl_ref/engine/attention_planner.py` (which graphs replay
+# a step), `minisgl_ref/engine/sampling_state.py` (sampling state reused across steps),
+# `minisgl_ref/layers/fused.py` (fused kernels), `minisgl_ref/attention/base.py` (the hooks).
 
 # %% tags=["setup"]
 import inspect
@@ -56,6 +58,7 @@ from minisgl_ref.bench.offline import QUICK_MODEL_CONFIG
 from minisgl_ref.course import task_source
 from minisgl_ref.engine import cuda_graph
 from minisgl_ref.engine.cuda_graph import CudaGraphRunner, RerunGraphFactory, capture_batch_sizes, padded_batch_size
+from minisgl_ref.engine.model_runner import ModelRunner
 
 CHAPTER_START = time.perf_counter()
 torch.set_num_threads(int(os.environ.get("MINISGL_THREADS", "1")))
@@ -261,6 +264,31 @@ for hook in ("init_graph_buffers", "prepare_capture", "prepare_replay"):
 # logits to the same padded batch run eagerly (Triton and FlashInfer backends, batch sizes 1, 3, 8, 13, 16), and
 # a whole engine with graphs generates exactly the same greedy tokens as without.
 #
+# **From the backend to the graphs the engine replays.** The model runner does not hold one `CudaGraphRunner`. It
+# holds a list of *graph runners* (`minisgl_ref/engine/graphs.py`), each a set of captured graphs with two
+# methods, `can_run(fb)` and `replay(fb)`, and offers every step to them in order: the first that takes the step
+# replays it, and a step that none takes runs eagerly. Chapter 11 adds graphs of extend steps as one more graph
+# runner, without a line of this method changing:
+
+# %%
+print(inspect.getsource(ModelRunner.forward))
+
+# %% [markdown]
+# Which attention backend a step runs on is decided just before, by the engine's *attention planner*
+# (`minisgl_ref/engine/attention_planner.py`). The planner lists every backend a decode step may run on
+# (`decode_backends`); the runner captures one `CudaGraphRunner` per backend that has the three hooks, and a
+# `CudaGraphRunner` takes only the steps whose `fb.attn_backend` is the backend it captured (`can_run`), so the
+# planner's choice of backend is also its choice of graphs. The core's planner has one backend, the engine's, and
+# so one set of decode graphs. The planner that `LLM` and the server get (chapter 11's) adds a second decode
+# backend, cascade attention for batches whose requests share a cached prefix, and with it a second set of
+# graphs. This CPU engine captures nothing, but its planner is there:
+
+# %%
+planner = engine.runner.planner
+print(f"{type(planner).__name__}: decode backends {[type(b).__name__ for b in planner.decode_backends]}, "
+      f"graph runners {engine.runner.graph_runners}")
+
+# %% [markdown]
 # ## 5. GPU results: decode step time, eager vs graph
 #
 # Measured on an H100 80GB HBM3 with `bash scripts/gpu/offline.sh` (see Reproduce); Qwen3-0.6B config, bf16, dummy

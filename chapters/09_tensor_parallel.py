@@ -470,8 +470,9 @@ else:
 # **A graph holds the communicator.** The leader's shutdown dropped the decode CUDA graphs before leaving the group,
 # but the engine also captures graphs of extend steps (chapter 08), and those captured all-reduces too. NCCL keeps
 # a communicator alive while any graph that used it exists, so destroying it waited for ever: the check above
-# finished its work and then never exited. `ModelRunner.release_graphs` now drops every graph runner the runner
-# holds, and a test sets every attribute whose name ends in `graph_runner` and checks that none survives it.
+# finished its work and then never exited. The model runner now keeps every set of graphs in one list of graph
+# runners (decode, a cascade's decode, extend: `engine/graphs.py`), `ModelRunner.release_graphs` drops the list,
+# and a test checks that nothing of the runner still refers to one afterwards.
 #
 # The cell below reads `docs/data/parallel_serving_h200.json`, written by `scripts/gpu/parallel_serving.py` on two
 # H200s: the check as a process (how long it lives after its result), `serve --tp-size 2` with a storm of clients

@@ -913,16 +913,18 @@ for name, what in (("canonical_ab_persistent_h100.json", "plan uploaded on the s
 # Used that way in the engine (the kernel from 64 rows up, planned before every replay), it bought nothing: the
 # first comparison above, medians of four timed runs in interleaved processes. The host's 0.55 ms is hidden by
 # overlap scheduling (the host is ahead of the GPU by several milliseconds at these batch sizes); the upload is
-# not, because it sits on the GPU's stream. So `PersistentDecode.plan` (`minisgl_ref/attention/
-# flashinfer_persistent.py`) has the planner upload into a *staging* buffer on a side stream, which runs while the
-# previous step is still on the GPU, and the step's own stream only copies staging to workspace, device to device
-# (a few microseconds), before the graph. Two events keep the buffers honest: the side stream does not refill the
-# staging buffer before the step's stream has copied it out, and the step's stream does not copy before the side
-# stream has filled it. The second comparison: +1.2%, every run with it faster than every run without. It is the
-# default for the `flashinfer` decode backend (from 64 rows at first; 144 since the measurement below), checked
-# against `torch_native` on every GPU test shape (`gpu_tests_persistent_decode_h100.txt`). Its plan keeps the
-# offsets of its arrays fixed, and the planner is checked on every call for exactly that: a captured graph has
-# those offsets in its kernel arguments.
+# not, because it sits on the GPU's stream. So `PersistentDecode.plan` had the planner upload into a *staging*
+# buffer on a side stream, which runs while the previous step is still on the GPU, and the step's own stream only
+# copied staging to workspace, device to device (a few microseconds), before the graph. Two events kept the buffers
+# honest: the side stream did not refill the staging buffer before the step's stream had copied it out, and the
+# step's stream did not copy before the side stream had filled it. The second comparison: +1.2%, every run with it
+# faster than every run without. It became the default for the `flashinfer` decode backend (from 64 rows at first,
+# from 144 after the measurement below), checked against `torch_native` on every GPU test shape
+# (`gpu_tests_persistent_decode_h100.txt`). Its plan kept the offsets of its arrays fixed, and the planner was
+# checked on every call for exactly that: a captured graph has those offsets in its kernel arguments. (Our own
+# kernel, below, later took its place, and the persistent path, `attention/flashinfer_persistent.py` with its flag
+# `--persistent-decode-min-batch`, has been removed from the engine since: commit e598280 is the last that has it.
+# The measurements stay.)
 #
 # How much faster could any decode kernel read? With one-token pages a request's generated tokens lie a batch
 # apart in the pool, and a kernel that gives each KV head its own program reads 256-byte pieces of each token's
@@ -1103,8 +1105,11 @@ for name in ("decode_balance_triton_h100.json", "decode_balance_chunks_h100.json
 # The measurements above point at a design none of those kernels has. Balance comes from many short blocks in
 # several waves, not from one wave (the plain kernel) or from a cooperative grid that must hold every SM at once
 # (the persistent kernel, which loses its edge between the multiplies). And a kernel that balances well must
-# still read like a copy, which the Triton kernels did not. `minisgl_ref/attention/cuda/split_decode.cu` is a
+# still read like a copy, which the Triton kernels did not. `minisgl_ref/perf/cuda/split_decode.cu` is a
 # CUDA kernel written for this one job: bf16, head dim 128, pages of one token, 1, 2 or 4 query heads per KV head.
+# It is an extension of the engine (`minisgl_ref/perf/split_decode.py`): the backend declares a hook,
+# `use_decode_kernel`, and `build_runtime`'s attention planner (`minisgl_ref/perf/attention.py`) hands the kernel
+# to the `flashinfer` backend through it before the CUDA graphs are captured; the backend itself never imports it.
 #
 # * **One block of 128 threads per (piece, KV head).** A half-warp owns one token's 256-byte K row, 16 bytes a
 #   lane, and sums its dot products with four shuffles; the eight half-warps of a block take turns over the
@@ -1114,7 +1119,7 @@ for name in ("decode_balance_triton_h100.json", "decode_balance_chunks_h100.json
 #   set of registers while this turn's are used.
 # * **A fixed number of pieces, longest first.** A captured CUDA graph keeps the grid it was captured with, so a
 #   batch of B requests is always cut into B + B/8 pieces: one per context, then the longest piece cut in half
-#   until the count is reached (`plan_pieces` in `minisgl_ref/attention/split_decode.py`; the engine now cuts
+#   until the count is reached (`plan_pieces` in `minisgl_ref/perf/split_decode.py`; the engine now cuts
 #   fewer, see the end of this subsection). The GPU starts blocks in grid order, and the pieces are laid out
 #   longest first, so the last wave is made of the shortest.
 # * **The merge inside the kernel.** The pieces of one context write partial results; the last of them to finish
@@ -1125,7 +1130,9 @@ for name in ("decode_balance_triton_h100.json", "decode_balance_chunks_h100.json
 # variants: `cuda_1024_4_256` cuts pieces of at most 1,024 tokens in request order with blocks of 256 threads,
 # `cuda_1024_4_128_sorted` the same with 128 threads and the longest pieces first, and `cudafixed_F_4_T` uses a
 # fixed count of pieces, F% more than the requests, with blocks of T threads (`cudafixed_12_4_128` is the
-# engine's choice, `cudafixed_25_4_128` the one timed in the chain):
+# engine's choice, `cudafixed_25_4_128` the one timed in the chain). The builds with blocks of 256 threads (and
+# with 2 rows per half-warp, or streaming loads, compared the same way) were compiled only for such measurements
+# and have been removed from the kernel since; commit e598280 has them:
 
 # %%
 OWN = json.loads((ROOT / "docs" / "data" / "decode_balance_split_cuda_h100.json").read_text())
@@ -1158,8 +1165,8 @@ for n in running:
 # kernel below 128 rows). It is checked against `torch_native` on every decode shape of the backend grid, through
 # CUDA-graph capture and replay, and in the whole engine (`gpu_tests_split_decode_h100.txt`).
 #
-# In the engine (`--split-decode-min-batch`, 128 at first, 48 now, see below; the persistent kernel is still there
-# behind `--persistent-decode-min-batch`), the decode profile agrees, step by step:
+# In the engine (`--split-decode-min-batch`, 128 at first, 48 now, see below; the persistent kernel was still there
+# behind `--persistent-decode-min-batch` then), the decode profile agrees, step by step:
 
 # %%
 for label in ("persistent", "split"):
@@ -1297,7 +1304,7 @@ for variant in [r["variant"] for r in HEADS["stages"][0]["variants"] if "time_us
 # the grid and start together, so the eight 256-byte pieces of a row are already read at about the same time. The
 # kernel keeps one head a block. (`scripts/gpu/split_decode_check.py` checks each compiled variant of the kernel
 # against a float64 softmax, one to sixteen pieces a context, twice in a row so that the merge's counters must have
-# been reset: `split_decode_check_h100.json`.)
+# been reset: `split_decode_check_h100.json`, which also holds the measurement-only builds removed since.)
 #
 # **Rows through shared memory.** Is the kernel short of reads in flight? Each thread holds the rows of the next
 # step in a second set of registers, so a block has at most ~16 KB on its way, and 166 registers a thread let
@@ -1683,7 +1690,7 @@ print_ab("canonical_ab_cublaslt_h100.json", "\nand one more try at the matrix mu
 # prefill; but plain decode attention still reads it once *per request* on every step, because each row of the
 # batch walks its own page-table row, even though those rows point at the same pages.
 #
-# Cascade decode attention (`minisgl_ref/attention/cascade.py`) notices, at the start of a decode step, which rows
+# Cascade decode attention (`minisgl_ref/perf/cascade.py`) notices, at the start of a decode step, which rows
 # share a run of whole pages at the front of their page-table rows (requests matched against the same radix
 # node), and splits their attention in three passes: (1) per *group*, every query of the group against the shared
 # prefix, read once; (2) per row, the query against its own suffix; (3) the two partial results merged by their
@@ -1691,7 +1698,11 @@ print_ab("canonical_ab_cublaslt_h100.json", "\nand one more try at the matrix mu
 # attention over the whole context, up to floating-point rounding; `tests/test_cascade_attention.py` checks it
 # against `torch_native`, and greedy tokens with the cascade on and off. The engine picks it by itself, for
 # batches with groups whose shared prefix is at least `--cascade-min-prefix-len` tokens (default 256);
-# `--disable-cascade-attention` turns it off.
+# `--disable-cascade-attention` turns it off. It plugs into the core through the attention planner of chapter 08
+# (`minisgl_ref/engine/attention_planner.py`): `build_runtime` gives the engine `CascadePlanner`, which lists the
+# cascade as a second decode backend (so the model runner captures decode graphs for it too) and, before each
+# decode step, points the step at it when the batch has groups. An engine built without it runs every step on
+# its own backend.
 #
 # What it saves is the KV traffic of a step, which the engine counts. Here on the quick model: two groups of four
 # requests, each group behind a 320-token system prompt:
@@ -2275,7 +2286,7 @@ for run in SA["canonical_runs"]:
 #    rest goes: run `decode_anatomy.py --label copies` with the profiler's host overhead in mind (which gaps would
 #    a 2-3x slower host open by itself?), and time the eager kernels before the graph one by one with CUDA events.
 # 12. **How many pieces? (the plan on a CPU, the timing on a GPU).** `plan_pieces` in
-#    `minisgl_ref/attention/split_decode.py` cuts a batch of B contexts into up to B + B/8 pieces (with
+#    `minisgl_ref/perf/split_decode.py` cuts a batch of B contexts into up to B + B/8 pieces (with
 #    `split_above=None` always that many; by default only pieces over twice the mean context). On a CPU, feed it the
 #    lengths of section 5's 256-running stage (`benchmarks.decode_balance.canonical_stages`) and of a batch of 144
 #    contexts of 500 tokens plus one of 30,000: how long is the longest piece in each, against the mean piece, and
@@ -2339,8 +2350,8 @@ for run in SA["canonical_runs"]:
 # python3 scripts/gpu/decode_anatomy.py --out results --at 256,128,64,32,16   # section 5: every stage
 # BASE=.baseline bash scripts/gpu/canonical_ab.sh     # section 5: interleaved A/B against an older checkout
 # BASE=. BASE_LABEL=page1 NEW_LABEL=page64 NEW_ARGS="--page-size 64" bash scripts/gpu/canonical_ab.sh  # KV pages
-# BASE=. BASE_LABEL=paged NEW_LABEL=persistent BASE_ARGS="--persistent-decode-min-batch 0" \
-#     bash scripts/gpu/canonical_ab.sh                              # section 5: the persistent decode kernel
+# git checkout e598280 && BASE=. BASE_LABEL=paged NEW_LABEL=persistent BASE_ARGS="--persistent-decode-min-batch 0" \
+#     bash scripts/gpu/canonical_ab.sh     # section 5: the persistent decode kernel (e598280: the last with it)
 # OUT=results bash scripts/gpu/decode_balance.sh --uniform --marks 256,128,16   # section 5: the spread of lengths
 # OUT=results bash scripts/gpu/decode_balance.sh --uniform --variants fi_graph,fi_chunk128,fi_chunk256  # pieces
 # python3 scripts/gpu/decode_anatomy.py --out results --at 256,64,16 --label gaps   # section 5: kernel gaps
@@ -2367,21 +2378,22 @@ for run in SA["canonical_runs"]:
 # python -m pytest -m gpu tests/test_norm_folding.py tests/test_triton_fused.py   # section 5: folded vs float32
 # python -m benchmarks.decode_balance --variants fi_graph,fi_holistic --marks 256,224,192,160,128,64 --layers 28 \
 #     --slot-order canonical --with-matmuls --output results/with_matmuls.json   # section 5: attention between matmuls
-# BASE=. BASE_LABEL=64 NEW_LABEL=144 NEW_ARGS="--persistent-decode-min-batch 144" BASE_ARGS="--persistent-decode-min-batch 64" \
-#     bash scripts/gpu/canonical_ab.sh                              # section 5: where the persistent kernel starts
+# git checkout e598280 && BASE=. BASE_LABEL=64 NEW_LABEL=144 NEW_ARGS="--persistent-decode-min-batch 144" \
+#     BASE_ARGS="--persistent-decode-min-batch 64" bash scripts/gpu/canonical_ab.sh  # where the persistent kernel starts
 # python -m benchmarks.decode_balance --variants fi_graph,fi_holistic,triton_128_64_4_2,triton_512_64_4_3,\
 # allheads_128_16_4_3,allheads_256_16_4_3 --marks 256,128,64 --layers 28 --slot-order canonical --with-matmuls \
 #     --output results/decode_balance_triton.json                   # section 5: other kernels in the chain
 # python -m benchmarks.decode_balance --variants fi_graph,fi_holistic,xqa_page32,xqa_page64,xqa_page128 \
 #     --marks 256,128,32 --layers 28 --slot-order canonical --with-matmuls --output results/decode_balance_xqa.json
-# python -m benchmarks.decode_balance --variants fi_graph,fi_holistic,cuda_1024_4_256,cuda_1024_4_128_sorted,\
+# git checkout e598280 && python -m benchmarks.decode_balance --variants fi_graph,fi_holistic,cuda_1024_4_256,\
+# cuda_1024_4_128_sorted,\
 # cudafixed_0_4_128,cudafixed_0_4_256,cudafixed_12_4_128,cudafixed_25_4_128,cudafixed_25_4_256 --marks 256,192,128,64,32 \
 #     --layers 28 --slot-order canonical --output results/split_cuda.json  # section 5: our own kernel (add
 #     --with-matmuls and fewer --variants for the chain; the GPU needs ninja, which comes with flashinfer)
-# python3 scripts/gpu/decode_anatomy.py --out results --at 256,192,160,144,128 --label persistent \
-#     --engine-arg split_decode_min_batch=0 --engine-arg persistent_decode_min_batch=144   # and --label split
-# BASE=. BASE_LABEL=persistent144 NEW_LABEL=split128 BASE_ARGS="--engine-arg split_decode_min_batch=0 \
-#     --persistent-decode-min-batch 144" ROUNDS=4 bash scripts/gpu/canonical_ab.sh   # section 5: our kernel, A/B
+# git checkout e598280 && python3 scripts/gpu/decode_anatomy.py --out results --at 256,192,160,144,128 \
+#     --label persistent --engine-arg split_decode_min_batch=0 --engine-arg persistent_decode_min_batch=144  # & split
+# git checkout e598280 && BASE=. BASE_LABEL=persistent144 NEW_LABEL=split128 BASE_ARGS="--engine-arg \
+#     split_decode_min_batch=0 --persistent-decode-min-batch 144" ROUNDS=4 bash scripts/gpu/canonical_ab.sh  # A/B
 # python -m benchmarks.decode_balance --variants fi_graph,cudafixed_0_4_128,cudafixed_12_4_128,cudacap_200_4_128 \
 #     --marks 256,192,160,128,96,64 --layers 28 --slot-order canonical --with-matmuls \
 #     --output results/split_cap.json            # section 5: fewer cuts (and --marks 80,48,32,24,16,8 below 64)
@@ -2395,6 +2407,7 @@ for run in SA["canonical_runs"]:
 #     attention without the QK-norm kernel (and 31a607a: python -m benchmarks.dependent_launch, launched early)
 # python -m benchmarks.matmul_latency --output results/matmul_latency.json   # section 5: weights in L2, TunableOp
 # python3 scripts/gpu/split_decode_check.py --output results/split_decode_check.json   # every build vs float64
+#     (at e598280 it also checks the measurement-only builds removed since)
 # git checkout 576dd80 && python -m benchmarks.decode_balance --variants cudacap_200_4_128,cudaheads_8_800_4_128,\
 # cudaheads_2_200_4_128 --marks 256,128,63 --layers 28 --slot-order canonical --with-matmuls \
 #     --output results/heads.json      # section 5: blocks of several heads (379af6c: cudaasync_4_3, shared memory;

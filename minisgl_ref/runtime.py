@@ -26,6 +26,7 @@ from minisgl_ref.engine import warmup
 from minisgl_ref.engine.naive import NaiveEngine
 from minisgl_ref.models.config import ModelConfig
 from minisgl_ref.models.loader import load_model
+from minisgl_ref.perf import attention as perf_attention
 from minisgl_ref.tokenizer import Tokenizer
 from minisgl_ref.tp.engine import TPEngine
 from minisgl_ref.tp.group import TPGroup
@@ -123,8 +124,9 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
         phase("weights")
         if kind == "paged" and device.type == "cuda":  # compile kernels now, in parallel, not in the first steps
             engine_config = engine or EngineConfig()
-            warmup.start(warmup.shapes_of(net, config, engine_config, device), device,
-                         warmup.matmul_shapes(net, engine_config)).wait()
+            shapes = warmup.shapes_of(net, config, engine_config, device)
+            warmup.start(shapes, device, warmup.matmul_shapes(net, engine_config),
+                         perf_attention.warmup_jobs(shapes, engine_config)).wait()
             phase("kernel compiles")
         # Structured output (chapter 12): grammars compile against the model's vocabulary size, which may exceed
         # the tokenizer's; nothing is built until the first constrained request.
@@ -133,9 +135,11 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
             built: Engine | NaiveEngine = NaiveEngine(net, config.vocab_size, device)
         elif group is not None:
             built = group.engine = TPEngine(net, config, engine, device=device, context_length=context,
-                                            tokenizer=tokenizer, grammar_backend=grammar)
+                                            tokenizer=tokenizer, grammar_backend=grammar,
+                                            attention_planner=perf_attention.attention_planner)
         else:
-            built = Engine(net, config, engine, device=device, context_length=context, grammar_backend=grammar)
+            built = Engine(net, config, engine, device=device, context_length=context, grammar_backend=grammar,
+                           attention_planner=perf_attention.attention_planner)  # chapter 11's decode attention
         phase("engine (KV pool, CUDA graphs)")
     except BaseException as e:
         if group is not None:

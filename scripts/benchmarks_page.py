@@ -24,7 +24,9 @@ OTHER_RESULTS = [
     "its plan with fewer cuts, and from 48 rows: `docs/data/decode_balance_split_cap_h100.json`, "
     "`docs/data/decode_balance_split_cap_small_h100.json`, `docs/data/canonical_ab_split_cap_h100.json`; its GPU tests "
     "at that plan `docs/data/gpu_tests_split_cap_h100.txt`; small batches cut into more blocks, which did not pay "
-    "`docs/data/decode_balance_min_blocks_h100.json`.",
+    "`docs/data/decode_balance_min_blocks_h100.json`. The kernel's builds compiled only to be measured (other "
+    "block sizes and rows per half-warp, streaming loads; checked in `docs/data/split_decode_check_h100.json`) "
+    "have been removed since; commit e598280 has them.",
     "The small kernels of a decode layer (chapter 11, section 5): the Triton QK-norm/RoPE/store and activation "
     "kernels with every load first `docs/data/fused_kernels_loads_first_h100.json`, "
     "`docs/data/canonical_ab_loads_first_h100.json`, GPU tests `docs/data/gpu_tests_loads_first_h100.txt`; two "
@@ -98,7 +100,9 @@ OTHER_RESULTS = [
     "`docs/data/decode_balance_plan_cost_h100.json`, and the canonical workload with it from 64 rows, interleaved "
     "processes: `docs/data/canonical_ab_persistent_h100.json`, with its plan uploaded on a side stream: "
     "`docs/data/canonical_ab_persistent_staged_h100.json`, and its GPU tests: "
-    "`docs/data/gpu_tests_persistent_decode_h100.txt`. A decode step cut in two halves whose attention and "
+    "`docs/data/gpu_tests_persistent_decode_h100.txt` (the engine's persistent decode path and its "
+    "`--persistent-decode-min-batch` flag have been removed since; commit e598280 has them). A decode step cut in "
+    "two halves whose attention and "
     "matrix multiplies overlap in two streams: `docs/data/overlap_decode_h100.json`.",
     "The GPU's gaps between the kernels of a decode step, and the sampler's float32 exponential against the float64 "
     "one in one process (chapter 11, section 5): `docs/data/decode_anatomy_gaps_h100.json`, "

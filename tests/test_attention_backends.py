@@ -650,12 +650,10 @@ def test_torch_native_has_no_cuda_graph_hooks():
 
 # MINISGL_TEST_BACKENDS=triton (a comma list) narrows the GPU comparisons to the backends named: after a change to
 # one backend's kernels, the others' first-use compilation need not be paid again.
-# "flashinfer-persistent" and "flashinfer-split" are the flashinfer backend with every decode batch on FlashInfer's
-# persistent kernel or on our split-KV kernel (the engine uses them from --persistent-decode-min-batch and
-# --split-decode-min-batch rows up).
-GPU_BACKENDS = [n for n in ["triton", "flashinfer", "flashinfer-persistent", "flashinfer-split", "fa3"]
-                if n in os.environ.get("MINISGL_TEST_BACKENDS",
-                                       "triton,flashinfer,flashinfer-persistent,flashinfer-split,fa3").split(",")]  # fmt: skip
+# "flashinfer-split" is the flashinfer backend with every decode batch on chapter 11's split-KV kernel, installed
+# as build_runtime installs it (the engine uses it from --split-decode-min-batch rows up).
+GPU_BACKENDS = [n for n in ["triton", "flashinfer", "flashinfer-split", "fa3"]
+                if n in os.environ.get("MINISGL_TEST_BACKENDS", "triton,flashinfer,flashinfer-split,fa3").split(",")]
 NUM_HEADS = 16  # KV heads = 16 / GQA: 16, 8, 4, 2
 
 # Not the full product of GQA x head dim x page size x dtype (96 combinations, each over every shape below): every
@@ -711,13 +709,18 @@ def gpu_backend_available(name: str) -> bool:
 
 def make_backend(name: str, case: Case, page_size: int = 1):  # type: ignore[no-untyped-def]
     from minisgl_ref.attention.registry import build_backend
+    from minisgl_ref.core.config import EngineConfig
+    from minisgl_ref.engine.attention_planner import AttentionSetup
+    from minisgl_ref.perf.attention import install_split_decode
 
     if not gpu_backend_available(name):
         pytest.skip(f"{name} cannot run here")
-    return build_backend(name.split("-")[0], case.pool, case.table, num_q_heads=case.layer.num_heads,
-                         page_size=page_size, device=torch.device("cuda"),
-                         persistent_decode_min_batch=1 if name.endswith("-persistent") else 0,
-                         split_decode_min_batch=1 if name.endswith("-split") else 0)  # fmt: skip
+    backend = build_backend(name.split("-")[0], case.pool, case.table, num_q_heads=case.layer.num_heads,
+                            page_size=page_size, device=torch.device("cuda"))  # fmt: skip
+    if name.endswith("-split"):  # for the shapes the kernel is compiled for; FlashInfer's kernel for the others
+        install_split_decode(AttentionSetup(EngineConfig(split_decode_min_batch=1), case.pool, case.table, backend,
+                                            case.layer.num_heads))
+    return backend
 
 
 def run_backend(backend, case: Case) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -737,26 +740,13 @@ def record_errors(test: str, errors: dict[str, float]) -> None:
             f.write(json.dumps({"test": test, "max_rel_error": errors}) + "\n")
 
 
-def test_persistent_decode_workspace_covers_what_flashinfer_reserved():
-    """FlashInfer's persistent planner reserves its partial outputs for a fixed maximum of pieces; with 16 KV heads of
-    128 on an H100 (132 SMs) it asked for 622,854,144 bytes of them and stopped with a buffer overflow in its
-    384 MiB default workspace. ``partial_bytes`` must cover that request plus the log-sum-exps, and keep Qwen3-0.6B's
-    8 KV heads inside the default (so its engine allocates nothing extra)."""
-    from minisgl_ref.attention.flashinfer_persistent import partial_bytes
-
-    partial_o, lse = 622_854_144, 622_854_144 // (2 * 128) * 4
-    assert partial_bytes(16, 128, 132) >= partial_o + lse
-    assert partial_bytes(16, 128, 132) < partial_o + lse + 4096
-    assert partial_bytes(8, 128, 132) <= 384 << 20
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_split_decode_plan_cuts_each_context_into_its_own_consecutive_pieces(seed):
     """The split-KV kernel's plan (``plan_pieces``): exactly the asked number of pieces, longest first, every slot
     index in exactly one piece of its own request, a request's partial-result rows consecutive from its first row
     (the merge reads that range), and merging the pieces' partial attention by log-sum-exp gives the request's
     whole attention (the kernel's arithmetic, in plain PyTorch)."""
-    from minisgl_ref.attention.split_decode import piece_count, plan_pieces
+    from minisgl_ref.perf.split_decode import piece_count, plan_pieces
 
     rng = random.Random(seed)
     bs = rng.choice([1, 2, 7, 64, 200])
@@ -795,7 +785,7 @@ def test_split_decode_plan_cuts_each_context_into_its_own_consecutive_pieces(see
 def test_split_decode_uploads_each_plan_into_the_same_device_buffers(monkeypatch):
     """A captured graph reads the plan where it was at capture: every step must land in the same buffers, the
     pieces first, then each request's piece count and first row, whichever of the two pinned copies it came from."""
-    import minisgl_ref.attention.split_decode as sd
+    import minisgl_ref.perf.split_decode as sd
 
     monkeypatch.setattr(sd, "load_kernel", lambda *a, **k: None)  # the kernel itself needs a GPU
     split = sd.SplitDecode(num_q_heads=4, num_kv_heads=2, head_dim=128, sm_scale=0.1, max_batch=8,
@@ -819,7 +809,7 @@ def test_split_decode_takes_the_four_block_build_for_large_batches_only(monkeypa
     """From FOUR_BLOCKS_FROM requests the kernel is launched as the build that fits four blocks on an SM, which
     exists (without spilling registers) for one or two query heads per KV head only; smaller batches, and four
     query heads per KV head at any size, keep the default build."""
-    import minisgl_ref.attention.split_decode as sd
+    import minisgl_ref.perf.split_decode as sd
 
     monkeypatch.setattr(sd, "load_kernel", lambda *a, **k: None)
     split = sd.SplitDecode(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=128, sm_scale=0.1,
@@ -831,7 +821,7 @@ def test_split_decode_takes_the_four_block_build_for_large_batches_only(monkeypa
         assert split.min_blocks == want, (bs, split.min_blocks)
 
 
-def test_flashinfer_backend_falls_back_when_the_split_kernel_cannot_be_built(monkeypatch, caplog):
+def test_flashinfer_backend_falls_back_when_the_split_kernel_cannot_be_built(caplog):
     """Without nvcc or ninja the split-KV kernel cannot be built: the backend says so once and sends large decode
     batches to FlashInfer's kernels instead of failing the step (checked on the choice itself: the backend needs a
     GPU to be built)."""
@@ -839,20 +829,55 @@ def test_flashinfer_backend_falls_back_when_the_split_kernel_cannot_be_built(mon
 
     pytest.importorskip("triton")
     fb = pytest.importorskip("minisgl_ref.attention.flashinfer_backend")
+    calls = []
 
-    def no_compiler(**kw):
+    def no_compiler():  # what the kernel's builder raises on a machine without a compiler
+        calls.append(1)
         raise RuntimeError("Ninja is required to load C++ extensions\nmore detail")
 
-    monkeypatch.setattr(fb, "SplitDecode", no_compiler)
-    backend = types.SimpleNamespace(split_min_batch=128, split=None, num_q_heads=16, num_kv_heads=8, head_dim=128,
-                                    sm_scale=0.1, req_to_token=types.SimpleNamespace(max_requests=256),
-                                    device=torch.device("cpu"))  # fmt: skip
-    assert not fb.FlashInferBackend._use_split(backend, 64)  # below the threshold: nothing is built
+    backend = types.SimpleNamespace(split_min_batch=0, split_build=None, split=None)
+    assert fb.FlashInferBackend.use_decode_kernel(backend, no_compiler, 128)  # the backend takes outside kernels
+    assert backend.split_min_batch == 128 and backend.split_build is no_compiler
+    assert not fb.FlashInferBackend._use_split(backend, 64) and not calls  # below the threshold: nothing is built
     with caplog.at_level("WARNING"):
         assert not fb.FlashInferBackend._use_split(backend, 200)
-    assert backend.split_min_batch == 0 and backend.split is None
+    assert backend.split_min_batch == 0 and backend.split is None and len(calls) == 1
     assert "split-KV decode kernel unavailable (RuntimeError: Ninja is required" in caplog.text
-    assert not fb.FlashInferBackend._use_split(backend, 200)  # and it is not tried again
+    assert not fb.FlashInferBackend._use_split(backend, 200) and len(calls) == 1  # and it is not tried again
+
+
+def test_split_decode_is_offered_to_the_backend_only_for_the_shapes_it_is_compiled_for():
+    """``build_runtime``'s planner factory offers the split-KV kernel through the backend's ``use_decode_kernel``
+    hook (declared on every backend: the ones without a place for it say no), and only when
+    ``--split-decode-min-batch`` is on and the kernel handles the attention shape; it builds nothing up front."""
+    from minisgl_ref.core.config import EngineConfig
+    from minisgl_ref.engine.attention_planner import AttentionSetup
+    from minisgl_ref.perf.attention import install_split_decode
+
+    offers = []
+
+    class Taker(TorchNativeBackend):
+        def use_decode_kernel(self, build, min_batch):  # type: ignore[no-untyped-def]
+            offers.append((build, min_batch))
+            return True
+
+    def setup(gqa: int, head_dim: int, dtype: torch.dtype, min_batch: int, backend_cls=Taker) -> AttentionSetup:
+        case = make_case([(3, 1)], num_kv_heads=2, gqa=gqa, head_dim=head_dim, page_size=1, decode=True,
+                         dtype=dtype, device="cpu")  # fmt: skip
+        return AttentionSetup(EngineConfig(split_decode_min_batch=min_batch), case.pool, case.table,
+                              backend_cls(case.pool, case.table), 2 * gqa)
+
+    qwen3_like = setup(2, 128, torch.bfloat16, 48)
+    assert install_split_decode(qwen3_like)
+    assert len(offers) == 1 and offers[0][1] == 48
+    assert offers[0][0].keywords == dict(num_q_heads=4, num_kv_heads=2, head_dim=128, sm_scale=128**-0.5,
+                                         max_batch=qwen3_like.req_to_token.max_requests, device=torch.device("cpu"))
+    assert not install_split_decode(setup(2, 128, torch.bfloat16, 0))  # turned off
+    assert not install_split_decode(setup(2, 64, torch.bfloat16, 48))  # head dim 64: not compiled for it
+    assert not install_split_decode(setup(8, 128, torch.bfloat16, 48))  # 8 query heads per KV head
+    assert not install_split_decode(setup(2, 128, torch.float32, 48))  # float32
+    assert len(offers) == 1
+    assert not install_split_decode(setup(2, 128, torch.bfloat16, 48, TorchNativeBackend))  # no place for it
 
 
 def test_split_decode_build_clears_a_lock_file_left_by_a_killed_build(monkeypatch, tmp_path):
@@ -861,7 +886,7 @@ def test_split_decode_build_clears_a_lock_file_left_by_a_killed_build(monkeypatc
     Two checkouts (two source folders) build in folders of their own."""
     import torch.utils.cpp_extension as cpp
 
-    import minisgl_ref.attention.split_decode as sd
+    import minisgl_ref.perf.split_decode as sd
 
     calls = []
 
@@ -894,7 +919,7 @@ def test_split_decode_build_lock_waits_for_a_live_holder_only(tmp_path):
     import signal
     import subprocess
 
-    from minisgl_ref.attention.split_decode import exclusive
+    from minisgl_ref.perf.split_decode import exclusive
 
     path = tmp_path / "build.flock"
     with exclusive(path, 1.0):
@@ -918,14 +943,14 @@ def test_split_decode_build_lock_waits_for_a_live_holder_only(tmp_path):
 
 
 def test_split_decode_plan_rejects_fewer_pieces_than_requests():
-    from minisgl_ref.attention.split_decode import plan_pieces
+    from minisgl_ref.perf.split_decode import plan_pieces
 
     with pytest.raises(ValueError, match="count must be at least the number of requests"):
         plan_pieces([5, 5, 5], 2)
 
 
 def test_split_decode_handles_only_the_shapes_it_is_compiled_for():
-    from minisgl_ref.attention.split_decode import supports
+    from minisgl_ref.perf.split_decode import supports
 
     assert supports(16, 8, 128, torch.bfloat16) and supports(32, 8, 128, torch.bfloat16)
     assert not supports(16, 8, 64, torch.bfloat16)  # head dim
@@ -1071,6 +1096,7 @@ def test_gpu_extend_graphs_match_eager_extend_steps(qwen3_small_path, mode):
     * burst: all prompts at once, a prefill budget of 448 tokens above the graphs' 256: the first step fills
       the budget exactly and replays its own graph, the second (the rest) an ordinary one."""
     from minisgl_ref import LLM, SamplingParams
+    from minisgl_ref.engine.extend_graph import ExtendGraphRunner
 
     if not gpu_backend_available("fa3"):
         pytest.skip("the extend graphs need the fa3 prefill backend")
@@ -1093,15 +1119,16 @@ def test_gpu_extend_graphs_match_eager_extend_steps(qwen3_small_path, mode):
             return logits, prompt_logprobs
 
         runner.forward = forward_recording
-        if runner.extend_graph_runner is not None:
-            replay = runner.extend_graph_runner.replay
+        extend_graphs = next((g for g in runner.graph_runners if isinstance(g, ExtendGraphRunner)), None)
+        if extend_graphs is not None:
+            replay = extend_graphs.replay
 
             def replay_counting(fb):  # type: ignore[no-untyped-def]
                 replays[0] += 1
-                keys.append(runner.extend_graph_runner.bucket(fb))
+                keys.append(extend_graphs.bucket(fb))
                 return replay(fb)
 
-            runner.extend_graph_runner.replay = replay_counting
+            extend_graphs.replay = replay_counting
         rng = random.Random(7)
         prompts = [[rng.randrange(100, 150000) for _ in range(n)] for n in (300, 150, 37, 90, 64)]
         params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
@@ -1127,11 +1154,9 @@ def test_gpu_extend_graphs_match_eager_extend_steps(qwen3_small_path, mode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("engine_kw", [dict(attention_backend="triton"),
                                        dict(attention_backend="flashinfer", split_decode_min_batch=0),
-                                       dict(attention_backend="flashinfer", persistent_decode_min_batch=1,
-                                            split_decode_min_batch=0),
                                        dict(attention_backend="flashinfer", split_decode_min_batch=1),
                                        dict(attention_backend="fa3"), {}],
-                         ids=["triton", "flashinfer", "flashinfer-persistent", "flashinfer-split", "fa3", "default"])  # fmt: skip
+                         ids=["triton", "flashinfer", "flashinfer-split", "fa3", "default"])  # fmt: skip
 def test_gpu_engine_qwen3_matches_torch_native(qwen3_small_path, engine_kw):
     """The whole engine (chunked prefill, decode with CUDA graphs where the backend has them) on a 4-layer Qwen3
     with dummy weights, in bf16, against the same engine with torch_native attention.

@@ -184,10 +184,11 @@ def test_decode_balance_chunks_merge_back_to_plain_attention(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["chunk", "chunk_even_sorted", "fixed_0", "fixed_25", "fixed_many"])
 def test_split_decode_plans_cover_every_token_once_and_merge_back(kind):
-    """The CUDA split-KV kernel of ``benchmarks/split_decode.cu`` reads each plan piece (request, first index, end
-    index, result row), and the last piece of a request merges rows ``first .. first + parts - 1``. Here the same
-    arithmetic in plain PyTorch over every plan shape the benchmark uses: every token lies in exactly one piece of
-    its own request, a request's rows are its pieces, and merging them gives plain attention."""
+    """The CUDA split-KV kernel (``minisgl_ref/perf/cuda/split_decode.cu``) reads each plan piece (request, first
+    index, end index, result row), and the last piece of a request merges rows ``first .. first + parts - 1``.
+    Here the same arithmetic in plain PyTorch over every plan shape the benchmark uses: every token lies in
+    exactly one piece of its own request, a request's rows are its pieces, and merging them gives plain
+    attention."""
     from benchmarks.split_decode import plan
 
     lens = [300, 17, 129, 256, 1, 2048]

@@ -4,8 +4,10 @@ On the CPU the Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1`
 imported), so shapes stay tiny: contexts of a few dozen tokens, head dims 16-32, small pieces so that every pass
 cuts its keys into several pieces. What is covered: random groupings (groups of 1-5 rows, rows alone, prefixes at
 and off page boundaries, empty suffixes) with page sizes 1 and 4 and GQA 1-4, against torch_native's decode
-attention (the oracle); the grouping against the page table it reads; the KV-bytes report; and whole engines
-(torch_native and Triton) giving the same greedy tokens with the cascade on and off.
+attention (the oracle); the grouping against the page table it reads; the KV-bytes report; whole engines
+(torch_native and Triton) giving the same greedy tokens with the cascade on and off; and the attention-planner
+seam itself: an engine built alone runs the core's default planner, one given chapter 11's planner factory the
+cascade's, with the oracle's greedy tokens both ways.
 
 ``pytest -m gpu``: bf16 at the shared-prefix workload's shapes against FlashInfer / FA3 (the default decode path)
 and torch_native, the CUDA-graph hooks, and the engine on a GPU.
@@ -20,8 +22,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from minisgl_ref.attention.cascade import (
+from minisgl_ref.attention.torch_native import TorchNativeBackend, reference_attention
+from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
+from minisgl_ref.kvcache.allocator import PageAllocator
+from minisgl_ref.kvcache.pool import KVPool
+from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
+from minisgl_ref.layers.attention import AttentionLayer
+from minisgl_ref.perf.cascade import (
     CascadeDecodeBackend,
+    PrefixGroups,
     build_plan,
     decode_kv_bytes,
     find_prefix_groups,
@@ -29,12 +38,8 @@ from minisgl_ref.attention.cascade import (
     merge_state,
     partial_attention,
 )
-from minisgl_ref.attention.torch_native import TorchNativeBackend, reference_attention
-from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode, PrefixGroups
-from minisgl_ref.kvcache.allocator import PageAllocator
-from minisgl_ref.kvcache.pool import KVPool
-from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
-from minisgl_ref.layers.attention import AttentionLayer
+from tests import engine_fixtures as ef
+from tests.engine_fixtures import tiny_engine_path, tiny_llm  # noqa: F401 - fixtures
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -46,7 +51,7 @@ def triton_runs_here() -> bool:
     except ImportError:
         return False
     from minisgl_ref.attention.triton_kernels.kv_indices import interpreted
-    from minisgl_ref.attention.triton_kernels.cascade import _cascade_prefix_kernel
+    from minisgl_ref.perf.cascade_kernels import _cascade_prefix_kernel
 
     return HAS_CUDA or interpreted(_cascade_prefix_kernel)
 
@@ -161,8 +166,8 @@ def oracle(batch: Batch) -> torch.Tensor:
 
 def run_cascade(batch: Batch, groups: PrefixGroups | None, use_triton: bool, **attrs: int) -> torch.Tensor:
     backend = batch.backend(use_triton, **attrs)
-    fb = dataclasses.replace(batch.fb, attn_backend=backend, prefix_groups=groups)
-    backend.step_groups = groups
+    fb = dataclasses.replace(batch.fb, attn_backend=backend)
+    backend.step_groups = groups  # what the planner's attach leaves for the step
     backend.init_forward_metadata(fb)
     return backend.attend_decode(batch.q, batch.layer, fb)
 
@@ -353,17 +358,18 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory):
 
 def shared_prefix_tokens(path, backend: str, **engine_kw):  # type: ignore[no-untyped-def]
     """A small shared-prefix workload (2 system prompts x 3 questions, shuffled) through the engine with the radix
-    cache on: the greedy tokens, and the engine's cascade counters."""
+    cache on: the greedy tokens, and the cascade's counters (``bench offline``'s, None without a cascade)."""
     from minisgl_ref import LLM, SamplingParams
+    from minisgl_ref.bench.cascade_stats import cascade_stats
     from minisgl_ref.bench.workloads import shared_prefix_workload
 
     wl = shared_prefix_workload(num_groups=2, prompts_per_group=3, system_len=37, question_len=5, output_len=5)
     prompts = [[t % 300 + 3 for t in p] for p in wl.prompts]
     llm = LLM(path, device=DEVICE, attention_backend=backend, max_total_tokens=2048, page_size=4,
               cascade_min_prefix_len=8, **engine_kw)  # fmt: skip
+    stats = cascade_stats(llm)  # counting starts here
     out = llm.generate(prompts, SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True), use_tqdm=False)
-    cascade = llm.engine.runner.cascade
-    return [o.output_ids for o in out], (None if cascade is None else cascade.stats)
+    return [o.output_ids for o in out], stats
 
 
 @pytest.mark.parametrize("backend", ["torch_native", "triton"])
@@ -376,6 +382,53 @@ def test_engine_same_greedy_tokens_with_the_cascade_on_and_off(tiny_path, backen
     assert on == off
     radix_off, none = shared_prefix_tokens(tiny_path, backend, disable_radix_cache=True)
     assert none is None and radix_off == on  # no radix cache: nothing is shared, no cascade
+
+
+def test_engine_runs_the_default_planner_alone_and_the_cascade_planner_when_given(tiny_llm):
+    """The attention-planner seam on a CPU. ``Engine(...)`` alone plans every step on its own backend and captures
+    nothing for a cascade; given chapter 11's planner factory, its decode batches whose rows share a cached prefix
+    run on the cascade (its plain-PyTorch path). The greedy tokens are the chapter-00 oracle's both ways, and the
+    cascade really ran: the planner showed its observers decode steps with groups, and every such step's attention
+    backend was the cascade."""
+    from minisgl_ref.engine.attention_planner import AttentionPlanner
+    from minisgl_ref.engine.engine import Engine
+    from minisgl_ref.perf.attention import attention_planner
+    from minisgl_ref.perf.cascade import CascadePlanner
+
+    prompts, params = ef.shared_prefix_workload()
+    expected = ef.oracle(tiny_llm, prompts, params)
+    from minisgl_ref.core.config import EngineConfig
+
+    config = EngineConfig(page_size=4, cascade_min_prefix_len=16)
+    outputs = {}
+    for name, factory in (("default", None), ("cascade", attention_planner)):
+        engine = Engine(tiny_llm.model, tiny_llm.config, config, device="cpu", context_length=tiny_llm.context_length,
+                        attention_planner=factory)
+        planner = engine.runner.planner
+        steps: list[tuple[PrefixGroups | None, object]] = []  # per decode step: its groups and its backend
+        if name == "default":
+            assert type(planner) is AttentionPlanner and planner.decode_backends == (engine.runner.attn_backend,)
+        else:
+            assert isinstance(planner, CascadePlanner) and planner.decode_backends[1] is planner.cascade
+            forward = engine.runner.forward
+
+            def recording_forward(fb, prompt_plan=None):  # type: ignore[no-untyped-def]
+                if fb.mode.is_decode:
+                    steps.append((planner.cascade.step_groups, fb.attn_backend))
+                return forward(fb, prompt_plan)
+
+            engine.runner.forward = recording_forward  # type: ignore[method-assign]
+            observed: list[PrefixGroups | None] = []
+            planner.observers.append(lambda lens, groups: observed.append(groups))
+        reqs = ef.make_reqs(tiny_llm, prompts, params)
+        ef.drive(engine, reqs)
+        ef.assert_matches_oracle(reqs, expected)
+        ef.assert_pool_accounting(engine)
+        outputs[name] = [r.output_ids for r in reqs]
+        if name == "cascade":
+            assert [g for g, _ in steps] == observed and any(g is not None for g in observed)
+            assert all((backend is planner.cascade) == (g is not None) for g, backend in steps)
+    assert outputs["default"] == outputs["cascade"]
 
 
 def test_bench_reports_kv_bytes_per_decode_step():
@@ -506,7 +559,10 @@ def test_gpu_engine_cascade_on_and_off(tmp_path):
     from importlib import resources
 
     from minisgl_ref import LLM, SamplingParams
+    from minisgl_ref.bench.cascade_stats import cascade_stats
     from minisgl_ref.bench.workloads import shared_prefix_workload
+    from minisgl_ref.engine.cuda_graph import CudaGraphRunner
+    from minisgl_ref.perf.cascade import CascadePlanner
 
     cfg = json.loads(resources.files("minisgl_ref.models").joinpath("configs/qwen3-0.6b.json").read_text())
     cfg["num_hidden_layers"] = 4
@@ -534,14 +590,17 @@ def test_gpu_engine_cascade_on_and_off(tmp_path):
             return out
 
         runner.forward, runner.run = forward_recording, run_recording
+        stats = cascade_stats(llm)
         llm.generate(wl.prompts, SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True), use_tqdm=False)
-        return rows, runner
+        return rows, runner, stats
 
-    on, runner = logits()
-    assert runner.cascade is not None and runner.cascade_graph_runner is not None
-    assert runner.cascade.stats.cascade_steps > 0
-    off, runner_off = logits(disable_cascade_attention=True)
-    assert runner_off.cascade is None and on.keys() == off.keys()
+    on, runner, stats = logits()
+    planner = runner.planner
+    assert isinstance(planner, CascadePlanner)
+    assert any(isinstance(g, CudaGraphRunner) and g.backend is planner.cascade for g in runner.graph_runners)
+    assert stats is not None and stats.cascade_steps > 0
+    off, runner_off, no_stats = logits(disable_cascade_attention=True)
+    assert no_stats is None and not isinstance(runner_off.planner, CascadePlanner) and on.keys() == off.keys()
     compared = 0
     for key in off:
         assert len(off[key]) == len(on[key])

@@ -304,8 +304,9 @@ def test_gpu_replay_is_bitwise_eager(small_qwen3, backend: str) -> None:
     except (ImportError, RuntimeError, ValueError) as exc:  # ValueError: the package is not installed
         pytest.skip(f"{backend} unavailable: {exc}")
     runner = llm.engine.runner
-    graphs = runner.graph_runner
-    assert graphs is not None and graphs.batch_sizes == [1, 2, 4, 8, 16]
+    graphs = next(g for g in runner.graph_runners
+                  if isinstance(g, CudaGraphRunner) and g.backend is runner.attn_backend)  # fmt: skip
+    assert graphs.batch_sizes == [1, 2, 4, 8, 16]
     for i, bs in enumerate([1, 3, 8, 13, 16]):
         batch = _decode_batch(llm, bs, seed=i)
         fb = runner.prepare(batch)
@@ -338,7 +339,7 @@ def test_gpu_engine_graphs_match_eager(small_qwen3, overlap: bool) -> None:
         llm = _llm(small_qwen3, "float32", attention_backend="triton", cuda_graph_max_bs=24,
                    disable_cuda_graph=not graphs)
         llm.engine.overlap = overlap
-        assert (llm.engine.runner.graph_runner is not None) == graphs
+        assert any(isinstance(g, CudaGraphRunner) for g in llm.engine.runner.graph_runners) == graphs
         outs[graphs] = [o.output_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
         torch.cuda.empty_cache()
@@ -349,11 +350,26 @@ def test_gpu_engine_graphs_match_eager(small_qwen3, overlap: bool) -> None:
 def test_release_graphs_drops_every_graph_runner(tiny_llm) -> None:
     """A tensor-parallel rank calls ``release_graphs`` before it destroys its NCCL communicator, whose teardown
     waits until no CUDA graph holds the all-reduces it captured (chapter 09): a graph runner the method forgot
-    would hang every tensor-parallel shutdown. Every attribute of the runner that holds one must be dropped."""
+    would hang every tensor-parallel shutdown. The runner holds its graph runners in one list, and nothing of it
+    may still refer to one afterwards."""
     runner = make_engine(tiny_llm).runner
-    holders = [name for name in vars(runner) if name.endswith("graph_runner")]
-    assert {"graph_runner", "cascade_graph_runner", "extend_graph_runner"} <= set(holders)
-    for name in holders:
-        setattr(runner, name, object())
+    held = [object(), object(), object()]  # stand-ins for the decode, a second decode and the extend graph runners
+    runner.graph_runners = list(held)
     runner.release_graphs()
-    assert {name: getattr(runner, name) for name in holders} == dict.fromkeys(holders)
+    assert runner.graph_runners == []
+    values = [x for v in vars(runner).values() for x in (v if isinstance(v, (list, tuple)) else [v])]
+    assert not [x for x in values if any(x is h for h in held)]
+
+
+def test_decode_graphs_replay_only_steps_on_the_backend_they_captured() -> None:
+    """An engine may capture one set of decode graphs per decode backend (the attention planner's, chapter 11):
+    a set replays only the steps whose ``fb.attn_backend`` is its own, so a step the planner sends to another
+    backend is never replayed with the wrong attention."""
+    toy = Toy()
+    backend, other = toy.backend(), toy.backend()
+    runner = toy.runner(8, backend)
+    assert runner.can_run(toy.decode_batch(3, backend))
+    assert not runner.can_run(toy.decode_batch(3, other))
+    extend = toy.decode_batch(2, backend)
+    extend.mode = ForwardMode.EXTEND
+    assert not runner.can_run(extend)

@@ -26,6 +26,7 @@ from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.core.forward_batch import ForwardMode
 from minisgl_ref.core.request import Req
 from minisgl_ref.engine.engine import Engine, LaunchFailed, Launched
+from minisgl_ref.engine.attention_planner import AttentionPlanner
 from minisgl_ref.engine.model_runner import ModelRunner
 from minisgl_ref.kvcache import KVPool, OutOfPages, PageAllocator, ReqToTokenPool
 from minisgl_ref.kvcache.inflight import InflightFrees
@@ -286,7 +287,7 @@ def bare_runner(*, split_tables: bool = False, model=None, backend=None, max_req
     if split_tables:
         req_to_token.host = torch.zeros_like(req_to_token.table)
         req_to_token.host_np = req_to_token.host.numpy()
-    return ModelRunner(model or torch.nn.Identity(), 320, req_to_token, backend, torch.device("cpu"))
+    return ModelRunner(model or torch.nn.Identity(), 320, req_to_token, AttentionPlanner(backend), torch.device("cpu"))
 
 
 def placed(runner: ModelRunner, pool_row: int, prompt: list[int], output: list[int], slots: list[int]) -> Req:
@@ -735,7 +736,7 @@ def test_extend_graphs_on_stand_ins_give_the_oracle_tokens(tiny_llm, mode):
                                row_buckets=(2, 4, 8), budget_tokens=budget, graph_factory=RerunGraphFactory())
     assert sorted(graphs.graphs) == sorted([(r, t) for r in (2, 4, 8) for t in range(8, 65, 8)]
                                            + ([(8, budget)] if budget else []))
-    runner.extend_graph_runner = graphs
+    runner.graph_runners = [graphs]
     assert engine.req_to_token.alloc() == 0  # keep row 0, the capture-time row: the requests' rows differ from it
     prompts, params = shared_prefix_workload()
     expected = oracle(tiny_llm, prompts, params)
@@ -832,12 +833,10 @@ def test_extend_token_multiple_is_validated():
         EngineConfig(extend_token_multiple=0)
 
 
-def test_persistent_decode_min_batch_is_validated():
-    with pytest.raises(ValueError, match="persistent_decode_min_batch must be >= 0, got -1"):
-        EngineConfig(persistent_decode_min_batch=-1)
-    assert EngineConfig(persistent_decode_min_batch=0).persistent_decode_min_batch == 0  # 0 turns it off
+def test_split_decode_min_batch_is_validated():
     with pytest.raises(ValueError, match="split_decode_min_batch must be >= 0, got -2"):
         EngineConfig(split_decode_min_batch=-2)
+    assert EngineConfig(split_decode_min_batch=0).split_decode_min_batch == 0  # 0 turns it off
 
 
 SMOL_CONFIGS = [

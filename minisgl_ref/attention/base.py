@@ -20,11 +20,23 @@ metadata in static buffers: :meth:`~AttentionBackend.init_graph_buffers` allocat
 batch: the graph runner pads it with dummy rows itself. A backend without graph support (``torch_native``: its
 Python loop over requests cannot be recorded) keeps ``supports_cuda_graph = False`` and the engine runs decode
 eagerly.
+
+More hooks are declared here, with defaults that say "not supported" (or "myself"), so that the engine calls them on
+any backend without asking what it is:
+
+- extend steps in CUDA graphs (chapter 11, :mod:`minisgl_ref.engine.extend_graph`): ``supports_extend_graph`` and
+  :meth:`~AttentionBackend.init_extend_graph_buffers`, :meth:`~AttentionBackend.prepare_extend_capture`,
+  :meth:`~AttentionBackend.prepare_extend_replay`, the extend counterparts of the three decode hooks;
+- :meth:`~AttentionBackend.phase_backend`: which backend runs one phase's steps (a hybrid backend answers with
+  one of its halves, every other backend with itself);
+- :meth:`~AttentionBackend.use_decode_kernel`: a :class:`DecodeKernel` handed in from outside for large decode
+  batches (chapter 11's split-KV kernel, which the FlashInfer backend accepts).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -35,6 +47,20 @@ if TYPE_CHECKING:
     from minisgl_ref.layers.attention import AttentionLayer
 
 
+class DecodeKernel(Protocol):
+    """A decode attention kernel that a backend may run its large batches on instead of its own (chapter 11's
+    split-KV kernel, :mod:`minisgl_ref.perf.split_decode`). It reads the context slots the backend has laid end
+    to end (``kv_indices``, CSR order), so only a backend that builds them can take one."""
+
+    def plan(self, seq_lens: Sequence[int], kv_indices: torch.Tensor) -> None:
+        """Once per step: cut the work of contexts of ``seq_lens`` tokens; ``kv_indices`` holds their slots."""
+        ...
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Once per layer: ``[B, heads, head_dim]`` attention of ``q`` over one layer's cache ``k``, ``v``."""
+        ...
+
+
 class AttentionBackend:
     """Base class of every paged attention backend: it holds the KV pool and the page table and stores each
     layer's new K/V before the subclass attends."""
@@ -43,6 +69,8 @@ class AttentionBackend:
     name: str = "base"
     #: Whether the three CUDA-graph hooks are implemented (the engine falls back to eager decode if not).
     supports_cuda_graph: bool = False
+    #: Whether the three extend-graph hooks are implemented (chapter 11; extend steps run eagerly if not).
+    supports_extend_graph: bool = False
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool) -> None:
         self.kv_pool = kv_pool
@@ -68,6 +96,17 @@ class AttentionBackend:
         if not kv_stored:
             self.kv_pool.store(layer.layer_id, batch.out_cache_loc, k, v)
         return self.attend_decode(q, layer, batch) if decode else self.attend_extend(q, k, v, layer, batch)
+
+    def phase_backend(self, decode: bool) -> AttentionBackend:
+        """The backend that runs decode steps (``decode=True``) or extend steps: this one, except in a backend
+        that sends the two phases to two backends (``HybridAttnBackend``)."""
+        return self
+
+    def use_decode_kernel(self, build: Callable[[], DecodeKernel], min_batch: int) -> bool:
+        """Run decode batches of at least ``min_batch`` rows on the kernel ``build()`` makes (called on first
+        use; if it raises, the backend keeps its own kernel). Returns whether this backend takes such a kernel:
+        by default it does not."""
+        return False
 
     def attend_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
@@ -98,3 +137,20 @@ class AttentionBackend:
         This is the hot path of every graphed decode step: it must not allocate memory that the graph reads and
         should not wait for the device (the host-side lengths are in ``batch.seq_lens_cpu``)."""
         raise NotImplementedError(f"the {self.name} attention backend does not support CUDA graphs")
+
+    # ------------------------------------------------------------------------------- extend-step CUDA graphs
+
+    def init_extend_graph_buffers(self, max_rows: int) -> None:
+        """Allocate, once, the static buffers that captured extend steps of up to ``max_rows`` rows read their
+        lengths and page-table rows from."""
+        raise NotImplementedError(f"the {self.name} attention backend does not capture extend steps")
+
+    def prepare_extend_capture(self, rows: int, tokens: int) -> None:
+        """Before capturing the extend step of ``rows`` rows and ``tokens`` tokens: point the metadata at the
+        static buffers, filled with harmless lengths."""
+        raise NotImplementedError(f"the {self.name} attention backend does not capture extend steps")
+
+    def prepare_extend_replay(self, rows: torch.Tensor, prefix_lens: list[int], extend_lens: list[int]) -> None:
+        """Before each replay: refill the static buffers for page-table ``rows`` with these lengths (one entry
+        per row of the graph, the empty rows included)."""
+        raise NotImplementedError(f"the {self.name} attention backend does not capture extend steps")

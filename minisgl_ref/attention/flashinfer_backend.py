@@ -28,12 +28,11 @@ lists (``kv_indptr``, ``qo_indptr``, ``last_page_len``), so nothing is copied ba
 stays on the GPU. FlashInfer's planner still copies its small plan (a few KB) from pinned host memory into its
 int workspace and, in the versions we use, waits for that copy: a short host sync per step, not per layer.
 
-Large decode batches: from ``split_decode_min_batch`` rows (``--split-decode-min-batch``, default 48 in the
-engine) a decode step runs our own split-KV CUDA kernel instead of the decode wrapper, which keeps every SM busy
-when the contexts' lengths differ (:mod:`.split_decode`; bf16 with head dim 128 and 1, 2 or 4 query heads per KV
-head, FlashInfer's kernel otherwise). FlashInfer's persistent ``BatchAttention`` does the same job
-(:mod:`.flashinfer_persistent`, ``--persistent-decode-min-batch``, off by default); chapter 11 measures all three,
-alone and between a layer's matrix multiplies, where the persistent kernel loses 4-7% and ours loses nothing.
+Large decode batches: a decode kernel handed in from outside (:meth:`FlashInferBackend.use_decode_kernel`, the
+hook of :class:`~minisgl_ref.attention.base.AttentionBackend`) runs every decode batch of at least a given number
+of rows instead of the decode wrapper. Chapter 11's split-KV CUDA kernel (:mod:`minisgl_ref.perf.split_decode`,
+from ``--split-decode-min-batch`` rows, 48 by default) is installed that way: it keeps every SM busy when the
+contexts' lengths differ. The kernel reads the same ``kv_indices`` this backend builds for FlashInfer.
 
 CUDA graphs: decode only. For each captured batch size a separate wrapper is created with ``use_cuda_graph=True``
 and fixed ``kv_indptr`` / ``kv_indices`` / ``last_page_len`` buffers (FlashInfer's requirement: a graph wrapper's
@@ -44,13 +43,12 @@ host work, so replay reads the batch's lengths on the host (``seq_lens_cpu``, th
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from minisgl_ref.attention.base import AttentionBackend
-from minisgl_ref.attention.flashinfer_persistent import PersistentDecode
-from minisgl_ref.attention.split_decode import SplitDecode, supports
+from minisgl_ref.attention.base import AttentionBackend, DecodeKernel
 from minisgl_ref.attention.utils import indptr
 
 if TYPE_CHECKING:
@@ -73,8 +71,7 @@ class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graph = True
 
-    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, *, num_q_heads: int,
-                 persistent_decode_min_batch: int = 0, split_decode_min_batch: int = 0) -> None:  # fmt: skip
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, *, num_q_heads: int) -> None:
         import flashinfer  # the registry turns an ImportError into one clear line
 
         super().__init__(kv_pool, req_to_token)
@@ -94,15 +91,11 @@ class FlashInferBackend(AttentionBackend):
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
         )
         self.active_decode_wrapper: Any = self.decode_wrapper
-        # Decode batches of at least this many rows go to the persistent kernel (0: never); built on first use.
-        self.persistent_min_batch = persistent_decode_min_batch
-        self.persistent: PersistentDecode | None = None
-        self.decode_persistent = False  # this step's choice
-        # Decode batches of at least this many rows go to our split-KV kernel (0: never; it comes before the
-        # persistent kernel), when it handles the attention shape; built on first use.
-        self.split_min_batch = split_decode_min_batch if supports(num_q_heads, self.num_kv_heads, self.head_dim,
-                                                                  self.dtype) else 0  # fmt: skip
-        self.split: SplitDecode | None = None
+        # Decode batches of at least this many rows go to a kernel handed in from outside (0: never), built on
+        # first use by split_build (see use_decode_kernel).
+        self.split_min_batch = 0
+        self.split_build: Callable[[], DecodeKernel] | None = None
+        self.split: DecodeKernel | None = None
         self.decode_split = False  # this step's choice
         self.graph_state: dict[str, torch.Tensor] | None = None
         self.graph_wrappers: dict[int, Any] = {}
@@ -122,30 +115,23 @@ class FlashInferBackend(AttentionBackend):
     def _plan_kwargs(self) -> dict[str, Any]:
         return dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.sm_scale)
 
+    def use_decode_kernel(self, build: Callable[[], DecodeKernel], min_batch: int) -> bool:
+        """Decode batches of at least ``min_batch`` rows run on ``build()``'s kernel (built on first use)."""
+        self.split_build, self.split_min_batch = build, min_batch
+        return True
+
     def _use_split(self, batch_size: int) -> bool:
-        """Whether a decode batch of ``batch_size`` rows goes to our split-KV kernel (building it if so)."""
-        if not 0 < self.split_min_batch <= batch_size:
+        """Whether a decode batch of ``batch_size`` rows goes to the outside kernel (building it if so)."""
+        if self.split_build is None or not 0 < self.split_min_batch <= batch_size:
             return False
         if self.split is None:
             try:
-                self.split = SplitDecode(num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
-                                         head_dim=self.head_dim, sm_scale=self.sm_scale,
-                                         max_batch=self.req_to_token.max_requests, device=self.device)  # fmt: skip
+                self.split = self.split_build()
             except Exception as e:  # noqa: BLE001 - no nvcc or ninja here: FlashInfer's kernels do the job instead
                 log.warning("split-KV decode kernel unavailable (%s: %s); large decode batches use FlashInfer's",
                             type(e).__name__, str(e).splitlines()[0] if str(e) else "")  # fmt: skip
                 self.split_min_batch = 0
                 return False
-        return True
-
-    def _use_persistent(self, batch_size: int) -> bool:
-        """Whether a decode batch of ``batch_size`` rows goes to the persistent kernel (building it if so)."""
-        if self._use_split(batch_size) or not 0 < self.persistent_min_batch <= batch_size:
-            return False
-        if self.persistent is None:
-            self.persistent = PersistentDecode(self.flashinfer, num_q_heads=self.num_q_heads,
-                                               num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                                               dtype=self.dtype, sm_scale=self.sm_scale, device=self.device)  # fmt: skip
         return True
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -160,11 +146,6 @@ class FlashInferBackend(AttentionBackend):
             if self.decode_split:
                 assert self.split is not None
                 self.split.plan(lens, kv_indices)
-                return
-            self.decode_persistent = self._use_persistent(batch.batch_size)
-            if self.decode_persistent:
-                assert self.persistent is not None
-                self.persistent.plan(kv_indptr, kv_indices, lens)
                 return
             self.decode_wrapper.plan(kv_indptr, kv_indices, last_page_len, H, KVH, D, 1, **self._plan_kwargs())
             self.active_decode_wrapper = self.decode_wrapper
@@ -202,9 +183,6 @@ class FlashInferBackend(AttentionBackend):
             assert self.split is not None
             pool = self.kv_pool
             return self.split.run(q, pool.k[layer.layer_id], pool.v[layer.layer_id]).view(q.shape[0], -1)
-        if self.decode_persistent:
-            assert self.persistent is not None
-            return self.persistent.run(q, self._paged_cache(layer.layer_id)).view(q.shape[0], -1)
         o = self.active_decode_wrapper.run(q, self._paged_cache(layer.layer_id))
         return o.view(q.shape[0], -1)
 
@@ -225,7 +203,7 @@ class FlashInferBackend(AttentionBackend):
         """A graph wrapper per batch size, reading the static buffers (FlashInfer's rule: its size never changes)."""
         assert self.graph_state is not None, "call init_graph_buffers first"
         g, bs = self.graph_state, batch.batch_size
-        if bs not in self.graph_wrappers and not self._use_split(bs) and not self._use_persistent(bs):
+        if bs not in self.graph_wrappers and not self._use_split(bs):
             self.graph_wrappers[bs] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
                 paged_kv_indptr_buffer=g["kv_indptr"][: bs + 1], paged_kv_indices_buffer=g["kv_indices"],
@@ -241,7 +219,6 @@ class FlashInferBackend(AttentionBackend):
         assert self.graph_state is not None and batch.seq_lens is not None and batch.req_pool_indices is not None
         g, bs = self.graph_state, batch.batch_size
         self.decode_split = self._use_split(bs)
-        self.decode_persistent = self._use_persistent(bs)
         dev_indptr = indptr(batch.seq_lens, out=g["kv_indptr_dev"][: bs + 1])
         build_kv_indices(self.req_to_token.table, batch.req_pool_indices, batch.seq_lens.to(torch.int32),
                          dev_indptr, g["kv_indices"])  # fmt: skip
@@ -253,10 +230,6 @@ class FlashInferBackend(AttentionBackend):
         # memory waits for the GPU to finish the step in flight, which would undo overlap scheduling (G2).
         pin = self.device.type == "cuda"
         kv_indptr_cpu = indptr(batch.seq_lens_cpu, out=torch.zeros(bs + 1, dtype=torch.int32, pin_memory=pin))
-        if self.decode_persistent:
-            assert self.persistent is not None
-            self.persistent.plan(kv_indptr_cpu, g["kv_indices"], batch.seq_lens_cpu)
-            return
         self.active_decode_wrapper = self.graph_wrappers[bs]
         total = int(kv_indptr_cpu[-1])
         self.active_decode_wrapper.plan(
@@ -267,19 +240,10 @@ class FlashInferBackend(AttentionBackend):
 
 def compile_kernels(phase: str, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                     device: torch.device) -> None:
-    """Make FlashInfer build (or load from its disk cache) the ``phase`` ("decode", "persistent" or "prefill")
-    kernels for this attention shape, by planning and running one tiny batch: the same kernel choice as
-    :class:`FlashInferBackend` (tensor-core decode from GQA 4), so the engine's first real step finds it ready."""
+    """Make FlashInfer build (or load from its disk cache) the ``phase`` ("decode" or "prefill") kernels for this
+    attention shape, by planning and running one tiny batch: the same kernel choice as :class:`FlashInferBackend`
+    (tensor-core decode from GQA 4), so the engine's first real step finds it ready."""
     import flashinfer
-
-    if phase == "persistent":
-        kv = torch.zeros(4, 1, num_kv_heads, head_dim, dtype=dtype, device=device)
-        persistent = PersistentDecode(flashinfer, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                                      head_dim=head_dim, dtype=dtype, sm_scale=head_dim**-0.5, device=device)  # fmt: skip
-        persistent.plan(torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32,
-                        device=device), [2])  # fmt: skip
-        persistent.run(torch.zeros(1, num_q_heads, head_dim, dtype=dtype, device=device), (kv, kv))
-        return
 
     workspace = torch.zeros(16 * 1024 * 1024, dtype=torch.uint8, device=device)
     kv = torch.zeros(4, 1, num_kv_heads, head_dim, dtype=dtype, device=device)  # 4 one-token pages

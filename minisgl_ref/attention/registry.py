@@ -23,12 +23,13 @@ engine at start-up with one ``ValueError`` line that says what to do instead.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from minisgl_ref import env
-from minisgl_ref.attention.base import AttentionBackend
+from minisgl_ref.attention.base import AttentionBackend, DecodeKernel
 from minisgl_ref.core.config import EngineConfig, validate_backend_name
 
 if TYPE_CHECKING:
@@ -126,8 +127,7 @@ def check_backend_can_run(name: str, device: torch.device, dtype: torch.dtype | 
 BACKENDS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "torch_native": ("torch_native", "TorchNativeBackend", ()),
     "triton": ("triton_backend", "TritonAttnBackend", ("num_q_heads",)),
-    "flashinfer": ("flashinfer_backend", "FlashInferBackend",
-                   ("num_q_heads", "persistent_decode_min_batch", "split_decode_min_batch")),
+    "flashinfer": ("flashinfer_backend", "FlashInferBackend", ("num_q_heads",)),
     "fa3": ("fa3_backend", "FlashAttentionBackend", ("page_size",)),
 }
 
@@ -140,16 +140,12 @@ def build_backend(
     num_q_heads: int,
     page_size: int,
     device: torch.device,
-    persistent_decode_min_batch: int = 0,
-    split_decode_min_batch: int = 0,
 ) -> AttentionBackend:
     """One backend by name (after :func:`check_backend_can_run`)."""
     check_backend_can_run(name, device)
     module, class_name, wants = BACKENDS[name]
     cls = getattr(importlib.import_module(f"minisgl_ref.attention.{module}"), class_name)
-    facts = {"num_q_heads": num_q_heads, "page_size": page_size,
-             "persistent_decode_min_batch": persistent_decode_min_batch,
-             "split_decode_min_batch": split_decode_min_batch}
+    facts = {"num_q_heads": num_q_heads, "page_size": page_size}
     return cls(kv_pool, req_to_token, **{fact: facts[fact] for fact in wants})
 
 
@@ -170,9 +166,7 @@ def create_attention_backend(
     # Check both before building either, so that the error names the first problem and nothing is allocated.
     check_backend_can_run(prefill, device, dtype)
     check_backend_can_run(decode, device, dtype)
-    kw = dict(num_q_heads=num_q_heads, page_size=config.page_size, device=device,
-              persistent_decode_min_batch=config.persistent_decode_min_batch,
-              split_decode_min_batch=config.split_decode_min_batch)
+    kw = dict(num_q_heads=num_q_heads, page_size=config.page_size, device=device)
     if prefill == decode:
         return build_backend(prefill, kv_pool, req_to_token, **kw)  # type: ignore[arg-type]
     return HybridAttnBackend(
@@ -184,7 +178,8 @@ def create_attention_backend(
 class HybridAttnBackend(AttentionBackend):
     """Two backends behind one interface: extend steps (prefill, chunks, mixed batches) go to ``prefill``,
     decode steps to ``decode``. Both read and write the same KV pool, so a request prefilled by one is decoded by
-    the other. CUDA graphs capture decode only, so the graph hooks go to the decode backend."""
+    the other. The decode graph hooks and a decode kernel from outside go to the decode backend; the extend-graph
+    hooks are the prefill backend's, which :meth:`phase_backend` hands out."""
 
     def __init__(self, prefill: AttentionBackend, decode: AttentionBackend) -> None:
         self.prefill, self.decode = prefill, decode
@@ -205,6 +200,12 @@ class HybridAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         side = self.decode if batch.mode.is_decode else self.prefill
         return side.forward(q, k, v, layer, batch, kv_stored=kv_stored)
+
+    def phase_backend(self, decode: bool) -> AttentionBackend:
+        return self.decode if decode else self.prefill
+
+    def use_decode_kernel(self, build: Callable[[], DecodeKernel], min_batch: int) -> bool:
+        return self.decode.use_decode_kernel(build, min_batch)
 
     def init_graph_buffers(self, max_bs: int) -> None:
         self.decode.init_graph_buffers(max_bs)

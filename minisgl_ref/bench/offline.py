@@ -22,8 +22,8 @@ measurement worth publishing:
    actually computed (``engine.stats.prefill_tokens``), how many were served from the cache, the radix hit
    rate and the number of retractions: the *why* behind a time. With cascade decode attention active (radix
    cache on, ``--disable-cascade-attention`` not given) it also reports the KV bytes an average decode step
-   read with the cascade and would have read without it (:func:`~minisgl_ref.attention.cascade.decode_kv_bytes`,
-   summed by the model runner), and how many decode steps ran it.
+   read with the cascade and would have read without it (:func:`~minisgl_ref.perf.cascade.decode_kv_bytes`,
+   summed by :mod:`~minisgl_ref.bench.cascade_stats`), and how many decode steps ran it.
 
 3. **The roofline.** A decode step must at least read every weight once and every running request's KV cache
    once (chapter 11). :func:`roofline_floor_seconds` turns that into the least time any
@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from minisgl_ref import env
+from minisgl_ref.bench.cascade_stats import cascade_stats
 from minisgl_ref.bench.provenance import collect_provenance
 from minisgl_ref.bench.workloads import Workload, canonical_workload, shared_prefix_workload, warmup_workload
 from minisgl_ref.core.config import EngineConfig
@@ -351,13 +352,6 @@ class _Counters:
 
     def __sub__(self, other: _Counters) -> _Counters:
         return _Counters(*(a - b for a, b in zip(asdict(self).values(), asdict(other).values())))
-
-
-def cascade_stats(llm):  # type: ignore[no-untyped-def]
-    """The engine's cascade attention counters (:class:`~minisgl_ref.attention.cascade.CascadeStats`), or None
-    when it runs without a cascade (turned off, no radix cache, the naive oracle)."""
-    cascade = getattr(getattr(llm.engine, "runner", None), "cascade", None)
-    return None if cascade is None else cascade.stats
 
 
 def _synchronize(device: torch.device) -> None:

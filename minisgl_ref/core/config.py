@@ -111,9 +111,6 @@ class EngineConfig:
     page_size: int = flag(1, "tokens per KV page")
     split_decode_min_batch: int = flag(48, "flashinfer decode: batches of at least this many rows use our "
                                             "split-KV CUDA kernel, balanced over the SMs (0 disables; chapter 11)")
-    persistent_decode_min_batch: int = flag(0, "flashinfer decode: batches of at least this many rows (and below "
-                                               "--split-decode-min-batch) use FlashInfer's persistent, "
-                                               "load-balanced attention kernel (default: 0, off; chapter 11)")
     disable_radix_cache: bool = flag(False, "no prefix sharing between requests (chapter 04)")
     disable_overlap_schedule: bool = flag(False, "schedule the next step only after this one's tokens are back "
                                                  "(chapter 06)")
@@ -170,8 +167,6 @@ class EngineConfig:
         need(self.in_batch_prefix_threshold == -1 or self.in_batch_prefix_threshold >= 1,
              "in_batch_prefix_threshold", "-1 or >= 1", self.in_batch_prefix_threshold)
         need(self.page_size >= 1, "page_size", ">= 1", self.page_size)
-        need(self.persistent_decode_min_batch >= 0, "persistent_decode_min_batch", ">= 0",
-             self.persistent_decode_min_batch)
         need(self.split_decode_min_batch >= 0, "split_decode_min_batch", ">= 0", self.split_decode_min_batch)
         need(self.max_total_tokens is None or self.max_total_tokens >= self.page_size, "max_total_tokens",
              ">= page_size", self.max_total_tokens)

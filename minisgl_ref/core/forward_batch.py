@@ -37,32 +37,6 @@ class ForwardMode(enum.Enum):
         return self is ForwardMode.DECODE
 
 
-@dataclass(frozen=True, eq=False)
-class PrefixGroups:
-    """Rows of a decode batch whose page-table rows point at the same KV slots for a leading run of whole pages:
-    a prefix they share through the radix cache (chapter 04). Cascade decode attention
-    (:mod:`minisgl_ref.attention.cascade`, which finds them) reads each group's prefix once per step instead of
-    once per row. Rows in no group share nothing worth it and are attended alone.
-
-    Compared by identity: the model runner reuses the same object for as long as the decode batch is the same, so
-    whatever is planned from it can be cached by it."""
-
-    prefix_lens: tuple[int, ...]  # per group: the shared tokens, a multiple of the page size
-    rows: tuple[tuple[int, ...], ...]  # per group: its rows (indices into the batch), at least two, ascending
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.prefix_lens)
-
-    def row_prefix_lens(self, batch_size: int) -> list[int]:
-        """The shared prefix length of every row of the batch (0 for a row in no group)."""
-        out = [0] * batch_size
-        for length, rows in zip(self.prefix_lens, self.rows):
-            for r in rows:
-                out[r] = length
-        return out
-
-
 @dataclass
 class ForwardBatch:
     mode: ForwardMode
@@ -78,8 +52,6 @@ class ForwardBatch:
     seq_lens: torch.Tensor | None = None  # [B]
     # Index of each request's last new token in the flat [T] layout: only those rows need logits.
     last_token_indices: torch.Tensor | None = None  # [B]
-    # Decode only, when cascade attention runs this step: which rows share a prefix of whole KV pages.
-    prefix_groups: PrefixGroups | None = None
 
     @property
     def batch_size(self) -> int:

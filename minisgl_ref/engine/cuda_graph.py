@@ -164,7 +164,7 @@ class RerunGraphFactory:
 class CudaGraphRunner:
     """Captures decode steps of ``model`` (run with attention ``backend``) at padded batch sizes and replays them.
 
-    ``can_run(fb)`` says whether a forward batch is a decode step small enough for a captured graph;
+    ``can_run(fb)`` says whether a forward batch is a decode step on ``backend`` small enough for a captured graph;
     ``replay(fb)`` copies the batch, padded with dummy requests, into the static buffers, refills the backend's
     metadata, replays the graph and returns the real rows' logits ``[fb.batch_size, V]`` (a view into the static
     output). ``graph_factory`` makes the graphs: real CUDA graphs by default, :class:`RerunGraphFactory` to run
@@ -240,7 +240,9 @@ class CudaGraphRunner:
         return self.model.compute_logits(hidden)
 
     def can_run(self, fb: ForwardBatch) -> bool:
-        return fb.mode.is_decode and fb.batch_size <= self.max_bs
+        """A decode step of at most ``max_bs`` rows whose attention runs on the backend these graphs were captured
+        with (an engine may capture one set per decode backend: :mod:`~minisgl_ref.engine.attention_planner`)."""
+        return fb.mode.is_decode and fb.batch_size <= self.max_bs and fb.attn_backend is self.backend
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
         """Run decode batch ``fb`` through the graph of the smallest captured size that holds it, and return the

@@ -79,7 +79,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from minisgl_ref.attention.cascade import make_cascade_backend
 from minisgl_ref.attention.registry import create_attention_backend
 from minisgl_ref.constrained.backend import GrammarBackend
 from minisgl_ref.constrained.bitmask import TokenBitmask
@@ -89,7 +88,10 @@ from minisgl_ref.core.batch import ScheduledBatch
 from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.core.request import Req, TokenLogprob
 from minisgl_ref.distributed.group import min_over_ranks
-from minisgl_ref.engine.model_runner import ModelRunner, PromptLogprobPlan, StepOutput
+from minisgl_ref.engine.attention_planner import AttentionSetup, PlannerFactory, default_planner
+from minisgl_ref.engine.graphs import GraphSettings
+from minisgl_ref.engine.model_runner import ModelRunner, StepOutput
+from minisgl_ref.engine.prompt_logprobs import PromptLogprobPlan
 from minisgl_ref.engine.step_trace import StepTrace
 from minisgl_ref.kvcache.allocator import PageAllocator
 from minisgl_ref.kvcache.inflight import InflightFrees
@@ -183,6 +185,7 @@ class Engine:
         device: torch.device | str = "cpu",
         context_length: int | None = None,
         grammar_backend: GrammarBackend | None = None,
+        attention_planner: PlannerFactory | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         self.device = torch.device(device)
@@ -207,16 +210,12 @@ class Engine:
         num_q_heads = next(m for m in model.modules() if isinstance(m, AttentionLayer)).num_heads  # per rank
         backend = create_attention_backend(self.config, self.kv_pool, self.req_to_token, num_q_heads=num_q_heads,
                                            device=self.device)  # chapter 07: --attention-backend and defaults
-        # Chapter 11: decode rows that share a cached prefix read its KV once (None: off, or no radix cache).
-        cascade = make_cascade_backend(self.config, self.kv_pool, self.req_to_token, backend, num_q_heads=num_q_heads)
-        graph_max_bs = self.config.cuda_graph_max_bs or min(self.config.max_running_requests, 256)
-        self.runner = ModelRunner(model, model_config.vocab_size, self.req_to_token, backend, self.device,
-                                  use_cuda_graph=not self.config.disable_cuda_graph and self.device.type == "cuda",
-                                  cuda_graph_max_bs=graph_max_bs, cascade=cascade,
-                                  extend_token_multiple=self.config.extend_token_multiple,
-                                  extend_graph_max_tokens=self.config.cuda_graph_max_extend_tokens,
-                                  extend_graph_budget_tokens=(0 if self.config.disable_budget_step_graph
-                                                              else self.config.max_prefill_tokens))
+        # Which backend each step's attention runs on (an extension may add decode backends: chapter 11).
+        planner = (attention_planner or default_planner)(AttentionSetup(self.config, self.kv_pool, self.req_to_token,
+                                                                        backend, num_q_heads))
+        self.runner = ModelRunner(model, model_config.vocab_size, self.req_to_token, planner, self.device,
+                                  graphs=GraphSettings.of(self.config, self.device),
+                                  extend_token_multiple=self.config.extend_token_multiple)
         self.overlap = not self.config.disable_overlap_schedule
         self.inflight: Launched | None = None
         self.stats = EngineStats()

@@ -26,7 +26,8 @@ bucket only (chapter 11 measures what it bought).
 The graph runs the whole forward pass and the LM head on each row's last token, and writes the logits into one
 buffer per bucket, so that 96 graphs do not keep 96 logits tensors. Steps with more rows than the largest bucket,
 prompt log probabilities, or more than ``max_tokens`` tokens run eagerly as before. Only a backend with the three
-hooks can be captured (``supports_extend_graph``).
+hooks can be captured (``supports_extend_graph``, declared with the hooks on
+:class:`~minisgl_ref.attention.base.AttentionBackend`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class ExtendGraphRunner:
     ``row_buckets``, and replays them. ``backend`` is the attention backend of extend steps; ``attn_backend`` is
     what the model's layers call (the engine's backend, which may dispatch extend steps to ``backend``)."""
 
-    def __init__(self, model: nn.Module, backend: AttentionBackend, attn_backend: Any, device: torch.device, *,
+    def __init__(self, model: nn.Module, backend: AttentionBackend, attn_backend: AttentionBackend,
+                 device: torch.device, *,
                  max_tokens: int, multiple: int, row_buckets: tuple[int, ...] = ROW_BUCKETS, budget_tokens: int = 0,
                  graph_factory: CudaGraphFactory | RerunGraphFactory | None = None) -> None:
         from minisgl_ref.engine.cuda_graph import CudaGraphFactory
@@ -156,7 +158,7 @@ class ExtendGraphRunner:
         return next(((r, t) for r in self.row_buckets if r >= fb.batch_size and (r, t) in self.graphs), None)
 
     def can_run(self, fb: ForwardBatch) -> bool:
-        return self.bucket(fb) is not None
+        return fb.attn_backend is self.attn_backend and self.bucket(fb) is not None
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
         """Copy the step's inputs into the static buffers, let the backend refill its metadata, replay: the logits

@@ -15,11 +15,15 @@ device-to-host sync, makes the GPU wait. Hence the shape of :meth:`ModelRunner.p
 * the scheduler writes new KV slots only into the host copy of the page table; the runner writes the whole
   step's new slots into the device table with one scatter;
 * decode-only steps take a vectorised path with no per-request Python work beyond reading two lists;
-* the sampling state is reused across decode steps of the same requests (only the step counter moves).
+* the sampling state is reused across decode steps of the same requests (only the step counter moves:
+  :mod:`~minisgl_ref.engine.sampling_state`).
+
+Which attention backend a step runs on, and so which captured CUDA graphs may replay it, is the attention
+planner's choice (:mod:`~minisgl_ref.engine.attention_planner`); the runner offers each step to its graph runners
+(:mod:`~minisgl_ref.engine.graphs`) in order and runs it eagerly if none takes it.
 
 Log probabilities (chapter 10) are computed only in steps where some request asked for them: those of the sampled
-tokens by the sampler, a prompt's from the hidden states of its positions, a few hundred rows at a time so that a
-long prompt never needs a [prompt, vocab] tensor at once.
+tokens by the sampler, a prompt's from the hidden states of its positions (:mod:`~minisgl_ref.engine.prompt_logprobs`).
 
 The only wait for the device per step is the engine's ``StepOutput.tokens()``, one step late under overlap; on a GPU it
 waits for an event recorded right after this step's token copy, not for the step launched after it.
@@ -27,68 +31,23 @@ waits for an event recorded right after this step's token copy, not for the step
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from minisgl_ref.attention.base import AttentionBackend
-from minisgl_ref.attention.cascade import CascadeDecodeBackend
 from minisgl_ref.core.batch import ScheduledBatch
 from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
-from minisgl_ref.core.request import sampling_batch
-from minisgl_ref.engine.cuda_graph import CudaGraphRunner
-from minisgl_ref.engine.extend_graph import ExtendGraphRunner
+from minisgl_ref.engine.attention_planner import AttentionPlanner
+from minisgl_ref.engine.graphs import GraphRunner, GraphSettings, capture_graphs
+from minisgl_ref.engine.prompt_logprobs import PromptLogprobPlan, compute_prompt_logprobs
+from minisgl_ref.engine.sampling_state import SamplingState
 from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
-from minisgl_ref.sampling.sampler import (
-    Sampler,
-    SamplingBatchInfo,
-    StepLogprobs,
-    to_device,
-    token_logprobs,
-)
+from minisgl_ref.sampling.sampler import Sampler, StepLogprobs, to_device
 
-logger = logging.getLogger(__name__)
-
-#: Prompt positions turned into logits at once when computing prompt log probabilities.
-LOGPROB_CHUNK = 512
 #: On CUDA, extend steps run with a token count rounded up to a multiple of this (:meth:`ModelRunner.pad_extend`).
 EXTEND_TOKEN_MULTIPLE = 64
-
-
-@dataclass
-class PromptLogprobPlan:
-    """Which positions of an extend step need the log probability of the prompt token that follows them."""
-
-    spans: list[tuple[int, int, int]]  # (row of the batch, first prompt position predicted, how many)
-    index: list[int]  # positions in the step's flattened tokens, span after span
-    targets: list[int]  # the prompt token each of them predicts
-    top_k: int
-
-    @staticmethod
-    def of(batch: ScheduledBatch) -> PromptLogprobPlan | None:
-        """Position ``q`` of a row predicts prompt token ``q + 1``; the row reports tokens ``logprobs.start``
-        .. end of prompt. The spans of successive chunks are disjoint, so each token is computed once (the
-        engine skips any that a retracted request computes again)."""
-        spans: list[tuple[int, int, int]] = []
-        index: list[int] = []
-        targets: list[int] = []
-        top_k, offset = 0, 0
-        for i, row in enumerate(batch.rows):
-            req, start, n = row.req, row.prefix_len, row.extend_len
-            wanted = req.logprobs
-            if wanted is not None and wanted.prompt_pending(len(req.input_ids)) and not row.is_decode:
-                first = max(start, wanted.start - 1, 0)
-                last = min(start + n, len(req.input_ids) - 1)  # the last prompt position predicts the output
-                if last > first:
-                    spans.append((i, first + 1, last - first))
-                    index += range(offset + first - start, offset + last - start)
-                    targets += req.input_ids[first + 1 : last + 1]
-                    top_k = max(top_k, wanted.top)
-            offset += n
-        return PromptLogprobPlan(spans, index, targets, top_k) if spans else None
 
 
 @dataclass
@@ -121,46 +80,25 @@ class StepOutput:
 class ModelRunner:
     """Turns a :class:`ScheduledBatch` into device work and returns a :class:`StepOutput`.
 
-    ``use_cuda_graph`` (CUDA only) captures decode steps for padded batch sizes up to ``cuda_graph_max_bs``
-    (:mod:`~minisgl_ref.engine.cuda_graph`) and replays them; other steps, and every step on the CPU, run
-    eagerly. Graphs are skipped, with a log line, when the attention backend cannot be captured.
+    ``planner`` chooses each step's attention backend (``planner.backend`` is the engine's). ``graphs`` says which
+    CUDA graphs to capture (CUDA only): decode steps padded to batch sizes up to ``graphs.decode_max_bs``, one set
+    per decode backend of the planner, and extend steps. Steps that no graph takes, and every step on the CPU, run
+    eagerly. ``extend_token_multiple``: see :meth:`pad_extend`."""
 
-    ``cascade`` (chapter 11, :mod:`~minisgl_ref.attention.cascade`): every decode batch is shown to it first; a
-    batch whose rows share a cached prefix then runs its attention through the cascade, any other through
-    ``attn_backend``. The cascade's decode steps have CUDA graphs of their own (a second graph runner), because
-    an eager decode step costs more host time than the cascade saves device time (on an H100, Qwen3-0.6B: 11-19 ms
-    eager against 1.4-9 ms replayed, chapter 08). The price is paid once, at start-up: the capture takes twice as
-    long, and the second set of graphs keeps its own logits buffer per captured batch size (~1.3 GB of bf16
-    logits for a 151,936-token vocabulary up to batch 256).
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        vocab_size: int,
-        req_to_token: ReqToTokenPool,
-        attn_backend: AttentionBackend,
-        device: torch.device,
-        *,
-        use_cuda_graph: bool = False,
-        cuda_graph_max_bs: int | None = None,
-        cascade: CascadeDecodeBackend | None = None,
-        extend_token_multiple: int | None = None,
-        extend_graph_max_tokens: int = 0,
-        extend_graph_budget_tokens: int = 0,
-    ) -> None:
+    def __init__(self, model: nn.Module, vocab_size: int, req_to_token: ReqToTokenPool, planner: AttentionPlanner,
+                 device: torch.device, *, graphs: GraphSettings = GraphSettings(),
+                 extend_token_multiple: int | None = None) -> None:
         self.model = model
-        self.vocab_size = vocab_size
         self.req_to_token = req_to_token
-        self.attn_backend = attn_backend
+        self.planner = planner
+        self.attn_backend = planner.backend  # every step's backend until the planner picks another
         self.device = device
         self.sampler = Sampler()
         self.token_buffer = torch.zeros(req_to_token.max_requests, dtype=torch.int64, device=device)
+        self.sampling = SamplingState(vocab_size, device, self.token_buffer)
         self._pin = device.type == "cuda"  # pinned host memory makes the H2D copy truly asynchronous
         # The device page table needs the runner's scatter only when it is not the host table itself.
         self._table_on_device = req_to_token.table is not req_to_token.host
-        self._last_sampling: tuple[list, SamplingBatchInfo] | None = None  # (reqs, info) of the last decode
-        self.cascade = cascade
         # Extend steps run with a token count rounded up to this multiple (see pad_extend). The padding row's
         # device constants are made once: zeros (ids, slots, page-table row) and 0 .. multiple (positions, length).
         multiple = extend_token_multiple or (EXTEND_TOKEN_MULTIPLE if device.type == "cuda" else 1)
@@ -169,36 +107,14 @@ class ModelRunner:
         self.extend_token_multiple = multiple
         self._pad_zeros = torch.zeros(multiple, dtype=torch.int64, device=device)
         self._pad_range = torch.arange(multiple, dtype=torch.int64, device=device)
-        self.graph_runner = self.cascade_graph_runner = None
-        if use_cuda_graph:
-            max_bs = cuda_graph_max_bs or req_to_token.max_requests - 1
-            self.graph_runner = self._make_graph_runner(self.attn_backend, max_bs)
-            if cascade is not None:
-                self.cascade_graph_runner = self._make_graph_runner(cascade, max_bs)
-        self.extend_graph_runner: ExtendGraphRunner | None = None
-        extend_backend = getattr(attn_backend, "prefill", attn_backend)  # a hybrid backend's extend half
-        if (use_cuda_graph and device.type == "cuda" and extend_graph_max_tokens >= multiple > 1
-                and getattr(extend_backend, "supports_extend_graph", False)):
-            self.extend_graph_runner = ExtendGraphRunner(model, extend_backend, attn_backend, device,
-                                                         max_tokens=extend_graph_max_tokens, multiple=multiple,
-                                                         budget_tokens=extend_graph_budget_tokens)
+        self.graph_runners: list[GraphRunner] = capture_graphs(model, planner, device, graphs, multiple)
 
     def release_graphs(self) -> None:
-        """Drop every captured CUDA graph (the decode, cascade and extend graph runners); later steps run eagerly.
+        """Drop every captured CUDA graph (all the graph runners); later steps run eagerly.
 
         With tensor parallelism a graph holds the all-reduces it captured, and NCCL keeps a communicator alive
         until each graph that uses it is destroyed: a rank that destroys its communicator first waits for ever."""
-        self.graph_runner = self.cascade_graph_runner = self.extend_graph_runner = None
-
-    def _make_graph_runner(self, backend: AttentionBackend, max_bs: int) -> CudaGraphRunner | None:
-        if self.device.type != "cuda":
-            logger.info("CUDA graphs need a CUDA device; running %s eagerly", self.device)
-            return None
-        if not backend.supports_cuda_graph:
-            logger.info("attention backend %s has no CUDA-graph hooks; its decode steps run eagerly",
-                        type(backend).__name__)
-            return None
-        return CudaGraphRunner(self.model, backend, self.device, max_bs)
+        self.graph_runners = []
 
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
         """Flatten the scheduled rows into one :class:`ForwardBatch`: [T] input ids, positions and KV slots for the
@@ -313,55 +229,6 @@ class ModelRunner:
         fb.prefix_lens_cpu = [*fb.prefix_lens_cpu, 0]
         return fb
 
-    # ------------------------------------------------------------------------------------------------ sampling
-
-    def sampling_info(self, batch: ScheduledBatch) -> SamplingBatchInfo:
-        """The batch's sampling state; reused from the previous decode step when that is exact."""
-        reqs = batch.reqs
-        cached = self._reuse_sampling_info(batch)
-        if cached is not None:
-            return cached
-        info = sampling_batch(reqs, self.vocab_size, self.device)
-        # With overlap, a request may have one token sampled on the device that its Python lists do not show
-        # yet. Its sampling step and penalty counts must include it, or seeded streams and penalties would
-        # differ from the non-overlapped engine.
-        pending = [i for i, row in enumerate(batch.rows) if row.req.num_inflight > row.emits]
-        if pending:
-            rows = to_device(torch.tensor(pending), self.device)
-            info.steps[rows] += 1
-            if info.output_counts is not None:
-                pool_rows = to_device(torch.tensor([reqs[i].req_pool_idx for i in pending]), self.device)
-                info.output_counts[rows, self.token_buffer[pool_rows]] += 1
-        if batch.is_decode and not info.need_penalties:
-            self._last_sampling = (list(reqs), info)
-        else:
-            self._last_sampling = None
-        return info
-
-    def _reuse_sampling_info(self, batch: ScheduledBatch) -> SamplingBatchInfo | None:
-        """Decode after decode with the same requests (or a subset, in order) and no penalties: the previous
-        step's tensors are right except that every request is one token further, so ``steps += 1`` (and a
-        row filter when some requests left) replaces rebuilding ~10 tensors from Python lists.
-
-        Penalty batches are always rebuilt: their [B, V] counts would also need the last tokens."""
-        last = self._last_sampling
-        if last is None or not batch.is_decode:
-            return None
-        prev_reqs, info = last
-        reqs = batch.reqs
-        if len(reqs) == len(prev_reqs) and all(a is b for a, b in zip(reqs, prev_reqs)):
-            keep = None
-        else:
-            pos = {id(r): i for i, r in enumerate(prev_reqs)}
-            keep = [pos.get(id(r), -1) for r in reqs]
-            if -1 in keep or keep != sorted(keep):
-                return None
-        if keep is not None:
-            info.filter(keep)
-            self._last_sampling = (list(reqs), info)
-        info.steps += 1
-        return info
-
     # ------------------------------------------------------------------------------------------------- running
 
     @torch.inference_mode()
@@ -369,27 +236,18 @@ class ModelRunner:
         self, fb: ForwardBatch, prompt_plan: PromptLogprobPlan | None = None
     ) -> tuple[torch.Tensor, StepLogprobs | None]:
         """Logits [B, V] (in the model's dtype) of each request's last new token: a CUDA-graph replay when one
-        fits. With a ``prompt_plan`` (extend steps only), also the log probabilities of the prompt tokens it names."""
-        graph_runner = self.graph_runner if fb.prefix_groups is None else self.cascade_graph_runner
-        if graph_runner is not None and graph_runner.can_run(fb):
-            return graph_runner.replay(fb), None
-        extend_runner = self.extend_graph_runner
-        if prompt_plan is None and extend_runner is not None and extend_runner.can_run(fb):
-            return extend_runner.replay(fb), None
-        fb.attn_backend.init_forward_metadata(fb)  # the engine's backend, or the cascade for a grouped decode
+        takes the step. With a ``prompt_plan`` (extend steps only), also the log probabilities of the prompt
+        tokens it names (no graph computes those)."""
+        if prompt_plan is None:
+            for graphs in self.graph_runners:
+                if graphs.can_run(fb):
+                    return graphs.replay(fb), None
+        fb.attn_backend.init_forward_metadata(fb)  # the engine's backend, or the one the planner chose
         hidden = self.model(fb.input_ids, fb.positions, fb)
-        prompt_logprobs = None if prompt_plan is None else self._prompt_logprobs(hidden, prompt_plan)
+        logprobs = compute_prompt_logprobs(self.model, hidden, prompt_plan, self.device) if prompt_plan else None
         if not fb.mode.is_decode:
             hidden = hidden[fb.last_token_indices]
-        return self.model.compute_logits(hidden), prompt_logprobs
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, plan: PromptLogprobPlan) -> StepLogprobs:
-        index = to_device(torch.tensor(plan.index), self.device)
-        targets = to_device(torch.tensor(plan.targets), self.device)
-        parts = [token_logprobs(self.model.compute_logits(hidden[index[i : i + LOGPROB_CHUNK]]),
-                                targets[i : i + LOGPROB_CHUNK], plan.top_k)
-                 for i in range(0, len(plan.index), LOGPROB_CHUNK)]
-        return StepLogprobs(*(torch.cat(ts) for ts in zip(*((p.chosen, p.top_values, p.top_ids) for p in parts))))
+        return self.model.compute_logits(hidden), logprobs
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, before_sampling: Callable[[torch.Tensor], None] | None = None) -> StepOutput:
@@ -400,14 +258,10 @@ class ModelRunner:
         the logits in place."""
         fb = self.pad_extend(self.prepare(batch))
         rows = fb.req_pool_indices[: len(batch.rows)]  # the real rows (an extend step may end with a padding row)
-        if self.cascade is not None:
-            if batch.is_decode:  # shared prefixes read once per group this step, if the batch has any
-                self.cascade.attach(fb, [row.req.req_pool_idx for row in batch.rows])
-            else:  # new requests (and their prefixes) enter page-table rows in extend steps only
-                self.cascade.forget_groups()
+        self.planner.plan(batch, fb)  # which attention backend (and so which graphs) this step runs on
         plan = PromptLogprobPlan.of(batch) if not batch.is_decode else None
         logits, prompt_logprobs = self.forward(fb, plan)
-        info = self.sampling_info(batch)
+        info = self.sampling.info(batch)
         if before_sampling is not None:
             before_sampling(logits)
         # -1: nobody asked for log probabilities in this step (the common case: not a single extra kernel)

@@ -45,8 +45,6 @@ class KernelShapes:
     dtype: torch.dtype
     decode_backend: str
     prefill_backend: str
-    persistent_decode: bool = False  # flashinfer decode also builds its persistent kernel
-    split_decode: bool = False  # flashinfer decode also builds our split-KV kernel
 
 
 def _fused_op(shapes: KernelShapes, device: torch.device, family: str) -> None:
@@ -162,19 +160,6 @@ class Warmup:
         return seconds
 
 
-def _split_supported(shapes: KernelShapes) -> bool:
-    from minisgl_ref.attention.split_decode import supports
-
-    return supports(shapes.num_q_heads, shapes.num_kv_heads, shapes.head_dim, shapes.dtype)
-
-
-def _build_split_decode() -> None:
-    """Our split-KV decode kernel: nvcc and ninja build it once per machine (~1 minute), then it loads from disk."""
-    from minisgl_ref.attention.split_decode import load_kernel
-
-    load_kernel()
-
-
 def _timed(fn: Callable[[], None], device: torch.device) -> float:
     """Run one compile job on ``device`` and time it.
 
@@ -197,14 +182,15 @@ def shapes_of(model: torch.nn.Module, config: ModelConfig, engine: EngineConfig,
     layer = next(m for m in model.modules() if isinstance(m, AttentionLayer))
     prefill, decode = resolve_backend_names(engine, device, config.dtype)
     return KernelShapes(layer.num_heads, layer.num_kv_heads, config.head_dim, config.hidden_size,
-                        config.intermediate_size, config.vocab_size, config.dtype, decode, prefill,
-                        persistent_decode=engine.persistent_decode_min_batch > 0,
-                        split_decode=engine.split_decode_min_batch > 0)
+                        config.intermediate_size, config.vocab_size, config.dtype, decode, prefill)
 
 
-def start(shapes: KernelShapes, device: torch.device, matmuls: list[MatmulShapes] | None = None) -> Warmup:
-    """Start every start-up compile for ``shapes`` on ``device`` in background threads (nothing on the CPU), and
-    the first call of each matmul shape in ``matmuls`` (:func:`matmul_shapes`)."""
+def start(shapes: KernelShapes, device: torch.device, matmuls: list[MatmulShapes] | None = None,
+          extra: dict[str, Callable[[], None]] | None = None) -> Warmup:
+    """Start every start-up compile for ``shapes`` on ``device`` in background threads (nothing on the CPU), the
+    first call of each matmul shape in ``matmuls`` (:func:`matmul_shapes`), and the ``extra`` jobs by name: the
+    compiles of kernels that extensions add to the engine (chapter 11's:
+    :func:`minisgl_ref.perf.attention.warmup_jobs`)."""
     warm = Warmup()
     if device.type != "cuda":
         return warm
@@ -216,10 +202,7 @@ def start(shapes: KernelShapes, device: torch.device, matmuls: list[MatmulShapes
     }
     if shapes.decode_backend == "flashinfer":
         todo["decode attention"] = lambda: _attention(shapes, device, "decode")
-        if shapes.persistent_decode:
-            todo["persistent decode attention"] = lambda: _attention(shapes, device, "persistent")
-        if shapes.split_decode and _split_supported(shapes):
-            todo["split decode attention"] = _build_split_decode
+    todo.update(extra or {})
     if shapes.prefill_backend == "flashinfer":
         todo["prefill attention"] = lambda: _attention(shapes, device, "prefill")
     if matmuls:

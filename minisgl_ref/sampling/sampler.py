@@ -583,7 +583,7 @@ class Sampler:
 
     Between steps the per-request step counters (the noise stream) and penalty counts must move on: a loop that
     calls the sampler directly does it with ``info.update(tokens)`` (chapter 02); the engine's model runner
-    rebuilds or advances the state itself (``ModelRunner.sampling_info``), because under overlap it schedules the
+    rebuilds or advances the state itself (``SamplingState.info``), because under overlap it schedules the
     next step before it has seen this step's tokens.
 
     ``fuse_on_cuda`` (default on) runs the random draw as one Triton kernel (:mod:`.fused_draw`) on a GPU;

@@ -29,6 +29,7 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from minisgl_ref import LLM
+    from minisgl_ref.bench.cascade_stats import cascade_stats
     from minisgl_ref.bench.provenance import collect_provenance
     from minisgl_ref.bench.workloads import shared_prefix_workload
 
@@ -36,13 +37,12 @@ def main() -> int:
     llm = LLM("qwen3-0.6b", load_format="dummy", dtype="bfloat16", device="cuda", **flags)
     wl = shared_prefix_workload(args.groups, args.per_group, 2048, 128, args.output_len, seed=3)
     llm.generate(wl.prompts, wl.sampling_params, use_tqdm=False)  # untimed: compiles, graphs, radix cache
-    cascade = llm.engine.runner.cascade
-    before = (cascade.stats.decode_steps, cascade.stats.cascade_steps) if cascade else (0, 0)
+    stats = cascade_stats(llm)  # counts from here on (None: the engine has no cascade)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.generate(wl.prompts, wl.sampling_params, use_tqdm=False)
         torch.cuda.synchronize()
-    after = (cascade.stats.decode_steps, cascade.stats.cascade_steps) if cascade else (0, 0)
+    steps, cascade_steps = (stats.decode_steps, stats.cascade_steps) if stats else (0, 0)
     rows = []
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
@@ -53,8 +53,8 @@ def main() -> int:
     for r in rows[:20]:
         print(f"{r['gpu_ms']:9.1f} ms {r['gpu_ms'] / total:6.1%} {r['count']:7d}  {r['name'][:90]}")
     doc = {"what": __doc__.split("\n\n")[0], "flags": flags, "groups": args.groups, "per_group": args.per_group,
-           "output_len": args.output_len, "decode_steps": after[0] - before[0],
-           "cascade_decode_steps": after[1] - before[1], "gpu_ms_total": total, "kernels": rows[:40],
+           "output_len": args.output_len, "decode_steps": steps,
+           "cascade_decode_steps": cascade_steps, "gpu_ms_total": total, "kernels": rows[:40],
            "provenance": collect_provenance(sys.argv)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")

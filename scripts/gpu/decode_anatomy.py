@@ -54,6 +54,7 @@ class _Probe:
 
     def __init__(self, engine) -> None:  # type: ignore[no-untyped-def]
         from minisgl_ref.engine import model_runner
+        from minisgl_ref.engine.cuda_graph import CudaGraphRunner
 
         self.engine = engine
         self.host: dict[str, float] = {}
@@ -90,10 +91,11 @@ class _Probe:
         self.tokens_cls.tokens = self._timed("wait_for_tokens", self.tokens_orig)
         # The parts of a launch (instance attributes shadow the class's methods until __exit__ deletes them).
         r = e.runner
-        self.parts = [(r, "prepare"), (r, "forward"), (r, "sampling_info"), (r.sampler, "sample")]
-        if r.graph_runner is not None:
-            self.parts.append((r.graph_runner, "replay"))
-            self.parts.append((r.graph_runner.backend, "prepare_replay"))
+        self.parts = [(r, "prepare"), (r, "forward"), (r.sampling, "info"), (r.sampler, "sample")]
+        for graphs in r.graph_runners:  # decode graphs: one set per decode backend (the engine's, a cascade)
+            if isinstance(graphs, CudaGraphRunner):
+                self.parts.append((graphs, "replay"))
+                self.parts.append((graphs.backend, "prepare_replay"))
         for obj, name in self.parts:
             setattr(obj, name, self._timed(f"launch.{type(obj).__name__}.{name}", getattr(obj, name)))
         self.graph_replay = torch.cuda.CUDAGraph.replay

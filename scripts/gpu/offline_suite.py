@@ -138,16 +138,16 @@ def decode_step_times(batch_sizes: list[int], ctx: int = 512, iters: int = 50, b
     llm = make_llm(disable_overlap_schedule=True, cuda_graph_max_bs=max(batch_sizes), max_running_requests=256,
                    decode_attention_backend=backend)
     runner = llm.engine.runner
-    graphs = runner.graph_runner
+    graphs = runner.graph_runners
     out = []
     for bs in batch_sizes:
         batch, fb = _fill_decode(llm, bs, ctx)
         graph_ms = _time_forward(runner, fb, iters)
         eager_ms = None
         if eager:
-            runner.graph_runner = None
+            runner.graph_runners = []
             eager_ms = _time_forward(runner, fb, iters)
-            runner.graph_runner = graphs
+            runner.graph_runners = graphs
         row = {"batch_size": bs, "context": ctx, "graph_ms": graph_ms, "eager_ms": eager_ms,
                "speedup": eager_ms / graph_ms if eager_ms else None, "decode_backend": backend or "default"}
         log(f"decode step [{backend or 'default'}] bs={bs}: eager {eager_ms or 0:.3f} ms, graph {graph_ms:.3f} ms")

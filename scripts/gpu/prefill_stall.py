@@ -40,6 +40,7 @@ def main() -> int:
 
     from minisgl_ref import LLM, SamplingParams
     from minisgl_ref.bench.provenance import collect_provenance
+    from minisgl_ref.engine.extend_graph import ExtendGraphRunner
 
     llm = LLM(args.model_path, load_format="dummy", dtype="bfloat16", device=args.device)
     engine = llm.engine
@@ -66,19 +67,20 @@ def main() -> int:
         return out
 
     runner = engine.runner
-    pb = getattr(runner.attn_backend, "prefill", runner.attn_backend)  # the backend of extend steps
+    pb = runner.attn_backend.phase_backend(decode=False)  # the backend of extend steps
     op = getattr(pb, "op", None)
     settings = [("pad64+op", 64, op), ("pad1+op", 1, op), ("pad64+entry", 64, None), ("pad1+entry", 1, None)]
     if args.ab == "pad" and runner.extend_token_multiple < 64:
         p.error("--ab pad needs an engine built with extend steps padded to 64 (a CUDA device)")
-    graphs = getattr(runner, "extend_graph_runner", None)
+    graphs = runner.graph_runners
     if args.ab == "graphs":
-        settings = [("extend graphs", graphs, None), ("eager extend", None, None)]
+        eager = [g for g in graphs if not isinstance(g, ExtendGraphRunner)]
+        settings = [("extend graphs", graphs, None), ("eager extend", eager, None)]
     report, text = [], io.StringIO()
     for i in range(args.arrivals):
         label = None
         if args.ab == "graphs":
-            label, runner.extend_graph_runner, _ = settings[i % len(settings)]
+            label, runner.graph_runners, _ = settings[i % len(settings)]
         elif args.ab:
             label, runner.extend_token_multiple, pb.op = settings[i % len(settings)]
         before = timed_steps(5)

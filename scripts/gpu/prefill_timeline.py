@@ -102,6 +102,7 @@ def main() -> int:
     from minisgl_ref import LLM, SamplingParams
     from minisgl_ref.bench.provenance import collect_provenance
     from minisgl_ref.engine import model_runner as mr
+    from minisgl_ref.engine.extend_graph import ExtendGraphRunner
 
     llm = LLM(args.model_path, load_format="dummy", dtype="bfloat16", device=args.device,
               enable_mixed_chunk=args.mixed)
@@ -109,7 +110,7 @@ def main() -> int:
     engine = llm.engine
     runner = engine.runner
     backend = runner.attn_backend
-    pb = getattr(backend, "prefill", backend)  # the backend that runs extend steps
+    pb = backend.phase_backend(decode=False)  # the backend that runs extend steps
     rng = random.Random(0)
     vocab = llm.config.vocab_size
     result: dict[str, Any] = {"what": __doc__.split("\n\n")[0], "backend": type(backend).__name__}
@@ -129,7 +130,7 @@ def main() -> int:
     # Phase timers (host time), each also a profiler range.
     timed(engine.scheduler, "schedule", "schedule")
     timed(runner, "prepare", "prepare")
-    timed(runner, "sampling_info", "sampling_info")
+    timed(runner.sampling, "info", "sampling_info")
     timed(runner.sampler, "sample", "sample")
     timed(backend, "init_forward_metadata", "attn_metadata")
     timed(runner.model, "forward", "model_forward")
@@ -139,8 +140,9 @@ def main() -> int:
     timed(runner, "forward", "runner_forward")
     timed(runner, "pad_extend", "pad_extend")
     timed(engine, "_process", "process")
-    if runner.extend_graph_runner is not None:
-        timed(runner.extend_graph_runner, "replay", "extend_graph_replay")
+    for graphs in runner.graph_runners:
+        if isinstance(graphs, ExtendGraphRunner):
+            timed(graphs, "replay", "extend_graph_replay")
     timed(pb, "attend_extend", "attend_extend")
     timed(pb.kv_pool, "store", "kv_store")
     orig_tokens = mr.StepOutput.tokens

@@ -52,7 +52,7 @@ class Timeline:
         self.steps = 0
         self.allocs: list[list[int]] = []
         self.targets = [(llm, "_params_list"), (llm, "make_request"), (e, "add_request"), (e.scheduler, "schedule"),
-                        (r, "prepare"), (r, "pad_extend"), (r, "forward"), (r, "sampling_info"), (r.sampler, "sample"),
+                        (r, "prepare"), (r, "pad_extend"), (r, "forward"), (r.sampling, "info"), (r.sampler, "sample"),
                         (e, "_process")]
         self.run_orig = r.run
         self.tokens_orig = model_runner.StepOutput.tokens

@@ -42,7 +42,7 @@ class TailProbe:
         self.kept = 0
         self.records: list[tuple[str, float, float, Any, Any]] = []  # label, host start, end, GPU events
         self.targets = [(e.scheduler, "schedule"), (self.runner, "prepare"), (self.runner, "forward"),
-                        (self.runner, "sampling_info"), (self.runner.sampler, "sample"), (e, "_process")]
+                        (self.runner.sampling, "info"), (self.runner.sampler, "sample"), (e, "_process")]
 
     def _wrap(self, label: str, fn: Callable) -> Callable:
         def wrapper(*a: Any, **k: Any) -> Any:

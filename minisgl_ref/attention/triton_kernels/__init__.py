@@ -7,9 +7,9 @@ Small kernels, each in its own module so it can be read on its own:
 - :mod:`.decode_attention`: one new query per request over its whole paged context, split along the context
   ("split-KV" / flash-decoding) and reduced with a log-sum-exp merge;
 - :mod:`.extend_attention`: several new queries per request over the cached prefix (paged) plus the new tokens
-  themselves (contiguous, causal);
-- :mod:`.cascade` (chapter 11): decode for requests that share a cached prefix, which is read once per group and
-  merged with each request's own suffix (imported by :mod:`minisgl_ref.attention.cascade` when it runs).
+  themselves (contiguous, causal).
+
+Chapter 11's cascade kernels (:mod:`minisgl_ref.perf.cascade_kernels`) build on :mod:`.decode_attention`'s stage 1.
 
 Conventions shared by the kernels:
 

@@ -23,6 +23,10 @@ balances the work but loses most of that gain between a layer's matrix multiplie
 The plan is a few kilobytes (four numbers a piece), built on the host from the lengths the scheduler already has,
 and uploaded with one asynchronous copy from pinned memory. The kernel is compiled at engine start with PyTorch's
 extension builder (nvcc and ninja), once per machine: the build is cached on disk.
+
+The core does not import this module. :mod:`minisgl_ref.perf.attention` hands a :class:`SplitDecode` to the
+engine's attention backend through the backend's ``use_decode_kernel`` hook (the FlashInfer backend takes it for
+decode batches of ``--split-decode-min-batch`` rows and more), and adds its build to the start-up compiles.
 """
 
 from __future__ import annotations
@@ -66,9 +70,9 @@ BUILD_WAIT_S = 600.0
 
 
 @functools.cache
-def load_kernel(all_variants: bool = False, streaming: bool = False) -> Any:
-    """Build (or load from disk) the kernel module. ``all_variants`` and ``streaming`` compile the extra variants
-    that ``benchmarks/decode_balance.py`` compares.
+def load_kernel() -> Any:
+    """Build (or load from disk) the kernel module: the variants the engine launches (four rows per half-warp,
+    128 threads, one or four blocks an SM).
 
     PyTorch's extension builder guards a build folder with a lock *file*, which a process killed in the middle of
     a build leaves behind, and every later start then waits for it forever. So each build folder here belongs to
@@ -77,10 +81,8 @@ def load_kernel(all_variants: bool = False, streaming: bool = False) -> Any:
     knows that a lock file still there is stale, and removes it."""
     from torch.utils.cpp_extension import get_default_build_root, load
 
-    defines = (["-DSPLIT_DECODE_ALL_VARIANTS"] if all_variants else []) + (
-        ["-DSPLIT_DECODE_STREAMING_LOADS"] if streaming else [])
-    name = "minisgl_split_decode" + ("_all" if all_variants else "") + ("_streaming" if streaming else "")
-    cuda_flags = ["-O3", "--use_fast_math", *defines]
+    name = "minisgl_split_decode"
+    cuda_flags = ["-O3", "--use_fast_math"]
     key = "\n".join([*map(str, SOURCES), *cuda_flags, torch.__version__, str(torch.version.cuda)])
     root = Path(env.torch_extensions_dir() or get_default_build_root()) / "minisgl"
     folder = root / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"

@@ -72,5 +72,5 @@ void split_decode(const torch::Tensor& q, const torch::Tensor& k, const torch::T
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("split_decode", &split_decode, "split-KV decode attention (minisgl_ref/attention/cuda/split_decode.cu)");
+  m.def("split_decode", &split_decode, "split-KV decode attention (minisgl_ref/perf/cuda/split_decode.cu)");
 }

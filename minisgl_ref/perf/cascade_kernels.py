@@ -2,17 +2,18 @@
 (chapter 11).
 
 With a radix cache (chapter 04), requests with the same system prompt point their page-table rows at the *same*
-KV slots for it. Plain decode attention (:mod:`.decode_attention`) still streams that prefix once per request:
-16 requests behind a 2,048-token prompt read the same 2,048 tokens of K and V 16 times per layer and step. Decode
-is bound by exactly those bytes, so the cascade splits each request's attention in two and computes the shared
-half once per group:
+KV slots for it. Plain decode attention (:mod:`minisgl_ref.attention.triton_kernels.decode_attention`) still
+streams that prefix once per request: 16 requests behind a 2,048-token prompt read the same 2,048 tokens of K and
+V 16 times per layer and step. Decode is bound by exactly those bytes, so the cascade splits each request's
+attention in two and computes the shared half once per group:
 
 * **pass 1, the shared prefix** (:func:`_cascade_prefix_kernel`): a program takes a *tile* of query rows of one
   group, for the query heads that read one KV head (grouped-query attention), and runs an online softmax over a
   piece of the group's prefix. Its K/V loads serve every query in the tile: one read of the prefix per group and
   step, however many requests share it. For each row and head it writes the piece's normalised output and its
   log-sum-exp, exactly like stage 1 of split-KV decode; the online softmax itself is stage 1's own
-  (:func:`~.decode_attention.attend_slots`), handed a tile of queries and the prefix's slots.
+  (:func:`~minisgl_ref.attention.triton_kernels.decode_attention.attend_slots`), handed a tile of queries and
+  the prefix's slots.
 * **pass 2, each request's own suffix** (:func:`_cascade_suffix_kernel`): the split-KV decode of stage 1, over
   the slots after the request's shared prefix only (for a request that shares nothing, its whole context).
 * **pass 3, the merge** (:func:`_cascade_merge_kernel`): fold the pieces of each pass into one partial result
@@ -25,7 +26,7 @@ half once per group:
 
 **What the kernels read, and why it fits CUDA graphs.** Everything that depends on the groups (which rows, how
 long the shared prefix, how it is cut into work items) is one small int32 *plan* buffer, built on the host when
-the groups change (:mod:`minisgl_ref.attention.cascade`) and copied to the device in one transfer. Its layout
+the groups change (:mod:`minisgl_ref.perf.cascade`) and copied to the device in one transfer. Its layout
 depends only on the batch size ``B``:
 
 ==========================  ===============================================================================

@@ -1,7 +1,7 @@
 // Split-KV decode attention for grouped-query heads of dimension 128, bf16, pages of one token (chapter 11).
 //
 // The work of a decode step is cut into *items*: a piece of one request's context, for one KV head (the host cuts
-// the pieces: minisgl_ref/attention/split_decode.py). Each item is one thread block, and there are several waves
+// the pieces: minisgl_ref/perf/split_decode.py). Each item is one thread block, and there are several waves
 // of them, so the GPU hands the next item to whichever SM frees up first: a long context costs no more than its
 // share. An item of a request
 // with one piece writes the output directly; the pieces of a longer context write partial results (output and
@@ -11,8 +11,7 @@
 // Inside a block, the half-warps take turns over the item's tokens; a half-warp holds one token's 256-byte K (and
 // V) row, 16 bytes a lane, so a warp reads two rows per load. The item's slot numbers are first read into shared
 // memory (a window of 1,024 at a time), and the rows of the next step are loaded into a second set of registers
-// while this step's are used. Compiled with SPLIT_DECODE_STREAMING_LOADS, the rows are read with streaming
-// (evict-first) loads instead of ordinary ones.
+// while this step's are used.
 #include "split_decode.h"
 
 namespace {
@@ -20,11 +19,7 @@ namespace {
 constexpr int HEAD_DIM = 128;
 constexpr int MAX_CHUNK = 1024;            // slot numbers held in shared memory at a time
 
-#ifdef SPLIT_DECODE_STREAMING_LOADS
-#define LOAD(p) __ldcs(p)
-#else
 #define LOAD(p) __ldg(p)  // read-only path: the cache does not change during the kernel
-#endif
 
 __device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float* f) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
@@ -215,8 +210,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) split_decode_kernel(const
 }
 
 // The variants compiled in: the engine's (128 threads, 4 rows per half-warp and buffer) for 1, 2 or 4 query heads
-// per KV head, and for 1 or 2 also the build for four blocks an SM (large batches); with SPLIT_DECODE_ALL_VARIANTS
-// also the ones benchmarks/decode_balance.py compares.
+// per KV head, and for 1 or 2 also the build for four blocks an SM (large batches).
 template <int GROUP>
 cudaError_t launch_group(const SplitDecodeArgs& a, int unroll, int threads, int min_blocks, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(a.num_items * a.num_kv_heads));
@@ -230,11 +224,6 @@ cudaError_t launch_group(const SplitDecodeArgs& a, int unroll, int threads, int 
   if constexpr (GROUP <= 2) {  // four blocks of 128 threads an SM: at most 128 registers a thread, no spills
     SPLIT_DECODE_VARIANT(4, 128, 4)
   }
-#ifdef SPLIT_DECODE_ALL_VARIANTS
-  SPLIT_DECODE_VARIANT(2, 128, 1)
-  SPLIT_DECODE_VARIANT(2, 256, 1)
-  SPLIT_DECODE_VARIANT(4, 256, 1)
-#endif
 #undef SPLIT_DECODE_VARIANT
   return cudaErrorNotSupported;
 }

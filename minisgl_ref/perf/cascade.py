@@ -8,33 +8,37 @@ of the KV bytes a decode step reads are copies of the same prefix pages. Decode 
 
 1. **Grouping** (:func:`find_prefix_groups`, host side, once per distinct decode batch): compare the batch's
    page-table rows and find sets of rows whose first whole pages are the same slots. A set is a
-   :class:`~minisgl_ref.core.forward_batch.PrefixGroups` entry only if it has at least two rows and shares at
-   least ``min_prefix_len`` tokens (``--cascade-min-prefix-len``, default 256): below that the prefix pass and
-   the merge cost about what they save (a few hundred bytes of partial results per row and head against
-   ``shared_len x kv_bytes`` per extra row), and a step without groups stays on the backend's normal decode.
-2. **Three passes** (:mod:`minisgl_ref.attention.triton_kernels.cascade` on the GPU, :func:`cascade_attention_reference`
+   :class:`PrefixGroups` entry only if it has at least two rows and shares at least ``min_prefix_len`` tokens
+   (``--cascade-min-prefix-len``, default 256): below that the prefix pass and the merge cost about what they
+   save (a few hundred bytes of partial results per row and head against ``shared_len x kv_bytes`` per extra
+   row), and a step without groups stays on the backend's normal decode.
+2. **Three passes** (:mod:`minisgl_ref.perf.cascade_kernels` on the GPU, :func:`cascade_attention_reference`
    in plain PyTorch for the CPU and the book): attention of every group's queries over its prefix (read once),
    attention of every row over its own suffix, and :func:`merge_state` of the two partial results by their
    log-sum-exp.
-3. **Choice per step** (:meth:`CascadeDecodeBackend.attach`, called by the model runner for every decode batch):
-   a batch with groups runs its attention through this backend, any other through the engine's own decode
-   backend, whatever it is (``triton``, ``flashinfer``, ``fa3``, ``torch_native``).
+3. **Choice per step** (:class:`CascadePlanner`, the engine's attention planner, which calls
+   :meth:`CascadeDecodeBackend.attach` for every decode batch): a batch with groups runs its attention through
+   this backend, any other through the engine's own decode backend, whatever it is (``triton``, ``flashinfer``,
+   ``fa3``, ``torch_native``).
 
 Why a backend of its own rather than a branch inside each backend: the cascade reads the KV pool and the page
 table directly, so one implementation serves every decode backend (including the FlashInfer default on an H100),
-and its CUDA graphs are separate ones. The model runner captures the cascade decode step with its own
-:class:`~minisgl_ref.engine.cuda_graph.CudaGraphRunner` (a second set of graphs, one per batch size): on an H100
-an eager decode step of Qwen3-0.6B costs 11-19 ms of host time against 1.4-9 ms replayed (chapter 08), which
-would eat most of what the cascade saves. The plan a graph reads is one int32 buffer whose layout depends only on
-the batch size (see the kernels' module), so a replay only copies the new plan into it.
+and its CUDA graphs are separate ones. The planner lists it among its decode backends, so the model runner
+captures the cascade decode step with its own :class:`~minisgl_ref.engine.cuda_graph.CudaGraphRunner` (a second
+set of graphs, one per batch size): on an H100 an eager decode step of Qwen3-0.6B costs 11-19 ms of host time
+against 1.4-9 ms replayed (chapter 08), which would eat most of what the cascade saves. The price is paid once, at
+start-up: the capture takes twice as long, and the second set of graphs keeps its own logits buffer per captured
+batch size (~1.3 GB of bf16 logits for a 151,936-token vocabulary up to batch 256). The plan a graph reads is one
+int32 buffer whose layout depends only on the batch size (see the kernels' module), so a replay only copies the
+new plan into it.
 
-:func:`kv_tokens_read` / :func:`decode_kv_bytes` say what a step reads with and without the cascade; the model
-runner sums them in :class:`CascadeStats`, and ``bench offline`` reports them.
+:func:`kv_tokens_read` / :func:`decode_kv_bytes` say what a step reads with and without the cascade; the planner
+shows every decode step's lengths and groups to its ``observers``, which is where ``bench offline`` counts them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,9 +46,10 @@ import numpy as np
 import torch
 
 from minisgl_ref.attention.base import AttentionBackend
-from minisgl_ref.core.forward_batch import PrefixGroups
+from minisgl_ref.engine.attention_planner import AttentionPlanner
 
 if TYPE_CHECKING:
+    from minisgl_ref.core.batch import ScheduledBatch
     from minisgl_ref.core.config import EngineConfig
     from minisgl_ref.core.forward_batch import ForwardBatch
     from minisgl_ref.kvcache.pool import KVPool
@@ -62,6 +67,31 @@ PREFIX_BLOCK_M = 64
 
 
 # --------------------------------------------------------------------------------------------------- grouping
+
+
+@dataclass(frozen=True, eq=False)
+class PrefixGroups:
+    """Rows of a decode batch whose page-table rows point at the same KV slots for a leading run of whole pages:
+    a prefix they share through the radix cache (chapter 04). The cascade reads each group's prefix once per step
+    instead of once per row. Rows in no group share nothing worth it and are attended alone.
+
+    Compared by identity: :meth:`CascadeDecodeBackend.groups_for` reuses the same object for as long as the
+    decode batch is the same, so whatever is planned from it can be cached by it."""
+
+    prefix_lens: tuple[int, ...]  # per group: the shared tokens, a multiple of the page size
+    rows: tuple[tuple[int, ...], ...]  # per group: its rows (indices into the batch), at least two, ascending
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.prefix_lens)
+
+    def row_prefix_lens(self, batch_size: int) -> list[int]:
+        """The shared prefix length of every row of the batch (0 for a row in no group)."""
+        out = [0] * batch_size
+        for length, rows in zip(self.prefix_lens, self.rows):
+            for r in rows:
+                out[r] = length
+        return out
 
 
 def find_prefix_groups(
@@ -84,8 +114,8 @@ def find_prefix_groups(
     agree further, whichever saves more prefix reads (``(rows - 1) x L`` tokens). On SGLang's shared-prefix
     workload that gives one group per system prompt; with a short common template in front, the same.
 
-    Cost: numpy over the candidate rows' contexts, run only when the batch's rows change (the model runner
-    caches the result while a decode batch stays the same)."""
+    Cost: numpy over the candidate rows' contexts, run only when the batch's rows change
+    (:meth:`CascadeDecodeBackend.groups_for` keeps the result while a decode batch stays the same)."""
     rows_a = np.asarray(rows, dtype=np.int64)
     whole = (np.asarray(seq_lens, dtype=np.int64) // page_size) * page_size  # tokens in whole pages
     candidates = np.flatnonzero(whole >= min_prefix_len)
@@ -147,29 +177,6 @@ def decode_kv_bytes(seq_lens: Sequence[int], groups: PrefixGroups | None, kv_byt
     The roofline of chapter 11 counts the plain number; the difference is what cascade attention saves."""
     plain, cascade = kv_tokens_read(seq_lens, groups)
     return plain * kv_bytes_per_token, cascade * kv_bytes_per_token
-
-
-@dataclass
-class CascadeStats:
-    """What the engine's decode steps read, summed since the engine started (``bench offline`` reports the
-    difference over a run). Tokens are per layer; multiply by ``kv_bytes_per_token`` for bytes."""
-
-    decode_steps: int = 0
-    cascade_steps: int = 0  # decode steps that ran the cascade (the batch had groups)
-    kv_tokens_plain: int = 0  # what plain decode would have read
-    kv_tokens_cascade: int = 0  # what was read (equal to the plain count in steps without groups)
-    grouped_rows: int = 0  # rows that read a shared prefix, summed over steps
-    groups: int = 0  # groups, summed over steps
-
-    def record(self, seq_lens: Sequence[int], groups: PrefixGroups | None) -> None:
-        plain, cascade = kv_tokens_read(seq_lens, groups)
-        self.decode_steps += 1
-        self.kv_tokens_plain += plain
-        self.kv_tokens_cascade += cascade
-        if groups is not None:
-            self.cascade_steps += 1
-            self.groups += groups.num_groups
-            self.grouped_rows += sum(len(r) for r in groups.rows)
 
 
 # ---------------------------------------------------------------------------------------- the three passes
@@ -246,7 +253,7 @@ def cascade_attention_reference(
 
 def plan_size(batch_size: int, num_work: int) -> int:
     """int32 entries of a plan for ``batch_size`` rows and ``num_work`` pass-1 work items."""
-    from minisgl_ref.attention.triton_kernels.cascade import HEADER, WORK_FIELDS
+    from minisgl_ref.perf.cascade_kernels import HEADER, WORK_FIELDS
 
     return HEADER + 3 * batch_size + WORK_FIELDS * num_work
 
@@ -267,12 +274,12 @@ def build_plan(
     piece_len: int = PREFIX_PIECE_LEN,
     max_pieces: int = MAX_PREFIX_PIECES,
 ) -> np.ndarray:
-    """The int32 plan the kernels read (layout: :mod:`minisgl_ref.attention.triton_kernels.cascade`) for a batch
+    """The int32 plan the kernels read (layout: :mod:`minisgl_ref.perf.cascade_kernels`) for a batch
     of ``batch_size`` rows (a CUDA graph's padded size: rows past the real ones are in no group). Each group's
     prefix is cut into ``cdiv(L, piece_len)`` pieces (at most ``max_pieces``); its ``rows x gqa`` queries make one
     tile of the small list if they fit ``small_block_m``, else tiles of ``block_m`` in the large list. A work item
     is one (tile, piece)."""
-    from minisgl_ref.attention.triton_kernels.cascade import HEADER, WORK_FIELDS
+    from minisgl_ref.perf.cascade_kernels import HEADER, WORK_FIELDS
 
     b = batch_size
     row_prefix = np.zeros(b, dtype=np.int32)
@@ -344,7 +351,6 @@ class CascadeDecodeBackend(AttentionBackend):
         self.max_kv_splits, self.min_kv_split_len = 16, 128
         # Pass 1: enough programs per KV head to give every SM a few; the interpreter runs them one by one.
         self.prefix_programs = max(1, 4 * self.num_sms // self.num_kv_heads) if self.num_sms else 2
-        self.stats = CascadeStats()
         self.step_groups: PrefixGroups | None = None  # the groups of the decode step being launched
         self._cached: tuple[tuple[int, ...], PrefixGroups | None] | None = None
         # Plans by (groups, batch size): the host array and, once uploaded for eager steps, its device copy.
@@ -372,14 +378,12 @@ class CascadeDecodeBackend(AttentionBackend):
         return self._cached[1]
 
     def attach(self, batch: ForwardBatch, rows: Sequence[int]) -> PrefixGroups | None:
-        """Called for every decode batch before it runs: find its groups, count what it reads, and when there are
-        groups, make this backend the batch's attention (``batch.prefix_groups``, ``batch.attn_backend``)."""
-        lens = batch.seq_lens_cpu
-        groups = self.groups_for(rows, lens)
-        self.stats.record(lens, groups)
+        """Called for every decode batch before it runs: find its groups (kept as :attr:`step_groups`, which the
+        step's metadata and a graph replay's plan are made from) and when there are groups, make this backend the
+        batch's attention (``batch.attn_backend``)."""
+        groups = self.groups_for(rows, batch.seq_lens_cpu)
         self.step_groups = groups
         if groups is not None:
-            batch.prefix_groups = groups
             batch.attn_backend = self
         return groups
 
@@ -421,7 +425,7 @@ class CascadeDecodeBackend(AttentionBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         assert batch.mode.is_decode, "cascade attention runs decode steps only"
-        groups = batch.prefix_groups
+        groups = self.step_groups
         if not self.use_triton:
             assert batch.req_pool_indices is not None
             table = self.req_to_token.table
@@ -443,7 +447,7 @@ class CascadeDecodeBackend(AttentionBackend):
             out = cascade_attention_reference(q, self.kv_pool.k[lid], self.kv_pool.v[lid], md["slots"], md["groups"],
                                               layer.scale)  # fmt: skip
             return out.flatten(1)
-        from minisgl_ref.attention.triton_kernels.cascade import cascade_decode_fwd
+        from minisgl_ref.perf.cascade_kernels import cascade_decode_fwd
 
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         cascade_decode_fwd(
@@ -515,7 +519,36 @@ def make_cascade_backend(
     decode backend through the Triton kernels."""
     if config.disable_cascade_attention or config.disable_radix_cache:
         return None
-    decode = getattr(decode_backend, "decode", decode_backend)  # a HybridAttnBackend's decode half
+    decode = decode_backend.phase_backend(decode=True)  # a HybridAttnBackend's decode half
     return CascadeDecodeBackend(kv_pool, req_to_token, num_q_heads=num_q_heads, page_size=config.page_size,
                                 min_prefix_len=config.cascade_min_prefix_len,
                                 use_triton=decode.name != "torch_native")  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------- planner
+
+#: Sees every decode step's context lengths and groups (None: no groups); ``bench offline`` counts with one.
+CascadeObserver = Callable[[Sequence[int], "PrefixGroups | None"], None]
+
+
+class CascadePlanner(AttentionPlanner):
+    """The engine's attention planner with a cascade: decode steps whose rows share a cached prefix run on
+    ``cascade``, every other step on the engine's ``backend``. Both are decode backends, so the model runner
+    captures decode graphs for each."""
+
+    def __init__(self, backend: AttentionBackend, cascade: CascadeDecodeBackend) -> None:
+        super().__init__(backend)
+        self.cascade = cascade
+        self.observers: list[CascadeObserver] = []
+
+    @property
+    def decode_backends(self) -> tuple[AttentionBackend, ...]:
+        return (self.backend, self.cascade)
+
+    def plan(self, batch: ScheduledBatch, fb: ForwardBatch) -> None:
+        if not batch.is_decode:  # new requests (and their prefixes) enter page-table rows in extend steps only
+            self.cascade.forget_groups()
+            return
+        groups = self.cascade.attach(fb, [row.req.req_pool_idx for row in batch.rows])
+        for observe in self.observers:
+            observe(fb.seq_lens_cpu, groups)
