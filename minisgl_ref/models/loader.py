@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from minisgl_ref.distributed import get_tp_info
-from minisgl_ref.layers import norm_folding
 from minisgl_ref.models.config import ModelConfig
 from minisgl_ref.models.embedded import EMBEDDED_NAME, embedded_model_path
 from minisgl_ref.models.llama import LlamaForCausalLM
@@ -127,8 +126,6 @@ def load_model(
             model.load_weights(iter_safetensors(resolved.path, lazy=get_tp_info().size > 1))
         except FileNotFoundError as e:
             raise ModelPathError(str(e)) from e
-    if norm_folding.should_fold(model, device, torch_dtype):  # two norm kernels fewer per layer (chapter 11)
-        norm_folding.fold_(model)
     return model.eval(), config, resolved.path
 
 
