@@ -126,6 +126,29 @@ def test_a_transformed_model_serves_the_oracle_tokens(tiny_llm):
     assert_matches_oracle(reqs, oracle(tiny_llm, prompts, params))
 
 
+def test_build_runtime_applies_the_model_transforms_to_the_model_it_loads(tiny_engine_path, monkeypatch):
+    """``build_runtime`` hands the model it has just loaded, with its device and dtype, to the model transforms;
+    on a CPU they change nothing: chapter 01's layers, the kernel table's plain entries."""
+    from minisgl_ref.core.config import ModelArgs
+    from minisgl_ref.layers.kernel_table import KERNELS
+    from minisgl_ref.runtime import build_runtime
+
+    seen, apply_ = [], model_transforms.apply_
+
+    def spy(model, device, dtype):  # type: ignore[no-untyped-def]
+        seen.append((model, device, dtype, apply_(model, device, dtype)))
+        return seen[-1][-1]
+
+    monkeypatch.setattr("minisgl_ref.runtime.model_transforms.apply_", spy)
+    table = {name: getattr(KERNELS, name) for name in ("rms_norm", "add_rms_norm", "silu_and_mul", "qk_norm_rope",
+                                                        "store_kv")}
+    runtime = build_runtime(ModelArgs(str(tiny_engine_path), device="cpu"), kind="naive")
+    assert len(seen) == 1 and seen[0][0] is runtime.model
+    assert seen[0][1:] == (torch.device("cpu"), torch.float32, [])
+    assert all(type(layer) is LlamaDecoderLayer for layer in runtime.model.layers)
+    assert {name: getattr(KERNELS, name) for name in table} == table
+
+
 def test_a_projection_bias_is_not_folded(tiny_checkpoints):
     """Qwen2's q/k/v bias would be divided by the rms too: such a model keeps its norms."""
     model, _, _ = load_model(str(tiny_checkpoints["qwen2"]), dtype="float32")

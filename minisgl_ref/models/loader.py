@@ -99,7 +99,9 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
 ) -> tuple[nn.Module, ModelConfig, Path | None]:
-    """Build the model class named by the config, fill in its weights, return (model, config, folder)."""
+    """Build the model class named by the config, fill in its weights, return (model, config, folder). The model
+    is the chapter-01 model as built; :func:`~minisgl_ref.runtime.build_runtime` applies chapter 11's speed-ups
+    (fused kernels, folded norms) to it when it will serve on a GPU."""
     resolved = resolve_model_path(model_path, load_format)
     try:
         config = ModelConfig.from_file(resolved.config_file)
