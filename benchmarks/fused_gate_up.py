@@ -99,7 +99,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def main() -> int:
     from benchmarks.decode_matmuls import parse_args, time_graph
     from minisgl_ref.bench.provenance import collect_provenance
-    from minisgl_ref.layers.triton_fused import silu_and_mul_rms
+    from minisgl_ref.perf.triton_ops import silu_and_mul_rms
 
     args = parse_args(__doc__)
     dev = torch.device("cuda")

@@ -118,8 +118,10 @@ def _rank_device(device: str) -> torch.device:
 
 def _load(model_path: str | None, load_format: str, dtype: str, device: torch.device):  # type: ignore[no-untyped-def]
     from minisgl_ref.models.loader import load_model
+    from minisgl_ref.perf import model_transforms
 
     model, config, _ = load_model(model_path, load_format=load_format, dtype=dtype, device=device)
+    model_transforms.apply_(model, device, config.dtype)  # as the engine serves it (chapter 11, on a GPU)
     return model, config
 
 

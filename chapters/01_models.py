@@ -201,14 +201,24 @@ for name, c in shipped.items():
 # the new residual. In PyTorch this is just two operations in one call; its point is the *interface*: a fused
 # kernel can later read the activations once instead of three times, without touching the model code. That is why
 # the model carries `residual` as a separate tensor from layer to layer instead of writing `x = x + f(norm(x))`.
-# (On a GPU, chapter 11 goes one step further and folds each norm into the kernels around it: the weight `w` into
-# the next projection, the division into the kernel after that, and the add into the projection before, so a layer
-# has no norm kernel left; `LlamaDecoderLayer.forward_folded` is that version of the layer.)
+#
+# The layer does not do the arithmetic itself: it calls an entry of the **kernel table**, `KERNELS` in
+# `minisgl_ref/layers/kernel_table.py`. The table holds the model's small per-token ops (this norm with and
+# without the add, SwiGLU's activation below, QK-norm and RoPE, and from chapter 03 on the store of new keys and
+# values into the cache), and every entry is the plain PyTorch function next to it, which runs anywhere and is what
+# this chapter's tests compare with Hugging Face. The table is a seam: on a GPU, chapter 11 installs fused kernels
+# into it, and no line of the model changes. (Chapter 11 then goes one step further and folds each norm into the
+# kernels around it: the weight `w` into the next projection, the division into the kernel after that, and the add
+# into the projection before, so a layer has no norm kernel left. That is a transform of a built model,
+# `minisgl_ref/perf/norm_folding.py`: it swaps each decoder layer for a folded one that is called the same way.)
 
 # %%
+from minisgl_ref.layers import kernel_table
 from minisgl_ref.layers.norm import RMSNorm
 
 show(RMSNorm.forward)
+show(kernel_table.rms_norm)
+show(kernel_table.add_rms_norm)
 norm = RMSNorm(8, eps=1e-6)
 x, r = torch.randn(3, 8), torch.randn(3, 8)
 fused_out, fused_res = norm(x, r)
@@ -339,12 +349,13 @@ plt.show()
 # The MLP is $\mathrm{down}(\mathrm{silu}(x W_\mathrm{gate}^T) \odot x W_\mathrm{up}^T)$: the `gate` branch,
 # passed through SiLU, decides how much of the `up` branch gets through. `gate` and `up` read the same input, so
 # the model keeps them as **one** matrix `gate_up_proj` (one matmul instead of two), and `SiluAndMul`
-# (`minisgl_ref/layers/activation.py`) splits its output in half:
+# (`minisgl_ref/layers/activation.py`) splits its output in half, through the kernel table's `silu_and_mul`:
 
 # %%
 from minisgl_ref.layers.activation import SiluAndMul
 
 show(SiluAndMul)
+show(kernel_table.silu_and_mul)
 
 # %% [markdown]
 # ### 3.5 Tensor-parallel-aware linear layers
@@ -444,10 +455,12 @@ print("RowParallelLinear(x) == x W^T at tp=1:", torch.allclose(row(x), x @ w_dow
 # Llama is the base class. Qwen2 is Llama with a bias on the q, k and v projections; Qwen3 is Llama with an RMSNorm
 # over every query and key head just before RoPE (QK-norm). Each is a class attribute that `LlamaAttention`
 # reads, and the subclasses are a few lines each (`minisgl_ref/models/qwen2.py`, `qwen3.py`). The rotary layer
-# applies QK-norm and RoPE together (`RotaryEmbedding.norm_and_rotate`), because in decode steps on a GPU one
-# kernel of ours does both (chapter 08) and also writes the new keys and values into the KV cache (chapter 11:
-# `can_store_kv` says when, and the attention layer is then told `kv_stored=True`); the model only says that they
-# happen:
+# applies QK-norm and RoPE together (`RotaryEmbedding.norm_and_rotate`, the kernel table's `qk_norm_rope`),
+# because on a GPU one kernel of ours does both in one pass (chapter 08); the model only says that they happen.
+# The attention is three steps, project, rotate, attend: the attention backend stores the new keys and values in
+# the cache before it attends (chapter 03). (Chapter 11 lets the rotation kernel write them into the cache itself,
+# one kernel fewer per layer, by swapping its own attention module into a built model,
+# `minisgl_ref/perf/rope_store.py`.)
 
 # %%
 from minisgl_ref.models import llama as llama_module

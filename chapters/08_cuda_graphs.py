@@ -37,7 +37,8 @@
 # Modules: `minisgl_ref/engine/cuda_graph.py` (tasks 8.1, 8.2), `minisgl_ref/engine/model_runner.py` (the step's
 # host path), `minisgl_ref/engine/graphs.py` and `minisgl_ref/engine/attention_planner.py` (which graphs replay
 # a step), `minisgl_ref/engine/sampling_state.py` (sampling state reused across steps),
-# `minisgl_ref/layers/fused.py` (fused kernels), `minisgl_ref/attention/base.py` (the hooks).
+# `minisgl_ref/layers/kernel_table.py` (the per-token ops' seam) with `minisgl_ref/perf/kernels.py` and
+# `minisgl_ref/perf/fused_ops.py` (the fused kernels installed there), `minisgl_ref/attention/base.py` (the hooks).
 
 # %% tags=["setup"]
 import inspect
@@ -330,7 +331,7 @@ plt.show()
 # The remaining ~1.4 ms at batch 1 is still ~3.5x the 0.4 ms weight-read floor. Inside a graph each of the ~310
 # kernels still costs at least ~2-3 µs of GPU time (launch latency and tail of tiny kernels), which is why
 # fusing kernels matters even with graphs: merging Qwen3's two QK-norms and RoPE into one Triton kernel and the
-# K and V stores into another (`minisgl_ref/layers/triton_fused.py`) took 56 kernels out of each step and batch-1
+# K and V stores into another (`minisgl_ref/perf/triton_ops.py`) took 56 kernels out of each step and batch-1
 # decode from 1.62 to 1.40 ms (measured in two runs; the earlier numbers are kept in
 # `docs/data/gpu_offline_h100.json`).
 
@@ -345,15 +346,17 @@ plt.show()
 # | page-table bookkeeping | the scheduler read one entry of the **GPU** page table per request per step (`int(table[r, i])`: a device sync each) and wrote its new slot with one tiny copy each | a host copy of the page table (`ReqToTokenPool.host`); the runner writes all of a step's new slots to the GPU table with **one scatter** |
 # | step inputs | one `torch.tensor(list).to(device)` per field, per-request slices of the page table | one int64 host tensor (ids, positions, slots, rows, lengths, last-token index) in pinned memory, **one** non-blocking H2D copy, then views |
 # | sampling state | `SamplingBatchInfo.build` (~10 small H2D copies) every step | reused across decode steps of the same requests: only `steps += 1` on the device (a row filter when some finished) |
-# | RMSNorm (+ residual) | 8 kernels per norm | 1 FlashInfer kernel (`fused_add_rmsnorm`, and `rmsnorm` on `[T, heads, d]` views for QK-norm, no copies); chapter 11 later folds the layers' norms into the kernels around them (`layers/norm_folding.py`): none left |
+# | RMSNorm (+ residual) | 8 kernels per norm | 1 FlashInfer kernel (`fused_add_rmsnorm`, and `rmsnorm` on `[T, heads, d]` views for QK-norm, no copies); chapter 11 later folds the layers' norms into the kernels around them (`perf/norm_folding.py`): none left |
 # | SiLU-and-mul | 3 kernels | 1 FlashInfer kernel |
 # | RoPE | gather cos/sin, ~10 element-wise kernels, 2 copies | 1 FlashInfer kernel, in place on the q/k views |
-# | QK-norm + RoPE, KV store | 2 norm kernels + 1 RoPE kernel; 2 indexing kernels | 1 Triton kernel each, our own (`layers/triton_fused.py`), first in the graphed decode steps; chapter 11 later merges the two into one and runs it in prefill steps too |
+# | QK-norm + RoPE, KV store | 2 norm kernels + 1 RoPE kernel; 2 indexing kernels | 1 Triton kernel each, our own (`perf/triton_ops.py`), first in the graphed decode steps; chapter 11 later merges the two into one and runs it in prefill steps too |
 # | host syncs per step | one per request (page-table reads) + one for the tokens | **one** (`StepOutput.tokens()`, one step late under overlap, waiting on the step's own copy event) |
 #
-# The fused kernels run only on CUDA in half precision; on the CPU the plain versions in `layers/*.py` run, so
-# the chapter-00 oracle tests still compare exact float32 arithmetic. `tests/test_fused_ops.py` checks each
-# fused kernel against its plain reference on the GPU.
+# The layers reach these ops through the kernel table of chapter 01 (`layers/kernel_table.py`), whose entries are
+# the plain PyTorch versions. For an engine on a GPU, `build_runtime` installs the fused ones
+# (`perf/kernels.py`: each entry runs its fused kernel on a CUDA tensor in half precision and the plain op on
+# anything else), so on the CPU the plain versions run and the chapter-00 oracle tests still compare exact float32
+# arithmetic. `tests/test_fused_ops.py` checks each fused kernel against its plain reference on the GPU.
 #
 # What each change bought on the canonical offline workload (256 requests, H100, full engine; chapter 11 has
 # the full table). The history is one row per GPU call as the changes went in, so read it as a trend (see the

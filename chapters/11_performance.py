@@ -31,10 +31,12 @@
 # 6. reproduce it all with the exact commands.
 #
 # Modules: `minisgl_ref/bench/workloads.py` (task 11.1), `minisgl_ref/bench/offline.py` (task 11.2, the
-# ladder), `scripts/gpu/offline.sh` and `scripts/gpu/offline_suite.py` (the GPU run).
+# ladder), `scripts/gpu/offline.sh` and `scripts/gpu/offline_suite.py` (the GPU run), and `minisgl_ref/perf/`, the
+# speed-ups themselves, each plugged into a seam of the core engine (`perf/model_transforms.py` applies the model's).
 
 # %% tags=["setup"]
 import dataclasses
+import inspect
 import json
 import os
 import re
@@ -394,8 +396,8 @@ for label, s in AB["summary"].items():
 #
 # * **The KV store inside the RoPE kernel.** In a decode step the kernel that normalises and rotates q and k
 #   now also writes the rotated keys and the values into their KV slots, one program per token instead of one per
-#   head (`qk_norm_rope_` with `store=` in `minisgl_ref/layers/triton_fused.py`; the attention backend then skips
-#   its own store). One kernel fewer per layer: 274 kernels per step at 256 running instead of 302, and the small
+#   head (`qk_norm_rope_` with `store=` in `minisgl_ref/perf/triton_ops.py`, called by the attention module that
+#   `minisgl_ref/perf/rope_store.py` swaps into the model; the attention backend then skips its own store). One kernel fewer per layer: 274 kernels per step at 256 running instead of 302, and the small
 #   kernels' time at 256 running from 0.68 to 0.56 ms.
 # * **A burst admitted in one step.** The scheduler counted the requests it had admitted earlier in a step twice
 #   against `--max-running-requests`, so the last few hundred requests of a burst went in halves, a prefill step
@@ -1466,7 +1468,7 @@ for name, label in (("prefill_anatomy_h100.json", "before"), ("prefill_anatomy_f
 # RoPE and KV store that one Triton kernel does in a decode step ran here as three kernels of FlashInfer and
 # PyTorch, and the store, PyTorch's general indexing (`pool.k[layer][slots] = k`), took ~41 ms, four times what
 # writing 134 MB per layer at the bandwidth needs. The fix is to let the fused kernel run in every step (the
-# reasons it was kept to decode steps, and how they are met, are in `minisgl_ref/layers/triton_fused.py`): it
+# reasons it was kept to decode steps, and how they are met, are in `minisgl_ref/perf/triton_ops.py`): it
 # reads each token's q, k and v once, writes q and k back rotated and K and V into their slots. FA3 also takes the
 # query as the strided view of the QKV output it is, instead of a copy (the rotated query used to be a new tensor,
 # so that copy was new). The phase drops from ~362 to ~305 ms, about 0.8% of the whole run, and two interleaved
@@ -1508,15 +1510,34 @@ print_ab("canonical_ab_prefill_fused_h100.json", "the same, and FA3 reading the 
 # after:            qkv, QK-norm/RoPE/store (/ rms), attention, o_proj (+= x), gate_up, SiLU*up (/ rms), down (+= x)
 # ```
 #
-# `minisgl_ref/layers/norm_folding.py` folds the weights (`fold_`) and says when it applies: where the Triton
-# kernels run, with one tensor-parallel rank (with several, `o_proj` produces a partial sum that an all-reduce
-# completes, and each rank would add the residual once), and no bias on the projections (a bias would be divided
-# by the rms too). The model's forward then takes `LlamaDecoderLayer.forward_folded`, which is short enough to
-# read in full. It moves bf16's roundings rather than adding any: the projection of the unnormalised row is rounded
-# before the division, where the plain layer rounded the normalised row before the projection. The GPU test holds
-# the folded Qwen3-0.6B to the float32 model as closely as the unfolded bf16 model is held
-# (`tests/test_norm_folding.py`; on the CPU the folded forward's plain-PyTorch path matches the plain one to float32
-# rounding):
+# `minisgl_ref/perf/norm_folding.py` says when it applies (`should_fold`): where the Triton kernels run, with one
+# tensor-parallel rank (with several, `o_proj` produces a partial sum that an all-reduce completes, and each rank
+# would add the residual once), and no bias on the projections (a bias would be divided by the rms too).
+#
+# Folding is a transform of one built model, not a second path through chapter 01's code. `fold_(model)` multiplies
+# the norm weights into the projections and replaces each decoder layer by a `FoldedDecoderLayer`, which holds the
+# same submodules (so the same parameters under the same names) and is called exactly as chapter 01's layer is,
+# `(positions, hidden, residual, batch) -> (hidden, residual)`: it keeps the whole residual stream in `hidden`,
+# updates it in place and hands on `residual=None`, so the model's one loop over its layers and its final norm run
+# unchanged. Its forward is short enough to read in full:
+
+# %%
+from minisgl_ref.perf.norm_folding import FoldedDecoderLayer
+
+print(textwrap.dedent(inspect.getsource(FoldedDecoderLayer.forward)))
+
+# %% [markdown]
+# The rest of chapter 11's work on the layer plugs in the same way. The fused FlashInfer and Triton kernels fill
+# chapter 01's kernel table (`minisgl_ref/perf/kernels.py`): each of its entries runs its fused kernel on a CUDA
+# tensor in half precision and the plain op on anything else. The attention whose RoPE kernel stores the new keys
+# and values is swapped into each layer like the folded layer (`minisgl_ref/perf/rope_store.py`). `build_runtime`
+# applies all three to the model it has just loaded, on a GPU only (`perf/model_transforms.py`); on the CPU the
+# model is chapter 01's, and the oracle tests compare its arithmetic.
+#
+# Folding moves bf16's roundings rather than adding any: the projection of the unnormalised row is rounded before
+# the division, where the plain layer rounded the normalised row before the projection. The GPU test holds the
+# folded Qwen3-0.6B to the float32 model as closely as the unfolded bf16 model is held (`tests/test_norm_folding.py`;
+# on the CPU the folded layers' plain-PyTorch path matches chapter 01's to float32 rounding):
 
 # %%
 gpu_log = (ROOT / "docs" / "data" / "gpu_tests_norm_folding_h100.txt").read_text().splitlines()
@@ -1590,7 +1611,7 @@ for r in FG["results"]:
 # then the q and k heads, their norm, then the position, then the angles it indexes, then v, then the slot. A load
 # after a barrier cannot be issued before it, so the program waited for one memory latency per stage, five or six
 # in a row, and with only 256 programs there is nothing else for the SMs to do meanwhile. Both kernels now issue
-# every load first and compute afterwards (`minisgl_ref/layers/triton_fused.py`). In the PTX that Triton 3.9
+# every load first and compute afterwards (`minisgl_ref/perf/triton_ops.py`). In the PTX that Triton 3.9
 # generates for an H100, all 56 global loads of the QK-norm kernel come before its first barrier, where 8 did; a
 # CPU test compiles both kernels for an H100 and holds them to that (`tests/test_triton_fused.py`). The arithmetic
 # is the same, so the outputs are identical bit for bit. `scripts/gpu/fused_kernels_ab.py` times the two kernels
@@ -2298,7 +2319,7 @@ for run in SA["canonical_runs"]:
 # 13. **Loads before barriers (the PTX on a CPU, the timing on a GPU).** Triton compiles for a GPU it does not
 #    have: `triton.compile(ASTSource(fn=kernel, signature=..., constexprs=...), target=GPUTarget("cuda", 90, 32))`
 #    returns the PTX in `.asm["ptx"]`. Do it for `qk_norm_rope_kernel` (from `_kernels()` in
-#    `minisgl_ref/layers/triton_fused.py`, with the decode step's constants: 16 and 8 heads, `HALF=64`, norms,
+#    `minisgl_ref/perf/triton_ops.py`, with the decode step's constants: 16 and 8 heads, `HALF=64`, norms,
 #    store and `ROW_RMS` on) and count the `ld.global` instructions before the first `bar.sync`. Then move the
 #    residual row's reduction back above the q and k loads, as the kernel once was, and count again. On a GPU,
 #    `scripts/gpu/fused_kernels_ab.py --old` times the two files against each other. Why does the order not matter

@@ -1,7 +1,7 @@
 """Every environment variable the package reads, in one place (the bottom floor: it imports nothing of ours).
 
 ========================== ==================================================================================
-``MINISGL_FUSED=0``        turn off the fused FlashInfer/Triton kernels of ``layers/`` (read once per process)
+``MINISGL_FUSED=0``        turn off the fused FlashInfer/Triton kernels of ``perf/`` (read once per process)
 ``MINISGL_THREADS``        intra-op threads of a CPU engine process (wins over ``OMP_NUM_THREADS``)
 ``OMP_NUM_THREADS``        the usual OpenMP override, honoured by :func:`cpu_threads` as well
 ``MINISGL_REF_CACHE``      where the embedded model is unpacked (else ``$XDG_CACHE_HOME/minisgl_ref``)

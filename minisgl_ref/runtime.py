@@ -27,6 +27,8 @@ from minisgl_ref.engine.naive import NaiveEngine
 from minisgl_ref.models.config import ModelConfig
 from minisgl_ref.models.loader import load_model
 from minisgl_ref.perf import attention as perf_attention
+from minisgl_ref.perf import kernels as perf_kernels
+from minisgl_ref.perf import model_transforms
 from minisgl_ref.tokenizer import Tokenizer
 from minisgl_ref.tp.engine import TPEngine
 from minisgl_ref.tp.group import TPGroup
@@ -113,6 +115,7 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
         device = group.device(model.device) if group else torch.device(model.device or default_device())
         net, config, folder = load_model(model.model_path, load_format=model.load_format, dtype=model.dtype,
                                          device=device)
+        model_transforms.apply_(net, device, config.dtype)  # chapter 11: fused kernels, folded norms (on a GPU)
         if group is not None:
             group.join(device)  # every rank has loaded its shard: meet the others
         # Dummy weights keep the folder's tokenizer when it has one (a shipped config has none).
@@ -126,7 +129,8 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
             engine_config = engine or EngineConfig()
             shapes = warmup.shapes_of(net, config, engine_config, device)
             warmup.start(shapes, device, warmup.matmul_shapes(net, engine_config),
-                         perf_attention.warmup_jobs(shapes, engine_config)).wait()
+                         jobs={**perf_kernels.warmup_jobs(shapes, device),
+                               **perf_attention.warmup_jobs(shapes, engine_config)}).wait()
             phase("kernel compiles")
         # Structured output (chapter 12): grammars compile against the model's vocabulary size, which may exceed
         # the tokenizer's; nothing is built until the first constrained request.

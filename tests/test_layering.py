@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("constrained",),  # structured output: grammar specs, xgrammar compiles, matchers, token bitmasks
     ("core",),  # the shared vocabulary: Req, ForwardBatch, EngineConfig, ScheduledBatch
     ("distributed",),  # process groups and collectives
-    ("layers",),  # tensor-parallel linears, embedding, norm, rotary, attention layer, fused kernels
+    ("layers",),  # tensor-parallel linears, embedding, norm, rotary, attention layer, the kernel table
     ("kvcache",),  # memory only: page allocator, KV pool, request-to-token table, radix tree
     ("models",),  # Llama, Qwen2, Qwen3, config, weights, loader
     ("attention",),  # attention backends

@@ -360,11 +360,7 @@ class TransformersRope(nn.Module):
         super().__init__()
         self.rope = LlamaRotaryEmbedding(hf_config)
 
-    def can_store_kv(self, q, v, batch) -> bool:  # type: ignore[no-untyped-def]
-        return False  # K/V are stored by the attention backend, as on any CPU step
-
-    def norm_and_rotate(self, positions, q, k, batch, q_norm=None, k_norm=None, *, store=None, row_rms=None):  # type: ignore[no-untyped-def]
-        assert store is None and row_rms is None
+    def norm_and_rotate(self, positions, q, k, q_norm=None, k_norm=None):  # type: ignore[no-untyped-def]
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         if q_norm is not None and k_norm is not None:
@@ -378,11 +374,7 @@ class NoRope(nn.Module):
     """QK-norm when the model has one, and no rotation at all: for testing the layer's wiring, any position
     encoding will do."""
 
-    def can_store_kv(self, q, v, batch) -> bool:  # type: ignore[no-untyped-def]
-        return False
-
-    def norm_and_rotate(self, positions, q, k, batch, q_norm=None, k_norm=None, *, store=None, row_rms=None):  # type: ignore[no-untyped-def]
-        assert store is None and row_rms is None
+    def norm_and_rotate(self, positions, q, k, q_norm=None, k_norm=None):  # type: ignore[no-untyped-def]
         if q_norm is not None and k_norm is not None:
             q, k = q_norm(q), k_norm(k)
         return q, k
@@ -454,6 +446,23 @@ def test_tiny_models_match_transformers_given_its_rope(tiny_checkpoints, arch):
 def test_embedded_model_matches_transformers_given_its_rope(embedded_path):
     errors = compare_with_hf(embedded_path, PROMPTS, rope=TransformersRope)
     assert max(errors) <= 1e-4, errors
+
+
+def test_the_final_norm_takes_the_stream_in_one_piece_too(tiny_checkpoints):
+    """Layers that keep the whole stream in ``hidden`` hand back ``residual=None`` (chapter 11's folded layers), and
+    a model without layers never has a residual: the final norm then normalises ``hidden`` alone."""
+    model, _, _ = load_model(str(tiny_checkpoints["llama"]), dtype="float32")
+    batch = ForwardBatch.for_full_sequences(PROMPTS, NoCacheAttentionBackend())
+    with torch.inference_mode():
+        ref = model(batch.input_ids, batch.positions, batch)
+        whole = model.embed_tokens(batch.input_ids)
+        stream, residual = whole, None
+        for layer in model.layers:
+            hidden, residual = layer(batch.positions, stream, residual, batch)
+            stream, residual = hidden + residual, None  # hand the next layer (and the norm) one piece
+        torch.testing.assert_close(model.norm(stream), ref, rtol=1e-5, atol=1e-5)
+        model.layers = nn.ModuleList()
+        assert torch.equal(model(batch.input_ids, batch.positions, batch), model.norm(whole))
 
 
 # Parameter counts published for these models (tied embeddings counted once).

@@ -1,4 +1,4 @@
-"""Norm folding (``minisgl_ref.layers.norm_folding``): the folded forward computes the same model.
+"""Norm folding (``minisgl_ref.perf.norm_folding``): the folded forward computes the same model.
 
 On the CPU the folded forward runs its plain-PyTorch path in float32 and must agree with the unfolded one to
 float32 rounding; the two Triton kernels that finish the norms run in Triton's interpreter against plain ops.
@@ -15,8 +15,12 @@ import torch
 
 from minisgl_ref.attention import NoCacheAttentionBackend
 from minisgl_ref.core.forward_batch import ForwardBatch
-from minisgl_ref.layers import norm_folding
 from minisgl_ref.models import load_model
+from minisgl_ref.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from minisgl_ref.perf import kernels, model_transforms, norm_folding
+from minisgl_ref.perf.norm_folding import FoldedDecoderLayer
+from minisgl_ref.perf.row_rms import divide_by_rms_, rms_reciprocal
+from tests.engine_fixtures import tiny_engine_path, tiny_llm  # noqa: F401 (fixtures)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = [[1, 5, 9, 200, 17, 3, 44], [7, 8], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111]]
@@ -44,22 +48,105 @@ def randomise_norms(model) -> None:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_folded_forward_matches_the_plain_one_in_float32(tiny_checkpoints, arch):
     model, _, _ = load_model(str(tiny_checkpoints[arch]), dtype="float32")
-    assert not model.norms_folded  # nothing folds on a CPU: the plain path stays the oracle
+    assert not norm_folding.is_folded(model)  # the loader never folds: the plain path stays the oracle
     randomise_norms(model)
     folded = copy.deepcopy(model)
     norm_folding.fold_(folded)
-    assert folded.norms_folded
+    assert norm_folding.is_folded(folded)
     layer, before = folded.layers[0], model.layers[0]
+    assert isinstance(layer, FoldedDecoderLayer)
     # the projections now hold the norm weights: W * g, column by column
     torch.testing.assert_close(layer.self_attn.qkv_proj.weight,
                                before.self_attn.qkv_proj.weight * before.input_layernorm.weight)
     torch.testing.assert_close(layer.mlp.gate_up_proj.weight,
                                before.mlp.gate_up_proj.weight * before.post_attention_layernorm.weight)
+    assert folded.state_dict().keys() == model.state_dict().keys()  # the same parameters, under the same names
     ref, ours = logits(model, PROMPTS), logits(folded, PROMPTS)
     assert relative_error(ours, ref) < 1e-5
     assert relative_error(logits(folded, PROMPTS[1:]), ref[len(PROMPTS[0]):]) < 1e-5  # batch-independent
     with pytest.raises(ValueError, match="folded already"):
         norm_folding.fold_(folded)
+
+
+def test_folding_changes_one_built_model_not_its_class(tiny_checkpoints):
+    """``fold_`` rewrites the model it is given: another instance of the same class, built before or after, keeps
+    chapter 01's layers and computes exactly what it did."""
+    path = str(tiny_checkpoints["llama"])
+    methods = (LlamaForCausalLM.forward, LlamaDecoderLayer.forward)
+    model, _, _ = load_model(path, dtype="float32")
+    twin, _, _ = load_model(path, dtype="float32")
+    ref = logits(twin, PROMPTS)
+    norm_folding.fold_(model)
+    after, _, _ = load_model(path, dtype="float32")
+    for other in (twin, after):
+        assert type(other) is type(model) and not norm_folding.is_folded(other)
+        assert all(type(layer) is LlamaDecoderLayer for layer in other.layers)
+        assert torch.equal(logits(other, PROMPTS), ref)
+    assert (LlamaForCausalLM.forward, LlamaDecoderLayer.forward) == methods
+    assert all(type(layer) is FoldedDecoderLayer for layer in model.layers)
+
+
+def test_a_folded_layer_takes_the_stream_in_two_pieces_too(tiny_checkpoints):
+    """Called the chapter-01 way with a residual, a folded layer adds the two pieces and returns the whole stream
+    with ``residual=None`` (what it returns when it gets the stream in one piece)."""
+    model, _, _ = load_model(str(tiny_checkpoints["qwen3"]), dtype="float32")
+    randomise_norms(model)
+    norm_folding.fold_(model)
+    layer = model.layers[1]
+    batch = ForwardBatch.for_full_sequences(PROMPTS, NoCacheAttentionBackend(), torch.device("cpu"))
+    g = torch.Generator().manual_seed(4)
+    hidden, residual = (torch.randn(len(batch.input_ids), model.config.hidden_size, generator=g) for _ in range(2))
+    with torch.inference_mode():
+        whole, none = layer(batch.positions, hidden + residual, None, batch)
+        split, also_none = layer(batch.positions, hidden, residual, batch)
+    assert none is None and also_none is None
+    assert torch.equal(split, whole)
+
+
+def test_a_transformed_model_serves_the_oracle_tokens(tiny_llm):
+    """The paged engine (chunked prefill, radix cache, a real KV pool) on the tiny model with chapter 11's model
+    transforms, the store in the RoPE kernel and folded norms (their plain paths, on the CPU), generates the
+    chapter-00 oracle's greedy tokens from the untouched model."""
+    from minisgl_ref import SamplingParams
+    from minisgl_ref.core.config import EngineConfig
+    from minisgl_ref.engine.engine import Engine
+    from minisgl_ref.perf.rope_store import RopeStoreAttention, store_kv_in_rope_
+    from tests.engine_fixtures import assert_matches_oracle, drive, make_reqs, oracle
+
+    model = copy.deepcopy(tiny_llm.model)
+    store_kv_in_rope_(model)
+    assert all(isinstance(layer.self_attn, RopeStoreAttention) for layer in model.layers)
+    norm_folding.fold_(model)
+    engine = Engine(model, tiny_llm.config, EngineConfig(chunked_prefill_size=16), device="cpu",
+                    context_length=tiny_llm.context_length)
+    prompts = [[5, 9, 13, 200, 31], [7] * 11, list(range(30, 70)), [5, 9, 13, 200, 31, 8]]
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    reqs = make_reqs(tiny_llm, prompts, params)
+    drive(engine, reqs)
+    assert_matches_oracle(reqs, oracle(tiny_llm, prompts, params))
+
+
+def test_build_runtime_applies_the_model_transforms_to_the_model_it_loads(tiny_engine_path, monkeypatch):
+    """``build_runtime`` hands the model it has just loaded, with its device and dtype, to the model transforms;
+    on a CPU they change nothing: chapter 01's layers, the kernel table's plain entries."""
+    from minisgl_ref.core.config import ModelArgs
+    from minisgl_ref.layers.kernel_table import KERNELS
+    from minisgl_ref.runtime import build_runtime
+
+    seen, apply_ = [], model_transforms.apply_
+
+    def spy(model, device, dtype):  # type: ignore[no-untyped-def]
+        seen.append((model, device, dtype, apply_(model, device, dtype)))
+        return seen[-1][-1]
+
+    monkeypatch.setattr("minisgl_ref.runtime.model_transforms.apply_", spy)
+    table = {name: getattr(KERNELS, name) for name in ("rms_norm", "add_rms_norm", "silu_and_mul", "qk_norm_rope",
+                                                        "store_kv")}
+    runtime = build_runtime(ModelArgs(str(tiny_engine_path), device="cpu"), kind="naive")
+    assert len(seen) == 1 and seen[0][0] is runtime.model
+    assert seen[0][1:] == (torch.device("cpu"), torch.float32, [])
+    assert all(type(layer) is LlamaDecoderLayer for layer in runtime.model.layers)
+    assert {name: getattr(KERNELS, name) for name in table} == table
 
 
 def test_a_projection_bias_is_not_folded(tiny_checkpoints):
@@ -84,17 +171,17 @@ def test_accumulate_adds_the_projection_into_its_output():
     lin.weight.data = torch.randn(4, 6)
     x, out = torch.randn(3, 6), torch.randn(3, 4)
     expected = out + x @ lin.weight.T
-    assert lin.accumulate_(out, x) is out
+    assert norm_folding.accumulate_(lin, out, x) is out
     torch.testing.assert_close(out, expected)
     biased = RowParallelLinear(6, 4, bias=True)
     with pytest.raises(ValueError, match="no bias"):
-        biased.accumulate_(out, x)
+        norm_folding.accumulate_(biased, out, x)
 
 
 # ------------------------------------------------------------------------------ the kernels that finish the norms
 
 triton = pytest.importorskip("triton")
-from minisgl_ref.layers import triton_fused  # noqa: E402
+from minisgl_ref.perf import triton_ops  # noqa: E402
 from minisgl_ref.layers.rotary import RotaryEmbedding  # noqa: E402
 
 needs_compiled = pytest.mark.skipif(DEVICE == "cpu" and type(triton.language.cdiv).__name__ == "JITFunction",
@@ -108,13 +195,13 @@ def test_silu_and_mul_rms_matches_plain(shape):
     g = torch.Generator().manual_seed(1)
     gate_up = torch.randn(tokens, 2 * inter, generator=g).to(DEVICE)
     x = (3 * torch.randn(tokens, hidden, generator=g)).to(DEVICE)
-    r = norm_folding.rms_reciprocal(x, 1e-6)
+    r = rms_reciprocal(x, 1e-6)
     gate, up = (gate_up * r).chunk(2, dim=-1)
     ref = torch.nn.functional.silu(gate) * up
-    out = triton_fused.silu_and_mul_rms(gate_up, x, 1e-6)
+    out = triton_ops.silu_and_mul_rms(gate_up, x, 1e-6)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="silu_and_mul_rms needs"):
-        triton_fused.silu_and_mul_rms(gate_up, x[:-1] if tokens > 1 else x.t(), 1e-6)
+        triton_ops.silu_and_mul_rms(gate_up, x[:-1] if tokens > 1 else x.t(), 1e-6)
 
 
 @needs_compiled
@@ -137,14 +224,14 @@ def test_qk_norm_rope_divides_q_k_and_v_by_the_row_rms(with_norm, store):
         return (t[:, :q_end].view(tokens, heads, head_dim), t[:, q_end:k_end].view(tokens, kv_heads, head_dim),
                 t[:, k_end:].view(tokens, kv_heads, head_dim))
 
-    ref_qkv = norm_folding.divide_by_rms_(qkv.clone(), x, 1e-6)
+    ref_qkv = divide_by_rms_(qkv.clone(), x, 1e-6)
     rq, rk, rv = views(ref_qkv)
-    rq, rk = triton_fused.qk_norm_rope_(positions, rq, rk, rope.cos_cache, rope.sin_cache, *weights)
+    rq, rk = triton_ops.qk_norm_rope_(positions, rq, rk, rope.cos_cache, rope.sin_cache, *weights)
     q, k, v = views(qkv)
     pools = torch.zeros(2, 16, kv_heads, head_dim, device=DEVICE)
     slots = torch.tensor([9, 0, 15, 4], device=DEVICE)
     kv = (v, pools[0], pools[1], slots) if store else None
-    q, k = triton_fused.qk_norm_rope_(positions, q, k, rope.cos_cache, rope.sin_cache, *weights, store=kv,
+    q, k = triton_ops.qk_norm_rope_(positions, q, k, rope.cos_cache, rope.sin_cache, *weights, store=kv,
                                       row_rms=(x, v, 1e-6))
     for ours, ref in ((q, rq), (k, rk), (v, rv)):
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
@@ -152,7 +239,7 @@ def test_qk_norm_rope_divides_q_k_and_v_by_the_row_rms(with_norm, store):
         torch.testing.assert_close(pools[0][slots], rk, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(pools[1][slots], rv, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="row_rms needs"):
-        triton_fused.qk_norm_rope_(positions, q, k, rope.cos_cache, rope.sin_cache, row_rms=(x[:2], v, 1e-6))
+        triton_ops.qk_norm_rope_(positions, q, k, rope.cos_cache, rope.sin_cache, row_rms=(x[:2], v, 1e-6))
 
 
 # ------------------------------------------------------------------------------------------------------- on a GPU
@@ -160,28 +247,28 @@ def test_qk_norm_rope_divides_q_k_and_v_by_the_row_rms(with_norm, store):
 
 @pytest.mark.gpu
 def test_gpu_qwen3_folds_and_is_as_accurate_as_the_unfolded_model():
-    """Qwen3-0.6B's config with random weights: the loader folds in bf16 on a GPU, and the folded model's logits
-    are as close to the float32 model's as the unfolded bf16 model's are (folding moves bf16's roundings, it
-    must not add error beyond them)."""
-    import os
-
+    """Qwen3-0.6B's config with random weights: the model transforms fold it in bf16 on a GPU, and the folded
+    model's logits are as close to the float32 model's as the unfolded bf16 model's are (folding moves bf16's
+    roundings, it must not add error beyond them). Both bf16 models run with the fused kernels installed, as the
+    engine runs them."""
+    cuda = torch.device("cuda")
     exact, _, _ = load_model("qwen3-0.6b", load_format="dummy", dtype="float32", device="cuda")
-    assert not exact.norms_folded  # float32: no Triton kernels, nothing folds
+    assert not norm_folding.should_fold(exact, cuda, torch.float32)  # float32: no Triton kernels, nothing folds
     randomise_norms(exact)
-    os.environ["MINISGL_FOLD_NORMS"] = "0"
-    try:
-        plain, _, _ = load_model("qwen3-0.6b", load_format="dummy", dtype="bfloat16", device="cuda")
-    finally:
-        del os.environ["MINISGL_FOLD_NORMS"]
+    plain, _, _ = load_model("qwen3-0.6b", load_format="dummy", dtype="bfloat16", device="cuda")
+    assert not norm_folding.is_folded(plain)  # loading alone never folds
     plain.load_state_dict({k: v.to(torch.bfloat16) for k, v in exact.state_dict().items()})
     folded = copy.deepcopy(plain)
-    assert norm_folding.should_fold(folded, torch.device("cuda"), torch.bfloat16)
+    assert norm_folding.should_fold(folded, cuda, torch.bfloat16)
     norm_folding.fold_(folded)
     seqs = [list(range(7, 7 + n)) for n in (1, 33, 300)]
     ref = logits(exact, seqs)
-    plain_error, folded_error = relative_error(logits(plain, seqs), ref), relative_error(logits(folded, seqs), ref)
+    with kernels.installed():
+        plain_error, folded_error = relative_error(logits(plain, seqs), ref), relative_error(logits(folded, seqs), ref)
     print(f"relative error against float32: unfolded bf16 {plain_error:.2e}, folded bf16 {folded_error:.2e}")
     assert 0 < plain_error < 5e-2
     assert folded_error < 1.25 * plain_error
-    loaded, _, _ = load_model("qwen3-0.6b", load_format="dummy", dtype="bfloat16", device="cuda")
-    assert loaded.norms_folded
+    served, _, _ = load_model("qwen3-0.6b", load_format="dummy", dtype="bfloat16", device="cuda")
+    with kernels.installed():  # the table as it was afterwards (apply_ installs the fused entries for the process)
+        assert "folded norms" in model_transforms.apply_(served, cuda, torch.bfloat16)
+    assert norm_folding.is_folded(served) and all(type(layer) is FoldedDecoderLayer for layer in served.layers)

@@ -1,9 +1,10 @@
-"""Our two Triton per-token kernels (``minisgl_ref.layers.triton_fused``) against the plain ops they replace.
+"""Our two Triton per-token kernels (``minisgl_ref.perf.triton_ops``) against the plain ops they replace.
 
 On the CPU the kernels run in Triton's interpreter (tests/conftest.py sets ``TRITON_INTERPRET=1``), in float32 and
 float16, where the interpreter rounds like the GPU, and in bfloat16, where it truncates instead of rounding to
 nearest at each of the kernel's three roundings (so bf16 is allowed three units in the last place there). On the GPU (``-m gpu``) bfloat16 is checked
-against the plain ops on the GPU, and the full Qwen3 layer with and without the kernels.
+against the plain ops on the GPU, and the full Qwen3 layer with and without the K/V store in the RoPE kernel
+(``minisgl_ref.perf.rope_store``), which on the CPU computes exactly chapter 01's attention.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from minisgl_ref.layers import triton_fused  # noqa: E402
+from minisgl_ref.layers import kernel_table  # noqa: E402
 from minisgl_ref.layers.norm import RMSNorm  # noqa: E402
+from minisgl_ref.perf import triton_ops  # noqa: E402
 from minisgl_ref.layers.rotary import RotaryEmbedding  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -39,7 +41,7 @@ def qkv_views(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torc
 
 def plain_norm_rope(rope, positions, q, k, q_norm=None, k_norm=None):
     if q_norm is not None:
-        q, k = q_norm._norm(q), k_norm._norm(k)  # the plain path, whatever the device
+        q, k = (kernel_table.rms_norm(t, n.weight, n.eps) for t, n in ((q, q_norm), (k, k_norm)))  # plain, anywhere
     cos = rope.cos_cache[positions].unsqueeze(1)
     sin = rope.sin_cache[positions].unsqueeze(1)
     from minisgl_ref.layers.rotary import _rotate
@@ -64,7 +66,7 @@ def test_qk_norm_rope_matches_plain(dtype, with_norm, shape) -> None:
     ref_q, ref_k = plain_norm_rope(rope, positions, q.clone(), k.clone(), *norms)
     weights = (norms[0].weight.data, norms[1].weight.data, 1e-6) if with_norm else ()
     before = q.untyped_storage().data_ptr()
-    out_q, out_k = triton_fused.qk_norm_rope_(positions, q, k, rope.cos_cache, rope.sin_cache, *weights)
+    out_q, out_k = triton_ops.qk_norm_rope_(positions, q, k, rope.cos_cache, rope.sin_cache, *weights)
     rtol, atol = TOL[dtype]
     torch.testing.assert_close(out_q, ref_q, rtol=rtol, atol=atol)
     torch.testing.assert_close(out_k, ref_k, rtol=rtol, atol=atol)
@@ -86,11 +88,11 @@ def test_qk_norm_rope_store_writes_the_rotated_kv_into_the_slots(dtype, shape) -
     positions = torch.tensor([3, 4095, 17, 1000, 0][:tokens], device=DEVICE)
     norms = [torch.randn(head_dim, generator=torch.Generator().manual_seed(i)).to(DEVICE, dtype) for i in (1, 2)]
     q2, k2 = q.clone(), k.clone()
-    ref_q, ref_k = triton_fused.qk_norm_rope_(positions, q2, k2, rope.cos_cache, rope.sin_cache, *norms, 1e-6)
+    ref_q, ref_k = triton_ops.qk_norm_rope_(positions, q2, k2, rope.cos_cache, rope.sin_cache, *norms, 1e-6)
     k_pool = torch.zeros(32, kv_heads, head_dim, dtype=dtype, device=DEVICE)
     v_pool = torch.zeros_like(k_pool)
     slots = torch.tensor([9, 0, 31, 12, 5][:tokens], device=DEVICE)
-    out_q, out_k = triton_fused.qk_norm_rope_(positions, q, k, rope.cos_cache, rope.sin_cache, *norms, 1e-6,
+    out_q, out_k = triton_ops.qk_norm_rope_(positions, q, k, rope.cos_cache, rope.sin_cache, *norms, 1e-6,
                                               store=(v, k_pool, v_pool, slots))
     assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
     assert torch.equal(k_pool[slots], ref_k) and torch.equal(v_pool[slots], v)
@@ -106,14 +108,14 @@ def test_qk_norm_rope_rejects_bad_input() -> None:
     pos = torch.zeros(2, dtype=torch.int64, device=DEVICE)
     w = torch.ones(64, device=DEVICE)
     with pytest.raises(ValueError, match="both q_weight and k_weight"):
-        triton_fused.qk_norm_rope_(pos, q, k, rope.cos_cache, rope.sin_cache, w, None)
+        triton_ops.qk_norm_rope_(pos, q, k, rope.cos_cache, rope.sin_cache, w, None)
     pool = torch.zeros(8, 1, 64, device=DEVICE)
     with pytest.raises(ValueError, match="store needs v shaped like k"):
-        triton_fused.qk_norm_rope_(pos, q, k, rope.cos_cache, rope.sin_cache,
+        triton_ops.qk_norm_rope_(pos, q, k, rope.cos_cache, rope.sin_cache,
                                    store=(k, pool, pool.clone(), torch.arange(3, device=DEVICE)))
     half = RotaryEmbedding(32, 16, 1e4).to(DEVICE)  # partial rotary: not what the kernel does
     with pytest.raises(ValueError, match="full rotary table"):
-        triton_fused.qk_norm_rope_(pos, q, k, half.cos_cache, half.sin_cache)
+        triton_ops.qk_norm_rope_(pos, q, k, half.cos_cache, half.sin_cache)
 
 
 @needs_compiled
@@ -124,7 +126,7 @@ def test_store_kv_writes_exactly_the_slots(dtype, kv_heads) -> None:
     k_pool = torch.zeros(40, kv_heads, 64, dtype=dtype, device=DEVICE)
     v_pool = torch.zeros_like(k_pool)
     slots = torch.tensor([7, 0, 39, 12, 13, 5], device=DEVICE)
-    triton_fused.store_kv_(k_pool, v_pool, slots, k, v)
+    triton_ops.store_kv_(k_pool, v_pool, slots, k, v)
     assert torch.equal(k_pool[slots], k) and torch.equal(v_pool[slots], v)
     untouched = torch.ones(40, dtype=torch.bool)
     untouched[slots.cpu()] = False
@@ -136,13 +138,13 @@ def test_store_kv_rejects_mismatched_rows() -> None:
     _, k, v = qkv_views(3, 4, 2, 64, torch.float32)
     pool = torch.zeros(8, 4, 32, device=DEVICE)
     with pytest.raises(ValueError, match="rows must be"):
-        triton_fused.store_kv_(pool, pool.clone(), torch.arange(3, device=DEVICE), k, v)
+        triton_ops.store_kv_(pool, pool.clone(), torch.arange(3, device=DEVICE), k, v)
 
 
 def test_index_tensors_reach_the_kernels_aligned() -> None:
     """A view that starts 8 bytes into its tensor is copied to an address that is a multiple of 16 bytes (so
     Triton meets one pattern of alignment only); an aligned tensor is passed as it is, not copied."""
-    from minisgl_ref.layers.triton_fused import _aligned
+    from minisgl_ref.perf.triton_ops import _aligned
 
     base = torch.arange(9, dtype=torch.int64)
     assert base.data_ptr() % 16 == 0
@@ -155,8 +157,8 @@ def test_index_tensors_reach_the_kernels_aligned() -> None:
 
 def test_cpu_keeps_the_plain_path() -> None:
     """The model takes the kernels only on CUDA in half precision: on the CPU the oracle tests compare plain ops."""
-    assert not triton_fused.available(torch.zeros(2, 2, dtype=torch.bfloat16))
-    assert not triton_fused.available(torch.zeros(2, 2))
+    assert not triton_ops.available(torch.zeros(2, 2, dtype=torch.bfloat16))
+    assert not triton_ops.available(torch.zeros(2, 2))
 
 
 @pytest.mark.gpu
@@ -169,7 +171,7 @@ def test_gpu_qk_norm_rope_bf16_matches_plain(tokens) -> None:
     for n in norms:
         n.weight.data.normal_()
     ref_q, ref_k = plain_norm_rope(rope, positions, q.clone(), k.clone(), *norms)
-    out_q, out_k = triton_fused.qk_norm_rope_(positions, q, k, rope.cos_cache, rope.sin_cache,
+    out_q, out_k = triton_ops.qk_norm_rope_(positions, q, k, rope.cos_cache, rope.sin_cache,
                                               norms[0].weight.data, norms[1].weight.data, 1e-6)
     # on the GPU bf16 rounds to nearest like torch: one ulp at most, and almost everywhere identical
     torch.testing.assert_close(out_q, ref_q, rtol=8e-3, atol=8e-3)
@@ -181,9 +183,10 @@ def test_gpu_qk_norm_rope_bf16_matches_plain(tokens) -> None:
 @pytest.mark.parametrize("mode", ["decode", "extend"])
 def test_gpu_qwen3_attention_stores_kv_in_the_rope_kernel(mode) -> None:
     """A Qwen3 attention layer in a decode step and in an extend step (parts of four prompts, after cached
-    prefixes) on the GPU: the RoPE kernel writes K/V into the pool itself, and the layer's output and the pool's
-    contents are exactly those of the path where the backend stores them. The extend step's positions are a view
-    at an address that is not a multiple of 16 bytes (the kernel gets an aligned copy)."""
+    prefixes) on the GPU, with the fused kernels installed: with the store in the RoPE kernel
+    (:class:`RopeStoreAttention`) the RoPE kernel writes K/V into the pool itself, and the layer's output and the
+    pool's contents are exactly those of chapter 01's attention, where the backend stores them. The extend step's
+    positions are a view at an address that is not a multiple of 16 bytes (the kernel gets an aligned copy)."""
     from minisgl_ref.attention.torch_native import TorchNativeBackend
     from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
     from minisgl_ref.kvcache.pool import KVPool
@@ -191,6 +194,8 @@ def test_gpu_qwen3_attention_stores_kv_in_the_rope_kernel(mode) -> None:
     from minisgl_ref.models.config import ModelConfig
     from minisgl_ref.models.loader import SHIPPED_CONFIGS
     from minisgl_ref.models.qwen3 import Qwen3Attention
+    from minisgl_ref.perf import kernels
+    from minisgl_ref.perf.rope_store import RopeStoreAttention
 
     cfg = ModelConfig.from_file(SHIPPED_CONFIGS / "qwen3-0.6b.json")
     torch.manual_seed(0)
@@ -215,6 +220,7 @@ def test_gpu_qwen3_attention_stores_kv_in_the_rope_kernel(mode) -> None:
     noise = pools[0].k[3][slots[idx]].clone()
     spare = torch.tensor([0] + [p for n, e in zip(lens, new) for p in range(n - e, n)], device=DEVICE)
     outs = []
+    storing = RopeStoreAttention(layer)
     for pool, fused in zip(pools, (True, False)):  # the new tokens' slots hold noise until they are written
         backend = TorchNativeBackend(pool, table)
         batch = ForwardBatch(mode=ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND,
@@ -224,12 +230,10 @@ def test_gpu_qwen3_attention_stores_kv_in_the_rope_kernel(mode) -> None:
                              attn_backend=backend, req_pool_indices=torch.arange(len(lens), device=DEVICE),
                              out_cache_loc=slots[idx], seq_lens=torch.tensor(lens, device=DEVICE))
         backend.init_forward_metadata(batch)
-        assert rope.can_store_kv(torch.empty(1, 1, cfg.head_dim, device=DEVICE, dtype=torch.bfloat16),
-                                 torch.empty(1, device=DEVICE, dtype=torch.bfloat16), batch)
-        if not fused:
-            layer.rotary.can_store_kv = lambda *a: False  # type: ignore[method-assign]
-        outs.append(layer(batch.positions, hidden, batch))
-    del layer.rotary.can_store_kv
+        assert storing.can_store_kv(torch.empty(1, 1, cfg.head_dim, device=DEVICE, dtype=torch.bfloat16),
+                                    torch.empty(1, device=DEVICE, dtype=torch.bfloat16), batch)
+        with kernels.installed():
+            outs.append((storing if fused else layer)(batch.positions, hidden, batch))
     assert torch.equal(outs[0], outs[1])
     assert all(torch.equal(a, b) for a, b in zip(pools[0].k + pools[0].v, pools[1].k + pools[1].v))
     assert not torch.equal(pools[0].k[3][slots[idx]], noise)  # the new keys were written
@@ -242,7 +246,7 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from minisgl_ref.layers.triton_fused import ACT_BLOCK, _kernels
+from minisgl_ref.perf.triton_ops import ACT_BLOCK, _kernels
 
 qk, _, silu = _kernels()
 ptrs = ["q", "k", "v", "q_weight", "k_weight", "cos", "sin", "positions", "k_pool", "v_pool", "slots", "x"]

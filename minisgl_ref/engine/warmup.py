@@ -1,10 +1,11 @@
 """Compile at start-up, in parallel, so that the first request runs at full speed (chapter 11).
 
-A GPU engine runs code that is compiled the first time it is used: FlashInfer builds each kernel family with
-nvcc (tens of seconds each on a machine that never built it; norm, activation, RoPE and decode attention are four
-families) and Triton compiles its kernels (the sampler's draw among them) once per pattern of argument alignment.
-Left to happen lazily, all of it lands inside the first requests: on a bare H100 the first run of the canonical
-workload took 11.3 s where the second took 7.6 s, although an untimed warm-up workload had run before either.
+A GPU engine runs code that is compiled the first time it is used: FlashInfer builds each kernel family with nvcc
+(tens of seconds each on a machine that never built it; norm, activation, RoPE and decode attention are four
+families, the first three compiled by jobs that chapter 11's fused kernels hand to :func:`start`) and Triton
+compiles its kernels (the sampler's draw among them) once per pattern of argument alignment. Left to happen lazily,
+all of it lands inside the first requests: on a bare H100 the first run of the canonical workload took 11.3 s where
+the second took 7.6 s, although an untimed warm-up workload had run before either.
 
 :func:`start` launches every such compile at once in a small thread pool (the compilers are other processes or
 release the GIL, so they overlap) right after the weights are loaded; :meth:`Warmup.wait` joins them before the
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -45,28 +46,6 @@ class KernelShapes:
     dtype: torch.dtype
     decode_backend: str
     prefill_backend: str
-
-
-def _fused_op(shapes: KernelShapes, device: torch.device, family: str) -> None:
-    """One of FlashInfer's fused-op JIT families (``norm``, ``activation`` or ``rope``): each is its own nvcc build
-    (on a bare H100 the three took 128 s one after
-    the other and 72 s in threads, ``docs/data/perf2_h100.json``), so each gets its own thread."""
-    from minisgl_ref.layers import fused
-
-    x = torch.zeros(2, shapes.hidden_size, dtype=shapes.dtype, device=device)
-    if not fused.fused_available(x):
-        return
-    if family == "norm":
-        w = torch.ones(shapes.hidden_size, dtype=shapes.dtype, device=device)
-        fused.rmsnorm(x, w, 1e-6)
-        fused.fused_add_rmsnorm(x.clone(), x.clone(), w, 1e-6)
-    elif family == "activation":
-        fused.silu_and_mul(torch.zeros(2, 2 * shapes.intermediate_size, dtype=shapes.dtype, device=device))
-    else:
-        q = torch.zeros(2, shapes.num_q_heads, shapes.head_dim, dtype=shapes.dtype, device=device)
-        k = torch.zeros(2, shapes.num_kv_heads, shapes.head_dim, dtype=shapes.dtype, device=device)
-        cos_sin = torch.zeros(8, shapes.head_dim, dtype=torch.float32, device=device)
-        fused.rope_inplace(torch.zeros(2, dtype=torch.int64, device=device), q, k, cos_sin)
 
 
 def _attention(shapes: KernelShapes, device: torch.device, phase: str) -> None:
@@ -96,7 +75,7 @@ def matmul_shapes(model: torch.nn.Module, engine: EngineConfig) -> list[MatmulSh
     extend step can have are few enough to meet them all here: multiples of it up to the step's token budget.
     The LM head sees one row per request of the step. Decode shapes need nothing: capturing their CUDA graphs
     runs them. With padding off (a multiple of 1) only the LM head's shapes are warmed. In a model whose norms
-    are folded (:mod:`~minisgl_ref.layers.norm_folding`) the row-parallel projections accumulate into the
+    are folded (:mod:`~minisgl_ref.perf.norm_folding`) the row-parallel projections accumulate into the
     residual stream instead."""
     from minisgl_ref.engine.model_runner import EXTEND_TOKEN_MULTIPLE
     from minisgl_ref.layers.embedding import ParallelLMHead
@@ -186,23 +165,17 @@ def shapes_of(model: torch.nn.Module, config: ModelConfig, engine: EngineConfig,
 
 
 def start(shapes: KernelShapes, device: torch.device, matmuls: list[MatmulShapes] | None = None,
-          extra: dict[str, Callable[[], None]] | None = None) -> Warmup:
+          jobs: Mapping[str, Callable[[], None]] | None = None) -> Warmup:
     """Start every start-up compile for ``shapes`` on ``device`` in background threads (nothing on the CPU), the
-    first call of each matmul shape in ``matmuls`` (:func:`matmul_shapes`), and the ``extra`` jobs by name: the
-    compiles of kernels that extensions add to the engine (chapter 11's:
-    :func:`minisgl_ref.perf.attention.warmup_jobs`)."""
+    first call of each matmul shape in ``matmuls`` (:func:`matmul_shapes`), and the named compile ``jobs`` of the
+    extensions, each in a thread (chapter 11's: :func:`minisgl_ref.perf.kernels.warmup_jobs` for the fused kernels,
+    :func:`minisgl_ref.perf.attention.warmup_jobs` for the split-KV decode kernel)."""
     warm = Warmup()
     if device.type != "cuda":
         return warm
-    todo: dict[str, Callable[[], None]] = {
-        "norm": lambda: _fused_op(shapes, device, "norm"),
-        "activation": lambda: _fused_op(shapes, device, "activation"),
-        "rope": lambda: _fused_op(shapes, device, "rope"),
-        "sampler": lambda: _sampler(shapes, device),
-    }
+    todo: dict[str, Callable[[], None]] = {**(jobs or {}), "sampler": lambda: _sampler(shapes, device)}
     if shapes.decode_backend == "flashinfer":
         todo["decode attention"] = lambda: _attention(shapes, device, "decode")
-    todo.update(extra or {})
     if shapes.prefill_backend == "flashinfer":
         todo["prefill attention"] = lambda: _attention(shapes, device, "prefill")
     if matmuls:

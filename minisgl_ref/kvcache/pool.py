@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from minisgl_ref.layers import triton_fused
+from minisgl_ref.layers.kernel_table import KERNELS
 
 
 class KVPool:
@@ -35,13 +35,8 @@ class KVPool:
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the new tokens' keys and values [T, kv_heads, head_dim] into their slots [T].
 
-        On a GPU, one Triton kernel writes K and V together (:mod:`minisgl_ref.layers.triton_fused`): one kernel
-        instead of two, and a copy of whole rows instead of PyTorch's general indexing, which took ~4x the
-        bandwidth's time on the prompts of a prefill step (chapter 11). Elsewhere, plain indexing."""
-        pool_k, pool_v = self.k[layer_id], self.v[layer_id]
-        if (triton_fused.available(k) and k.dtype == pool_k.dtype and v.dtype == pool_v.dtype
-                and triton_fused.rows_fit(pool_k, k) and triton_fused.rows_fit(pool_v, v)):
-            triton_fused.store_kv_(pool_k, pool_v, slots, k, v)
-            return
-        self.k[layer_id][slots] = k.to(self.k[layer_id].dtype)
-        self.v[layer_id][slots] = v.to(self.v[layer_id].dtype)
+        Plain indexing, through the kernel table's ``store_kv`` (:mod:`~minisgl_ref.layers.kernel_table`): on a GPU,
+        chapter 11 installs one Triton kernel there that writes K and V together, one kernel instead of two and a
+        copy of whole rows instead of PyTorch's general indexing, which took ~4x the bandwidth's time on the
+        prompts of a prefill step."""
+        KERNELS.store_kv(self.k[layer_id], self.v[layer_id], slots, k, v)

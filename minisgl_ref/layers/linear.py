@@ -214,12 +214,3 @@ class RowParallelLinear(nn.Module):
         y = all_reduce(F.linear(x, self.weight))
         # The bias is added once, after the sum, not once per rank.
         return y if self.bias is None else y + self.bias
-
-    def accumulate_(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``out += x W^T`` in the matmul itself (cuBLAS's ``C = A B + C``): the residual add of a decoder layer
-        without a kernel of its own (:mod:`~minisgl_ref.layers.norm_folding`). One rank, no bias: with several
-        ranks each would add its partial sum *and* the residual, and the all-reduce would count the residual once
-        per rank."""
-        if self.tp_size != 1 or self.bias is not None:
-            raise ValueError("accumulate_ needs tp_size 1 and no bias")
-        return out.addmm_(x, self.weight.t())

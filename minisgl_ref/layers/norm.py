@@ -1,7 +1,9 @@
 """RMSNorm, optionally fused with the residual add (chapter 01).
 
 Why fuse? Every decoder layer does ``residual = x + residual; x = norm(residual)`` twice. Doing both in one call
-lets a later chapter swap in a single kernel that reads the activations once instead of three times.
+lets a later chapter swap in a single kernel that reads the activations once instead of three times: the
+arithmetic is an entry of the kernel table (:mod:`~minisgl_ref.layers.kernel_table`), plain PyTorch until
+chapter 11 installs FlashInfer's fused kernels there.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minisgl_ref.layers import fused
+from minisgl_ref.layers.kernel_table import KERNELS
 
 
 class RMSNorm(nn.Module):
@@ -18,21 +20,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in float32 even for bf16 activations: the mean of squares of 4096 bf16 numbers loses digits.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``, or with a residual: ``(norm(x + residual), x + residual)``."""
-        if fused.fused_available(x):  # one FlashInfer kernel on the GPU (chapter 08); the code below elsewhere
-            if residual is None:
-                return fused.rmsnorm(x, self.weight, self.eps)
-            return fused.fused_add_rmsnorm(x, residual, self.weight, self.eps)
         if residual is None:
-            return self._norm(x)
-        summed = x + residual
-        return self._norm(summed), summed
+            return KERNELS.rms_norm(x, self.weight, self.eps)
+        return KERNELS.add_rms_norm(x, residual, self.weight, self.eps)

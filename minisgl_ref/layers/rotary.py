@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from minisgl_ref.layers import fused, norm_folding, triton_fused
+from minisgl_ref.layers.kernel_table import KERNELS
 
 if TYPE_CHECKING:
-    from minisgl_ref.core.forward_batch import ForwardBatch
     from minisgl_ref.layers.norm import RMSNorm
 
 
@@ -71,7 +70,6 @@ class RotaryEmbedding(nn.Module):
         # Kept in float32 and not saved in the state dict: it is derived, not learned.
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
-        self._cos_sin_cache: torch.Tensor | None = None  # [max_position, head_dim] for the fused kernel, lazily
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -83,10 +81,6 @@ class RotaryEmbedding(nn.Module):
         ``cos(p * inv_freq)`` and ``sin(p * inv_freq)``. Gather each token's row, make it broadcast over the
         heads, and rotate q and k with :func:`_rotate`; return ``(q, k)`` in their input dtype.
         """
-        if fused.fused_available(q):  # one FlashInfer kernel for q and k together (chapter 08)
-            if self._cos_sin_cache is None or self._cos_sin_cache.device != q.device:
-                self._cos_sin_cache = torch.cat([self.cos_cache, self.sin_cache], dim=-1).to(q.device).contiguous()
-            return fused.rope_inplace(positions, q, k, self._cos_sin_cache)
         # BEGIN TASK 1.1: apply rotary embedding
         cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, head_dim/2]
         sin = self.sin_cache[positions].unsqueeze(1)
@@ -94,47 +88,13 @@ class RotaryEmbedding(nn.Module):
         # END TASK 1.1
 
     def norm_and_rotate(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, batch: ForwardBatch,
-        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, *,
-        store: tuple[torch.Tensor, int] | None = None,
-        row_rms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """QK-norm (when the model has one, Qwen3) and then RoPE. On a CUDA half-precision ``q`` one Triton kernel
-        does both in place, in every step (:mod:`minisgl_ref.layers.triton_fused`).
-
-        ``store=(v, layer_id)``, given only when :meth:`can_store_kv` said yes, makes that kernel also write the
-        new tokens' rotated keys and their values into layer ``layer_id`` of the KV pool: the attention backend
-        then skips its own store (one kernel fewer per layer, and one pass fewer over the new K/V, chapter 11).
-
-        ``row_rms=(x, v, eps)`` (norm folding, :mod:`~minisgl_ref.layers.norm_folding`): q, k and ``v`` are
-        projections of the unnormalised rows of ``x``; each token's q, k and v are divided by the rms of its row
-        first (``v`` in place)."""
-        if triton_fused.available(q) and q.shape[-1] == self.head_dim:
-            norm = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None and k_norm is not None else ()
-            kv = None
-            if store is not None:
-                v, layer_id = store
-                pool = batch.attn_backend.kv_pool  # type: ignore[attr-defined]
-                kv = (v, pool.k[layer_id], pool.v[layer_id], batch.out_cache_loc)
-            return triton_fused.qk_norm_rope_(positions, q, k, self.cos_cache, self.sin_cache, *norm, store=kv,
-                                              row_rms=row_rms)
-        if store is not None:
-            raise ValueError("norm_and_rotate: store= is only for steps where can_store_kv() is true")
-        if row_rms is not None:
-            x, v, eps = row_rms
-            q, k = (norm_folding.divide_by_rms_(t, x, eps) for t in (q, k))
-            norm_folding.divide_by_rms_(v, x, eps)
-        if q_norm is not None and k_norm is not None:
-            q, k = q_norm(q), k_norm(k)
-        return self(positions, q, k)
-
-    def can_store_kv(self, q: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> bool:
-        """Whether :meth:`norm_and_rotate` can write this step's K/V into the pool itself: the Triton path, with a
-        KV pool of ``v``'s dtype behind the batch's attention backend."""
-        pool = getattr(batch.attn_backend, "kv_pool", None)
-        return (triton_fused.available(q) and q.shape[-1] == self.head_dim
-                and pool is not None and batch.out_cache_loc is not None
-                and pool.k[0].dtype == q.dtype and pool.v[0].dtype == v.dtype)
+        """QK-norm (when the model has one, Qwen3) and then RoPE: the kernel table's ``qk_norm_rope``
+        (:mod:`~minisgl_ref.layers.kernel_table`). Plain, that is ``q_norm(q)``, ``k_norm(k)`` and this layer's
+        forward; on a GPU with chapter 11's kernels installed, one Triton kernel does all of it in place."""
+        return KERNELS.qk_norm_rope(positions, q, k, self, q_norm, k_norm)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

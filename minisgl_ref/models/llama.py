@@ -43,23 +43,12 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if self.use_qk_norm else None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.o_proj(self.attend(positions, hidden, batch))
-
-    def attend(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
-               rms_eps: float | None = None) -> torch.Tensor:
-        """Attention up to ``o_proj``. With ``rms_eps`` (norm folding, chapter 11) ``hidden`` is the residual
-        stream itself, not its normalised copy: the input norm's weight is folded into ``qkv_proj`` and the
-        QK-norm/RoPE kernel divides q, k and v by each row's rms."""
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.attn.num_heads, self.attn.head_dim)
         k = k.reshape(-1, self.attn.num_kv_heads, self.attn.head_dim)
         v = v.reshape(-1, self.attn.num_kv_heads, self.attn.head_dim)
-        # In decode steps on a GPU the RoPE kernel also writes K/V into the cache (one kernel fewer per layer).
-        fused_store = self.rotary.can_store_kv(q, v, batch)
-        q, k = self.rotary.norm_and_rotate(positions, q, k, batch, self.q_norm, self.k_norm,  # QK-norm: Qwen3 only
-                                           store=(v, self.attn.layer_id) if fused_store else None,
-                                           row_rms=None if rms_eps is None else (hidden, v, rms_eps))
-        return self.attn(q, k, v, batch, kv_stored=fused_store)
+        q, k = self.rotary.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm)  # QK-norm: Qwen3 only
+        return self.o_proj(self.attn(q, k, v, batch))
 
 
 class LlamaMLP(nn.Module):
@@ -109,21 +98,9 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
         # END TASK 1.3
 
-    def forward_folded(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> None:
-        """The same block with both norms folded (chapter 11, :mod:`~minisgl_ref.layers.norm_folding`): ``x`` is
-        the whole residual stream [T, hidden] and is updated in place. The projections read ``x`` itself; the
-        kernels after them divide by its rms; ``o_proj`` and ``down_proj`` add their outputs into ``x`` in the
-        matmul. No norm kernel, no add kernel."""
-        attn, mlp = self.self_attn, self.mlp
-        attn.o_proj.accumulate_(x, attn.attend(positions, x, batch, rms_eps=self.input_layernorm.eps))
-        act = mlp.act(mlp.gate_up_proj(x), rms_of=(x, self.post_attention_layernorm.eps))
-        mlp.down_proj.accumulate_(x, act)
-
 
 class LlamaForCausalLM(nn.Module):
     decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
-    #: Set by :func:`~minisgl_ref.layers.norm_folding.fold_`: the layers' norm weights live in the projections.
-    norms_folded: bool = False
 
     # Checkpoints store q/k/v and gate/up separately; we keep each group as one fused matrix.
     # (name in our model, name in the checkpoint, which slice of the fused matrix)
@@ -151,14 +128,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every new token."""
-        hidden = self.embed_tokens(input_ids)
-        if self.norms_folded:  # one residual stream, updated in place by every layer (chapter 11)
-            for layer in self.layers:
-                layer.forward_folded(positions, hidden, batch)
-            return self.norm(hidden)
-        residual = None
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, batch)
+        if residual is None:  # the stream is all in `hidden`: no layers, or chapter 11's folded ones (one piece)
+            return self.norm(hidden)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from minisgl_ref.distributed import get_tp_info
-from minisgl_ref.layers import norm_folding
 from minisgl_ref.models.config import ModelConfig
 from minisgl_ref.models.embedded import EMBEDDED_NAME, embedded_model_path
 from minisgl_ref.models.llama import LlamaForCausalLM
@@ -100,7 +99,9 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
 ) -> tuple[nn.Module, ModelConfig, Path | None]:
-    """Build the model class named by the config, fill in its weights, return (model, config, folder)."""
+    """Build the model class named by the config, fill in its weights, return (model, config, folder). The model
+    is the chapter-01 model as built; :func:`~minisgl_ref.runtime.build_runtime` applies chapter 11's speed-ups
+    (fused kernels, folded norms) to it when it will serve on a GPU."""
     resolved = resolve_model_path(model_path, load_format)
     try:
         config = ModelConfig.from_file(resolved.config_file)
@@ -127,8 +128,6 @@ def load_model(
             model.load_weights(iter_safetensors(resolved.path, lazy=get_tp_info().size > 1))
         except FileNotFoundError as e:
             raise ModelPathError(str(e)) from e
-    if norm_folding.should_fold(model, device, torch_dtype):  # two norm kernels fewer per layer (chapter 11)
-        norm_folding.fold_(model)
     return model.eval(), config, resolved.path
 
 

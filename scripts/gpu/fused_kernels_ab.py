@@ -1,4 +1,4 @@
-"""The two per-token Triton kernels of a decode layer (``minisgl_ref/layers/triton_fused.py``), this checkout's
+"""The two per-token Triton kernels of a decode layer (``minisgl_ref/perf/triton_ops.py``), this checkout's
 against another version of the file, in one process (chapter 11).
 
 For each row count, 28 layers' worth of inputs (Qwen3-0.6B's shapes: 16 query and 8 KV heads of 128, hidden
@@ -8,7 +8,9 @@ captured in one CUDA graph per version; the graphs are replayed in turn and the 
 with both versions' outputs (the rotated q and k, the scaled v, the activation) compared bit for
 bit.
 
-    python scripts/gpu/fused_kernels_ab.py --old .baseline/minisgl_ref/layers/triton_fused.py --output ab.json
+    python scripts/gpu/fused_kernels_ab.py --old .baseline/minisgl_ref/perf/triton_ops.py --output ab.json
+
+(in a checkout older than ``minisgl_ref/perf/``, the file was ``minisgl_ref/layers/triton_fused.py``).
 """
 
 from __future__ import annotations
@@ -97,15 +99,15 @@ def measure(rows: int, versions: dict[str, ModuleType], rounds: int) -> dict[str
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--old", required=True, help="another version of minisgl_ref/layers/triton_fused.py")
+    p.add_argument("--old", required=True, help="another version of minisgl_ref/perf/triton_ops.py")
     p.add_argument("--output", required=True)
     p.add_argument("--rows", default="256,128,64,16")
     p.add_argument("--rounds", type=int, default=30)
     args = p.parse_args()
     from minisgl_ref.bench.provenance import collect_provenance
-    from minisgl_ref.layers import triton_fused
+    from minisgl_ref.perf import triton_ops
 
-    versions = {"old": load_module(args.old), "new": triton_fused}
+    versions = {"old": load_module(args.old), "new": triton_ops}
     result: dict[str, Any] = {"what": __doc__.split("\n\n")[0].replace("\n", " "), "old": args.old, "results": [],
                               "provenance": collect_provenance(rounds=args.rounds)}  # fmt: skip
     for rows in (int(r) for r in args.rows.split(",")):

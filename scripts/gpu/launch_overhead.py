@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from minisgl_ref.bench.provenance import collect_provenance
-from minisgl_ref.layers import fused, triton_fused
+from minisgl_ref.perf import fused_ops, triton_ops
 from minisgl_ref.layers.rotary import RotaryEmbedding
 
 
@@ -51,12 +51,12 @@ def main() -> int:
     w = torch.ones(d, device=dev, dtype=dt)
     ops = {
         "torch index_put (pool[slots] = k)": lambda: pool_k.__setitem__(slots, k),
-        "triton store_kv_ (K and V)": lambda: triton_fused.store_kv_(pool_k, pool_v, slots, k, v),
-        "triton qk_norm_rope_": lambda: triton_fused.qk_norm_rope_(pos, q, k, rope.cos_cache, rope.sin_cache,
-                                                                   w, w, 1e-6),
+        "triton store_kv_ (K and V)": lambda: triton_ops.store_kv_(pool_k, pool_v, slots, k, v),
+        "triton qk_norm_rope_": lambda: triton_ops.qk_norm_rope_(pos, q, k, rope.cos_cache, rope.sin_cache,
+                                                                 w, w, 1e-6),
     }
-    if fused.fused_available(q):
-        ops["flashinfer rmsnorm (q heads)"] = lambda: fused.rmsnorm(q, w, 1e-6)
+    if fused_ops.fused_available(q):
+        ops["flashinfer rmsnorm (q heads)"] = lambda: fused_ops.rmsnorm(q, w, 1e-6)
     results = {name: per_launch_us(fn, args.iters) for name, fn in ops.items()}
     for name, us in results.items():
         print(f"{name:<40} {us:7.1f} us per launch (host-bound)")

@@ -23,16 +23,16 @@ t0=$(date +%s)
 python3 scripts/gpu/attention_warmup.py bench >"$OUT/warmup_attention.log" 2>&1 &
 python3 - >"$OUT/warmup_fused.log" 2>&1 <<'PY' &
 import torch
-from minisgl_ref.layers import fused
+from minisgl_ref.perf import fused_ops, kernels
 x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
 w = torch.ones(1024, device="cuda", dtype=torch.bfloat16)
-print("flashinfer importable:", fused._flashinfer() is not None)
-if fused.fused_available(x):
-    fused.rmsnorm(x, w, 1e-6); fused.fused_add_rmsnorm(x.clone(), x.clone(), w, 1e-6); fused.silu_and_mul(x)
+print("flashinfer importable:", fused_ops._flashinfer() is not None)
+if fused_ops.fused_available(x):
+    fused_ops.rmsnorm(x, w, 1e-6); fused_ops.fused_add_rmsnorm(x.clone(), x.clone(), w, 1e-6); fused_ops.silu_and_mul(x)
     from minisgl_ref.layers.rotary import RotaryEmbedding
     rope = RotaryEmbedding(128, 4096, 1e6).cuda()
     q = torch.randn(4, 16, 128, device="cuda", dtype=torch.bfloat16)
-    rope(torch.arange(4, device="cuda"), q, q[:, :8].clone())
+    fused_ops.rope_inplace(torch.arange(4, device="cuda"), q, q[:, :8].clone(), kernels.cos_sin_cache(rope, q.device))
     torch.cuda.synchronize()
     print("fused ops compiled")
 PY

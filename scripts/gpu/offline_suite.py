@@ -216,15 +216,15 @@ def ladder(bandwidth: float, small_n: int, small_out: int, rows: list, save) -> 
             kw = dict(extra, disable_cuda_graph=not graphs)
             add(run_one(f"overlap / {backend} / graphs {'on' if graphs else 'off'}", full, kw, bandwidth))
     # the fused element-wise kernels off (plain PyTorch RMSNorm / SiLU / RoPE), everything else default
-    from minisgl_ref.layers import fused
+    from minisgl_ref.perf import fused_ops
 
     os.environ["MINISGL_FUSED"] = "0"
-    fused._flashinfer.cache_clear()
+    fused_ops._flashinfer.cache_clear()
     try:
         add(run_one("overlap / default / graphs on / fused ops off", full, {}, bandwidth))
     finally:
         os.environ["MINISGL_FUSED"] = "1"
-        fused._flashinfer.cache_clear()
+        fused_ops._flashinfer.cache_clear()
 
 
 # ------------------------------------------------------------------------------------------------- profile
@@ -379,14 +379,14 @@ def main() -> int:
         save()
         # ... and once without our two Triton per-token kernels (QK-norm + RoPE, KV store): the FlashInfer norm /
         # RoPE kernels and PyTorch indexing do that work instead, as before those kernels existed.
-        from minisgl_ref.layers import triton_fused
+        from minisgl_ref.perf import triton_ops
 
-        available = triton_fused.available
-        triton_fused.available = lambda x: False  # type: ignore[assignment]
+        available = triton_ops.available
+        triton_ops.available = lambda x: False  # type: ignore[assignment]
         try:
             report["canonical_no_triton_fused"] = run_one("full engine, Triton per-token kernels off", wl, {}, bw)
         finally:
-            triton_fused.available = available  # type: ignore[assignment]
+            triton_ops.available = available  # type: ignore[assignment]
         save()
     if "ladder" in parts:
         report["ladder_note"] = (f"rows marked workload_requests={args.small_n} use a reduced workload: the canonical "

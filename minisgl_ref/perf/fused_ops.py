@@ -1,25 +1,27 @@
-"""Fused kernels for the small per-token ops: RMSNorm (+ residual add), SiLU-and-mul, RoPE (chapter 08/11).
+"""FlashInfer's fused kernels for the small per-token ops: RMSNorm (+ residual add), SiLU-and-mul, RoPE (chapters
+08 and 11).
 
 On a small model these element-wise ops are a large share of a decode step. Written in plain PyTorch, each is
 several kernels that each read and write the whole activation: ``x + residual``, ``.float()``, ``pow``, ``mean``,
 ``rsqrt``, two multiplies and a cast for one RMSNorm. A fused kernel reads its inputs once and writes its output
 once, and launches once. We use FlashInfer's kernels (the ones SGLang uses) when they can run:
 
-=====================  ===============================================  ======================================
-op                     plain PyTorch reference (``layers/*.py``)        fused (FlashInfer)
-=====================  ===============================================  ======================================
-RMSNorm                ``RMSNorm._norm``                                ``flashinfer.norm.rmsnorm``
-add + RMSNorm          ``x + residual`` then ``_norm``                  ``flashinfer.norm.fused_add_rmsnorm``
-SiLU-and-mul           ``F.silu(gate) * up``                            ``flashinfer.activation.silu_and_mul``
-RoPE (neox layout)     ``rotary._rotate`` on gathered cos/sin rows      ``flashinfer.rope.apply_rope_with_``
-                                                                        ``cos_sin_cache_inplace``
-=====================  ===============================================  ======================================
+=====================  ================================  ========================================
+op                     plain PyTorch reference           fused (FlashInfer)
+=====================  ================================  ========================================
+RMSNorm                ``kernel_table.rms_norm``         ``flashinfer.norm.rmsnorm``
+add + RMSNorm          ``kernel_table.add_rms_norm``     ``flashinfer.norm.fused_add_rmsnorm``
+SiLU-and-mul           ``kernel_table.silu_and_mul``     ``flashinfer.activation.silu_and_mul``
+RoPE (neox layout)     ``RotaryEmbedding.forward``       ``flashinfer.rope.apply_rope_with_``
+                                                         ``cos_sin_cache_inplace``
+=====================  ================================  ========================================
 
-The plain versions stay the readable reference and run everywhere else: on the CPU (so the oracle tests keep
-comparing exact float32 arithmetic), in float32, and when FlashInfer is not installed. ``MINISGL_FUSED=0`` turns
-the fused path off (for before/after measurements). The fused kernels compute in float32 internally too, but
-round at slightly different points (e.g. the residual sum is normalised before it is rounded to bf16), so on
-the GPU they agree with the plain ops to bf16 rounding, not bit for bit (``tests/test_fused_ops.py``).
+:mod:`minisgl_ref.perf.kernels` puts them into the layers' kernel table. The plain versions
+(``layers/kernel_table.py``, ``layers/rotary.py``) stay the readable reference and run everywhere else: on the CPU
+(so the oracle tests keep comparing exact float32 arithmetic), in float32, and when FlashInfer is not installed.
+``MINISGL_FUSED=0`` turns the fused path off (for before/after measurements). The fused kernels compute in float32
+internally too, but round at slightly different points (e.g. the residual sum is normalised before it is rounded to
+bf16), so on the GPU they agree with the plain ops to bf16 rounding, not bit for bit (``tests/test_fused_ops.py``).
 """
 
 from __future__ import annotations

@@ -11,15 +11,18 @@ them do so little that merging them is pure gain:
 * **The KV store**. ``pool.k[layer][slots] = k; pool.v[layer][slots] = v`` is two indexing kernels.
   :func:`store_kv_` writes both in one.
 
-Both round at the same points as the plain PyTorch reference (``layers/norm.py``, ``layers/rotary.py``,
-``kvcache/pool.py``): the normalised head is rounded to the activation dtype, multiplied by the weight and rounded
-again, then rotated in float32 and rounded once more. So they agree with the reference to the last bit but for the
-order of the sum of squares (``tests/test_triton_fused.py``, on the CPU through Triton's interpreter).
+Both round at the same points as the plain PyTorch reference (``rms_norm``, ``qk_norm_rope`` and ``store_kv`` in
+``layers/kernel_table.py``, ``layers/rotary.py``): the normalised head is rounded to the activation dtype,
+multiplied by the weight and rounded again, then rotated in float32 and rounded once more. So they agree with the
+reference to the last bit but for the order of the sum of squares (``tests/test_triton_fused.py``, on the CPU
+through Triton's interpreter).
 
 They run where the other fused ops run (CUDA, half precision, ``MINISGL_FUSED`` not ``0``), in decode and prefill
-steps alike. In a decode step the gain is the kernels saved; in a prefill step it is the bandwidth: the step's
-16,384 new tokens of Qwen3-0.6B carry ~130 MB of q, k and v per layer, and FlashInfer's QK-norm, its RoPE and
-PyTorch's indexed store took ~86 ms of an H100's time over the canonical workload's prefill, where one pass that
+steps alike: :mod:`minisgl_ref.perf.kernels` puts them into the layers' kernel table, and
+:mod:`minisgl_ref.perf.rope_store` and :mod:`minisgl_ref.perf.norm_folding` call the variants that also store the
+K/V and finish a folded norm. In a decode step the gain is the kernels saved; in a prefill step it is the bandwidth:
+the step's 16,384 new tokens of Qwen3-0.6B carry ~130 MB of q, k and v per layer, and FlashInfer's QK-norm, its RoPE
+and PyTorch's indexed store took ~86 ms of an H100's time over the canonical workload's prefill, where one pass that
 reads each value once and writes it once needs about a third of that (``scripts/gpu/prefill_anatomy.py``).
 
 Two costs that once kept them to decode steps are handled here. Triton's Python launcher costs ~20 us of host
@@ -191,7 +194,7 @@ def qk_norm_rope_(
 
     ``row_rms=(x, v, x_eps)`` first divides each token's q, k and ``v`` (in place) by the RMS of its row of ``x``
     [T, hidden]: q, k and v were projected from ``x`` itself, with the input norm's weight folded into the
-    projection (:mod:`minisgl_ref.layers.norm_folding`), and this is the rest of that norm."""
+    projection (:mod:`minisgl_ref.perf.norm_folding`), and this is the rest of that norm."""
     kernel, _, _ = _kernels()
     t, num_q, d = q.shape
     num_kv = k.shape[1]
@@ -277,7 +280,7 @@ ACT_BLOCK = 1024
 def silu_and_mul_rms(gate_up: torch.Tensor, x: torch.Tensor, x_eps: float) -> torch.Tensor:
     """``silu(gate / rms) * (up / rms)`` with ``gate_up = [gate | up]`` [T, 2 * I] and ``rms`` the RMS of each
     token's row of ``x`` [T, hidden]: the MLP's activation when the norm before it is folded into ``gate_up``'s
-    weight (:mod:`minisgl_ref.layers.norm_folding`). One kernel, as FlashInfer's ``silu_and_mul`` is; each program
+    weight (:mod:`minisgl_ref.perf.norm_folding`). One kernel, as FlashInfer's ``silu_and_mul`` is; each program
     reads its token's row of ``x`` (a few kilobytes) to finish the norm."""
     *_, kernel = _kernels()
     t, two_i = gate_up.shape
