@@ -65,6 +65,7 @@ from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.course import task_source
 from minisgl_ref.engine.engine import Engine
+from minisgl_ref.engine.extension import HOOKS, EngineExtension
 from minisgl_ref.engine.model_runner import ModelRunner, StepOutput
 from minisgl_ref.kvcache.inflight import InflightFrees
 from minisgl_ref.scheduler.scheduler import NeedSync
@@ -273,11 +274,27 @@ print(inspect.getsource(Engine._commit_launched))
 # step*, so their frees wait, like every free, until it has been processed (race 2 below).
 #
 # What `_process` has to guard against is the rest of this chapter: a row whose request finished (or was
-# retracted, which bumps `req.retractions`) after the row was scheduled is skipped, so its token is dropped; a
+# retracted, which bumps `req.epoch`) after the row was scheduled is skipped, so its token is dropped; a
 # partial prefill chunk (chapter 05) emits nothing. (The `prefill_only` branch ends a request that only wanted its
 # prompt scored, chapter 10, at its prefill row: the scheduler never gives it a decode row, so overlap computes no
 # extra token for it.)
 #
+# **Where later chapters plug in.** This loop knows nothing of grammars or step traces. Features that later
+# chapters add reach into it through a declared seam, `EngineExtension` (`minisgl_ref/engine/extension.py`): a
+# few named moments of the loop, each a method whose default does nothing, and an engine calls only the methods
+# an extension overrides. Two of them are shaped by overlap. `logits_processor` is asked at launch, with the step
+# still in flight: the function it returns runs between the new step's forward pass and its sampling, and may
+# wait there for the previous step's tokens while the forward pass is already queued on the device (chapter 12's
+# grammar masks need exactly that). The token hooks run inside `_process`, around `req.append_token`, so they see
+# each token when the loop appends it, one step late under overlap like everything else there; a hook that
+# makes a request's rows in flight obsolete (chapter 12's jump-forward) bumps `req.epoch`, as a retraction does.
+# An engine given no extension runs exactly this chapter's loop. The moments, in the order of a step:
+#
+# %%
+for hook in HOOKS:
+    print(f"{hook:<17} {inspect.getdoc(getattr(EngineExtension, hook)).splitlines()[0]}")
+
+# %% [markdown]
 # ## 3. Two timelines, and what overlap would save
 #
 # First, the honest part. On a CPU, `ModelRunner.run` does not *launch* work: it computes it, synchronously, on

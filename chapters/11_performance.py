@@ -1960,8 +1960,9 @@ for side in ("server", "client"):
 #
 # A client sees the engine only through the gaps between its tokens, so a long gap could come from the engine or
 # from the way the token travels afterwards. `--step-log FILE` (on `serve` and on `bench offline`,
-# `minisgl_ref/engine/step_trace.py`) writes one JSON line per engine step when its tokens reach the host: the
-# time since the previous step's tokens, how many rows decoded, how many prompt tokens were computed. From it
+# `minisgl_ref/bench/step_trace.py`, an extension on the engine's seam) writes one JSON line per engine step once
+# its tokens are processed: the time since the previous step, how many rows decoded, how many prompt tokens were
+# computed. From it
 # `step_trace.summarize` computes what a decoding request sees: the time from one step with decode rows to the
 # next, prefill-only steps in between included. `serving_sweep.sh` now traces every server and puts those
 # engine gaps beside the client's ITL (160 requests per rate, two rounds of the sweep on one afternoon).

@@ -37,9 +37,10 @@
 # 6. turn tool calls into a grammar;
 # 7. run the oracle: a fresh matcher re-checks every sampled token.
 #
-# Modules: `minisgl_ref/constrained/` (grammar specs, compiling, matchers, the bitmask, jump-forward),
-# `minisgl_ref/engine/engine.py` (`Engine._grammar_mask`, `Engine._jump_forward`),
-# `minisgl_ref/server/tools.py` (tool calls).
+# Modules: `minisgl_ref/constrained/` (grammar specs, compiling, matchers, the bitmask, jump-forward), and in it
+# `constrained/extension.py` (`StructuredOutput`: what the engine's loop does for a constrained request, plugged
+# into the engine's seam of chapter 06, `minisgl_ref/engine/extension.py`), `minisgl_ref/server/tools.py` (tool
+# calls).
 
 # %% tags=["setup"]
 import json
@@ -61,11 +62,13 @@ from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.constrained import ANY_JSON, spec_of
 from minisgl_ref.constrained import jump_forward
 from minisgl_ref.constrained.bitmask import TokenBitmask
+from minisgl_ref.constrained.extension import StructuredOutput
 from minisgl_ref.constrained.jump_forward import plan_jump
 from minisgl_ref.constrained.schema_support import unsupported_keyword
 from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.course import task_source
 from minisgl_ref.engine.engine import Engine
+from minisgl_ref.engine.extension import HOOKS, overrides
 from minisgl_ref.constrained.structural_tag import to_xgrammar
 from minisgl_ref.server.tools import Function, ToolCallParser, call_schema, call_structural_tag, plan_tools
 
@@ -323,7 +326,8 @@ def allowed_count(state) -> int:
     return int(bits.sum())
 
 
-backend = llm.engine.grammar  # the engine's grammar backend: compiled grammars are cached per (kind, source)
+structured = llm.engine.extensions.find(StructuredOutput)  # the engine's structured-output extension
+backend = structured.backend  # its grammar backend: compiled grammars are cached per (kind, source)
 state = backend.matcher(backend.compile(spec_of(params[0])), llm.eos_token_ids)
 counts, pieces = [], []
 for t in json_outs[0].output_ids:
@@ -452,15 +456,36 @@ assert unsupported_keyword(PERSON) is None and unsupported_keyword(TAGS).startsw
 # %% [markdown]
 # ## 4. Where the mask is filled: the overlap
 #
+# **How structured output plugs into the engine.** None of what follows is written into the engine's loop. The
+# loop of chapter 06 declares a seam (`EngineExtension`, `minisgl_ref/engine/extension.py`): a few moments of a
+# step where an extension may act. `StructuredOutput` (`constrained/extension.py`) is such an extension, and
+# `build_runtime` gives one to every paged engine; it keeps each constrained request's state (the compile, then
+# the matcher) in a table of its own. A grammar request meets it at these hooks:
+#
+# | hook | what structured output does there |
+# | --- | --- |
+# | `check` | refuses a grammar when the engine has no tokenizer (naming the field) |
+# | `admit` | starts the grammar's compile on the backend's threads |
+# | `ready` | holds the request in the queue while its grammar compiles |
+# | `before_step` | polls the compiles: a matcher for each one done, an abort for each one that failed |
+# | `logits_processor` | advances the matchers by the step in flight's tokens, fills and applies the masks (below) |
+# | `before_token` | the matcher accepts the token (or its earlier outcome counts); a refused token aborts |
+# | `after_token` | a grammar that has ended ends the request; jump-forward (section 5) |
+# | `after_step` | forgets the outcomes it kept for the step just processed |
+
+# %%
+print("StructuredOutput overrides:", [hook for hook in HOOKS if overrides(structured, hook)])
+
+# %% [markdown]
 # A mask depends on every token the request has accepted so far, including the one sampled at the previous step.
 # Under overlap scheduling (chapter 06) that token is still on the device when the next step is launched. Filling
 # the mask *before* launching the next forward would make the device wait for the CPU at every step. The engine
-# instead splits a step with constrained rows in two (`Engine._grammar_mask`, and the `before_sampling` callback of
-# `ModelRunner.run`):
+# instead splits a step with constrained rows in two (`StructuredOutput.logits_processor`, and the
+# `before_sampling` callback of `ModelRunner.run`):
 #
 # 1. launch the forward of step N+1 (it needs no mask: the mask only acts on its logits);
-# 2. meanwhile on the CPU, wait for step N's tokens, advance the matchers with them (`Engine._accept_early`),
-#    fill step N+1's mask rows;
+# 2. meanwhile on the CPU, wait for step N's tokens, advance the matchers with them
+#    (`StructuredOutput._accept_early`), fill step N+1's mask rows;
 # 3. copy the mask to the device, apply it to the constrained rows' logits, launch step N+1's sampling;
 # 4. only then process step N as any step is processed (chapter 06): detokenize its tokens, check the stop rules,
 #    finish the requests that are done, jump forward (section 5). When a token reaches `Req.append_token`, its
@@ -551,7 +576,7 @@ def time_mask_rows(rows: int, repeat: int = 50) -> float:
 def engine_run(prompts, params_list, **config) -> tuple[list, float, Engine]:
     """Run the requests in a fresh engine on the embedded model; (requests, wall seconds, engine)."""
     engine = Engine(llm.model, llm.config, EngineConfig(**config), device="cpu", context_length=llm.context_length,
-                    grammar_backend=backend)
+                    extensions=[StructuredOutput(backend)])
     reqs = [llm.make_request(p, sp) for p, sp in zip(prompts, params_list)]
     t0 = time.perf_counter()
     for r in reqs:
@@ -623,11 +648,12 @@ assert new_ids == tok.hf.encode('{"name": "Ada", "age', add_special_tokens=False
 print(f"still forced, for the model to sample: {state.jump_forward_string()!r}")
 
 # %% [markdown]
-# In the engine (`Engine._jump_forward`), the request's output is cut by `rollback` tokens and grows by the new
-# ones, its KV is kept up to where the old and new tokens agree, and the scheduler gives it an extend row over the
-# new tokens next. `max_rollback` keeps the plan away from tokens whose KV the radix tree already shares. We run
-# six JSON requests with jump-forward off and on (`EngineConfig.enable_jump_forward`) and read the engine's
-# counters.
+# In the engine (`StructuredOutput._jump_forward`, called from its `after_token` hook), the request's output is
+# cut by `rollback` tokens and grows by the new ones (`Req.replace_tail`), its epoch changes (its rows in flight are
+# obsolete), its KV is kept up to where the old and new tokens agree, and the scheduler gives it an extend row
+# over the new tokens next. `max_rollback` keeps the plan away from tokens whose KV the radix tree already shares.
+# We run six JSON requests with jump-forward off and on (`EngineConfig.enable_jump_forward`) and read the engine's
+# step counters and the extension's jump counters.
 
 # %%
 JF_SCHEMAS = [PERSON_AGE, PERSON,
@@ -648,9 +674,9 @@ for jf in (False, True):
         assert r.output_text == tok.decode(r.output_ids)
 print(f"{'':<22}{'steps':>6}{'decode tokens':>14}{'jumps':>6}{'jumped tokens':>14}{'wall s':>8}")
 for jf, (reqs, wall, engine) in runs.items():
-    s = engine.stats
-    print(f"{'jump-forward ' + ('on' if jf else 'off'):<22}{s.steps:>6}{s.decode_tokens:>14}{s.jump_forwards:>6}"
-          f"{s.jump_forward_tokens:>14}{wall:>8.1f}")
+    s, jumps = engine.stats, engine.extensions.find(StructuredOutput)
+    print(f"{'jump-forward ' + ('on' if jf else 'off'):<22}{s.steps:>6}{s.decode_tokens:>14}{jumps.jump_forwards:>6}"
+          f"{jumps.jump_forward_tokens:>14}{wall:>8.1f}")
 for a, b in zip(runs[False][0], runs[True][0]):
     verdict = "same text" if a.output_text == b.output_text else "DIFFERENT"
     verdict += ", same tokens" if a.output_ids == b.output_ids else ", other tokens"

@@ -19,10 +19,12 @@ import torch
 from torch import nn
 
 from minisgl_ref.constrained.backend import GrammarBackend
+from minisgl_ref.constrained.extension import StructuredOutput
 from minisgl_ref.core.config import EngineConfig, ModelArgs, TPArgs
 from minisgl_ref.distributed.group import DistConfig, exit_with_parent, report_failure
 from minisgl_ref.engine.engine import Engine
 from minisgl_ref.engine import warmup
+from minisgl_ref.engine.extension import EngineExtension
 from minisgl_ref.engine.naive import NaiveEngine
 from minisgl_ref.models.config import ModelConfig
 from minisgl_ref.models.loader import load_model
@@ -88,6 +90,17 @@ class Runtime:
             group.close()
 
 
+def engine_extensions(config: ModelConfig, tokenizer: Tokenizer | None,
+                      eos: frozenset[int]) -> list[EngineExtension]:
+    """What plugs into every paged engine's seam (:mod:`~minisgl_ref.engine.extension`), in order.
+
+    Structured output (chapter 12): grammars compile against the model's vocabulary size, which may exceed the
+    tokenizer's; nothing is built until the first constrained request. Without a tokenizer it is still there,
+    to refuse constrained requests by name."""
+    grammar = GrammarBackend(tokenizer.hf, config.vocab_size, stop_token_ids=eos) if tokenizer else None
+    return [StructuredOutput(grammar)]
+
+
 def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = None, tp: TPArgs = TPArgs(), *,
                   kind: str = "paged", group: TPGroup | None = None) -> Runtime:
     """Load ``model`` and build a ``kind`` engine (``paged``: the real engine of chapters 03-08; ``naive``: the
@@ -132,17 +145,15 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
                          jobs={**perf_kernels.warmup_jobs(shapes, device),
                                **perf_attention.warmup_jobs(shapes, engine_config)}).wait()
             phase("kernel compiles")
-        # Structured output (chapter 12): grammars compile against the model's vocabulary size, which may exceed
-        # the tokenizer's; nothing is built until the first constrained request.
-        grammar = GrammarBackend(tokenizer.hf, config.vocab_size, stop_token_ids=eos) if tokenizer else None
         if kind == "naive":
             built: Engine | NaiveEngine = NaiveEngine(net, config.vocab_size, device)
         elif group is not None:
             built = group.engine = TPEngine(net, config, engine, device=device, context_length=context,
-                                            tokenizer=tokenizer, grammar_backend=grammar,
+                                            tokenizer=tokenizer, extensions=engine_extensions(config, tokenizer, eos),
                                             attention_planner=perf_attention.attention_planner)
         else:
-            built = Engine(net, config, engine, device=device, context_length=context, grammar_backend=grammar,
+            built = Engine(net, config, engine, device=device, context_length=context,
+                           extensions=engine_extensions(config, tokenizer, eos),
                            attention_planner=perf_attention.attention_planner)  # chapter 11's decode attention
         phase("engine (KV pool, CUDA graphs)")
     except BaseException as e:

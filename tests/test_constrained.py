@@ -27,6 +27,7 @@ from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.constrained import ANY_JSON, GrammarSpec, spec_of, validate_grammar
 from minisgl_ref.constrained.backend import GrammarBackend
 from minisgl_ref.constrained.bitmask import TokenBitmask
+from minisgl_ref.constrained.extension import StructuredOutput
 from minisgl_ref.constrained.matcher import GrammarState
 from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.core.request import Req
@@ -131,10 +132,23 @@ def _free_params() -> list[SamplingParams]:
             SamplingParams(temperature=0.7, top_k=40, seed=8, max_new_tokens=24)]
 
 
+def _structured(engine: Engine) -> StructuredOutput:
+    """The engine's structured-output extension."""
+    found = engine.extensions.find(StructuredOutput)
+    assert found is not None, "build_runtime gives every paged engine structured output"
+    return found
+
+
+def _backend(llm: LLM) -> GrammarBackend:
+    backend = _structured(llm.engine).backend
+    assert backend is not None
+    return backend
+
+
 def _engine(llm: LLM, **config) -> Engine:
     """A fresh paged engine on ``llm``'s model and grammar backend (the compile cache is shared)."""
     return Engine(llm.model, llm.config, EngineConfig(**config), device="cpu", context_length=llm.context_length,
-                  grammar_backend=llm.engine.grammar)
+                  extensions=[StructuredOutput(_backend(llm))])
 
 
 def _run(llm: LLM, engine: Engine, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> list[Req]:
@@ -383,7 +397,7 @@ def test_no_sampled_token_is_ever_rejected_by_the_grammar(llm):
     """The oracle: hot sampling (temperature 1.5, so the model wants to stray) under a mask never emits a token
     the grammar rejects. Every output is re-checked token by token by a fresh matcher; regex outputs also by
     the ``regex`` package: every decoded prefix must still be extendable to a full match."""
-    backend = llm.engine.grammar
+    backend = _backend(llm)
     stops = sorted(llm.eos_token_ids)
     cases = [("json_schema", json.dumps(s)) for s in SCHEMAS[:6]] + [("regex", p) for p, _ in REGEXES]
     cases += [("ebnf", g) for g, _, _ in EBNFS]
@@ -413,7 +427,7 @@ def test_grammars_hold_under_every_sampling_rule_at_its_valid_extreme(llm, overl
     ``min_new_tokens``, and ``stop_token_ids`` over a seventh of the vocabulary). No request is aborted, and every
     token is one the grammar allows, but for a stop id that ends the output where the grammar could go on only
     through one of the request's stop ids (a dead end: a stop token is never text to the grammar)."""
-    backend, stops = llm.engine.grammar, sorted(llm.eos_token_ids)
+    backend, stops = _backend(llm), sorted(llm.eos_token_ids)
     every_seventh = list(range(0, llm.config.vocab_size, 7))
     rules = [dict(temperature=1e300), dict(temperature=1e-6, seed=1), dict(repetition_penalty=5e-324),
              dict(repetition_penalty=1e-40, temperature=1.0, seed=2), dict(top_p=5e-324, temperature=1.0, seed=3),
@@ -469,11 +483,13 @@ def test_overlap_samples_a_constrained_step_before_processing_the_step_in_flight
     (detokenized, its stop rules checked, its finished requests ended). Each token enters its request's matcher
     exactly once, including a request whose grammar ended in step N while its row of N+1 was already running."""
     engine = _engine(llm)
+    structured = _structured(engine)
     prompts = [_schema_prompt(llm, SCHEMAS[1]), _chat(llm, REGEXES[0][1]), llm.tokenizer.encode(FREE_PROMPTS[0])]
     params = [_greedy(json_schema=SCHEMAS[1]), _greedy(regex=REGEXES[0][0]), _free_params()[0]]
     reqs = [llm.make_request(p, sp) for p, sp in zip(prompts, params)]
     log: list[tuple[str, int]] = []  # (event, step): the step launched at that moment, or the step processed
     accepts: dict[int, int] = {}  # id(GrammarState) -> tokens accepted
+    matchers: dict[str, GrammarState] = {}  # rid -> its matcher (kept: the extension drops it after the end)
     stale: list[tuple[str, int, int]] = []  # masks filled from a matcher that had not seen every sampled token
 
     real_accept, real_fill = GrammarState.accept, TokenBitmask.fill
@@ -486,7 +502,8 @@ def test_overlap_samples_a_constrained_step_before_processing_the_step_in_flight
     def fill(self, rows):
         log.append(("fill", engine.frees.launched))
         for _, state in rows:
-            req = next(r for r in reqs if r.grammar is state)
+            req = next(r for r in reqs if structured.matcher(r) is state)
+            matchers[req.rid] = state
             sampled = len(req.output_ids) + req.num_inflight - 1  # every token sampled before this step
             if state.num_accepted != sampled:
                 stale.append((req.rid, state.num_accepted, sampled))
@@ -517,7 +534,7 @@ def test_overlap_samples_a_constrained_step_before_processing_the_step_in_flight
     constrained = reqs[:2]
     assert all(r.finish_reason.kind == "stop" for r in constrained), [r.finish_reason for r in constrained]
     assert reqs[2].finish_reason.kind == "length" and len(reqs[2].output_ids) > len(constrained[0].output_ids)
-    assert [accepts[id(r.grammar)] for r in constrained] == [len(r.output_ids) for r in constrained]
+    assert [accepts[id(matchers[r.rid])] for r in constrained] == [len(r.output_ids) for r in constrained]
     _assert_json_valid(SCHEMAS[1], constrained[0])
     assert re.fullmatch(REGEXES[0][0], constrained[1].output_text), constrained[1].output_text
 
@@ -539,7 +556,7 @@ def test_jump_forward_keeps_outputs_valid_and_saves_decode_steps(llm, overlap):
         _assert_json_valid(schema, req)
         assert req.output_text == llm.tokenizer.decode(req.output_ids)
     assert reqs[-1].output_ids == without[-1].output_ids  # the free request is not affected
-    assert jumping.stats.jump_forwards > 0 and jumping.stats.jump_forward_tokens > 0
+    assert _structured(jumping).jump_forwards > 0 and _structured(jumping).jump_forward_tokens > 0
     # Fewer steps in all: the forced tokens were appended in the extend rows that ride along with decode steps.
     assert jumping.stats.steps < plain.stats.steps, (jumping.stats, plain.stats)
 

@@ -157,7 +157,7 @@ def test_decode_rows_give_every_running_request_its_next_token(page_size):
         assert [row_tuple(row) for row in batch.rows] == [(r.rid, before[r.rid][0] - 1, 1, True, True) for r in reqs]
         for row in batch.rows:
             r = row.req
-            assert row.epoch == r.retractions == 0
+            assert row.epoch == r.epoch == 0
             assert r.kv_scheduled_len == before[r.rid][0], "scheduling the row must move kv_scheduled_len on"
             assert r.kv_allocated_len == before[r.rid][1] + 1, "one more slot, for the token this row computes"
             assert r.num_inflight == 1, "the row's token is in flight until the step is processed"
@@ -201,7 +201,7 @@ def test_out_of_memory_retracts_the_newest_request(page_size):
     ratio = sched.new_token_ratio
     batch = sched.schedule()
     assert [row.req for row in batch.rows] == [a, b], "the newest request must give way, and only it"
-    assert sched.num_retractions == 1 and c.retractions == 1 and (a.retractions, b.retractions) == (0, 0)
+    assert sched.num_retractions == 1 and c.epoch == 1 and (a.epoch, b.epoch) == (0, 0)
     assert list(sched.waiting) == [c] and sched.running == [a, b]
     assert c.req_pool_idx is None and c.kv_allocated_len == c.kv_scheduled_len == 0 and c.num_inflight == 0
     assert c.output_ids == [7], "a retracted request keeps the tokens it has"
@@ -233,7 +233,7 @@ def test_a_partially_prefilled_request_gives_way_first():
     batch = sched._add_decode_rows([], [a, b], allow_retract=True)
     assert batch is None
     assert sched.chunked is None and list(sched.waiting) == [c] and c.req_pool_idx is None
-    assert sched.running == [a, b] and a.retractions == b.retractions == 0 and c.retractions == 1
+    assert sched.running == [a, b] and a.epoch == b.epoch == 0 and c.epoch == 1
     assert [a.kv_allocated_len, b.kv_allocated_len] == [4, 4]
 
 
@@ -1247,7 +1247,7 @@ def check_decode_retracts_under_memory_pressure(tiny_llm, page_size: int, **conf
     reqs = make_reqs(tiny_llm, prompts, params)
     drive(engine, reqs)
     assert engine.scheduler.num_retractions > 0
-    assert any(r.retractions for r in reqs)
+    assert any(r.epoch for r in reqs)
     assert_matches_oracle(reqs, oracle(tiny_llm, prompts, params))
     assert_pool_accounting(engine)
 
@@ -1338,7 +1338,7 @@ def check_chunked_prefill_does_not_starve_a_request_that_fits(tiny_llm, overlap:
     drive(engine, reqs)
     assert [r.finish_reason.kind for r in reqs] == ["length", "length"], [r.finish_reason for r in reqs]
     # the partially prefilled request is the one that gave way (retracted), not the decoding one
-    assert reqs[1].retractions >= 1 and reqs[0].retractions == 0
+    assert reqs[1].epoch >= 1 and reqs[0].epoch == 0
     assert_matches_oracle(reqs, oracle(tiny_llm, prompts, params))
     assert_pool_accounting(engine)
 

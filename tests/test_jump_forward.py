@@ -21,6 +21,7 @@ import xgrammar as xgr
 
 from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.constrained.backend import GrammarBackend
+from minisgl_ref.constrained.extension import StructuredOutput
 from minisgl_ref.constrained.jump_forward import Jump, plan_jump
 from minisgl_ref.constrained.matcher import GrammarState
 from minisgl_ref.constrained.spec import GrammarSpec
@@ -170,12 +171,13 @@ def test_engine_jumps_forward_with_valid_outputs_and_fewer_steps(llm):
                         "required": ["x", "y"]}]
     prompts = [llm.chat_prompt_ids([{"role": "user", "content": q}]) for q in
                ("Describe Ada Lovelace as JSON with her name and age.", "Give a point on a grid as JSON.")]
-    stats = {}
+    backend = llm.engine.extensions.find(StructuredOutput).backend  # the compile cache is shared
+    steps, structured = {}, {}
     for jump in (False, True):
         engine = Engine(llm.model, llm.config, EngineConfig(
             disable_radix_cache=True, disable_overlap_schedule=True, chunked_prefill_size=-1,
             enable_jump_forward=jump), device="cpu", context_length=llm.context_length,
-            grammar_backend=llm.engine.grammar)
+            extensions=[StructuredOutput(backend)])
         reqs = [llm.make_request(p, SamplingParams(temperature=0, max_new_tokens=40, json_schema=json.dumps(s)))
                 for p, s in zip(prompts, schemas)]
         for r in reqs:
@@ -185,7 +187,7 @@ def test_engine_jumps_forward_with_valid_outputs_and_fewer_steps(llm):
             assert r.finish_reason.kind == "stop", (r.finish_reason, r.output_text)
             jsonschema.validate(json.loads(r.output_text), schema)
             assert r.output_text == llm.tokenizer.decode(r.output_ids)
-        stats[jump] = engine.stats
-    assert stats[True].jump_forwards > 0 and stats[True].jump_forward_tokens > 0
-    assert stats[False].jump_forwards == 0
-    assert stats[True].steps < stats[False].steps, stats
+        steps[jump], structured[jump] = engine.stats.steps, engine.extensions.find(StructuredOutput)
+    assert structured[True].jump_forwards > 0 and structured[True].jump_forward_tokens > 0
+    assert structured[False].jump_forwards == 0
+    assert steps[True] < steps[False], steps

@@ -20,7 +20,6 @@ from pathlib import Path
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("env",),  # every environment variable the package reads
     ("sampling", "tokenizer"),  # sampling parameters and the sampler; tokenizer and incremental detokenizer
-    ("constrained",),  # structured output: grammar specs, xgrammar compiles, matchers, token bitmasks
     ("core",),  # the shared vocabulary: Req, ForwardBatch, EngineConfig, ScheduledBatch
     ("distributed",),  # process groups and collectives
     ("layers",),  # tensor-parallel linears, embedding, norm, rotary, attention layer, the kernel table
@@ -29,7 +28,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("attention",),  # attention backends
     ("scheduler",),  # the scheduler and the cache manager it drives
     ("engine",),  # the engine loop, model runner, CUDA graphs
-    ("perf",),  # extensions (chapter 11): cascade and split-KV decode, folded norms, fused kernels
+    ("perf", "constrained"),  # extensions (chapter 11): cascade and split-KV decode, folded norms, fused kernels;
+    # (chapter 12): structured output -- grammar specs, xgrammar compiles, matchers, token bitmasks, the engine hooks
     ("tp",),  # the tensor-parallel engine, group membership and rank launching
     ("runtime",),  # build_runtime: model, tokenizer and engine for one process (offline, server, followers)
     ("llm",),  # the offline LLM

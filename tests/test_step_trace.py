@@ -9,7 +9,7 @@ import pytest
 
 from minisgl_ref.bench import offline
 from minisgl_ref.bench.workloads import canonical_workload
-from minisgl_ref.engine.step_trace import summarize, token_gaps
+from minisgl_ref.bench.step_trace import StepTrace, summarize, token_gaps
 
 
 def _line(t: float, gap: float, decode: int, prefill: int) -> dict:
@@ -41,7 +41,7 @@ def test_the_trace_of_a_run_matches_the_engine_counters(tmp_path):
     steps0, decode0 = llm.engine.stats.steps, llm.engine.stats.decode_tokens
     path = tmp_path / "steps.jsonl"
     _, _, counters = offline.time_generate(llm, wl, step_log=str(path))
-    assert llm.engine.trace is None  # detached after the timed run
+    assert llm.engine.extensions.find(StepTrace) is None  # detached after the timed run
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert len(lines) == llm.engine.stats.steps - steps0
     assert sum(x["prefill_tokens"] for x in lines) == counters.prefill_tokens == wl.input_tokens

@@ -58,7 +58,7 @@ from minisgl_ref.bench.cascade_stats import cascade_stats
 from minisgl_ref.bench.provenance import collect_provenance
 from minisgl_ref.bench.workloads import Workload, canonical_workload, shared_prefix_workload, warmup_workload
 from minisgl_ref.core.config import EngineConfig
-from minisgl_ref.engine.step_trace import StepTrace
+from minisgl_ref.bench.step_trace import StepTrace
 from minisgl_ref.models.config import ModelConfig
 from minisgl_ref.models.loader import MODEL_REGISTRY, shipped_config_names
 from minisgl_ref.models.weights import checkpoint_shapes
@@ -398,14 +398,14 @@ def time_generate(llm, workload: Workload, *, warmup: Workload | None = None,  #
                   step_log: str | None = None, gc_watch: GCWatch | None = None):
     """Run the workload through ``llm.generate`` once (after an optional untimed warm-up) and return
     ``(outputs, wall seconds, counter deltas)``. The progress bar stays off: drawing it costs time too.
-    ``step_log``: trace the timed run's steps to this file (:mod:`~minisgl_ref.engine.step_trace`);
+    ``step_log``: trace the timed run's steps to this file (:mod:`~minisgl_ref.bench.step_trace`);
     ``gc_watch``: count the garbage collections of the timed run there."""
     if warmup is not None:
         llm.generate(warmup.prompts, warmup.sampling_params, use_tqdm=False)
         _forget_warmup(llm)
     trace = StepTrace(step_log) if step_log and llm.engine_kind != "naive" else None
     if trace is not None:
-        llm.engine.trace = trace
+        llm.engine.extensions.attach(trace)
     before = _Counters.read(llm)
     _synchronize(llm.device)
     with gc_watch if gc_watch is not None else contextlib.nullcontext():
@@ -415,7 +415,7 @@ def time_generate(llm, workload: Workload, *, warmup: Workload | None = None,  #
             _synchronize(llm.device)
         finally:
             if trace is not None:
-                llm.engine.trace = None
+                llm.engine.extensions.detach(trace)
                 trace.close()
         wall = time.perf_counter() - start
     return outputs, wall, _Counters.read(llm) - before

@@ -14,6 +14,7 @@ grammar work; this package adapts it to the engine, one mechanism per module:
 :mod:`~.matcher`                   one request's position in its grammar: accept, mask row, termination, jump
 :mod:`~.bitmask`                   packing the batch's masks and applying them to the logits on their device
 :mod:`~.jump_forward`              appending forced text without decode steps, with retokenization
+:mod:`~.extension`                 the engine extension: what the engine's loop does for a constrained request
 =================================  ==============================================================================
 
 **Asking for a grammar** (SGLang's sampling-parameter names, on :class:`~minisgl_ref.sampling.params.SamplingParams`;

@@ -11,18 +11,13 @@ from __future__ import annotations
 import itertools
 import secrets
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from minisgl_ref.sampling.params import SamplingParams
 from minisgl_ref.sampling.sampler import SamplingBatchInfo
 from minisgl_ref.tokenizer.detokenizer import IncrementalDetokenizer
-
-if TYPE_CHECKING:
-    from concurrent.futures import Future
-
-    from minisgl_ref.constrained.matcher import GrammarState
 
 _next_id = itertools.count()
 
@@ -147,14 +142,12 @@ class Req:
     tree_len: int = 0  # leading tokens whose slots belong to the radix tree
     last_node: Any = None  # deepest radix node this request pins
     num_inflight: int = 0  # tokens sampled on the device but not yet appended (overlap scheduling)
-    retractions: int = 0
+    # Changes whenever the request starts over from a different point than its rows in flight assumed: a retraction
+    # (chapter 03), or output grown by several tokens at once (jump-forward, chapter 12). A row scheduled under
+    # another epoch is obsolete (``Row.is_live``).
+    epoch: int = 0
     # Log probabilities (chapter 10): what the request asked for and the entries computed so far; None if none.
     logprobs: LogprobRequest | None = None
-    # Structured output (chapter 12): the request's grammar matcher, once its grammar is compiled; until then the
-    # compile's future (the scheduler leaves the request in the queue while it is set).
-    grammar: GrammarState | None = None
-    grammar_pending: Future[Any] | None = None
-    jumps: int = 0  # jump-forwards so far: each one makes the request's rows in flight obsolete
 
     def __post_init__(self) -> None:
         if not self.input_ids:
@@ -189,12 +182,6 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def epoch(self) -> int:
-        """Changes whenever the request starts over from a different point than its rows in flight assumed: a
-        retraction, or a jump-forward (chapter 12). A row scheduled under another epoch is obsolete."""
-        return self.retractions + self.jumps
 
     @property
     def all_ids(self) -> list[int]:
@@ -281,15 +268,16 @@ class Req:
         # END TASK 0.2
         return delta
 
-    def finish_by_grammar(self, token_id: int) -> str:
-        """The grammar accepted ``token_id`` as its end (a stop token of the grammar that this request's own stop
-        rules did not end on, say with ``ignore_eos``): nothing may follow, so the request stops here."""
+    def finish_by_stop_token(self, token_id: int) -> str:
+        """End the request at ``token_id``, which its own stop rules did not end on but something else says
+        must be the last (a grammar that accepted it as its end, say with ``ignore_eos``, chapter 12), and return
+        the text the detokenizer still held back."""
         if self.finished:
             return ""
         self.finish_reason = FinishReason("stop", matched=token_id)
         return self._flush()
 
-    def jump_forward(self, rollback: int, tokens: list[int], text_ids: list[int]) -> str:
+    def replace_tail(self, rollback: int, tokens: list[int], text_ids: list[int]) -> str:
         """Replace the last ``rollback`` output tokens by ``tokens`` (jump-forward decoding, chapter 12) and return
         the new text. The detokenizer cannot take back text it has already given out, so it is fed ``text_ids``,
         the forced text tokenized on its own: the caller has checked that ``tokens`` decode to the replaced

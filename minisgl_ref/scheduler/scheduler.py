@@ -8,8 +8,8 @@ The scheduler owns three groups of requests:
 * ``extending``: running requests whose output grew by more than one token without a decode step (jump-forward
   decoding, chapter 12): they hold KV, and their next row is an extend row over the new tokens.
 
-A waiting request whose grammar is still compiling (``req.grammar_pending``, chapter 12) keeps its place in the
-queue but is not admitted until the engine has its matcher.
+A waiting request that is not ``ready`` (a test the engine hands over from its extensions: in chapter 12, a request
+whose grammar is still compiling) keeps its place in the queue but is not admitted yet.
 
 Each step it builds one :class:`ScheduledBatch`, a list of rows (one per request, all added by ``_add_row``).
 Prefill has priority: waiting requests are admitted one at a time (``_admit``) while the step's
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minisgl_ref.core.batch import Row, ScheduledBatch
@@ -95,13 +96,16 @@ class PrefillAdder:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, cache: CacheManager) -> None:
+    def __init__(self, config: EngineConfig, cache: CacheManager,
+                 ready: Callable[[Req], bool] | None = None) -> None:
         self.config = config
         self.cache = cache
+        # May this waiting request be admitted now? None: every one may (the engine sets it from its extensions).
+        self.ready = ready
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None
-        self.extending: list[Req] = []  # jumped forward: an extend row next (chapter 12)
+        self.extending: list[Req] = []  # output grew by several tokens (a jump-forward): an extend row next
         self.new_token_ratio = config.init_new_token_ratio
         self.arrival: dict[Req, int] = {}  # request -> its admission number (retraction picks the newest)
         self._arrivals = itertools.count()
@@ -161,11 +165,33 @@ class Scheduler:
         (reusing whatever of its KV the radix cache still holds) and continue where it stopped."""
         self._dequeue(req)
         self.cache.release(req)
-        req.retractions += 1
+        req.epoch += 1  # its rows in flight are obsolete
         req.num_inflight = 0
         self.num_retractions += 1
         self.waiting.appendleft(req)
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
+
+    def roll_back(self, batch: ScheduledBatch, problems: dict[Req, str], error: str) -> list[Req]:
+        """Undo ``batch``, a step whose launch failed (the engine's recovery, chapters 06 and 10): the inverse of
+        ``_add_row`` for each of its live rows. Each row's request gets back the KV length it had before the step
+        (so nothing the step may have half-written reaches the radix cache) and no longer counts the step's token
+        as in flight. A request named in ``problems`` is aborted with its problem; without any problem every
+        request is aborted with ``error`` (nobody can be singled out); the others are retracted, to be prefilled
+        again from the cache. Returns the aborted requests (their KV is released)."""
+        aborted = []
+        for row in batch.rows:
+            req = row.req
+            if not row.is_live or req.req_pool_idx is None:
+                continue  # finished or retracted meanwhile: its KV has been given back already
+            req.kv_scheduled_len = row.prefix_len
+            req.num_inflight -= row.emits
+            if problems and req not in problems:
+                self.retract(req)
+                continue
+            if self.abort(req, f"this request could not be processed: {problems.get(req) or error}"):
+                self.cache.release(req)
+            aborted.append(req)
+        return aborted
 
     def clear(self) -> list[Req]:
         """Empty every queue (the engine's last resort); returns the requests that were in them."""
@@ -242,10 +268,7 @@ class Scheduler:
         return int(sum(self._future_tokens(r) * self.new_token_ratio for r in self.running))
 
     def _ordered_waiting(self) -> list[Req]:
-        if any(r.grammar_pending is not None for r in self.waiting):  # still compiling: not yet (chapter 12)
-            ready = [r for r in self.waiting if r.grammar_pending is None]
-        else:
-            ready = list(self.waiting)
+        ready = list(self.waiting) if self.ready is None else [r for r in self.waiting if self.ready(r)]
         if not self.cache.shares_prefixes:
             return ready
         if any(self._prefix_key.get(r) is not None for r in ready):

@@ -33,9 +33,9 @@ from typing import Any
 import zmq
 
 from minisgl_ref import env
+from minisgl_ref.bench.step_trace import StepTrace
 from minisgl_ref.core.request import FinishReason, LogprobRequest, Req
 from minisgl_ref.engine.engine import Engine
-from minisgl_ref.engine.step_trace import StepTrace
 from minisgl_ref.runtime import Runtime, build_runtime
 from minisgl_ref.sampling.params import SamplingParams
 from minisgl_ref.server.args import Addresses, ServerArgs
@@ -334,8 +334,9 @@ def run_scheduler_process(args: ServerArgs, addrs: Addresses, ready_conn: Any, t
         group = TPGroup.member(args.tp, tp_rank) if args.tp.enabled else None
         rt = build_runtime(args.model, args.engine, args.tp, group=group)
         worker = SchedulerWorker(rt, addrs, clock) if tp_rank == 0 else None
-        if worker is not None and args.step_log:
-            worker.engine.trace = StepTrace(args.step_log)
+        trace = StepTrace(args.step_log) if worker is not None and args.step_log else None
+        if worker is not None and trace is not None:
+            worker.engine.extensions.attach(trace)  # a line per step, written as each is processed
     except Exception as e:  # noqa: BLE001 - the parent prints this one line and exits
         report_ready(ready_conn, {"error": f"{type(e).__name__}: {e}"})
         return
@@ -361,6 +362,6 @@ def run_scheduler_process(args: ServerArgs, addrs: Addresses, ready_conn: Any, t
             shutil.rmtree(addrs.folder, ignore_errors=True)
         log.info("stopping after %.0f s", time.perf_counter() - t0)
         worker.close()
-        if worker.engine.trace is not None:
-            worker.engine.trace.close()
+        if trace is not None:
+            trace.close()
         rt.shutdown()  # tensor parallelism: tell the other ranks to stop, and leave the group

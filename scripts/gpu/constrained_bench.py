@@ -90,11 +90,13 @@ def timed(llm, batch, params, profiler=None, step_log: Path | None = None):  # t
     llm.generate(batch, params, use_tqdm=False)  # warm-up of the same shape (graphs, grammar cache)
     stats = llm.engine.stats
     steps0 = stats.steps
+    trace = None
     if step_log is not None:
-        from minisgl_ref.engine.step_trace import StepTrace
+        from minisgl_ref.bench.step_trace import StepTrace
 
         step_log.unlink(missing_ok=True)
-        llm.engine.trace = StepTrace(step_log)
+        trace = StepTrace(step_log)
+        llm.engine.extensions.attach(trace)
     if profiler is not None:
         profiler.enable()
     t0 = time.perf_counter()
@@ -106,9 +108,9 @@ def timed(llm, batch, params, profiler=None, step_log: Path | None = None):  # t
     steps = stats.steps - steps0
     result = {"wall_s": wall, "output_tokens": tokens, "steps": steps, "output_throughput": tokens / wall,
               "ms_per_step": 1e3 * wall / max(steps, 1)}
-    if step_log is not None:
-        llm.engine.trace.close()
-        llm.engine.trace = None
+    if trace is not None and step_log is not None:
+        llm.engine.extensions.detach(trace)
+        trace.close()
         result["step_kinds"] = step_kinds(step_log)
     return outs, result
 
@@ -142,6 +144,7 @@ def main() -> int:
 
     from minisgl_ref import LLM, SamplingParams
     from minisgl_ref.bench.provenance import collect_provenance
+    from minisgl_ref.constrained.extension import StructuredOutput
 
     schema_obj = SCHEMA if args.schema == "bounded" else TYPICAL_SCHEMA
     schema = json.dumps(schema_obj)
@@ -156,7 +159,8 @@ def main() -> int:
         for bs in args.batch_sizes:
             batch = prompts(llm, bs)
             cons = SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens, json_schema=schema)
-            jumped = llm.engine.stats.jump_forward_tokens
+            structured = llm.engine.extensions.find(StructuredOutput)
+            jumped = structured.jump_forward_tokens
             if args.profile:
                 import cProfile
                 import io
@@ -180,7 +184,7 @@ def main() -> int:
                         f.write(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70) + "\n")
             else:
                 outs, r = timed(llm, batch, cons, step_log=log_path(bs, "jump_forward" if jump else "constrained"))
-            jumped = (llm.engine.stats.jump_forward_tokens - jumped) // 2  # warm-up and timed run alike
+            jumped = (structured.jump_forward_tokens - jumped) // 2  # warm-up and timed run alike
             bad = 0
             for o in outs:
                 try:

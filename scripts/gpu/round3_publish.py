@@ -19,7 +19,7 @@ import json
 import shutil
 from pathlib import Path
 
-from minisgl_ref.engine.step_trace import summarize
+from minisgl_ref.bench.step_trace import summarize
 
 DATA = Path(__file__).resolve().parents[2] / "docs" / "data"
 

@@ -56,7 +56,7 @@ python3 - "$OUT" <<'PY' || status=1
 import json, sys
 from pathlib import Path
 
-from minisgl_ref.engine.step_trace import summarize
+from minisgl_ref.bench.step_trace import summarize
 
 out = Path(sys.argv[1])
 rows = []

@@ -7,17 +7,19 @@ afterwards (the detokenizer, the API server, the client's own event loop). Traci
 apart: if the client's inter-token latency tail is as long as the longest steps, the engine is the cause, and
 the record says which kind of step it was.
 
-One JSON object per line, written when a step's tokens have reached the host:
+:class:`StepTrace` is an engine extension (:mod:`~minisgl_ref.engine.extension`): it writes one JSON object per
+line, when the engine has processed a step (its tokens reached the host and were appended to their requests, which
+is when a client's tokens leave the engine):
 
 * ``t``: wall-clock time (``time.time()``), to line steps up with a client's own timestamps;
-* ``gap_ms``: milliseconds since the previous step's tokens reached the host -- the engine's share of the
+* ``gap_ms``: milliseconds since the previous step was processed -- the engine's share of the
   inter-token latency of every request that decoded in both steps (0 for the first step of a busy period:
   after the engine was idle there was no token to wait after);
 * ``rows``, ``decode_rows``: rows of the step, and how many of them decode one token each;
 * ``prefill_tokens``: prompt tokens the step computed (0 in a pure decode step).
 
-``python -m minisgl_ref serve --step-log FILE`` and ``bench offline --step-log FILE`` turn it on; it costs one
-short write per step and is off by default.
+``python -m minisgl_ref serve --step-log FILE`` and ``bench offline --step-log FILE`` attach it to the engine
+(``engine.extensions.attach``); it costs one short write per step and is off by default.
 """
 
 from __future__ import annotations
@@ -28,13 +30,15 @@ from pathlib import Path
 from typing import IO
 
 from minisgl_ref.core.batch import ScheduledBatch
+from minisgl_ref.engine.extension import EngineExtension
+from minisgl_ref.engine.step import Launched, StepEvent
 
 # A pause longer than this between two steps means the engine ran out of work in between: the next step starts
 # a new busy period, and its gap says nothing about a request's inter-token latency.
 IDLE_GAP_S = 1.0
 
 
-class StepTrace:
+class StepTrace(EngineExtension):
     """Appends one line per processed step to a file (see the module docstring for the fields)."""
 
     def __init__(self, path: str | Path) -> None:
@@ -44,9 +48,12 @@ class StepTrace:
         self._file: IO[str] = open(path, "a", buffering=1)  # noqa: SIM115 - kept open for the engine's life
         self._last: float | None = None
 
+    def after_step(self, launched: Launched, events: list[StepEvent]) -> None:
+        self.record(launched.batch, launched.after_idle)
+
     def record(self, batch: ScheduledBatch, idle_before: bool = False) -> None:
-        """A step's tokens have just reached the host. ``idle_before``: the engine had nothing in flight before
-        this step was launched, so the time since the previous step was not spent waiting for this one."""
+        """A step has just been processed. ``idle_before``: the engine had nothing in flight before this step
+        was launched, so the time since the previous step was not spent waiting for this one."""
         now = time.perf_counter()
         gap = 0.0 if self._last is None or idle_before or now - self._last > IDLE_GAP_S else now - self._last
         self._last = now
