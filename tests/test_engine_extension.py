@@ -167,3 +167,48 @@ def test_an_extensions_hooks_are_called_and_act(tiny_llm, overlap):
     drive(engine, again)
     assert_matches_oracle(again, expected[:1])  # nothing is banned any more
     assert (probe.before_steps, len(probe.admitted), len(probe.launched), len(probe.processed)) == calls_so_far
+
+
+@pytest.mark.parametrize("field", ["json_schema", "regex", "ebnf"])
+def test_a_field_no_extension_claims_is_refused_by_name(tiny_llm, field):
+    """A core engine cannot honour a grammar by itself: without an extension that claims the field, the request is
+    refused at the door with the field's name, never run as if the field were not there."""
+    value = {"json_schema": '{"type": "object"}', "regex": "[ab]+", "ebnf": 'root ::= "a"'}[field]
+    engine = make_engine(tiny_llm)
+    req = Req(prompts(2, 1)[0], SamplingParams(max_new_tokens=4, **{field: value}))
+    with pytest.raises(ValueError, match=f"^{field} is not supported by this engine"):
+        engine.add_request(req)
+    assert not engine.has_work
+
+    class Claims(EngineExtension):
+        claims = frozenset({field})
+
+    claimed = make_engine(tiny_llm)
+    claimed.extensions.attach(Claims())
+    assert claimed.request_problem(req) is None
+
+
+class Watcher(EngineExtension):
+    """Counts its token hook calls; watches tokens only while ``on``."""
+
+    def __init__(self) -> None:
+        self.on, self.calls = False, 0
+
+    def watches_tokens(self) -> bool:
+        return self.on
+
+    def before_token(self, launched: Launched, i: int, token: int) -> str | None:
+        self.calls += 1
+        return None
+
+
+def test_token_hooks_run_only_in_steps_an_extension_watches(tiny_llm):
+    engine = make_engine(tiny_llm)
+    watcher = Watcher()
+    engine.extensions.attach(watcher)
+    drive(engine, make_reqs(tiny_llm, prompts(3, 2), PARAMS))
+    assert watcher.calls == 0
+    watcher.on = True
+    reqs = make_reqs(tiny_llm, prompts(4, 2), PARAMS)
+    drive(engine, reqs)
+    assert watcher.calls == sum(len(r.output_ids) for r in reqs) == 2 * PARAMS.max_new_tokens

@@ -40,6 +40,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 ROOT = Path(__file__).resolve().parent.parent / "minisgl_ref"
 
+#: The core: chapters 00-10's floors. They declare the seams (``engine/extension.py``, the attention planner, the
+#: kernel table, model transforms) that later chapters fill.
+CORE = ("env", "sampling", "tokenizer", "core", "distributed", "layers", "kvcache", "models", "attention",
+        "scheduler", "engine")
+#: Later chapters, plugged into the core's seams by ``runtime.build_runtime``: no core module may import them.
+EXTENSIONS = ("perf", "constrained")
+
 
 @dataclass(frozen=True)
 class Edge:
@@ -172,6 +179,36 @@ def test_no_upward_imports():
     assert not found, "imports from a higher floor:\n" + "\n".join(
         f"{e}  (floor {floors[package_of(e.src)]} -> {floors[package_of(e.dst)]})" for e in found
     )
+
+
+def core_imports_of_extensions(edges: list[Edge]) -> list[Edge]:
+    """Every import of an extension package by a core module, wherever it appears (``TYPE_CHECKING`` included)."""
+    return [e for e in edges if package_of(e.src) in CORE and package_of(e.dst) in EXTENSIONS]
+
+
+def test_extensions_sit_above_the_core():
+    floors = floor_of()
+    assert set(CORE) | set(EXTENSIONS) <= set(floors)
+    assert min(floors[p] for p in EXTENSIONS) > max(floors[p] for p in CORE)
+
+
+def test_core_never_imports_an_extension():
+    found = core_imports_of_extensions(import_edges())
+    assert not found, "core modules importing an extension package (use a seam instead):\n" + "\n".join(map(str, found))
+
+
+def test_the_rule_names_the_offending_line(tmp_path: Path):
+    """The check itself: a core module that imports an extension is reported with its file and line."""
+    pkg = tmp_path / "minisgl_ref"
+    for d in ("engine", "constrained"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "engine" / "engine.py").write_text('"""An engine."""\n\nimport minisgl_ref.constrained\n')
+    found = core_imports_of_extensions(import_edges(pkg))
+    assert [str(e) for e in found] == [
+        "minisgl_ref/engine/engine.py:3: minisgl_ref.engine.engine imports minisgl_ref.constrained"]
+    assert upward_imports(found) == found
 
 
 def environment_reads(root: Path = ROOT) -> list[str]:

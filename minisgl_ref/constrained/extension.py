@@ -61,6 +61,7 @@ from minisgl_ref.core.batch import ScheduledBatch
 from minisgl_ref.core.request import Req
 from minisgl_ref.engine.extension import EngineExtension, EngineView, LogitsProcessor
 from minisgl_ref.engine.step import Launched, StepEvent
+from minisgl_ref.sampling.params import GRAMMAR_FIELDS
 
 
 class StructuredOutput(EngineExtension):
@@ -82,8 +83,14 @@ class StructuredOutput(EngineExtension):
         self.jump_forwards = 0
         self.jump_forward_tokens = 0
 
+    claims = frozenset(GRAMMAR_FIELDS)
+
     def bind(self, engine: EngineView) -> None:
         self._engine = engine
+
+    def watches_tokens(self) -> bool:
+        """Only while some admitted request has a matcher: a free request's tokens never meet a grammar."""
+        return bool(self._matchers)
 
     @property
     def engine(self) -> EngineView:

@@ -266,6 +266,7 @@ class Engine:
         the request is rebuilt with the same fields, so every rank ends it at the same step."""
         batch, out = launched.batch, launched.output
         tokens = launched.tokens()  # the one wait for the device per step: after it, the step's tokens are here
+        self.extensions.watch_tokens()
         if out.prompt_logprobs is not None:
             self._record_prompt_logprobs(batch, *out.prompt_logprobs)
         logprobs = _rows(out.logprobs) if out.logprobs is not None else None

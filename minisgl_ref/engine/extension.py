@@ -36,6 +36,7 @@ from minisgl_ref.core.batch import ScheduledBatch
 from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.core.request import Req
 from minisgl_ref.engine.step import Launched, StepEvent
+from minisgl_ref.sampling.params import EXTENSION_FIELDS
 from minisgl_ref.scheduler.scheduler import Scheduler
 
 LogitsProcessor = Callable[[torch.Tensor], None]
@@ -54,6 +55,10 @@ class EngineExtension:
     """A feature that plugs into the engine's loop. Every hook's default does nothing (or allows everything);
     override the ones the feature needs. The engine calls them on its own thread, in the order of the module
     docstring; an exception from a token hook aborts that request only, like any failure while appending."""
+
+    #: The sampling parameters this extension honours, out of ``EXTENSION_FIELDS`` (structured output: the grammar
+    #: fields). A request that sets one that no extension of its engine claims is refused at the door, by name.
+    claims: frozenset[str] = frozenset()
 
     def bind(self, engine: EngineView) -> None:
         """The engine this extension serves, given once, before any other hook.
@@ -96,6 +101,14 @@ class EngineExtension:
         while this step's forward pass is already queued. None leaves the step alone; a step that nobody
         processes is sampled without any callback."""
         return None
+
+    def watches_tokens(self) -> bool:
+        """Whether the token hooks must run while the next step is processed (asked once per step).
+
+        Token hooks run once per appended token; an extension whose hooks act on some requests only (structured
+        output: those with a grammar) says False while it has none, and the step's tokens are appended without
+        calling it."""
+        return True
 
     def before_token(self, launched: Launched, i: int, token: int) -> str | None:
         """A reason to refuse the ``token`` that row ``i`` of ``launched`` sampled, or None.
@@ -161,8 +174,7 @@ class Extensions:
 
     def _index(self) -> None:
         self._hooks = {hook: [e for e in self.all if overrides(e, hook)] for hook in HOOKS}
-        self._before_token = [e.before_token for e in self._hooks["before_token"]]
-        self._after_token = [e.after_token for e in self._hooks["after_token"]]
+        self._claimed = frozenset().union(*(e.claims for e in self.all))
         self._engine.scheduler.ready = self._ready_test()
 
     def _ready_test(self) -> Callable[[Req], bool] | None:
@@ -174,6 +186,10 @@ class Extensions:
     # ------------------------------------------------------------------------------------------- the hooks
 
     def check(self, req: Req) -> str | None:
+        unclaimed = next((f for f in EXTENSION_FIELDS if getattr(req.params, f) is not None and f not in self._claimed),
+                         None)
+        if unclaimed is not None:
+            return f"{unclaimed} is not supported by this engine: none of its extensions honours it"
         return next((p for e in self._hooks["check"] if (p := e.check(req)) is not None), None)
 
     def admit(self, req: Req) -> None:
@@ -196,6 +212,12 @@ class Extensions:
                 process(logits)
 
         return each
+
+    def watch_tokens(self) -> None:
+        """Before a step is processed: the token hooks of the extensions that watch this step's tokens."""
+        watching = [e for e in self._hooks["before_token"] + self._hooks["after_token"] if e.watches_tokens()]
+        self._before_token = [e.before_token for e in self._hooks["before_token"] if e in watching]
+        self._after_token = [e.after_token for e in self._hooks["after_token"] if e in watching]
 
     def before_token(self, launched: Launched, i: int, token: int) -> str | None:
         """The first extension's reason to refuse the token, or None (once per appended token: a plain loop)."""

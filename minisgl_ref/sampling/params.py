@@ -82,6 +82,9 @@ ANY_JSON = "$$ANY$$"
 
 #: The sampling parameters that constrain the output with a grammar; at most one of them may be set.
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
+#: The sampling parameters that the core engine cannot honour by itself: an engine extension must claim them
+#: (``EngineExtension.claims``), or a request that sets one is refused at the door, naming it (chapter 12).
+EXTENSION_FIELDS = GRAMMAR_FIELDS
 
 
 def _describe(value: Any) -> str:
