@@ -350,6 +350,39 @@ def parallel_serving_section() -> list[str]:
     out.append("")
     return out
 
+def seams_section() -> list[str]:
+    """The engine before and after its later chapters moved behind the core's seams (docs/architecture.md)."""
+    ab = load("canonical_ab_seams_h200.json")
+    sp = load("shared_prefix_radix_seams_h200.json")["runs"]
+    tp = load("tp_check_seams_h200.json")
+    hw = ab["provenance"]["hardware"]
+    (old, a), (new, b) = ab["summary"].items()
+
+    def tok_s(run: str) -> float:
+        return sp[run]["results"][0]["output_throughput"]
+
+    out = ["## Later chapters behind the core's seams: the same engine (chapters 06-12)", "",
+           "Structured output, cascade and split-KV decode attention, the fused kernels and folded norms plug into the "
+           f"core through declared seams ([architecture](architecture.md#seams-how-later-chapters-plug-in)) at {new}; "
+           f"at {old} they were built into the engine's own classes. {hw['gpu']} (driver {hw['nvidia_driver']}).", "",
+           "| what | " + old + " | " + new + " |", "| --- | ---: | ---: |",
+           f"| canonical workload, output tok/s, interleaved processes (median; range) | {a['median']:,.0f} "
+           f"({a['min']:,.0f}-{a['max']:,.0f}) | {b['median']:,.0f} ({b['min']:,.0f}-{b['max']:,.0f}) |"]
+    ratios = []
+    for label in (old, new):
+        on, off = tok_s(f"{label}_radix_on"), tok_s(f"{label}_radix_off")
+        ratios.append(f"{on:,.0f} / {off:,.0f} ({on / off:.2f}x)")
+    out += [f"| shared-prefix workload, output tok/s, radix cache on / off | {ratios[0]} | {ratios[1]} |", "",
+            "Data: [`canonical_ab_seams_h200.json`](data/canonical_ab_seams_h200.json) "
+            "(`scripts/gpu/canonical_ab.sh`; start-up times in its note), "
+            "[`shared_prefix_radix_seams_h200.json`](data/shared_prefix_radix_seams_h200.json); the GPU tests "
+            "[`gpu_tests_seams_h200.txt`](data/gpu_tests_seams_h200.txt); tensor parallelism on two GPUs: "
+            f"[`tp_check_seams_h200.json`](data/tp_check_seams_h200.json) (tp=2 logits against tp=1: relative error "
+            f"{tp['logits_rel_err_norm']:.4f}, argmax agreement {tp['argmax_agreement']:.2f}, ranks identical "
+            f"{tp['ranks_identical']}; greedy tokens equal tp=1 for {tp['greedy_common_prefix']} of 32), "
+            "[`parallel_serving_seams_h200.json`](data/parallel_serving_seams_h200.json) (`serve --tp-size 2`).", ""]
+    return out
+
 
 #: The engine as it stands, on bare machines (newest last): the page opens with them.
 LATEST_BARE = ["canonical_bare_machine_prune_h100.json"] + [f"canonical_bare_machine_prune_{i}_h100.json"
@@ -392,7 +425,7 @@ def render() -> str:
             "the hardware, the software versions and the time it was measured; `python scripts/benchmarks_page.py` "
             "writes this page from them. The chapters that produce the numbers read the same files and plot them (the "
             "site shows the chapters' code; run a chapter or its notebook to see the plots).", ""]
-    page += latest_section() + offline_section() + tp_section() + parallel_serving_section()
+    page += latest_section() + offline_section() + tp_section() + parallel_serving_section() + seams_section()
     page += ["## Other results", "", *(f"- {line}" for line in OTHER_RESULTS), ""]
     return "\n".join(page)
 
