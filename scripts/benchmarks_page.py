@@ -352,9 +352,9 @@ def parallel_serving_section() -> list[str]:
 
 def seams_section() -> list[str]:
     """The engine before and after its later chapters moved behind the core's seams (docs/architecture.md)."""
-    ab = load("canonical_ab_seams_h200.json")
-    sp = load("shared_prefix_radix_seams_h200.json")["runs"]
-    tp = load("tp_check_seams_h200.json")
+    ab = load("canonical_ab_extensions_h200.json")
+    sp = load("shared_prefix_radix_h200.json")["runs"]
+    tp = load("tp_check_h200.json")
     hw = ab["provenance"]["hardware"]
     (old, a), (new, b) = ab["summary"].items()
 
@@ -373,14 +373,14 @@ def seams_section() -> list[str]:
         on, off = tok_s(f"{label}_radix_on"), tok_s(f"{label}_radix_off")
         ratios.append(f"{on:,.0f} / {off:,.0f} ({on / off:.2f}x)")
     out += [f"| shared-prefix workload, output tok/s, radix cache on / off | {ratios[0]} | {ratios[1]} |", "",
-            "Data: [`canonical_ab_seams_h200.json`](data/canonical_ab_seams_h200.json) "
+            "Data: [`canonical_ab_extensions_h200.json`](data/canonical_ab_extensions_h200.json) "
             "(`scripts/gpu/canonical_ab.sh`; start-up times in its note), "
-            "[`shared_prefix_radix_seams_h200.json`](data/shared_prefix_radix_seams_h200.json); the GPU tests "
-            "[`gpu_tests_seams_h200.txt`](data/gpu_tests_seams_h200.txt); tensor parallelism on two GPUs: "
-            f"[`tp_check_seams_h200.json`](data/tp_check_seams_h200.json) (tp=2 logits against tp=1: relative error "
+            "[`shared_prefix_radix_h200.json`](data/shared_prefix_radix_h200.json); the GPU tests "
+            "[`gpu_tests_h200.txt`](data/gpu_tests_h200.txt); tensor parallelism on two GPUs: "
+            f"[`tp_check_h200.json`](data/tp_check_h200.json) (tp=2 logits against tp=1: relative error "
             f"{tp['logits_rel_err_norm']:.4f}, argmax agreement {tp['argmax_agreement']:.2f}, ranks identical "
             f"{tp['ranks_identical']}; greedy tokens equal tp=1 for {tp['greedy_common_prefix']} of 32), "
-            "[`parallel_serving_seams_h200.json`](data/parallel_serving_seams_h200.json) (`serve --tp-size 2`).", ""]
+            "[`parallel_serving_tp2_h200.json`](data/parallel_serving_tp2_h200.json) (`serve --tp-size 2`).", ""]
     return out
 
 
