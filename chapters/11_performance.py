@@ -622,16 +622,6 @@ for i, name in enumerate(("canonical_bare_machine_prune_3_h100.json", "canonical
 # the same kind differ: a slow one runs ~6% lower. The evidence page has the other machines.)
 #
 # ## 7. Online serving
-
-# %% [markdown]
-# Grouped, the radix cache with the cascade runs the workload **3.0x** faster than no radix cache (22,968 against
-# 7,589 tok/s), where first-come admission reached 2.1x: a decode step reads 11.3 GB of KV instead of 22.5 GB
-# (and 67.6 GB without the cascade). The plain radix run gains little from the grouping (1.61x to 1.69x): without
-# the cascade, every row still reads its own copy of the prefix, whatever its neighbours. The profile shows where
-# a cascade step's attention time goes now: the prefix pass and the suffix pass take about the same time, although
-# the suffixes hold fewer bytes. A likely reason: short suffixes (128-384 tokens) give each of the suffix
-# kernel's programs little to read for its fixed cost, so it runs well below the bandwidth; a kernel that packs
-# several short suffixes per program is the next thing to try.
 #
 # `bash scripts/gpu/serving_sweep.sh` runs `bench serving` against a real `serve` process with the canonical
 # length distribution (prompts and outputs of 100-1,024 tokens), Poisson arrivals at 8, 16 and 24 requests/s and
