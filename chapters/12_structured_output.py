@@ -785,7 +785,8 @@ bill = Function("bill", None, {"$defs": {"Address": {**ADDRESS, "required": []}}
 both = call_schema(plan_tools([ship, bill], "required", parallel=False))
 print(json.dumps(both["anyOf"][0]["properties"]["arguments"]), "|", list(both["$defs"]))
 assert list(both["$defs"]) == ["ship.Address", "bill.Address"]
-#
+
+# %% [markdown]
 # ## 7. The oracle
 #
 # The tests' oracle for constrained decoding (`tests/test_constrained.py`,
