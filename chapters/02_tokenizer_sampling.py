@@ -322,7 +322,8 @@ detok = IncrementalDetokenizer(tok, stop_regex=[r"\d+\."])
 deltas = [detok.step([i]) for i in ids_stop]
 print(deltas)
 assert "".join(deltas) == "The answer is 42." and detok.matched_stop == r"\d+\."
-#
+
+# %% [markdown]
 # ### The oracle: deltas concatenate to the plain decode
 #
 # Whatever the text and however the ids are cut into steps (a step may bring 0, 1 or several ids: with

@@ -269,7 +269,7 @@ for r in demo:
     print(f"{r.rid}: page-table row {r.req_pool_idx}, {len(r.all_ids)} tokens, {r.kv_scheduled_len} with K/V -> "
           f"slots {row.tolist()}")
 
-# %% tags=["hide"]
+# %% tags=["hide-input"]
 def draw_pool(engine: Engine, reqs, ax, title: str) -> None:
     """Slots of the pool, one column per page, coloured by the request whose page-table row points at them."""
     ps, pages = engine.allocator.page_size, engine.allocator.num_pages
@@ -575,7 +575,7 @@ for i, (b, _) in enumerate(tight_log):
         print(f"step {i:>2} ({pages_used[i]}/7 pages): {rows}")
 assert tight.scheduler.num_retractions >= 1
 
-# %% tags=["hide"]
+# %% tags=["hide-input"]
 STATES = ["waiting (no KV)", "running, sits out this step", "prefill", "decode", "prefill again after retraction"]
 state_colors = ["#e8e8e8", "#bcd7ef", "#ff9f1c", "#1f77b4", "#d62728"]
 grid = np.full((len(tight_reqs), step), np.nan)

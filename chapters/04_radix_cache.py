@@ -606,7 +606,8 @@ for salt in ["tenant-a", "tenant-b", "tenant-a", None]:
     if salt == "tenant-b":
         assert r.cached_tokens == 0  # the same prompt, sent by another tenant a moment earlier: not shared
 print("salted roots:", sorted(salted.cache.tree.salted_roots))
-#
+
+# %% [markdown]
 # ## 8. The oracle check
 #
 # Two checks. First, the tokens: the three physics questions and the two cooking questions go to `llm`'s engine

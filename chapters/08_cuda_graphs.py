@@ -359,15 +359,14 @@ plt.show()
 # arithmetic. `tests/test_fused_ops.py` checks each fused kernel against its plain reference on the GPU.
 #
 # What each change bought on the canonical offline workload (256 requests, H100, full engine; chapter 11 has
-# the full table). The history is one row per GPU call as the changes went in, so read it as a trend (see the
-# note printed below it: the first three rows were each call's first, still-compiling run); the last three lines
-# are the clean comparison, measured side by side in one call: CUDA graphs are worth ~2.2x on this workload and
-# the fused per-token kernels ~24%.
+# the full table). The history has one row per change, each measured on its own machine as it went in, so read
+# it as a trend (the first three rows were each a first run that was still compiling kernels; `docs/data/`
+# records how every row was measured); the last three lines are the clean comparison, measured side by side in one
+# process: CUDA graphs are worth ~2.2x on this workload and the fused per-token kernels ~24%.
 
 # %%
 for h in GPU.get("history", []):
     print(f"{h['output_throughput']:>9,.0f} tok/s  {h['change']}")
-print(GPU["history_note"])
 print()
 print("measured side by side in the final run (canonical workload, default attention backends):")
 ladder = {r["label"]: r for r in GPU["ladder"]}

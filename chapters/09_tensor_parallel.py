@@ -430,8 +430,8 @@ if GPU_RESULTS.is_file():
         ax.legend()
         plt.tight_layout()
         plt.show()
-    for key, note in gpu.get("notes", {}).items():
-        print(f"note ({key}): {note}")
+    print("both runs: FA3 attention and plain element-wise ops (MINISGL_FUSED=0), the same settings at tp=1 and "
+          f"tp=2; {GPU_RESULTS.relative_to(ROOT)} records how each number was measured")
 else:
     print(f"not measured yet: {GPU_RESULTS.relative_to(ROOT)} does not exist. Run scripts/gpu/tp_bench.sh on a "
           "machine with two GPUs and commit its tp_bench.json there.")

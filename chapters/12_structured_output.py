@@ -785,7 +785,8 @@ bill = Function("bill", None, {"$defs": {"Address": {**ADDRESS, "required": []}}
 both = call_schema(plan_tools([ship, bill], "required", parallel=False))
 print(json.dumps(both["anyOf"][0]["properties"]["arguments"]), "|", list(both["$defs"]))
 assert list(both["$defs"]) == ["ship.Address", "bill.Address"]
-#
+
+# %% [markdown]
 # ## 7. The oracle
 #
 # The tests' oracle for constrained decoding (`tests/test_constrained.py`,
@@ -1016,7 +1017,7 @@ for r in HOST["results"]:
 # **Measured again, five times each.** One timed run of a batch lasts 0.5-1 s, and single runs turned out to be
 # too noisy to compare versions: the same code measured a constrained/free ratio of 1.05 in one process and 2.0 in
 # the next. `scripts/gpu/constrained_bench.py --repeats 5` now alternates five constrained and five free runs per
-# batch size and compares medians. With that, one process per engine version, in one session on one H100:
+# batch size and compares medians. With that, one process per engine version, one after another on one H100:
 
 # %%
 for name in ("constrained_order_ab_h100.json", "constrained_fill_ab_h100.json"):
@@ -1076,7 +1077,7 @@ for x in ADAPT["summary"]:
 # (`tests/test_bench.py` checks, on a small random model in float32, that the padded model's logits are the
 # original's). The padded model writes the 135M's JSON and makes the device do a 2.1B model's reads and products.
 # The same benchmark as above, typical schema, five alternating runs per kind, on one H100: the padded model and
-# then the 135M model in one session ("before"); then, in another session, the same after the detokenizer's
+# then the 135M model, one after the other ("before"); then, on another H100, the same after the detokenizer's
 # decodes went straight to the Rust tokenizer (chapter 02: three times cheaper per token), with the old decode
 # laid over the new engine as the control:
 
@@ -1110,7 +1111,7 @@ for label, name in ((label, f"constrained_bench_typical_{key}_h100.json") for la
 # * **After: hidden at 64, nearly at 256.** The grammar's work did not change; the host's other work did. At a
 #   few dozen rows the detokenizer's window decodes every row of every step (chapter 02 measures ~23 µs a token
 #   before and ~8 after on a small CPU), and three times cheaper it leaves the host enough room to finish a
-#   constrained step's work inside the padded model's forward pass: 2% at batch 64, 7% at 256. The control, in the same session, with the old decode: 17% and 11% in the median, while its best
+#   constrained step's work inside the padded model's forward pass: 2% at batch 64, 7% at 256. The control, on the same machine, with the old decode: 17% and 11% in the median, while its best
 #   runs came as close as the new ones (1.03 and 1.00). With the old decode the host had just enough time in a
 #   quiet run and too little whenever anything else stirred on the machine (its constrained runs at batch 64
 #   spread over 0.52-0.63 s, the new decode's over 0.51-0.56 s); with the new one it has room to spare in most
@@ -1169,7 +1170,7 @@ for label, name in ((label, f"constrained_bench_typical_{key}_h100.json") for la
 # python -m benchmarks.grammar_host --output docs/data/grammar_host_cpu.json   # the grammar's host work per step
 # python3 scripts/gpu/constrained_bench.py results/adaptive.json --schema typical --max-new-tokens 320 \
 #     --batch-sizes 1 32 64 256 --repeats 5                  # five alternating runs per kind, medians
-# OUT=results OVERLAYS="old/pool" bash scripts/gpu/constrained_ab.sh   # versions side by side, one session
+# OUT=results OVERLAYS="old/pool" bash scripts/gpu/constrained_ab.sh   # versions side by side, one machine
 # python -m benchmarks.h2d_copy --output results/h2d_copy.json   # a mask's copy, pageable against pinned
 # python3 scripts/gpu/padded_model.py /tmp/padded             # the 135M model zero-padded to 2.1B (about 40 s)
 # python3 scripts/gpu/constrained_bench.py results/padded.json --schema typical --max-new-tokens 160 \
@@ -1193,10 +1194,10 @@ for label, name in ((label, f"constrained_bench_typical_{key}_h100.json") for la
 # (`constrained_bench_typical_adaptive_h100.json`): about 1.06, 1.16-1.21, 1.30-1.38 and 1.42 at batch 1, 32, 64
 # and 256; `h2d_copy`: a 64-row mask's copy costs the CPU ~65 µs from pageable memory, ~20 µs from pinned. The
 # padded 2.1B model (`constrained_bench_typical_padded_h100.json`): about 1.02, 1.12 and 1.45 at batch 1, 64 and
-# 256, with free steps of 2.6, 3.2 and 5.5 ms; the 135M model in the same session about 1.1, 1.8 and 1.4; random
+# 256, with free steps of 2.6, 3.2 and 5.5 ms; the 135M model on the same machine about 1.1, 1.8 and 1.4; random
 # weights in SmolLM2-1.7B's shape about 1.01, 1.31 and 1.22. With the detokenizer's Rust decode
 # (`constrained_bench_typical_padded_rustdecode_h100.json`): about 1.02, 1.02 and 1.07, against 1.17 and 1.11 at
-# 64 and 256 with the old decode in the same session; the 135M about 1.03, 1.28 and 1.69.
+# 64 and 256 with the old decode on the same machine; the 135M about 1.03, 1.28 and 1.69.
 
 # %%
 print(f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s")

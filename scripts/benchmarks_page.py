@@ -26,7 +26,7 @@ OTHER_RESULTS = [
     "at that plan `docs/data/gpu_tests_split_cap_h100.txt`; small batches cut into more blocks, which did not pay "
     "`docs/data/decode_balance_min_blocks_h100.json`. The kernel's builds compiled only to be measured (other "
     "block sizes and rows per half-warp, streaming loads; checked in `docs/data/split_decode_check_h100.json`) "
-    "have been removed since; commit e598280 has them.",
+    "have been removed since; the commit recorded in that file has them.",
     "The small kernels of a decode layer (chapter 11, section 5): the Triton QK-norm/RoPE/store and activation "
     "kernels with every load first `docs/data/fused_kernels_loads_first_h100.json`, "
     "`docs/data/canonical_ab_loads_first_h100.json`, GPU tests `docs/data/gpu_tests_loads_first_h100.txt`; two "
@@ -34,7 +34,7 @@ OTHER_RESULTS = [
     "`docs/data/dependent_launch_h100.json`, "
     "and the split-KV kernel finishing the raw QKV projection itself `docs/data/raw_decode_h100.json`, "
     "`docs/data/canonical_ab_raw_prologue_h100.json`.",
-    "A fresh process on a machine that was not bare (kernels compiled by an earlier benchmark): "
+    "A fresh process on a machine whose compile caches were warm (kernels compiled by an earlier benchmark): "
     "`docs/data/canonical_fresh_process_split_cap_h100.json`; a wider GPU test run cut off by its time limit, the "
     "ten tests it finished all passing: `docs/data/gpu_tests_head_partial_h100.txt`; the whole GPU suite, 68 of its 69 "
     "tests passing and none failing (the 69th not collected on that machine): `docs/data/gpu_tests_full_h100.txt`.",
@@ -48,7 +48,7 @@ OTHER_RESULTS = [
     "The MLP's gate/up multiply and its activation in one Triton kernel against cuBLAS and the activation kernel "
     "(chapter 11, section 5): `docs/data/fused_gate_up_h100.json`; the first version, which Triton compiled wrong "
     "for many tile shapes: `docs/data/fused_gate_up_one_loop_h100.json`.",
-    "The canonical workload on three more bare machines, a first and a second process each, one pair traced step "
+    "The canonical workload from three more cold starts, a first and a second process each, one pair traced step "
     "by step with the garbage collector's work counted (chapter 11, section 5): "
     "`docs/data/canonical_bare_machine_repeats_h100.json`.",
     "Checking a burst's prompt ids id by id against in C, and the canonical A/B of that change (chapter 11, "
@@ -79,7 +79,7 @@ OTHER_RESULTS = [
     "`docs/data/serving_extend_graphs_h100.json`, `docs/data/gpu_extend_graph_tests_h100.txt`) and 2, 16 or 64 rows, "
     "with and without mixed steps (`docs/data/serving_mixed_graphs_h100.json`, "
     "`docs/data/gpu_mixed_extend_graph_tests_h100.txt`).",
-    "The canonical workload's first run on a bare machine and a warm start: with one-request extend graphs "
+    "The canonical workload's first run from a cold start and a warm start: with one-request extend graphs "
     "`docs/data/canonical_startup_extend_graphs_h100.json`; with the graphs of several rows and the split draw "
     "`docs/data/canonical_startup_final_h100.json` (with eager warm-ups before every extend graph: "
     "`docs/data/canonical_startup_all_warmups_h100.json`); at the latest engine "
@@ -101,7 +101,8 @@ OTHER_RESULTS = [
     "processes: `docs/data/canonical_ab_persistent_h100.json`, with its plan uploaded on a side stream: "
     "`docs/data/canonical_ab_persistent_staged_h100.json`, and its GPU tests: "
     "`docs/data/gpu_tests_persistent_decode_h100.txt` (the engine's persistent decode path and its "
-    "`--persistent-decode-min-batch` flag have been removed since; commit e598280 has them). A decode step cut in "
+    "`--persistent-decode-min-batch` flag have been removed since; the commit recorded in "
+    "`docs/data/canonical_ab_persistent_staged_h100.json` has them). A decode step cut in "
     "two halves whose attention and "
     "matrix multiplies overlap in two streams: `docs/data/overlap_decode_h100.json`.",
     "The GPU's gaps between the kernels of a decode step, and the sampler's float32 exponential against the float64 "
@@ -125,7 +126,7 @@ OTHER_RESULTS = [
     "The layers' norms folded into the kernels around them (chapter 11, section 5): the interleaved A/B "
     "`docs/data/canonical_ab_norm_folding_h100.json`, a decode step's kernels after it "
     "`docs/data/decode_anatomy_folded_h100.json`, the prefill phase `docs/data/prefill_anatomy_folded_h100.json`, "
-    "the bare machine with it `docs/data/canonical_bare_machine_folded_h100.json`, its GPU tests "
+    "a cold start with it `docs/data/canonical_bare_machine_folded_h100.json`, its GPU tests "
     "`docs/data/gpu_tests_norm_folding_engine_h100.txt`, `docs/data/gpu_tests_norm_folding_h100.txt`, "
     "`docs/data/gpu_tests_norm_folding_final_h100.txt`. Decode attention with a cache per layer and the engine's "
     "slot layout: `docs/data/gather_bandwidth_layers_h100.json`, `docs/data/decode_balance_layers_h100.json`; "
@@ -152,10 +153,10 @@ OTHER_RESULTS = [
     "`docs/data/constrained_bench_typical_profile_h100.txt`, and the host side of a bitmask's copy "
     "`docs/data/h2d_copy_h100.json`; the GPU tests of constrained decoding with pinned, double-buffered masks: "
     "`docs/data/gpu_tests_constrained_h100.txt`. Against a larger model's forward pass: the embedded model "
-    "zero-padded to 2.1B parameters `docs/data/constrained_bench_typical_padded_h100.json`, the 135M model in the "
-    "same session `docs/data/constrained_bench_typical_135m_h100.json`, and SmolLM2-1.7B's shape with random "
+    "zero-padded to 2.1B parameters `docs/data/constrained_bench_typical_padded_h100.json`, the 135M model on the "
+    "same machine `docs/data/constrained_bench_typical_135m_h100.json`, and SmolLM2-1.7B's shape with random "
     "weights `docs/data/constrained_bench_typical_random_1p7b_h100.json`; after the detokenizer's decode went to the "
-    "Rust tokenizer, with the old decode as a control in the same session: "
+    "Rust tokenizer, with the old decode as a control on the same machine: "
     "`docs/data/constrained_bench_typical_padded_rustdecode_h100.json`, "
     "`docs/data/constrained_bench_typical_padded_hfdecode_h100.json`, "
     "`docs/data/constrained_bench_typical_135m_rustdecode_h100.json`.",
@@ -167,12 +168,33 @@ OTHER_RESULTS = [
     "without it `docs/data/race_prune_h100.json`, `docs/data/race_prune_chunks_h100.json`; the canonical workload "
     "with the two races alternating in one process `docs/data/sampler_prune_ab_h100.json`, in interleaved "
     "processes `docs/data/canonical_ab_race_prune_h100.json`; the GPU tests of sampling, CUDA graphs, folded norms "
-    "and fused kernels with it, 27 tests `docs/data/gpu_tests_prune_h100.txt`. The five bare machines before it: "
+    "and fused kernels with it, 27 tests `docs/data/gpu_tests_prune_h100.txt`. The five cold starts before it: "
     "`docs/data/canonical_bare_machine_split_cap_h100.json`, `docs/data/canonical_bare_machine_split_cap_2_h100.json`, "
     "`docs/data/canonical_bare_machine_loads_first_h100.json`, "
     "`docs/data/canonical_bare_machine_loads_first_2_h100.json`, `docs/data/canonical_bare_machine_fast_log_h100.json` "
     "(first runs of 19,875-20,251 output tok/s).",
 ]
+
+
+#: How the rows of the optimization history were measured (the data file's own note has every detail).
+HISTORY_NOTE = (
+    "The first three entries are each the first full-size run of a fresh process (kernels for large prefill shapes "
+    "still compiling in the timed run); the fourth is a warm run. From the fifth entry on, every entry is the first "
+    "full-size run after an untimed 32-request warm-up, *again* is the same run repeated in the same process, and the "
+    "fourth column gives runs with one change off, in the same process. The later entries are medians of interleaved "
+    "A/B processes: the engine with the change against the engine just before it (the data file says how many runs "
+    "and processes each had). Each of those entries was measured on its own machine, and machines differ by a few "
+    "percent: compare an entry with its own baseline, not with its neighbours."
+)
+
+#: What the tensor-parallel runs share, and where their correctness check comes from.
+TP_NOTES = (
+    "Engine settings: FA3 attention for prefill and decode and `MINISGL_FUSED=0` (plain RMSNorm/SiLU/RoPE), the same "
+    "at tp=1 and tp=2.",
+    "The check comes from a separate run of `python -m minisgl_ref.bench.tp --phase check --tp-size 2` on a fresh "
+    "2 x H200 machine: in the first run the tp=2 engine hung while shutting NCCL down (fixed since: tp=2 now shuts "
+    "down in about a second).",
+)
 
 
 def load(name: str) -> dict:
@@ -194,10 +216,10 @@ def offline_section() -> list[str]:
         "## Offline throughput on an H100 (chapters 08 and 11)",
         "",
         "Data: [`docs/data/gpu_offline_h100.json`](data/gpu_offline_h100.json) (and the profile tables "
-        "`gpu_offline_h100_profile_decode.txt`, `gpu_offline_h100_host_profile.txt` beside it). Measured in one call "
-        f"of `bash scripts/gpu/offline.sh bench` on an **{hw['gpu']}** (driver {hw['nvidia_driver']}, CUDA "
+        "`gpu_offline_h100_profile_decode.txt`, `gpu_offline_h100_host_profile.txt` beside it). Measured by "
+        f"`bash scripts/gpu/offline.sh bench` on an **{hw['gpu']}** (driver {hw['nvidia_driver']}, CUDA "
         f"{hw['cuda_runtime']}), torch {sw['torch']}, triton {pk['triton']}, flashinfer {pk['flashinfer-python']}, "
-        f"FA3 (`flash_attn_interface`), {prov['date'][:16].replace('T', ' ')} UTC, commit {sw['git_commit'][:7]}. "
+        f"FA3 (`flash_attn_interface`), {prov['date'][:16].replace('T', ' ')} UTC. "
         "Model: Qwen3-0.6B config, bf16, dummy weights.",
         "",
         "**Canonical offline workload** (256 requests, prompts 100-1024 and outputs 100-1024 tokens, temperature 0.6, "
@@ -219,13 +241,16 @@ def offline_section() -> list[str]:
         "",
         f"The floor is {floor:.2f} s: every decode step reads the weights once and each request's KV context "
         "(`bytes = max(O_i) * W + sum_i sum_j (P_i + j) * kv_bytes_per_token`, chapter 11) at the device-to-device "
-        f"copy bandwidth measured in the same call, {g['copy_bandwidth_Bps'] / 1e12:.2f} TB/s. At the datasheet's "
+        f"copy bandwidth measured in the same run, {g['copy_bandwidth_Bps'] / 1e12:.2f} TB/s. At the datasheet's "
         f"3.35 TB/s it is {floor_ds:.2f} s (~29.7k tok/s). The target, 17,000 tok/s (~60% of "
         f"the datasheet floor), is **{'reached' if best >= 17_000 else 'not reached'}** in this run. Across separate "
         "runs on the same machine, the default engine varied by about 4% from run to run "
         "(see the history below).",
         "",
-        "**The stage ladder, attention backends and CUDA graphs.** " + g["ladder_note"][0].upper() + g["ladder_note"][1:] + ".",
+        "**The stage ladder, attention backends and CUDA graphs.** Rows with 8 requests use a reduced workload: the "
+        "canonical recipe with 8 requests and outputs of 100-256 tokens (`canonical_workload(n, output_len=...)`), so "
+        "that the naive oracle and the torch_native stages finish in minutes; the other rows run the full 256-request "
+        "canonical workload.",
         "",
         "| configuration | requests | output tok/s | wall s | of floor |",
         "| --- | ---: | ---: | ---: | ---: |",
@@ -238,8 +263,7 @@ def offline_section() -> list[str]:
         "",
         "**CUDA graphs: decode step time** (attention metadata + forward + logits, every request at a context of 512 "
         "tokens, default backends; CUDA events over 50 steps; eager steps are host-bound, and the host's speed varies "
-        f"between calls). Target: at least 2x at batch 1. Measured {steps_prov['date'][:16].replace('T', ' ')} UTC, "
-        f"commit {steps_prov['software']['git_commit'][:7]}.",
+        f"between runs). Target: at least 2x at batch 1. Measured {steps_prov['date'][:16].replace('T', ' ')} UTC.",
         "",
         "| batch | eager ms | graph ms | speedup |",
         "| ---: | ---: | ---: | ---: |",
@@ -248,7 +272,7 @@ def offline_section() -> list[str]:
         out.append(f"| {r['batch_size']} | {r['eager_ms']:.2f} | {r['graph_ms']:.2f} | {r['speedup']:.2f}x |")
     by = g.get("decode_steps_by_backend", [])
     if by:
-        out += ["", "Graphed decode step by decode backend (ms; " + g.get("decode_steps_by_backend_note", "") + "):",
+        out += ["", "Graphed decode step by decode backend (ms; measured earlier, before the Triton per-token kernels):",
                 "", "| batch | flashinfer | fa3 | triton |", "| ---: | ---: | ---: | ---: |"]
         table: dict[int, dict[str, float]] = {}
         for r in by:
@@ -256,9 +280,9 @@ def offline_section() -> list[str]:
         for b, row in sorted(table.items()):
             out.append(f"| {b} | " + " | ".join(f"{row.get(k, float('nan')):.2f}" for k in ("flashinfer", "fa3", "triton"))
                        + " |")
-    out += ["", "**What each per-step optimization bought** (chapters 06, 08 and 11; one row per GPU call as the changes "
-            "went in). " + g["history_note"], "",
-            "| output tok/s | again | of floor | without the change (same call) | change |",
+    out += ["", "**What each per-step optimization bought** (chapters 06, 08 and 11; one row per change, in the order "
+            "they went in). " + HISTORY_NOTE, "",
+            "| output tok/s | again | of floor | without the change (same machine) | change |",
             "| ---: | ---: | ---: | ---: | --- |"]
     for h in g["history"]:
         again_tp = h.get("repeat_output_throughput")
@@ -273,7 +297,7 @@ def offline_section() -> list[str]:
             "why our Triton kernels run only in graph-replayed decode steps):", "",
             "| launcher | us per launch |", "| --- | ---: |"]
     out += [f"| {k} | {v:.1f} |" for k, v in launch["us_per_launch"].items()]
-    out += ["", "Reproduce: `bash scripts/gpu/offline.sh` (tests and everything, one call), or "
+    out += ["", "Reproduce: `bash scripts/gpu/offline.sh` (the GPU tests and every measurement above), or "
             "`python -m minisgl_ref bench offline` (`--disable-cuda-graph`, `--attention-backend NAME`, `--stage all`). "
             "On a CPU, in seconds: `python -m minisgl_ref bench offline --quick --stage all` (a tiny model: ratios, "
             "not speeds).", ""]
@@ -287,7 +311,7 @@ def tp_section() -> list[str]:
     out = ["## Tensor parallelism on two H200s (chapter 09)", "",
            f"Data: [`docs/data/tp_bench_h200.json`](data/tp_bench_h200.json) (log beside it). "
            f"`scripts/gpu/tp_bench.sh` on **2 x {prov['hardware']['gpu']}** (NCCL, NVLink multicast off), "
-           f"{prov['date'][:16].replace('T', ' ')} UTC, commit {prov['software']['git_commit'][:7]}; Qwen3-14B config, "
+           f"{prov['date'][:16].replace('T', ' ')} UTC; Qwen3-14B config, "
            "bf16, dummy weights, FA3 attention, plain element-wise ops (`MINISGL_FUSED=0`).", "",
            "| | tp=1 | tp=2 | tp=2 / tp=1 |", "| --- | ---: | ---: | ---: |"]
     r1, r2 = t["tp1_run"], t["tp2_run"]
@@ -305,7 +329,7 @@ def tp_section() -> list[str]:
             f"{chk['tp1_vs_float32']:.2e} (bf16 rounding noise); ranks identical: {chk['ranks_identical']}; greedy "
             f"tokens agree for {chk['greedy_common_prefix']} of {len(chk['greedy_tp1'][0])} tokens (until the first "
             "near-tie of random weights).", ""]
-    out += [f"- {k}: {v}" for k, v in t.get("notes", {}).items()]
+    out += [f"- {note}" for note in TP_NOTES] + [f"- {t['notes']['greedy']}"]
     out.append("")
     return out
 
@@ -346,7 +370,9 @@ def parallel_serving_section() -> list[str]:
            f"| one data-parallel worker killed (SIGKILL) mid-run | launcher exit status "
            f"{dp['after_kill']['launcher_exit_code']} after {dp['after_kill']['launcher_exit_s']:.1f} s, no process "
            "left |", ""]
-    out += [f"- run {i + 1}: {r['note']}" for i, r in enumerate(doc["runs"])]
+    out += ["The file holds three runs; each phase above comes from the run that completed it:", "",
+            "| run | what it measured and how it ended |", "| ---: | --- |"]
+    out += [f"| {i + 1} | {r['note']} |" for i, r in enumerate(doc["runs"])]
     out.append("")
     return out
 
@@ -363,9 +389,10 @@ def seams_section() -> list[str]:
 
     out = ["## Later chapters behind the core's seams: the same engine (chapters 06-12)", "",
            "Structured output, cascade and split-KV decode attention, the fused kernels and folded norms plug into the "
-           f"core through declared seams ([architecture](architecture.md#seams-how-later-chapters-plug-in)) at {new}; "
-           f"at {old} they were built into the engine's own classes. {hw['gpu']} (driver {hw['nvidia_driver']}).", "",
-           "| what | " + old + " | " + new + " |", "| --- | ---: | ---: |",
+           "core through declared seams ([architecture](architecture.md#seams-how-later-chapters-plug-in)); before, "
+           f"they were built into the engine's own classes. The two versions, side by side on an {hw['gpu']} (driver "
+           f"{hw['nvidia_driver']}), by the commit each was measured at:", "",
+           f"| what | built in ({old}) | behind the seams ({new}) |", "| --- | ---: | ---: |",
            f"| canonical workload, output tok/s, interleaved processes (median; range) | {a['median']:,.0f} "
            f"({a['min']:,.0f}-{a['max']:,.0f}) | {b['median']:,.0f} ({b['min']:,.0f}-{b['max']:,.0f}) |"]
     ratios = []
@@ -384,20 +411,20 @@ def seams_section() -> list[str]:
     return out
 
 
-#: The engine as it stands, on bare machines (newest last): the page opens with them.
+#: The engine as it stands, from cold starts (newest last): the page opens with them.
 LATEST_BARE = ["canonical_bare_machine_prune_h100.json"] + [f"canonical_bare_machine_prune_{i}_h100.json"
                                                            for i in range(2, 6)]
 
 
 def latest_section() -> list[str]:
-    """The canonical workload on bare machines with the engine at the end of chapter 11: first and second process."""
+    """The canonical workload from cold starts with the engine at the end of chapter 11: first and second process."""
     docs = [(name, load(name)) for name in LATEST_BARE]
     prov = docs[-1][1]["cold"]["provenance"]
     hw, sw = prov["hardware"], prov["software"]
-    out = ["## The engine as it stands: first run on a bare machine (chapter 11)", "",
+    out = ["## The engine as it stands: first run from a cold start (chapter 11)", "",
            "`bash scripts/gpu/bare_machine.sh OUT.json` runs `python -m minisgl_ref bench offline` (the canonical "
-           "workload, Qwen3-0.6B config, bf16, dummy weights) in a first process on a machine with empty compile "
-           "caches, then in a second process. One row per machine; machines differ by a few percent. "
+           "workload, Qwen3-0.6B config, bf16, dummy weights) in a first process on a fresh machine, its compile "
+           "caches empty (a cold start), then in a second process. One row per machine; machines differ by a few percent. "
            f"{hw['gpu']} (driver {hw['nvidia_driver']}), torch {sw['torch']}, flashinfer "
            f"{sw['packages'].get('flashinfer-python')}.", "",
            "| data | commit | first process: output tok/s | of the floor | start-up s | second process: output tok/s "
@@ -409,7 +436,7 @@ def latest_section() -> list[str]:
                    f"{cold['roofline_fraction']:.1%} | {cold['startup_s']:.1f} | {warm['output_throughput']:,.0f} | "
                    f"{warm['startup_s']:.1f} | {compiled_during(cold) + compiled_during(warm)} |")
     return out + ["", "The second machine's first process compiled the sampler's pruning kernel inside its timed run "
-                  "(start-up compiled only the one-block variant then; it compiles both since b687267), and the "
+                  "(start-up compiled only the one-block variant then; it now compiles both), and the "
                   "machine is a slow one: its second process, with nothing to compile, ran at 19,306.", ""]
 
 

@@ -86,3 +86,34 @@ def test_stale_or_missing_executed_copy_gives_code_only(hook, tmp_path: Path) ->
     for folder in (executed, tmp_path / "nothing-here"):
         page = hook.render_chapter_page(chapter, folder)
         assert page.outputs == 0 and page.figures == [] and 'print("hello again")' in page.markdown
+
+
+def test_a_plotting_cell_folds_its_code_and_shows_its_figure(hook, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """``hide-input`` folds the code and leaves the figure on the page; ``setup`` folds its outputs with its code."""
+    script = tmp_path / "43_figs.py"
+    script.write_text('# %% tags=["setup"]\nprint("loaded")\n\n# %% tags=["hide-input"]\ndraw()\n\n'
+                      '# %% tags=["hide-output"]\nprint("long log")\n\n# %% tags=["remove-input"]\nprint("result")\n')
+    nb = jupytext.read(script, fmt="py:percent")
+    setup, plot, log, result = [c for c in nb.cells if c.cell_type == "code"]
+    setup.outputs = [nbformat.v4.new_output("stream", name="stdout", text="loaded\n")]
+    plot.outputs = [nbformat.v4.new_output("display_data", data={"image/png": base64.b64encode(PNG).decode()})]
+    log.outputs = [nbformat.v4.new_output("stream", name="stdout", text="long log\n")]
+    result.outputs = [nbformat.v4.new_output("stream", name="stdout", text="result\n")]
+    executed = tmp_path / "executed"
+    executed.mkdir()
+    nbformat.write(nb, executed / "43_figs.ipynb")
+    chapter = hook.Chapter(number="43", stem="43_figs", source=script, title="Figures")
+    md = hook.render_chapter_page(chapter, executed).markdown
+    lines = md.splitlines()
+
+    def line_of(text: str) -> str:
+        return next(line for line in lines if text in line)
+
+    assert line_of("loaded").startswith("    ") and line_of('print("loaded")').startswith("    ")  # one fold
+    assert line_of("draw()").startswith("    ")  # the plotting code is folded ...
+    figure = line_of("43_figs/fig-1.png")
+    assert not figure.startswith(" ") and md.index("draw()") < md.index(figure)  # ... its figure is not
+    assert not line_of('print("long log")').startswith(" ") and "    long log" in lines  # code shown, log folded
+    assert 'print("result")' not in md and not line_of("result").startswith(" ")  # output only
+    assert md.count('??? note "setup"') == 1 and md.count('??? note "code"') == 1
+    assert md.count('??? note "output"') == 1

@@ -21,10 +21,16 @@ How a chapter becomes a page (:func:`render_chapter`):
 
 * markdown cells are copied as they are;
 * code cells become fenced ``python`` blocks;
-* code cells tagged ``setup``, ``hide``, ``hide-cell`` or ``hide-input`` are folded into a collapsed
-  ``??? note`` block (in the script: ``# %% tags=["setup"]``);
-* cells tagged ``remove``, ``remove-cell`` or ``remove-input`` are left out of the page (they still run in the
-  notebook);
+* tags fold or drop parts of a code cell (in the script: ``# %% tags=["setup"]``), with the meanings MyST-NB and
+  Jupyter Book give them (see :func:`cell_parts`):
+
+  - ``setup`` and ``hide-cell``: the code *and* its outputs go into a collapsed ``??? note`` block (imports,
+    helpers: nothing a reader needs to see);
+  - ``hide-input`` (and its short form ``hide``): the code is folded, its outputs stay on the page. A cell that
+    draws a figure uses this one: the plotting code is folded, the figure is shown;
+  - ``hide-output``: the code is shown, its outputs are folded;
+  - ``remove-input``: only the outputs are on the page; ``remove-output``: only the code;
+  - ``remove`` and ``remove-cell``: the cell is left out of the page (it still runs in the notebook);
 * a "Run this chapter" box goes right after the chapter's ``# Title`` (one is made up from the file name if the
   chapter does not start with a title).
 
@@ -40,7 +46,8 @@ each output wrapped in ``<div class="chapter-output">``:
 * ``text/html`` (tables) is inserted as HTML, ``text/markdown`` as markdown;
 * ``image/png`` (every ``plt.show()``) becomes a file ``chapters/NN_slug/fig-K.png`` of the site, shown with an
   ``<img>`` and alt text; ``image/svg+xml`` is inlined;
-* outputs of folded cells (``setup``, ``hide``, ...) stay in the fold; removed cells show nothing.
+* outputs of cells folded whole (``setup``, ``hide-cell``) stay in the fold, as do those of ``hide-output``
+  cells; outputs of ``hide-input`` cells follow the fold, visible; removed cells show nothing.
 
 With no executed copy, or a stale one (the chapter changed since the test ran), the page shows code only and the
 build logs one info line saying so (``--strict`` is not affected). Run
@@ -87,8 +94,18 @@ CHAPTER_PLAN: tuple[tuple[str, str, str], ...] = (
     ("11", "Performance", "workloads, the roofline, the stage ladder"),
 )
 
-HIDDEN_TAGS = {"setup", "hide", "hide-cell", "hide-input"}
-REMOVED_TAGS = {"remove", "remove-cell", "remove-input"}
+#: Tags that fold both the code and its outputs into one collapsed block.
+FOLD_CELL_TAGS = {"setup", "hide-cell"}
+#: Tags that fold the code only: the outputs (figures, tables) stay visible after the fold.
+FOLD_INPUT_TAGS = {"hide", "hide-input"}
+#: Tags that fold the outputs only.
+FOLD_OUTPUT_TAGS = {"hide-output"}
+#: Tags that leave the whole cell out of the page.
+REMOVE_CELL_TAGS = {"remove", "remove-cell"}
+REMOVE_INPUT_TAGS = {"remove-input"}
+REMOVE_OUTPUT_TAGS = {"remove-output"}
+HIDDEN_TAGS = FOLD_CELL_TAGS | FOLD_INPUT_TAGS | FOLD_OUTPUT_TAGS  # any tag that makes a fold
+REMOVED_TAGS = REMOVE_CELL_TAGS | REMOVE_INPUT_TAGS | REMOVE_OUTPUT_TAGS  # any tag that drops something
 _CHAPTER_FILE = re.compile(r"^(\d{2})_([A-Za-z0-9_]+)\.py$")
 _TITLE_PREFIX = re.compile(r"^(chapter\s+)?\d+\s*[:.·\-–—]?\s*", re.IGNORECASE)
 
@@ -308,24 +325,72 @@ def render_outputs(outputs, chapter: Chapter, figures: list[tuple[str, bytes]]) 
     return blocks
 
 
+@dataclass(frozen=True)
+class CellParts:
+    """Where a code cell's two parts go on the page: ``"shown"``, ``"folded"`` (a collapsed block) or ``"removed"``."""
+
+    code: str
+    outputs: str
+    #: ``True`` when code and outputs share one fold (``setup``, ``hide-cell``), so the outputs open with the code.
+    one_fold: bool = False
+
+
+def cell_parts(tags) -> CellParts:  # type: ignore[no-untyped-def]
+    """Where a code cell with these tags puts its code and its outputs (removal wins over folding)."""
+    tags = set(tags)
+    if tags & REMOVE_CELL_TAGS:
+        return CellParts("removed", "removed")
+    if tags & FOLD_CELL_TAGS:
+        code = outputs = "folded"
+        one_fold = True
+    else:
+        code = "folded" if tags & FOLD_INPUT_TAGS else "shown"
+        outputs = "folded" if tags & FOLD_OUTPUT_TAGS else "shown"
+        one_fold = False
+    if tags & REMOVE_INPUT_TAGS:
+        code = "removed"
+    if tags & REMOVE_OUTPUT_TAGS:
+        outputs = "removed"
+    return CellParts(code, outputs, one_fold and code == outputs == "folded")
+
+
+def outputs_visible(tags) -> bool:  # type: ignore[no-untyped-def]
+    """Whether a code cell's outputs (a figure it draws, say) are on the page without opening a fold."""
+    return cell_parts(tags).outputs == "shown"
+
+
+def _fold(label: str, block: str) -> str:
+    return f'??? note "{label}"\n\n{_indent(block)}'
+
+
 def _render_cell(cell, outputs=None, chapter: Chapter | None = None,  # type: ignore[no-untyped-def]
                  figures: list[tuple[str, bytes]] | None = None) -> str | None:
     tags = set(cell.metadata.get("tags", []))
     source = cell.source.strip("\n")
-    if not source.strip() or tags & REMOVED_TAGS:
+    if not source.strip():
         return None
     if cell.cell_type == "markdown":
-        return source
+        return None if tags & REMOVE_CELL_TAGS else source
     if cell.cell_type != "code":
         return None  # raw cells are for other tools (e.g. nbconvert), not for readers
-    parts = [_fence(source)]
-    if outputs and chapter is not None and figures is not None:
-        parts += render_outputs(outputs, chapter, figures)
-    block = "\n\n".join(parts)
-    if tags & HIDDEN_TAGS:
-        label = "setup" if "setup" in tags else "hidden code"
-        return f'??? note "{label}"\n\n{_indent(block)}'
-    return block
+    where = cell_parts(tags)
+    rendered = []
+    if outputs and chapter is not None and figures is not None and where.outputs != "removed":
+        rendered = render_outputs(outputs, chapter, figures)
+    code_block = _fence(source)
+    output_block = "\n\n".join(rendered)
+    if where.one_fold:
+        return _fold("setup" if "setup" in tags else "hidden code", "\n\n".join([code_block] + rendered))
+    parts = []
+    if where.code == "shown":
+        parts.append(code_block)
+    elif where.code == "folded":
+        parts.append(_fold("code", code_block))
+    if output_block and where.outputs == "shown":
+        parts.append(output_block)
+    elif output_block and where.outputs == "folded":
+        parts.append(_fold("output", output_block))
+    return "\n\n".join(parts) or None
 
 
 def render_chapter_page(chapter: Chapter, executed_dir: Path = EXECUTED_DIR) -> RenderedChapter:
