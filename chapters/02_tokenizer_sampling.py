@@ -783,7 +783,7 @@ for name, ms in {**timings, **stage}.items():
 # that maximises `p / E` also maximises `logit / T - log E`. And since `E` is never below the uniform `u` it
 # comes from, an entry cannot score above `logit / T - log u`: a program that has already seen a better score
 # skips the exact noise of every block whose entries all fall under that bound, and still draws the same token
-# (chapter 11, section 5).
+# (chapter 11, section 4).
 #
 # ## 4. End to end: seeded, stoppable generation with the embedded model
 #

@@ -693,7 +693,7 @@ print(f"after  : {show(state)}  (all of it back {(time.perf_counter() - t0) * 10
 # huge step here, because the plain attention of the CPU path grows quadratically with the tokens of a step.)
 # Thirty-two tokens keep the pause of everyone else within a few decode steps for a quarter more time on the long
 # prompt. On a GPU the chunks stay SGLang's 8,192 tokens, but `serve` mixes there too: with the prompt's step
-# replayed as a CUDA graph (chapter 11, section 11), the running requests then wait one step of ~2.5 ms for a
+# replayed as a CUDA graph (chapter 11, section 7), the running requests then wait one step of ~2.5 ms for a
 # 1,000-token prompt instead of that step plus their own. Both flags can be set either way.
 #
 # We can watch it: one stream runs while a 600-token prompt arrives; we record the gaps between the stream's

@@ -935,7 +935,7 @@ if all(f.exists() for f in REAL.values()):  # the same script with the real Smol
 # **Jump-forward loses on the GPU.** At batch 64 with bounded strings it saves 38% of the decode steps (84 against
 # 135), but each step takes three times as long, and at batch 256 five times. A jumped request needs an extend
 # row, and a step with any extend row cannot replay the decode CUDA graph: the whole batch runs the eager forward
-# pass, whose launch costs tens of milliseconds of host time (chapter 11, section 11, measures it for a
+# pass, whose launch costs tens of milliseconds of host time (chapter 11, section 7, measures it for a
 # prefill). With several jumps per step at batch 256, almost every step becomes such a step. On the CPU, where
 # there is no graph to lose, the step count is what matters and jump-forward wins (section 5). The outputs also
 # differ: with the canonical tokens of forced text the model writes a different, not always better, answer, and

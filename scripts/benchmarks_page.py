@@ -16,7 +16,7 @@ DATA = ROOT / "docs" / "data"
 
 #: The index of every other result file, by the chapter and section that reads it.
 OTHER_RESULTS = [
-    "Our split-KV CUDA decode kernel (chapter 11, section 5): alone and in the 28-layer chain "
+    "Our split-KV CUDA decode kernel (chapter 11, section 4): alone and in the 28-layer chain "
     "`docs/data/decode_balance_split_cuda_h100.json`, `docs/data/decode_balance_split_cuda_with_matmuls_h100.json`; "
     "the engine's decode steps with it and with FlashInfer's persistent kernel "
     "`docs/data/decode_anatomy_split_h100.json`, `docs/data/decode_anatomy_persistent_h100.json`; three interleaved "
@@ -27,7 +27,7 @@ OTHER_RESULTS = [
     "`docs/data/decode_balance_min_blocks_h100.json`. The kernel's builds compiled only to be measured (other "
     "block sizes and rows per half-warp, streaming loads; checked in `docs/data/split_decode_check_h100.json`) "
     "have been removed since; the commit recorded in that file has them.",
-    "The small kernels of a decode layer (chapter 11, section 5): the Triton QK-norm/RoPE/store and activation "
+    "The small kernels of a decode layer (chapter 11, section 4): the Triton QK-norm/RoPE/store and activation "
     "kernels with every load first `docs/data/fused_kernels_loads_first_h100.json`, "
     "`docs/data/canonical_ab_loads_first_h100.json`, GPU tests `docs/data/gpu_tests_loads_first_h100.txt`; two "
     "tries that did not pay: the split-KV kernel launched as a programmatic dependent "
@@ -38,41 +38,41 @@ OTHER_RESULTS = [
     "`docs/data/canonical_fresh_process_split_cap_h100.json`; a wider GPU test run cut off by its time limit, the "
     "ten tests it finished all passing: `docs/data/gpu_tests_head_partial_h100.txt`; the whole GPU suite, 68 of its 69 "
     "tests passing and none failing (the 69th not collected on that machine): `docs/data/gpu_tests_full_h100.txt`.",
-    "The host and the GPU on one clock in the tail of a canonical run (chapter 11, section 5): "
+    "The host and the GPU on one clock in the tail of a canonical run (chapter 11, section 4): "
     "`docs/data/tail_timeline_h100.json`.",
-    "Other decode attention kernels in a 28-layer chain with the matrix multiplies (chapter 11, section 5): "
+    "Other decode attention kernels in a 28-layer chain with the matrix multiplies (chapter 11, section 4): "
     "`docs/data/decode_balance_triton_h100.json`, `docs/data/decode_balance_chunks_h100.json`, "
     "`docs/data/decode_balance_xqa_h100.json`.",
     "A decode step's matrix multiplies with their weights in L2, an L2 prefetch during attention, TunableOp "
-    "(chapter 11, section 5): `docs/data/matmul_latency_h100.json`.",
+    "(chapter 11, section 4): `docs/data/matmul_latency_h100.json`.",
     "The MLP's gate/up multiply and its activation in one Triton kernel against cuBLAS and the activation kernel "
-    "(chapter 11, section 5): `docs/data/fused_gate_up_h100.json`; the first version, which Triton compiled wrong "
+    "(chapter 11, section 4): `docs/data/fused_gate_up_h100.json`; the first version, which Triton compiled wrong "
     "for many tile shapes: `docs/data/fused_gate_up_one_loop_h100.json`.",
     "The canonical workload from three more cold starts, a first and a second process each, one pair traced step "
-    "by step with the garbage collector's work counted (chapter 11, section 5): "
+    "by step with the garbage collector's work counted (chapter 11, section 4): "
     "`docs/data/canonical_bare_machine_repeats_h100.json`.",
     "Checking a burst's prompt ids id by id against in C, and the canonical A/B of that change (chapter 11, "
     "section 5): `docs/data/prompt_checks_h100.json`, `docs/data/canonical_ab_prompt_checks_h100.json`.",
-    "The first prefill phase of a fresh engine against a later one (chapter 11, section 5): "
+    "The first prefill phase of a fresh engine against a later one (chapter 11, section 4): "
     "`docs/data/first_prefill_h100.json`.",
     "The host and GPU timeline of a timed run's first steps, with the prefill phase launched eagerly and with the "
-    "budget step as a CUDA graph, and the canonical A/B of that graph on two machines (chapter 11, section 5): "
+    "budget step as a CUDA graph, and the canonical A/B of that graph on two machines (chapter 11, section 4): "
     "`docs/data/run_start_eager_prefill_h100.json`, `docs/data/run_start_budget_graph_h100.json`, "
     "`docs/data/canonical_ab_budget_graph_h100.json`, `docs/data/gpu_tests_budget_graph_h100.txt`.",
     "Attention kernels against the memory roofline (chapter 07): `docs/data/gpu_kernels_h100.json`.",
     "Online serving (chapter 10): `docs/data/bench_serving_h100.json`, `docs/data/bench_serving_cpu.json`.",
     "Prefix sharing, CPU quick run (chapter 04): `docs/data/bench_offline_quick_shared_prefix_cpu.json`.",
-    "Start-up, first run, cascade decode on a shared prefix, grouped admission (chapter 11, sections 6-8): "
+    "Start-up, first run, cascade decode on a shared prefix, grouped admission (chapter 11, sections 5-6): "
     "`docs/data/perf2_h100.json`.",
-    "Online serving at three request rates and saturation, default and mixed chunks (chapter 11, section 9): "
+    "Online serving at three request rates and saturation, default and mixed chunks (chapter 11, section 7): "
     "`docs/data/bench_serving_sweep_h100.json`.",
-    "CPU time per streamed token in the API server and the benchmark client (chapter 11, section 10): "
+    "CPU time per streamed token in the API server and the benchmark client (chapter 11, section 8): "
     "`docs/data/stream_cost_cpu.json`.",
     "The engine's step gaps beside the client's latencies, and the step that launches a prefill (chapter 11, "
     "section 11): `docs/data/serving_step_gaps_h100.json`, `docs/data/prefill_stall_h100.json`, "
     "`docs/data/prefill_stall_fixed_h100.json`, `docs/data/canonical_steps_h100.json`.",
     "What that step waits for and what two fixes bought (extend steps padded to 64 tokens with their matmul shapes "
-    "met at start-up, FlashAttention-3's operator called directly; chapter 11, section 11): "
+    "met at start-up, FlashAttention-3's operator called directly; chapter 11, section 7): "
     "`docs/data/prefill_timeline_h100.json`, `docs/data/matmul_first_call_h100.json`, "
     "`docs/data/prefill_stall_ab_h100.json`, `docs/data/serving_pad_ab_h100.json`, `docs/data/canonical_pad_h100.json`.",
     "Extend steps in CUDA graphs, one request (`docs/data/prefill_stall_graphs_h100.json`, "
@@ -87,13 +87,13 @@ OTHER_RESULTS = [
     "The sampler's draw split over the vocabulary against one program per row, in one process: "
     "`docs/data/sampler_ab_h100.json`, and the decode profile that showed its cost: `docs/data/decode_profile_h100.txt`. "
     "Logits kept in bf16 against converted to float32, interleaved processes: `docs/data/logits_bf16_ab_h100.json`.",
-    "Where a decode step's time goes at every stage of the canonical workload (chapter 11, section 5): "
+    "Where a decode step's time goes at every stage of the canonical workload (chapter 11, section 4): "
     "`docs/data/decode_anatomy_h100.json`; interleaved A/B processes of the last changes (the query read in place, the "
     "KV store inside the RoPE kernel, a burst admitted in one step): `docs/data/canonical_ab_qview_h100.json`, "
     "`docs/data/canonical_ab_fused_store_h100.json`, `docs/data/canonical_ab_admission_h100.json`; KV pages of 64 "
     "slots against 1: `docs/data/canonical_ab_page_size_h100.json`.",
     "Decode attention on the workload's own context lengths against equal-length controls, and the ways of cutting "
-    "its work (chapter 11, section 5): `docs/data/decode_balance_h100.json`, with every stage and FlashAttention-3: "
+    "its work (chapter 11, section 4): `docs/data/decode_balance_h100.json`, with every stage and FlashAttention-3: "
     "`docs/data/decode_balance_stages_h100.json`; contexts cut into pieces of 128 or 256 tokens, on an H200: "
     "`docs/data/decode_balance_chunks_h200.json`; FlashInfer's persistent `BatchAttention`: "
     "`docs/data/decode_balance_holistic_h100.json`, its cost of planning every step: "
@@ -106,7 +106,7 @@ OTHER_RESULTS = [
     "two halves whose attention and "
     "matrix multiplies overlap in two streams: `docs/data/overlap_decode_h100.json`.",
     "The GPU's gaps between the kernels of a decode step, and the sampler's float32 exponential against the float64 "
-    "one in one process (chapter 11, section 5): `docs/data/decode_anatomy_gaps_h100.json`, "
+    "one in one process (chapter 11, section 4): `docs/data/decode_anatomy_gaps_h100.json`, "
     "`docs/data/sampler_race_f32_ab_h100.json`; its score's logarithm from lg2.approx "
     "`docs/data/sampler_fast_log_draw_h100.json`, `docs/data/sampler_fast_log_ab_h100.json`; "
     "the GPU tests of the Triton attention kernels: "
@@ -123,7 +123,7 @@ OTHER_RESULTS = [
     "its GPU tests `docs/data/gpu_tests_prefill_store_h100.txt`. The step's copies moved to streams of their own "
     "(not adopted: no gain): `docs/data/canonical_ab_copy_streams_h100.json`, its GPU tests "
     "`docs/data/gpu_tests_copy_streams_h100.txt`.",
-    "The layers' norms folded into the kernels around them (chapter 11, section 5): the interleaved A/B "
+    "The layers' norms folded into the kernels around them (chapter 11, section 4): the interleaved A/B "
     "`docs/data/canonical_ab_norm_folding_h100.json`, a decode step's kernels after it "
     "`docs/data/decode_anatomy_folded_h100.json`, the prefill phase `docs/data/prefill_anatomy_folded_h100.json`, "
     "a cold start with it `docs/data/canonical_bare_machine_folded_h100.json`, its GPU tests "
@@ -164,7 +164,7 @@ OTHER_RESULTS = [
     "attention, fused ops, sampling): every GPU test passed on an H100, 60 tests "
     "(`docs/data/gpu_tests_h100_final.txt`); the graph, sampling, fused-kernel and cascade tests again after the KV "
     "store moved into the RoPE kernel, 34 tests (`docs/data/gpu_tests_h100_ff3d759.txt`).",
-    "The sampler's race skipping the blocks that cannot win (chapter 11, section 5): the draw alone with and "
+    "The sampler's race skipping the blocks that cannot win (chapter 11, section 4): the draw alone with and "
     "without it `docs/data/race_prune_h100.json`, `docs/data/race_prune_chunks_h100.json`; the canonical workload "
     "with the two races alternating in one process `docs/data/sampler_prune_ab_h100.json`, in interleaved "
     "processes `docs/data/canonical_ab_race_prune_h100.json`; the GPU tests of sampling, CUDA graphs, folded norms "

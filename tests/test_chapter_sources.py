@@ -30,9 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted(p for p in (ROOT / "chapters").glob("*.py") if re.match(r"\d{2}_", p.name))
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 
-#: Chapters being rewritten elsewhere: checked for headings and figures, not yet for process words. This set
-#: must be emptied once their rewrite is merged; every chapter then passes every test here.
-PENDING = {"11_performance.py"}
 
 #: A markdown heading as jupytext writes it in a percent script: ``# # Title``, ``# ## Section`` ...
 HEADING_IN_COMMENT = re.compile(r"^#\s#{1,6}\s+\S")
@@ -156,7 +153,7 @@ def commit_hashes_in_prose(path: Path) -> list[str]:
     return found
 
 
-BOOK = [p for p in CHAPTERS if p.name not in PENDING] + DOCS
+BOOK = CHAPTERS + DOCS
 
 
 @pytest.mark.parametrize("path", BOOK, ids=lambda p: p.name)

@@ -23,7 +23,7 @@ hand to test it.)
 Host cost: FA3's Python entry point wraps its operator in a ``torch.library.custom_op`` (so that
 ``torch.compile`` can trace it), and that layer costs ~80 us of host time per call on an H100 host. An eager
 extend step calls attention once per layer, so for a 28-layer model the wrapper was ~2.4 ms of a ~20 ms launch
-(chapter 11, section 11). The backend calls the registered operator ``torch.ops.flash_attn_3.fwd`` itself when its
+(chapter 11, section 7). The backend calls the registered operator ``torch.ops.flash_attn_3.fwd`` itself when its
 signature is the one written for here, and the Python entry point otherwise.
 
 CUDA graphs: decode, FA3 only. Static ``page_table`` ``[max_bs, max_context]`` and ``cache_seqlens`` buffers;

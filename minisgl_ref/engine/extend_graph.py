@@ -1,7 +1,7 @@
 """CUDA graphs for extend steps with few rows: a prompt arriving while others decode (chapter 11).
 
 Decode steps replay CUDA graphs (chapter 08); an extend step ran eagerly, and on an H100 host launching the eager
-forward pass of a 28-layer model costs ~15-25 ms (~400 operator launches at ~30 us each, chapter 11, section 11)
+forward pass of a 28-layer model costs ~15-25 ms (~400 operator launches at ~30 us each, chapter 11, section 7)
 while the GPU needs a few. Under overlap the running requests wait for that launch: it is the inter-token
 latency tail of online serving. The common cases are one new prompt (or one chunk of it) in a step of its own,
 and, with mixed chunks, that prompt plus the running requests' decode rows (one token each). Both can be
