@@ -69,7 +69,7 @@ OTHER_RESULTS = [
     "CPU time per streamed token in the API server and the benchmark client (chapter 11, section 8): "
     "`docs/data/stream_cost_cpu.json`.",
     "The engine's step gaps beside the client's latencies, and the step that launches a prefill (chapter 11, "
-    "section 11): `docs/data/serving_step_gaps_h100.json`, `docs/data/prefill_stall_h100.json`, "
+    "section 7): `docs/data/serving_step_gaps_h100.json`, `docs/data/prefill_stall_h100.json`, "
     "`docs/data/prefill_stall_fixed_h100.json`, `docs/data/canonical_steps_h100.json`.",
     "What that step waits for and what two fixes bought (extend steps padded to 64 tokens with their matmul shapes "
     "met at start-up, FlashAttention-3's operator called directly; chapter 11, section 7): "
