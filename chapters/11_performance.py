@@ -537,7 +537,7 @@ print(f"KV read per decode step: {sp.kv_bytes_per_decode_step / 1e6:.2f} MB with
 # group cannot starve the others. On an H100 (`bash scripts/gpu/cascade_ab.sh`):
 
 # %%
-P2 = load("perf2_h100.json")
+P2 = load("startup_and_cascade_h100.json")
 names = {"noradix": "radix cache off", "radix_plain": "radix on, plain decode", "radix_cascade": "radix on + cascade"}
 print(f"{'admission':<12} {'engine':<24} {'out tok/s':>9} {'KV GB per step':>14} {'vs radix off':>12}")
 for label, key in (("first-come", "cascade_fcfs_admission"), ("grouped", "cascade_grouped_admission")):
@@ -901,7 +901,7 @@ for side in ("server", "client"):
 # on the first timed run of `python -m minisgl_ref bench offline` after a cold start (77% of the 5.03 s floor), a
 # start-up of 80-90 s cold and 12-17 s warm, the warm process within 2% of the cold one. The engine of section 3's
 # ladder (`docs/data/gpu_offline_h100.json`): about 17,700-17,850 output tok/s, about 8,200 with
-# `--disable-cuda-graph`. The shared-prefix workload (`perf2_h100.json`): about 23,000 tok/s with the radix cache
+# `--disable-cuda-graph`. The shared-prefix workload (`startup_and_cascade_h100.json`): about 23,000 tok/s with the radix cache
 # and the cascade, about 7,600 without the radix cache. The serving sweep with mixed steps
 # (`serving_mixed_graphs_h100.json`): ITL P99/P50 of 1.67 and 1.61 at 8 and 16 requests/s. The commands behind
 # every other measurement are on the [performance evidence](../performance-evidence.md) page.

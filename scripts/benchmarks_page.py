@@ -63,7 +63,7 @@ OTHER_RESULTS = [
     "Online serving (chapter 10): `docs/data/bench_serving_h100.json`, `docs/data/bench_serving_cpu.json`.",
     "Prefix sharing, CPU quick run (chapter 04): `docs/data/bench_offline_quick_shared_prefix_cpu.json`.",
     "Start-up, first run, cascade decode on a shared prefix, grouped admission (chapter 11, sections 5-6): "
-    "`docs/data/perf2_h100.json`.",
+    "`docs/data/startup_and_cascade_h100.json`.",
     "Online serving at three request rates and saturation, default and mixed chunks (chapter 11, section 7): "
     "`docs/data/bench_serving_sweep_h100.json`.",
     "CPU time per streamed token in the API server and the benchmark client (chapter 11, section 8): "
@@ -81,7 +81,7 @@ OTHER_RESULTS = [
     "`docs/data/gpu_mixed_extend_graph_tests_h100.txt`).",
     "The canonical workload's first run from a cold start and a warm start: with one-request extend graphs "
     "`docs/data/canonical_startup_extend_graphs_h100.json`; with the graphs of several rows and the split draw "
-    "`docs/data/canonical_startup_final_h100.json` (with eager warm-ups before every extend graph: "
+    "`docs/data/canonical_startup_multirow_graphs_h100.json` (with eager warm-ups before every extend graph: "
     "`docs/data/canonical_startup_all_warmups_h100.json`); at the latest engine "
     "`docs/data/canonical_bare_machine_h100.json`.",
     "The sampler's draw split over the vocabulary against one program per row, in one process: "
@@ -128,7 +128,7 @@ OTHER_RESULTS = [
     "`docs/data/decode_anatomy_folded_h100.json`, the prefill phase `docs/data/prefill_anatomy_folded_h100.json`, "
     "a cold start with it `docs/data/canonical_bare_machine_folded_h100.json`, its GPU tests "
     "`docs/data/gpu_tests_norm_folding_engine_h100.txt`, `docs/data/gpu_tests_norm_folding_h100.txt`, "
-    "`docs/data/gpu_tests_norm_folding_final_h100.txt`. Decode attention with a cache per layer and the engine's "
+    "`docs/data/gpu_tests_norm_folding_suite_h100.txt`. Decode attention with a cache per layer and the engine's "
     "slot layout: `docs/data/gather_bandwidth_layers_h100.json`, `docs/data/decode_balance_layers_h100.json`; "
     "between a layer's matrix multiplies: `docs/data/decode_balance_with_matmuls_h100.json`, with a plain copy "
     "instead: `docs/data/decode_balance_l2_control_h100.json`, with its plan read first: "
@@ -162,8 +162,8 @@ OTHER_RESULTS = [
     "`docs/data/constrained_bench_typical_135m_rustdecode_h100.json`.",
     "The GPU test suite (`pytest -m gpu`: attention backends against torch_native, CUDA-graph replays, cascade "
     "attention, fused ops, sampling): every GPU test passed on an H100, 60 tests "
-    "(`docs/data/gpu_tests_h100_final.txt`); the graph, sampling, fused-kernel and cascade tests again after the KV "
-    "store moved into the RoPE kernel, 34 tests (`docs/data/gpu_tests_h100_ff3d759.txt`).",
+    "(`docs/data/gpu_tests_suite_h100.txt`); the graph, sampling, fused-kernel and cascade tests again after the KV "
+    "store moved into the RoPE kernel, 34 tests (`docs/data/gpu_tests_kv_store_in_rope_h100.txt`).",
     "The sampler's race skipping the blocks that cannot win (chapter 11, section 4): the draw alone with and "
     "without it `docs/data/race_prune_h100.json`, `docs/data/race_prune_chunks_h100.json`; the canonical workload "
     "with the two races alternating in one process `docs/data/sampler_prune_ab_h100.json`, in interleaved "

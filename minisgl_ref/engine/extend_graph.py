@@ -123,7 +123,7 @@ class ExtendGraphRunner:
         initialisation happens outside a capture, and the smaller row counts launch the same kernels at the same
         token counts (the LM head's few row counts are met by the start-up matmul warm-up). On an H100, warming
         every graph made this capture take 4.5 s and a warm start 17.3 s; warming the first row count only, 2.7 s
-        and 14.1 s (``docs/data/canonical_startup_all_warmups_h100.json``, ``canonical_startup_final_h100.json``)."""
+        and 14.1 s (``docs/data/canonical_startup_all_warmups_h100.json``, ``canonical_startup_multirow_graphs_h100.json``)."""
         for rows in reversed(self.row_buckets):
             for t in reversed(self.sizes_of(rows)):
                 if t != self.budget_tokens:

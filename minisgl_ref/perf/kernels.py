@@ -147,6 +147,6 @@ def _compile(shapes: KernelShapes, device: torch.device, family: str) -> None:
 def warmup_jobs(shapes: KernelShapes, device: torch.device) -> dict[str, Callable[[], None]]:
     """The start-up compiles of the fused ops, for :func:`minisgl_ref.engine.warmup.start`. Each FlashInfer family
     is its own nvcc build (on a bare H100 the three took 128 s one after the other and 72 s in threads,
-    ``docs/data/perf2_h100.json``), so each is its own job, and its own thread."""
+    ``docs/data/startup_and_cascade_h100.json``), so each is its own job, and its own thread."""
     return {family: (lambda family=family: _compile(shapes, device, family))  # type: ignore[misc]
             for family in ("norm", "activation", "rope")}

@@ -14,7 +14,7 @@
 #             ($GRAMMAR_ARGS go to it, e.g. a model folder with dummy weights).
 #
 # From the repository root on a GPU machine with flashinfer-python and FlashAttention-3 installed:
-#   OUT=results bash scripts/gpu/perf2_round.sh startup cascade tests serving grammar
+#   OUT=results bash scripts/gpu/startup_and_shared_prefix.sh startup cascade tests serving grammar
 set -o pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
