@@ -609,7 +609,25 @@ plt.show()
 # Compute them once and keep them, and every decode step becomes a one-token forward plus attention over the
 # stored keys and values. That is the **KV cache** of chapter 03 — and the first thing that will be checked,
 # token for token, against the loop of this chapter.
+
+# %% [markdown]
+# ## Summary
 #
+# * **The naive engine.** A step runs the model over every request's whole sequence (prompt plus output so far),
+#   samples one token per request and appends it. Nothing is cached, so nothing can go stale.
+# * **One place for the stop rules.** `Req.append_token` checks stop token ids and EOS, then stop strings, then
+#   the length limits, so every engine in the book ends a request at exactly the same token.
+# * **A flat batch without padding.** Sequences lie back to back in one `[T]` tensor, only each request's last
+#   position goes through the LM head, and attention cuts the batch back into requests, under the causal mask and
+#   with each of SmolLM2's 3 KV heads shared by 3 of its 9 query heads.
+# * **The oracle.** On the CPU in float32 the loop gives the same 16 greedy tokens as Hugging Face `transformers`,
+#   and a request's output does not depend on what it is batched with.
+# * **The cost.** Every step pays for the whole sequence again: after 64 tokens the naive loop has pushed about 34
+#   times more tokens through the model than it needed to, and the ratio grows with the length.
+# * **Next.** Keys and values never change once computed, so chapter 03 keeps them in a KV cache, and its engine
+#   is checked token for token against this loop. Chapters 01 and 02 first open the model and the text around it.
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. **Task 0.1.** Rewrite the body of `reference_attention` your own way (for example: loop over query heads

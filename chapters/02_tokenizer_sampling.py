@@ -847,6 +847,26 @@ print(f"this run: detokenizer {us_inc:.0f} us/token incremental vs {us_full:.0f}
       + f"; chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s (after imports)")
 
 # %% [markdown]
+# ## Summary
+#
+# * **Text in.** A chat is rendered by the model's template to text and encoded without adding special tokens
+#   again (no double BOS); the ids that end a turn are the union of the tokenizer's EOS and
+#   `generation_config.json`'s.
+# * **Text out.** The incremental detokenizer decodes a short window of ids with context, never emits text ending
+#   in U+FFFD, and holds back any tail that could still become a stop string (a stop regex holds nothing back).
+#   Its deltas always concatenate to the plain decode (task 2.1).
+# * **Constant cost per token.** The window keeps the work per token flat where decoding everything again grows
+#   with the answer; calling the Rust tokenizer directly cut the window's cost about threefold (23 to 8 µs a
+#   token).
+# * **Sampling.** SGLang's `SamplingParams`, checked once; penalties, temperature, then top-k, top-p and min-p in
+#   one sorted pass (tasks 2.2, 2.3); the draw is an exponential race, `argmax(p / E)`, on counter-based hashed
+#   noise (task 2.4).
+# * **The oracles.** 50,000 seeded draws stay within 0.01 of the filtered, renormalised softmax, and a seeded
+#   request draws the same tokens alone, in row 9 of 17 or in row 63 of 64, where a stateful generator does not.
+# * **Next.** Because the noise depends only on the seed and the step, chapter 03's paged engine gives the same
+#   tokens, seeded draws included; chapter 10 moves the detokenizer into a process of its own.
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. **Task 2.1.** Replace `_advance` by the naive rule (`emit decode([new_id])`) and run

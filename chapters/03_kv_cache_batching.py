@@ -688,7 +688,31 @@ assert naive_cpu > paged_cpu
 # than the token ratio for the reason section 1 measured: a pass has a fixed cost, and the paged engine runs as
 # many passes as the naive one (one per output token) — it just makes each of them small. Both ratios grow with
 # the length of the requests; at the thousand-token prompts of real workloads, the naive loop is not an option.
+
+# %% [markdown]
+# ## Summary
 #
+# * **A KV cache.** Prefill computes a prompt's keys and values once; each decode step feeds one token per request
+#   and reads the rest from the cache. Work becomes linear in the length, removing chapter 00's 34-fold waste for
+#   a 64-token answer.
+# * **Why batch.** A forward pass reads every weight whatever it carries: on this CPU sixteen tokens cost only
+#   about twice as much as one, and an H100 stays memory-bound up to roughly 300 tokens a pass. The batch is
+#   limited by the memory for its KV.
+# * **Three structures.** `KVPool` (slots), `PageAllocator` (free pages on a stack, page 0 never handed out) and
+#   `ReqToTokenPool` (a token-granular page table); `alloc_tokens` fills a request's last page, then takes fresh
+#   ones (task 3.1). At 16-token pages the waste is under one percent of the canonical workload.
+# * **One flat step.** `ModelRunner.prepare` turns a `ScheduledBatch` into a `ForwardBatch` with each new token's
+#   slot and each request's page-table row; decode tokens come from a token buffer on the device (task 3.3).
+#   `TorchNativeBackend` attends through the page table and is the reference for later kernels.
+# * **Continuous batching.** Requests join as soon as the pool can hold their prompt plus a reserve
+#   (`new_token_ratio`, from 0.7) for their future tokens, and leave the moment they finish; when the bet loses,
+#   the newest request is retracted and later resumes with a prefill of its prompt and output so far (task 3.2).
+# * **The oracle.** The same greedy tokens as chapter 00's loop, at page sizes 1 and 16, with staggered arrivals
+#   and a retraction.
+# * **Next.** The cache manager is where chapter 04 plugs in a radix tree, so that requests with a common prefix
+#   share its KV.
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. **Task 3.1.** Write `PageAllocator.alloc_pages`, `alloc_tokens` and `free_slots` yourself. Edge cases:

@@ -812,7 +812,30 @@ assert paged_run["prefill_tokens"] >= 3 * radix_run["prefill_tokens"]
 # come back. (The naive stage recomputes every sequence at every step, chapter 00. The chunked and overlap
 # stages, chapters 05 and 06, compute the same tokens; on a CPU they cannot make this workload faster, only a
 # little slower: more, smaller steps, and nothing for overlap to run in parallel with.)
+
+# %% [markdown]
+# ## Summary
 #
+# * **KV that outlives requests.** A radix tree keyed on token ids maps every cached sequence to its slots;
+#   `match` finds the longest cached prefix and `insert` adds a sequence, both splitting an edge where sequences
+#   part (tasks 4.1, 4.2).
+# * **Pin and evict.** A running request locks the deepest node of its match and all its ancestors; when the pool
+#   runs short, unlocked leaves go, least recently used first (task 4.3). With pages, everything is rounded to
+#   whole pages.
+# * **In the engine** (task 4.4). `match` never takes a request's last token, `commit` inserts a prefill's tokens,
+#   and `release` leaves the answer in the tree too, which makes the next turn of a chat nearly all cache hits.
+# * **One new prefix, two requests in one batch.** `commit` frees the duplicate copy; better, admission holds back
+#   a request that would compute at least 32 tokens another row of the same step is computing, and it finds them
+#   cached one step later (task 4.5).
+# * **Order and isolation.** Longest-prefix-match (`lpm`) serves requests whose prefix is cached first, where
+#   first come, first served can miss every time; `cache_salt` gives each tenant a root of its own.
+# * **The oracle and the gain.** Same greedy tokens as the naive loop, and the reused KV matches a fresh
+#   computation. On the shared-prefix benchmark the radix stage computes each of the 4 system prompts once (4 x
+#   480 tokens) plus the 32 questions: the ideal.
+# * **Next.** Chapter 05 decides how much prompt a step may take; chapter 06 commits prefill rows as soon as their
+#   step is launched, so sharing keeps up under overlap.
+
+# %% [markdown]
 # ## Exercises
 #
 # Each task is a marked region (`# BEGIN TASK 4.n` ... `# END TASK 4.n`) whose function's docstring says what

@@ -559,7 +559,27 @@ print(f"longest stall of a running request: {stall_none:.2f} s without chunking,
 # with their decode tokens, their longest wait is one mixed step. Scale the prompt up a hundredfold and the GPU
 # up accordingly, and this is the difference between a stream that stutters for a moment and the 77-second freeze
 # of section 1.
+
+# %% [markdown]
+# ## Summary
 #
+# * **The freeze.** With prefill priority a long prompt takes every step until it is done, and the running
+#   requests stop streaming: in the FreeToken report a 200,019-token prompt froze a running request for 77 s.
+# * **Budgets and admission.** `max_prefill_tokens` (16,384 here), `chunked_prefill_size` (8,192) and
+#   `max_running_requests` (256), plus memory for each prompt and its output reserve, applied by one loop over the
+#   candidates; at most one request is half-prefilled at a time (task 5.1).
+# * **Chunking is not enough.** With a 2,048-token prompt cut into chunks of 256, the running requests skip eight
+#   steps instead of one; **mixing** (`enable_mixed_chunk`) gives them a decode row in every chunk step, so they
+#   never skip one.
+# * **A trade-off.** The longest gap of the running requests grows with the chunk size; the long prompt's own time
+#   to first token is highest for the smallest chunks, which pay a step's fixed cost many times.
+# * **The oracle.** No chunking, chunking, and chunking with mixing give exactly the naive loop's tokens, in every
+#   run of the sweep.
+# * **On the real model.** With chunks of 128 riding along with the decode tokens, a ~500-token prompt costs the
+#   running requests at most one mixed step instead of its whole prefill.
+# * **Next.** Chapter 06 hides the CPU's share of every step behind the device's.
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. **Task 5.1.** Write `Scheduler._admit_chunk` from the description in section 3. Before you do, answer: why

@@ -647,7 +647,30 @@ assert any(r.finish_reason.matched in eos for r in naive_reqs)
 
 # %% [markdown]
 # The extra tokens of race 1 were computed, and not one reached an output.
+
+# %% [markdown]
+# ## Summary
 #
+# * **The CPU's part of a step.** Scheduling, preparing the batch, packing sampling state and processing the
+#   tokens are Python that grows with the batch and not with the model; on a GPU the forward shrinks by orders of
+#   magnitude and that work does not.
+# * **The overlapped loop** (task 6.1). The engine launches step N+1 before it processes step N: decode inputs
+#   come from a token buffer on the device, the one host wait per step is on the step's own copy event, the
+#   scheduler counts tokens in flight, and prefill rows are committed to the radix tree at launch.
+# * **Three races, closed.** A request that stopped at step N has one token too many in N+1, which is dropped; its
+#   slots, still written by N+1, are freed only after that step is processed (`InflightFrees`); and a retraction
+#   while a step is in flight becomes `NEED_SYNC`, which drains that step first.
+# * **What it saves.** A step costs about `max(CPU, forward)` instead of their sum: at most half a step, when the
+#   two are equal. Where the CPU work is larger (in the estimate, a batch of 256) the GPU still waits, which is
+#   why the CPU work per step must also be small.
+# * **A seam for later chapters.** `EngineExtension` names the moments of a step where a feature may act; an
+#   engine given none runs exactly this loop.
+# * **The oracle.** Overlap on and off give the same tokens, finish reasons and text as the naive loop; the extra
+#   tokens of race 1 never reach an output.
+# * **Next.** Chapter 07 makes attention fast and chapter 08 cuts the launch cost of a step; chapter 12 plugs its
+#   grammar masks into the seam.
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. **Task 6.1.** Write `Engine._step_overlap`, `Engine._finish_inflight` and the parking and releasing of

@@ -171,3 +171,42 @@ def test_process_words_and_hashes_are_caught(tmp_path: Path) -> None:
     words = [w.split(": ", 1)[1].split(" in ")[0] for w in process_words(page)]
     assert words == ["'bare machine'", "'GPU call'", "'same call'", "'session'"]
     assert [h.split(": ", 1)[1].split()[0] for h in commit_hashes_in_prose(page)] == ["4d00637"]
+
+
+#: The closing headings every numbered chapter has, in this order, each in a markdown cell.
+CLOSING_HEADINGS = ["## Summary", "## Exercises", "## Reproduce"]
+
+
+def closing_headings(path: Path) -> list[str]:
+    """The closing headings (``## Summary``, ``## Exercises``, ``## Reproduce``) of a chapter's markdown cells, in
+    the order they appear."""
+    found = []
+    for cell in _cells(path):
+        if cell.cell_type != "markdown":
+            continue
+        for line in cell.source.splitlines():
+            if line.strip() in CLOSING_HEADINGS:
+                found.append(line.strip())
+    return found
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_every_chapter_ends_with_summary_exercises_reproduce(path: Path) -> None:
+    """A reader who finishes a chapter finds what it taught, then what to practise, then how to run it again."""
+    assert closing_headings(path) == CLOSING_HEADINGS
+
+
+def test_a_missing_or_misplaced_summary_is_caught(tmp_path: Path) -> None:
+    missing = tmp_path / "42_missing.py"
+    missing.write_text("# %% [markdown]\n# ## Exercises\n\n# %% [markdown]\n# ## Reproduce\n")
+    assert closing_headings(missing) == ["## Exercises", "## Reproduce"]
+    late = tmp_path / "42_late.py"
+    late.write_text("# %% [markdown]\n# ## Exercises\n\n# %% [markdown]\n# ## Summary\n\n"
+                    "# %% [markdown]\n# ## Reproduce\n")
+    assert closing_headings(late) == ["## Exercises", "## Summary", "## Reproduce"]
+    in_code = tmp_path / "42_code.py"  # a heading written as a comment in a code cell is not a heading
+    in_code.write_text("# %%\nx = 1\n# ## Summary\n\n# %% [markdown]\n# ## Exercises\n\n"
+                       "# %% [markdown]\n# ## Reproduce\n")
+    assert closing_headings(in_code) == ["## Exercises", "## Reproduce"]
+    for bad in (missing, late, in_code):
+        assert closing_headings(bad) != CLOSING_HEADINGS
