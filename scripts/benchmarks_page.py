@@ -450,8 +450,8 @@ def render() -> str:
     page = ["# Benchmarks", "",
             "Every number on this page comes from a JSON file committed under `docs/data/`, which records the command, "
             "the hardware, the software versions and the time it was measured; `python scripts/benchmarks_page.py` "
-            "writes this page from them. The chapters that produce the numbers read the same files and plot them (the "
-            "site shows the chapters' code; run a chapter or its notebook to see the plots).", ""]
+            "writes this page from them. The chapters that produce the numbers read the same files and plot them: "
+            "each chapter's page shows its plots and tables next to the code that draws them.", ""]
     page += latest_section() + offline_section() + tp_section() + parallel_serving_section() + seams_section()
     page += ["## Other results", "", *(f"- {line}" for line in OTHER_RESULTS), ""]
     return "\n".join(page)

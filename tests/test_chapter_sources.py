@@ -210,3 +210,10 @@ def test_a_missing_or_misplaced_summary_is_caught(tmp_path: Path) -> None:
     assert closing_headings(in_code) == ["## Exercises", "## Reproduce"]
     for bad in (missing, late, in_code):
         assert closing_headings(bad) != CLOSING_HEADINGS
+
+
+def test_every_chapter_has_a_row_in_the_chapters_table(hook) -> None:  # type: ignore[no-untyped-def]
+    """The chapters index says, for each chapter file, which stage it adds to the engine: no empty cell."""
+    stages = {number: stage for number, _, stage in hook.CHAPTER_PLAN}
+    numbers = [p.name[:2] for p in CHAPTERS]
+    assert [n for n in numbers if not stages.get(n, "").strip()] == []

@@ -92,6 +92,8 @@ CHAPTER_PLAN: tuple[tuple[str, str, str], ...] = (
     ("09", "Tensor parallelism", "column/row-parallel layers, all-reduce, one scheduler per rank"),
     ("10", "The server", "processes, messages, OpenAI and native APIs, streaming, aborts, metrics, the shell"),
     ("11", "Performance", "workloads, the roofline, the stage ladder"),
+    ("12", "Structured output", "grammar masks on the logits (JSON schema, regex, EBNF) through the engine's "
+     "extension seam, jump-forward decoding, tool calls"),
 )
 
 #: Tags that fold both the code and its outputs into one collapsed block.
