@@ -318,7 +318,8 @@ class RunResult:
     kv_bytes_per_decode_step: float | None = None
     kv_bytes_per_decode_step_plain: float | None = None
     # Seconds from "build the engine" to ready (weights, KV pool, kernel compilation, CUDA-graph capture): what a
-    # user waits before the first request; a bare machine's first process also fills the on-disk kernel caches.
+    # user waits before the first request; a cold start (a fresh machine's first process) also fills the on-disk
+    # kernel caches.
     startup_s: float | None = None
     startup_phases: dict[str, float] | None = None  # the engine's part of it, phase by phase (Runtime.startup)
     # New entries in the on-disk kernel caches (Triton, Inductor, FlashInfer) during the timed run: anything but

@@ -23,8 +23,8 @@ the float32 copy plus the old kernel, and 117 us against 284 us at 64 rows (``do
 Why a kernel of our own rather than ``torch.compile`` of the eager function: the compiled version was not faster
 (on an H100 the canonical workload ran at 17.1k output tok/s with it and 17.5k with this kernel), but it cost every
 engine start about 15 s of tracing and code generation even with a warm disk cache (four specialisations: two
-functions, a batch of one and of many), most of a warm start, and on a bare machine it kept compiling new
-variants inside the first requests. This kernel is a few Triton compiles on a bare machine (one per input dtype
+functions, a batch of one and of many), most of a warm start, and after a cold start it kept compiling new
+variants inside the first requests. This kernel is a few Triton compiles at a cold start (one per input dtype
 and path, see :func:`compile_kernels`) and cache loads after that: with the single float32 variant the kernel
 had before, the whole start-up compile step of a warm start took about 3 s (chapter 11).
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The canonical workload on a bare machine: `bench offline` in a first process (empty compile caches: it pays
+# The canonical workload from a cold start: `bench offline` in a first process (empty compile caches: it pays
 # for every JIT and Triton compile at start-up) and in a second one (warm disk caches), one JSON with both.
 #   bash scripts/gpu/bare_machine.sh OUTPUT.json [extra bench offline args...]
 set -euo pipefail
@@ -10,7 +10,7 @@ python3 -m minisgl_ref bench offline --output "$tmp/warm.json" "$@"
 python3 - "$out" "$tmp" "$*" <<'PY'
 import json, os, sys
 out, tmp, extra = sys.argv[1:]
-doc = {"what": "the canonical workload on a bare machine: a first process (cold compile caches), then a second",
+doc = {"what": "the canonical workload from a cold start: a first process (cold compile caches), then a second",
        "command": ("python -m minisgl_ref bench offline " + extra).strip(),
        "git_commit": os.environ.get("MINISGL_GIT_COMMIT", "unknown"),
        "cold": json.load(open(f"{tmp}/cold.json")), "warm": json.load(open(f"{tmp}/warm.json"))}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Chapter 12's GPU numbers against earlier versions of the engine, in one session on one GPU:
+# Chapter 12's GPU numbers against earlier versions of the engine, one after another on one GPU:
 #   1. benchmarks/h2d_copy.py: does a bitmask-sized copy make the host wait for the GPU?
 #   2. scripts/gpu/constrained_bench.py (typical schema, constrained against free twins) at batch 32 and 64 for
 #      this checkout and for each overlay directory in OVERLAYS (files laid over the checkout for that run: an

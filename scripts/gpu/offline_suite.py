@@ -237,7 +237,7 @@ def _kernel_table(prof, title: str, rows: int = 30) -> str:
 
 
 def _gpu_busy_ms(prof) -> float:
-    """Sum of device time of all kernels and copies in a profile (overlapping kernels counted twice: we run one
+    """Sum of the GPU time of all kernels and copies in a profile (overlapping kernels counted twice: we run one
     stream, so there are none)."""
     return sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA") / 1e3
 
@@ -392,7 +392,7 @@ def main() -> int:
         report["ladder_note"] = (f"rows marked workload_requests={args.small_n} use a reduced workload: the canonical "
                                  f"recipe with {args.small_n} requests and outputs of 100-{args.small_out} tokens "
                                  "(canonical_workload(n, output_len=...)), so that the naive oracle and the "
-                                 "torch_native stages fit in one GPU call; the other rows run the full 256-request "
+                                 "torch_native stages fit in one run; the other rows run the full 256-request "
                                  "canonical workload")
         report["ladder"] = []
         ladder(bw, args.small_n, args.small_out, report["ladder"], save)

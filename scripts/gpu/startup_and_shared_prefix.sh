@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Chapter 11's start-up and shared-prefix measurements, from a bare machine, in one go:
+# Chapter 11's start-up and shared-prefix measurements, from a cold start, in one go:
 #
-#   startup   `bench offline` (canonical workload) in a first process on a bare machine (every kernel cache
+#   startup   `bench offline` (canonical workload) in a first process after a cold start (every kernel cache
 #             empty), then in a second process (caches on disk): start-up seconds and the first timed run of each.
 #   cascade   scripts/gpu/cascade_ab.sh: the shared-prefix workload with the radix cache and cascade attention,
 #             the radix cache without it, and no radix cache.
