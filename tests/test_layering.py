@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("llm",),  # the offline LLM
     ("minisgl_ref",),  # the package's public API (`from minisgl_ref import LLM, SamplingParams`)
     ("server", "bench"),  # the HTTP server processes; the benchmarks
-    ("cli", "__main__", "course"),  # the command line; the course tasks' regions
+    ("cli", "__main__", "course", "book"),  # the command line; the course tasks' regions; what the chapters show code and tables with
 )
 
 ROOT = Path(__file__).resolve().parent.parent / "minisgl_ref"
