@@ -75,10 +75,9 @@ import time
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
-
-from minisgl_ref import LLM, SamplingParams
 from IPython.display import display
 
+from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.attention.torch_native import NoCacheAttentionBackend, reference_attention
 from minisgl_ref.book import show_code, show_table, wrap
 from minisgl_ref.core.forward_batch import ForwardBatch
