@@ -54,7 +54,7 @@ from matplotlib.ticker import ScalarFormatter
 
 from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.attention.torch_native import TorchNativeBackend
-from minisgl_ref.book import show_code, shorten, wrap
+from minisgl_ref.book import show_code, wrap
 from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.core.forward_batch import ForwardBatch
 from minisgl_ref.engine.engine import Engine
@@ -652,8 +652,9 @@ n_out = sum(len(o.output_ids) for o in oracle)
 agree_paged = sum(o.output_ids == p.output_ids for o, p in zip(oracle, paged))
 agree_tight = sum(o.output_ids == r.output_ids for o, r in zip(oracle, tight_reqs))
 for o, p, r in zip(oracle, paged, tight_reqs):
+    text = repr(o.text) if len(repr(o.text)) <= 55 else repr(o.text)[:53] + " …"  # the text's start, spaces kept
     print(f"{o.prompt_tokens:>2}+{o.completion_tokens:<2} paged {'==' if o.output_ids == p.output_ids else '!='} "
-          f"naive, tight {'==' if o.output_ids == r.output_ids else '!='} naive  {shorten(repr(o.text), 55)}")
+          f"naive, tight {'==' if o.output_ids == r.output_ids else '!='} naive  {text}")
 print(f"identical greedy outputs: paged {agree_paged}/{len(oracle)}, "
       f"page 16 + 112-token pool + retraction {agree_tight}/{len(oracle)}")
 assert agree_paged == agree_tight == len(oracle), "the paged engine disagrees with the naive oracle"

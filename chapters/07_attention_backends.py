@@ -148,7 +148,7 @@ for name in ["init_forward_metadata", "attend_extend", "attend_decode", "init_gr
              "prepare_replay"]:  # fmt: skip
     doc = (inspect.getdoc(getattr(AttentionBackend, name)) or "").split("\n\n")[0].replace("\n", " ")
     print(wrap(f"{name}{inspect.signature(getattr(AttentionBackend, name))}", indent=" " * 8))
-    print(wrap(f"    {shorten(doc, 226)}\n"))
+    print(wrap(f"    {shorten(doc, 226)}", indent="    "), end="\n\n")
 
 # %% [markdown]
 # Three rules follow from "once per step, then once per layer":

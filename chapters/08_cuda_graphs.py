@@ -247,7 +247,7 @@ for name, buf in graphs.static.items():
 for hook in ("init_graph_buffers", "prepare_capture", "prepare_replay"):
     doc = inspect.getdoc(getattr(AttentionBackend, hook)).split("\n\n")[0]
     print(wrap(f"{hook}{inspect.signature(getattr(AttentionBackend, hook))}", indent=" " * 8))
-    print(wrap(textwrap.indent(doc, "    "), indent="    ") + "\n")
+    print(wrap("    " + " ".join(doc.split()), indent="    "), end="\n\n")
 
 # %% [markdown]
 # The smallest example is the `TorchStaticBackend` of sections 2 and 3: its decode reads two device tensors,
