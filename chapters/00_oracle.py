@@ -75,12 +75,13 @@ import time
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
+from IPython.display import display
 
 from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.attention.torch_native import NoCacheAttentionBackend, reference_attention
+from minisgl_ref.book import show_code, show_table, wrap
 from minisgl_ref.core.forward_batch import ForwardBatch
 from minisgl_ref.core.request import FinishReason, Req
-from minisgl_ref.course import task_source
 from minisgl_ref.engine.naive import NaiveEngine
 from minisgl_ref.tokenizer import IncrementalDetokenizer
 
@@ -100,7 +101,8 @@ llm = LLM(device="cpu", engine="naive")
 cfg = llm.config
 print(f"loaded {cfg.architecture} from {llm.model_path} in {time.perf_counter() - t0:.1f} s")
 print(f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} query heads / {cfg.num_kv_heads} KV heads "
-      f"of dim {cfg.head_dim}, vocab {cfg.vocab_size}, dtype {cfg.dtype}, {torch.get_num_threads()} CPU thread(s)")
+      f"of dim {cfg.head_dim}, vocab {cfg.vocab_size}")
+print(f"dtype {cfg.dtype}, {torch.get_num_threads()} CPU thread(s)")
 assert isinstance(llm.engine, NaiveEngine)
 print("engine:", type(llm.engine).__name__, "| EOS ids:", sorted(llm.eos_token_ids))
 
@@ -171,7 +173,7 @@ assert "Paris" in req.output_text
 # compared token for token. This is **task 0.2**:
 
 # %%
-print(task_source(Req.append_token, "0.2"))
+show_code(Req.append_token, task="0.2")
 
 # %% [markdown]
 # The order of the checks matters, and each answers a question an API user would ask:
@@ -213,10 +215,10 @@ cases = {
     "context window = prompt + 4": replay(SamplingParams(temperature=0), context_len=len(prompt_ids) + 4),
     "ignore_eos=True (runs out of ids)": replay(SamplingParams(temperature=0, ignore_eos=True)),
 }
-print(f"{'rule':<36} {'tokens':>6}  {'finish reason':<34} text")
-for name, r in cases.items():
-    reason = "" if r.finish_reason is None else str(r.finish_reason.to_dict())
-    print(f"{name:<36} {len(r.output_ids):>6}  {reason:<34} {r.output_text!r}")
+display(show_table([
+    (name, len(r.output_ids), "" if r.finish_reason is None else str(r.finish_reason.to_dict()), repr(r.output_text))
+    for name, r in cases.items()
+], headers=["rule", "tokens", "finish reason", "text"]))
 
 assert cases["plain greedy (EOS ends it)"].finish_reason == FinishReason("stop", matched=answer_ids[-1])
 assert cases["max_new_tokens=3"].finish_reason.kind == "length" and len(cases["max_new_tokens=3"].output_ids) == 3
@@ -234,7 +236,7 @@ assert not cases["ignore_eos=True (runs out of ids)"].finished  # EOS was just a
 # `NaiveEngine.step` in `minisgl_ref/engine/naive.py` is **task 0.3**. It is the whole engine:
 
 # %%
-print(task_source(NaiveEngine.step, "0.3"))
+show_code(NaiveEngine.step, task="0.3")
 
 # %% [markdown]
 # Line by line:
@@ -281,7 +283,7 @@ print("last_token_indices", last.tolist(), "-> tokens", toy.input_ids[last].toli
 # `reference_attention`, **task 0.1**:
 
 # %%
-print(task_source(reference_attention, "0.1"))
+show_code(reference_attention, task="0.1")
 
 # %% [markdown]
 # Two ideas are packed into those lines.
@@ -445,9 +447,10 @@ hf_s = time.perf_counter() - t0
 theirs = hf_out[0, len(prompt_ids):].tolist()
 
 agree = sum(a == b for a, b in zip(ours.output_ids, theirs))
-print("naive loop  :", ours.output_ids)
-print("transformers:", theirs)
-print(f"agreement: {agree}/{N_ORACLE} tokens  |  text: {llm.tokenizer.decode(ours.output_ids)!r}")
+print(wrap(f"naive loop  : {ours.output_ids}", indent=" " * 15))
+print(wrap(f"transformers: {theirs}", indent=" " * 15))
+print(f"agreement: {agree}/{N_ORACLE} tokens")
+print(f"text: {llm.tokenizer.decode(ours.output_ids)!r}")
 print(f"time for {N_ORACLE} tokens: naive loop {ours_s:.2f} s, transformers generate (with its KV cache) {hf_s:.2f} s")
 assert ours.output_ids == theirs, "the naive loop disagrees with transformers"
 
@@ -487,8 +490,8 @@ reqs = [llm.make_request(p, batch_params) for p in prompts]
 
 first = ForwardBatch.for_full_sequences([r.all_ids for r in reqs], llm.engine.backend)
 lens = first.extend_lens_cpu
-print(f"first step: extend_lens {lens} -> T = {sum(lens)} tokens in one flat batch; "
-      f"a padded [B, max_len] batch would hold {len(lens) * max(lens)} ({len(lens) * max(lens) - sum(lens)} padding)")
+print(f"first step: extend_lens {lens} -> T = {sum(lens)} tokens in one flat batch")
+print(f"a padded [B, max_len] batch would hold {len(lens) * max(lens)} ({len(lens) * max(lens) - sum(lens)} padding)")
 
 t0 = time.perf_counter()
 steps = 0
@@ -558,17 +561,17 @@ slope, intercept = np.polyfit(seq_lens, cpu_s, 1)  # CPU seconds = intercept + s
 naive_tokens = int(seq_lens.sum())
 cached_tokens = len(story_ids) + N_GEN - 1  # prefill the prompt once, then one new token per decode step
 print(f"prompt {llm.tokenizer.decode(story_ids)!r} ({len(story_ids)} tokens) -> "
-      f"{llm.tokenizer.decode(req.output_ids)[:70]!r}...")
+      f"{llm.tokenizer.decode(req.output_ids)[:50]!r}...")
 print(f"{N_GEN} tokens, sequence {seq_lens[0]} -> {seq_lens[-1]} tokens: "
       f"wall {wall_s.sum():.1f} s ({N_GEN / wall_s.sum():.2f} tokens/s), CPU {cpu_s.sum():.1f} s "
       f"({N_GEN / cpu_s.sum():.2f} tokens/s)")
 print(f"CPU time per step: {cpu_s[:4].mean() * 1e3:.0f} ms over the first 4 steps, "
-      f"{cpu_s[-4:].mean() * 1e3:.0f} ms over the last 4; "
-      f"fit: {intercept * 1e3:.0f} ms + {slope * 1e3:.2f} ms per token fed")
+      f"{cpu_s[-4:].mean() * 1e3:.0f} ms over the last 4")
+print(f"fit: {intercept * 1e3:.0f} ms + {slope * 1e3:.2f} ms per token fed")
 print(f"a step that feeds a single token: {one_cpu_s * 1e3:.0f} ms CPU (median of 5)")
 print(f"tokens pushed through the model: {naive_tokens} for {N_GEN} generated "
-      f"({naive_tokens / N_GEN:.1f} per generated token); with a KV cache: {cached_tokens} "
-      f"({naive_tokens / cached_tokens:.1f}x fewer)")
+      f"({naive_tokens / N_GEN:.1f} per generated token)")
+print(f"with a KV cache: {cached_tokens} ({naive_tokens / cached_tokens:.1f}x fewer)")
 assert slope > 0  # longer sequences cost more per step
 
 # %%
@@ -673,7 +676,7 @@ plt.show()
 # machine vary from run to run, CPU times much less.
 
 # %%
-print(f"this run: {N_GEN} tokens at {N_GEN / wall_s.sum():.2f} tokens/s wall ({N_GEN / cpu_s.sum():.2f} tokens/s "
-      f"of CPU time); CPU per step {intercept * 1e3:.0f} ms + {slope * 1e3:.2f} ms/token; single-token step "
-      f"{one_cpu_s * 1e3:.0f} ms; oracle {agree}/{N_ORACLE} tokens, max logit diff {logit_err:.1e}; "
-      f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s")
+print(wrap(f"this run: {N_GEN} tokens at {N_GEN / wall_s.sum():.2f} tokens/s wall ({N_GEN / cpu_s.sum():.2f} "
+           f"tokens/s of CPU time); CPU per step {intercept * 1e3:.0f} ms + {slope * 1e3:.2f} ms/token; single-token "
+           f"step {one_cpu_s * 1e3:.0f} ms; oracle {agree}/{N_ORACLE} tokens, max logit diff {logit_err:.1e}; "
+           f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s"))

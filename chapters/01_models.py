@@ -58,6 +58,7 @@ import json
 import math
 import os
 import tempfile
+import textwrap
 import warnings
 
 import matplotlib.pyplot as plt
@@ -69,7 +70,10 @@ warnings.filterwarnings("ignore")
 transformers.utils.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
 
+from IPython.display import display
+
 from minisgl_ref.attention import NoCacheAttentionBackend
+from minisgl_ref.book import show_code, show_table, wrap
 from minisgl_ref.core.forward_batch import ForwardBatch
 from minisgl_ref.models import ModelConfig, load_model
 from minisgl_ref.models.loader import MODEL_REGISTRY, SHIPPED_CONFIGS
@@ -82,9 +86,9 @@ torch.set_num_threads(int(os.environ.get("MINISGL_THREADS", "1")))
 
 
 def show(obj) -> None:
-    """Print the source of a function or class from the package, with the file it lives in."""
+    """Show the source of a function or class from the package as code, with the file it lives in."""
     path = Path(inspect.getsourcefile(obj)).resolve().relative_to(ROOT)
-    print(f"# {path}\n{inspect.getsource(obj)}")
+    display(show_code(f"# {path}\n{textwrap.dedent(inspect.getsource(obj))}"))
 
 
 def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -142,8 +146,8 @@ new_spelling = dict(llama_json)
 new_spelling["rope_parameters"] = {"rope_theta": new_spelling.pop("rope_theta"), **new_spelling.pop("rope_scaling")}
 
 old_cfg, new_cfg = ModelConfig.from_dict(llama_json), ModelConfig.from_dict(new_spelling)
-print("old spelling:", old_cfg.rope_theta, old_cfg.rope_scaling)
-print("new spelling:", new_cfg.rope_theta, new_cfg.rope_scaling)
+print(wrap(f"old spelling: {old_cfg.rope_theta} {old_cfg.rope_scaling}", indent=" " * 14))
+print(wrap(f"new spelling: {new_cfg.rope_theta} {new_cfg.rope_scaling}", indent=" " * 14))
 assert (old_cfg.rope_theta, old_cfg.rope_scaling) == (new_cfg.rope_theta, new_cfg.rope_scaling)
 
 # A scaling whose type is "default" is no scaling at all; unknown types are refused rather than computed wrong.
@@ -161,13 +165,11 @@ except ValueError as e:
 
 # %%
 shipped = {p.stem: ModelConfig.from_file(p) for p in sorted(SHIPPED_CONFIGS.glob("*.json"))}
-print(f"{'config':<14}{'arch':<19}{'layers':>6}{'hidden':>7}{'heads':>6}{'kv':>4}{'hd':>5}{'ffn':>7}{'vocab':>8}"
-      f"{'rope theta':>11}  {'scaling':<8}{'tied':>5}")
-for name, c in shipped.items():
-    scaling = c.rope_scaling["rope_type"] if c.rope_scaling else "-"
-    print(f"{name:<14}{c.architecture:<19}{c.num_layers:>6}{c.hidden_size:>7}{c.num_heads:>6}{c.num_kv_heads:>4}"
-          f"{c.head_dim:>5}{c.intermediate_size:>7}{c.vocab_size:>8}{c.rope_theta:>11.0f}  {scaling:<8}"
-          f"{str(c.tie_word_embeddings):>5}")
+show_table([
+    (name, c.architecture, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+     c.vocab_size, f"{c.rope_theta:.0f}", c.rope_scaling["rope_type"] if c.rope_scaling else "-", c.tie_word_embeddings)
+    for name, c in shipped.items()
+], headers=["config", "arch", "layers", "hidden", "heads", "kv", "hd", "ffn", "vocab", "rope theta", "scaling", "tied"])
 
 # %% [markdown]
 # ## 3. The layers
@@ -473,8 +475,8 @@ from minisgl_ref.models import qwen3 as qwen3_module
 show(qwen2_module.Qwen2Attention)
 show(qwen3_module.Qwen3Attention)
 show(llama_module.LlamaAttention.forward)
-print("architecture name in config.json -> class:",
-      {name: cls.__name__ for name, cls in MODEL_REGISTRY.items()})
+print(wrap("architecture name in config.json -> class: "
+           + ", ".join(f"{name} -> {cls.__name__}" for name, cls in MODEL_REGISTRY.items())))
 
 # %% [markdown]
 # ## 4. Weights
@@ -537,18 +539,20 @@ print(f"  ... {len(index['weight_map'])} tensors in all")
 # ```
 
 # %%
-print("stacked_params:", llama_module.LlamaForCausalLM.stacked_params)
+print(wrap(f"stacked_params: {llama_module.LlamaForCausalLM.stacked_params}", indent=" " * 16))
 show(llama_module.LlamaForCausalLM.load_weights)
 print("checkpoint name -> our parameter (layer 0 of the tiny Qwen3):")
+mapping = []
 for name, tensor in iter_safetensors(tiny_dir):
     if not name.startswith("model.layers.0."):
         continue
     ours, shard = name.removeprefix("model."), ""
     for fused, part, shard_id in llama_module.LlamaForCausalLM.stacked_params:
         if f".{part}." in ours:
-            ours, shard = ours.replace(f".{part}.", f".{fused}."), f"  (shard {shard_id!r})"
+            ours, shard = ours.replace(f".{part}.", f".{fused}."), repr(shard_id)
             break
-    print(f"  {name:<45} {str(tuple(tensor.shape)):<10} -> {ours}{shard}")
+    mapping.append((name, tuple(tensor.shape), ours, shard))
+show_table(mapping, headers=["checkpoint tensor", "shape", "our parameter", "shard"])
 
 # %% [markdown]
 # ### 4.3 A tensor-parallel preview, by hand
@@ -660,7 +664,8 @@ load_hf_s = time.perf_counter() - t0
 print(f"loaded {type(model).__name__} in {load_ours_s:.1f} s (ours) and {load_hf_s:.1f} s (transformers)")
 tied = model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
 emb_rows = model.embed_tokens.weight.numel()
-print(f"tied embeddings share storage: {tied} ({emb_rows / 1e6:.1f}M parameters stored once instead of twice, "
+print(f"tied embeddings share storage: {tied}")
+print(f"({emb_rows / 1e6:.1f}M parameters stored once instead of twice, "
       f"{emb_rows / sum(p.numel() for p in model.parameters()):.0%} of the model)")
 
 emb_errors, emb_agree = compare_with_transformers(model, hf_model, oracle_prompts)
@@ -783,12 +788,12 @@ plt.show()
 
 # %%
 tiny_tmp.cleanup()
-print("this run:",
-      f"oracle max relative error {max(tiny_errors):.1e} (tiny Qwen3), {max(emb_errors):.1e} (SmolLM2);",
-      "SmolLM2 forward", " / ".join(f"{s * 1e3:.0f}" for s in timings.values()), "ms at T =",
-      " / ".join(map(str, timings)), f"({torch.get_num_threads()} thread(s));",
-      f"Qwen3-0.6B dummy build {build_s:.1f} s, 16-token forward {qwen_fwd_s * 1e3:.0f} ms;",
-      f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s")
+print(wrap(" ".join([
+    "this run:", f"oracle max relative error {max(tiny_errors):.1e} (tiny Qwen3), {max(emb_errors):.1e} (SmolLM2);",
+    "SmolLM2 forward", " / ".join(f"{s * 1e3:.0f}" for s in timings.values()), "ms at T =",
+    " / ".join(map(str, timings)), f"({torch.get_num_threads()} thread(s));",
+    f"Qwen3-0.6B dummy build {build_s:.1f} s, 16-token forward {qwen_fwd_s * 1e3:.0f} ms;",
+    f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s"])))
 
 # %% [markdown]
 # ## Summary

@@ -43,7 +43,6 @@
 # 8. check outputs and reused KV against the oracle, and measure prefill saved on a shared-prefix workload.
 
 # %% tags=["setup"]
-import inspect
 import json
 import os
 import random
@@ -57,8 +56,8 @@ import torch
 from IPython.display import Markdown, display
 
 from minisgl_ref import LLM, SamplingParams
+from minisgl_ref.book import show_code, show_table, wrap
 from minisgl_ref.core.config import EngineConfig
-from minisgl_ref.course import task_source
 from minisgl_ref.engine.engine import Engine
 from minisgl_ref.kvcache import PageAllocator, RadixCache
 from minisgl_ref.scheduler.cache_manager import CacheManager
@@ -166,7 +165,7 @@ shared = 0
 while all(p[shared] == physics[0][shared] for p in physics):
     shared += 1
 for p in physics:
-    print(f"{len(p)} tokens: {edge_text(tok, p[:shared], 60)!r} + {edge_text(tok, p[shared:], 60)!r}")
+    print(f"{len(p)} tokens: {edge_text(tok, p[:shared], 40)!r} + {edge_text(tok, p[shared:], 40)!r}")
 print(f"the first {shared} tokens of all three are identical ({shared / np.mean([len(p) for p in physics]):.0%} "
       f"of each prompt)")
 
@@ -258,11 +257,9 @@ assert toy.pretty() == "\n".join([
 # plus a comparison along the edge. Here are the two operations and the split they share:
 
 # %%
-print(task_source(RadixCache.match_prefix, "4.1"))
-print()
-print(task_source(RadixCache.insert, "4.2"))
-print()
-print(inspect.getsource(RadixCache._split))
+display(show_code(RadixCache.match_prefix, task="4.1"))
+display(show_code(RadixCache.insert, task="4.2"))
+show_code(RadixCache._split)
 
 # %% [markdown]
 # ## 3. Locking and LRU eviction (task 4.3)
@@ -278,7 +275,7 @@ print(inspect.getsource(RadixCache._split))
 # unlocked nodes, which could be freed if needed) and `protected_size` (tokens pinned by running requests).
 
 # %%
-print(task_source(RadixCache.inc_lock, "4.3"))
+show_code(RadixCache.inc_lock, task="4.3")
 
 # %% [markdown]
 # Continue with the toy tree: one more sequence, then a request that uses `[1 2 3 4]` locks it, then we ask for
@@ -372,7 +369,7 @@ assert paged_tree.match_prefix(seq[:7]).length == 4 and paged_tree.match_prefix(
 # moves the boundary:
 
 # %%
-print(task_source(CacheManager.commit, "4.4"))
+show_code(CacheManager.commit, task="4.4")
 
 # %% [markdown]
 # Now the real thing: the three physics questions, one after the other, on an engine with the radix cache on.
@@ -478,7 +475,8 @@ common = next(i for i, (a, b) in enumerate(zip(pair[0].input_ids, pair[1].input_
 row_a = eng.req_to_token.read(pair[0].req_pool_idx, pair[0].kv_allocated_len)
 row_b = eng.req_to_token.read(pair[1].req_pool_idx, pair[1].kv_allocated_len)
 print(f"prompts of {len(pair[0].input_ids)} and {len(pair[1].input_ids)} tokens, the first {common} shared, "
-      f"neither cached: the prefill step computed {rows_log[0]} tokens")
+      f"neither cached:")
+print(f"the prefill step computed {rows_log[0]} tokens")
 print(f"slots in use after the step: {free_before - eng.allocator.num_free_tokens} "
       f"(= {len(pair[0].input_ids)} + {len(pair[1].input_ids)} - {common} duplicates freed by commit)")
 print(f"row A: {row_a[:4].tolist()} ... {row_a[common - 2:common + 2].tolist()} ...")
@@ -504,7 +502,7 @@ eng.run_until_done()
 # `lpm`; here under both policies). Task 4.5:
 
 # %%
-print(task_source(Scheduler._defer_for_in_batch_prefix, "4.5"))
+show_code(Scheduler._defer_for_in_batch_prefix, task="4.5")
 
 # %% [markdown]
 # Waiting costs the held-back request one step of latency, which is only worth it for a long shared stretch:
@@ -552,7 +550,7 @@ assert in_batch[32][0] == in_batch[-1][0] - long_common and in_batch[32][1] == i
 # prefix: they are cheap to prefill, and serving them *now* uses their prefix before eviction can take it away.
 
 # %%
-print(inspect.getsource(Scheduler._ordered_waiting))
+show_code(Scheduler._ordered_waiting)
 
 # %% [markdown]
 # A small stress test shows the difference. Two groups of requests, A and B, each with its own 48-token system
@@ -578,16 +576,18 @@ def run_policy(policy: str):
     return e, reqs, "".join(order)
 
 
+policy_rows = []
 for policy in ["fcfs", "lpm"]:
     e, reqs, order = run_policy(policy)
-    print(f"{policy:<4}: admitted in order {' '.join(order)}; cached tokens per request (arrival order) "
-          f"{[r.cached_tokens for r in reqs]}; prefill tokens {e.stats.prefill_tokens}; "
-          f"hit rate {e.cache.hit_rate:.0%}")
+    policy_rows.append((policy, " ".join(order), str([r.cached_tokens for r in reqs]), e.stats.prefill_tokens,
+                        f"{e.cache.hit_rate:.0%}"))
     if policy == "fcfs":
         fcfs_prefill, fcfs_out = e.stats.prefill_tokens, [r.output_ids for r in reqs]
     else:
         lpm_prefill, lpm_out = e.stats.prefill_tokens, [r.output_ids for r in reqs]
 assert lpm_out == fcfs_out and lpm_prefill < fcfs_prefill
+display(show_table(policy_rows, headers=["policy", "admitted in order", "cached tokens per request (arrival order)",
+                                         "prefill tokens", "hit rate"]))
 print(f"lpm computed {fcfs_prefill / lpm_prefill:.1f}x fewer prefill tokens, same outputs")
 
 # %% [markdown]
@@ -635,9 +635,11 @@ page4_reqs = [llm.make_request(p, params) for p in oracle_prompts]
 for r in page4_reqs:
     page4.add_request(r)
     page4.run_until_done()
-for o, d, r in zip(oracle, default_out, page4_reqs):
-    print(f"{o.prompt_tokens} prompt tokens, cached: page 1 {d.cached_tokens:>2}, page 4 {r.cached_tokens:>2} | "
-          f"same as oracle: {d.output_ids == o.output_ids}, {r.output_ids == o.output_ids} | {o.text!r}")
+display(show_table([
+    (o.prompt_tokens, d.cached_tokens, r.cached_tokens, d.output_ids == o.output_ids, r.output_ids == o.output_ids,
+     repr(o.text)) for o, d, r in zip(oracle, default_out, page4_reqs)
+], headers=["prompt tokens", "cached (page 1)", "cached (page 4)", "same as oracle (page 1)",
+            "same as oracle (page 4)", "text"]))
 agree = sum(d.output_ids == o.output_ids for o, d in zip(oracle, default_out))
 agree4 = sum(r.output_ids == o.output_ids for o, r in zip(oracle, page4_reqs))
 print(f"identical greedy outputs: radix (page 1) {agree}/{len(oracle)}, radix (page 4) {agree4}/{len(oracle)}; "
@@ -713,11 +715,13 @@ def serve(**config):
 runs = {"radix off": serve(**PLAIN, disable_radix_cache=True), "radix on": serve(**PLAIN)}
 off, on = runs["radix off"], runs["radix on"]
 ideal = G * (S + Q) + (G * P - G) * Q
-print(f"{G} groups x {P} requests, system prompt {S} + question {Q} tokens, {O} output tokens; "
-      f"arrival order by group: {' '.join(str(g) for g, _ in workload)}")
-for name, r in runs.items():
-    print(f"{name:<26} prefill {r['prefill']:>5} tokens, wall {r['wall']:5.1f} s, CPU {r['cpu']:5.1f} s, "
-          f"hit rate {r['hit']:4.0%}, cached per request {[q.cached_tokens for q in r['reqs']]}")
+print(f"{G} groups x {P} requests, system prompt {S} + question {Q} tokens, {O} output tokens")
+print(f"arrival order by group: {' '.join(str(g) for g, _ in workload)}")
+display(show_table([
+    (name, r["prefill"], f"{r['wall']:.1f}", f"{r['cpu']:.1f}", f"{r['hit']:.0%}",
+     str([q.cached_tokens for q in r["reqs"]]))
+    for name, r in runs.items()
+], headers=["run", "prefill tokens", "wall s", "CPU s", "hit rate", "cached per request"]))
 print(f"ideal: {ideal} prefill tokens (each system prompt computed once)")
 print(f"radix on vs off: {off['prefill'] / on['prefill']:.1f}x fewer prefill tokens, "
       f"{off['wall'] / on['wall']:.1f}x wall, {off['cpu'] / on['cpu']:.1f}x CPU time")
@@ -802,7 +806,8 @@ bench_file = next(p / "docs/data/bench_offline_quick_shared_prefix_cpu.json" for
                   if (p / "docs/data/bench_offline_quick_shared_prefix_cpu.json").is_file())
 bench = json.loads(bench_file.read_text())
 prov = bench["provenance"]
-print(f"{prov['command']}\n{prov['hardware']['cpu']} ({prov['hardware']['cpu_count']} cores), torch "
+print(wrap(prov["command"]))
+print(f"{prov['hardware']['cpu']} ({prov['hardware']['cpu_count']} cores), torch "
       f"{prov['software']['torch']}, {prov['date'][:10]}; workload: {bench['workload']['requests']} requests, "
       f"{bench['workload']['input_tokens']:,} prompt tokens")
 print(f"{'stage':<8} {'prefill tokens':>14} {'cached':>7} {'hit rate':>8} {'wall s':>7} {'out tok/s':>9}")
@@ -905,9 +910,9 @@ assert paged_run["prefill_tokens"] >= 3 * radix_run["prefill_tokens"]
 # run's numbers.
 
 # %%
-print(f"this run: shared-prefix workload prefill {off['prefill']} -> {on['prefill']} tokens "
-      f"({off['prefill'] / on['prefill']:.1f}x), wall {off['wall']:.1f} -> {on['wall']:.1f} s "
-      f"({off['wall'] / on['wall']:.1f}x), CPU {off['cpu']:.1f} -> {on['cpu']:.1f} s ({off['cpu'] / on['cpu']:.1f}x), "
-      f"hit rate {on['hit']:.0%} (ideal {ideal}); lpm vs fcfs prefill "
-      f"{lpm_prefill} vs {fcfs_prefill}; oracle {agree}/{len(oracle)} and {agree4}/{len(oracle)}, cached KV "
-      f"max diff {kv_err:.1e}; chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s")
+print(wrap(f"this run: shared-prefix workload prefill {off['prefill']} -> {on['prefill']} tokens "
+           f"({off['prefill'] / on['prefill']:.1f}x), wall {off['wall']:.1f} -> {on['wall']:.1f} s "
+           f"({off['wall'] / on['wall']:.1f}x), CPU {off['cpu']:.1f} -> {on['cpu']:.1f} s "
+           f"({off['cpu'] / on['cpu']:.1f}x), hit rate {on['hit']:.0%} (ideal {ideal}); lpm vs fcfs prefill "
+           f"{lpm_prefill} vs {fcfs_prefill}; oracle {agree}/{len(oracle)} and {agree4}/{len(oracle)}, cached KV "
+           f"max diff {kv_err:.1e}; chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s"))

@@ -42,7 +42,6 @@
 # `minisgl_ref/core/config.py` (the knobs, named as in SGLang), `minisgl_ref/engine/engine.py`.
 
 # %% tags=["setup"]
-import inspect
 import os
 import random
 import tempfile
@@ -51,13 +50,14 @@ from dataclasses import dataclass, field
 
 import matplotlib.pyplot as plt
 import torch
+from IPython.display import display
 from matplotlib.patches import Patch
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.utils import logging as hf_logging
 
 from minisgl_ref import LLM, SamplingParams
+from minisgl_ref.book import show_code, wrap
 from minisgl_ref.core.config import EngineConfig
-from minisgl_ref.course import task_source
 from minisgl_ref.engine.engine import Engine
 from minisgl_ref.scheduler.scheduler import Scheduler
 
@@ -129,8 +129,8 @@ LONG_PROMPT = [rng.randrange(320) for _ in range(2048)]
 SHORT_PARAMS = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)  # greedy, fixed length
 LONG_PARAMS = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)
 ARRIVAL_STEP = 6
-print(f"short prompts: {[len(p) for p in SHORT_PROMPTS]} tokens, {SHORT_PARAMS.max_new_tokens} new tokens each; "
-      f"long prompt: {len(LONG_PROMPT)} tokens, arrives before step {ARRIVAL_STEP}")
+print(f"short prompts: {[len(p) for p in SHORT_PROMPTS]} tokens, {SHORT_PARAMS.max_new_tokens} new tokens each")
+print(f"long prompt: {len(LONG_PROMPT)} tokens, arrives before step {ARRIVAL_STEP}")
 
 
 # %% [markdown]
@@ -243,15 +243,15 @@ def first_token_after_arrival(trace: Trace) -> float:
 # first:
 
 # %%
-print(inspect.getsource(Scheduler._schedule_prefill))
-print(inspect.getsource(Scheduler._admit))
+display(show_code(Scheduler._schedule_prefill))
+show_code(Scheduler._admit)
 
 # %% [markdown]
 # and then the chunked admission, task 5.1 (its docstring, in `minisgl_ref/scheduler/scheduler.py`, spells out
 # the steps; `_add_prefill_row` allocates the slots, adds the row and moves the request on):
 
 # %%
-print(task_source(Scheduler._admit_chunk, "5.1"))
+show_code(Scheduler._admit_chunk, task="5.1")
 
 # %% [markdown]
 # The loop in words:
@@ -324,7 +324,7 @@ demo.run_until_done()
 # `Scheduler.schedule`, which calls the admission loop, is where prefill priority and mixing live:
 
 # %%
-print(inspect.getsource(Scheduler.schedule))
+show_code(Scheduler.schedule)
 
 # %% [markdown]
 # If `_schedule_prefill` returns a batch, the step is a prefill step. With `enable_mixed_chunk` the running
@@ -551,8 +551,8 @@ for label, trace in real_traces.items():
 print("A's answer:", repr(real.tokenizer.decode(real_oracle["A"].output_ids)))
 assert real_summary["chunking (128) + mixing"][0] == 1
 stall_none, stall_mixed = real_summary["no chunking"][1], real_summary["chunking (128) + mixing"][1]
-print(f"longest stall of a running request: {stall_none:.2f} s without chunking, {stall_mixed:.2f} s with "
-      f"chunks of 128 + mixing ({stall_none / stall_mixed:.1f}x shorter)")
+print(f"longest stall of a running request: {stall_none:.2f} s without chunking,")
+print(f"{stall_mixed:.2f} s with chunks of 128 + mixing ({stall_none / stall_mixed:.1f}x shorter)")
 
 # %% [markdown]
 # Without chunking, the running requests froze for the whole prefill of the long prompt; with chunks of 128 riding along
@@ -623,7 +623,7 @@ print(f"longest stall of a running request: {stall_none:.2f} s without chunking,
 # counts do not.
 
 # %%
-print(f"this run: tiny model longest gap {summary['no chunking'][1]:.2f} s (no chunking) / "
-      f"{summary['chunking (256)'][1]:.2f} s (chunking) / {summary['chunking (256) + mixing'][1]:.2f} s (mixing); "
-      f"SmolLM2 longest stall {stall_none:.2f} s -> {stall_mixed:.2f} s; "
-      f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s")
+print(wrap(f"this run: tiny model longest gap {summary['no chunking'][1]:.2f} s (no chunking) / "
+           f"{summary['chunking (256)'][1]:.2f} s (chunking) / {summary['chunking (256) + mixing'][1]:.2f} s "
+           f"(mixing); SmolLM2 longest stall {stall_none:.2f} s -> {stall_mixed:.2f} s; "
+           f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s"))

@@ -64,9 +64,11 @@ if not torch.cuda.is_available():
 
 import matplotlib.pyplot as plt
 import numpy as np
+from IPython.display import display
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from minisgl_ref.attention.base import AttentionBackend
+from minisgl_ref.book import show_code, show_table, shorten, wrap
 from minisgl_ref.attention.registry import (
     HybridAttnBackend,
     create_attention_backend,
@@ -77,7 +79,6 @@ from minisgl_ref.attention.triton_backend import TritonAttnBackend
 from minisgl_ref.attention.triton_kernels import decode_attention, merge_kv_splits
 from minisgl_ref.core.config import ATTENTION_BACKENDS, EngineConfig
 from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
-from minisgl_ref.course import task_source
 from minisgl_ref.kvcache.allocator import PageAllocator
 from minisgl_ref.kvcache.pool import KVPool
 from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
@@ -142,11 +143,12 @@ def rel_error(out, ref) -> float:
 # small hooks if it wants CUDA graphs):
 
 # %%
-print(inspect.getsource(AttentionBackend.forward))
+display(show_code(AttentionBackend.forward))
 for name in ["init_forward_metadata", "attend_extend", "attend_decode", "init_graph_buffers", "prepare_capture",
              "prepare_replay"]:  # fmt: skip
     doc = (inspect.getdoc(getattr(AttentionBackend, name)) or "").split("\n\n")[0].replace("\n", " ")
-    print(f"{name}{inspect.signature(getattr(AttentionBackend, name))}\n    {doc[:230]}\n")
+    print(wrap(f"{name}{inspect.signature(getattr(AttentionBackend, name))}", indent=" " * 8))
+    print(wrap(f"    {shorten(doc, 226)}", indent="    "), end="\n\n")
 
 # %% [markdown]
 # Three rules follow from "once per step, then once per layer":
@@ -176,7 +178,7 @@ for name in ["init_forward_metadata", "attend_extend", "attend_decode", "init_gr
 # Task 7.2 is the Triton plan:
 
 # %%
-print(task_source(TritonAttnBackend, "7.2"))
+show_code(TritonAttnBackend, task="7.2")
 
 # %% [markdown]
 # Here are the two layouts for a small batch of two requests on pages of 4 tokens (the second request's context
@@ -190,7 +192,8 @@ md = triton_backend.forward_metadata
 print("seq_lens              ", batch.seq_lens_cpu)
 print("page-table rows       ",
       [table.table[r, :n].tolist() for r, n in zip(batch.req_pool_indices.tolist(), batch.seq_lens_cpu)])
-print("triton/flashinfer CSR  kv_indptr =", md.kv_indptr.tolist(), " kv_indices =", md.kv_indices.tolist())
+print("triton/flashinfer CSR  kv_indptr =", md.kv_indptr.tolist())
+print("                       kv_indices =", md.kv_indices.tolist())
 fa3_page_table = table.table[batch.req_pool_indices, : max(batch.seq_lens_cpu)]
 print("fa3 page_table (pages of one token; entries past a length are never read):")
 print(fa3_page_table)
@@ -269,7 +272,7 @@ assert torch.allclose(merged, full, atol=1e-12)
 # stage 1: `lse` is a log2-sum-exp2 and the weights are `exp2(lse - max)`.
 
 # %%
-print(task_source(decode_attention, "7.1"))
+show_code(decode_attention, task="7.1")
 
 # %% [markdown]
 # The same 1000 scores, cut the way stage 1 cuts a context of 1000 tokens with `max_splits=8` and
@@ -335,7 +338,7 @@ for label, specs, decode, splits in [
 # one phase. With no flag the device decides:
 
 # %%
-print(inspect.getsource(default_backends))
+show_code(default_backends)
 
 # %% [markdown]
 # Why two backends by default on a Hopper GPU? Prefill is matrix work, where FA3's Hopper kernels (warpgroup
@@ -370,7 +373,8 @@ for bad in [dict(attention_backend="flashattention"), dict(attention_backend="fl
         config = EngineConfig(**bad)
         create_attention_backend(config, pool, table, num_q_heads=4, device=device)
     except ValueError as e:
-        print(f"{bad}\n    -> {e}")
+        print(f"{bad}")
+        print(wrap(f"    -> {e}", indent=" " * 7))
 print("valid names:", ", ".join(ATTENTION_BACKENDS))
 
 # %% [markdown]
@@ -393,8 +397,8 @@ print("valid names:", ", ".join(ATTENTION_BACKENDS))
 # %%
 results = json.loads(RESULTS.read_text())
 prov = results["provenance"]
-print(f"{prov['hardware']['gpu']}, driver {prov['hardware']['nvidia_driver']}, torch {prov['software']['torch']}, "
-      f"{', '.join(f'{k} {v}' for k, v in prov['settings']['kernel_packages'].items() if v)}")  # fmt: skip
+print(wrap(f"{prov['hardware']['gpu']}, driver {prov['hardware']['nvidia_driver']}, torch {prov['software']['torch']}, "
+           f"{', '.join(f'{k} {v}' for k, v in prov['settings']['kernel_packages'].items() if v)}"))  # fmt: skip
 print(f"commit {prov['software']['git_commit']}; {results['correctness']['summary']}")
 worst: dict[str, dict[str, float]] = {}
 for entry in results["correctness"]["max_rel_error"]:
@@ -508,10 +512,12 @@ target = results["target"]
 print(f"target: batch {target['batch']}, context {target['context']}, GQA {target['gqa']}: triton / flashinfer = "
       f"{target['triton_over_flashinfer']:.3f} (required >= {target['required']})")
 print("\ndecode at batch 64, context 2048, by GQA ratio (16 query heads):")
+gqa_rows = []
 for gqa in sorted({r["gqa"] for r in decode_rows}):
     row = {r["backend"]: r for r in decode_rows if r["batch"] == 64 and r["context"] == 2048 and r["gqa"] == gqa}
-    print(f"  GQA {gqa}: " + "  ".join(f"{n} {row[n]['time_us']:7.1f} us {row[n]['bandwidth_GBps']:6.0f} GB/s"
-                                       for n in names if n in row))  # fmt: skip
+    gqa_rows.append([gqa] + [f"{row[n]['time_us']:.1f} us, {row[n]['bandwidth_GBps']:.0f} GB/s" if n in row else "-"
+                             for n in names])
+display(show_table(gqa_rows, headers=["GQA"] + list(names)))
 best = max(decode_rows, key=lambda r: r["bandwidth_GBps"])
 print(f"\nhighest decode bandwidth: {best['backend']} {best['bandwidth_GBps']:.0f} GB/s "
       f"({best['bandwidth_GBps'] / DATASHEET_GBPS:.0%} of the datasheet) at batch {best['batch']}, "

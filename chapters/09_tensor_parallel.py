@@ -47,7 +47,6 @@
 # `minisgl_ref/models/weights.py` (reading only a rank's slice of a checkpoint).
 
 # %% tags=["setup"]
-import inspect
 import json
 import os
 import sys
@@ -56,10 +55,12 @@ import time
 from pathlib import Path
 
 import torch
+from IPython.display import display
 from transformers import AutoModelForCausalLM, Qwen3Config
 from transformers.utils import logging as hf_logging
 
 from minisgl_ref import LLM, SamplingParams
+from minisgl_ref.book import show_code, show_table, wrap
 from minisgl_ref.distributed import set_tp_info
 from minisgl_ref.layers.linear import shard_heads
 from minisgl_ref.models.config import ModelConfig
@@ -187,10 +188,9 @@ assert param_bytes[2, 0] == param_bytes[2, 1] and abs(2 * param_bytes[2, 0] - pa
 # `get_slice`:
 
 # %%
-from minisgl_ref.course import task_source
 from minisgl_ref.models.weights import CheckpointTensor  # noqa: E402
 
-print(inspect.getsource(CheckpointTensor.narrow))
+show_code(CheckpointTensor.narrow)
 
 # %% [markdown]
 # ## 2. Splitting the heads (task 9.1)
@@ -209,18 +209,20 @@ print(inspect.getsource(CheckpointTensor.narrow))
 # chapter before this one loads its models without ever running it.
 
 # %%
-print(task_source(shard_heads, "9.1"))
+show_code(shard_heads, task="9.1")
 
 # %%
 cases = [("SmolLM2-135M", 9, 3, 2), ("Qwen3-0.6B", 16, 8, 2), ("Qwen3-0.6B", 16, 8, 16), ("Qwen3-14B", 40, 8, 2),
          ("one KV head (MQA)", 8, 1, 4)]
+head_rows = []
 for model, heads, kv, size in cases:
     shards = [shard_heads(heads, kv, r, size) for r in range(size)]
     desc = ", ".join(f"r{r}: q{s.q_start}-{s.q_start + s.num_q - 1} kv{s.kv_start}-{s.kv_start + s.num_kv - 1}"
                      for r, s in enumerate(shards[:4]))
     more = " ..." if size > 4 else ""
     copies = sum(s.num_kv for s in shards) / kv
-    print(f"{model:18s} {heads:2d} heads / {kv} KV heads at tp={size:<2d}: {desc}{more}  (KV stored {copies:g}x)")
+    head_rows.append((model, heads, kv, size, desc + more, f"{copies:g}x"))
+show_table(head_rows, headers=["model", "heads", "KV heads", "tp", "rank: query heads, KV heads", "KV stored"])
 
 # %% [markdown]
 # ## 3. Two real ranks
@@ -282,8 +284,8 @@ print(f"(tp=1 in this process {t_ref:.1f} s; tp=2, two processes started, loaded
 #    `step()`. The **followers** replay them and step too:
 
 # %%
-print(inspect.getsource(TPEngine.step))
-print(task_source(TPEngine, "9.2"))
+display(show_code(TPEngine.step))
+show_code(TPEngine, task="9.2")
 
 # %% [markdown]
 # The ops travel as a pickled Python list over a separate **control group** (gloo, on the CPU, even when the
@@ -496,27 +498,28 @@ if PARALLEL_RESULTS.is_file():
     if "tp_exit" in phases:
         run, ph = phases["tp_exit"]
         c = ph["check"]
-        print(f"{run['provenance']['gpus'][0].split(',')[0]} x {len(run['provenance']['gpus'])}, torch "
-              f"{run['provenance']['torch']}: the check wrote its result after {c['result_after_s']:.0f} s and exited "
-              f"{c['exit_after_result_s']:.1f} s later (status {c['exit_code']}); tp=2 shutdown "
-              f"{c['result']['shutdown_s']['tp2']:.2f} s; greedy tokens in common with tp=1: "
-              f"{c['result']['greedy_common_prefix']} of 32; failed start-up compiles: {len(c['compile_failures'])}")
+        print(wrap(f"{run['provenance']['gpus'][0].split(',')[0]} x {len(run['provenance']['gpus'])}, torch "
+                   f"{run['provenance']['torch']}: the check wrote its result after {c['result_after_s']:.0f} s and "
+                   f"exited {c['exit_after_result_s']:.1f} s later (status {c['exit_code']}); tp=2 shutdown "
+                   f"{c['result']['shutdown_s']['tp2']:.2f} s; greedy tokens in common with tp=1: "
+                   f"{c['result']['greedy_common_prefix']} of 32; failed start-up compiles: "
+                   f"{len(c['compile_failures'])}"))
     if "tp_serve" in phases:
         ph = phases["tp_serve"][1]
         storm, stop = ph["storm"], ph["stop"]
-        print(f"serve --tp-size 2: ready in {ph['ready_s']:.0f} s; the same prompt twice: identical tokens "
-              f"{ph['greedy']['repeat_identical']}, {ph['greedy']['repeat_cached_tokens']} prompt tokens cached; "
-              f"{storm['clients']} clients that leave mid-stream -> nothing left running after "
-              f"{storm['idle_after_s']:.2f} s, /health {ph['after_storm']['health']}, same greedy tokens after: "
-              f"{ph['after_storm']['greedy_again_identical']}; SIGTERM -> all {stop['processes']} processes gone in "
-              f"{stop['all_exited_s']:.1f} s (exit status {stop['exit_code']})")
+        print(wrap(f"serve --tp-size 2: ready in {ph['ready_s']:.0f} s; the same prompt twice: identical tokens "
+                   f"{ph['greedy']['repeat_identical']}, {ph['greedy']['repeat_cached_tokens']} prompt tokens cached; "
+                   f"{storm['clients']} clients that leave mid-stream -> nothing left running after "
+                   f"{storm['idle_after_s']:.2f} s, /health {ph['after_storm']['health']}, same greedy tokens after: "
+                   f"{ph['after_storm']['greedy_again_identical']}; SIGTERM -> all {stop['processes']} processes gone "
+                   f"in {stop['all_exited_s']:.1f} s (exit status {stop['exit_code']})"))
         for line in ph["compile_lines"]:
-            print("  ", line[line.index("scheduler"):])
+            print(wrap("   " + line[line.index("scheduler"):], indent=" " * 6))
         sigterm = next((r["phases"]["tp_exit"].get("sigterm") for r in runs
                         if r["phases"].get("tp_exit", {}).get("sigterm")), None)
         if sigterm:
-            print(f"offline LLM(tp_size=2), SIGTERM in the middle of generate: all {sigterm['processes']} processes "
-                  f"gone in {sigterm['all_exited_s']:.1f} s")
+            print(wrap(f"offline LLM(tp_size=2), SIGTERM in the middle of generate: all {sigterm['processes']} "
+                       f"processes gone in {sigterm['all_exited_s']:.1f} s"))
 else:
     print(f"not measured yet: {PARALLEL_RESULTS.relative_to(ROOT)} does not exist")
 

@@ -40,7 +40,6 @@
 
 # %% tags=["setup"]
 import dataclasses
-import inspect
 import json
 import os
 import textwrap
@@ -53,7 +52,7 @@ import torch
 from minisgl_ref.bench import offline as bo
 from minisgl_ref.bench import workloads
 from minisgl_ref.bench.workloads import canonical_workload
-from minisgl_ref.course import task_source
+from minisgl_ref.book import show_code, show_table
 from minisgl_ref.models.config import ModelConfig
 from minisgl_ref.models.loader import resolve_model_path
 
@@ -87,7 +86,7 @@ GPU = load("gpu_offline_h100.json")
 # draws is part of the definition (prompts first, then lengths), so every engine sees the same requests.
 
 # %%
-print(task_source(workloads, "11.1"))
+show_code(workloads, task="11.1")
 
 # %%
 wl = canonical_workload()
@@ -110,7 +109,7 @@ print(f"temperature {wl.sampling_params[0]['temperature']}, ignore_eos {wl.sampl
 # `max(O_i)` steps read the weights), and with prefill counted as free:
 
 # %%
-print(task_source(bo, "11.2"))
+show_code(bo, task="11.2")
 
 # %%
 cfg = dataclasses.replace(ModelConfig.from_file(resolve_model_path("qwen3-0.6b", "dummy").config_file),
@@ -142,7 +141,9 @@ for name, bw in (("measured copy (this H100)", measured_bw), ("datasheet", 3.35e
 # %%
 quick_wl = canonical_workload(**bo.QUICK_CANONICAL)  # what --quick runs: 8 short requests
 quick = bo.run_ladder(quick_wl, bo.STAGES, bo.quick_model("cpu"), dict(bo.QUICK_BUDGETS))
-print(bo.format_table(quick))
+# The rows of bo.format_table (what the command prints), as a table.
+show_table([["-" if getattr(r, name) is None else fmt.format(getattr(r, name)) for _, name, fmt in bo._COLUMNS]
+            for r in quick], headers=[header for header, _, _ in bo._COLUMNS])
 
 # %% [markdown]
 # ### The same ladder on an H100
@@ -249,12 +250,15 @@ KEPT = [  # (result file of an interleaved A/B, the change)
     ("canonical_ab_race_prune_h100.json", "the sampler's race skips hopeless blocks"),
 ]
 floor_tok_s = GPU["canonical_output_tokens"] / GPU["roofline_floor_s"]
-print(f"{'change':<44} {'before':>7} {'after':>7} {'change':>7} {'of floor':>8}   (medians, output tok/s)")
+print("medians, output tok/s:")
+kept_rows = []
 for name, what in KEPT:
     ab = load(name)
     settings = ab["provenance"]["settings"]
     before, after = ab["summary"][settings["base"]]["median"], ab["summary"][settings["new"]]["median"]
-    print(f"{what:<44} {before:>7,.0f} {after:>7,.0f} {after / before - 1:>+7.1%} {after / floor_tok_s:>8.0%}")
+    kept_rows.append((what, f"{before:,.0f}", f"{after:,.0f}", f"{after / before - 1:+.1%}",
+                      f"{after / floor_tok_s:.0%}"))
+show_table(kept_rows, headers=["change", "before", "after", "change", "of floor"])
 
 # %% [markdown]
 # Most of these are a percent or less, each at or inside the spread between processes; together they are ~10%.
@@ -405,7 +409,7 @@ for n in sorted(chain, reverse=True):
 # %%
 from minisgl_ref.perf.norm_folding import FoldedDecoderLayer
 
-print(textwrap.dedent(inspect.getsource(FoldedDecoderLayer.forward)))
+show_code(FoldedDecoderLayer.forward)
 
 # %% [markdown]
 # The rest of chapter 11's work on the layer plugs in the same way. The fused FlashInfer and Triton kernels fill
@@ -470,8 +474,8 @@ for what, s in rows:
     print(f"{what:<38} {s:>7.2f}")
 print(f"\nfloor {floor:.2f} s = KV {kv_s:.2f} + weights {weights_s:.2f}; "
       f"{run['output_throughput']:,.0f} tok/s, {run['roofline_fraction']:.0%} of the floor")
-print(f"fixed cost outside attention: {fixed_s / decode_steps * 1e3:.2f} ms a decode step, "
-      f"of which {weights_floor_ms:.2f} ms is reading the weights at the bandwidth")
+print(f"fixed cost outside attention: {fixed_s / decode_steps * 1e3:.2f} ms a decode step,")
+print(f"of which {weights_floor_ms:.2f} ms is reading the weights at the bandwidth")
 
 # %% [markdown]
 # The attention reads the cache within a few percent of what this GPU can read, and the prefill is close to its
@@ -596,7 +600,8 @@ for label, key in (("before", "startup_before"), ("after", "startup_after")):
               f"{r['roofline_fraction']:>8.0%} {sum(r['compiled_during_run'].values()):>26}")
 tri = P2["triton_backend"]
 print(f"\n--attention-backend triton, two fresh processes: {tri[0]['output_throughput']:,.0f} tok/s with "
-      f"{sum(tri[0]['compiled_during_run'].values())} files compiled in the run, then {tri[1]['output_throughput']:,.0f}")
+      f"{sum(tri[0]['compiled_during_run'].values())} files compiled in the run,")
+print(f"then {tri[1]['output_throughput']:,.0f}")
 
 # %% [markdown]
 # The first timed run of a cold start went from 11.8k to 17.1k tok/s, within 2% of a warm start, with nothing
@@ -630,8 +635,8 @@ for i, name in enumerate(("canonical_bare_machine_prune_3_h100.json", "canonical
 
 # %%
 SV = json.loads((ROOT / "docs" / "data" / "bench_serving_sweep_h100.json").read_text())
-print("server ready after: " + ", ".join(f"{k} {v:.0f} s" for k, v in SV["ready_s"].items())
-      + " (the first server compiled its decode kernels, the second found them)")
+print("server ready after: " + ", ".join(f"{k} {v:.0f} s" for k, v in SV["ready_s"].items()))
+print("(the first server compiled its decode kernels, the second found them)")
 print(f"{'server':<8} {'rate':>5} {'req/s':>6} {'out tok/s':>9} {'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} "
       f"{'ITL p50/p99 ms':>15} {'E2E p50/p99 s':>14}")
 for r in SV["runs"]:

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from minisgl_ref.book import OUTPUT_COLUMNS
+
 ROOT = Path(__file__).resolve().parents[1]
 SCREENSHOTS = ROOT / "build" / "screenshots"
 VIEWPORT = {"width": 1440, "height": 900}
@@ -43,6 +45,8 @@ CODE_COLUMNS = 120
 # column is scaled down until its text cannot be read, and a tall one cannot be seen whole.
 DIAGRAM_MIN_LABEL_PX = 11
 DIAGRAM_MAX_VIEWPORTS = 1.3
+# A printed output line (the ``text`` blocks of a chapter's outputs) is at most OUTPUT_COLUMNS characters long:
+# the width minisgl_ref.book wraps the chapters' printed text to.
 
 pytestmark = pytest.mark.browser
 
@@ -212,6 +216,15 @@ class PageVisit:
                         longest_line: Math.max(...c.textContent.split('\\n').map(l => l.length)),
                         scroll: c.scrollWidth, client: c.clientWidth}))""")
 
+    def wide_output_lines(self, width: int) -> list[dict]:
+        """Lines longer than ``width`` in the printed-text outputs of a chapter (the ``text`` fences the chapter
+        renderer wraps in ``.chapter-output``, which the build highlights as ``.language-text``; code shown with
+        ``show_code`` is ``.language-python`` and follows the code rule instead)."""
+        return self.page.evaluate("""(width) => [...document.querySelectorAll(
+                'article .chapter-output .language-text pre > code')]
+            .flatMap(c => c.textContent.split('\\n').filter(l => l.length > width)
+                .map(l => ({length: l.length, line: l.slice(0, 80)})))""", width)
+
     def search(self, query: str) -> int:
         box = self.page.locator("input.md-search__input")
         box.click()
@@ -313,6 +326,9 @@ def check_page(browser, site: Path, base: str, path: str, *, expect_outputs: boo
             for block in visit.wide_code():
                 if block["longest_line"] <= CODE_COLUMNS:
                     problems.append(f"code block wider than the column at {VIEWPORT['width']} px: {block}")
+        if _is_chapter(path):
+            for line in visit.wide_output_lines(OUTPUT_COLUMNS):
+                problems.append(f"printed output line longer than {OUTPUT_COLUMNS} characters: {line}")
         step = "search"
         hits = visit.search(SEARCH_QUERY)
         if hits == 0:
@@ -441,6 +457,33 @@ def test_diagram_checks_catch_problems(browser, tmp_path):
     assert found["good"] == []
     assert len(found["tiny"]) == 1 and found["tiny"][0].startswith("diagram labels drawn 5.3 px high"), found["tiny"]
     assert len(found["tall"]) == 1 and found["tall"][0].startswith("diagram 2700 px tall"), found["tall"]
+
+
+def test_wide_output_line_is_caught(browser, tmp_path):
+    """A chapter page whose printed output has a 150-character line is reported; one whose printed lines fit,
+    with a longer line in a highlighted python block (code, not printed text), is not."""
+    site = tmp_path / "site"
+    search = """<input class="md-search__input">
+        <div class="md-search-result__item">hit</div>"""
+    page = "<!doctype html><html><body>{search}<article>{body}</article></body></html>"
+    text = '<div class="chapter-output"><div class="language-text highlight"><pre><span></span><code>{}</code></pre></div></div>'
+    python = ('<div class="chapter-output"><div class="language-python highlight"><pre><span></span><code>{}'
+              '</code></pre></div></div>')
+    lines = "".join(f'<span id="__span-1-{i}"><a id="__codelineno-1-{i}"></a>{line}\n</span>'
+                    for i, line in enumerate(["short", "y" * OUTPUT_COLUMNS]))
+    for name, body in {"01_fits": text.format(lines) + python.format("z" * 110),
+                       "02_wide": text.format("short\n" + "x" * 150 + "\nshort")}.items():
+        (site / "chapters" / name).mkdir(parents=True)
+        (site / "chapters" / name / "index.html").write_text(page.format(search=search, body=body))
+    server, base = _serve(site)
+    try:
+        fits = check_page(browser, site, base, "chapters/01_fits/", expect_outputs=True)
+        wide = check_page(browser, site, base, "chapters/02_wide/", expect_outputs=True)
+    finally:
+        server.shutdown()
+    assert fits == []
+    assert wide == [f"printed output line longer than {OUTPUT_COLUMNS} characters: "
+                    f"{{'length': 150, 'line': '{'x' * 80}'}}"]
 
 
 def test_screenshots(browser, served):
