@@ -137,3 +137,57 @@ def test_the_checks_catch_what_they_look_for(tmp_path: Path) -> None:
     cmds = ["# bash scripts/gpu/chapter.sh 11\n# bash scripts/gpu/bare_machine.sh out.json",
             '"command": "/work/main/scripts/gpu/offline_suite.py --parts steps"']
     assert missing_scripts(cmds, tmp_path) == ["scripts/gpu/bare_machine.sh", "scripts/gpu/offline_suite.py"]
+
+
+EVIDENCE = ROOT / "docs" / "performance-evidence.md"
+#: The line under a table of the evidence page that names its data: ``Data: [`docs/data/x.json`](data/x.json) ...``.
+DATA_LINE = re.compile(r"^Data: .*docs/data/", re.MULTILINE)
+
+
+def tables_without_data(markdown: str) -> list[int]:
+    """First lines (1-based) of the tables of ``markdown`` (``text`` blocks and Markdown tables) with no ``Data:``
+    line naming a ``docs/data/`` file right under them. Command blocks (``bash``) and the table under
+    ``## Provenance``, which names commits rather than results, are not measurements."""
+    lines = markdown.split("\n")
+    tables: list[tuple[int, int]] = []
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("```"):
+            j = next(k for k in range(i + 1, len(lines)) if lines[k].startswith("```"))
+            if lines[i].strip() in ("```", "```text"):
+                tables.append((i, j))
+            i = j + 1
+        elif re.match(r"^\|\s*-{3}|^\|-{3}", lines[i]):
+            j = i
+            while j + 1 < len(lines) and lines[j + 1].startswith("|"):
+                j += 1
+            tables.append((i - 1, j))
+            i = j + 1
+        else:
+            i += 1
+    missing = []
+    for start, end in tables:
+        heading = next((line for line in reversed(lines[:start]) if line.startswith("## ")), "")
+        if heading == "## Provenance":
+            continue
+        after = [line for line in lines[end + 1:end + 4] if line.strip()]
+        if not (after and DATA_LINE.match(after[0])):
+            missing.append(start + 1)
+    return missing
+
+
+def test_every_table_of_the_evidence_page_names_its_data() -> None:
+    text = EVIDENCE.read_text()
+    assert text.count("\nData: ") >= 50
+    assert tables_without_data(text) == []
+    files = _data_files()
+    for line in re.findall(r"^Data: .*$", text, re.MULTILINE):
+        assert re.search(r"\((?:NVIDIA )?H[12]00[^)]*, 20\d\d-\d\d-\d\d\)", line), line  # hardware and date
+        assert missing_data([line], files) == []
+
+
+def test_a_table_without_its_data_line_is_caught() -> None:
+    page = ("intro\n\n```text\na 1\n```\n\nData: [`docs/data/x_h100.json`](data/x_h100.json) (H100, 2026-11-24).\n\n"
+            "```text\nb 2\n```\n\nno data named here\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n"
+            "```bash\npython -m x\n```\n\n## Provenance\n\n| what | commit |\n|---|---|\n| x | abc1234 |\n")
+    assert tables_without_data(page) == [9, 15]
