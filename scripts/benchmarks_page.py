@@ -191,7 +191,7 @@ HISTORY_NOTE = (
 TP_NOTES = (
     "Engine settings: FA3 attention for prefill and decode and `MINISGL_FUSED=0` (plain RMSNorm/SiLU/RoPE), the same "
     "at tp=1 and tp=2.",
-    "The check comes from a separate run of `python -m minisgl_ref.bench.tp --phase check --tp-size 2` on a fresh "
+    "The check comes from a separate run of `python -m benchmarks.tp --phase check --tp-size 2` on a fresh "
     "2 x H200 machine: in the first run the tp=2 engine hung while shutting NCCL down (fixed since: tp=2 now shuts "
     "down in about a second).",
 )

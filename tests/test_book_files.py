@@ -191,3 +191,34 @@ def test_a_table_without_its_data_line_is_caught() -> None:
             "```text\nb 2\n```\n\nno data named here\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n"
             "```bash\npython -m x\n```\n\n## Provenance\n\n| what | commit |\n|---|---|\n| x | abc1234 |\n")
     assert tables_without_data(page) == [9, 15]
+
+
+#: A module a command runs: ``python -m benchmarks.kernels``, ``python3 -m minisgl_ref.course grade``.
+MODULE = re.compile(r"python3? -m ((?:benchmarks|minisgl_ref|scripts)(?:\.\w+)*)")
+
+
+def missing_modules(texts: list[str], root: Path = ROOT) -> list[str]:
+    """Modules run by ``python -m`` in ``texts`` that are neither a file nor a package under ``root``. A line that
+    checks out another commit first (``git checkout $REV && python -m ...``) runs that commit's code: skipped."""
+    missing = set()
+    for text in texts:
+        for line in text.splitlines():
+            if "git checkout" in line:
+                continue
+            for name in MODULE.findall(line):
+                path = root / name.replace(".", "/")
+                if not (path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()):
+                    missing.add(name)
+    return sorted(missing)
+
+
+def test_every_module_a_page_runs_exists() -> None:
+    assert missing_modules(_texts(pages())) == []
+
+
+def test_a_missing_module_is_caught(tmp_path: Path) -> None:
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "kernels.py").write_text("")
+    text = ("# python -m benchmarks.kernels --output x.json\n# python -m minisgl_ref.bench.tp --phase check\n"
+            "git checkout $OLD && python -m benchmarks.raw_decode\n")
+    assert missing_modules([text], tmp_path) == ["minisgl_ref.bench.tp"]
