@@ -297,7 +297,7 @@ def offline_section() -> list[str]:
             "why our Triton kernels run only in graph-replayed decode steps):", "",
             "| launcher | us per launch |", "| --- | ---: |"]
     out += [f"| {k} | {v:.1f} |" for k, v in launch["us_per_launch"].items()]
-    out += ["", "Reproduce: `bash scripts/gpu/measure/offline.sh` (the GPU tests and every measurement above), or "
+    out += ["", "Reproduce: `bash scripts/gpu/chapter.sh 08` (the GPU tests and every measurement above), or "
             "`python -m minisgl_ref bench offline` (`--disable-cuda-graph`, `--attention-backend NAME`, `--stage all`). "
             "On a CPU, in seconds: `python -m minisgl_ref bench offline --quick --stage all` (a tiny model: ratios, "
             "not speeds).", ""]
