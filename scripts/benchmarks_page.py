@@ -36,7 +36,7 @@ OTHER_RESULTS = [
     "`docs/data/canonical_ab_raw_prologue_h100.json`.",
     "A fresh process on a machine whose compile caches were warm (kernels compiled by an earlier benchmark): "
     "`docs/data/canonical_fresh_process_split_cap_h100.json`; a wider GPU test run cut off by its time limit, the "
-    "ten tests it finished all passing: `docs/data/gpu_tests_head_partial_h100.txt`; the whole GPU suite, 68 of its 69 "
+    "ten tests it finished all passing: `docs/data/gpu_tests_time_limited_h100.txt`; the whole GPU suite, 68 of its 69 "
     "tests passing and none failing (the 69th not collected on that machine): `docs/data/gpu_tests_full_h100.txt`.",
     "The host and the GPU on one clock in the tail of a canonical run (chapter 11, section 4): "
     "`docs/data/tail_timeline_h100.json`.",
