@@ -433,7 +433,7 @@ if GPU_RESULTS.is_file():
     print("both runs: FA3 attention and plain element-wise ops (MINISGL_FUSED=0), the same settings at tp=1 and "
           f"tp=2; {GPU_RESULTS.relative_to(ROOT)} records how each number was measured")
 else:
-    print(f"not measured yet: {GPU_RESULTS.relative_to(ROOT)} does not exist. Run scripts/gpu/measure/tp_bench.sh on a "
+    print(f"not measured yet: {GPU_RESULTS.relative_to(ROOT)} does not exist. Run scripts/gpu/chapter.sh 09 on a "
           "machine with two GPUs and commit its tp_bench.json there.")
 
 # %% [markdown]

@@ -823,8 +823,8 @@ for (kind, src), r in zip(cases, hot_reqs):
 BENCHES = {"bounded strings": ROOT / "docs" / "data" / "constrained_bench_h100.json",
            "no length bounds": ROOT / "docs" / "data" / "constrained_bench_typical_h100.json"}
 if all(f.exists() for f in BENCHES.values()):  # GPU results, written by scripts/gpu/measure/constrained_bench.py
-    display(Markdown("**On a GPU.** `scripts/gpu/measure/constrained_bench.py` on an H100, default engine: random weights "
-                     "in SmolLM2-135M's shape with its real tokenizer (the cost of a grammar depends on the "
+    display(Markdown("**On a GPU.** `scripts/gpu/measure/constrained_bench.py` on an H100, default engine: random "
+                     "weights in SmolLM2-135M's shape with its real tokenizer (the cost of a grammar depends on the "
                      "vocabulary and the grammar, not on the weights), the five-field schema of the script with "
                      "bounded strings, then the same fields without bounds. Time per decode step for constrained "
                      "requests, their free twins (same prompts, same output lengths) and jump-forward."))
