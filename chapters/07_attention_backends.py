@@ -384,7 +384,7 @@ print("valid names:", ", ".join(ATTENTION_BACKENDS))
 #
 # ## 5. On an H100: correctness and the roofline
 #
-# Everything in this section was measured on an H100 80GB HBM3 by `scripts/gpu/attention.sh` and is read from
+# Everything in this section was measured on an H100 80GB HBM3 by `scripts/gpu/chapter.sh 07` and is read from
 # `docs/data/gpu_kernels_h100.json` (the numbers are not measured again here; the file carries the GPU, driver,
 # versions, commit and command).
 #
@@ -591,7 +591,7 @@ for shape in sorted({(r["batch"], r["prefix"], r["extend"]) for r in prefill_row
 # python -m pytest tests/test_attention_backends.py -q -p no:cacheprovider  # every CPU test of the backends
 # ./minisgl generate --attention-backend triton "Hello"                     # on a GPU (CPU: TRITON_INTERPRET=1)
 # # on an H100 with flashinfer-python and FlashAttention-3 installed:
-# bash scripts/gpu/attention.sh                     # pytest -m gpu + python -m benchmarks.kernels
+# bash scripts/gpu/chapter.sh 07                           # pytest -m gpu + python -m benchmarks.kernels
 # python -m benchmarks.kernels --output docs/data/gpu_kernels_h100.json
 # ```
 #

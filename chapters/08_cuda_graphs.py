@@ -297,7 +297,7 @@ print(f"{type(planner).__name__}: decode backends {[type(b).__name__ for b in pl
 # %% [markdown]
 # ## 5. GPU results: decode step time, eager vs graph
 #
-# Measured on an H100 80GB HBM3 with `bash scripts/gpu/offline.sh` (see Reproduce); Qwen3-0.6B config, bf16, dummy
+# Measured on an H100 80GB HBM3 with `bash scripts/gpu/measure/offline.sh` (see Reproduce); Qwen3-0.6B config, bf16, dummy
 # weights, every request at a context of 512 tokens, default attention backends (FA3 prefill, FlashInfer
 # decode). Step = attention metadata + model forward + logits, timed with CUDA events over 50 steps (launch
 # gaps included: they are the point).
@@ -445,7 +445,7 @@ show_table([(f"{ladder[label]['output_throughput']:,.0f}", label)
 # On one H100 (or any CUDA GPU with FlashInfer and FlashAttention-3 installed), from the repository root:
 #
 # ```bash
-# bash scripts/gpu/offline.sh          # GPU tests, step times, canonical run, ladder, profiles
+# bash scripts/gpu/chapter.sh 08              # GPU tests, step times, canonical run, ladder, profiles
 # python -m pytest -m gpu tests/test_cuda_graph.py tests/test_fused_ops.py
 # python -m minisgl_ref bench offline                           # the canonical workload, graphs on
 # python -m minisgl_ref bench offline --disable-cuda-graph      # the same without graphs

@@ -384,7 +384,7 @@ print("byte counts match (2L+1) T h b and B ceil(V/N) b exactly")
 #
 # ## 6. On two H200 GPUs
 #
-# `scripts/gpu/tp_bench.sh` runs on a machine with two H200s (NVLink, NCCL with NVLink multicast off) and writes
+# `scripts/gpu/measure/tp_bench.sh` runs on a machine with two H200s (NVLink, NCCL with NVLink multicast off) and writes
 # one JSON file, committed as `docs/data/tp_bench_h200.json`: the check of tp=2 against tp=1 in bf16 (a small
 # Qwen3, dummy weights), the decode step time at batch 1 and 64, and the canonical offline workload (chapter 11)
 # on a Qwen3-14B config with dummy weights, at tp=1 and tp=2. The numbers are read here, not measured again.
@@ -444,7 +444,7 @@ if GPU_RESULTS.is_file():
     print("both runs: FA3 attention and plain element-wise ops (MINISGL_FUSED=0), the same settings at tp=1 and "
           f"tp=2; {GPU_RESULTS.relative_to(ROOT)} records how each number was measured")
 else:
-    print(f"not measured yet: {GPU_RESULTS.relative_to(ROOT)} does not exist. Run scripts/gpu/tp_bench.sh on a "
+    print(f"not measured yet: {GPU_RESULTS.relative_to(ROOT)} does not exist. Run scripts/gpu/chapter.sh 09 on a "
           "machine with two GPUs and commit its tp_bench.json there.")
 
 # %% [markdown]
@@ -485,7 +485,7 @@ else:
 # runners (decode, a cascade's decode, extend: `engine/graphs.py`), `ModelRunner.release_graphs` drops the list,
 # and a test checks that nothing of the runner still refers to one afterwards.
 #
-# The cell below reads `docs/data/parallel_serving_h200.json`, written by `scripts/gpu/parallel_serving.py` on two
+# The cell below reads `docs/data/parallel_serving_h200.json`, written by `scripts/gpu/measure/parallel_serving.py` on two
 # H200s: the check as a process (how long it lives after its result), `serve --tp-size 2` with a storm of clients
 # that disconnect mid-stream, and SIGTERM to a server and to an offline `LLM(tp_size=2)` in the middle of work.
 
@@ -577,8 +577,8 @@ else:
 # python -m minisgl_ref generate --tp-size 2 "What is the capital of France?"
 # python -m minisgl_ref serve --tp-size 2               # one scheduler process per rank
 # # two GPUs with flashinfer-python and FlashAttention-3 installed:
-# export PYTHONPATH=$PWD:$PYTHONPATH && bash scripts/gpu/tp_bench.sh
-# NCCL_NVLS_ENABLE=0 python3 scripts/gpu/parallel_serving.py --out results --phases tp_exit,tp_serve
+# export NCCL_NVLS_ENABLE=0 && bash scripts/gpu/chapter.sh 09 tp   # scripts/gpu/measure/tp_bench.sh
+# NCCL_NVLS_ENABLE=0 bash scripts/gpu/chapter.sh 09 serving      # parallel_serving.py --phases tp_exit,tp_serve
 # ```
 #
 # Measured on a 2-core x86_64 CPU shared with other jobs, no GPU, Python 3.11, torch 2.13 (CPU), one torch
@@ -603,7 +603,7 @@ else:
 # | tp=2 vs tp=1 logits, Qwen3-0.6B bf16 | | max relative error 1.9e-2 (tolerance 2e-2), ranks identical |
 #
 # Expected on 2 x H200 (`docs/data/parallel_serving_h200.json`; `NCCL_NVLS_ENABLE=0 python3
-# scripts/gpu/parallel_serving.py --out results`; Qwen3-0.6B config, bf16, dummy weights, FlashInfer attention):
+# scripts/gpu/measure/parallel_serving.py --out results`; Qwen3-0.6B config, bf16, dummy weights, FlashInfer attention):
 #
 # | what | measured |
 # | --- | --- |

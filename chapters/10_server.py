@@ -1065,7 +1065,7 @@ print("python", " ".join(router_command(dp_args, dp_urls, metrics_port=41003)[1:
 # parallelism is on a machine with several GPUs, where `--dp-size 2` doubles the hardware serving requests
 # (`--dp-size 2 --tp-size 2` needs four GPUs: two servers of two ranks each).
 #
-# On two H200s (`docs/data/parallel_serving_h200.json`, from `scripts/gpu/parallel_serving.py`; Qwen3-0.6B config,
+# On two H200s (`docs/data/parallel_serving_h200.json`, from `scripts/gpu/measure/parallel_serving.py`; Qwen3-0.6B config,
 # bf16, dummy weights), 1,024 requests of 256-512 prompt and 128-256 output tokens, sent all at once by
 # `bench serving`: one server on one GPU completed them at 71 requests/s (13.6k output tok/s); `--dp-size 2`, one
 # worker per GPU behind the router, at 212 requests/s (40.7k output tok/s), 2.98 times as many. More than twice,
@@ -1151,9 +1151,10 @@ print("python", " ".join(router_command(dp_args, dp_urls, metrics_port=41003)[1:
 # ./minisgl serve --dp-size 2 --device cpu
 # python -m pytest tests/test_data_parallel.py           # about 1 minute on 2 busy cores
 # python -m pytest tests/test_server_watchdog.py        # the stuck-step watchdog, about 30 s
-# NCCL_NVLS_ENABLE=0 python3 scripts/gpu/parallel_serving.py --out results --phases dp   # two GPUs
+# NCCL_NVLS_ENABLE=0 bash scripts/gpu/chapter.sh 10 dp   # two GPUs: parallel_serving.py --phases dp
 #
-# # the GPU numbers: a server on one H100, then one bench per rate (4, 16, inf)
+# # the GPU numbers: a server on one H100, then one bench per rate (4, 16, inf), as `bash scripts/gpu/chapter.sh 10
+# # serving` runs them (and `features`: the per-request features on a GPU)
 # python -m minisgl_ref serve --model-path qwen3-0.6b --load-format dummy --dtype bfloat16 &
 # python -m minisgl_ref bench serving --num-prompts 200 --random-input-len 1024 --random-output-len 256 \
 #   --random-range-ratio 0.5 --request-rate 16

@@ -33,7 +33,7 @@
 # 8. measure the cost of one streamed token on the way to the client.
 #
 # Modules: `minisgl_ref/bench/workloads.py` (task 11.1), `minisgl_ref/bench/offline.py` (task 11.2, the
-# ladder), `scripts/gpu/offline.sh` (the GPU run), and `minisgl_ref/perf/`, the speed-ups themselves, each plugged
+# ladder), `scripts/gpu/measure/offline.sh` (the GPU run), and `minisgl_ref/perf/`, the speed-ups themselves, each plugged
 # into a seam of the core engine (`perf/model_transforms.py` applies the model's). Every GPU number here is read
 # from a committed result file under `docs/data/`; the measurements behind the decisions (A/B series, profiles,
 # the variants that lost) are collected on the [performance evidence](../performance-evidence.md) page.
@@ -148,7 +148,7 @@ show_table([["-" if getattr(r, name) is None else fmt.format(getattr(r, name)) f
 # %% [markdown]
 # ### The same ladder on an H100
 #
-# `bash scripts/gpu/offline.sh` on an H100 80GB HBM3 measured the rows below (Qwen3-0.6B config, bf16, dummy
+# `bash scripts/gpu/measure/offline.sh` on an H100 80GB HBM3 measured the rows below (Qwen3-0.6B config, bf16, dummy
 # weights). The chapter stages with the `torch_native` attention of chapter 03 loop over requests in Python and
 # are far too slow for the full workload, so the first six rows use a reduced workload (the canonical recipe with
 # 8 requests and outputs of 100-256 tokens) and the last of them repeats it with the full engine, for a
@@ -232,7 +232,7 @@ plt.show()
 
 # %% [markdown]
 # Two processes on one GPU differ by 1-4% from run to run, more than most of the later changes are worth. So each
-# change after the first few was measured as an *interleaved A/B*: `scripts/gpu/canonical_ab.sh` starts fresh
+# change after the first few was measured as an *interleaved A/B*: `scripts/gpu/ab.sh` starts fresh
 # processes of the engine before and after the change, alternating, several per side, and compares the medians of
 # their timed runs. The changes the engine kept, one line each:
 
@@ -283,7 +283,7 @@ show_table(kept_rows, headers=["change", "before", "after", "change", "of floor"
 #
 # ### Where a decode step's time goes
 #
-# `scripts/gpu/decode_anatomy.py` walks the whole workload and, each time the running count first drops below a
+# `scripts/gpu/measure/decode_anatomy.py` walks the whole workload and, each time the running count first drops below a
 # mark, measures a window of decode steps twice: unprofiled, with a CUDA event around every launch (wall time and
 # the host's time per phase), and profiled (the GPU time of the kernels by kind). The KV floor is the bytes of the
 # running requests' contexts over 3.0 TB/s: what the attention kernel must read.
@@ -456,7 +456,7 @@ for n in before:
 # Put together for the first timed run after a cold start, with the engine one sampler change before its last:
 
 # %%
-LATEST = load("canonical_bare_machine_loads_first_h100.json")
+LATEST = load("canonical_cold_start_loads_first_h100.json")
 run = LATEST["cold"]["results"][0]
 wall, floor, decode_steps = run["wall_s"], run["roofline_floor_s"], run["decode_steps"]
 weights_floor_ms = load("decode_matmuls_h100.json")["floor_ms_at_bandwidth"]  # the weights once, at 3.0 TB/s
@@ -527,7 +527,7 @@ print(f"KV read per decode step: {sp.kv_bytes_per_decode_step / 1e6:.2f} MB with
 # `g * (P + n * s)` tokens of KV instead of `g * n * (P + s)`: close to `n` times less when the prefix dominates.
 # On a GPU that is time, because decode reads at the memory bandwidth; on this CPU the step is dominated by Python
 # and the small model's matmuls, so only the bytes are worth reading here. The GPU comparison is
-# `bash scripts/gpu/cascade_ab.sh` (SGLang's shared-prefix workload: 64 groups of 16 requests, 2,048-token system
+# `bash scripts/gpu/measure/cascade_ab.sh` (SGLang's shared-prefix workload: 64 groups of 16 requests, 2,048-token system
 # prompts), which runs the radix cache with the cascade, without it, and no radix cache at all.
 
 # %% [markdown]
@@ -538,7 +538,7 @@ print(f"KV read per decode step: {sp.kv_bytes_per_decode_step / 1e6:.2f} MB with
 # scheduler admits requests by group (`group_by_prefix` in `minisgl_ref/scheduler/scheduler.py`): a waiting request
 # whose first prompt tokens match a request already in the engine moves up behind it. Requests with nothing in
 # common keep first-come order, and a group loses its precedence once its oldest member has finished, so a busy
-# group cannot starve the others. On an H100 (`bash scripts/gpu/cascade_ab.sh`):
+# group cannot starve the others. On an H100 (`bash scripts/gpu/measure/cascade_ab.sh`):
 
 # %%
 P2 = load("startup_and_cascade_h100.json")
@@ -606,13 +606,13 @@ print(f"then {tri[1]['output_throughput']:,.0f}")
 # %% [markdown]
 # The first timed run of a cold start went from 11.8k to 17.1k tok/s, within 2% of a warm start, with nothing
 # compiled inside it, and a warm start-up from 37 s to 11 s. The engine as it now stands, a cold then a warm
-# start on three fresh H100 machines (`scripts/gpu/bare_machine.sh`):
+# start on three fresh H100 machines (`scripts/gpu/bench.sh`):
 
 # %%
 print(f"{'machine':<8} {'start':<5} {'start-up s':>10} {'weights':>8} {'compiles':>9} {'KV + graphs':>11} "
       f"{'tok/s':>7} {'of floor':>8} {'compiled':>8}")
-for i, name in enumerate(("canonical_bare_machine_prune_3_h100.json", "canonical_bare_machine_prune_4_h100.json",
-                          "canonical_bare_machine_prune_5_h100.json"), 1):
+for i, name in enumerate(("canonical_cold_start_prune_3_h100.json", "canonical_cold_start_prune_4_h100.json",
+                          "canonical_cold_start_prune_5_h100.json"), 1):
     doc = load(name)
     for start in ("cold", "warm"):
         r = doc[start]["results"][0]
@@ -628,7 +628,7 @@ for i, name in enumerate(("canonical_bare_machine_prune_3_h100.json", "canonical
 #
 # ## 7. Online serving
 #
-# `bash scripts/gpu/serving_sweep.sh` runs `bench serving` against a real `serve` process with the canonical
+# `bash scripts/gpu/measure/serving_sweep.sh` runs `bench serving` against a real `serve` process with the canonical
 # length distribution (prompts and outputs of 100-1,024 tokens), Poisson arrivals at 8, 16 and 24 requests/s and
 # all at once, 200 requests each, first with the default engine and then with `--enable-mixed-chunk` (decode
 # rows ride along in prefill steps).
@@ -834,7 +834,7 @@ for side in ("server", "client"):
 #    alignment variant the workload meets is built?
 # 9. **The first matmul of a shape, here.** Time `torch.nn.functional.linear` on this CPU for 200 new row counts
 #    (1,000 .. 1,199) against a Qwen3-0.6B-sized weight (1,024 x 6,144), then for the same counts again, the way
-#    `matmul_first_call_h100.json` was measured on the GPU (`scripts/gpu/prefill_timeline.py --linear-only`).
+#    `matmul_first_call_h100.json` was measured on the GPU (`scripts/gpu/measure/prefill_timeline.py --linear-only`).
 #    Does this CPU's BLAS pay for a new shape too? Then weigh the padding multiple: with a multiple of `m`, an
 #    extend step computes up to `m - 1` dummy tokens and the start-up warm-up meets `budget / m` shapes per
 #    weight. Which `m` would you choose for prompts of ~100 tokens, and which for ~10,000?
@@ -854,7 +854,7 @@ for side in ("server", "client"):
 #    `minisgl_ref/perf/triton_ops.py`, with the decode step's constants: 16 and 8 heads, `HALF=64`, norms,
 #    store and `ROW_RMS` on) and count the `ld.global` instructions before the first `bar.sync`. Then move the
 #    residual row's reduction back above the q and k loads, as the kernel once was, and count again. On a GPU,
-#    `scripts/gpu/fused_kernels_ab.py --old` times the two files against each other. Why does the order not matter
+#    `scripts/gpu/measure/fused_kernels_ab.py --old` times the two files against each other. Why does the order not matter
 #    for a prefill step of 16,384 tokens?
 # 12. **Two logarithms (the PTX on a CPU).** Compile `race_kernel` (`minisgl_ref/sampling/race_kernel.py`) for
 #    sm_90 as in exercise 11, with `LOG_SPACE=True`, `BLOCK=2048`, `num_warps=8` in `options`, once with
@@ -887,22 +887,23 @@ for side in ("server", "client"):
 # On one H100 with flashinfer-python and FlashAttention-3 installed:
 #
 # ```bash
-# bash scripts/gpu/offline.sh                 # section 3: tests, step times, the ladder, profiles
+# bash scripts/gpu/chapter.sh 11                     # every GPU run below that measures this engine, in turn
+# bash scripts/gpu/chapter.sh 11 offline             # section 3: tests, step times, the ladder, profiles
 # python -m minisgl_ref bench offline         # canonical workload, full engine, Qwen3-0.6B dummy bf16
 # python -m minisgl_ref bench offline --disable-cuda-graph
-# BASE=.baseline bash scripts/gpu/canonical_ab.sh     # section 4: interleaved A/B against an older checkout
-# python3 scripts/gpu/decode_anatomy.py --out results --at 256,128,64,32,16   # section 4: a step, by stage
+# BASE=.baseline bash scripts/gpu/ab.sh     # section 4: interleaved A/B against an older checkout
+# python3 scripts/gpu/measure/decode_anatomy.py --out results --at 256,128,64,32,16   # section 4: a step, by stage
 # python -m benchmarks.decode_balance --variants fi_graph,cudacap_200_4_128 --marks 256,192,160,128,96,64 \
 #     --layers 28 --slot-order canonical --with-matmuls --output results/split_cap.json  # section 4: our kernel
 # python -m pytest -m gpu tests/test_norm_folding.py tests/test_triton_fused.py   # section 4: folded vs float32
-# bash scripts/gpu/cascade_ab.sh              # section 5: shared prefix, radix off / on / cascade
-# bash scripts/gpu/bare_machine.sh results/bare_machine.json   # section 6: a cold start, then a warm start
-# NUM_PROMPTS=160 OUT=results bash scripts/gpu/serving_sweep.sh   # section 7: client latencies and step gaps
-# SERVERS="default mixed" RATES="8 16" OUT=results bash scripts/gpu/serving_sweep.sh   # section 7: mixed steps
+# bash scripts/gpu/measure/cascade_ab.sh              # section 5: shared prefix, radix off / on / cascade
+# bash scripts/gpu/bench.sh results/cold_start.json   # section 6: a cold start, then a warm start
+# NUM_PROMPTS=160 OUT=results bash scripts/gpu/measure/serving_sweep.sh   # section 7: client latencies and step gaps
+# SERVERS="default mixed" RATES="8 16" OUT=results bash scripts/gpu/measure/serving_sweep.sh   # section 7: mixed steps
 # ```
 #
-# Expected on an H100 80GB HBM3 with the engine as it stands (`bare_machine.sh`,
-# `canonical_bare_machine_prune_3_h100.json` to `_prune_5_`, about 2.5 minutes): about 20,400-20,500 output tok/s
+# Expected on an H100 80GB HBM3 with the engine as it stands (`bench.sh`,
+# `canonical_cold_start_prune_3_h100.json` to `_prune_5_`, about 2.5 minutes): about 20,400-20,500 output tok/s
 # on the first timed run of `python -m minisgl_ref bench offline` after a cold start (77% of the 5.03 s floor), a
 # start-up of 80-90 s cold and 12-17 s warm, the warm process within 2% of the cold one. The engine of section 3's
 # ladder (`docs/data/gpu_offline_h100.json`): about 17,700-17,850 output tok/s, about 8,200 with

@@ -822,9 +822,9 @@ for (kind, src), r in zip(cases, hot_reqs):
 # %%
 BENCHES = {"bounded strings": ROOT / "docs" / "data" / "constrained_bench_h100.json",
            "no length bounds": ROOT / "docs" / "data" / "constrained_bench_typical_h100.json"}
-if all(f.exists() for f in BENCHES.values()):  # GPU results, written by scripts/gpu/constrained_bench.py
-    display(Markdown("**On a GPU.** `scripts/gpu/constrained_bench.py` on an H100, default engine: random weights "
-                     "in SmolLM2-135M's shape with its real tokenizer (the cost of a grammar depends on the "
+if all(f.exists() for f in BENCHES.values()):  # GPU results, written by scripts/gpu/measure/constrained_bench.py
+    display(Markdown("**On a GPU.** `scripts/gpu/measure/constrained_bench.py` on an H100, default engine: random "
+                     "weights in SmolLM2-135M's shape with its real tokenizer (the cost of a grammar depends on the "
                      "vocabulary and the grammar, not on the weights), the five-field schema of the script with "
                      "bounded strings, then the same fields without bounds. Time per decode step for constrained "
                      "requests, their free twins (same prompts, same output lengths) and jump-forward."))
@@ -1016,7 +1016,7 @@ for r in HOST["results"]:
 #
 # **Measured again, five times each.** One timed run of a batch lasts 0.5-1 s, and single runs turned out to be
 # too noisy to compare versions: the same code measured a constrained/free ratio of 1.05 in one process and 2.0 in
-# the next. `scripts/gpu/constrained_bench.py --repeats 5` now alternates five constrained and five free runs per
+# the next. `scripts/gpu/measure/constrained_bench.py --repeats 5` now alternates five constrained and five free runs per
 # batch size and compares medians. With that, one process per engine version, one after another on one H100:
 
 # %%
@@ -1069,7 +1069,7 @@ for x in ADAPT["summary"]:
 # `constrained_bench_typical_random_1p7b_h100.json`: a free step of 64 rows took 2.9 ms and a constrained one
 # 1.31x that, at 64 constrained rows in every step.)
 #
-# So the larger model is built from the small one: `scripts/gpu/padded_model.py` pads the 135M model with zeros to
+# So the larger model is built from the small one: `scripts/gpu/measure/padded_model.py` pads the 135M model with zeros to
 # the width of SmolLM2-1.7B (2048 hidden units, 32 heads each with its own KV head, an MLP of 8192; the 135M's 30
 # layers, 2.1B parameters). Every matrix keeps the 135M's weights in its top-left corner and zeros elsewhere, so
 # the extra units stay exactly zero through every layer; the one place where zeros change a result is RMSNorm,
@@ -1181,24 +1181,25 @@ for label, name in ((label, f"constrained_bench_typical_{key}_h100.json") for la
 # python -m minisgl_ref.course grade --chapter 12             # the tests of task 12.1
 # python -m pytest tests/test_constrained.py -q               # structured output in the engine (slow: the model)
 # python -m pytest tests/test_notebooks.py -q -k 12           # the notebook runs top to bottom
-# python3 scripts/gpu/constrained_bench.py docs/data/constrained_bench_h100.json \
+# FOLDER=... bash scripts/gpu/chapter.sh 12                  # every GPU run below, in turn (scripts/gpu/README.md)
+# python3 scripts/gpu/measure/constrained_bench.py docs/data/constrained_bench_h100.json \
 #     --model-path FOLDER --load-format dummy --max-new-tokens 400   # on a GPU; FOLDER: SmolLM2's config and tokenizer
-# python3 scripts/gpu/constrained_bench.py docs/data/constrained_bench_typical_h100.json --schema typical \
+# python3 scripts/gpu/measure/constrained_bench.py docs/data/constrained_bench_typical_h100.json --schema typical \
 #     --model-path FOLDER --load-format dummy --max-new-tokens 600
-# python3 scripts/gpu/constrained_bench.py docs/data/constrained_bench_real_typical_h100.json --schema typical \
+# python3 scripts/gpu/measure/constrained_bench.py docs/data/constrained_bench_real_typical_h100.json --schema typical \
 #     --max-new-tokens 320                                    # the embedded model's real weights (and bounded)
-# python3 scripts/gpu/constrained_bench.py docs/data/constrained_bench_typical_mixed_h100.json --schema typical \
+# python3 scripts/gpu/measure/constrained_bench.py docs/data/constrained_bench_typical_mixed_h100.json --schema typical \
 #     --max-new-tokens 320 --batch-sizes 1 32 64 256 --mixed   # with mixed steps (and without, for _plain)
 # python -m benchmarks.grammar_host --output docs/data/grammar_host_cpu.json   # the grammar's host work per step
-# python3 scripts/gpu/constrained_bench.py results/adaptive.json --schema typical --max-new-tokens 320 \
+# python3 scripts/gpu/measure/constrained_bench.py results/adaptive.json --schema typical --max-new-tokens 320 \
 #     --batch-sizes 1 32 64 256 --repeats 5                  # five alternating runs per kind, medians
-# OUT=results OVERLAYS="old/pool" bash scripts/gpu/constrained_ab.sh   # versions side by side, one machine
+# OUT=results OVERLAYS="old/pool" bash scripts/gpu/measure/constrained_ab.sh   # versions side by side, one machine
 # python -m benchmarks.h2d_copy --output results/h2d_copy.json   # a mask's copy, pageable against pinned
-# python3 scripts/gpu/padded_model.py /tmp/padded             # the 135M model zero-padded to 2.1B (about 40 s)
-# python3 scripts/gpu/constrained_bench.py results/padded.json --schema typical --max-new-tokens 160 \
+# python3 scripts/gpu/measure/padded_model.py /tmp/padded             # the 135M model zero-padded to 2.1B (about 40 s)
+# python3 scripts/gpu/measure/constrained_bench.py results/padded.json --schema typical --max-new-tokens 160 \
 #     --batch-sizes 1 64 256 --repeats 5 --skip-jump-forward --model-path /tmp/padded   # then without --model-path
-# python3 scripts/gpu/smollm2_1p7b_folder.py /tmp/random17   # SmolLM2-1.7B's shape for random weights:
-# python3 scripts/gpu/constrained_bench.py results/random.json --schema typical --max-new-tokens 160 \
+# python3 scripts/gpu/measure/smollm2_1p7b_folder.py /tmp/random17   # SmolLM2-1.7B's shape for random weights:
+# python3 scripts/gpu/measure/constrained_bench.py results/random.json --schema typical --max-new-tokens 160 \
 #     --batch-sizes 1 64 256 --repeats 5 --skip-jump-forward --model-path /tmp/random17 --load-format dummy
 # ```
 #

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from minisgl_ref.book import OUTPUT_COLUMNS
+from tests.test_chapter_sources import COMMIT_HASH, PROCESS
 
 ROOT = Path(__file__).resolve().parents[1]
 SCREENSHOTS = ROOT / "build" / "screenshots"
@@ -206,6 +207,19 @@ class PageVisit:
         return self.page.evaluate("""() => [...document.images].map(img =>
             ({src: img.currentSrc || img.src, natural: img.naturalWidth, complete: img.complete}))""")
 
+    def article_words(self) -> dict:
+        """The article's text as a reader reads it: without code (blocks, outputs and inline code), scripts and
+        typeset math; ``prose`` is the same without tables (a table of runs may name each run's commit)."""
+        return self.page.evaluate("""() => {
+            const article = document.querySelector('article');
+            if (!article) return {text: '', prose: ''};
+            const copy = article.cloneNode(true);
+            copy.querySelectorAll('pre, code, script, style, mjx-container').forEach(e => e.remove());
+            const text = copy.textContent;
+            copy.querySelectorAll('table').forEach(e => e.remove());
+            return {text: text, prose: copy.textContent};
+        }""")
+
     def chapter_outputs(self) -> int:
         return self.page.locator("article .chapter-output").count()
 
@@ -287,6 +301,20 @@ def served(site_dir):
     server.shutdown()
 
 
+def process_words_and_hashes(words: dict) -> list[str]:
+    """Words about how a measurement was run, and commit hashes outside tables, in a page's rendered text: the
+    patterns of tests/test_chapter_sources.py, applied to what a reader sees (generated pages and rendered
+    docstrings included, which that test does not read)."""
+    found = []
+    for m in PROCESS.finditer(words["text"]):
+        context = " ".join(words["text"][max(0, m.start() - 50):m.end() + 50].split())
+        found.append(f"process word {m.group(0)!r} in the text: ...{context}...")
+    for m in COMMIT_HASH.finditer(words["prose"]):
+        context = " ".join(words["prose"][max(0, m.start() - 50):m.end() + 50].split())
+        found.append(f"commit hash {m.group(0)} outside a table: ...{context}...")
+    return found
+
+
 def check_page(browser, site: Path, base: str, path: str, *, expect_outputs: bool) -> list[str]:
     """Every reader-facing check on one page; returns the problems found (empty when the page is right)."""
     problems: list[str] = []
@@ -329,6 +357,8 @@ def check_page(browser, site: Path, base: str, path: str, *, expect_outputs: boo
         if _is_chapter(path):
             for line in visit.wide_output_lines(OUTPUT_COLUMNS):
                 problems.append(f"printed output line longer than {OUTPUT_COLUMNS} characters: {line}")
+        step = "words"
+        problems += process_words_and_hashes(visit.article_words())
         step = "search"
         hits = visit.search(SEARCH_QUERY)
         if hits == 0:
@@ -484,6 +514,33 @@ def test_wide_output_line_is_caught(browser, tmp_path):
     assert fits == []
     assert wide == [f"printed output line longer than {OUTPUT_COLUMNS} characters: "
                     f"{{'length': 150, 'line': '{'x' * 80}'}}"]
+
+
+def test_word_check_catches_process_words_and_hashes(browser, tmp_path):
+    """The rendered-text check on a synthetic site: a page of engine prose passes (a hash in a table, a word in
+    code), a page that speaks of how its numbers were run, or names a commit in a sentence, does not."""
+    site = tmp_path / "site"
+    search = """<input class="md-search__input">
+        <div class="md-search-result__item">hit</div>"""
+    page = "<!doctype html><html><body>{search}<article>{body}</article></body></html>"
+    bodies = {
+        "good": "<p>Graphs replay the whole step with one call; a cold start compiles every kernel.</p>"
+                "<table><tr><td>run</td><td>4d00637</td></tr></table>"
+                "<pre><code>async with session.post(url) as r:</code></pre><p>Set <code>session</code> once.</p>",
+        "call": "<p>Both kernels were timed in one GPU call.</p>",
+        "hash": "<p>The kernel was removed after commit 4d00637.</p>",
+    }
+    for name, body in bodies.items():
+        (site / name).mkdir(parents=True)
+        (site / name / "index.html").write_text(page.format(search=search, body=body))
+    server, base = _serve(site)
+    try:
+        found = {name: check_page(browser, site, base, f"{name}/", expect_outputs=False) for name in bodies}
+    finally:
+        server.shutdown()
+    assert found["good"] == []
+    assert [p.split(" in the text")[0] for p in found["call"]] == ["process word 'GPU call'"]
+    assert [p.split(" outside")[0] for p in found["hash"]] == ["commit hash 4d00637"]
 
 
 def test_screenshots(browser, served):
