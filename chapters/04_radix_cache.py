@@ -715,7 +715,7 @@ for r in runs.values():
 assert on["prefill"] < off["prefill"] and off["prefill"] == G * P * (S + Q)
 assert on["prefill"] == ideal  # true for this arrival order: see the note about overlap below
 
-# %% alt="Horizontal bar chart of prompt tokens computed: the bar without the radix cache is several times longer than the bar with it, which is as long as the ideal bar where each system prompt is computed once." caption="Prefill tokens on the shared-prefix workload: radix cache off, on, and the ideal of one computation per system prompt." tags=["hide-input"]
+# %% alt="Horizontal bar chart of prompt tokens computed: 1,800 without the radix cache, 648 with it, the same as the ideal bar where each system prompt is computed once." caption="Prefill tokens on the shared-prefix workload: radix cache off, on, and the ideal of one computation per system prompt." tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(8, 2.8))
 bars = {name: r["prefill"] for name, r in runs.items()}
 bars["ideal: each system\nprompt once"] = ideal

@@ -335,7 +335,7 @@ print(f"tiny model, 32 requests decoding, this CPU: {seq_ms:.1f} ms/step without
 # the CPU pieces as measured, and the forward as measured here, but placed on a device lane. They show what the
 # two loops would do with a device that is as slow as this CPU.
 
-# %% alt="Two Gantt charts over milliseconds, each with a CPU lane and a device lane for five steps: schedule in green, prepare in olive, forward in blue, process in purple. In the sequential one the device lane has a gap at every step; in the overlapped one the forwards run back to back while the CPU works alongside." caption="The sequential and the overlapped loop on a device as slow as this CPU, computed from the measured times of a step's parts."
+# %% alt="Two Gantt charts over milliseconds, each with a CPU lane and a device lane for five steps: schedule in green, prepare in olive, forward in blue, process in purple. The CPU's pieces are thin slivers next to the forwards; in the sequential chart the device lane has a narrow gap at every step, in the overlapped one the forwards run back to back." caption="The sequential and the overlapped loop on a device as slow as this CPU, computed from the measured times of a step's parts."
 def simulate(cpu_ms: dict, forward_ms: float, n_steps: int, overlap: bool):
     """Gantt bars [(lane, label, start, length)] of n_steps steps, and the steady-state time per step.
 
@@ -399,7 +399,7 @@ print(f"CPU work {measured['cpu']:.1f} ms + forward {measured['forward']:.1f} ms
 # measured on this CPU in section 1: it depends on the batch size, not on the model. This is an **estimate**, not
 # a measurement: a real forward is slower than the floor, and a server's CPU is faster than this shared one.
 
-# %% alt="Log-log line chart of milliseconds per decode step against batch size: the CPU work per step and the GPU forward floor both grow with the batch, the CPU line crossing above the floor between 64 and 256; the sequential step is their sum and the overlapped step follows the larger of the two." caption="Estimated decode step time on a GPU with and without overlap, against batch size: CPU work measured here, the forward at its floor."
+# %% alt="Log-log line chart of milliseconds per decode step against batch size, 1 to 256: the CPU work per step and the GPU forward floor both grow with the batch; the sequential step is their sum and the overlapped step follows the larger of the two." caption="Estimated decode step time on a GPU with and without overlap, against batch size: CPU work measured here, the forward at its floor."
 H100_BYTES_PER_S = 3.35e12
 QWEN3_06B_WEIGHT_BYTES = 1.2e9
 KV_BYTES_PER_TOKEN = 114_688  # 2 * 28 layers * 8 KV heads * 128 head dim * 2 bytes (Method page)

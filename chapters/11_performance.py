@@ -165,7 +165,7 @@ for r in GPU["ladder"]:
     print(f"{r['label'][:50]:<50} {r['workload_requests']:>4} {r['output_throughput']:>10,.0f} {r['wall_s']:>7.2f} "
           f"{100 * r['roofline_fraction']:>7.1f}%")
 
-# %% alt="Two horizontal bar charts of output tokens per second, one bar per engine configuration from the naive oracle at the top to the default engine at the bottom, each labelled with its fraction of the roofline floor. Left, on a log scale: the reduced workload of 8 requests. Right, linear: the canonical workload of 256 requests, with a dashed red line at the 17,000 tokens/s target, which the last bars pass." caption="The stage ladder on an H100: output throughput of each configuration on a reduced workload and on the canonical one." tags=["hide-input"]
+# %% alt="Two horizontal bar charts of output tokens per second, each bar labelled with its fraction of the roofline floor. Left, log scale, the reduced workload of 8 requests: the naive oracle and the paged, radix and chunked stages on torch_native all near 100 tokens/s and 1 percent, the default backends with CUDA graphs about thirty times faster at 27 percent. Right, linear, the canonical workload of 256 requests: Triton, FlashInfer and FA3 with FlashInfer, each with graphs off (24 to 31 percent) and on (67 to 68 percent, past the dashed red 17k target), and the default with fused ops off at 54 percent." caption="The stage ladder on an H100: output throughput of each configuration on a reduced workload and on the canonical one." tags=["hide-input"]
 full = [r for r in GPU["ladder"] if r["workload_requests"] == 256]
 small = [r for r in GPU["ladder"] if r["workload_requests"] != 256]
 fig, axes = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [6, 7]})
@@ -209,7 +209,7 @@ plt.show()
 # changes were later replaced by better ones (the persistent FlashInfer kernel by a decode kernel of our own), so
 # read the bars as a path, not as a list of parts.
 
-# %% alt="Horizontal bar chart, one numbered bar per change in the order it was made, of output tokens per second on the canonical workload, each labelled with its fraction of the roofline: from about 12,000 for the first complete GPU run to about 20,500, 77 percent, with the roofline as a dashed red line." caption="The engine's path on an H100: canonical-workload throughput after each change, in the order the changes were made." tags=["hide-input"]
+# %% alt="Horizontal bar chart, one numbered bar per change in the order it was made, of output tokens per second on the canonical workload, each labelled with its fraction of the roofline: from 8,282 (31 percent) for the first GPU run to about 20,300 (76 percent) after the twenty-sixth, most of the gain in the first five changes; the roofline, 26,626 tokens/s, is a dashed red line." caption="The engine's path on an H100: canonical-workload throughput after each change, in the order the changes were made." tags=["hide-input"]
 ceiling = GPU["canonical_output_tokens"] / GPU["roofline_floor_s"]
 steps = GPU["history"]
 labels = [textwrap.shorten(h["change"].removeprefix("+ ").split(" (")[0], 60, placeholder="...") for h in steps]
@@ -284,7 +284,7 @@ for name, what in KEPT:
 # the host's time per phase), and profiled (the GPU time of the kernels by kind). The KV floor is the bytes of the
 # running requests' contexts over 3.0 TB/s: what the attention kernel must read.
 
-# %% alt="Stacked bar chart of milliseconds per decode step for several counts of running requests, split into attention, matmul, other kernels and gaps between kernels, with a black tick at the KV floor of each bar; the attention part grows with the running count and stays close to its tick, while the rest stays about the same." caption="Where the GPU time of a decode step goes on the canonical workload, by the number of requests running."
+# %% alt="Stacked bar chart of milliseconds per decode step for 256, 123, 63, 30 and 14 running requests, split into attention, matmul, other kernels and gaps between kernels, with a black tick at the KV floor of each bar: the step falls from about 8 to 3 ms as fewer requests run, the attention part shrinks with them and stays just above its tick, while the rest stays about the same." caption="Where the GPU time of a decode step goes on the canonical workload, by the number of requests running."
 AN = load("decode_anatomy_h100.json")
 print(f"{'running':>7} {'KV floor':>8} {'attention':>9} {'matmul':>7} {'other':>6} {'GPU step':>8} "
       f"{'gaps':>5} {'host launch':>11}   (ms per decode step)")
@@ -640,7 +640,7 @@ for r in SV["runs"]:
           f"{r['median_itl_ms']:>6.1f}/{r['p99_itl_ms']:<8.1f} {r['median_e2e_latency_ms'] / 1e3:>6.1f}/"
           f"{r['p99_e2e_latency_ms'] / 1e3:<7.1f}")
 
-# %% alt="Three line charts against achieved requests per second: time to first token, time per output token and end-to-end latency, in milliseconds, each with solid p50 and dashed p99 lines for the default and the mixed-step server; all rise with the rate, and the achieved rate stops growing near 17 to 18 requests per second." caption="Serving latency against the achieved request rate, for the default and the mixed-step server, median and p99." tags=["hide-input"]
+# %% alt="Three line charts against achieved requests per second, from 8 to about 18: time to first token, time per output token and end-to-end latency in milliseconds, each with solid p50 and dashed p99 lines for the default and the mixed-step server. Time per output token and end-to-end latency rise with the rate, the default server's steeply past 16 requests per second; the p99 time to first token climbs to about 1.4 s (default) and 3 s (mixed) before dropping at the highest rate." caption="Serving latency against the achieved request rate, for the default and the mixed-step server, median and p99." tags=["hide-input"]
 fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
 for server, marker in (("default", "o"), ("mixed", "s")):
     rows = [r for r in SV["runs"] if r["server"] == server]
@@ -695,7 +695,7 @@ for r in MX["summary"]:
           f"{r['p99_ttft_ms']:<8.0f} {r['median_itl_ms']:>6.1f}/{r['p99_itl_ms']:<8.1f} {r['itl_p99_over_p50']:>8.2f} "
           f"{r['median_tpot_ms']:>12.2f}")
 
-# %% alt="Line chart of inter-token latency in milliseconds against achieved requests per second: solid median and dashed p99 lines for the default and the mixed-step server, with a dotted line at twice the lowest median; below saturation the p99 lines stay about two times their medians." caption="Inter-token latency with extend steps in CUDA graphs, median and p99, for the default and the mixed-step server." tags=["hide-input"]
+# %% alt="Line chart of inter-token latency in milliseconds against achieved requests per second, at about 8, 15 and 30: the medians stay between 2 and 6 ms; the p99 lines stay close to them up to 15 requests per second, then at saturation rise to about 100 ms for the default server and 36 ms for the mixed-step one. A dotted line marks twice the lowest median." caption="Inter-token latency with extend steps in CUDA graphs, median and p99, for the default and the mixed-step server." tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(7, 3.2))
 for server, marker in (("default", "o"), ("mixed", "s")):
     rows = [r for r in MX["summary"] if r["server"] == server and r["request_rate"] != float("inf")]
