@@ -59,15 +59,17 @@ the keys of a header in alphabetical order)::
 
     # %% alt="Line chart: time per step against tokens fed, rising ..." caption="Each step ..." tags=["hide-input"]
 
-The alt text says what the picture shows to a reader who cannot see it (the kind of chart, its axes, the shape of the
-data); the caption says what the figure is. A cell that draws several figures gives a list for each key
-(``caption=["first", "second"]``), one entry per figure, in the order it draws them. The keys hold plain text
-(no double quotes: the header line is not the place for escapes). The figures' plotting code goes in a
-``hide-input`` cell where the cell only plots, so the page shows the figure and folds the code that draws it. Every PNG of a page is numbered ``Figure C.K``: ``C`` the chapter's number without its
-leading zero, ``K`` the figure's place among the page's figures (so the numbers follow the page, whichever cells draw
-them), and rendered as ``<figure class="chapter-figure">`` holding the image, with the alt text, and a
-``<figcaption>`` that reads ``Figure C.K: caption``. The prose cites figures by these numbers. A figure whose cell
-gives no caption or no alt text for it is logged as a warning, so ``mkdocs build --strict`` fails.
+The alt text says what the picture shows to a reader who cannot see it (the kind of chart, its axes, the shape of
+the data); the caption says what the figure is. A cell that draws several figures gives a list for each key
+(``caption=["first", "second"]``), one entry per figure, in the order it draws them. The keys hold plain text (no
+double quotes: the header line is not the place for escapes). A cell that only plots is tagged ``hide-input``: the
+page folds the code and shows the figure.
+
+Every PNG of a page is numbered ``Figure C.K``: ``C`` the chapter's number without its leading zero, ``K`` the
+figure's place among the page's figures (so the numbers follow the page, whichever cells draw them). It is rendered
+as a ``<figure class="chapter-figure">`` holding the image, with the alt text, and a ``<figcaption>`` that reads
+``Figure C.K: caption``; the prose cites figures by these numbers. A figure whose cell gives no caption or no alt
+text for it is logged as a warning, so ``mkdocs build --strict`` fails.
 """
 
 from __future__ import annotations
