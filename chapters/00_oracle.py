@@ -355,7 +355,7 @@ for lq, lk in [(37, 37), (3, 8), (1, 50)]:
     assert err < 1e-5
 
 # %% [markdown]
-# The mask is not just a drawing; the model really lives under it. A *probe* backend (toy code for this figure
+# The mask is not just a drawing; the model really lives under it. A *probe* backend (toy code for Figure 0.2
 # only: it records the queries and keys that two layers hand to the backend, then attends exactly like
 # `NoCacheAttentionBackend`) lets us draw the attention probabilities of two heads of the real model over a short
 # prompt. Everything above the diagonal is exactly zero: no token ever saw its future.

@@ -822,7 +822,7 @@ print("this run:",
 #    weights were laid out for one convention.
 # 2. **Task 1.2 (Llama 3 scaling).** Rewrite `rope_inv_freq`'s `TASK 1.2` region and check it with
 #    `python -m minisgl_ref.course grade --task 1.2`. Which of the 64 pairs of Llama-3.1-8B change, and by how
-#    much? (The plot in 3.3 is the answer to compare with.)
+#    much? (Figure 1.1, in section 3.3, is the answer to compare with.)
 # 3. **Task 1.3 (the decoder layer).** Rewrite `LlamaDecoderLayer.forward` and grade it with
 #    `python -m minisgl_ref.course grade --task 1.3`: its tests compare one layer with the plain pre-norm formula
 #    and whole models with `transformers`, with transformers' own RoPE standing in for yours, so a RoPE bug cannot

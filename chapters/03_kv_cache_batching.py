@@ -230,7 +230,7 @@ print(f"for comparison, Qwen3-0.6B in bf16 needs 114,688 bytes per token (chapte
 # ## 3. A live pool
 #
 # Let us look at a real pool. We build an engine around the same weights with a small pool (64 slots in pages of
-# 4, so the picture fits on a screen), in this chapter's configuration (`CH03`: no prefix sharing, no chunking, no
+# 4, so that Figure 3.2 fits on a screen), in this chapter's configuration (`CH03`: no prefix sharing, no chunking, no
 # overlap). Three requests start together; the third wants only two tokens; after three steps a fourth request
 # arrives.
 
