@@ -266,12 +266,11 @@ print("last_token_indices", last.tolist(), "-> tokens", toy.input_ids[last].toli
 # flowchart LR
 #     subgraph flat["input_ids [T = 10], no padding"]
 #         direction LR
-#         a0["11"] --- a1["12"] --- a2["13"] --- b0["21"] --- b1["22"]
-#         b1 --- b2["23"] --- b3["24"] --- b4["25"] --- c0["31"] --- c1["32"]
+#         a["request 0<br/>11 12 13"] --- b["request 1<br/>21 22 23 24 25"] --- c["request 2<br/>31 32"]
 #     end
-#     a2 -.->|logits row 0| L["LM head<br/>[3, vocab]"]
-#     b4 -.->|logits row 1| L
-#     c1 -.->|logits row 2| L
+#     a -.->|"logits row 0<br/>(token 13)"| L["LM head<br/>[3, vocab]"]
+#     b -.->|"logits row 1<br/>(token 25)"| L
+#     c -.->|"logits row 2<br/>(token 32)"| L
 # ```
 #
 # ## 5. Attention without a cache

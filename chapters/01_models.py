@@ -178,17 +178,20 @@ for name, c in shipped.items():
 #
 # ```mermaid
 # flowchart TB
-#     in["hidden, residual"] --> n1["input_layernorm<br/>residual = hidden + residual<br/>hidden = RMSNorm(residual)"]
-#     n1 --> qkv["qkv_proj (QKVParallelLinear)<br/>split into q, k, v"]
-#     qkv --> qkn["q_norm / k_norm per head<br/>(Qwen3 only)"]
-#     qkn --> rope["RoPE on q and k"]
-#     rope --> attn["attention (backend)"]
-#     attn --> o["o_proj (RowParallelLinear)"]
-#     o --> n2["post_attention_layernorm<br/>residual = hidden + residual<br/>hidden = RMSNorm(residual)"]
-#     n2 --> gu["gate_up_proj (MergedColumnParallelLinear)"]
-#     gu --> act["SiluAndMul: silu(gate) * up"]
-#     act --> down["down_proj (RowParallelLinear)"]
-#     down --> out["hidden, residual -> next layer"]
+#     subgraph attn["attention half"]
+#         direction LR
+#         in["hidden,<br/>residual"] --> n1["input_layernorm<br/>residual = hidden + residual<br/>hidden = RMSNorm(residual)"] --> qkv["qkv_proj<br/>(QKVParallelLinear)<br/>split into q, k, v"] --> qkn["q_norm / k_norm<br/>per head<br/>(Qwen3 only)"]
+#     end
+#     subgraph attn2[" "]
+#         direction LR
+#         rope["RoPE on<br/>q and k"] --> at["attention<br/>(backend)"] --> o["o_proj<br/>(RowParallelLinear)"]
+#     end
+#     subgraph mlp["MLP half"]
+#         direction LR
+#         n2["post_attention_layernorm<br/>residual = hidden + residual<br/>hidden = RMSNorm(residual)"] --> gu["gate_up_proj<br/>(MergedColumn-<br/>ParallelLinear)"] --> act["SiluAndMul:<br/>silu(gate) * up"] --> down["down_proj<br/>(RowParallelLinear)"]
+#     end
+#     out["hidden, residual → next layer"]
+#     attn --> attn2 --> mlp --> out
 # ```
 #
 # ### 3.1 RMSNorm, fused with the residual add
@@ -382,7 +385,7 @@ show(kernel_table.silu_and_mul)
 # all-reduces** (one per block). For the MLP on two ranks:
 #
 # ```mermaid
-# flowchart LR
+# flowchart TB
 #     x["x [T, hidden]<br/>same on every rank"]
 #     subgraph r0["rank 0"]
 #         gu0["gate_up_proj<br/>column-parallel:<br/>gate and up rows 0 .. I/2"]

@@ -32,15 +32,23 @@
 # prevents it, and each rule below comes with a check.
 #
 # ```mermaid
-# flowchart LR
-#     M["chat messages"] -->|"chat template<br/>(render to text)"| P["prompt text"]
-#     P -->|"encode<br/>(no special tokens added)"| I["prompt ids"]
-#     I --> E["engine: model forward<br/>(chapters 00-01, 03+)"]
-#     E -->|"logits [B, V]"| S["Sampler<br/>tasks 2.2-2.4"]
-#     S -->|"one id per request"| E
-#     S -->|"new id"| D["IncrementalDetokenizer<br/>task 2.1"]
-#     D -->|"text delta<br/>(final, never retracted)"| C["client"]
-#     D -->|"stop string matched"| F["finish_reason = stop"]
+# flowchart TB
+#     subgraph prompt["the prompt"]
+#         direction LR
+#         M["chat messages"] -->|"chat template<br/>(render to text)"| P["prompt text"]
+#         P -->|"encode (no special<br/>tokens added)"| I["prompt ids"]
+#     end
+#     subgraph engine["the engine"]
+#         direction LR
+#         E["model forward<br/>(chapters 00-01, 03+)"] -->|"logits [B, V]"| S["Sampler<br/>tasks 2.2-2.4"]
+#         S -->|"one id per request"| E
+#     end
+#     subgraph text["the output"]
+#         direction LR
+#         D["IncrementalDetokenizer<br/>task 2.1"] -->|"text delta (final,<br/>never retracted)"| C["client"]
+#         D -->|"stop string matched"| F["finish_reason = stop"]
+#     end
+#     prompt -->|"prompt ids"| engine -->|"each new id"| text
 # ```
 #
 # Modules: `minisgl_ref/tokenizer/tokenizer.py`, `minisgl_ref/tokenizer/detokenizer.py` (task 2.1),
@@ -477,7 +485,7 @@ for bad in ({"top_p": 0}, {"temperature": "hot"}, {"top_k": 2.5}, {"max_tokens":
 # practice, +100 all but forces it. It is a dense `[B, V]` tensor built only when some row of the batch has one.
 #
 # ```mermaid
-# flowchart LR
+# flowchart TB
 #     L["logits [B, V]"] --> B["+ logit_bias"]
 #     B --> P["penalties<br/>task 2.2"]
 #     P -->|greedy rows| A["argmax"]

@@ -489,16 +489,16 @@ assert small.req_to_token.num_free == small.req_to_token.max_requests
 # `running` list (prefilled, decoding). Each step:
 #
 # ```mermaid
-# flowchart TB
-#     S(["schedule()"]) --> W{"a waiting request fits?<br/>(token budget, request slots,<br/>free KV minus reserve)"}
-#     W -- yes --> P["prefill step:<br/>admit waiting requests in order<br/>until one does not fit"]
-#     W -- no --> D{"running requests?"}
-#     D -- yes --> M{"one more slot for each<br/>running request?"}
-#     M -- yes --> DS["decode step:<br/>one token for every running request"]
-#     M -- no --> RT["retract the newest running request<br/>(free its KV, back to the front of waiting)"]
+# flowchart LR
+#     S(["schedule()"]) --> W{"a waiting<br/>request<br/>fits?"}
+#     W -- "yes" --> P["prefill step:<br/>admit waiting requests<br/>in order until one does<br/>not fit (token budget,<br/>slots, free KV minus<br/>reserve)"]
+#     W -- no --> D{"running<br/>requests?"}
+#     D -- yes --> M{"a slot<br/>for each?"}
+#     M -- yes --> DS["decode step:<br/>one token for every<br/>running request"]
+#     M -- no --> RT["retract the newest<br/>(free its KV, back<br/>to the front of<br/>waiting)"]
 #     RT --> M
 #     D -- no --> I(["idle"])
-#     P --> RUN["run, then process:<br/>append tokens, finished requests leave<br/>and free their KV"]
+#     P --> RUN["run, then process:<br/>append tokens;<br/>finished requests<br/>free their KV"]
 #     DS --> RUN
 # ```
 #

@@ -341,24 +341,29 @@ assert paged_tree.match_prefix(seq[:7]).length == 4 and paged_tree.match_prefix(
 # table. For each request:
 #
 # ```mermaid
+# ---
+# config:
+#   sequence:
+#     mirrorActors: false
+# ---
 # sequenceDiagram
 #     participant S as Scheduler
 #     participant C as CacheManager
 #     participant T as RadixCache
 #     participant P as page table row
 #     S->>C: match(req) on admission
-#     C->>T: match_prefix(all tokens but the last)
-#     T-->>C: slots of the longest cached prefix, deepest node
+#     C->>T: match_prefix(all tokens<br/>but the last)
+#     T-->>C: slots of the longest cached<br/>prefix, deepest node
 #     C->>T: inc_lock(node)
-#     C->>P: write the prefix's slots (tree_len = matched length)
-#     S->>C: alloc(req, n) for the tokens to compute (evicts if short)
-#     Note over S: the prefill step is launched: it computes only the new tokens
-#     S->>C: commit(req) right after the launch (the engine, chapter 06)
-#     C->>T: insert(computed tokens, row), then free our duplicates
-#     C->>P: repoint the row at the tree's slots, then move the lock down
-#     S->>C: release(req) when it finishes (or is retracted)
-#     C->>T: commit what was computed, then dec_lock
-#     C->>C: free the slots the tree did not take
+#     C->>P: write the prefix's slots<br/>(tree_len = matched length)
+#     S->>C: alloc(req, n) for the tokens<br/>to compute (evicts if short)
+#     Note over S: the prefill step is launched:<br/>it computes only the new tokens
+#     S->>C: commit(req) right after the<br/>launch (the engine, chapter 06)
+#     C->>T: insert(computed tokens, row),<br/>then free our duplicates
+#     C->>P: repoint the row at the tree's<br/>slots, then move the lock down
+#     S->>C: release(req) when it finishes<br/>(or is retracted)
+#     C->>T: commit what was computed,<br/>then dec_lock
+#     C->>C: free the slots the<br/>tree did not take
 # ```
 #
 # Two details. `match` never matches the *last* token of a request, even if it is cached: the step needs that
@@ -418,7 +423,12 @@ show_mermaid(tree_after)
 
 # %% [markdown]
 # ```mermaid
-# flowchart LR
+# ---
+# config:
+#   flowchart:
+#     rankSpacing: 30
+# ---
+# flowchart TB
 #     subgraph before["after request 1"]
 #         direction LR
 #         r1(("root")) --> a1["⟨im_start⟩system⏎You are a patient physics tutor. …<br/>… user⏎What is gravity?⟨im_end⟩⏎⟨im_start⟩assistant⏎<br/>31 tok, slots 1-31"]
@@ -435,6 +445,7 @@ show_mermaid(tree_after)
 #         s2 --> y2["Why is the sky blue?⟨im_end⟩⏎⟨im_start⟩assistant⏎<br/>12 tok"]
 #         y2 --> ya2["The answer to this question is a<br/>7 tok"]
 #     end
+#     before ~~~ after
 # ```
 #
 # Note that no slot moved: splitting an edge only cuts its list of slots in two. Request 1's 31 prompt slots

@@ -96,13 +96,13 @@ torch.set_num_threads(int(os.environ.get("MINISGL_THREADS", "1")))
 # simply occupies several steps in a row instead of one.
 #
 # ```mermaid
-# flowchart TB
-#     S["Scheduler.schedule()"] --> P{"_schedule_prefill():<br/>a chunk to continue, or<br/>waiting prompts that fit?"}
-#     P -->|no| D["decode step:<br/>one token for every running request"]
-#     P -->|yes| B["prefill rows<br/>(budgets: task 5.1)"]
-#     B --> M{"enable_mixed_chunk?"}
-#     M -->|no| PB["prefill-only step:<br/>running requests wait"]
-#     M -->|yes| MB["mixed step:<br/>prefill rows + one decode row<br/>per running request"]
+# flowchart LR
+#     S["Scheduler.<br/>schedule()"] --> P{"_schedule_prefill():<br/>a chunk to continue,<br/>or waiting prompts<br/>that fit?"}
+#     P -->|no| D["decode step:<br/>one token for every<br/>running request"]
+#     P -->|yes| B["prefill rows<br/>(budgets:<br/>task 5.1)"]
+#     B --> M{"enable_<br/>mixed_chunk?"}
+#     M -->|no| PB["prefill-only step:<br/>running requests<br/>wait"]
+#     M -->|yes| MB["mixed step:<br/>prefill rows + one<br/>decode row per<br/>running request"]
 # ```
 #
 # ## 2. A small model and a scenario

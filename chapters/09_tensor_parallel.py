@@ -105,30 +105,39 @@ print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU thread(s) per p
 # so that what one column-parallel layer leaves on a rank is exactly what the following row-parallel layer needs:
 #
 # ```mermaid
-# flowchart TB
-#     emb["embed_tokens: vocabulary-parallel<br/>rank r looks up ids in its block of V/N rows, zeros elsewhere"]
-#     ar0(("all-reduce<br/>T x h"))
+# flowchart LR
+#     subgraph embed["embedding"]
+#         direction TB
+#         emb["embed_tokens:<br/>vocabulary-parallel;<br/>rank r looks up ids<br/>in its V/N rows,<br/>zeros elsewhere"]
+#         ar0(("all-reduce<br/>T x h"))
+#         emb --> ar0
+#     end
 #     subgraph attn["attention block"]
-#         n1["input_layernorm (replicated)"]
-#         qkv["qkv_proj: column-parallel<br/>rank r: its query heads + their KV heads"]
-#         at["attention over local heads<br/>KV cache holds only local KV heads"]
-#         o["o_proj: row-parallel<br/>input columns = rank r's query heads"]
+#         direction TB
+#         n1["input_layernorm<br/>(replicated)"]
+#         qkv["qkv_proj:<br/>column-parallel;<br/>rank r: its query heads<br/>+ their KV heads"]
+#         at["attention over<br/>local heads; the<br/>KV cache holds only<br/>local KV heads"]
+#         o["o_proj: row-parallel;<br/>input columns =<br/>rank r's query heads"]
 #         ar1(("all-reduce<br/>T x h"))
 #         n1 --> qkv --> at --> o --> ar1
 #     end
 #     subgraph mlp["MLP block"]
-#         n2["post_attention_layernorm (replicated)"]
-#         gu["gate_up_proj: column-parallel<br/>rank r: I/N gate rows + I/N up rows"]
-#         act["SiluAndMul, I/N channels"]
-#         d["down_proj: row-parallel<br/>input columns = rank r's I/N channels"]
+#         direction TB
+#         n2["post_attention_<br/>layernorm<br/>(replicated)"]
+#         gu["gate_up_proj:<br/>column-parallel;<br/>rank r: I/N gate<br/>+ I/N up rows"]
+#         act["SiluAndMul,<br/>I/N channels"]
+#         d["down_proj:<br/>row-parallel; input<br/>columns = rank r's<br/>I/N channels"]
 #         ar2(("all-reduce<br/>T x h"))
 #         n2 --> gu --> act --> d --> ar2
 #     end
-#     head["lm_head: vocabulary-parallel<br/>rank r: logits of its V/N tokens"]
-#     ag(("all-gather<br/>B x V/N per rank"))
-#     emb --> ar0 --> n1
-#     ar1 --> n2
-#     ar2 -- "x L layers" --> head --> ag --> s["sampler: the same full logits on every rank"]
+#     subgraph out["LM head"]
+#         direction TB
+#         head["lm_head:<br/>vocabulary-parallel;<br/>rank r: logits of<br/>its V/N tokens"]
+#         ag(("all-gather<br/>B x V/N<br/>per rank"))
+#         s["sampler: the same<br/>full logits<br/>on every rank"]
+#         head --> ag --> s
+#     end
+#     embed --> attn --> mlp -- "x L layers" --> out
 # ```
 #
 # Everything between two all-reduces is local: attention works head by head, SiLU-and-multiply channel by

@@ -38,6 +38,11 @@ CHROMIUM_ARGS = [
 # At VIEWPORT's width a code line of up to this many characters fits in the content column
 # (docs/stylesheets/extra.css); only a block with a longer line may scroll sideways.
 CODE_COLUMNS = 120
+# A diagram's labels, as drawn (font size times the scale the SVG is shrunk or grown by to fit the column), must
+# be at least this many pixels high, and the drawing at most this many viewports tall: a diagram wider than the
+# column is scaled down until its text cannot be read, and a tall one cannot be seen whole.
+DIAGRAM_MIN_LABEL_PX = 11
+DIAGRAM_MAX_VIEWPORTS = 1.3
 
 pytestmark = pytest.mark.browser
 
@@ -166,6 +171,29 @@ class PageVisit:
             return {width: box.width, height: box.height, text: svg.textContent.slice(0, 200)};
         })""")
 
+    def diagram_sizes(self) -> list[dict]:
+        """Each drawn diagram's rendered size and the smallest label on it, in CSS pixels: the computed font size
+        of every visible text (SVG ``<text>`` and the HTML labels inside ``<foreignObject>``) times the scale
+        from the SVG's coordinates to the screen."""
+        return self.page.evaluate("""() => [...document.querySelectorAll('div.mermaid')].map(d => {
+            const svg = d.shadowRoot && d.shadowRoot.querySelector('svg');
+            if (!svg) return null;
+            const box = svg.getBoundingClientRect();
+            const scale = el => { const m = el.getScreenCTM(); return m ? Math.hypot(m.a, m.b) : 1; };
+            const shown = el => { const r = el.getBoundingClientRect(); return r.width > 0 && r.height > 0; };
+            const hasText = el => [...el.childNodes].some(n => n.nodeType === 3 && n.textContent.trim());
+            let min = Infinity, smallest = '';
+            const note = (el, px) => { if (px < min) { min = px; smallest = el.textContent.trim().slice(0, 60); } };
+            for (const t of svg.querySelectorAll('text'))
+                if (t.textContent.trim() && shown(t)) note(t, parseFloat(getComputedStyle(t).fontSize) * scale(t));
+            for (const fo of svg.querySelectorAll('foreignObject'))
+                for (const el of fo.querySelectorAll('*'))
+                    if (hasText(el) && shown(el)) note(el, parseFloat(getComputedStyle(el).fontSize) * scale(fo));
+            return {width: Math.round(box.width), height: Math.round(box.height),
+                    min_label_px: min === Infinity ? null : Math.round(min * 10) / 10, smallest,
+                    text: svg.textContent.replace(/\\s+/g, ' ').slice(0, 60)};
+        }).filter(d => d)""")
+
     def images(self) -> list[dict]:
         self.page.evaluate("""() => Promise.all([...document.images].map(img => {
             img.loading = 'eager';
@@ -277,6 +305,14 @@ def check_page(browser, site: Path, base: str, path: str, *, expect_outputs: boo
             for d in diagrams:
                 if d["width"] < 20 or d["height"] < 20 or "Syntax error" in d["text"]:
                     problems.append(f"diagram not drawn properly: {d}")
+        step = "diagram sizes"
+        if static["mermaid"]:
+            for d in visit.diagram_sizes():
+                if d["min_label_px"] is not None and d["min_label_px"] < DIAGRAM_MIN_LABEL_PX:
+                    problems.append(f"diagram labels drawn {d['min_label_px']} px high (< {DIAGRAM_MIN_LABEL_PX}): "
+                                    f"{d}")
+                if d["height"] > DIAGRAM_MAX_VIEWPORTS * VIEWPORT["height"]:
+                    problems.append(f"diagram {d['height']} px tall (> {DIAGRAM_MAX_VIEWPORTS} viewports): {d}")
         step = "images"
         for img in visit.images():
             if not img["complete"] or img["natural"] <= 0:
@@ -381,6 +417,45 @@ def test_output_and_image_checks_catch_problems(browser, tmp_path):
     assert any(p.startswith("image did not load") for p in broken), broken
     assert any("missing.png" in p and "HTTP 404" in p for p in broken), broken
     assert "request off the local server (blocked): https://unpkg.com/mermaid@11/dist/mermaid.min.js" in online
+
+
+def test_diagram_checks_catch_problems(browser, tmp_path):
+    """The diagram checks on a small synthetic site whose pages draw their diagram the way the theme does (the
+    source in ``pre.mermaid`` replaced by a ``div.mermaid`` holding the SVG in a shadow root): a readable diagram
+    passes; one squeezed into the column until its labels are 8 px high, and one three viewports tall, are
+    reported."""
+    site = tmp_path / "site"
+    search = """<input class="md-search__input">
+        <div class="md-search-result__item">hit</div>"""
+    draw = """<script>
+        for (const pre of document.querySelectorAll('pre.mermaid')) {
+            const div = document.createElement('div'); div.className = 'mermaid';
+            div.attachShadow({mode: 'closed'}).innerHTML = pre.textContent;
+            pre.replaceWith(div);
+        }</script>"""
+    svgs = {  # viewBox width x height, drawn width (the theme caps a drawing at the column's width)
+        "good": '<svg viewBox="0 0 400 200" style="max-width: 400px; width: 100%">'
+                '<text x="10" y="40" font-size="16">ScheduledBatch</text>'
+                '<foreignObject x="10" y="60" width="300" height="40"><div style="font-size: 16px">'
+                '<span>Engine.step()</span></div></foreignObject></svg>',
+        "tiny": '<svg viewBox="0 0 2400 200" style="max-width: 2400px; width: 100%">'
+                '<text x="10" y="40" font-size="16">model + attention backend</text></svg>',
+        "tall": '<svg viewBox="0 0 400 2700" style="max-width: 400px; width: 100%">'
+                '<text x="10" y="40" font-size="16">decoder layer</text></svg>',
+    }
+    page = "<!doctype html><html><body>{search}<article style='width: 800px'>{body}</article>{draw}</body></html>"
+    for name, svg in svgs.items():
+        (site / "diagrams" / name).mkdir(parents=True)
+        body = '<pre class="mermaid">' + svg.replace("&", "&amp;").replace("<", "&lt;") + "</pre>"
+        (site / "diagrams" / name / "index.html").write_text(page.format(search=search, body=body, draw=draw))
+    server, base = _serve(site)
+    try:
+        found = {name: check_page(browser, site, base, f"diagrams/{name}/", expect_outputs=False) for name in svgs}
+    finally:
+        server.shutdown()
+    assert found["good"] == []
+    assert len(found["tiny"]) == 1 and found["tiny"][0].startswith("diagram labels drawn 5.3 px high"), found["tiny"]
+    assert len(found["tall"]) == 1 and found["tall"][0].startswith("diagram 2700 px tall"), found["tall"]
 
 
 def test_screenshots(browser, served):
