@@ -300,7 +300,7 @@ show_code(reference_attention, task="0.1")
 # cache threefold, which matters a lot from chapter 03 on. The reference implementation just repeats each KV
 # head 3 times (`repeat_interleave`) and then does ordinary multi-head attention.
 
-# %%
+# %% alt="Three grids. Left: an 8 by 8 mask of queries against keys, a tick on and below the diagonal and minus infinity above it. Middle: 3 new queries over 8 keys, where the first 5 keys are visible to every query. Right: 9 query heads mapped to 3 KV heads in groups of 3." caption="The causal mask without a cache and with one, and how SmolLM2-135M's 9 query heads share its 3 KV heads."
 def causal_mask(lq: int, lk: int) -> np.ndarray:
     """True where query i (at position lk - lq + i) may see key j: the same rule as reference_attention."""
     q_pos = np.arange(lk - lq, lk)[:, None]
@@ -333,6 +333,9 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
+# In Figure 0.1, the middle grid is the bottom three rows of the left one: a query sees the same keys whether the
+# keys before it were just computed or come from a cache. Only the shapes differ.
+#
 # Is `reference_attention` right? It is itself an oracle (the [method page](../method.md#oracles-what-correct-means): *torch_native is the
 # reference for every kernel backend*), so we check it against the most independent thing at hand, PyTorch's fused
 # `scaled_dot_product_attention`, with the shapes of this model, both for a full sequence and for "3 new
@@ -353,12 +356,12 @@ for lq, lk in [(37, 37), (3, 8), (1, 50)]:
     assert err < 1e-5
 
 # %% [markdown]
-# The mask is not just a drawing; the model really lives under it. A *probe* backend (toy code for this figure
+# The mask is not just a drawing; the model really lives under it. A *probe* backend (toy code for Figure 0.2
 # only: it records the queries and keys that two layers hand to the backend, then attends exactly like
 # `NoCacheAttentionBackend`) lets us draw the attention probabilities of two heads of the real model over a short
 # prompt. Everything above the diagonal is exactly zero: no token ever saw its future.
 
-# %%
+# %% alt="Two heat maps of attention probabilities over the tokens of the prompt 'The capital of France is Paris. The capital of Italy is', queries down and keys across. Layer 8 head 0 puts most of its weight on the first token; layer 16 head 0 lights up the cells just below the diagonal. Above the diagonal both are zero." caption="Attention probabilities of two heads of SmolLM2-135M over a short prompt: no token attends to a later one."
 class ProbeBackend(NoCacheAttentionBackend):
     """Toy: remember the q and k that some layers hand to the backend, then attend as usual."""
 
@@ -406,9 +409,9 @@ print("largest probability above the diagonal, any head of either layer:", above
 assert above == 0.0
 
 # %% [markdown]
-# Even this tiny model has heads with recognisable jobs. Layer 16's head 0 mostly looks at the *previous* token.
-# Layer 8's head 0 parks most of its weight on the very first token (a common habit, often called an *attention
-# sink*), but the second `capital`, `of` and `is` reach back to their own earlier occurrence in the first
+# Figure 0.2 shows that even this tiny model has heads with recognisable jobs. Layer 16's head 0 mostly looks at the
+# *previous* token. Layer 8's head 0 parks most of its weight on the very first token (a common habit, often called an
+# *attention sink*), but the second `capital`, `of` and `is` reach back to their own earlier occurrence in the first
 # sentence, which is how a model can copy a pattern it has seen. None of that is our concern as engine builders,
 # except for one fact: a token's attention depends only on itself and the tokens before it.
 
@@ -574,7 +577,7 @@ print(f"tokens pushed through the model: {naive_tokens} for {N_GEN} generated "
 print(f"with a KV cache: {cached_tokens} ({naive_tokens / cached_tokens:.1f}x fewer)")
 assert slope > 0  # longer sequences cost more per step
 
-# %%
+# %% alt="Two charts. Left: time per step in milliseconds against tokens fed, the points rising along a fitted straight line, above a dashed horizontal line for a step that feeds one token. Right: cumulative tokens pushed through the model against tokens generated; the naive curve bends upward while the KV-cache line stays straight and far below it." caption="The naive loop: each step recomputes the whole sequence, so the time per step grows with its length and the total work grows quadratically." tags=["hide-input"]
 fig, axes = plt.subplots(1, 2, figsize=(12, 4))
 ax = axes[0]
 ax.plot(seq_lens, wall_s * 1e3, ".", color="lightgray", label="wall-clock per step")
@@ -600,9 +603,9 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Read the left plot from the dashed line up. A step is never free: even a single token needs every weight of
-# the model once, which is the dashed line. The naive loop pays that *and* a cost for every token of the
-# sequence, again at every step, and the sequence only grows. The right plot adds it up: after 64 tokens the
+# Read the left panel of Figure 0.3 from the dashed line up. A step is never free: even a single token needs every
+# weight of the model once, which is the dashed line. The naive loop pays that *and* a cost for every token of the
+# sequence, again at every step, and the sequence only grows. The right panel adds it up: after 64 tokens the
 # naive loop has pushed about 34 times more tokens through the model than it had to. The ratio keeps growing
 # with the length, and real requests are long (prompts of thousands of tokens, answers of hundreds or more).
 #

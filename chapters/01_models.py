@@ -309,10 +309,10 @@ show(rope_inv_freq)
 
 # %% [markdown]
 # Our frequencies must be *bit for bit* those of `transformers` for the shipped `llama-3.1-8b` config (the test
-# `tests/test_models.py::test_llama3_rope_frequencies_match_transformers` checks the same thing), and the plot
+# `tests/test_models.py::test_llama3_rope_frequencies_match_transformers` checks the same thing), and Figure 1.1
 # shows where the three bands fall among Llama 3.1's 64 frequency pairs:
 
-# %%
+# %% alt="Two log-scale line charts over Llama-3.1-8B's 64 frequency pairs. Left: inverse frequency falls from 1 to about 2e-6; the llama3-scaled curve follows the default one for the first pairs and drops below it for the last ones. Right: the wavelengths in tokens, with dotted lines at 2,048, 8,192 and 131,072 marking the kept, blended and divided bands." caption="RoPE frequencies and wavelengths of Llama-3.1-8B, default and with llama3 scaling."
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -347,6 +347,10 @@ ax2.set(xlabel="pair index i", ylabel="wavelength (tokens)", title="Wavelengths 
 ax2.legend(loc="lower right")
 fig.tight_layout()
 plt.show()
+
+# %% [markdown]
+# In Figure 1.1 the two curves coincide for the pairs that turn fast (wavelengths under 2,048 tokens) and part for the
+# slow ones, whose wavelengths are stretched eight times; the few pairs in between are blended.
 
 # %% [markdown]
 # ### 3.4 SwiGLU
@@ -748,7 +752,7 @@ del qwen
 # weight through the CPU once, so its time says how fast this CPU reads weights (our own small roofline); more
 # tokens per pass share that one read, which is exactly why the engine batches.
 
-# %%
+# %% alt="Line chart with a logarithmic x axis: tokens per second of SmolLM2-135M's forward pass against tokens per pass (1, 16, 64 and 256); the throughput climbs steeply from one token to 16 and keeps rising, more slowly, up to 256." caption="Forward-pass throughput of SmolLM2-135M on this CPU, in float32, against the number of tokens in the pass."
 timings = {}
 with torch.inference_mode():
     for T in (1, 16, 64, 256):
@@ -779,12 +783,12 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Going from 1 to 256 tokens per pass multiplies the time by far less than 256: a single token spends its time
-# reading weights, many tokens spend it computing. On a GPU the effect is far larger. An H100 does about 300 bf16
-# FLOPs in the time it reads one byte (H100 datasheet: ~990 TFLOP/s against 3.35 TB/s), and each 2-byte weight costs 2
-# FLOPs per token, so a step stays bound by reading weights until it carries a few hundred tokens: section 6's
-# 0.36 ms floor for Qwen3-0.6B is the same for one request as for two hundred (KV cache aside). That is why
-# chapter 03 runs the decode steps of many requests together.
+# As Figure 1.2 shows, going from 1 to 256 tokens per pass multiplies the time by far less than 256: a single token
+# spends its time reading weights, many tokens spend it computing. On a GPU the effect is far larger. An H100 does
+# about 300 bf16 FLOPs in the time it reads one byte (H100 datasheet: ~990 TFLOP/s against 3.35 TB/s), and each 2-byte
+# weight costs 2 FLOPs per token, so a step stays bound by reading weights until it carries a few hundred tokens:
+# section 6's 0.36 ms floor for Qwen3-0.6B is the same for one request as for two hundred (KV cache aside). That is
+# why chapter 03 runs the decode steps of many requests together.
 
 # %%
 tiny_tmp.cleanup()
@@ -826,7 +830,7 @@ print(wrap(" ".join([
 #    weights were laid out for one convention.
 # 2. **Task 1.2 (Llama 3 scaling).** Rewrite `rope_inv_freq`'s `TASK 1.2` region and check it with
 #    `python -m minisgl_ref.course grade --task 1.2`. Which of the 64 pairs of Llama-3.1-8B change, and by how
-#    much? (The plot in 3.3 is the answer to compare with.)
+#    much? (Figure 1.1, in section 3.3, is the answer to compare with.)
 # 3. **Task 1.3 (the decoder layer).** Rewrite `LlamaDecoderLayer.forward` and grade it with
 #    `python -m minisgl_ref.course grade --task 1.3`: its tests compare one layer with the plain pre-norm formula
 #    and whole models with `transformers`, with transformers' own RoPE standing in for yours, so a RoPE bug cannot

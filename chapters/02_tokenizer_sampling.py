@@ -388,7 +388,7 @@ print("trimmed at the first stop string, never a U+FFFD")
 # Its cost per step grows with the output, so a long answer costs O(n²) decode work. Below: a 500-token output
 # (the first 500 tokens of the detokenizer module's own docstring), fed one token at a time, timed per step.
 
-# %%
+# %% alt="Line chart of microseconds per step against output token, from 1 to 500: the line for re-decoding everything climbs steadily with the length of the output, while the incremental window's line stays flat near the bottom." caption="Detokenizer cost per output token: re-decoding everything grows with the output, the incremental window does not."
 import minisgl_ref.tokenizer.detokenizer as detokenizer_module  # noqa: E402
 
 long_ids = tok.encode(detokenizer_module.__doc__, add_special_tokens=False)[:500]
@@ -435,9 +435,9 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Per token, the window's cost does not depend on how long the answer is; re-decoding grows linearly, and at
-# 500 tokens it already costs several times more per token on average (the exact factor printed above depends on
-# the machine). With thousands of streams and long answers, the second is the difference between a detokenizer
+# In Figure 2.1, per token, the window's cost does not depend on how long the answer is; re-decoding grows linearly,
+# and at 500 tokens it already costs several times more per token on average (the exact factor printed above depends
+# on the machine). With thousands of streams and long answers, the second is the difference between a detokenizer
 # that keeps up and one that becomes the bottleneck of the server.
 #
 # The window's two decodes are short, so most of their cost used to be the wrapper around them, not the decoding:
@@ -662,10 +662,10 @@ print(f"{len(SETTINGS)} settings x {N_SEEDS * N_STEPS:,} draws in {time.perf_cou
       "the sampler matches the filtered, renormalised softmax")
 
 # %% [markdown]
-# The same results as a picture: grey bars are the plain softmax at that temperature, coloured bars the mass
-# each filter keeps (renormalised), and black dots the frequencies the sampler actually drew.
+# The same results as a picture, Figure 2.2: grey bars are the plain softmax at that temperature, coloured bars the
+# mass each filter keeps (renormalised), and black dots the frequencies the sampler actually drew.
 
-# %%
+# %% alt="Six bar charts over a toy vocabulary of words, one per setting (T = 0.5, T = 1.5, top-k 4, top-p 0.8, min-p 0.15, and the four combined): grey bars for the plain softmax, blue bars for the tokens each filter keeps, renormalised, and black dots for the frequencies the sampler drew, which sit on the tops of the blue bars." caption="What each sampling knob keeps of the next-token distribution after 'The cat sat on the', and how often the sampler drew each token." tags=["hide-input"]
 fig, axes = plt.subplots(2, 3, figsize=(12, 5.6), sharey=True)
 panels = ["T = 0.5", "T = 1.5", "top-k = 4", "top-p = 0.8", "min-p = 0.15",
           "T = 0.8, top-k = 8, top-p = 0.9, min-p = 0.05"]
@@ -686,6 +686,10 @@ axes[0, 0].legend(fontsize=7)
 fig.suptitle('Next token after "The cat sat on the": what each knob keeps', fontsize=10)
 fig.tight_layout()
 plt.show()
+
+# %% [markdown]
+# In every panel of Figure 2.2 the black dots sit on the blue bars, and none stands where a token was filtered out:
+# the sampler draws each kept token as often as its renormalised probability says, and never another.
 
 # %% [markdown]
 # ### The oracle: a seed gives the same tokens in any batch

@@ -154,7 +154,7 @@ print(f"one token: {fwd_ms[0]:.0f} ms to read {weight_bytes / 1e6:.0f} MB of wei
 print(f"{sizes[-1]} tokens cost {fwd_ms[-1] / fwd_ms[0]:.0f}x one token, not {sizes[-1]}x")
 assert fwd_ms[-1] / sizes[-1] < fwd_ms[0] / 4  # per token, a big pass is far cheaper than a one-token pass
 
-# %%
+# %% alt="Two line charts with a log-2 x axis of new tokens in the pass. Left: milliseconds per forward pass, rising slowly for small passes and faster for large ones. Right, on a log y axis: milliseconds per token, falling steeply as the pass grows." caption="Cost of one forward pass on this CPU against the number of new tokens in it: in total and per token." tags=["hide-input"]
 fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
 axes[0].plot(sizes, fwd_ms, "o-")
 axes[0].set_ylabel("CPU ms per forward pass")
@@ -171,10 +171,10 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Sixteen tokens cost only about twice as much as one. That is the whole case for **batching decode**: one decode step
-# for `B` requests is a forward pass of `B` new tokens, which reads the weights once for all of them, so the
-# step takes barely longer than for one request while producing `B` tokens. (Attention is the exception: each
-# request reads its own cached K and V, so that part does grow with the batch and with the context.)
+# Figure 3.1 shows it: sixteen tokens cost only about twice as much as one. That is the whole case for **batching
+# decode**: one decode step for `B` requests is a forward pass of `B` new tokens, which reads the weights once for all
+# of them, so the step takes barely longer than for one request while producing `B` tokens. (Attention is the
+# exception: each request reads its own cached K and V, so that part does grow with the batch and with the context.)
 #
 # On a GPU the gap is much wider. An H100 does about 990 TFLOP/s of dense bf16 math but reads only ~3.35 TB/s
 # from its memory (the yardsticks of chapter 11), so a pass is memory-bound until it carries roughly
@@ -232,7 +232,7 @@ print(f"10 GiB of KV holds {10 * 2**30 // 114688:,} tokens, e.g. 45 requests of 
 # ## 3. A live pool
 #
 # Let us look at a real pool. We build an engine around the same weights with a small pool (64 slots in pages of
-# 4, so the picture fits on a screen), in this chapter's configuration (`CH03`: no prefix sharing, no chunking, no
+# 4, so that Figure 3.2 fits on a screen), in this chapter's configuration (`CH03`: no prefix sharing, no chunking, no
 # overlap). Three requests start together; the third wants only two tokens; after three steps a fourth request
 # arrives.
 
@@ -271,7 +271,7 @@ for r in demo:
     print(wrap(f"{r.rid}: page-table row {r.req_pool_idx}, {len(r.all_ids)} tokens, {r.kv_scheduled_len} with K/V "
                f"-> slots {row.tolist()}"))
 
-# %% tags=["hide-input"]
+# %% alt="Grid of the KV pool's slots, one column per page and one row per slot in the page. Page 0 is dark (reserved), free slots are white, and each request's slots have its colour and its token positions; the late request's two pages are out of order." caption="The KV pool after five steps of a small engine: each request's tokens fill whole pages, wherever a page was free." tags=["hide-input"]
 def draw_pool(engine: Engine, reqs, ax, title: str) -> None:
     """Slots of the pool, one column per page, coloured by the request whose page-table row points at them."""
     ps, pages = engine.allocator.page_size, engine.allocator.num_pages
@@ -313,7 +313,7 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Read the picture column by column. Each request's tokens fill whole pages, in order, but the pages themselves are
+# Read Figure 3.2 column by column. Each request's tokens fill whole pages, in order, but the pages themselves are
 # wherever the allocator had one free: the long request crossed into a new page when its 17th token arrived, and the
 # late request got exactly the two pages that the short one gave back when it finished (in reverse order: free pages
 # are kept on a stack), which is why its first page sits *after* its second. Nothing had to be moved or compacted,
@@ -575,7 +575,7 @@ for i, (b, _) in enumerate(tight_log):
         print(f"step {i:>2} ({pages_used[i]}/7 pages): {rows}")
 assert tight.scheduler.num_retractions >= 1
 
-# %% tags=["hide-input"]
+# %% alt="Top: one row per request and one column per engine step, coloured by state (waiting, sitting out, prefill, decode, prefill again after retraction), with arrows at arrivals, an x at the retraction and 'done' at each finish. Bottom: a step line of the pages in use, reaching the dashed pool size of 7." caption="Continuous batching in a pool of 7 pages of 16 tokens: the state of each request at every step, and the pages in use." tags=["hide-input"]
 STATES = ["waiting (no KV)", "running, sits out this step", "prefill", "decode", "prefill again after retraction"]
 state_colors = ["#e8e8e8", "#bcd7ef", "#ff9f1c", "#1f77b4", "#d62728"]
 grid = np.full((len(tight_reqs), step), np.nan)
@@ -612,7 +612,7 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Everything this section described happens in the picture:
+# Everything this section described happens in Figure 3.3:
 #
 # * Three requests start at step 0; the fourth (`List three colours:`) has arrived but must **wait**: with the
 #   reserve for the others' future tokens, the pool has no room for it yet.

@@ -357,12 +357,12 @@ for label, kwargs in CONFIGS.items():
     print(f"{label:<24} {len(traces[label].steps)} steps in {time.perf_counter() - t0:.2f} s")
 
 # %% [markdown]
-# The timeline below has one lane per request. On the left, the x-axis counts steps: a coloured cell means the
-# request had a row in that step (orange: prompt tokens, hatched if the chunk did not finish the prompt; blue: a
+# The timelines of Figure 5.1 have one lane per request. On the left, the x-axis counts steps: a coloured cell means
+# the request had a row in that step (orange: prompt tokens, hatched if the chunk did not finish the prompt; blue: a
 # decode token). On the right, the same steps drawn at their measured wall-clock width. The dotted line is L's
 # arrival.
 
-# %%
+# %% alt="Six timeline panels in three rows (no chunking, chunking 256, chunking 256 with mixing) and two columns (by engine step, by wall-clock time), each with lanes for requests A, B, C and the long prompt L. Blue cells are decode tokens, orange cells prompt tokens, hatched where a chunk did not finish the prompt; a dotted line marks L's arrival. Only with mixing do A, B and C have a cell in every step." caption="Three short requests and a long prompt L: without chunking, with chunking, and with chunking and mixing; by step (left) and by wall-clock time (right)." tags=["hide-input"]
 LANES = ["A", "B", "C", "L"]
 COLORS = {"prefill": "tab:orange", "decode": "tab:blue"}
 
@@ -395,6 +395,11 @@ fig.legend(handles=[Patch(facecolor="tab:orange", label="prompt tokens (finishes
            loc="lower center", ncol=3, fontsize=9)
 fig.tight_layout(rect=(0, 0.05, 1, 1))
 plt.show()
+
+# %% [markdown]
+# In Figure 5.1, follow lanes A, B and C across L's arrival, the dotted line: without chunking they skip one step, the
+# long prefill; with chunking alone they skip one step per chunk; with mixing they get a token at every step. The
+# table counts the steps and the seconds:
 
 # %%
 print(f"{'configuration':<26} {'steps':>5} {'longest gap (steps)':>20} {'longest gap (s)':>16} {'L: TTFT (s)':>12}")
@@ -450,7 +455,7 @@ print("emits           ", [row.emits for row in mixed_step.batch.rows],
 # with mixing on and measure both sides: the longest gap of A-C, and L's time to first token (TTFT) from its
 # arrival.
 
-# %%
+# %% alt="Line chart over chunk sizes 32 to 1024 on a log-2 axis, in milliseconds: the running requests' longest gap rises with the chunk size; the long prompt's time to first token is highest at the smallest chunks and rises again at the largest; a dotted line marks the gap without chunking." caption="The chunk size trade-off, with mixing on: the running requests' longest gap and the long prompt's time to first token."
 sweep = {256: summary["chunking (256) + mixing"][1:]}
 for size in (32, 64, 128, 512, 1024):
     tr = run_scenario(tiny, f"{size}", SHORT_PROMPTS, LONG_PROMPT, SHORT_PARAMS, LONG_PARAMS, ARRIVAL_STEP,
@@ -478,8 +483,8 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The gap grows with the chunk size (one chunk step is what the others wait for). The long prompt's TTFT is
-# highest for the smallest chunks (many steps, each with its fixed cost) and, on this engine, also for the
+# In Figure 5.2, the gap grows with the chunk size (one chunk step is what the others wait for). The long prompt's
+# TTFT is highest for the smallest chunks (many steps, each with its fixed cost) and, on this engine, also for the
 # largest (the quadratic score matrix again). Production engines pick the chunk size per GPU and model so that
 # one chunk step stays near a target time; SGLang's default is a few thousand tokens on large GPUs.
 #

@@ -336,7 +336,7 @@ print(f"(medians of 3 alternating runs: {[round(x, 1) for x in runs[False]]} vs 
 # the CPU pieces as measured, and the forward as measured here, but placed on a device lane. They show what the
 # two loops would do with a device that is as slow as this CPU.
 
-# %%
+# %% alt="Two Gantt charts over milliseconds, each with a CPU lane and a device lane for five steps: schedule in green, prepare in olive, forward in blue, process in purple. The CPU's pieces are thin slivers next to the forwards; in the sequential chart the device lane has a narrow gap at every step, in the overlapped one the forwards run back to back." caption="The sequential and the overlapped loop on a device as slow as this CPU, computed from the measured times of a step's parts."
 def simulate(cpu_ms: dict, forward_ms: float, n_steps: int, overlap: bool):
     """Gantt bars [(lane, label, start, length)] of n_steps steps, and the steady-state time per step.
 
@@ -389,9 +389,9 @@ print(f"CPU work {measured['cpu']:.1f} ms + forward {measured['forward']:.1f} ms
       f"per step, overlapped {per_step[True]:.1f} ms per step (computed, not measured)")
 
 # %% [markdown]
-# In the sequential timeline the device lane has a hole at every step, exactly as long as the CPU work; in the
-# overlapped one the CPU's schedule and prepare for step N+1 happen during forward N, and the device runs back to
-# back. The time per step drops from `CPU + forward` to about `max(CPU, forward)`.
+# In the sequential timeline of Figure 6.1 the device lane has a hole at every step, exactly as long as the CPU work;
+# in the overlapped one the CPU's schedule and prepare for step N+1 happen during forward N, and the device runs back
+# to back. The time per step drops from `CPU + forward` to about `max(CPU, forward)`.
 #
 # **An estimate for a GPU.** On a GPU the forward is short. For a lower bound on it we use the book's
 # [yardstick](../method.md#yardsticks-physical-limits): a decode step must read every weight once plus each request's KV, at the H100's 3.35 TB/s. For the
@@ -400,7 +400,7 @@ print(f"CPU work {measured['cpu']:.1f} ms + forward {measured['forward']:.1f} ms
 # measured on this CPU in section 1: it depends on the batch size, not on the model. This is an **estimate**, not
 # a measurement: a real forward is slower than the floor, and a server's CPU is faster than this shared one.
 
-# %%
+# %% alt="Log-log line chart of milliseconds per decode step against batch size, 1 to 256: the CPU work per step and the GPU forward floor both grow with the batch; the sequential step is their sum and the overlapped step follows the larger of the two." caption="Estimated decode step time on a GPU with and without overlap, against batch size: CPU work measured here, the forward at its floor."
 H100_BYTES_PER_S = 3.35e12
 QWEN3_06B_WEIGHT_BYTES = 1.2e9
 KV_BYTES_PER_TOKEN = 114_688  # 2 * 28 layers * 8 KV heads * 128 head dim * 2 bytes (Method page)
@@ -434,9 +434,9 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Two lessons from the estimate. First, overlap saves at most half of a step, and only when CPU work and forward
-# are about equal; otherwise it hides the smaller of the two. Second, look at which column is larger. Where the
-# CPU work is below the forward floor (in our runs: up to a batch of 64), overlap hides all of it and the GPU
+# Two lessons from the estimate of Figure 6.2. First, overlap saves at most half of a step, and only when CPU work and
+# forward are about equal; otherwise it hides the smaller of the two. Second, look at which column is larger. Where
+# the CPU work is below the forward floor (in our runs: up to a batch of 64), overlap hides all of it and the GPU
 # runs back to back. Where it is above (in our runs: at 256, where the Python loop over 256 requests costs more
 # than reading the weights), the GPU waits for the CPU even with overlap. That is why production engines do
 # both: they overlap, *and* they make the CPU work per step small (vectorised scheduling, metadata built with a

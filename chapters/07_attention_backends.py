@@ -220,7 +220,7 @@ print(fa3_page_table)
 # (`exp2` is one instruction) and choose the pieces from each request's length inside the kernel, so short
 # requests use fewer pieces and a CUDA graph needs no per-request split metadata.
 
-# %%
+# %% alt="Diagram: a row of 24 key/value cells of one request in four coloured pieces; an arrow from each piece to its program s = 0 to 3, which produces a partial output and its log-sum-exp; grey arrows from the four programs to a stage-2 box that sums the partial outputs weighted by exp(l_s - max l)." caption="Split-KV decode: each program attends over one piece of a request's context, and a second stage merges the pieces by their log-sum-exp." tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(11, 3.2))
 n_tok, pieces = 24, 4
 colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52"]
@@ -244,7 +244,7 @@ ax.set_title("Split-KV decode: one query, its context cut into pieces, merged by
 plt.show()
 
 # %% [markdown]
-# The same merge in ten lines of PyTorch, against one softmax over the whole context:
+# Figure 7.1's merge in ten lines of PyTorch, against one softmax over the whole context:
 
 # %%
 gen = torch.Generator().manual_seed(0)
@@ -423,7 +423,7 @@ for name, errs in worst.items():
 # for a read-only kernel the copy is a floor of what is possible rather than a ceiling, and the datasheet figure
 # is the real ceiling (about 93% of it is reached).
 
-# %%
+# %% alt="Three panels. Left: achieved bandwidth in GB/s against context per request, 512 to 8,192 tokens, at batch 64 and 256, all three backends (Triton, FlashInfer, FA3) between about 2,300 and 3,100 GB/s, rising slightly with the context. Middle: bandwidth against batch size at context 2,048, rising from under 1,000 GB/s at batch 1 to about 3,000 from batch 64 on. Dotted lines mark the measured copy bandwidth, 2,438 GB/s, and the 3,350 GB/s datasheet. Right: a heat map of Triton's decode throughput over FlashInfer's by batch and context, ratios between 0.86 and 1.16." caption="Decode attention on an H100: bandwidth of each backend by context and by batch, and Triton's throughput relative to FlashInfer's." tags=["hide-input"]
 copy_gbps = results["copy_bandwidth_GBps"]
 DATASHEET_GBPS = 3350  # H100 SXM5 80GB HBM3
 decode_rows = [r for r in results["decode"] if "bandwidth_GBps" in r]
@@ -476,13 +476,18 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The same measurements on a roofline: each point is one kernel call, placed by its arithmetic intensity (FLOPs
-# per byte moved) and the FLOP/s it achieved. The slanted line is what the measured copy bandwidth allows, the
-# flat one what the dense matmul measured in the same run reaches. Decode (filled markers) sits far left, under
-# the bandwidth line: it can only go as fast as it reads the KV cache. Prefill (open markers) does far more work
+# In Figure 7.2 the batch matters far more than the context: from batch 64 on, every backend reads at 2,300 to
+# 3,100 GB/s, closer to the datasheet line as the context grows, while a single request leaves most of the GPU
+# idle. The heat map keeps the Triton kernel within 0.86 and 1.16 of FlashInfer everywhere, its weakest row at
+# batch 32.
+#
+# Figure 7.3 puts the same measurements on a roofline: each point is one kernel call, placed by its arithmetic
+# intensity (FLOPs per byte moved) and the FLOP/s it achieved. The slanted line is what the measured copy bandwidth
+# allows, the flat one what the dense matmul measured in the same run reaches. Decode (filled markers) sits far left,
+# under the bandwidth line: it can only go as fast as it reads the KV cache. Prefill (open markers) does far more work
 # per byte and climbs toward the compute roof.
 
-# %%
+# %% alt="Log-log scatter of achieved TFLOP/s against arithmetic intensity, one point per kernel call, filled for decode and open for prefill, under a slanted roof for memory bandwidth (solid: the measured copy, dotted: the datasheet) that turns flat at the 682 TFLOP/s of the matmul. Decode points sit at 1 to 8 FLOP per byte, the best of them between the two slanted lines; prefill points sit at 60 to 3,000 FLOP per byte, between about 80 and 600 TFLOP/s." caption="The attention kernels of each backend on the H100's roofline, decode and prefill." tags=["hide-input"]
 peak_tflops = results["matmul_tflops"]
 fig, ax = plt.subplots(figsize=(8, 5))
 for phase, rows, fill in (("decode", results["decode"], True), ("prefill", results["prefill"], False)):
@@ -506,6 +511,10 @@ ax.grid(alpha=0.3, which="both")
 ax.legend(fontsize=7, loc="upper left")
 fig.tight_layout()
 plt.show()
+
+# %% [markdown]
+# Figure 7.3 places every decode call at a few FLOPs per byte, on or under the slanted lines and far from the flat
+# roof: a decode kernel can only get faster by reading the KV cache faster. The numbers behind the target:
 
 # %%
 target = results["target"]

@@ -166,7 +166,7 @@ for r in GPU["ladder"]:
     print(f"{r['label'][:50]:<50} {r['workload_requests']:>4} {r['output_throughput']:>10,.0f} {r['wall_s']:>7.2f} "
           f"{100 * r['roofline_fraction']:>7.1f}%")
 
-# %%
+# %% alt="Two horizontal bar charts of output tokens per second, each bar labelled with its fraction of the roofline floor. Left, log scale, the reduced workload of 8 requests: the naive oracle and the paged, radix and chunked stages on torch_native all near 100 tokens/s and 1 percent, the default backends with CUDA graphs about thirty times faster at 27 percent. Right, linear, the canonical workload of 256 requests: Triton, FlashInfer and FA3 with FlashInfer, each with graphs off (24 to 31 percent) and on (67 to 68 percent, past the dashed red 17k target), and the default with fused ops off at 54 percent." caption="The stage ladder on an H100: output throughput of each configuration on a reduced workload and on the canonical one." tags=["hide-input"]
 full = [r for r in GPU["ladder"] if r["workload_requests"] == 256]
 small = [r for r in GPU["ladder"] if r["workload_requests"] != 256]
 fig, axes = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [6, 7]})
@@ -186,7 +186,7 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# What the ladder says:
+# What the ladder of Figure 11.1 says:
 #
 # * **On the CPU the KV cache is the big step** (chapter 03): the naive oracle recomputes every sequence at every
 #   step. Radix cache and chunked prefill change little on this workload: random prompts share no prefix, and
@@ -210,7 +210,7 @@ plt.show()
 # changes were later replaced by better ones (the persistent FlashInfer kernel by a decode kernel of our own), so
 # read the bars as a path, not as a list of parts.
 
-# %%
+# %% alt="Horizontal bar chart, one numbered bar per change in the order it was made, of output tokens per second on the canonical workload, each labelled with its fraction of the roofline: from 8,282 (31 percent) for the first GPU run to about 20,300 (76 percent) after the twenty-sixth, most of the gain in the first five changes; the roofline, 26,626 tokens/s, is a dashed red line." caption="The engine's path on an H100: canonical-workload throughput after each change, in the order the changes were made." tags=["hide-input"]
 ceiling = GPU["canonical_output_tokens"] / GPU["roofline_floor_s"]
 steps = GPU["history"]
 labels = [textwrap.shorten(h["change"].removeprefix("+ ").split(" (")[0], 60, placeholder="...") for h in steps]
@@ -231,10 +231,10 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Two processes on one GPU differ by 1-4% from run to run, more than most of the later changes are worth. So each
-# change after the first few was measured as an *interleaved A/B*: `scripts/gpu/ab.sh` starts fresh
-# processes of the engine before and after the change, alternating, several per side, and compares the medians of
-# their timed runs. The changes the engine kept, one line each:
+# The later bars of Figure 11.2 differ by little, and two processes on one GPU differ by 1-4% from run to run, more
+# than most of the later changes are worth. So each change after the first few was measured as an *interleaved A/B*:
+# `scripts/gpu/ab.sh` starts fresh processes of the engine before and after the change, alternating, several
+# per side, and compares the medians of their timed runs. The changes the engine kept, one line each:
 
 # %%
 KEPT = [  # (result file of an interleaved A/B, the change)
@@ -288,7 +288,7 @@ show_table(kept_rows, headers=["change", "before", "after", "change", "of floor"
 # the host's time per phase), and profiled (the GPU time of the kernels by kind). The KV floor is the bytes of the
 # running requests' contexts over 3.0 TB/s: what the attention kernel must read.
 
-# %%
+# %% alt="Stacked bar chart of milliseconds per decode step for 256, 123, 63, 30 and 14 running requests, split into attention, matmul, other kernels and gaps between kernels, with a black tick at the KV floor of each bar: the step falls from about 8 to 3 ms as fewer requests run, the attention part shrinks with them and stays just above its tick, while the rest stays about the same." caption="Where the GPU time of a decode step goes on the canonical workload, by the number of requests running."
 AN = load("decode_anatomy_h100.json")
 print(f"{'running':>7} {'KV floor':>8} {'attention':>9} {'matmul':>7} {'other':>6} {'GPU step':>8} "
       f"{'gaps':>5} {'host launch':>11}   (ms per decode step)")
@@ -321,7 +321,7 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Two things to read off it:
+# Two things to read off Figure 11.3:
 #
 # * **Attention runs near its floor.** At every stage the attention kernel takes within ~15% of what its KV bytes
 #   allow at 3.0 TB/s. The one place it falls short is 256 running, where the contexts run from ~100 to ~1,000
@@ -540,7 +540,7 @@ print(f"KV read per decode step: {sp.kv_bytes_per_decode_step / 1e6:.2f} MB with
 # common keep first-come order, and a group loses its precedence once its oldest member has finished, so a busy
 # group cannot starve the others. On an H100 (`bash scripts/gpu/measure/cascade_ab.sh`):
 
-# %%
+# %% alt="Horizontal grouped bar chart of output tokens per second on the shared-prefix workload for three configurations (no radix cache, radix cache, radix cache with the cascade), each with a bar for first-come and one for grouped admission; the cascade with grouped admission has the longest bar, about three times the one without a radix cache." caption="The shared-prefix workload on an H100: no radix cache, the radix cache, and the radix cache with the cascade, under first-come and grouped admission."
 P2 = load("startup_and_cascade_h100.json")
 names = {"noradix": "radix cache off", "radix_plain": "radix on, plain decode", "radix_cascade": "radix on + cascade"}
 print(f"{'admission':<12} {'engine':<24} {'out tok/s':>9} {'KV GB per step':>14} {'vs radix off':>12}")
@@ -565,10 +565,10 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Grouped, the radix cache with the cascade runs the workload **3.0x** faster than no radix cache (22,968 against
-# 7,589 tok/s), where first-come admission reached 2.1x: a decode step reads 11.3 GB of KV instead of 22.5 GB (and
-# 67.6 GB without the cascade). The plain radix run gains little from the grouping (1.61x to 1.69x): without the
-# cascade every row still reads its own copy of the prefix, whatever its neighbours.
+# In Figure 11.4, grouped, the radix cache with the cascade runs the workload **3.0x** faster than no radix cache
+# (22,968 against 7,589 tok/s), where first-come admission reached 2.1x: a decode step reads 11.3 GB of KV instead of
+# 22.5 GB (and 67.6 GB without the cascade). The plain radix run gains little from the grouping (1.61x to 1.69x):
+# without the cascade every row still reads its own copy of the prefix, whatever its neighbours.
 #
 # ## 6. From the first request: compiling at start-up
 #
@@ -645,7 +645,7 @@ for r in SV["runs"]:
           f"{r['median_itl_ms']:>6.1f}/{r['p99_itl_ms']:<8.1f} {r['median_e2e_latency_ms'] / 1e3:>6.1f}/"
           f"{r['p99_e2e_latency_ms'] / 1e3:<7.1f}")
 
-# %%
+# %% alt="Three line charts against achieved requests per second, from 8 to about 18: time to first token, time per output token and end-to-end latency in milliseconds, each with solid p50 and dashed p99 lines for the default and the mixed-step server. Time per output token and end-to-end latency rise with the rate, the default server's steeply past 16 requests per second; the p99 time to first token climbs to about 1.4 s (default) and 3 s (mixed) before dropping at the highest rate." caption="Serving latency against the achieved request rate, for the default and the mixed-step server, median and p99." tags=["hide-input"]
 fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
 for server, marker in (("default", "o"), ("mixed", "s")):
     rows = [r for r in SV["runs"] if r["server"] == server]
@@ -662,11 +662,11 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Throughput saturates near 17-18 requests/s (10-11k output tok/s: fewer than offline, because requests arrive
-# over time and the batch is rarely full), and TTFT and TPOT grow with the rate as expected. Read the inter-token
-# latency with care: at 16 requests/s and above its median is 0.1 ms, because the client receives several tokens of
-# a stream back to back and the gap before each burst carries the whole wait (section 8 finds where the bursts come
-# from). TPOT, a request's decode time divided by its tokens, is the measure of decode smoothness here.
+# In Figure 11.5, throughput saturates near 17-18 requests/s (10-11k output tok/s: fewer than offline, because
+# requests arrive over time and the batch is rarely full), and TTFT and TPOT grow with the rate as expected. Read the
+# inter-token latency with care: at 16 requests/s and above its median is 0.1 ms, because the client receives several
+# tokens of a stream back to back and the gap before each burst carries the whole wait (section 8 finds where the
+# bursts come from). TPOT, a request's decode time divided by its tokens, is the measure of decode smoothness here.
 #
 # ### Where the latency tail comes from
 #
@@ -700,7 +700,7 @@ for r in MX["summary"]:
           f"{r['p99_ttft_ms']:<8.0f} {r['median_itl_ms']:>6.1f}/{r['p99_itl_ms']:<8.1f} {r['itl_p99_over_p50']:>8.2f} "
           f"{r['median_tpot_ms']:>12.2f}")
 
-# %%
+# %% alt="Line chart of inter-token latency in milliseconds against achieved requests per second, at about 8, 15 and 30: the medians stay between 2 and 6 ms; the p99 lines stay close to them up to 15 requests per second, then at saturation rise to about 100 ms for the default server and 36 ms for the mixed-step one. A dotted line marks twice the lowest median." caption="Inter-token latency with extend steps in CUDA graphs, median and p99, for the default and the mixed-step server." tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(7, 3.2))
 for server, marker in (("default", "o"), ("mixed", "s")):
     rows = [r for r in MX["summary"] if r["server"] == server and r["request_rate"] != float("inf")]
@@ -716,10 +716,10 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Below saturation the P99 inter-token latency is now **1.6-1.7x its median with mixed steps** (3.4 and 4.2 ms
-# against 2.0 and 2.6 ms), and 2.2-2.4x without them; before these changes it was 10-15x. At saturation (`inf`)
-# mixed steps have more rows than the largest bucket and run eagerly, and the client's ITL there is dominated by
-# bursts, the subject of the next section.
+# In Figure 11.6, below saturation the P99 inter-token latency is now **1.6-1.7x its median with mixed steps** (3.4
+# and 4.2 ms against 2.0 and 2.6 ms), and 2.2-2.4x without them; before these changes it was 10-15x. At saturation
+# (`inf`) mixed steps have more rows than the largest bucket and run eagerly, and the client's ITL there is dominated
+# by bursts, the subject of the next section.
 
 # %% [markdown]
 # ## 8. The cost of one streamed token

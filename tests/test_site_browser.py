@@ -223,6 +223,16 @@ class PageVisit:
     def chapter_outputs(self) -> int:
         return self.page.locator("article .chapter-output").count()
 
+    def undescribed_figures(self) -> list[dict]:
+        """Images of a chapter's outputs that are not a numbered, captioned figure with a real alt text."""
+        return self.page.evaluate("""() => [...document.querySelectorAll('article .chapter-output img')].map(img => {
+            const figure = img.closest('figure');
+            const caption = figure && figure.querySelector('figcaption');
+            return {src: img.getAttribute('src'), alt: img.getAttribute('alt') || '',
+                    caption: caption ? caption.textContent.trim() : null};
+        }).filter(f => f.caption === null || !/^Figure \\d+\\.\\d+: /.test(f.caption) || f.alt.trim().length < 20
+                       || /^Figure \\d+ of chapter/i.test(f.alt))""")
+
     def wide_code(self) -> list[dict]:
         return self.page.evaluate("""() => [...document.querySelectorAll('article pre > code')]
             .filter(c => c.scrollWidth > c.clientWidth + 1)
@@ -350,6 +360,10 @@ def check_page(browser, site: Path, base: str, path: str, *, expect_outputs: boo
                 problems.append(f"image did not load: {img}")
         if expect_outputs and visit.chapter_outputs() == 0:
             problems.append("no executed output (div.chapter-output) on this chapter page")
+        step = "figures"
+        if _is_chapter(path):
+            problems += [f"figure without a numbered caption and an alt text that describes it: {f}"
+                         for f in visit.undescribed_figures()]
         if _is_chapter(path):
             for block in visit.wide_code():
                 if block["longest_line"] <= CODE_COLUMNS:
@@ -428,7 +442,8 @@ def test_output_and_image_checks_catch_problems(browser, tmp_path):
         <div class="md-search-result__item">hit</div>"""
     page = "<!doctype html><html><body>{search}<article>{body}</article></body></html>"
     (site / "chapters" / "01_good" / "index.html").write_text(page.format(search=search, body=
-        '<pre><code>x = 1</code></pre><div class="chapter-output"><pre>1</pre><img src="figure.png"></div>'))
+        '<pre><code>x = 1</code></pre><div class="chapter-output"><pre>1</pre><figure><img src="figure.png" '
+        'alt="Line chart: one point per step, rising"><figcaption>Figure 1.1: Steps</figcaption></figure></div>'))
     (site / "chapters" / "02_bare" / "index.html").write_text(page.format(search=search, body=
         "<pre><code>x = 1</code></pre>"))
     (site / "chapters" / "03_broken" / "index.html").write_text(page.format(search=search, body=
@@ -562,3 +577,37 @@ def test_screenshots(browser, served):
         finally:
             visit.close()
         assert (SCREENSHOTS / name).stat().st_size > 10_000, name
+
+
+def test_figure_caption_check_catches_undescribed_figures(browser, tmp_path):
+    """On a chapter page every output image is a ``<figure>`` captioned ``Figure C.K: ...`` with an alt text that
+    describes it; a bare image, an unnumbered caption and the placeholder alt text are each reported."""
+    import base64
+
+    site = tmp_path / "site"
+    folder = site / "chapters" / "05_figures"
+    folder.mkdir(parents=True)
+    (folder / "figure.png").write_bytes(base64.b64decode(
+        "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="))
+    alt = "Line chart: time per step against batch size, flat then rising"
+    figures = [
+        f'<figure><img src="figure.png" alt="{alt}"><figcaption>Figure 5.1: Step time</figcaption></figure>',
+        '<img src="figure.png" alt="Figure 2 of chapter 05, Chunked prefill">',  # the old rendering: no caption
+        f'<figure><img src="figure.png" alt="{alt}"><figcaption>Step time</figcaption></figure>',  # no number
+        '<figure><img src="figure.png" alt="Figure 4 of chapter 05"><figcaption>Figure 5.4: x</figcaption></figure>',
+        '<figure><img src="figure.png"><figcaption>Figure 5.5: no alt text</figcaption></figure>',
+    ]
+    body = "".join(f'<div class="chapter-output">{f}</div>' for f in figures)
+    (folder / "index.html").write_text('<!doctype html><html><body><input class="md-search__input">'
+                                       '<div class="md-search-result__item">hit</div>'
+                                       f"<article>{body}</article></body></html>")
+    server, base = _serve(site)
+    try:
+        problems = check_page(browser, site, base, "chapters/05_figures/", expect_outputs=True)
+    finally:
+        server.shutdown()
+    reported = [p for p in problems if p.startswith("figure without")]
+    assert len(reported) == 4 == len(problems), problems
+    assert [("'caption': None" in p, "'caption': 'Step time'" in p, "Figure 4 of chapter" in p, "'alt': ''" in p)
+            for p in reported] == [(True, False, False, False), (False, True, False, False),
+                                   (False, False, True, False), (False, False, False, True)]
