@@ -300,13 +300,19 @@ show_code(reference_attention, task="0.1")
 # cache threefold, which matters a lot from chapter 03 on. The reference implementation just repeats each KV
 # head 3 times (`repeat_interleave`) and then does ordinary multi-head attention.
 
-# %% alt="Three grids. Left: an 8 by 8 mask of queries against keys, a tick on and below the diagonal and minus infinity above it. Middle: 3 new queries over 8 keys, where the first 5 keys are visible to every query. Right: 9 query heads mapped to 3 KV heads in groups of 3." caption="The causal mask without a cache and with one, and how SmolLM2-135M's 9 query heads share its 3 KV heads."
+# %%
 def causal_mask(lq: int, lk: int) -> np.ndarray:
     """True where query i (at position lk - lq + i) may see key j: the same rule as reference_attention."""
     q_pos = np.arange(lk - lq, lk)[:, None]
     return np.arange(lk)[None, :] <= q_pos
 
 
+group = cfg.num_heads // cfg.num_kv_heads
+print(f"{cfg.num_heads} query heads share {cfg.num_kv_heads} KV heads: query head h reads KV head h // {group}")
+print("3 new queries over 8 keys (1 = may see):")
+print(causal_mask(3, 8).astype(int))
+
+# %% alt="Three grids. Left: an 8 by 8 mask of queries against keys, a tick on and below the diagonal and minus infinity above it. Middle: 3 new queries over 8 keys, where the first 5 keys are visible to every query. Right: 9 query heads mapped to 3 KV heads in groups of 3." caption="The causal mask without a cache and with one, and how SmolLM2-135M's 9 query heads share its 3 KV heads." tags=["hide-input"]
 fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), gridspec_kw={"width_ratios": [1, 1, 1.1]})
 for ax, (lq, lk), title in [
     (axes[0], (8, 8), "this chapter: Lq = Lk = 8\n(every token is new)"),
@@ -321,7 +327,6 @@ for ax, (lq, lk), title in [
         for j in range(lk):
             ax.text(j, i, "✓" if causal_mask(lq, lk)[i, j] else "−∞", ha="center", va="center", fontsize=7)
 
-group = cfg.num_heads // cfg.num_kv_heads
 gqa = np.zeros((cfg.num_heads, cfg.num_kv_heads))
 gqa[np.arange(cfg.num_heads), np.arange(cfg.num_heads) // group] = 1
 axes[2].imshow(gqa, cmap="Oranges", vmin=0, vmax=1.4, aspect="auto")
@@ -361,7 +366,7 @@ for lq, lk in [(37, 37), (3, 8), (1, 50)]:
 # `NoCacheAttentionBackend`) lets us draw the attention probabilities of two heads of the real model over a short
 # prompt. Everything above the diagonal is exactly zero: no token ever saw its future.
 
-# %% alt="Two heat maps of attention probabilities over the tokens of the prompt 'The capital of France is Paris. The capital of Italy is', queries down and keys across. Layer 8 head 0 puts most of its weight on the first token; layer 16 head 0 lights up the cells just below the diagonal. Above the diagonal both are zero." caption="Attention probabilities of two heads of SmolLM2-135M over a short prompt: no token attends to a later one."
+# %%
 class ProbeBackend(NoCacheAttentionBackend):
     """Toy: remember the q and k that some layers hand to the backend, then attend as usual."""
 
@@ -391,6 +396,13 @@ with torch.inference_mode():
     llm.model(batch.input_ids, batch.positions, batch)
 probs = {layer: attention_probs(*probe.seen[layer]) for layer, _ in shown}
 
+prev_share = probs[16][0].diagonal(-1).mean().item()
+above = max(p.triu(diagonal=1).max().item() for p in probs.values())
+print(f"layer 16, head 0: on average {prev_share:.0%} of a token's attention goes to the token just before it")
+print("largest probability above the diagonal, any head of either layer:", above)
+assert above == 0.0
+
+# %% alt="Two heat maps of attention probabilities over the tokens of the prompt 'The capital of France is Paris. The capital of Italy is', queries down and keys across. Layer 8 head 0 puts most of its weight on the first token; layer 16 head 0 lights up the cells just below the diagonal. Above the diagonal both are zero." caption="Attention probabilities of two heads of SmolLM2-135M over a short prompt: no token attends to a later one." tags=["hide-input"]
 labels = [llm.tokenizer.decode([t]) for t in probe_ids]
 fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
 for ax, (layer, head) in zip(axes, shown):
@@ -401,12 +413,6 @@ for ax, (layer, head) in zip(axes, shown):
     ax.set_title(f"layer {layer}, query head {head} (reads KV head {head // group})", fontsize=10)
 fig.tight_layout()
 plt.show()
-
-prev_share = probs[16][0].diagonal(-1).mean().item()
-above = max(p.triu(diagonal=1).max().item() for p in probs.values())
-print(f"layer 16, head 0: on average {prev_share:.0%} of a token's attention goes to the token just before it")
-print("largest probability above the diagonal, any head of either layer:", above)
-assert above == 0.0
 
 # %% [markdown]
 # Figure 0.2 shows that even this tiny model has heads with recognisable jobs. Layer 16's head 0 mostly looks at the

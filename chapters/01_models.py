@@ -312,7 +312,7 @@ show(rope_inv_freq)
 # `tests/test_models.py::test_llama3_rope_frequencies_match_transformers` checks the same thing), and Figure 1.1
 # shows where the three bands fall among Llama 3.1's 64 frequency pairs:
 
-# %% alt="Two log-scale line charts over Llama-3.1-8B's 64 frequency pairs. Left: inverse frequency falls from 1 to about 2e-6; the llama3-scaled curve follows the default one for the first pairs and drops below it for the last ones. Right: the wavelengths in tokens, with dotted lines at 2,048, 8,192 and 131,072 marking the kept, blended and divided bands." caption="RoPE frequencies and wavelengths of Llama-3.1-8B, default and with llama3 scaling."
+# %%
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -331,6 +331,7 @@ kept, blended = int((wavelen < lo_edge).sum()), int(((wavelen >= lo_edge) & (wav
 divided = int((wavelen > hi_edge).sum())
 print(f"of {len(wavelen)} pairs: {kept} kept, {blended} blended, {divided} divided by {llama.rope_scaling['factor']:g}")
 
+# %% alt="Two log-scale line charts over Llama-3.1-8B's 64 frequency pairs. Left: inverse frequency falls from 1 to about 2e-6; the llama3-scaled curve follows the default one for the first pairs and drops below it for the last ones. Right: the wavelengths in tokens, with dotted lines at 2,048, 8,192 and 131,072 marking the kept, blended and divided bands." caption="RoPE frequencies and wavelengths of Llama-3.1-8B, default and with llama3 scaling." tags=["hide-input"]
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.4))
 pairs = torch.arange(len(default_freq))
 ax1.semilogy(pairs, default_freq, label="default (theta = 500,000)")
@@ -752,7 +753,7 @@ del qwen
 # weight through the CPU once, so its time says how fast this CPU reads weights (our own small roofline); more
 # tokens per pass share that one read, which is exactly why the engine batches.
 
-# %% alt="Line chart with a logarithmic x axis: tokens per second of SmolLM2-135M's forward pass against tokens per pass (1, 16, 64 and 256); the throughput climbs steeply from one token to 16 and keeps rising, more slowly, up to 256." caption="Forward-pass throughput of SmolLM2-135M on this CPU, in float32, against the number of tokens in the pass."
+# %%
 timings = {}
 with torch.inference_mode():
     for T in (1, 16, 64, 256):
@@ -774,6 +775,7 @@ for T, s in timings.items():
 print(f"T = 1 reads {layer_bytes / 1e6:.0f} MB of decoder weights in {timings[1] * 1e3:.0f} ms: "
       f"{layer_bytes / timings[1] / 1e9:.1f} GB/s effective")
 
+# %% alt="Line chart with a logarithmic x axis: tokens per second of SmolLM2-135M's forward pass against tokens per pass (1, 16, 64 and 256); the throughput climbs steeply from one token to 16 and keeps rising, more slowly, up to 256." caption="Forward-pass throughput of SmolLM2-135M on this CPU, in float32, against the number of tokens in the pass." tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(5, 3))
 ax.plot(list(timings), [T / s for T, s in timings.items()], "o-")
 ax.set(xscale="log", xlabel="tokens per forward pass (T)", ylabel="tokens / s",

@@ -388,7 +388,7 @@ print("trimmed at the first stop string, never a U+FFFD")
 # Its cost per step grows with the output, so a long answer costs O(n²) decode work. Below: a 500-token output
 # (the first 500 tokens of the detokenizer module's own docstring), fed one token at a time, timed per step.
 
-# %% alt="Line chart of microseconds per step against output token, from 1 to 500: the line for re-decoding everything climbs steadily with the length of the output, while the incremental window's line stays flat near the bottom." caption="Detokenizer cost per output token: re-decoding everything grows with the output, the incremental window does not."
+# %%
 import minisgl_ref.tokenizer.detokenizer as detokenizer_module  # noqa: E402
 
 long_ids = tok.encode(detokenizer_module.__doc__, add_special_tokens=False)[:500]
@@ -425,6 +425,7 @@ print(f"incremental detokenizer : {us_inc:6.1f} us/token  ({1e3 * sum(steps_inc)
 print(f"re-decode everything    : {us_full:6.1f} us/token  ({1e3 * sum(steps_full):5.1f} ms for 500 tokens), "
       f"{us_full / us_inc:.1f}x slower")
 
+# %% alt="Line chart of microseconds per step against output token, from 1 to 500: the line for re-decoding everything climbs steadily with the length of the output, while the incremental window's line stays flat near the bottom." caption="Detokenizer cost per output token: re-decoding everything grows with the output, the incremental window does not." tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(7, 2.8))
 ax.plot(1e6 * np.array(steps_full), lw=0.8, label="re-decode everything: grows with the output")
 ax.plot(1e6 * np.array(steps_inc), lw=0.8, label="incremental window: flat")

@@ -455,7 +455,7 @@ print("emits           ", [row.emits for row in mixed_step.batch.rows],
 # with mixing on and measure both sides: the longest gap of A-C, and L's time to first token (TTFT) from its
 # arrival.
 
-# %% alt="Line chart over chunk sizes 32 to 1024 on a log-2 axis, in milliseconds: the running requests' longest gap rises with the chunk size; the long prompt's time to first token is highest at the smallest chunks and rises again at the largest; a dotted line marks the gap without chunking." caption="The chunk size trade-off, with mixing on: the running requests' longest gap and the long prompt's time to first token."
+# %%
 sweep = {256: summary["chunking (256) + mixing"][1:]}
 for size in (32, 64, 128, 512, 1024):
     tr = run_scenario(tiny, f"{size}", SHORT_PROMPTS, LONG_PROMPT, SHORT_PARAMS, LONG_PARAMS, ARRIVAL_STEP,
@@ -468,6 +468,7 @@ for size in sizes:
     print(f"{size:>6} {sweep[size][0] * 1e3:>24.0f} {sweep[size][1] * 1e3:>13.0f}")
 print(f"{'none':>6} {summary['no chunking'][1] * 1e3:>24.0f} {summary['no chunking'][2] * 1e3:>13.0f}   (no mixing)")
 
+# %% alt="Line chart over chunk sizes 32 to 1024 on a log-2 axis, in milliseconds: the running requests' longest gap rises with the chunk size; the long prompt's time to first token is highest at the smallest chunks and rises again at the largest; a dotted line marks the gap without chunking." caption="The chunk size trade-off, with mixing on: the running requests' longest gap and the long prompt's time to first token." tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(7, 3.6))
 ax.plot(sizes, [sweep[s][0] * 1e3 for s in sizes], "o-", label="longest gap of the running requests")
 ax.plot(sizes, [sweep[s][1] * 1e3 for s in sizes], "s-", label="long prompt: time to first token")

@@ -336,7 +336,7 @@ print(f"(medians of 3 alternating runs: {[round(x, 1) for x in runs[False]]} vs 
 # the CPU pieces as measured, and the forward as measured here, but placed on a device lane. They show what the
 # two loops would do with a device that is as slow as this CPU.
 
-# %% alt="Two Gantt charts over milliseconds, each with a CPU lane and a device lane for five steps: schedule in green, prepare in olive, forward in blue, process in purple. The CPU's pieces are thin slivers next to the forwards; in the sequential chart the device lane has a narrow gap at every step, in the overlapped one the forwards run back to back." caption="The sequential and the overlapped loop on a device as slow as this CPU, computed from the measured times of a step's parts."
+# %%
 def simulate(cpu_ms: dict, forward_ms: float, n_steps: int, overlap: bool):
     """Gantt bars [(lane, label, start, length)] of n_steps steps, and the steady-state time per step.
 
@@ -361,6 +361,15 @@ def simulate(cpu_ms: dict, forward_ms: float, n_steps: int, overlap: bool):
     return bars, (ends[-1] - ends[0]) / (len(ends) - 1)
 
 
+measured = clocks["tiny", 64]
+timelines = {overlap: simulate(measured, measured["forward"], 5, overlap) for overlap in (False, True)}
+per_step = {overlap: ms for overlap, (_, ms) in timelines.items()}
+print(f"measured in section 1 (tiny model, 64 requests): CPU work {measured['cpu']:.1f} ms "
+      f"+ forward {measured['forward']:.1f} ms per step")
+print(f"computed from them, not measured: sequential {per_step[False]:.1f} ms per step, "
+      f"overlapped {per_step[True]:.1f} ms per step")
+
+# %% alt="Two Gantt charts over milliseconds, each with a CPU lane and a device lane for five steps: schedule in green, prepare in olive, forward in blue, process in purple. The CPU's pieces are thin slivers next to the forwards; in the sequential chart the device lane has a narrow gap at every step, in the overlapped one the forwards run back to back." caption="The sequential and the overlapped loop on a device as slow as this CPU, computed from the measured times of a step's parts." tags=["hide-input"]
 def draw_gantt(ax, bars, title: str) -> None:
     colors = {"schedule": "tab:green", "prepare": "tab:olive", "process": "tab:purple", "forward": "tab:blue"}
     for lane, label, start, length in bars:
@@ -373,20 +382,16 @@ def draw_gantt(ax, bars, title: str) -> None:
     ax.set_title(title, fontsize=9)
 
 
-measured = clocks["tiny", 64]
 fig, axes = plt.subplots(2, 1, figsize=(12, 3.8), sharex=True)
-per_step = {}
 for ax, overlap in zip(axes, (False, True)):
-    bars, per_step[overlap] = simulate(measured, measured["forward"], 5, overlap)
-    draw_gantt(ax, bars, f"{'overlapped' if overlap else 'sequential'}: {per_step[overlap]:.1f} ms per step")
+    title = f"{'overlapped' if overlap else 'sequential'}: {per_step[overlap]:.1f} ms per step"
+    draw_gantt(ax, timelines[overlap][0], title)
 axes[1].set_xlabel("ms (computed from the times measured in section 1: tiny model, 64 requests)")
 handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:green", "tab:olive", "tab:blue", "tab:purple")]
 fig.legend(handles, ["schedule", "prepare + sampling info", "forward", "process"], loc="lower center", ncol=4,
            fontsize=8)
 fig.tight_layout(rect=(0, 0.08, 1, 1))
 plt.show()
-print(f"CPU work {measured['cpu']:.1f} ms + forward {measured['forward']:.1f} ms: sequential {per_step[False]:.1f} ms "
-      f"per step, overlapped {per_step[True]:.1f} ms per step (computed, not measured)")
 
 # %% [markdown]
 # In the sequential timeline of Figure 6.1 the device lane has a hole at every step, exactly as long as the CPU work;
@@ -400,7 +405,7 @@ print(f"CPU work {measured['cpu']:.1f} ms + forward {measured['forward']:.1f} ms
 # measured on this CPU in section 1: it depends on the batch size, not on the model. This is an **estimate**, not
 # a measurement: a real forward is slower than the floor, and a server's CPU is faster than this shared one.
 
-# %% alt="Log-log line chart of milliseconds per decode step against batch size, 1 to 256: the CPU work per step and the GPU forward floor both grow with the batch; the sequential step is their sum and the overlapped step follows the larger of the two." caption="Estimated decode step time on a GPU with and without overlap, against batch size: CPU work measured here, the forward at its floor."
+# %%
 H100_BYTES_PER_S = 3.35e12
 QWEN3_06B_WEIGHT_BYTES = 1.2e9
 KV_BYTES_PER_TOKEN = 114_688  # 2 * 28 layers * 8 KV heads * 128 head dim * 2 bytes (Method page)
@@ -416,7 +421,11 @@ for b in sizes:
     seq, ovl = cpu + fwd, max(cpu, fwd)
     est.append((b, cpu, fwd, seq, ovl))
     print(f"{b:>5} {cpu:>17.2f} ms {fwd:>26.2f} ms {seq:>8.2f} ms {ovl:>8.2f} ms {1 - ovl / seq:>6.0%}")
+below = [b for b, cpu, fwd, *_ in est if cpu < fwd]
+above = [b for b, cpu, fwd, *_ in est if cpu >= fwd]
+print(f"CPU work below the forward floor at batch {below or 'none'}; at or above it at batch {above or 'none'}")
 
+# %% alt="Log-log line chart of milliseconds per decode step against batch size, 1 to 256: the CPU work per step and the GPU forward floor both grow with the batch; the sequential step is their sum and the overlapped step follows the larger of the two." caption="Estimated decode step time on a GPU with and without overlap, against batch size: CPU work measured here, the forward at its floor." tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(7, 3.6))
 b_arr = np.array(sizes)
 ax.plot(b_arr, [e[1] for e in est], "o-", label="CPU work per step (measured here)")
@@ -435,13 +444,18 @@ plt.show()
 
 # %% [markdown]
 # Two lessons from the estimate of Figure 6.2. First, overlap saves at most half of a step, and only when CPU work and
-# forward are about equal; otherwise it hides the smaller of the two. Second, look at which column is larger. Where
-# the CPU work is below the forward floor (in our runs: up to a batch of 64), overlap hides all of it and the GPU
-# runs back to back. Where it is above (in our runs: at 256, where the Python loop over 256 requests costs more
-# than reading the weights), the GPU waits for the CPU even with overlap. That is why production engines do
-# both: they overlap, *and* they make the CPU work per step small (vectorised scheduling, metadata built with a
-# few tensor operations instead of a loop per request, CUDA graphs in chapter 08 that launch a whole forward in
-# one call).
+# forward are about equal; otherwise it hides the smaller of the two. The two are closest at batch 1, where the
+# saving is largest; it shrinks as the batch grows, because the forward floor grows faster than the CPU work
+# (every request adds its 1,000 tokens of KV, about 115 MB, to what the step reads, while the CPU work only adds a
+# little bookkeeping per request). Second, look at which of the two is larger. In Figure 6.2 the CPU work stays
+# below the forward floor at every batch size from 1 to 256 (the line printed above names the batches for the
+# run shown), so overlap hides all of it: the overlapped line lies on the floor and the GPU runs back to back.
+# The margin is thinnest at small batches, and it is not guaranteed: a smaller model or a faster GPU lowers the
+# floor, and CPU work that grows with each request (a Python loop over the batch, a grammar mask per row in
+# chapter 12) raises the other line. Once the CPU work is above the floor, the GPU waits for the CPU even with
+# overlap. That is why production engines do both: they overlap, *and* they make the CPU work per step small
+# (vectorised scheduling, metadata built with a few tensor operations instead of a loop per request, CUDA graphs
+# in chapter 08 that launch a whole forward in one call).
 #
 # One more condition, easy to break without noticing: overlap works only if nothing before the sync point waits
 # for the device. On a GPU, every `int(tensor)`, `.item()` or `.tolist()` of a device tensor in the scheduler or
@@ -673,8 +687,9 @@ assert any(r.finish_reason.matched in eos for r in naive_reqs)
 #   slots, still written by N+1, are freed only after that step is processed (`InflightFrees`); and a retraction
 #   while a step is in flight becomes `NEED_SYNC`, which drains that step first.
 # * **What it saves.** A step costs about `max(CPU, forward)` instead of their sum: at most half a step, when the
-#   two are equal. Where the CPU work is larger (in the estimate, a batch of 256) the GPU still waits, which is
-#   why the CPU work per step must also be small.
+#   two are equal. In the estimate the CPU work stays below the forward floor at every batch size, so overlap
+#   hides it all; where the CPU work is larger (a smaller model, a faster GPU, more work per request) the GPU
+#   still waits, which is why the CPU work per step must also be small.
 # * **A seam for later chapters.** `EngineExtension` names the moments of a step where a feature may act; an
 #   engine given none runs exactly this loop.
 # * **The oracle.** Overlap on and off give the same tokens, finish reasons and text as the naive loop; the extra

@@ -389,23 +389,29 @@ print("byte counts match (2L+1) T h b and B ceil(V/N) b exactly")
 # Qwen3, dummy weights), the decode step time at batch 1 and 64, and the canonical offline workload (chapter 11)
 # on a Qwen3-14B config with dummy weights, at tp=1 and tp=2. The numbers are read here, not measured again.
 
-# %% alt="Grouped bar chart of milliseconds per decode step at batch 1 and batch 64, a tp=1 bar and a tp=2 bar for each: about 12 against 10 ms at batch 1 and 16 against 13 ms at batch 64, so two GPUs shorten a step by only about a fifth." caption="Decode step time of Qwen3-14B on H200 GPUs, on one GPU (tp=1) and split over two (tp=2), at batch 1 and 64."
+# %%
+decode: dict[int, dict[int, float]] = {1: {}, 2: {}}  # seconds per decode step by batch size, at tp=1 and tp=2
 if GPU_RESULTS.is_file():
     gpu = json.loads(GPU_RESULTS.read_text())
     prov = gpu.get("provenance", {})
     hw = prov.get("hardware", {})
     sw = prov.get("software", {})
-    print(f"measured on {len(hw.get('gpus') or [])} x {hw.get('gpu')} (driver {hw.get('nvidia_driver')}), torch "
-          f"{sw.get('torch')}, {prov.get('date')}, commit {str(sw.get('git_commit'))[:10]}")
+    print(wrap(f"measured on {len(hw.get('gpus') or [])} x {hw.get('gpu')} (driver {hw.get('nvidia_driver')}), "
+               f"torch {sw.get('torch')}, {prov.get('date')}, commit {str(sw.get('git_commit'))[:10]}"))
     check = gpu.get("tp_check", {})
     if check and not check.get("missing"):
-        print(f"check ({check.get('model')}, {check.get('dtype')}): logits relative error "
-              f"{check.get('logits_rel_err_norm', float('nan')):.2e} (norm; tolerance {check.get('tolerance')}), "
-              f"worst element {check.get('logits_rel_err_max', float('nan')):.2e}, greedy "
-              f"tokens identical: {check.get('greedy_identical')}, common prefixes {check.get('greedy_common_prefix')}")
-        if "tp1_vs_float32" in check:
-            print(f"       distance from float32 logits: tp=1 {check['tp1_vs_float32']:.2e}, tp=2 "
-                  f"{check.get('tp2_vs_float32', float('nan')):.2e} (bf16 rounding noise, for scale)")
+        print(f"check of tp=2 against tp=1 ({check.get('model')}, {check.get('dtype')}):")
+        check_rows = [
+            ("logits relative error (norm)",
+             f"{check.get('logits_rel_err_norm', float('nan')):.2e} (tolerance {check.get('tolerance')})"),
+            ("logits relative error (worst element)", f"{check.get('logits_rel_err_max', float('nan')):.2e}"),
+            ("greedy tokens identical", str(check.get("greedy_identical"))),
+            ("greedy tokens in common, per prompt", str(check.get("greedy_common_prefix"))),
+        ]
+        if "tp1_vs_float32" in check:  # bf16 rounding noise, for scale
+            check_rows.append(("distance from float32 logits, tp=1 / tp=2",
+                               f"{check['tp1_vs_float32']:.2e} / {check.get('tp2_vs_float32', float('nan')):.2e}"))
+        display(show_table(check_rows, headers=["check", "result"]))
     rows = []
     for tp, key in ((1, "tp1_run"), (2, "tp2_run"), (2, "tp2_run_eager")):  # eager: the retry without CUDA graphs
         run = gpu.get(key, {})
@@ -415,37 +421,39 @@ if GPU_RESULTS.is_file():
         if canon:
             rows.append((tp, f"canonical workload ({canon['requests']} requests)",
                          f"{canon['output_throughput']:,.0f} tok/s ({canon['wall_s']:.1f} s)"))
-    for tp, what, value in rows:
-        print(f"tp={tp}  {what:40s} {value}")
+    display(show_table(rows, headers=["tp", "run", "result"]))
     comm = gpu.get("tp_comm", {}).get("ranks")
     if comm:
-        c0 = comm[0]
-        for name in ("prefill", "decode"):
-            run = c0[name]
-            print(f"tp=2  one {name} pass ({run['tokens']} tokens): {run['calls']['all_reduce']} all-reduces of "
-                  f"{fmt_bytes(run['bytes']['all_reduce'])} in total took {run['seconds']['all_reduce'] * 1e3:.2f} ms "
-                  f"of a {run['forward_s'] * 1e3:.2f} ms pass (each collective timed alone, with syncs)")
+        display(show_table([
+            (name, run["tokens"], run["calls"]["all_reduce"], fmt_bytes(run["bytes"]["all_reduce"]),
+             f"{run['seconds']['all_reduce'] * 1e3:.2f} ms", f"{run['forward_s'] * 1e3:.2f} ms")
+            for name, run in ((name, comm[0][name]) for name in ("prefill", "decode"))
+        ], headers=["tp=2, one pass", "tokens", "all-reduces", "bytes in total", "time in all-reduces",
+                    "whole pass"]))
+        print("(each collective timed alone, with a sync before and after it)")
     decode = {tp: {d["batch_size"]: d["step_s"] for d in gpu.get(f"tp{tp}_run", {}).get("decode", [])} for tp in (1, 2)}
-    if decode[1] and decode[2]:
-        import matplotlib.pyplot as plt
-
-        sizes = sorted(set(decode[1]) & set(decode[2]))
-        fig, ax = plt.subplots(figsize=(6, 3))
-        width = 0.35
-        for i, tp in enumerate((1, 2)):
-            ax.bar([x + (i - 0.5) * width for x in range(len(sizes))], [decode[tp][b] * 1e3 for b in sizes], width,
-                   label=f"tp={tp}")
-        ax.set_xticks(range(len(sizes)), [f"batch {b}" for b in sizes])
-        ax.set_ylabel("ms per decode step")
-        ax.set_title("Qwen3-14B (bf16, dummy weights), H200")
-        ax.legend()
-        plt.tight_layout()
-        plt.show()
-    print("both runs: FA3 attention and plain element-wise ops (MINISGL_FUSED=0), the same settings at tp=1 and "
-          f"tp=2; {GPU_RESULTS.relative_to(ROOT)} records how each number was measured")
+    print(wrap("both runs: FA3 attention and plain element-wise ops (MINISGL_FUSED=0), the same settings at tp=1 "
+               f"and tp=2; {GPU_RESULTS.relative_to(ROOT)} records how each number was measured"))
 else:
     print(f"not measured yet: {GPU_RESULTS.relative_to(ROOT)} does not exist. Run scripts/gpu/chapter.sh 09 on a "
           "machine with two GPUs and commit its tp_bench.json there.")
+
+# %% alt="Grouped bar chart of milliseconds per decode step at batch 1 and batch 64, a tp=1 bar and a tp=2 bar for each: about 12 against 10 ms at batch 1 and 16 against 13 ms at batch 64, so two GPUs shorten a step by only about a fifth." caption="Decode step time of Qwen3-14B on H200 GPUs, on one GPU (tp=1) and split over two (tp=2), at batch 1 and 64." tags=["hide-input"]
+if decode[1] and decode[2]:
+    import matplotlib.pyplot as plt
+
+    sizes = sorted(set(decode[1]) & set(decode[2]))
+    fig, ax = plt.subplots(figsize=(6, 3))
+    width = 0.35
+    for i, tp in enumerate((1, 2)):
+        ax.bar([x + (i - 0.5) * width for x in range(len(sizes))], [decode[tp][b] * 1e3 for b in sizes], width,
+               label=f"tp={tp}")
+    ax.set_xticks(range(len(sizes)), [f"batch {b}" for b in sizes])
+    ax.set_ylabel("ms per decode step")
+    ax.set_title("Qwen3-14B (bf16, dummy weights), H200")
+    ax.legend()
+    plt.tight_layout()
+    plt.show()
 
 # %% [markdown]
 # How to read it. Figure 9.1 shows the decode steps: two GPUs make a step only about a fifth shorter, at batch 1
