@@ -11,6 +11,8 @@ so they take well under a second.
   is decided by its tags in ``docs/hooks/chapters.py`` (:func:`cell_parts`): ``setup`` and ``hide-cell`` fold the
   outputs together with the code, ``hide-output`` folds them, ``remove*`` drops them. Such a cell may fold its
   plotting code (``hide-input``), never its figure.
+* And it must fold that plotting code (``hide-input``), with nothing else in the cell: the numbers, prints and
+  checks a reader should see go in a visible cell before the figure.
 * The book, the docs and the benchmarks page speak about the engine. Words about how measurements were run
   (machines lent for a while, calls, sessions, device time) and commit hashes in running prose belong in the data
   files under ``docs/data/``, which record the provenance of every number.
@@ -219,6 +221,58 @@ def test_undescribed_and_uncited_figures_are_caught(hook, tmp_path: Path) -> Non
         "no markdown cell right after it to say what Figure 3.3 shows",
         "the markdown cell after it does not cite Figure 3.4"]  # numbers follow the page: the last is 3.4, not 3.3
     assert [v.split(": ", 1)[1] for v in vague_figure_references(bad)] == ["'the picture above'"]
+
+
+
+#: What a reader must see rather than find in a fold: a line that prints, displays (other than the figure) or checks.
+SHOWS_OR_CHECKS = re.compile(r"\bprint\(|^\s*assert\b|\bdisplay\((?!\s*fig\b)", re.MULTILINE)
+
+
+def unfolded_plotting_code(path: Path, hook) -> list[str]:  # type: ignore[no-untyped-def]
+    """Cells that draw a figure but show their plotting code, and folded plotting cells that also print or check.
+
+    A figure's matplotlib code is scaffolding: the page folds it (a tag of the hook's ``FOLD_INPUT_TAGS``, where
+    :func:`cell_parts` puts the code in a collapsed block) and shows the figure. What the reader should see, the
+    numbers a figure is drawn from, the lines it prints, the assertions it makes, belongs in a visible cell before
+    it; so a folded plotting cell draws and does nothing else."""
+    found = []
+    for k, cell in enumerate(_cells(path)):
+        if cell.cell_type != "code" or not DRAWS_FIGURE.search(cell.source):
+            continue
+        tags = cell.metadata.get("tags", [])
+        if hook.cell_parts(tags).code != "folded":
+            found.append(f"{path.name}, code cell {k}: the plotting code is not folded (tags {tags})")
+        else:
+            found += [f"{path.name}, code cell {k}: a folded plotting cell prints or checks: {m.group(0).strip()!r}"
+                      for m in SHOWS_OR_CHECKS.finditer(cell.source)]
+    return found
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_every_figure_folds_its_plotting_code(path: Path, hook) -> None:  # type: ignore[no-untyped-def]
+    assert unfolded_plotting_code(path, hook) == [], (
+        'move prints and asserts to a visible cell before the figure and tag the drawing cell `tags=["hide-input"]`')
+
+
+def test_unfolded_plotting_code_is_caught(hook, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    alt = 'alt="Line chart: step time against batch size, flat, then rising" caption="Step time"'
+    good = tmp_path / "42_good.py"
+    good.write_text('# %%\nrates = [1, 2]\nprint(rates)\nassert rates[0] < rates[1]\n\n'
+                    f'# %% {alt} tags=["hide-input"]\nfig, ax = plt.subplots()\nax.plot(rates)\nplt.show()\n\n'
+                    f'# %% {alt} tags=["hide"]\ndisplay(fig)\n\n# %% [markdown]\n# Figure 42.1.\n')
+    assert unfolded_plotting_code(good, hook) == []
+    bad = tmp_path / "42_bad.py"
+    bad.write_text(f'# %% {alt}\nrates = [1, 2]\nplt.plot(rates)\nplt.show()\n\n'  # code shown
+                   f'# %% {alt} tags=["remove-input"]\nplt.show()\n\n'  # code dropped, not folded
+                   f'# %% {alt} tags=["hide-input"]\nplt.plot(rates)\nplt.show()\nprint(f"x {{rates}}")\n'
+                   '    assert rates\ndisplay(show_table(rows))\n\n'  # folded, but hides what it prints and checks
+                   '# %% [markdown]\n# Figure 42.1.\n')
+    assert [p.split(": ", 1)[1] for p in unfolded_plotting_code(bad, hook)] == [
+        "the plotting code is not folded (tags [])",
+        "the plotting code is not folded (tags ['remove-input'])",
+        "a folded plotting cell prints or checks: 'print('",
+        "a folded plotting cell prints or checks: 'assert'",
+        "a folded plotting cell prints or checks: 'display('"]
 
 
 def _prose_lines(path: Path) -> list[tuple[int, str]]:
