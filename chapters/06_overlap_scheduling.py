@@ -447,8 +447,8 @@ plt.show()
 
 # %% [markdown]
 # Two lessons from the estimate of Figure 6.2. First, overlap saves at most half of a step, and only when CPU work and
-# forward are about equal; otherwise it hides the smaller of the two. The two are closest at batch 1, where the
-# saving is largest; it shrinks as the batch grows, because the forward floor grows faster than the CPU work
+# forward are about equal; otherwise it hides the smaller of the two. The two are closest at the smallest batches,
+# where the saving is largest; it shrinks as the batch grows, because the forward floor grows faster than the CPU work
 # (every request adds its 1,000 tokens of KV, about 115 MB, to what the step reads, while the CPU work only adds a
 # little bookkeeping per request). Second, look at which of the two is larger. In Figure 6.2 the CPU work stays
 # below the forward floor at every batch size from 1 to 256, by a wide margin at 256 (under 2 ms against 9 ms)
