@@ -335,19 +335,10 @@ plt.show()
 # the `flashinfer` backend through its `use_decode_kernel` hook by `build_runtime`'s attention planner
 # (`minisgl_ref/perf/attention.py`); the backend never imports it.
 #
-# * **One block of 128 threads per (piece, KV head).** A half-warp owns one token's 256-byte K row, 16 bytes a
-#   lane, and sums its dot products with four shuffles; the eight half-warps of a block take turns over the
-#   piece's tokens and combine their running softmax states at the end.
-# * **One memory latency per row, not two.** The piece's slot numbers are first read into shared memory, so a row
-#   load does not wait for the index load that names it, and the next turn's rows are loaded into a second set of
-#   registers while this turn's are used.
-# * **A fixed grid, the long contexts cut.** A captured CUDA graph keeps the grid it was captured with, so a batch of
-#   B requests always has room for B + B/8 pieces; `plan_pieces` (`minisgl_ref/perf/split_decode.py`) cuts a piece
-#   in half only while it is longer than twice the batch's mean context, longest first, and spare blocks return at
-#   once.
-# * **The merge inside the kernel.** The pieces of one context write partial results, and the last to finish (an
-#   atomic counter per request and KV head) merges them by their log-sum-exp (chapter 07's merge) and resets the
-#   counter: no second kernel.
+# It cuts each long context into pieces, gives every (piece, KV head) one block of 128 threads, and merges the
+# pieces' partial results by their log-sum-exp (chapter 07's merge) in the last block to finish, so no second
+# kernel runs; the [performance evidence](../performance-evidence.md#a-decode-kernel-of-our-own) page walks through
+# its design.
 #
 # Timed in a chain of 28 layers, each attention followed by the layer's four matrix multiplies (as in a real step),
 # against FlashInfer's decode kernel:
@@ -388,19 +379,11 @@ for n in sorted(chain, reverse=True):
 # if it also reads the token's row of $x$ to compute it. After `qkv_proj` that kernel is the Triton
 # QK-norm/RoPE/KV-store kernel; after `gate_up_proj` it is a Triton SiLU-and-multiply. The residual add moves into
 # the matrix multiply before the norm: cuBLAS computes $C = AB + C$, so `o_proj` and `down_proj` add their outputs
-# straight into the residual stream (`addmm_`). A layer goes from nine kernels to seven:
-#
-# ```text
-# before: add+norm, qkv, QK-norm/RoPE/store, attention, o_proj, add+norm, gate_up, SiLU*up, down
-# after:            qkv, QK-norm/RoPE/store (/ rms), attention, o_proj (+= x), gate_up, SiLU*up (/ rms), down (+= x)
-# ```
-#
-# `minisgl_ref/perf/norm_folding.py` says when it applies (`should_fold`): where the Triton kernels run, with one
-# tensor-parallel rank (with several, `o_proj` produces a partial sum and each rank would add the residual once),
-# and no bias on the projections. Folding is a transform of one built model, not a second path through chapter
-# 01's code: `fold_(model)` multiplies the norm weights into the projections and replaces each decoder layer by a
-# `FoldedDecoderLayer`, which holds the same submodules and is called exactly as chapter 01's layer is, so the
-# model's loop over its layers runs unchanged. Its forward:
+# straight into the residual stream (`addmm_`). A layer goes from nine kernels to seven. Folding applies where the
+# Triton kernels run, with one tensor-parallel rank and no bias on the projections
+# (`minisgl_ref/perf/norm_folding.py`, `should_fold`), and it is a transform of one built model: `fold_(model)`
+# multiplies the norm weights into the projections and replaces each decoder layer by a `FoldedDecoderLayer`, called
+# exactly as chapter 01's layer is. Its forward:
 
 # %%
 from minisgl_ref.perf.norm_folding import FoldedDecoderLayer
@@ -431,21 +414,12 @@ for n in before:
 #
 # ### Smaller steps: the prefill phase, the small kernels, the sampler
 #
-# * **Prefill steps use the fused kernel too.** All 256 prompts arrive at once, so the workload begins with nine
-#   prefill steps of up to 16,384 tokens. The K/V store there was PyTorch's general indexing, four times slower
-#   than the bandwidth allows; letting the fused QK-norm/RoPE/store kernel run in every step took the phase from
-#   ~362 to ~305 ms. And since the scheduler fills each prefill step with exactly `--max-prefill-tokens` tokens, one
-#   more CUDA graph covers all of them (`budget_tokens` in `minisgl_ref/engine/extend_graph.py`), so the host no
-#   longer launches them eagerly for ~20 ms a step.
-# * **Loads first.** A small kernel with 256 programs waits on memory latency, not bandwidth: a load after a barrier
-#   cannot be issued before it, so a program that interleaves loads with reductions waits for one latency per stage.
-#   Both Triton kernels now issue every load first (`minisgl_ref/perf/triton_ops.py`; a CPU test compiles them for an
-#   H100 and checks that all global loads come before the first barrier).
-# * **The sampler's draw** (chapter 02) is split over chunks of the vocabulary so that a small batch still fills the
-#   GPU; its noise uses a float32 `log1p` by Kahan's formula instead of a float64 logarithm, the score's second
-#   logarithm uses the hardware's approximate `lg2`, and a block whose bound `l / T - log(u)` cannot beat the best
-#   score so far skips the exact noise. Each is exact where it must be (`tests/test_sampling.py` holds the pruned
-#   race to the full race's tokens), and together they took the draw at 256 rows from ~440 to ~90 µs.
+# Three smaller changes finished the path. Prefill steps use the fused QK-norm/RoPE/store kernel too and replay one
+# CUDA graph sized for `--max-prefill-tokens` (the prefill phase went from ~362 to ~305 ms); the small Triton
+# kernels issue every load before their first barrier, so a program waits for one memory latency rather than one
+# per stage; and the sampler's draw (chapter 02) is split over chunks of the vocabulary and skips the exact noise
+# for blocks that cannot win, which took it from ~440 to ~90 µs at 256 rows. The
+# [performance evidence](../performance-evidence.md#the-prefill-phase) page has each one's measurements.
 #
 # ### Where the time of a run goes now
 #
@@ -729,15 +703,10 @@ plt.show()
 # the tokens are made. `scripts/stream_cost.py` serves a tiny random-weight model on the CPU, streams 128
 # native `/generate` requests of 512 tokens at once, and reads the CPU time the API server process and the
 # client process spent, per event. It compares the server before and after three changes, each with two
-# clients, in alternating runs:
-#
-# * **the client:** `bench serving` read streams with httpx; it now uses aiohttp (as SGLang's `bench_serving`
-#   does), whose stream reader is mostly C;
-# * **the event loop and HTTP parser:** uvicorn ran on asyncio's loop with the pure-Python h11 parser; the server
-#   now runs on uvloop with httptools when they are installed (both are project dependencies);
-# * **the native event:** every `/generate` stream event carries *all* ids generated so far (SGLang's shape), so
-#   encoding each event afresh turns the whole answer into text again per token; the server now keeps the ids'
-#   JSON text and appends to it (`native_sse` in `minisgl_ref/server/http_server.py`).
+# clients, in alternating runs: the client's stream reader (httpx, now aiohttp, whose reader is mostly C), the
+# server's event loop and HTTP parser (asyncio and h11, now uvloop and httptools when installed), and the native
+# event, which carries all ids so far and was encoded afresh per token (the server now appends to the ids' JSON
+# text, `native_sse` in `minisgl_ref/server/http_server.py`).
 
 # %%
 SC = json.loads((ROOT / "docs" / "data" / "stream_cost_cpu.json").read_text())
@@ -762,12 +731,10 @@ for side in ("server", "client"):
 # `before/aiohttp` row. The latencies the script prints are not the point: on a CPU the engine itself is the
 # bottleneck, at a few thousand tokens a second.
 #
-# What remains per event on the server is Starlette's streaming response (a chain of `send` wrappers per chunk)
-# and one socket write per event; on the client, parsing the cumulative JSON. And if the API server falls behind
-# all the same, it no longer pays per token for it: a handler that wakes to find several chunks of its request
-# waiting sends them as one event (`coalesce` in `minisgl_ref/server/tokenizer_manager.py`), so a backlog costs
-# one encode and one write, and reaches the client as one event rather than as a burst of events microseconds
-# apart. The first table of section 7 was measured before these changes, so its ITL column still shows the bursts.
+# If the API server falls behind all the same, a handler that wakes to find several chunks of its request waiting
+# sends them as one event (`coalesce` in `minisgl_ref/server/tokenizer_manager.py`): a backlog costs one encode and
+# one write. The first table of section 7 was measured before these changes, so its ITL column still shows the
+# bursts.
 
 # %% [markdown]
 # ## Summary
