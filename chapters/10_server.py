@@ -74,7 +74,6 @@ from minisgl_ref.bench.serving import (
     RequestOutput,
     ServingBenchConfig,
     compute_metrics,
-    format_report,
     run_benchmark,
 )
 from minisgl_ref.bench import serving
@@ -91,7 +90,6 @@ CHAPTER_START = time.perf_counter()
 torch.set_num_threads(int(os.environ.get("MINISGL_THREADS", "1")))
 
 ROOT = Path.cwd() if (Path.cwd() / "minisgl_ref").is_dir() else Path.cwd().parent
-DATA = ROOT / "docs" / "data" / "bench_serving_cpu.json"
 
 
 def free_port() -> int:
@@ -145,17 +143,14 @@ def alive(pid: int) -> bool:
 #     S -- "RpcResp" --> TM
 # ```
 #
-# * The **API server** (the process you start) runs uvicorn's event loop (uvloop, with the httptools parser, when
-#   they are installed). Every HTTP connection is a coroutine on it, so thousands of idle streams cost almost
-#   nothing; busy ones cost CPU per streamed token, which chapter 11 measures. The `TokenizerManager` lives here
-#   too: it turns text into token ids, checks each request (prompt length against the context window, ids against
-#   the vocabulary), and keeps one queue per request in flight. Like SGLang's tokenizer manager, and unlike a separate tokenizer
-#   process, this means a bad request gets its 400 before it enters the pipeline at all.
+# * The **API server** (the process you start) runs uvicorn's event loop. Every HTTP connection is a coroutine on
+#   it, so thousands of idle streams cost almost nothing. The `TokenizerManager` lives here too: it turns text into
+#   token ids, checks each request (prompt length against the context window, ids against the vocabulary), and
+#   keeps one queue per request in flight, so a bad request gets its 400 before it enters the pipeline at all.
 # * The **scheduler** owns the engine and nothing else. Its loop drains whatever messages have arrived, runs one
-#   `engine.step()`, and sends every request's new token ids on. It never waits for a client and never decodes
-#   text for one. With tensor parallelism (chapter 09) there is one scheduler per rank; rank 0 talks to the
-#   other processes. It builds its engine with `build_runtime` (`minisgl_ref/runtime.py`), the very function
-#   behind `LLM(...)`, from the same settings objects (`ModelArgs`, `EngineConfig`, `TPArgs`) that the
+#   `engine.step()`, and sends every request's new token ids on; it never waits for a client. With tensor
+#   parallelism (chapter 09) there is one scheduler per rank. It builds its engine with `build_runtime`
+#   (`minisgl_ref/runtime.py`), the very function behind `LLM(...)`, from the same settings objects that the
 #   command-line flags are generated from: an HTTP request and an `LLM.generate` call run the same engine.
 # * The **detokenizer** turns ids into text, one `IncrementalDetokenizer` (chapter 02) per request. Decoding is
 #   cheap per token but not free, and here it costs the scheduler nothing.
@@ -240,17 +235,14 @@ for name, msg in (("GenerateReqInput (32 prompt ids)", req), ("BatchTokenOut (64
 #
 # Three details are worth a closer look:
 #
-# * **Where stop rules live.** EOS and stop token ids need only ids, so the scheduler applies them (it must know
-#   at once, to stop spending compute). A request with stop *strings* also gets an `IncrementalDetokenizer` in
-#   the scheduler, and `Req.append_token` applies every rule in one place, exactly as offline. The detokenizer
-#   runs its own copy with the same stop strings; both are deterministic functions of the ids, so they agree.
+# * **Where stop rules live.** The scheduler applies every stop rule, as offline (`Req.append_token`), so that it
+#   stops spending compute at once; the detokenizer runs its own copy of the stop strings on the same ids, so the
+#   two agree.
 # * **The first row carries an `init`**: the request's stop strings, `skip_special_tokens` and the last prompt
 #   ids (context for decoding the first output token). Later rows carry only new ids.
-# * **Aborts** ride the same channel as requests. When an HTTP handler stops listening (the client closed the
-#   connection, so Starlette cancels the response), `TokenizerManager.generate`'s `finally` block sends
-#   `AbortReq(rid)`; the scheduler calls `engine.abort`, which frees the request's KV. Under overlap scheduling
-#   (chapter 06) a batch may still be in flight that writes those slots, so the frees are deferred one step,
-#   exactly as for a normal finish.
+# * **Aborts** ride the same channel as requests. When the client closes the connection, Starlette cancels the
+#   response and `TokenizerManager.generate`'s `finally` block sends `AbortReq(rid)`; the scheduler calls
+#   `engine.abort`, which frees the request's KV (one step later under overlap scheduling, as for a finish).
 #
 # The detokenizer's part can be watched without a server: feed its worker one request's ids in three steps, as
 # three `BatchTokenOut` messages would, and look at the text deltas it sends on.
@@ -673,14 +665,16 @@ def scrape_metrics() -> tuple[dict[str, float], str]:
 scrape_metrics()
 client.completions.create(model="SmolLM2-135M-Instruct", prompt="Once upon a time", max_tokens=16, temperature=0)
 values, scrape = scrape_metrics()
-for name in ("num_requests_total", "num_aborted_requests_total", "prompt_tokens_total", "generation_tokens_total",
-             "cached_tokens_total", "num_running_reqs", "num_queue_reqs", "num_used_tokens", "max_total_num_tokens",
-             "token_usage", "cache_hit_rate", "prefill_throughput", "gen_throughput"):
-    print(f"sglang:{name:<36} {values['sglang:' + name]:g}")
+shown = [f"{name:<28} {values['sglang:' + name]:>9.4g}" for name in (
+    "num_requests_total", "num_aborted_requests_total", "prompt_tokens_total", "generation_tokens_total",
+    "cached_tokens_total", "num_running_reqs", "num_queue_reqs", "num_used_tokens", "max_total_num_tokens",
+    "token_usage", "cache_hit_rate", "prefill_throughput", "gen_throughput")]
 for h in ("time_to_first_token_seconds", "inter_token_latency_seconds", "time_per_output_token_seconds",
           "e2e_request_latency_seconds"):
     n, total = values[f"sglang:{h}_count"], values[f"sglang:{h}_sum"]
-    print(f"sglang:{h:<36} {n:g} observations, mean {total / n * 1000:.0f} ms")
+    shown.append(f"{h.removesuffix('_seconds'):<22} {n:>3g} x, mean {total / n * 1000:>5.0f} ms")
+for left, right in zip(shown[::2], shown[1::2] + [""]):  # two columns, names without the sglang: prefix
+    print(f"{left:<46}{right}")
 assert values["sglang:num_aborted_requests_total"] >= 1
 assert values["sglang:e2e_request_latency_seconds_count"] == values["sglang:num_requests_total"]
 buckets = [(s.labels["le"], s.value) for fam in text_string_to_metric_families(scrape) for s in fam.samples
@@ -735,35 +729,18 @@ assert abs(m["mean_tpot_ms"] - 250.0) < 1e-9 and abs(m["output_throughput"] - 4.
 cfg = ServingBenchConfig(backend="minisgl", base_url=URL, num_prompts=8, random_input_len=32,
                          random_output_len=8, random_range_ratio=1.0, request_rate=4.0, seed=1)
 live = run_benchmark(cfg)
-print(format_report(live))
 assert live["completed"] == 8 and live["total_output_tokens"] == 64
+summary = [("completed", f"{live['completed']} requests in {live['duration']:.1f} s"),
+           ("throughput", f"{live['request_throughput']:.2f} req/s, {live['output_throughput']:.1f} output tok/s")]
+summary += [(name, " / ".join(f"{live[f'{stat}_{key}_ms']:.0f}" for stat in ("mean", "median", "p99")) + " ms")
+            for name, key in (("TTFT", "ttft"), ("ITL", "itl"), ("TPOT", "tpot"), ("E2E", "e2e_latency"))]
+show_table(summary + [("concurrency", f"{live['concurrency']:.2f}")], headers=["", "mean / median / p99"])
 
 # %% [markdown]
 # On a CPU the engine's steps are slow, so every number here is dominated by model time: TTFT is a prefill of
 # the requests that arrived together, ITL is one decode step of the whole running batch. Read the *shapes*:
-# TTFT grows with the queue, ITL with the batch.
-#
-# A longer run, measured once and committed (`docs/data/bench_serving_cpu.json`, with the machine and the exact
-# command recorded in it), is read back here rather than re-measured:
-
-# %%
-ref = json.loads(DATA.read_text())
-prov = ref["provenance"]
-print(wrap(f"command : {prov['command']}\nmachine : {prov['hardware']['cpu']} ({prov['hardware']['cpu_count']} "
-           f"cores), torch {prov['software']['torch']}, {prov['date'][:10]}, load average while measuring "
-           f"{prov['settings'].get('load_average_1_5_15_min')}", indent=" " * 10))
-rows = [("requests completed", f"{ref['completed']}"), ("duration", f"{ref['duration']:.1f} s"),
-        ("request throughput", f"{ref['request_throughput']:.2f} req/s"),
-        ("output throughput", f"{ref['output_throughput']:.1f} tok/s"),
-        ("TTFT mean / median / p99", f"{ref['mean_ttft_ms']:.0f} / {ref['median_ttft_ms']:.0f} / "
-                                     f"{ref['p99_ttft_ms']:.0f} ms"),
-        ("ITL mean / median / p99", f"{ref['mean_itl_ms']:.0f} / {ref['median_itl_ms']:.0f} / "
-                                    f"{ref['p99_itl_ms']:.0f} ms"),
-        ("TPOT mean / median / p99", f"{ref['mean_tpot_ms']:.0f} / {ref['median_tpot_ms']:.0f} / "
-                                     f"{ref['p99_tpot_ms']:.0f} ms"),
-        ("E2E mean / median / p99", f"{ref['mean_e2e_latency_ms']:.0f} / {ref['median_e2e_latency_ms']:.0f} / "
-                                    f"{ref['p99_e2e_latency_ms']:.0f} ms")]
-show_table(rows, headers=["16 requests, 1 req/s, on 2 CPU cores", "measured"])
+# TTFT grows with the queue, ITL with the batch. (A longer CPU run, 16 requests at 1 request/s, is tabled in the
+# [server reference](../server-reference.md#measured-on-a-cpu).)
 
 # %% [markdown]
 # ### On a GPU
@@ -787,23 +764,13 @@ show_table([(r["request_rate"], f"{r['request_throughput']:.1f}", f"{r['output_t
                     "E2E p50 ms", "in flight"])
 
 # %% [markdown]
-# Read it row by row:
-#
-# * **4 req/s.** The server keeps up easily: about 2 requests in flight, first token in ~25 ms, then a token
-#   every ~2.7 ms. Output throughput (~810 tok/s) is simply what the arrivals ask for.
-# * **16 req/s.** Still keeping up (16.1 req/s completed), with ~19 requests in flight: bigger decode batches
-#   cost more per step, so TPOT roughly doubles to ~5 ms, and a new request's prefill now and then lands in a
-#   running decode batch's way (ITL p99 ~38 ms).
-# * **All at once.** 200 prompts (152k tokens) arrive together; prefilling them, at most 16,384 tokens per step
-#   (`--max-prefill-tokens`), takes about half a second, which is everybody's TTFT. Then all 200 decode together at ~14 ms per token, ~10k output
-#   tokens/s. The median ITL of 0.05 ms is not a fast decode step: with 200 streams, a stream's chunks often
-#   reach the client *together*, in one read, and the gaps inside such a burst are nearly zero. (Most likely the
-#   API server, one Python process writing 200 SSE streams, falls behind the engine now and then and catches up
-#   in bursts; exercise 6 asks you to find out.) TPOT, computed from
-#   each request's first and last token, is the honest per-token pace here; this is why both are reported.
-#
-# The engine's offline throughput on this GPU is chapter 11's subject; here what matters is the shape: latency
-# stays flat while the server keeps up, and TTFT is what grows first when it no longer does.
+# At 4 and 16 requests/s the server keeps up (2 and ~19 requests in flight): the first token comes in 25-42 ms and
+# TPOT grows with the decode batch, from ~2.7 to ~5 ms. With all 200 at once, prefilling 152k prompt tokens takes
+# about half a second, which is everybody's TTFT, and then all 200 decode together at ~14 ms per token. The median
+# ITL of 0.05 ms there is not a fast step: a stream's chunks reach the client in bursts, and the gaps inside a burst
+# are nearly zero (exercise 6; chapter 11 finds where the bursts come from). TPOT, from each request's first and
+# last token, is the honest pace. Latency stays flat while the server keeps up, and TTFT grows first when it no
+# longer does.
 
 # %% [markdown]
 # ## 8. Stop it
@@ -936,11 +903,10 @@ print(wrap("python " + " ".join(router_command(dp_args, dp_urls, metrics_port=41
 #    sends a stream's chunks every N tokens instead of every token: what would it do to these numbers? (Chapter 11,
 #    section 10, measures what one streamed token costs the API server and the client.)
 # 7. **Routing policies.** Start two servers and the router by hand (`python -m sglang_router.launch_router
-#    --worker-urls URL1 URL2 --policy round_robin`), then `--policy cache_aware`, and send both the same mix:
-#    three groups of requests, each group sharing its own long system prompt. Compare the workers' `prefill_tokens`
-#    and `cache_hit_rate` in `/get_server_info`. Then send many requests of one group at once: at what imbalance
-#    does `cache_aware` give up on the hits to even out the load (`--balance-abs-threshold`,
-#    `--balance-rel-threshold`)?
+#    --worker-urls URL1 URL2 --policy round_robin`, then `--policy cache_aware`) and send three groups of requests,
+#    each sharing its own long system prompt. Compare the workers' `prefill_tokens` and `cache_hit_rate` in
+#    `/get_server_info`. At what imbalance does `cache_aware` give up on the hits to even out the load
+#    (`--balance-abs-threshold`, `--balance-rel-threshold`)?
 #
 # ## Reproduce
 #
@@ -981,14 +947,6 @@ print(wrap("python " + " ".join(router_command(dp_args, dp_urls, metrics_port=41
 # | 4 req/s | 814 | 25 ms | 2.4 / 13.4 ms | 2.7 ms |
 # | 16 req/s | 3,078 | 42 ms | 3.9 / 37.8 ms | 5.2 ms |
 # | all at once | 10,200 | 568 ms | 0.05 / 113 ms | 14.0 ms |
-#
-# Expected on 2 x H200 (`docs/data/parallel_serving_h200.json`; Qwen3-0.6B config, bf16, dummy weights; 1,024
-# requests of 256-512 prompt and 128-256 output tokens, all at once):
-#
-# | server | requests/s | output tok/s | TTFT median |
-# | --- | --- | --- | --- |
-# | one server, one GPU | 71 | 13,645 | 4.7 s |
-# | `--dp-size 2`, one worker per GPU behind the router | 212 (2.98x) | 40,703 | 1.0 s |
 
 # %%
 print(wrap(f"this run: server ready in {startup_s:.0f} s; greedy chat answer in {chat_s:.2f} s; bench serving "

@@ -373,40 +373,12 @@ assert [o.text for o in mixed[:2]] == [o.text for o in json_outs]
 print("free requests identical to a run without the constrained ones: True")
 
 # %% [markdown]
-# **The mask against the other rules.** The grammar's `-inf` meets the sampler's own rules (chapter 02), and one of
-# them can ban what the grammar allows. `min_new_tokens` bans EOS until the answer is long enough; once `(yes|no)`
-# has written its word, EOS is all the grammar allows. Both together would leave a row with no finite logit, whose
-# softmax is NaN and whose draw is any token at all. The sampler lets the grammar win: the answer is complete and
-# ends, shorter than `min_new_tokens`.
-
-# %%
-short = llm.generate(chat("Is Paris in France? Answer yes or no."),
-                     SamplingParams(temperature=0, max_new_tokens=8, min_new_tokens=6, regex="(yes|no)"),
-                     use_tqdm=False)[0]
-print(f"{short.finish_reason:<6} {short.text!r} ({len(short.output_ids)} tokens, min_new_tokens=6)")
-assert short.text in ("yes", "no") and short.finish_reason == "stop"
-
-# %% [markdown]
-# The request's `stop_token_ids` meet the grammar in the matcher: they are its stop tokens, allowed only where the
-# grammar is complete, so that a stop id cannot cut a JSON object in half. A stop token is never text to the
-# grammar, though, and a client may name ordinary text tokens as stop ids. Then the grammar can be cornered: every
-# token it would allow next is a stop id, and the filled mask row allows nothing at all. After each fill the
-# bitmask checks the rows of requests whose stop ids include text tokens (no other request can be cornered, so no
-# other pays for the check), and where a row allows nothing it allows the request's stop ids; the one drawn ends the
-# request, as a stop id ends a free one (and, like any stop id, it is not part of the text). Here every token made
-# of digits is a stop id, and the regex wants digits:
-
-# %%
-digit_ids = [t for t in range(VOCAB) if (piece := tok.hf.decode([t])).isascii() and piece.isdigit()]
-cornered = llm.generate(chat("What year did the first person walk on the moon?"),
-                        SamplingParams(temperature=0, max_new_tokens=8, regex="[0-9]{4}", stop_token_ids=digit_ids),
-                        use_tqdm=False)[0]
-last = cornered.output_ids[-1]
-print(f"{cornered.finish_reason:<6} text {cornered.text!r}, ended by stop id {last} ({tok.hf.decode([last])!r}) "
-      f"after {len(cornered.output_ids) - 1} other tokens")
-assert cornered.finish_reason == "stop" and cornered.output_ids[-1] in digit_ids
-
-# %% [markdown]
+# **The mask against the sampler's other rules.** The grammar's `-inf` meets the sampler's own rules (chapter 02),
+# which can ban what the grammar allows: `min_new_tokens` bans EOS where a complete grammar allows nothing else,
+# and stop ids that are text tokens can corner a grammar. In the first case the grammar wins, in the second the
+# stop ids do; the [structured output reference](../structured-output-reference.md#the-mask-against-the-samplers-other-rules)
+# shows both.
+#
 # **What a schema may ask for.** The grammar is the only thing that holds the model to a schema, so a keyword
 # xgrammar does not turn into grammar is not a hint the model may follow, it is a hole: xgrammar logs a warning
 # at most, and the output can be `["a", "a"]` under `uniqueItems`, or a bare `12321` where an `allOf` of two
@@ -450,11 +422,9 @@ assert unsupported_keyword(PERSON) is None and unsupported_keyword(TAGS).startsw
 # %% [markdown]
 # ## 4. Where the mask is filled: the overlap
 #
-# **How structured output plugs into the engine.** None of what follows is written into the engine's loop. The
-# loop of chapter 06 declares a seam (`EngineExtension`, `minisgl_ref/engine/extension.py`): a few moments of a
-# step where an extension may act. `StructuredOutput` (`constrained/extension.py`) is such an extension, and
-# `build_runtime` gives one to every paged engine; it keeps each constrained request's state (the compile, then
-# the matcher) in a table of its own. A grammar request meets it at these hooks:
+# **How structured output plugs into the engine.** None of what follows is written into the engine's loop: the
+# loop of chapter 06 declares a seam (`EngineExtension`), and `StructuredOutput` (`constrained/extension.py`) is an
+# extension that `build_runtime` gives every paged engine. A grammar request meets it at these hooks:
 #
 # | hook | what structured output does there |
 # | --- | --- |
@@ -485,18 +455,11 @@ print(wrap(f"StructuredOutput overrides: {[hook for hook in HOOKS if overrides(s
 #    finish the requests that are done, jump forward (section 5). When a token reaches `Req.append_token`, its
 #    matcher has already accepted it in step 2, and the engine uses that outcome instead of accepting it twice.
 #
-# Why split step N's processing like that? The mask of step N+1 needs step N's tokens in the matchers, and
-# nothing else: not the text, not the stop strings. Processing a step is host work (turning tokens into text,
-# checking stop strings, ending requests), around a millisecond for a few dozen rows on the host of an H100
-# machine; done in step 2, all of it would stand between the forward pass and the sampling of every constrained
-# step, and the device would sit idle after the forward, waiting for work the sampling does not need. Accepting
-# a token costs a few microseconds per row (section 7 measures it).
-#
-# A request that step N finishes, or moves on by jump-forward, already has a row in step N+1 (chapter 06's token
-# too many). Its matcher has accepted N's token but knows nothing of the finish or the jump, so that row's mask
-# may be filled from an outdated state, or not at all if N's token ended the grammar (a matcher that has
-# accepted its stop token has no next mask). It does not matter: when step N+1 is processed, that row's token
-# is discarded, as every token of a finished request is.
+# Step 2 needs only step N's tokens in the matchers, not the text or the stop strings, so the rest of processing
+# step N (around a millisecond of host work for a few dozen rows) waits until sampling is launched. A row in step
+# N+1 of a request that step N finished or moved by jump-forward may get a mask from an outdated state; its token is
+# discarded when step N+1 is processed, as every token of a finished request is (the
+# [structured output reference](../structured-output-reference.md#the-overlap-in-detail) has the details).
 #
 # The timelines below are a schematic (lengths in arbitrary units, not measured) of the two orders.
 
@@ -683,14 +646,12 @@ assert runs[True][2].stats.steps < runs[False][2].stats.steps
 # costs about the same at batch 1 as at batch 64, fewer steps is directly less time for a single request; for a
 # full batch the extend rows are extra work in the steps that carry them, and the gain is smaller.
 #
-# **Why it is off by default.** Greedy outputs with and without jump-forward may differ. Here the four texts
-# agree (the tokens that spell them need not), but nothing guarantees it. The forced tokens are the canonical tokenization of the whole text, which is
-# not always the sequence the model would have produced one token at a time under the mask: the mask also allows
-# the *non-canonical* pieces of a forced string (`{` then `"` instead of `{"`), and the model sometimes prefers
-# one (section 3's output started with `{` and `"`, where jump-forward appends `{"`). After a different token
-# sequence the model's next choice can differ too. The output is valid either way, but a reader comparing runs,
-# or a test comparing with the oracle, would see the difference, and on a GPU it is slower (section 7); so the
-# engine keeps the exact non-jumping behaviour unless asked (`EngineConfig(enable_jump_forward=True)`, `--enable-jump-forward` on the command line).
+# **Why it is off by default.** Greedy outputs with and without jump-forward may differ (here the texts agree; the
+# tokens that spell them need not). The forced tokens are the canonical tokenization of the text, while the mask
+# also allows its *non-canonical* pieces, which the model sometimes prefers (section 3's output started with `{`
+# then `"`, where jump-forward appends `{"`), and after other tokens its next choice can differ. The output is
+# valid either way, but it is not the oracle's, and on a GPU it is slower (section 7); so jumping is opt-in
+# (`EngineConfig(enable_jump_forward=True)`, `--enable-jump-forward`).
 #
 # ## 6. Tool calls as a grammar
 #
@@ -738,13 +699,10 @@ print(wrap(f"auto: content {auto.content!r}, calls {[c.openai()['function'] for 
 # **Strict tools under `"auto"`: a structural tag.** A function marked `strict: true` promises arguments that
 # follow its schema, even when the model decides for itself whether to call. A grammar can keep that promise
 # without taking the decision away, by constraining only *part* of the output. A structural tag (SGLang's
-# `structural_tag` sampling parameter, xgrammar's triggered tags) lists a *trigger*, `<tool_call>`, and one
-# *structure* per function: a fixed begin string (the trigger and the call's head, naming the function, exactly as
-# the prompt teaches it and the parser reads it), the function's parameter schema, and a fixed end string. The
-# text is free until the trigger is written; from there the grammar allows only one of the structures, and after
-# its end the text is free again. The server builds it with `call_structural_tag` for every tool once any is
-# strict (the model picks the function only after the trigger), and the same keyword check as for forced calls
-# refuses a schema the grammar would not enforce.
+# `structural_tag` sampling parameter) lists a *trigger*, `<tool_call>`, and one *structure* per function: a fixed
+# begin string naming the function, its parameter schema, and a fixed end string. The text is free until the
+# trigger is written; from there the grammar allows only one of the structures, and after its end the text is free
+# again. The server builds it with `call_structural_tag` once any tool is strict.
 
 # %%
 strict = SamplingParams(structural_tag=call_structural_tag(plan_tools([weather, clock], "auto")))
@@ -761,25 +719,11 @@ assert not _is_grammar_accept_string(tagged, call.replace('"Europe/Paris"', "42"
 # Free text passes, and so does a well-formed call amid it; a call to a function that is not among the tools, or
 # with a number where the schema asks for a string, cannot be written.
 #
-# **Definitions move to the root.** A tool made from a pydantic model with nested models
-# (`openai.pydantic_function_tool`) keeps them in `$defs` and points at them with `{"$ref": "#/$defs/Address"}`.
-# A reference is resolved from the root of the *whole* schema, and in the call schema a function's parameters sit
-# two levels down, so `call_schema` moves each function's definitions to the root, under names that start with
-# the function's, and rewrites its references to match (two tools may both define an `Address`; a reference to a
-# schema's own root becomes a definition of its own, so recursive schemas stay recursive). The forced modes also
-# refuse a tool whose schema uses a refused keyword: its arguments are promised to fit (and so does `"auto"` with a
-# strict tool). In `"auto"` without strict tools nothing is enforced, and the schema is only text in the prompt.
-
-# %%
-ADDRESS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
-ship = Function("ship", None, {"$defs": {"Address": ADDRESS}, "type": "object",
-                               "properties": {"to": {"$ref": "#/$defs/Address"}}, "required": ["to"]})
-bill = Function("bill", None, {"$defs": {"Address": {**ADDRESS, "required": []}}, "type": "object",
-                               "properties": {"of": {"$ref": "#/$defs/Address"}}, "required": ["of"]})
-both = call_schema(plan_tools([ship, bill], "required", parallel=False))
-print("ship's arguments:", json.dumps(both["anyOf"][0]["properties"]["arguments"]["properties"]))
-print("definitions at the root:", list(both["$defs"]))
-assert list(both["$defs"]) == ["ship.Address", "bill.Address"]
+# **Definitions move to the root.** A tool made from a pydantic model keeps nested models in `$defs`, and a
+# reference is resolved from the root of the *whole* schema, so `call_schema` moves each function's definitions to
+# the root under names that start with the function's (the reference page has an example). The forced modes, and
+# `"auto"` with a strict tool, refuse a tool whose schema uses a refused keyword; in `"auto"` without strict tools
+# nothing is enforced, and the schema is only text in the prompt.
 
 # %% [markdown]
 # ## 7. The oracle
@@ -1011,7 +955,7 @@ display(show_table(gpu_rows, headers=["model (typical schema)", "batch 1", "batc
 # bfloat16 (`docs/data/constrained_bench_typical_adaptive_h100.json`): the typical schema at about 1.06, 1.16-1.21,
 # 1.30-1.38 and 1.42 times the free time per output token at batch 1, 32, 64 and 256; the padded 2.1B model
 # (`constrained_bench_typical_padded_rustdecode_h100.json`) at about 1.02, 1.02 and 1.07 at batch 1, 64 and 256.
-# The [structured output reference](../structured-output-reference.md#8-expected-numbers-at-a-glance) lists the
+# The [structured output reference](../structured-output-reference.md#expected-numbers-at-a-glance) lists the
 # expected numbers of every other run above.
 
 # %%
