@@ -155,14 +155,11 @@ def alive(pid: int) -> bool:
 # * The **detokenizer** turns ids into text, one `IncrementalDetokenizer` (chapter 02) per request. Decoding is
 #   cheap per token but not free, and here it costs the scheduler nothing.
 #
-# Why processes rather than threads? Python runs one thread of Python code at a time (the GIL). The scheduler's
-# loop is Python between device calls; if JSON parsing and text decoding ran in the same process they would
-# steal time from it at every step, and on a GPU every such millisecond is an idle device (chapter 06). Separate
-# processes also fail separately, which the launcher uses: if a child dies, it notices.
-#
-# The processes talk over **ZeroMQ** `PUSH`/`PULL` sockets on `ipc://` files in a private temporary folder: one
-# receiving socket per process, any number of senders, messages delivered whole and in order, and a send never
-# blocks the sender (it queues). Here are the addresses a server would use:
+# Why processes rather than threads? Python runs one thread of Python code at a time (the GIL): JSON parsing and
+# text decoding in the scheduler's process would steal time from its loop at every step, and on a GPU every such
+# millisecond is an idle device (chapter 06). The processes talk over **ZeroMQ** `PUSH`/`PULL` sockets on `ipc://`
+# files in a private folder: messages arrive whole and in order, and a send never blocks the sender. Here are the
+# addresses a server would use:
 
 # %%
 addrs = Addresses.fresh()
@@ -275,33 +272,25 @@ shutil.rmtree(addrs.folder)  # the socket folder of this demo
 # meets the outside world. Three rules make it work:
 #
 # * **Never wait while there is work.** If the engine has requests running, the loop takes whatever messages have
-#   arrived (zero or more, without blocking) and steps at once. Only an idle engine sleeps on the socket, and
-#   even then with a timeout (`IDLE_POLL_MS`, 200 ms), so that the process notices when its parent is gone. A
-#   loop that waited for a message before each step would add that wait to every token of every stream.
+#   arrived (zero or more, without blocking) and steps at once. Only an idle engine sleeps on the socket, with a
+#   timeout (`IDLE_POLL_MS`, 200 ms) so that it notices when its parent is gone.
 # * **Take every waiting message before the step.** Ten requests that arrive together must enter the engine
-#   together, so that one prefill step computes all ten; taking one message per turn would prefill them one step
-#   apart, and cost nine extra steps.
+#   together, so that one prefill step computes all ten.
 # * **Send each token once.** After a step, each request that advanced gets one row with the ids it gained since
-#   its last row (`self.sent[rid]` counts what went out), all rows of the step in one `BatchTokenOut`. The row
-#   that finishes a request is its last one; a request answered at the door (`max_new_tokens=0` with no prompt
-#   scores asked for, or refused) gets a single final row; and a step that raises ends in an abort of everything
-#   in flight, not in a dead process.
+#   its last row (`self.sent[rid]`), all rows of the step in one `BatchTokenOut`; a request answered at the door
+#   gets a single final row, and a step that raises ends in an abort of everything in flight, not a dead process.
 
 # %%
 show_code(scheduler_process, task="10.2")
 
 # %% [markdown]
-# `tests/test_server_scheduler.py` grades it the way the server uses it, but in one process: a real
-# `SchedulerWorker` on a tiny model with its loop in a thread, and the test on the other ends of its sockets,
-# sending requests and aborts as the API server does and reading the rows as the detokenizer does. What the rows
-# add up to must be exactly the offline engine's tokens.
+# `tests/test_server_scheduler.py` grades it in one process: a real `SchedulerWorker` on a tiny model, the test on
+# the other ends of its sockets; what the rows add up to must be exactly the offline engine's tokens.
 #
 # ## 4. Start the real server
 #
-# `python -m minisgl_ref serve` takes SGLang's flag names: `--model-path` (default: the embedded
-# SmolLM2-135M-Instruct), `--host`, `--port`, `--max-total-tokens`, `--max-running-requests`,
-# `--chunked-prefill-size`, `--page-size`, `--disable-radix-cache`, `--attention-backend`, `--tp-size`,
-# `--api-key`, `--enable-metrics`, `--served-model-name`, `--shell` and the rest (`--help` lists them).
+# `python -m minisgl_ref serve` takes SGLang's flag names (`--model-path`, default the embedded model, `--port`,
+# `--max-total-tokens`, `--chunked-prefill-size`, `--tp-size`, `--enable-metrics` and the rest: `--help`).
 #
 # Start-up is ordered so that a client never talks to a half-loaded server: the launcher spawns the scheduler
 # and the detokenizer, each reports on a pipe when its model and tokenizer are loaded (or why they failed), and
@@ -613,7 +602,7 @@ print(f"after  : {show(state)}  (all of it back {(time.perf_counter() - t0) * 10
 # We can watch it: one stream runs while a 600-token prompt arrives; we record the gaps between the stream's
 # events.
 
-# %%
+# %% tags=["hide-input"]
 def pause_while_a_long_prompt_arrives() -> tuple[float, float]:
     """Stream in a thread; after a second, send the long prompt from here. Returns (longest gap, prefill time)."""
     import threading
@@ -655,7 +644,7 @@ print(f"longest pause of the running stream: {worst_gap:.2f} s; the 600-token pr
 # The client that walked away above is counted: it is the one aborted request so far. We scrape twice around a
 # request, so that the throughputs cover an interval in which the server worked:
 
-# %%
+# %% tags=["hide-input"]
 def scrape_metrics() -> tuple[dict[str, float], str]:
     text = httpx.get(URL + "/metrics", timeout=30).text
     return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
@@ -751,7 +740,7 @@ show_table(summary + [("concurrency", f"{live['concurrency']:.2f}")], headers=["
 # requests per second, then all 200 at once. Measured once and committed (`docs/data/bench_serving_h100.json`,
 # with its provenance); read back here:
 
-# %%
+# %% tags=["hide-input"]
 gpu = json.loads((ROOT / "docs" / "data" / "bench_serving_h100.json").read_text())
 hw = gpu["runs"][0]["provenance"]["hardware"]
 print(wrap(f"server: {gpu['server_command']}\nGPU: {hw['gpu']} (driver {hw['nvidia_driver']}), "
@@ -775,16 +764,11 @@ show_table([(r["request_rate"], f"{r['request_throughput']:.1f}", f"{r['output_t
 # %% [markdown]
 # ## 8. Stop it
 #
-# `Ctrl-C` in the server's terminal or `SIGTERM` from a supervisor: uvicorn stops accepting connections and gives
-# open streams a few seconds, then the launcher sends `SIGTERM` to every child, waits for each, kills any that
-# linger, removes the socket folder, and exits with status 0. (A terminal's Ctrl-C reaches the whole process
-# group; the children ignore `SIGINT` and leave the shutdown order to the parent.)
-#
-# The other way a server can end is a child dying: the launcher's watchdog checks the children every 200 ms.
-# When one has died, every request in flight ends with an abort, `/health` and every new request answer 503
-# naming the dead process for a short grace period, and the server exits with status 1, so a supervisor restarts
-# it instead of leaving a server that accepts connections and never answers
-# (`tests/test_server.py::test_dead_scheduler_fails_fast` kills the scheduler to check exactly this).
+# `Ctrl-C` or `SIGTERM`: uvicorn stops accepting connections and gives open streams a few seconds, then the
+# launcher sends `SIGTERM` to every child, waits for each, kills any that linger, removes the socket folder, and
+# exits with status 0. If a child dies instead, the launcher notices within 200 ms, aborts every request in
+# flight, answers 503 for a short grace period, and exits with status 1, so that a supervisor restarts it
+# (`tests/test_server.py::test_dead_scheduler_fails_fast`).
 #
 # A scheduler can also be alive and stuck (a kernel that never returns, a collective waiting for a rank that
 # hangs). It writes the moment its loop last came round into shared memory, and past `--watchdog-timeout` seconds

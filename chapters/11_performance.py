@@ -603,12 +603,10 @@ plt.show()
 #
 # ### Where the latency tail comes from
 #
-# Below saturation the tail is made in the engine. `--step-log FILE` (on `serve` and `bench offline`,
-# `minisgl_ref/bench/step_trace.py`) writes one JSON line per engine step, and from it the gaps a decoding request
-# sees between its tokens: nearly every gap over 15 ms sat next to a *prefill*. A decode step with eight requests
-# takes ~2.3 ms; the step that launches a 1,000-token prompt's prefill took 18-47 ms, although the GPU worked for
-# under 9 ms in it. The host was launching the prefill's forward pass eagerly, ~400 operators at ~30 µs each, and
-# every running request paid for it. Three changes took that away:
+# Below saturation the tail is made in the engine. `--step-log FILE` (`minisgl_ref/bench/step_trace.py`) writes one
+# JSON line per engine step: nearly every gap over 15 ms sat next to a *prefill*, whose step took 18-47 ms for a
+# 1,000-token prompt although the GPU worked under 9 ms in it. The host was launching the prefill's ~400 operators
+# eagerly, and every running request paid for it. Three changes took that away:
 #
 # * **Padding extend steps** to a multiple of 64 tokens (`ModelRunner.pad_extend`), so that cuBLAS, which picks a
 #   kernel in host time (~0.3 ms) the first time it meets a shape, meets every padded shape once at start-up.
@@ -750,11 +748,9 @@ for side in ("server", "client"):
 #    `minisgl_ref/engine/warmup.py` run them at start-up. What shapes must the warm-up use so that every
 #    alignment variant the workload meets is built?
 # 9. **The first matmul of a shape, here.** Time `torch.nn.functional.linear` on this CPU for 200 new row counts
-#    (1,000 .. 1,199) against a Qwen3-0.6B-sized weight (1,024 x 6,144), then for the same counts again, the way
-#    `matmul_first_call_h100.json` was measured on the GPU (`scripts/gpu/prefill_timeline.py --linear-only`).
-#    Does this CPU's BLAS pay for a new shape too? Then weigh the padding multiple: with a multiple of `m`, an
-#    extend step computes up to `m - 1` dummy tokens and the start-up warm-up meets `budget / m` shapes per
-#    weight. Which `m` would you choose for prompts of ~100 tokens, and which for ~10,000?
+#    (1,000 .. 1,199) against a 1,024 x 6,144 weight, then for the same counts again: does this CPU's BLAS pay for
+#    a new shape too? With a padding multiple `m`, an extend step computes up to `m - 1` dummy tokens and the
+#    warm-up meets `budget / m` shapes per weight: which `m` for prompts of ~100 tokens, and which for ~10,000?
 # 10. **How many pieces? (the plan on a CPU, the timing on a GPU).** `plan_pieces` in
 #    `minisgl_ref/perf/split_decode.py` cuts a batch of B contexts into up to B + B/8 pieces. Feed it the lengths of
 #    the 256-running stage (`benchmarks.decode_balance.canonical_stages`) and of 144 contexts of 500 tokens plus one

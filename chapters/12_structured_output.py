@@ -254,12 +254,11 @@ print(f"all four masks in {t_masks * 1e3:.0f} ms of Python ({t_decode:.1f} s to 
 # computed once per grammar, the table is cheap; recomputed at every step of every request, it would cost more
 # than the forward pass.
 #
-# **Why JSON needs a stack.** A JSON object can hold an object that holds an array that holds an object... and
-# every `{` must be closed by a `}` in the right order. No finite automaton can count unbounded nesting, so JSON
-# schemas and EBNF grammars compile to a *pushdown* automaton: an automaton plus a stack of "where to return to"
-# entries, one per open rule. Its state is (position in the grammar, whole stack), and there are infinitely many
-# such states, so the one-mask-per-state table is out of reach. xgrammar, SGLang's default grammar backend,
-# splits the vocabulary per grammar *position* instead:
+# **Why JSON needs a stack.** Every `{` must be closed by a `}` in the right order, at any depth, and no finite
+# automaton can count unbounded nesting. JSON schemas and EBNF grammars compile to a *pushdown* automaton, an
+# automaton plus a stack of "where to return to" entries; its states (position, whole stack) are infinitely many,
+# so one mask per state is out of reach. xgrammar, SGLang's default grammar backend, splits the vocabulary per
+# grammar *position* instead:
 #
 # - **context-independent tokens** can be decided from the position alone, because they stay inside the rule
 #   being matched: inside a JSON string, `abc` is allowed and `"\n` is not, whatever the stack holds. These are
@@ -516,7 +515,7 @@ plt.show()
 # four *free twins* (the same prompts, no grammar, each held to exactly its twin's output length), so that both
 # produce the same number of tokens. On a CPU nothing overlaps (chapter 06): the mask work adds to the step.
 
-# %%
+# %% tags=["hide-input"]
 def time_mask_rows(rows: int, repeat: int = 50) -> float:
     """Microseconds per row to fill ``rows`` mask rows from fresh JSON matchers and apply them to the logits."""
     states = [backend.matcher(backend.compile(spec_of(params[0])), llm.eos_token_ids) for _ in range(rows)]
@@ -605,10 +604,9 @@ assert new_ids == tok.hf.encode('{"name": "Ada", "age', add_special_tokens=False
 print(f"still forced, for the model to sample: {state.jump_forward_string()!r}")
 
 # %% [markdown]
-# In the engine (`StructuredOutput._jump_forward`, called from its `after_token` hook), the request's output is
-# cut by `rollback` tokens and grows by the new ones (`Req.replace_tail`), its epoch changes (its rows in flight are
-# obsolete), its KV is kept up to where the old and new tokens agree, and the scheduler gives it an extend row
-# over the new tokens next. `max_rollback` keeps the plan away from tokens whose KV the radix tree already shares.
+# In the engine (`StructuredOutput._jump_forward`, from its `after_token` hook), the request's output is cut by
+# `rollback` tokens and grows by the new ones (`Req.replace_tail`), its KV is kept up to where the old and new
+# tokens agree, and the scheduler gives it an extend row over the new tokens next.
 # We run six JSON requests with jump-forward off and on (`EngineConfig.enable_jump_forward`) and read the engine's
 # step counters and the extension's jump counters.
 
@@ -728,13 +726,11 @@ assert not _is_grammar_accept_string(tagged, call.replace('"Europe/Paris"', "42"
 # %% [markdown]
 # ## 7. The oracle
 #
-# The tests' oracle for constrained decoding (`tests/test_constrained.py`,
-# `test_no_sampled_token_is_ever_rejected_by_the_grammar`) does not trust the engine's masks: it samples *hot*
-# (temperature 1.5, so the model wants to stray), then replays every output through a **fresh** xgrammar
-# matcher, token by token. Every token must be accepted; an output that ended with a stop must leave the matcher
-# terminated; an output cut by its length limit must have every token accepted. For regexes it also checks, with
-# the independent `regex` package, that every decoded prefix can still be extended to a full match. A small
-# version:
+# The tests' oracle for constrained decoding (`tests/test_constrained.py`) does not trust the engine's masks: it
+# samples *hot* (temperature 1.5, so the model wants to stray), then replays every output through a **fresh**
+# xgrammar matcher, token by token. Every token must be accepted, and an output that ended with a stop must leave
+# the matcher terminated; for regexes, the independent `regex` package checks that every decoded prefix can still
+# be extended to a full match. A small version:
 
 # %%
 cases = [("json_schema", json.dumps(PERSON_AGE)), ("json_schema", ANY_JSON), ("regex", other[0][1]),
@@ -854,7 +850,7 @@ print(f"maxLength 40: {min(bounded_ms):.3f}-{max(bounded_ms):.3f} ms per row (pe
 # the 135M model padded with zeros to 2.1B parameters, which writes the same JSON while the device does a 2.1B
 # model's work.
 
-# %%
+# %% tags=["hide-input"]
 GPU_RUNS = [("135M, float32", "constrained_bench_real_typical_h100.json"),
             ("135M, bfloat16", "constrained_bench_typical_adaptive_h100.json"),
             ("135M padded to 2.1B, bfloat16", "constrained_bench_typical_padded_rustdecode_h100.json")]
