@@ -554,17 +554,15 @@ for i, name in enumerate(("canonical_bare_machine_prune_3_h100.json", "canonical
               f"{r['output_throughput']:>7,.0f} {r['roofline_fraction']:>8.1%} {sum(r['compiled_during_run'].values()):>8}")
 
 # %% [markdown]
-# A cold start compiles for about a minute before its first request (FlashInfer's JIT, Triton, our CUDA kernel),
-# then builds the KV pool and captures the CUDA graphs; a warm start takes 12-17 s from the disk caches. Both run
-# the canonical workload at ~20,400-20,500 output tokens/s, 77% of the floor, from the first request. (Machines of
-# the same kind differ: a slow one runs ~6% lower. The evidence page has the other machines.)
+# A cold start compiles for about a minute before its first request, then builds the KV pool and captures the CUDA
+# graphs; a warm start takes 12-17 s from the disk caches. Both run the canonical workload at ~20,400-20,500 output
+# tokens/s, 77% of the floor, from the first request.
 #
 # ## 7. Online serving
 #
-# `bash scripts/gpu/serving_sweep.sh` runs `bench serving` against a real `serve` process with the canonical
-# length distribution (prompts and outputs of 100-1,024 tokens), Poisson arrivals at 8, 16 and 24 requests/s and
-# all at once, 200 requests each, first with the default engine and then with `--enable-mixed-chunk` (decode
-# rows ride along in prefill steps).
+# `bash scripts/gpu/serving_sweep.sh` runs `bench serving` against a `serve` process with the canonical length
+# distribution, Poisson arrivals at 8, 16 and 24 requests/s and all at once, 200 requests each, with the default
+# engine and with `--enable-mixed-chunk`.
 
 # %%
 SV = json.loads((ROOT / "docs" / "data" / "bench_serving_sweep_h100.json").read_text())
@@ -764,12 +762,10 @@ for side in ("server", "client"):
 #    count the `ld.global` instructions before the first `bar.sync`; then move the residual row's reduction back
 #    above the q and k loads and count again. Why does the order not matter for a prefill step of 16,384 tokens?
 # 12. **Two logarithms (the PTX on a CPU).** Compile `race_kernel` (`minisgl_ref/sampling/race_kernel.py`) for
-#    sm_90 as in exercise 11, with `LOG_SPACE=True`, `BLOCK=2048`, `num_warps=8` in `options`, once with
-#    `FAST_LOG=False` and once with `True`. Count the lines, the `bra` instructions and the `lg2.approx`
-#    instructions of each PTX, and find the inlined libdevice logarithm (its polynomial is a chain of `fma.rn`
-#    with constants). Why must the logarithm inside `log1p` stay the exact one, while the one in the score may be
-#    approximate? Work it out for `u = 2**-20`: how large is `log2(1 - u)`, and what does an absolute error of
-#    2^-22 do to it?
+#    sm_90 as in exercise 11 (`LOG_SPACE=True`, `BLOCK=2048`), with `FAST_LOG` off and on, and count the `bra` and
+#    `lg2.approx` instructions of each PTX. Why must the logarithm inside `log1p` stay exact, while the one in the
+#    score may be approximate? Work it out for `u = 2**-20`: what does an absolute error of 2^-22 do to
+#    `log2(1 - u)`?
 
 # %% [markdown]
 # ## Reproduce
