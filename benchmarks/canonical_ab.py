@@ -11,7 +11,7 @@ and skips most of its prefill, so it is not a repeat of the same work (a ~3% fas
 The workload is written out here rather than imported, so that it is the same for every version measured:
 ``random.seed(0)``; 256 prompts of ``randint(100, 1024)`` ids drawn with ``randint(0, 10000)``; then each
 request's ``max_new_tokens = randint(100, 1024)``; temperature 0.6, ``ignore_eos``. Qwen3-0.6B config, bf16,
-dummy weights. ``scripts/gpu/canonical_ab.sh`` interleaves processes of two checkouts.
+dummy weights. ``scripts/gpu/ab.sh`` interleaves processes of two checkouts.
 """
 
 from __future__ import annotations

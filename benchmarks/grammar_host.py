@@ -12,7 +12,7 @@ any machine:
   ``FILL_THREADS`` threads);
 - ``apply``: :meth:`TokenBitmask.apply` on CPU logits (on a GPU this is a device kernel instead).
 
-The rows write real documents: valid instances of the typical schema of ``scripts/gpu/constrained_bench.py``
+The rows write real documents: valid instances of the typical schema of ``scripts/gpu/measure/constrained_bench.py``
 (the fields a pydantic model declares, no length bounds), tokenized by the embedded SmolLM2's tokenizer, one per
 row with different values, so that rows sit in different places of the grammar at each step as they would in a
 batch. Times are per decode step (the median over the steps of all documents), for each batch size.
@@ -128,7 +128,7 @@ def main() -> int:
         print(f"batch {batch:>4}: accept {row['accept']:.3f} ms (batch call {row['accept_batch']:.3f}), fill "
               f"{row['fill']:.3f} ms, apply {row['apply']:.3f} ms per step; {row['steps']:.0f} steps", flush=True)
     backend.shutdown()
-    out = {"benchmark": "grammar_host", "schema": "typical (scripts/gpu/constrained_bench.py TYPICAL_SCHEMA)",
+    out = {"benchmark": "grammar_host", "schema": "typical (scripts/gpu/measure/constrained_bench.py TYPICAL_SCHEMA)",
            "tokenizer": "SmolLM2-135M-Instruct (embedded)", "fill_threads": FILL_THREADS,
            "mean_document_tokens": round(statistics.fmean(len(d) for d in docs), 1), "results": results,
            "provenance": collect_provenance(batch_sizes=args.batch_sizes, repeats=args.repeats)}  # fmt: skip

@@ -386,7 +386,7 @@ def phase_merge(args: argparse.Namespace) -> dict[str, Any]:
             merged[path.stem] = {"missing": True}
     env = {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "MODEL", "CHECK_MODEL", "NUM_PROMPTS", "DECODE_BS",
                                           "ENGINE_ARGS", "DTYPE", "DEVICE", "MINISGL_FUSED", "MINISGL_GIT_COMMIT")}
-    merged["provenance"] = collect_provenance(inputs=args.inputs, script="scripts/gpu/tp_bench.sh", environment=env)
+    merged["provenance"] = collect_provenance(inputs=args.inputs, script="scripts/gpu/measure/tp_bench.sh", environment=env)
     return merged
 
 

@@ -75,12 +75,13 @@ import time
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
+from IPython.display import display
 
 from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.attention.torch_native import NoCacheAttentionBackend, reference_attention
+from minisgl_ref.book import show_code, show_table, wrap
 from minisgl_ref.core.forward_batch import ForwardBatch
 from minisgl_ref.core.request import FinishReason, Req
-from minisgl_ref.course import task_source
 from minisgl_ref.engine.naive import NaiveEngine
 from minisgl_ref.tokenizer import IncrementalDetokenizer
 
@@ -100,7 +101,8 @@ llm = LLM(device="cpu", engine="naive")
 cfg = llm.config
 print(f"loaded {cfg.architecture} from {llm.model_path} in {time.perf_counter() - t0:.1f} s")
 print(f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} query heads / {cfg.num_kv_heads} KV heads "
-      f"of dim {cfg.head_dim}, vocab {cfg.vocab_size}, dtype {cfg.dtype}, {torch.get_num_threads()} CPU thread(s)")
+      f"of dim {cfg.head_dim}, vocab {cfg.vocab_size}")
+print(f"dtype {cfg.dtype}, {torch.get_num_threads()} CPU thread(s)")
 assert isinstance(llm.engine, NaiveEngine)
 print("engine:", type(llm.engine).__name__, "| EOS ids:", sorted(llm.eos_token_ids))
 
@@ -171,7 +173,7 @@ assert "Paris" in req.output_text
 # compared token for token. This is **task 0.2**:
 
 # %%
-print(task_source(Req.append_token, "0.2"))
+show_code(Req.append_token, task="0.2")
 
 # %% [markdown]
 # The order of the checks matters, and each answers a question an API user would ask:
@@ -213,10 +215,10 @@ cases = {
     "context window = prompt + 4": replay(SamplingParams(temperature=0), context_len=len(prompt_ids) + 4),
     "ignore_eos=True (runs out of ids)": replay(SamplingParams(temperature=0, ignore_eos=True)),
 }
-print(f"{'rule':<36} {'tokens':>6}  {'finish reason':<34} text")
-for name, r in cases.items():
-    reason = "" if r.finish_reason is None else str(r.finish_reason.to_dict())
-    print(f"{name:<36} {len(r.output_ids):>6}  {reason:<34} {r.output_text!r}")
+display(show_table([
+    (name, len(r.output_ids), "" if r.finish_reason is None else str(r.finish_reason.to_dict()), repr(r.output_text))
+    for name, r in cases.items()
+], headers=["rule", "tokens", "finish reason", "text"]))
 
 assert cases["plain greedy (EOS ends it)"].finish_reason == FinishReason("stop", matched=answer_ids[-1])
 assert cases["max_new_tokens=3"].finish_reason.kind == "length" and len(cases["max_new_tokens=3"].output_ids) == 3
@@ -234,7 +236,7 @@ assert not cases["ignore_eos=True (runs out of ids)"].finished  # EOS was just a
 # `NaiveEngine.step` in `minisgl_ref/engine/naive.py` is **task 0.3**. It is the whole engine:
 
 # %%
-print(task_source(NaiveEngine.step, "0.3"))
+show_code(NaiveEngine.step, task="0.3")
 
 # %% [markdown]
 # Line by line:
@@ -266,12 +268,11 @@ print("last_token_indices", last.tolist(), "-> tokens", toy.input_ids[last].toli
 # flowchart LR
 #     subgraph flat["input_ids [T = 10], no padding"]
 #         direction LR
-#         a0["11"] --- a1["12"] --- a2["13"] --- b0["21"] --- b1["22"]
-#         b1 --- b2["23"] --- b3["24"] --- b4["25"] --- c0["31"] --- c1["32"]
+#         a["request 0<br/>11 12 13"] --- b["request 1<br/>21 22 23 24 25"] --- c["request 2<br/>31 32"]
 #     end
-#     a2 -.->|logits row 0| L["LM head<br/>[3, vocab]"]
-#     b4 -.->|logits row 1| L
-#     c1 -.->|logits row 2| L
+#     a -.->|"logits row 0<br/>(token 13)"| L["LM head<br/>[3, vocab]"]
+#     b -.->|"logits row 1<br/>(token 25)"| L
+#     c -.->|"logits row 2<br/>(token 32)"| L
 # ```
 #
 # ## 5. Attention without a cache
@@ -282,7 +283,7 @@ print("last_token_indices", last.tolist(), "-> tokens", toy.input_ids[last].toli
 # `reference_attention`, **task 0.1**:
 
 # %%
-print(task_source(reference_attention, "0.1"))
+show_code(reference_attention, task="0.1")
 
 # %% [markdown]
 # Two ideas are packed into those lines.
@@ -299,7 +300,7 @@ print(task_source(reference_attention, "0.1"))
 # cache threefold, which matters a lot from chapter 03 on. The reference implementation just repeats each KV
 # head 3 times (`repeat_interleave`) and then does ordinary multi-head attention.
 
-# %%
+# %% alt="Three grids. Left: an 8 by 8 mask of queries against keys, a tick on and below the diagonal and minus infinity above it. Middle: 3 new queries over 8 keys, where the first 5 keys are visible to every query. Right: 9 query heads mapped to 3 KV heads in groups of 3." caption="The causal mask without a cache and with one, and how SmolLM2-135M's 9 query heads share its 3 KV heads."
 def causal_mask(lq: int, lk: int) -> np.ndarray:
     """True where query i (at position lk - lq + i) may see key j: the same rule as reference_attention."""
     q_pos = np.arange(lk - lq, lk)[:, None]
@@ -332,6 +333,9 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
+# In Figure 0.1, the middle grid is the bottom three rows of the left one: a query sees the same keys whether the
+# keys before it were just computed or come from a cache. Only the shapes differ.
+#
 # Is `reference_attention` right? It is itself an oracle (the [method page](../method.md#oracles-what-correct-means): *torch_native is the
 # reference for every kernel backend*), so we check it against the most independent thing at hand, PyTorch's fused
 # `scaled_dot_product_attention`, with the shapes of this model, both for a full sequence and for "3 new
@@ -352,12 +356,12 @@ for lq, lk in [(37, 37), (3, 8), (1, 50)]:
     assert err < 1e-5
 
 # %% [markdown]
-# The mask is not just a drawing; the model really lives under it. A *probe* backend (toy code for this figure
+# The mask is not just a drawing; the model really lives under it. A *probe* backend (toy code for Figure 0.2
 # only: it records the queries and keys that two layers hand to the backend, then attends exactly like
 # `NoCacheAttentionBackend`) lets us draw the attention probabilities of two heads of the real model over a short
 # prompt. Everything above the diagonal is exactly zero: no token ever saw its future.
 
-# %%
+# %% alt="Two heat maps of attention probabilities over the tokens of the prompt 'The capital of France is Paris. The capital of Italy is', queries down and keys across. Layer 8 head 0 puts most of its weight on the first token; layer 16 head 0 lights up the cells just below the diagonal. Above the diagonal both are zero." caption="Attention probabilities of two heads of SmolLM2-135M over a short prompt: no token attends to a later one."
 class ProbeBackend(NoCacheAttentionBackend):
     """Toy: remember the q and k that some layers hand to the backend, then attend as usual."""
 
@@ -405,9 +409,9 @@ print("largest probability above the diagonal, any head of either layer:", above
 assert above == 0.0
 
 # %% [markdown]
-# Even this tiny model has heads with recognisable jobs. Layer 16's head 0 mostly looks at the *previous* token.
-# Layer 8's head 0 parks most of its weight on the very first token (a common habit, often called an *attention
-# sink*), but the second `capital`, `of` and `is` reach back to their own earlier occurrence in the first
+# Figure 0.2 shows that even this tiny model has heads with recognisable jobs. Layer 16's head 0 mostly looks at the
+# *previous* token. Layer 8's head 0 parks most of its weight on the very first token (a common habit, often called an
+# *attention sink*), but the second `capital`, `of` and `is` reach back to their own earlier occurrence in the first
 # sentence, which is how a model can copy a pattern it has seen. None of that is our concern as engine builders,
 # except for one fact: a token's attention depends only on itself and the tokens before it.
 
@@ -446,9 +450,10 @@ hf_s = time.perf_counter() - t0
 theirs = hf_out[0, len(prompt_ids):].tolist()
 
 agree = sum(a == b for a, b in zip(ours.output_ids, theirs))
-print("naive loop  :", ours.output_ids)
-print("transformers:", theirs)
-print(f"agreement: {agree}/{N_ORACLE} tokens  |  text: {llm.tokenizer.decode(ours.output_ids)!r}")
+print(wrap(f"naive loop  : {ours.output_ids}", indent=" " * 15))
+print(wrap(f"transformers: {theirs}", indent=" " * 15))
+print(f"agreement: {agree}/{N_ORACLE} tokens")
+print(f"text: {llm.tokenizer.decode(ours.output_ids)!r}")
 print(f"time for {N_ORACLE} tokens: naive loop {ours_s:.2f} s, transformers generate (with its KV cache) {hf_s:.2f} s")
 assert ours.output_ids == theirs, "the naive loop disagrees with transformers"
 
@@ -488,8 +493,8 @@ reqs = [llm.make_request(p, batch_params) for p in prompts]
 
 first = ForwardBatch.for_full_sequences([r.all_ids for r in reqs], llm.engine.backend)
 lens = first.extend_lens_cpu
-print(f"first step: extend_lens {lens} -> T = {sum(lens)} tokens in one flat batch; "
-      f"a padded [B, max_len] batch would hold {len(lens) * max(lens)} ({len(lens) * max(lens) - sum(lens)} padding)")
+print(f"first step: extend_lens {lens} -> T = {sum(lens)} tokens in one flat batch")
+print(f"a padded [B, max_len] batch would hold {len(lens) * max(lens)} ({len(lens) * max(lens) - sum(lens)} padding)")
 
 t0 = time.perf_counter()
 steps = 0
@@ -559,20 +564,20 @@ slope, intercept = np.polyfit(seq_lens, cpu_s, 1)  # CPU seconds = intercept + s
 naive_tokens = int(seq_lens.sum())
 cached_tokens = len(story_ids) + N_GEN - 1  # prefill the prompt once, then one new token per decode step
 print(f"prompt {llm.tokenizer.decode(story_ids)!r} ({len(story_ids)} tokens) -> "
-      f"{llm.tokenizer.decode(req.output_ids)[:70]!r}...")
+      f"{llm.tokenizer.decode(req.output_ids)[:50]!r}...")
 print(f"{N_GEN} tokens, sequence {seq_lens[0]} -> {seq_lens[-1]} tokens: "
       f"wall {wall_s.sum():.1f} s ({N_GEN / wall_s.sum():.2f} tokens/s), CPU {cpu_s.sum():.1f} s "
       f"({N_GEN / cpu_s.sum():.2f} tokens/s)")
 print(f"CPU time per step: {cpu_s[:4].mean() * 1e3:.0f} ms over the first 4 steps, "
-      f"{cpu_s[-4:].mean() * 1e3:.0f} ms over the last 4; "
-      f"fit: {intercept * 1e3:.0f} ms + {slope * 1e3:.2f} ms per token fed")
+      f"{cpu_s[-4:].mean() * 1e3:.0f} ms over the last 4")
+print(f"fit: {intercept * 1e3:.0f} ms + {slope * 1e3:.2f} ms per token fed")
 print(f"a step that feeds a single token: {one_cpu_s * 1e3:.0f} ms CPU (median of 5)")
 print(f"tokens pushed through the model: {naive_tokens} for {N_GEN} generated "
-      f"({naive_tokens / N_GEN:.1f} per generated token); with a KV cache: {cached_tokens} "
-      f"({naive_tokens / cached_tokens:.1f}x fewer)")
+      f"({naive_tokens / N_GEN:.1f} per generated token)")
+print(f"with a KV cache: {cached_tokens} ({naive_tokens / cached_tokens:.1f}x fewer)")
 assert slope > 0  # longer sequences cost more per step
 
-# %%
+# %% alt="Two charts. Left: time per step in milliseconds against tokens fed, the points rising along a fitted straight line, above a dashed horizontal line for a step that feeds one token. Right: cumulative tokens pushed through the model against tokens generated; the naive curve bends upward while the KV-cache line stays straight and far below it." caption="The naive loop: each step recomputes the whole sequence, so the time per step grows with its length and the total work grows quadratically." tags=["hide-input"]
 fig, axes = plt.subplots(1, 2, figsize=(12, 4))
 ax = axes[0]
 ax.plot(seq_lens, wall_s * 1e3, ".", color="lightgray", label="wall-clock per step")
@@ -598,9 +603,9 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Read the left plot from the dashed line up. A step is never free: even a single token needs every weight of
-# the model once, which is the dashed line. The naive loop pays that *and* a cost for every token of the
-# sequence, again at every step, and the sequence only grows. The right plot adds it up: after 64 tokens the
+# Read the left panel of Figure 0.3 from the dashed line up. A step is never free: even a single token needs every
+# weight of the model once, which is the dashed line. The naive loop pays that *and* a cost for every token of the
+# sequence, again at every step, and the sequence only grows. The right panel adds it up: after 64 tokens the
 # naive loop has pushed about 34 times more tokens through the model than it had to. The ratio keeps growing
 # with the length, and real requests are long (prompts of thousands of tokens, answers of hundreds or more).
 #
@@ -674,7 +679,7 @@ plt.show()
 # machine vary from run to run, CPU times much less.
 
 # %%
-print(f"this run: {N_GEN} tokens at {N_GEN / wall_s.sum():.2f} tokens/s wall ({N_GEN / cpu_s.sum():.2f} tokens/s "
-      f"of CPU time); CPU per step {intercept * 1e3:.0f} ms + {slope * 1e3:.2f} ms/token; single-token step "
-      f"{one_cpu_s * 1e3:.0f} ms; oracle {agree}/{N_ORACLE} tokens, max logit diff {logit_err:.1e}; "
-      f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s")
+print(wrap(f"this run: {N_GEN} tokens at {N_GEN / wall_s.sum():.2f} tokens/s wall ({N_GEN / cpu_s.sum():.2f} "
+           f"tokens/s of CPU time); CPU per step {intercept * 1e3:.0f} ms + {slope * 1e3:.2f} ms/token; single-token "
+           f"step {one_cpu_s * 1e3:.0f} ms; oracle {agree}/{N_ORACLE} tokens, max logit diff {logit_err:.1e}; "
+           f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s"))

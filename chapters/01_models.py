@@ -58,6 +58,7 @@ import json
 import math
 import os
 import tempfile
+import textwrap
 import warnings
 
 import matplotlib.pyplot as plt
@@ -69,7 +70,10 @@ warnings.filterwarnings("ignore")
 transformers.utils.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
 
+from IPython.display import display
+
 from minisgl_ref.attention import NoCacheAttentionBackend
+from minisgl_ref.book import show_code, show_table, wrap
 from minisgl_ref.core.forward_batch import ForwardBatch
 from minisgl_ref.models import ModelConfig, load_model
 from minisgl_ref.models.loader import MODEL_REGISTRY, SHIPPED_CONFIGS
@@ -82,9 +86,9 @@ torch.set_num_threads(int(os.environ.get("MINISGL_THREADS", "1")))
 
 
 def show(obj) -> None:
-    """Print the source of a function or class from the package, with the file it lives in."""
+    """Show the source of a function or class from the package as code, with the file it lives in."""
     path = Path(inspect.getsourcefile(obj)).resolve().relative_to(ROOT)
-    print(f"# {path}\n{inspect.getsource(obj)}")
+    display(show_code(f"# {path}\n{textwrap.dedent(inspect.getsource(obj))}"))
 
 
 def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -142,8 +146,8 @@ new_spelling = dict(llama_json)
 new_spelling["rope_parameters"] = {"rope_theta": new_spelling.pop("rope_theta"), **new_spelling.pop("rope_scaling")}
 
 old_cfg, new_cfg = ModelConfig.from_dict(llama_json), ModelConfig.from_dict(new_spelling)
-print("old spelling:", old_cfg.rope_theta, old_cfg.rope_scaling)
-print("new spelling:", new_cfg.rope_theta, new_cfg.rope_scaling)
+print(wrap(f"old spelling: {old_cfg.rope_theta} {old_cfg.rope_scaling}", indent=" " * 14))
+print(wrap(f"new spelling: {new_cfg.rope_theta} {new_cfg.rope_scaling}", indent=" " * 14))
 assert (old_cfg.rope_theta, old_cfg.rope_scaling) == (new_cfg.rope_theta, new_cfg.rope_scaling)
 
 # A scaling whose type is "default" is no scaling at all; unknown types are refused rather than computed wrong.
@@ -161,13 +165,11 @@ except ValueError as e:
 
 # %%
 shipped = {p.stem: ModelConfig.from_file(p) for p in sorted(SHIPPED_CONFIGS.glob("*.json"))}
-print(f"{'config':<14}{'arch':<19}{'layers':>6}{'hidden':>7}{'heads':>6}{'kv':>4}{'hd':>5}{'ffn':>7}{'vocab':>8}"
-      f"{'rope theta':>11}  {'scaling':<8}{'tied':>5}")
-for name, c in shipped.items():
-    scaling = c.rope_scaling["rope_type"] if c.rope_scaling else "-"
-    print(f"{name:<14}{c.architecture:<19}{c.num_layers:>6}{c.hidden_size:>7}{c.num_heads:>6}{c.num_kv_heads:>4}"
-          f"{c.head_dim:>5}{c.intermediate_size:>7}{c.vocab_size:>8}{c.rope_theta:>11.0f}  {scaling:<8}"
-          f"{str(c.tie_word_embeddings):>5}")
+show_table([
+    (name, c.architecture, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+     c.vocab_size, f"{c.rope_theta:.0f}", c.rope_scaling["rope_type"] if c.rope_scaling else "-", c.tie_word_embeddings)
+    for name, c in shipped.items()
+], headers=["config", "arch", "layers", "hidden", "heads", "kv", "hd", "ffn", "vocab", "rope theta", "scaling", "tied"])
 
 # %% [markdown]
 # ## 3. The layers
@@ -178,17 +180,20 @@ for name, c in shipped.items():
 #
 # ```mermaid
 # flowchart TB
-#     in["hidden, residual"] --> n1["input_layernorm<br/>residual = hidden + residual<br/>hidden = RMSNorm(residual)"]
-#     n1 --> qkv["qkv_proj (QKVParallelLinear)<br/>split into q, k, v"]
-#     qkv --> qkn["q_norm / k_norm per head<br/>(Qwen3 only)"]
-#     qkn --> rope["RoPE on q and k"]
-#     rope --> attn["attention (backend)"]
-#     attn --> o["o_proj (RowParallelLinear)"]
-#     o --> n2["post_attention_layernorm<br/>residual = hidden + residual<br/>hidden = RMSNorm(residual)"]
-#     n2 --> gu["gate_up_proj (MergedColumnParallelLinear)"]
-#     gu --> act["SiluAndMul: silu(gate) * up"]
-#     act --> down["down_proj (RowParallelLinear)"]
-#     down --> out["hidden, residual -> next layer"]
+#     subgraph attn["attention half"]
+#         direction LR
+#         in["hidden,<br/>residual"] --> n1["input_layernorm<br/>residual = hidden + residual<br/>hidden = RMSNorm(residual)"] --> qkv["qkv_proj<br/>(QKVParallelLinear)<br/>split into q, k, v"] --> qkn["q_norm / k_norm<br/>per head<br/>(Qwen3 only)"]
+#     end
+#     subgraph attn2[" "]
+#         direction LR
+#         rope["RoPE on<br/>q and k"] --> at["attention<br/>(backend)"] --> o["o_proj<br/>(RowParallelLinear)"]
+#     end
+#     subgraph mlp["MLP half"]
+#         direction LR
+#         n2["post_attention_layernorm<br/>residual = hidden + residual<br/>hidden = RMSNorm(residual)"] --> gu["gate_up_proj<br/>(MergedColumn-<br/>ParallelLinear)"] --> act["SiluAndMul:<br/>silu(gate) * up"] --> down["down_proj<br/>(RowParallelLinear)"]
+#     end
+#     out["hidden, residual → next layer"]
+#     attn --> attn2 --> mlp --> out
 # ```
 #
 # ### 3.1 RMSNorm, fused with the residual add
@@ -304,10 +309,10 @@ show(rope_inv_freq)
 
 # %% [markdown]
 # Our frequencies must be *bit for bit* those of `transformers` for the shipped `llama-3.1-8b` config (the test
-# `tests/test_models.py::test_llama3_rope_frequencies_match_transformers` checks the same thing), and the plot
+# `tests/test_models.py::test_llama3_rope_frequencies_match_transformers` checks the same thing), and Figure 1.1
 # shows where the three bands fall among Llama 3.1's 64 frequency pairs:
 
-# %%
+# %% alt="Two log-scale line charts over Llama-3.1-8B's 64 frequency pairs. Left: inverse frequency falls from 1 to about 2e-6; the llama3-scaled curve follows the default one for the first pairs and drops below it for the last ones. Right: the wavelengths in tokens, with dotted lines at 2,048, 8,192 and 131,072 marking the kept, blended and divided bands." caption="RoPE frequencies and wavelengths of Llama-3.1-8B, default and with llama3 scaling."
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -344,6 +349,10 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
+# In Figure 1.1 the two curves coincide for the pairs that turn fast (wavelengths under 2,048 tokens) and part for the
+# slow ones, whose wavelengths are stretched eight times; the few pairs in between are blended.
+
+# %% [markdown]
 # ### 3.4 SwiGLU
 #
 # The MLP is $\mathrm{down}(\mathrm{silu}(x W_\mathrm{gate}^T) \odot x W_\mathrm{up}^T)$: the `gate` branch,
@@ -378,7 +387,7 @@ show(kernel_table.silu_and_mul)
 # all-reduces** (one per block). For the MLP on two ranks:
 #
 # ```mermaid
-# flowchart LR
+# flowchart TB
 #     x["x [T, hidden]<br/>same on every rank"]
 #     subgraph r0["rank 0"]
 #         gu0["gate_up_proj<br/>column-parallel:<br/>gate and up rows 0 .. I/2"]
@@ -470,8 +479,8 @@ from minisgl_ref.models import qwen3 as qwen3_module
 show(qwen2_module.Qwen2Attention)
 show(qwen3_module.Qwen3Attention)
 show(llama_module.LlamaAttention.forward)
-print("architecture name in config.json -> class:",
-      {name: cls.__name__ for name, cls in MODEL_REGISTRY.items()})
+print(wrap("architecture name in config.json -> class: "
+           + ", ".join(f"{name} -> {cls.__name__}" for name, cls in MODEL_REGISTRY.items())))
 
 # %% [markdown]
 # ## 4. Weights
@@ -534,18 +543,20 @@ print(f"  ... {len(index['weight_map'])} tensors in all")
 # ```
 
 # %%
-print("stacked_params:", llama_module.LlamaForCausalLM.stacked_params)
+print(wrap(f"stacked_params: {llama_module.LlamaForCausalLM.stacked_params}", indent=" " * 16))
 show(llama_module.LlamaForCausalLM.load_weights)
 print("checkpoint name -> our parameter (layer 0 of the tiny Qwen3):")
+mapping = []
 for name, tensor in iter_safetensors(tiny_dir):
     if not name.startswith("model.layers.0."):
         continue
     ours, shard = name.removeprefix("model."), ""
     for fused, part, shard_id in llama_module.LlamaForCausalLM.stacked_params:
         if f".{part}." in ours:
-            ours, shard = ours.replace(f".{part}.", f".{fused}."), f"  (shard {shard_id!r})"
+            ours, shard = ours.replace(f".{part}.", f".{fused}."), repr(shard_id)
             break
-    print(f"  {name:<45} {str(tuple(tensor.shape)):<10} -> {ours}{shard}")
+    mapping.append((name, tuple(tensor.shape), ours, shard))
+show_table(mapping, headers=["checkpoint tensor", "shape", "our parameter", "shard"])
 
 # %% [markdown]
 # ### 4.3 A tensor-parallel preview, by hand
@@ -657,7 +668,8 @@ load_hf_s = time.perf_counter() - t0
 print(f"loaded {type(model).__name__} in {load_ours_s:.1f} s (ours) and {load_hf_s:.1f} s (transformers)")
 tied = model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
 emb_rows = model.embed_tokens.weight.numel()
-print(f"tied embeddings share storage: {tied} ({emb_rows / 1e6:.1f}M parameters stored once instead of twice, "
+print(f"tied embeddings share storage: {tied}")
+print(f"({emb_rows / 1e6:.1f}M parameters stored once instead of twice, "
       f"{emb_rows / sum(p.numel() for p in model.parameters()):.0%} of the model)")
 
 emb_errors, emb_agree = compare_with_transformers(model, hf_model, oracle_prompts)
@@ -740,7 +752,7 @@ del qwen
 # weight through the CPU once, so its time says how fast this CPU reads weights (our own small roofline); more
 # tokens per pass share that one read, which is exactly why the engine batches.
 
-# %%
+# %% alt="Line chart with a logarithmic x axis: tokens per second of SmolLM2-135M's forward pass against tokens per pass (1, 16, 64 and 256); the throughput climbs steeply from one token to 16 and keeps rising, more slowly, up to 256." caption="Forward-pass throughput of SmolLM2-135M on this CPU, in float32, against the number of tokens in the pass."
 timings = {}
 with torch.inference_mode():
     for T in (1, 16, 64, 256):
@@ -771,21 +783,21 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Going from 1 to 256 tokens per pass multiplies the time by far less than 256: a single token spends its time
-# reading weights, many tokens spend it computing. On a GPU the effect is far larger. An H100 does about 300 bf16
-# FLOPs in the time it reads one byte (H100 datasheet: ~990 TFLOP/s against 3.35 TB/s), and each 2-byte weight costs 2
-# FLOPs per token, so a step stays bound by reading weights until it carries a few hundred tokens: section 6's
-# 0.36 ms floor for Qwen3-0.6B is the same for one request as for two hundred (KV cache aside). That is why
-# chapter 03 runs the decode steps of many requests together.
+# As Figure 1.2 shows, going from 1 to 256 tokens per pass multiplies the time by far less than 256: a single token
+# spends its time reading weights, many tokens spend it computing. On a GPU the effect is far larger. An H100 does
+# about 300 bf16 FLOPs in the time it reads one byte (H100 datasheet: ~990 TFLOP/s against 3.35 TB/s), and each 2-byte
+# weight costs 2 FLOPs per token, so a step stays bound by reading weights until it carries a few hundred tokens:
+# section 6's 0.36 ms floor for Qwen3-0.6B is the same for one request as for two hundred (KV cache aside). That is
+# why chapter 03 runs the decode steps of many requests together.
 
 # %%
 tiny_tmp.cleanup()
-print("this run:",
-      f"oracle max relative error {max(tiny_errors):.1e} (tiny Qwen3), {max(emb_errors):.1e} (SmolLM2);",
-      "SmolLM2 forward", " / ".join(f"{s * 1e3:.0f}" for s in timings.values()), "ms at T =",
-      " / ".join(map(str, timings)), f"({torch.get_num_threads()} thread(s));",
-      f"Qwen3-0.6B dummy build {build_s:.1f} s, 16-token forward {qwen_fwd_s * 1e3:.0f} ms;",
-      f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s")
+print(wrap(" ".join([
+    "this run:", f"oracle max relative error {max(tiny_errors):.1e} (tiny Qwen3), {max(emb_errors):.1e} (SmolLM2);",
+    "SmolLM2 forward", " / ".join(f"{s * 1e3:.0f}" for s in timings.values()), "ms at T =",
+    " / ".join(map(str, timings)), f"({torch.get_num_threads()} thread(s));",
+    f"Qwen3-0.6B dummy build {build_s:.1f} s, 16-token forward {qwen_fwd_s * 1e3:.0f} ms;",
+    f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s"])))
 
 # %% [markdown]
 # ## Summary
@@ -818,7 +830,7 @@ print("this run:",
 #    weights were laid out for one convention.
 # 2. **Task 1.2 (Llama 3 scaling).** Rewrite `rope_inv_freq`'s `TASK 1.2` region and check it with
 #    `python -m minisgl_ref.course grade --task 1.2`. Which of the 64 pairs of Llama-3.1-8B change, and by how
-#    much? (The plot in 3.3 is the answer to compare with.)
+#    much? (Figure 1.1, in section 3.3, is the answer to compare with.)
 # 3. **Task 1.3 (the decoder layer).** Rewrite `LlamaDecoderLayer.forward` and grade it with
 #    `python -m minisgl_ref.course grade --task 1.3`: its tests compare one layer with the plain pre-norm formula
 #    and whole models with `transformers`, with transformers' own RoPE standing in for yours, so a RoPE bug cannot

@@ -32,22 +32,29 @@
 # prevents it, and each rule below comes with a check.
 #
 # ```mermaid
-# flowchart LR
-#     M["chat messages"] -->|"chat template<br/>(render to text)"| P["prompt text"]
-#     P -->|"encode<br/>(no special tokens added)"| I["prompt ids"]
-#     I --> E["engine: model forward<br/>(chapters 00-01, 03+)"]
-#     E -->|"logits [B, V]"| S["Sampler<br/>tasks 2.2-2.4"]
-#     S -->|"one id per request"| E
-#     S -->|"new id"| D["IncrementalDetokenizer<br/>task 2.1"]
-#     D -->|"text delta<br/>(final, never retracted)"| C["client"]
-#     D -->|"stop string matched"| F["finish_reason = stop"]
+# flowchart TB
+#     subgraph prompt["the prompt"]
+#         direction LR
+#         M["chat messages"] -->|"chat template<br/>(render to text)"| P["prompt text"]
+#         P -->|"encode (no special<br/>tokens added)"| I["prompt ids"]
+#     end
+#     subgraph engine["the engine"]
+#         direction LR
+#         E["model forward<br/>(chapters 00-01, 03+)"] -->|"logits [B, V]"| S["Sampler<br/>tasks 2.2-2.4"]
+#         S -->|"one id per request"| E
+#     end
+#     subgraph text["the output"]
+#         direction LR
+#         D["IncrementalDetokenizer<br/>task 2.1"] -->|"text delta (final,<br/>never retracted)"| C["client"]
+#         D -->|"stop string matched"| F["finish_reason = stop"]
+#     end
+#     prompt -->|"prompt ids"| engine -->|"each new id"| text
 # ```
 #
 # Modules: `minisgl_ref/tokenizer/tokenizer.py`, `minisgl_ref/tokenizer/detokenizer.py` (task 2.1),
 # `minisgl_ref/sampling/params.py`, `minisgl_ref/sampling/sampler.py` (tasks 2.2, 2.3, 2.4).
 
 # %% tags=["setup"]
-import inspect
 import json
 import os
 import random
@@ -57,7 +64,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from minisgl_ref.course import task_source
+from IPython.display import display
+
+from minisgl_ref.book import show_code, show_table, wrap
 from minisgl_ref.models.embedded import embedded_model_path
 from minisgl_ref.sampling import Sampler, SamplingBatchInfo, SamplingParams
 from minisgl_ref.sampling.sampler import (
@@ -110,7 +119,7 @@ def best_ms(fn, reps: int = 3, warmup: int = 1) -> float:
 t0 = time.perf_counter()
 folder = embedded_model_path()
 tok = Tokenizer.from_pretrained(folder)
-print(f"loaded in {time.perf_counter() - t0:.1f} s: {tok}")
+print(wrap(f"loaded in {time.perf_counter() - t0:.1f} s: {tok}"))
 print("generation_config.json says eos_token_id =",
       json.loads((folder / "generation_config.json").read_text())["eos_token_id"])
 print("special tokens:", {i: tok.hf.convert_ids_to_tokens(i) for i in (0, 1, 2)})
@@ -127,8 +136,8 @@ conversation = [
 prompt_text = tok.chat_template_text(conversation, add_generation_prompt=True)
 prompt_ids = tok.apply_chat_template(conversation, add_generation_prompt=True)
 print(prompt_text)
-print(f"{len(prompt_ids)} ids:", prompt_ids)
-print(" | ".join(repr(tok.decode([i], skip_special_tokens=False)) for i in prompt_ids))
+print(wrap(f"{len(prompt_ids)} ids: {prompt_ids}"))
+print(wrap(" | ".join(repr(tok.decode([i], skip_special_tokens=False)) for i in prompt_ids)))
 
 # %% [markdown]
 # The cell prints the prompt the model will see, and its 28 ids:
@@ -151,7 +160,7 @@ print(" | ".join(repr(tok.decode([i], skip_special_tokens=False)) for i in promp
 # text, and decoding them (keeping special tokens) gives the text back.
 
 # %%
-print(inspect.getsource(Tokenizer.apply_chat_template))
+display(show_code(Tokenizer.apply_chat_template))
 
 assert prompt_ids == tok.encode(prompt_text, add_special_tokens=False)
 assert tok.decode(prompt_ids, skip_special_tokens=False) == prompt_text
@@ -193,8 +202,8 @@ def token_bytes(token_id: int) -> bytes:
 def show_split(text: str) -> list[int]:
     ids = tok.encode(text, add_special_tokens=False)
     alone = [tok.decode([i]) for i in ids]
-    print(f"{text!r}: {len(text)} code points, {len(text.encode())} UTF-8 bytes, {len(ids)} tokens; "
-          f"{sum(a == chr(0xFFFD) for a in alone)} of them decode to U+FFFD alone")
+    print(f"{text!r}: {len(text)} code points, {len(text.encode())} UTF-8 bytes, {len(ids)} tokens;")
+    print(f"   {sum(a == chr(0xFFFD) for a in alone)} of them decode to U+FFFD alone")
     print("   bytes per token:", " ".join(token_bytes(i).hex() for i in ids))
     print("   decode one by one:", repr("".join(alone)))
     print("   decode all at once:", repr(tok.decode(ids)))
@@ -272,7 +281,7 @@ _ = trace(korean_ids)
 # syllable's tokens plus the current ones. This is the heart of task 2.1:
 
 # %%
-print(task_source(IncrementalDetokenizer._advance, "2.1"))
+show_code(IncrementalDetokenizer._advance, task="2.1")
 
 # %% [markdown]
 # ### Stop strings: search the text, hold back what could still become one
@@ -365,8 +374,8 @@ for text in TEXTS:
         assert (detok.matched_stop is not None) == (cut >= 0)
         checked += 1
         stopped += cut >= 0
-print(f"{checked} streams checked ({stopped} ended by a stop string): deltas == decode(ids), "
-      f"trimmed at the first stop string, never a U+FFFD")
+print(f"{checked} streams checked ({stopped} ended by a stop string): deltas == decode(ids),")
+print("trimmed at the first stop string, never a U+FFFD")
 
 # %% [markdown]
 # (`cut` above takes the earliest *start* of a stop string; the detokenizer reports the stop string that *ends*
@@ -379,7 +388,7 @@ print(f"{checked} streams checked ({stopped} ended by a stop string): deltas == 
 # Its cost per step grows with the output, so a long answer costs O(n²) decode work. Below: a 500-token output
 # (the first 500 tokens of the detokenizer module's own docstring), fed one token at a time, timed per step.
 
-# %%
+# %% alt="Line chart of microseconds per step against output token, from 1 to 500: the line for re-decoding everything climbs steadily with the length of the output, while the incremental window's line stays flat near the bottom." caption="Detokenizer cost per output token: re-decoding everything grows with the output, the incremental window does not."
 import minisgl_ref.tokenizer.detokenizer as detokenizer_module  # noqa: E402
 
 long_ids = tok.encode(detokenizer_module.__doc__, add_special_tokens=False)[:500]
@@ -426,9 +435,9 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Per token, the window's cost does not depend on how long the answer is; re-decoding grows linearly, and at
-# 500 tokens it already costs several times more per token on average (the exact factor printed above depends on
-# the machine). With thousands of streams and long answers, the second is the difference between a detokenizer
+# In Figure 2.1, per token, the window's cost does not depend on how long the answer is; re-decoding grows linearly,
+# and at 500 tokens it already costs several times more per token on average (the exact factor printed above depends
+# on the machine). With thousands of streams and long answers, the second is the difference between a detokenizer
 # that keeps up and one that becomes the bottleneck of the server.
 #
 # The window's two decodes are short, so most of their cost used to be the wrapper around them, not the decoding:
@@ -452,7 +461,7 @@ plt.show()
 
 # %%
 params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, stop="\n\nUser:")
-print(params)
+print(wrap(repr(params)))
 for bad in ({"top_p": 0}, {"temperature": "hot"}, {"top_k": 2.5}, {"max_tokens": 20}):
     try:
         SamplingParams.from_dict(bad)
@@ -477,7 +486,7 @@ for bad in ({"top_p": 0}, {"temperature": "hot"}, {"top_k": 2.5}, {"max_tokens":
 # practice, +100 all but forces it. It is a dense `[B, V]` tensor built only when some row of the batch has one.
 #
 # ```mermaid
-# flowchart LR
+# flowchart TB
 #     L["logits [B, V]"] --> B["+ logit_bias"]
 #     B --> P["penalties<br/>task 2.2"]
 #     P -->|greedy rows| A["argmax"]
@@ -532,7 +541,7 @@ print("after  :", [round(x, 4) for x in after.tolist()])
 print("by hand:", [round(x, 4) for x in expected6])
 assert torch.allclose(after, torch.tensor(expected6))
 print(f"greedy choice moves from token {int(logits6.argmax())} to token {int(after.argmax())}")
-print(task_source(apply_penalties, "2.2"))
+show_code(apply_penalties, task="2.2")
 
 # %% [markdown]
 # Token 4 had the highest logit, but it was already generated once: divided by 1.5, minus 0.5 + 0.25, it falls
@@ -557,7 +566,7 @@ print(task_source(apply_penalties, "2.2"))
 # rank order, and scatters the mask back to vocabulary order:
 
 # %%
-print(task_source(top_k_top_p_min_p_filter, "2.3"))
+show_code(top_k_top_p_min_p_filter, task="2.3")
 
 # %% [markdown]
 # ### Drawing the token: an exponential race on hashed noise (task 2.4)
@@ -579,8 +588,8 @@ print(task_source(top_k_top_p_min_p_filter, "2.3"))
 # keys, then hashes every vocab id under both keys.
 
 # %%
-print(inspect.getsource(sample_from_probs))
-print(task_source(seeded_uniform, "2.4"))
+display(show_code(sample_from_probs))
+show_code(seeded_uniform, task="2.4")
 
 # %% [markdown]
 # ### The oracle: sampled frequencies match the filtered, renormalised softmax
@@ -640,23 +649,23 @@ SETTINGS = {
     "T = 0.8, top-k = 8, top-p = 0.9, min-p = 0.05": dict(temperature=0.8, top_k=8, top_p=0.9, min_p=0.05),
 }
 t0 = time.perf_counter()
-results = {}
+results, rows = {}, []
 for name, knobs in SETTINGS.items():
     expected, got = reference_distribution(toy_logits, **knobs), sampled_frequencies(**knobs)
     err = np.abs(expected - got).max()
     leaked = got[expected == 0].sum()
-    print(f"{name:<46} kept {int((expected > 0).sum()):>2} tokens   max |freq - p| = {err:.4f}   "
-          f"draws outside the kept set: {leaked:.0%}")
+    rows.append((name, int((expected > 0).sum()), f"{err:.4f}", f"{leaked:.0%}"))
     assert err < 0.01 and leaked == 0, name
     results[name] = (expected, got)
+display(show_table(rows, headers=["setting", "tokens kept", "max abs(freq - p)", "draws outside the kept set"]))
 print(f"{len(SETTINGS)} settings x {N_SEEDS * N_STEPS:,} draws in {time.perf_counter() - t0:.1f} s: "
       "the sampler matches the filtered, renormalised softmax")
 
 # %% [markdown]
-# The same results as a picture: grey bars are the plain softmax at that temperature, coloured bars the mass
-# each filter keeps (renormalised), and black dots the frequencies the sampler actually drew.
+# The same results as a picture, Figure 2.2: grey bars are the plain softmax at that temperature, coloured bars the
+# mass each filter keeps (renormalised), and black dots the frequencies the sampler actually drew.
 
-# %%
+# %% alt="Six bar charts over a toy vocabulary of words, one per setting (T = 0.5, T = 1.5, top-k 4, top-p 0.8, min-p 0.15, and the four combined): grey bars for the plain softmax, blue bars for the tokens each filter keeps, renormalised, and black dots for the frequencies the sampler drew, which sit on the tops of the blue bars." caption="What each sampling knob keeps of the next-token distribution after 'The cat sat on the', and how often the sampler drew each token." tags=["hide-input"]
 fig, axes = plt.subplots(2, 3, figsize=(12, 5.6), sharey=True)
 panels = ["T = 0.5", "T = 1.5", "top-k = 4", "top-p = 0.8", "min-p = 0.15",
           "T = 0.8, top-k = 8, top-p = 0.9, min-p = 0.05"]
@@ -677,6 +686,10 @@ axes[0, 0].legend(fontsize=7)
 fig.suptitle('Next token after "The cat sat on the": what each knob keeps', fontsize=10)
 fig.tight_layout()
 plt.show()
+
+# %% [markdown]
+# In every panel of Figure 2.2 the black dots sit on the blue bars, and none stands where a token was filtered out:
+# the sampler draws each kept token as often as its renormalised probability says, and never another.
 
 # %% [markdown]
 # ### The oracle: a seed gives the same tokens in any batch
@@ -729,9 +742,8 @@ def run_layout(batch_size: int, row: int, use_multinomial: bool = False) -> list
 layouts = [(1, 0), (17, 9), (64, 63)]
 hashed = {layout: run_layout(*layout) for layout in layouts}
 stateful = {layout: run_layout(*layout, use_multinomial=True) for layout in layouts}
-for layout in layouts:
-    print(f"batch {layout[0]:>2}, row {layout[1]:>2}:  hashed noise {hashed[layout][:8]} ...   "
-          f"multinomial {stateful[layout][:8]} ...")
+display(show_table([(b, r, f"{hashed[b, r][:8]} ...", f"{stateful[b, r][:8]} ...") for b, r in layouts],
+                   headers=["batch", "row", "hashed noise: first 8 tokens", "multinomial: first 8 tokens"]))
 assert all(seq == hashed[layouts[0]] for seq in hashed.values())
 assert len({tuple(seq) for seq in stateful.values()}) > 1
 print(f"seed 7: the same {STEPS} tokens in all three layouts; a stateful generator gives "
@@ -837,14 +849,14 @@ print("same seed -> same tokens; the stop string ends the text just before it, f
 cli_params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_new_tokens=256)
 t0 = time.perf_counter()
 deltas = list(llm.stream(chat_ids, cli_params))
-print(f"{len(deltas)} deltas in {time.perf_counter() - t0:.1f} s:", deltas)
+print(wrap(f"{len(deltas)} deltas in {time.perf_counter() - t0:.1f} s: {deltas}"))
 print("".join(deltas))
 assert "".join(deltas) == llm.last_output.text and llm.last_output.finish_reason == "stop"
 
 # %%
-print(f"this run: detokenizer {us_inc:.0f} us/token incremental vs {us_full:.0f} us/token re-decoding; sampler "
-      + ", ".join(f"{name} {ms:.0f} ms" for name, ms in timings.items())
-      + f"; chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s (after imports)")
+print(wrap(f"this run: detokenizer {us_inc:.0f} us/token incremental vs {us_full:.0f} us/token re-decoding; sampler "
+           + ", ".join(f"{name} {ms:.0f} ms" for name, ms in timings.items())
+           + f"; chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s (after imports)"))
 
 # %% [markdown]
 # ## Summary

@@ -41,22 +41,22 @@
 # 8. check the engine against the oracle, token for token, and measure what it saves.
 
 # %% tags=["setup"]
-import inspect
 import os
 import time
 
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
+from IPython.display import display
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 from matplotlib.ticker import ScalarFormatter
 
 from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.attention.torch_native import TorchNativeBackend
+from minisgl_ref.book import show_code, wrap
 from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.core.forward_batch import ForwardBatch
-from minisgl_ref.course import task_source
 from minisgl_ref.engine.engine import Engine
 from minisgl_ref.engine.model_runner import ModelRunner
 from minisgl_ref.kvcache import KVPool, PageAllocator
@@ -100,12 +100,14 @@ naive = LLM(device="cpu", engine="naive")
 llm = LLM(device="cpu", **CH03)
 cfg = llm.config
 n_params = sum(p.numel() for p in llm.model.parameters())
-print(f"loaded two copies of {cfg.architecture} in {time.perf_counter() - t0:.1f} s: {n_params / 1e6:.0f}M parameters, "
-      f"{cfg.num_layers} layers, {cfg.num_kv_heads} KV heads of dim {cfg.head_dim}, {cfg.dtype}")
-print("paged engine:", type(llm.engine).__name__, "|", llm.engine.config)
+print(f"loaded two copies of {cfg.architecture} in {time.perf_counter() - t0:.1f} s: {n_params / 1e6:.0f}M parameters,")
+print(f"{cfg.num_layers} layers, {cfg.num_kv_heads} KV heads of dim {cfg.head_dim}, {cfg.dtype}")
+print(f"paged engine: {type(llm.engine).__name__} with " + ", ".join(f"{k}={getattr(llm.engine.config, k)}"
+                                                            for k in ("disable_radix_cache", "chunked_prefill_size")))
+print(f"and disable_overlap_schedule={llm.engine.config.disable_overlap_schedule}")
 # A first request on each engine, so that one-time costs (allocations, lazy initialisation) stay out of timings.
 naive.generate("Hi", SamplingParams(temperature=0, max_new_tokens=2), use_tqdm=False)
-llm.generate("Hi", SamplingParams(temperature=0, max_new_tokens=2), use_tqdm=False)
+_ = llm.generate("Hi", SamplingParams(temperature=0, max_new_tokens=2), use_tqdm=False)
 
 # %% [markdown]
 # ## 1. Prefill and decode: why a KV cache, and why batching
@@ -148,11 +150,11 @@ print(f"{'tokens':>6} {'ms / pass':>10} {'ms / token':>10}")
 for n, ms in zip(sizes, fwd_ms):
     print(f"{n:>6} {ms:>10.1f} {ms / n:>10.2f}")
 print(f"one token: {fwd_ms[0]:.0f} ms to read {weight_bytes / 1e6:.0f} MB of weights = "
-      f"{weight_bytes / fwd_ms[0] / 1e6:.1f} GB/s effective; {sizes[-1]} tokens cost "
-      f"{fwd_ms[-1] / fwd_ms[0]:.0f}x one token, not {sizes[-1]}x")
+      f"{weight_bytes / fwd_ms[0] / 1e6:.1f} GB/s effective")
+print(f"{sizes[-1]} tokens cost {fwd_ms[-1] / fwd_ms[0]:.0f}x one token, not {sizes[-1]}x")
 assert fwd_ms[-1] / sizes[-1] < fwd_ms[0] / 4  # per token, a big pass is far cheaper than a one-token pass
 
-# %%
+# %% alt="Two line charts with a log-2 x axis of new tokens in the pass. Left: milliseconds per forward pass, rising slowly for small passes and faster for large ones. Right, on a log y axis: milliseconds per token, falling steeply as the pass grows." caption="Cost of one forward pass on this CPU against the number of new tokens in it: in total and per token." tags=["hide-input"]
 fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
 axes[0].plot(sizes, fwd_ms, "o-")
 axes[0].set_ylabel("CPU ms per forward pass")
@@ -169,10 +171,10 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Sixteen tokens cost only about twice as much as one. That is the whole case for **batching decode**: one decode step
-# for `B` requests is a forward pass of `B` new tokens, which reads the weights once for all of them, so the
-# step takes barely longer than for one request while producing `B` tokens. (Attention is the exception: each
-# request reads its own cached K and V, so that part does grow with the batch and with the context.)
+# Figure 3.1 shows it: sixteen tokens cost only about twice as much as one. That is the whole case for **batching
+# decode**: one decode step for `B` requests is a forward pass of `B` new tokens, which reads the weights once for all
+# of them, so the step takes barely longer than for one request while producing `B` tokens. (Attention is the
+# exception: each request reads its own cached K and V, so that part does grow with the batch and with the context.)
 #
 # On a GPU the gap is much wider. An H100 does about 990 TFLOP/s of dense bf16 math but reads only ~3.35 TB/s
 # from its memory (the yardsticks of chapter 11), so a pass is memory-bound until it carries roughly
@@ -191,10 +193,10 @@ print(f"KV per token: 2 (K and V) x {cfg.num_layers} layers x {cfg.num_kv_heads}
       f"{torch.finfo(cfg.dtype).bits // 8} bytes = {per_token:,} bytes")
 pool = llm.engine.kv_pool
 print(f"LLM's CPU pool: {llm.engine.max_total_tokens:,} token slots (+ the dummy page) = "
-      f"{pool.num_slots * per_token / 2**20:,.0f} MiB, allocated once; per layer K and V are "
-      f"{tuple(pool.k[0].shape)} tensors")
-print(f"for comparison, Qwen3-0.6B in bf16 needs 114,688 bytes per token (chapter 01): 10 GiB of KV holds "
-      f"{10 * 2**30 // 114688:,} tokens, e.g. 45 requests of 2,048 tokens")
+      f"{pool.num_slots * per_token / 2**20:,.0f} MiB, allocated once;")
+print(f"per layer K and V are {tuple(pool.k[0].shape)} tensors")
+print("for comparison, Qwen3-0.6B in bf16 needs 114,688 bytes per token (chapter 01):")
+print(f"10 GiB of KV holds {10 * 2**30 // 114688:,} tokens, e.g. 45 requests of 2,048 tokens")
 
 # %% [markdown]
 # An engine cannot allocate a fresh tensor per request per step: allocation is slow, memory fragments, and
@@ -230,7 +232,7 @@ print(f"for comparison, Qwen3-0.6B in bf16 needs 114,688 bytes per token (chapte
 # ## 3. A live pool
 #
 # Let us look at a real pool. We build an engine around the same weights with a small pool (64 slots in pages of
-# 4, so the picture fits on a screen), in this chapter's configuration (`CH03`: no prefix sharing, no chunking, no
+# 4, so that Figure 3.2 fits on a screen), in this chapter's configuration (`CH03`: no prefix sharing, no chunking, no
 # overlap). Three requests start together; the third wants only two tokens; after three steps a fourth request
 # arrives.
 
@@ -266,10 +268,10 @@ for r in demo:
         print(f"{r.rid}: finished, its row and slots are free again")
         continue
     row = small.req_to_token.read(r.req_pool_idx, r.kv_allocated_len)
-    print(f"{r.rid}: page-table row {r.req_pool_idx}, {len(r.all_ids)} tokens, {r.kv_scheduled_len} with K/V -> "
-          f"slots {row.tolist()}")
+    print(wrap(f"{r.rid}: page-table row {r.req_pool_idx}, {len(r.all_ids)} tokens, {r.kv_scheduled_len} with K/V "
+               f"-> slots {row.tolist()}"))
 
-# %% tags=["hide-input"]
+# %% alt="Grid of the KV pool's slots, one column per page and one row per slot in the page. Page 0 is dark (reserved), free slots are white, and each request's slots have its colour and its token positions; the late request's two pages are out of order." caption="The KV pool after five steps of a small engine: each request's tokens fill whole pages, wherever a page was free." tags=["hide-input"]
 def draw_pool(engine: Engine, reqs, ax, title: str) -> None:
     """Slots of the pool, one column per page, coloured by the request whose page-table row points at them."""
     ps, pages = engine.allocator.page_size, engine.allocator.num_pages
@@ -311,7 +313,7 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Read the picture column by column. Each request's tokens fill whole pages, in order, but the pages themselves are
+# Read Figure 3.2 column by column. Each request's tokens fill whole pages, in order, but the pages themselves are
 # wherever the allocator had one free: the long request crossed into a new page when its 17th token arrived, and the
 # late request got exactly the two pages that the short one gave back when it finished (in reverse order: free pages
 # are kept on a stack), which is why its first page sits *after* its second. Nothing had to be moved or compacted,
@@ -328,9 +330,8 @@ plt.show()
 # are task 3.1.
 
 # %%
-print(task_source(PageAllocator.alloc_tokens, "3.1"))
-print()
-print(inspect.getsource(PageAllocator.pages_needed))
+display(show_code(PageAllocator.alloc_tokens, task="3.1"))
+show_code(PageAllocator.pages_needed)
 
 # %% [markdown]
 # `seq_len` is how many tokens the request already has slots for, `last_slot` the slot of the last of them. With
@@ -401,7 +402,7 @@ for ps in [1, 16, 64, 256]:
 # `init_forward_metadata`, never once per layer (the model has 30 of them). This is `ModelRunner.prepare`:
 
 # %%
-print(task_source(ModelRunner.prepare, "3.3"))
+show_code(ModelRunner.prepare, task="3.3")
 
 # %% [markdown]
 # Two things to notice. **Positions** restart at each request's `prefix_len`, not at 0: a decode token of a
@@ -416,9 +417,9 @@ for i, (b, fb) in enumerate(small_log):
     print(f"step {i}: {fb.mode.value:<6} rows {[r.rid for r in b.reqs]}")
     print(f"   prefix_lens {fb.prefix_lens_cpu}  extend_lens {fb.extend_lens_cpu}  req_pool_indices "
           f"{fb.req_pool_indices.tolist()}")
-    print(f"   input_ids {fb.input_ids.tolist()}")
-    print(f"   positions {fb.positions.tolist()}")
-    print(f"   out_cache_loc {fb.out_cache_loc.tolist()}")
+    print(wrap(f"   input_ids {fb.input_ids.tolist()}", indent=" " * 6))
+    print(wrap(f"   positions {fb.positions.tolist()}", indent=" " * 6))
+    print(wrap(f"   out_cache_loc {fb.out_cache_loc.tolist()}", indent=" " * 6))
     assert fb.positions.numel() == fb.out_cache_loc.numel() == sum(fb.extend_lens_cpu)
 
 # The token buffer holds each running request's newest token: the input of its next decode row.
@@ -442,8 +443,8 @@ print("token_buffer[row] == the last sampled token of every running request: OK"
 # as chapter 00:
 
 # %%
-print(inspect.getsource(TorchNativeBackend.init_forward_metadata))
-print(inspect.getsource(TorchNativeBackend.attend_extend))
+display(show_code(TorchNativeBackend.init_forward_metadata))
+show_code(TorchNativeBackend.attend_extend)
 
 # %% [markdown]
 # The new tokens are written *before* the gather, so they see themselves (and, in a prefill, each other) through
@@ -460,7 +461,7 @@ print(inspect.getsource(TorchNativeBackend.attend_extend))
 # every slot it ever had when it ends.
 
 # %%
-print(inspect.getsource(NaiveCacheManager))
+show_code(NaiveCacheManager)
 
 # %% [markdown]
 # Let the small engine finish its requests and check that nothing leaked: every page back on the free stack,
@@ -489,16 +490,16 @@ assert small.req_to_token.num_free == small.req_to_token.max_requests
 # `running` list (prefilled, decoding). Each step:
 #
 # ```mermaid
-# flowchart TB
-#     S(["schedule()"]) --> W{"a waiting request fits?<br/>(token budget, request slots,<br/>free KV minus reserve)"}
-#     W -- yes --> P["prefill step:<br/>admit waiting requests in order<br/>until one does not fit"]
-#     W -- no --> D{"running requests?"}
-#     D -- yes --> M{"one more slot for each<br/>running request?"}
-#     M -- yes --> DS["decode step:<br/>one token for every running request"]
-#     M -- no --> RT["retract the newest running request<br/>(free its KV, back to the front of waiting)"]
+# flowchart LR
+#     S(["schedule()"]) --> W{"a waiting<br/>request<br/>fits?"}
+#     W -- "yes" --> P["prefill step:<br/>admit waiting requests<br/>in order until one does<br/>not fit (token budget,<br/>slots, free KV minus<br/>reserve)"]
+#     W -- no --> D{"running<br/>requests?"}
+#     D -- yes --> M{"a slot<br/>for each?"}
+#     M -- yes --> DS["decode step:<br/>one token for every<br/>running request"]
+#     M -- no --> RT["retract the newest<br/>(free its KV, back<br/>to the front of<br/>waiting)"]
 #     RT --> M
 #     D -- no --> I(["idle"])
-#     P --> RUN["run, then process:<br/>append tokens, finished requests leave<br/>and free their KV"]
+#     P --> RUN["run, then process:<br/>append tokens;<br/>finished requests<br/>free their KV"]
 #     DS --> RUN
 # ```
 #
@@ -523,9 +524,8 @@ assert small.req_to_token.num_free == small.req_to_token.max_requests
 # finishes that step first. Without overlap, as here, that never happens. This is task 3.2:
 
 # %%
-print(task_source(Scheduler._add_decode_rows, "3.2"))
-print()
-print(inspect.getsource(Scheduler.retract))
+display(show_code(Scheduler._add_decode_rows, task="3.2"))
+show_code(Scheduler.retract)
 
 # %% [markdown]
 # Now a real run, under memory pressure. Six requests with different lengths; four arrive at step 0, one at
@@ -564,8 +564,8 @@ while step <= max(arrival.values()) or tight.has_work:
     step += 1
 tight_wall, tight_cpu = time.perf_counter() - w0, time.process_time() - c0
 assert len(tight_log) == step  # every step ran a batch
-print(f"{step} steps, {tight.scheduler.num_retractions} retraction(s), wall {tight_wall:.1f} s, CPU {tight_cpu:.1f} s; "
-      f"{tight.stats}")
+print(f"{step} steps, {tight.scheduler.num_retractions} retraction(s), wall {tight_wall:.1f} s, CPU {tight_cpu:.1f} s")
+print(wrap(repr(tight.stats)))
 for i, (b, _) in enumerate(tight_log):
     rows = ", ".join(f"{row.req.rid}:"
                      + ("decode" if row.is_decode
@@ -575,7 +575,7 @@ for i, (b, _) in enumerate(tight_log):
         print(f"step {i:>2} ({pages_used[i]}/7 pages): {rows}")
 assert tight.scheduler.num_retractions >= 1
 
-# %% tags=["hide-input"]
+# %% alt="Top: one row per request and one column per engine step, coloured by state (waiting, sitting out, prefill, decode, prefill again after retraction), with arrows at arrivals, an x at the retraction and 'done' at each finish. Bottom: a step line of the pages in use, reaching the dashed pool size of 7." caption="Continuous batching in a pool of 7 pages of 16 tokens: the state of each request at every step, and the pages in use." tags=["hide-input"]
 STATES = ["waiting (no KV)", "running, sits out this step", "prefill", "decode", "prefill again after retraction"]
 state_colors = ["#e8e8e8", "#bcd7ef", "#ff9f1c", "#1f77b4", "#d62728"]
 grid = np.full((len(tight_reqs), step), np.nan)
@@ -612,7 +612,7 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Everything this section described happens in the picture:
+# Everything this section described happens in Figure 3.3:
 #
 # * Three requests start at step 0; the fourth (`List three colours:`) has arrived but must **wait**: with the
 #   reserve for the others' future tokens, the pool has no room for it yet.
@@ -652,8 +652,9 @@ n_out = sum(len(o.output_ids) for o in oracle)
 agree_paged = sum(o.output_ids == p.output_ids for o, p in zip(oracle, paged))
 agree_tight = sum(o.output_ids == r.output_ids for o, r in zip(oracle, tight_reqs))
 for o, p, r in zip(oracle, paged, tight_reqs):
+    text = repr(o.text) if len(repr(o.text)) <= 55 else repr(o.text)[:53] + " …"  # the text's start, spaces kept
     print(f"{o.prompt_tokens:>2}+{o.completion_tokens:<2} paged {'==' if o.output_ids == p.output_ids else '!='} "
-          f"naive, tight {'==' if o.output_ids == r.output_ids else '!='} naive  {o.text!r}")
+          f"naive, tight {'==' if o.output_ids == r.output_ids else '!='} naive  {text}")
 print(f"identical greedy outputs: paged {agree_paged}/{len(oracle)}, "
       f"page 16 + 112-token pool + retraction {agree_tight}/{len(oracle)}")
 assert agree_paged == agree_tight == len(oracle), "the paged engine disagrees with the naive oracle"
@@ -676,8 +677,8 @@ print(f"paged engine : {paged_tokens:>5} tokens through the model, wall {paged_w
       f"({n_out / paged_wall:5.1f} tok/s), CPU {paged_cpu:5.1f} s ({n_out / paged_cpu:5.1f} tok/s)")
 print(f"speedup {naive_wall / paged_wall:.1f}x wall, {naive_cpu / paged_cpu:.1f}x CPU, from computing "
       f"{naive_tokens / paged_tokens:.1f}x fewer tokens")
-print(f"tight run (page 16, 112-token pool, staggered arrivals, 1 retraction): "
-      f"{tight.stats.prefill_tokens + tight.stats.decode_tokens} tokens in {len(tight_log)} steps, "
+print("tight run (page 16, 112-token pool, staggered arrivals, 1 retraction):")
+print(f"    {tight.stats.prefill_tokens + tight.stats.decode_tokens} tokens in {len(tight_log)} steps, "
       f"CPU {tight_cpu:.1f} s ({n_out / tight_cpu:.1f} tok/s)")
 assert naive_cpu > paged_cpu
 
@@ -761,8 +762,9 @@ assert naive_cpu > paged_cpu
 # less. The last cell prints this run's numbers.
 
 # %%
-print(f"this run: forward {fwd_ms[0]:.0f} ms (1 token) / {fwd_ms[-1]:.0f} ms ({sizes[-1]} tokens); "
-      f"naive {n_out / naive_cpu:.1f} tok/s vs paged {n_out / paged_cpu:.1f} tok/s of CPU time "
-      f"({naive_cpu / paged_cpu:.1f}x; wall {naive_wall:.1f} s vs {paged_wall:.1f} s); tokens through the model "
-      f"{naive_tokens} vs {paged_tokens}; oracle {agree_paged}/{len(oracle)} and {agree_tight}/{len(oracle)}; "
-      f"{tight.scheduler.num_retractions} retraction(s); chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s")
+print(wrap(f"this run: forward {fwd_ms[0]:.0f} ms (1 token) / {fwd_ms[-1]:.0f} ms ({sizes[-1]} tokens); "
+           f"naive {n_out / naive_cpu:.1f} tok/s vs paged {n_out / paged_cpu:.1f} tok/s of CPU time "
+           f"({naive_cpu / paged_cpu:.1f}x; wall {naive_wall:.1f} s vs {paged_wall:.1f} s); tokens through the model "
+           f"{naive_tokens} vs {paged_tokens}; oracle {agree_paged}/{len(oracle)} and {agree_tight}/{len(oracle)}; "
+           f"{tight.scheduler.num_retractions} retraction(s); "
+           f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s"))

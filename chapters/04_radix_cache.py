@@ -43,7 +43,6 @@
 # 8. check outputs and reused KV against the oracle, and measure prefill saved on a shared-prefix workload.
 
 # %% tags=["setup"]
-import inspect
 import json
 import os
 import random
@@ -57,8 +56,8 @@ import torch
 from IPython.display import Markdown, display
 
 from minisgl_ref import LLM, SamplingParams
+from minisgl_ref.book import show_code, show_table, wrap
 from minisgl_ref.core.config import EngineConfig
-from minisgl_ref.course import task_source
 from minisgl_ref.engine.engine import Engine
 from minisgl_ref.kvcache import PageAllocator, RadixCache
 from minisgl_ref.scheduler.cache_manager import CacheManager
@@ -166,7 +165,7 @@ shared = 0
 while all(p[shared] == physics[0][shared] for p in physics):
     shared += 1
 for p in physics:
-    print(f"{len(p)} tokens: {edge_text(tok, p[:shared], 60)!r} + {edge_text(tok, p[shared:], 60)!r}")
+    print(f"{len(p)} tokens: {edge_text(tok, p[:shared], 40)!r} + {edge_text(tok, p[shared:], 40)!r}")
 print(f"the first {shared} tokens of all three are identical ({shared / np.mean([len(p) for p in physics]):.0%} "
       f"of each prompt)")
 
@@ -258,11 +257,9 @@ assert toy.pretty() == "\n".join([
 # plus a comparison along the edge. Here are the two operations and the split they share:
 
 # %%
-print(task_source(RadixCache.match_prefix, "4.1"))
-print()
-print(task_source(RadixCache.insert, "4.2"))
-print()
-print(inspect.getsource(RadixCache._split))
+display(show_code(RadixCache.match_prefix, task="4.1"))
+display(show_code(RadixCache.insert, task="4.2"))
+show_code(RadixCache._split)
 
 # %% [markdown]
 # ## 3. Locking and LRU eviction (task 4.3)
@@ -278,7 +275,7 @@ print(inspect.getsource(RadixCache._split))
 # unlocked nodes, which could be freed if needed) and `protected_size` (tokens pinned by running requests).
 
 # %%
-print(task_source(RadixCache.inc_lock, "4.3"))
+show_code(RadixCache.inc_lock, task="4.3")
 
 # %% [markdown]
 # Continue with the toy tree: one more sequence, then a request that uses `[1 2 3 4]` locks it, then we ask for
@@ -341,24 +338,29 @@ assert paged_tree.match_prefix(seq[:7]).length == 4 and paged_tree.match_prefix(
 # table. For each request:
 #
 # ```mermaid
+# ---
+# config:
+#   sequence:
+#     mirrorActors: false
+# ---
 # sequenceDiagram
 #     participant S as Scheduler
 #     participant C as CacheManager
 #     participant T as RadixCache
 #     participant P as page table row
 #     S->>C: match(req) on admission
-#     C->>T: match_prefix(all tokens but the last)
-#     T-->>C: slots of the longest cached prefix, deepest node
+#     C->>T: match_prefix(all tokens<br/>but the last)
+#     T-->>C: slots of the longest cached<br/>prefix, deepest node
 #     C->>T: inc_lock(node)
-#     C->>P: write the prefix's slots (tree_len = matched length)
-#     S->>C: alloc(req, n) for the tokens to compute (evicts if short)
-#     Note over S: the prefill step is launched: it computes only the new tokens
-#     S->>C: commit(req) right after the launch (the engine, chapter 06)
-#     C->>T: insert(computed tokens, row), then free our duplicates
-#     C->>P: repoint the row at the tree's slots, then move the lock down
-#     S->>C: release(req) when it finishes (or is retracted)
-#     C->>T: commit what was computed, then dec_lock
-#     C->>C: free the slots the tree did not take
+#     C->>P: write the prefix's slots<br/>(tree_len = matched length)
+#     S->>C: alloc(req, n) for the tokens<br/>to compute (evicts if short)
+#     Note over S: the prefill step is launched:<br/>it computes only the new tokens
+#     S->>C: commit(req) right after the<br/>launch (the engine, chapter 06)
+#     C->>T: insert(computed tokens, row),<br/>then free our duplicates
+#     C->>P: repoint the row at the tree's<br/>slots, then move the lock down
+#     S->>C: release(req) when it finishes<br/>(or is retracted)
+#     C->>T: commit what was computed,<br/>then dec_lock
+#     C->>C: free the slots the<br/>tree did not take
 # ```
 #
 # Two details. `match` never matches the *last* token of a request, even if it is cached: the step needs that
@@ -367,7 +369,7 @@ assert paged_tree.match_prefix(seq[:7]).length == 4 and paged_tree.match_prefix(
 # moves the boundary:
 
 # %%
-print(task_source(CacheManager.commit, "4.4"))
+show_code(CacheManager.commit, task="4.4")
 
 # %% [markdown]
 # Now the real thing: the three physics questions, one after the other, on an engine with the radix cache on.
@@ -418,7 +420,12 @@ show_mermaid(tree_after)
 
 # %% [markdown]
 # ```mermaid
-# flowchart LR
+# ---
+# config:
+#   flowchart:
+#     rankSpacing: 30
+# ---
+# flowchart TB
 #     subgraph before["after request 1"]
 #         direction LR
 #         r1(("root")) --> a1["⟨im_start⟩system⏎You are a patient physics tutor. …<br/>… user⏎What is gravity?⟨im_end⟩⏎⟨im_start⟩assistant⏎<br/>31 tok, slots 1-31"]
@@ -435,6 +442,7 @@ show_mermaid(tree_after)
 #         s2 --> y2["Why is the sky blue?⟨im_end⟩⏎⟨im_start⟩assistant⏎<br/>12 tok"]
 #         y2 --> ya2["The answer to this question is a<br/>7 tok"]
 #     end
+#     before ~~~ after
 # ```
 #
 # Note that no slot moved: splitting an edge only cuts its list of slots in two. Request 1's 31 prompt slots
@@ -467,7 +475,8 @@ common = next(i for i, (a, b) in enumerate(zip(pair[0].input_ids, pair[1].input_
 row_a = eng.req_to_token.read(pair[0].req_pool_idx, pair[0].kv_allocated_len)
 row_b = eng.req_to_token.read(pair[1].req_pool_idx, pair[1].kv_allocated_len)
 print(f"prompts of {len(pair[0].input_ids)} and {len(pair[1].input_ids)} tokens, the first {common} shared, "
-      f"neither cached: the prefill step computed {rows_log[0]} tokens")
+      f"neither cached:")
+print(f"the prefill step computed {rows_log[0]} tokens")
 print(f"slots in use after the step: {free_before - eng.allocator.num_free_tokens} "
       f"(= {len(pair[0].input_ids)} + {len(pair[1].input_ids)} - {common} duplicates freed by commit)")
 print(f"row A: {row_a[:4].tolist()} ... {row_a[common - 2:common + 2].tolist()} ...")
@@ -493,7 +502,7 @@ eng.run_until_done()
 # `lpm`; here under both policies). Task 4.5:
 
 # %%
-print(task_source(Scheduler._defer_for_in_batch_prefix, "4.5"))
+show_code(Scheduler._defer_for_in_batch_prefix, task="4.5")
 
 # %% [markdown]
 # Waiting costs the held-back request one step of latency, which is only worth it for a long shared stretch:
@@ -541,7 +550,7 @@ assert in_batch[32][0] == in_batch[-1][0] - long_common and in_batch[32][1] == i
 # prefix: they are cheap to prefill, and serving them *now* uses their prefix before eviction can take it away.
 
 # %%
-print(inspect.getsource(Scheduler._ordered_waiting))
+show_code(Scheduler._ordered_waiting)
 
 # %% [markdown]
 # A small stress test shows the difference. Two groups of requests, A and B, each with its own 48-token system
@@ -567,16 +576,18 @@ def run_policy(policy: str):
     return e, reqs, "".join(order)
 
 
+policy_rows = []
 for policy in ["fcfs", "lpm"]:
     e, reqs, order = run_policy(policy)
-    print(f"{policy:<4}: admitted in order {' '.join(order)}; cached tokens per request (arrival order) "
-          f"{[r.cached_tokens for r in reqs]}; prefill tokens {e.stats.prefill_tokens}; "
-          f"hit rate {e.cache.hit_rate:.0%}")
+    policy_rows.append((policy, " ".join(order), str([r.cached_tokens for r in reqs]), e.stats.prefill_tokens,
+                        f"{e.cache.hit_rate:.0%}"))
     if policy == "fcfs":
         fcfs_prefill, fcfs_out = e.stats.prefill_tokens, [r.output_ids for r in reqs]
     else:
         lpm_prefill, lpm_out = e.stats.prefill_tokens, [r.output_ids for r in reqs]
 assert lpm_out == fcfs_out and lpm_prefill < fcfs_prefill
+display(show_table(policy_rows, headers=["policy", "admitted in order", "cached tokens per request (arrival order)",
+                                         "prefill tokens", "hit rate"]))
 print(f"lpm computed {fcfs_prefill / lpm_prefill:.1f}x fewer prefill tokens, same outputs")
 
 # %% [markdown]
@@ -624,9 +635,11 @@ page4_reqs = [llm.make_request(p, params) for p in oracle_prompts]
 for r in page4_reqs:
     page4.add_request(r)
     page4.run_until_done()
-for o, d, r in zip(oracle, default_out, page4_reqs):
-    print(f"{o.prompt_tokens} prompt tokens, cached: page 1 {d.cached_tokens:>2}, page 4 {r.cached_tokens:>2} | "
-          f"same as oracle: {d.output_ids == o.output_ids}, {r.output_ids == o.output_ids} | {o.text!r}")
+display(show_table([
+    (o.prompt_tokens, d.cached_tokens, r.cached_tokens, d.output_ids == o.output_ids, r.output_ids == o.output_ids,
+     repr(o.text)) for o, d, r in zip(oracle, default_out, page4_reqs)
+], headers=["prompt tokens", "cached (page 1)", "cached (page 4)", "same as oracle (page 1)",
+            "same as oracle (page 4)", "text"]))
 agree = sum(d.output_ids == o.output_ids for o, d in zip(oracle, default_out))
 agree4 = sum(r.output_ids == o.output_ids for o, r in zip(oracle, page4_reqs))
 print(f"identical greedy outputs: radix (page 1) {agree}/{len(oracle)}, radix (page 4) {agree4}/{len(oracle)}; "
@@ -702,11 +715,13 @@ def serve(**config):
 runs = {"radix off": serve(**PLAIN, disable_radix_cache=True), "radix on": serve(**PLAIN)}
 off, on = runs["radix off"], runs["radix on"]
 ideal = G * (S + Q) + (G * P - G) * Q
-print(f"{G} groups x {P} requests, system prompt {S} + question {Q} tokens, {O} output tokens; "
-      f"arrival order by group: {' '.join(str(g) for g, _ in workload)}")
-for name, r in runs.items():
-    print(f"{name:<26} prefill {r['prefill']:>5} tokens, wall {r['wall']:5.1f} s, CPU {r['cpu']:5.1f} s, "
-          f"hit rate {r['hit']:4.0%}, cached per request {[q.cached_tokens for q in r['reqs']]}")
+print(f"{G} groups x {P} requests, system prompt {S} + question {Q} tokens, {O} output tokens")
+print(f"arrival order by group: {' '.join(str(g) for g, _ in workload)}")
+display(show_table([
+    (name, r["prefill"], f"{r['wall']:.1f}", f"{r['cpu']:.1f}", f"{r['hit']:.0%}",
+     str([q.cached_tokens for q in r["reqs"]]))
+    for name, r in runs.items()
+], headers=["run", "prefill tokens", "wall s", "CPU s", "hit rate", "cached per request"]))
 print(f"ideal: {ideal} prefill tokens (each system prompt computed once)")
 print(f"radix on vs off: {off['prefill'] / on['prefill']:.1f}x fewer prefill tokens, "
       f"{off['wall'] / on['wall']:.1f}x wall, {off['cpu'] / on['cpu']:.1f}x CPU time")
@@ -715,7 +730,7 @@ for r in runs.values():
 assert on["prefill"] < off["prefill"] and off["prefill"] == G * P * (S + Q)
 assert on["prefill"] == ideal  # true for this arrival order: see the note about overlap below
 
-# %%
+# %% alt="Horizontal bar chart of prompt tokens computed: 1,800 without the radix cache, 648 with it, the same as the ideal bar where each system prompt is computed once." caption="Prefill tokens on the shared-prefix workload: radix cache off, on, and the ideal of one computation per system prompt." tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(8, 2.8))
 bars = {name: r["prefill"] for name, r in runs.items()}
 bars["ideal: each system\nprompt once"] = ideal
@@ -729,17 +744,18 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The radix cache cuts prefill by the factor printed above: every request after the first of its group
+# In Figure 4.1 the radix cache cuts prefill by the factor printed above: every request after the first of its group
 # recomputes only its question. The time drops by less, because decode steps and the fixed cost of each forward
 # pass are unchanged; with longer system prompts (thousands of tokens are common) prefill dominates and the
 # time ratio approaches the token ratio.
 #
 # How much the cache saves depends on how much the requests share. The toy tree of section 2 shows it without a
 # model: groups of `P` requests whose prompts (128 tokens) start with a common part, a fraction `f` of the
-# prompt, arrive in random order; each is matched against the tree, then inserted. Look at the dots against the
-# lines `(P-1)/P x f`: the first request of a group always misses, every later one hits its whole shared part.
+# prompt, arrive in random order; each is matched against the tree, then inserted. In Figure 4.2, compare the dots
+# with the lines `(P-1)/P x f`: the first request of a group always misses, every later one hits its whole shared
+# part.
 
-# %%
+# %% alt="Line chart of the radix hit rate against the shared fraction f of each prompt, from 0 to 1: for 1, 2, 4 and 8 requests per prefix the measured dots sit on straight lines of slope (P-1)/P, from a flat zero for single requests up to 0.875 at f = 1 for groups of 8." caption="Radix-cache hit rate against the shared fraction of each prompt, for groups of 1 to 8 requests per prefix (the tree alone, no model)."
 def sharing_hit_rate(group_size: int, shared_frac: float, groups: int = 4, length: int = 128) -> float:
     """Token-weighted hit rate of a RadixCache on a shared-prefix workload (no model: the tree alone)."""
     rng = random.Random(group_size * 1000 + round(100 * shared_frac))
@@ -773,6 +789,9 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
+# Every dot of Figure 4.2 sits on its line: the tree finds each shared prefix, in whatever order the requests
+# come.
+#
 # One detail matters once overlap scheduling (chapter 06) is on, as it is by default: the CPU then schedules step
 # `N+1` *before* it processes step `N`'s results. Had `commit` waited for that processing, a request would be
 # matched against a tree that does not yet hold the prefix computed one step earlier, and two requests of one
@@ -791,7 +810,8 @@ bench_file = next(p / "docs/data/bench_offline_quick_shared_prefix_cpu.json" for
                   if (p / "docs/data/bench_offline_quick_shared_prefix_cpu.json").is_file())
 bench = json.loads(bench_file.read_text())
 prov = bench["provenance"]
-print(f"{prov['command']}\n{prov['hardware']['cpu']} ({prov['hardware']['cpu_count']} cores), torch "
+print(wrap(prov["command"]))
+print(f"{prov['hardware']['cpu']} ({prov['hardware']['cpu_count']} cores), torch "
       f"{prov['software']['torch']}, {prov['date'][:10]}; workload: {bench['workload']['requests']} requests, "
       f"{bench['workload']['input_tokens']:,} prompt tokens")
 print(f"{'stage':<8} {'prefill tokens':>14} {'cached':>7} {'hit rate':>8} {'wall s':>7} {'out tok/s':>9}")
@@ -894,9 +914,9 @@ assert paged_run["prefill_tokens"] >= 3 * radix_run["prefill_tokens"]
 # run's numbers.
 
 # %%
-print(f"this run: shared-prefix workload prefill {off['prefill']} -> {on['prefill']} tokens "
-      f"({off['prefill'] / on['prefill']:.1f}x), wall {off['wall']:.1f} -> {on['wall']:.1f} s "
-      f"({off['wall'] / on['wall']:.1f}x), CPU {off['cpu']:.1f} -> {on['cpu']:.1f} s ({off['cpu'] / on['cpu']:.1f}x), "
-      f"hit rate {on['hit']:.0%} (ideal {ideal}); lpm vs fcfs prefill "
-      f"{lpm_prefill} vs {fcfs_prefill}; oracle {agree}/{len(oracle)} and {agree4}/{len(oracle)}, cached KV "
-      f"max diff {kv_err:.1e}; chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s")
+print(wrap(f"this run: shared-prefix workload prefill {off['prefill']} -> {on['prefill']} tokens "
+           f"({off['prefill'] / on['prefill']:.1f}x), wall {off['wall']:.1f} -> {on['wall']:.1f} s "
+           f"({off['wall'] / on['wall']:.1f}x), CPU {off['cpu']:.1f} -> {on['cpu']:.1f} s "
+           f"({off['cpu'] / on['cpu']:.1f}x), hit rate {on['hit']:.0%} (ideal {ideal}); lpm vs fcfs prefill "
+           f"{lpm_prefill} vs {fcfs_prefill}; oracle {agree}/{len(oracle)} and {agree4}/{len(oracle)}, cached KV "
+           f"max diff {kv_err:.1e}; chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s"))

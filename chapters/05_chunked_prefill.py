@@ -42,7 +42,6 @@
 # `minisgl_ref/core/config.py` (the knobs, named as in SGLang), `minisgl_ref/engine/engine.py`.
 
 # %% tags=["setup"]
-import inspect
 import os
 import random
 import tempfile
@@ -51,13 +50,14 @@ from dataclasses import dataclass, field
 
 import matplotlib.pyplot as plt
 import torch
+from IPython.display import display
 from matplotlib.patches import Patch
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.utils import logging as hf_logging
 
 from minisgl_ref import LLM, SamplingParams
+from minisgl_ref.book import show_code, wrap
 from minisgl_ref.core.config import EngineConfig
-from minisgl_ref.course import task_source
 from minisgl_ref.engine.engine import Engine
 from minisgl_ref.scheduler.scheduler import Scheduler
 
@@ -96,13 +96,13 @@ torch.set_num_threads(int(os.environ.get("MINISGL_THREADS", "1")))
 # simply occupies several steps in a row instead of one.
 #
 # ```mermaid
-# flowchart TB
-#     S["Scheduler.schedule()"] --> P{"_schedule_prefill():<br/>a chunk to continue, or<br/>waiting prompts that fit?"}
-#     P -->|no| D["decode step:<br/>one token for every running request"]
-#     P -->|yes| B["prefill rows<br/>(budgets: task 5.1)"]
-#     B --> M{"enable_mixed_chunk?"}
-#     M -->|no| PB["prefill-only step:<br/>running requests wait"]
-#     M -->|yes| MB["mixed step:<br/>prefill rows + one decode row<br/>per running request"]
+# flowchart LR
+#     S["Scheduler.<br/>schedule()"] --> P{"_schedule_prefill():<br/>a chunk to continue,<br/>or waiting prompts<br/>that fit?"}
+#     P -->|no| D["decode step:<br/>one token for every<br/>running request"]
+#     P -->|yes| B["prefill rows<br/>(budgets:<br/>task 5.1)"]
+#     B --> M{"enable_<br/>mixed_chunk?"}
+#     M -->|no| PB["prefill-only step:<br/>running requests<br/>wait"]
+#     M -->|yes| MB["mixed step:<br/>prefill rows + one<br/>decode row per<br/>running request"]
 # ```
 #
 # ## 2. A small model and a scenario
@@ -129,8 +129,8 @@ LONG_PROMPT = [rng.randrange(320) for _ in range(2048)]
 SHORT_PARAMS = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)  # greedy, fixed length
 LONG_PARAMS = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)
 ARRIVAL_STEP = 6
-print(f"short prompts: {[len(p) for p in SHORT_PROMPTS]} tokens, {SHORT_PARAMS.max_new_tokens} new tokens each; "
-      f"long prompt: {len(LONG_PROMPT)} tokens, arrives before step {ARRIVAL_STEP}")
+print(f"short prompts: {[len(p) for p in SHORT_PROMPTS]} tokens, {SHORT_PARAMS.max_new_tokens} new tokens each")
+print(f"long prompt: {len(LONG_PROMPT)} tokens, arrives before step {ARRIVAL_STEP}")
 
 
 # %% [markdown]
@@ -243,15 +243,15 @@ def first_token_after_arrival(trace: Trace) -> float:
 # first:
 
 # %%
-print(inspect.getsource(Scheduler._schedule_prefill))
-print(inspect.getsource(Scheduler._admit))
+display(show_code(Scheduler._schedule_prefill))
+show_code(Scheduler._admit)
 
 # %% [markdown]
 # and then the chunked admission, task 5.1 (its docstring, in `minisgl_ref/scheduler/scheduler.py`, spells out
 # the steps; `_add_prefill_row` allocates the slots, adds the row and moves the request on):
 
 # %%
-print(task_source(Scheduler._admit_chunk, "5.1"))
+show_code(Scheduler._admit_chunk, task="5.1")
 
 # %% [markdown]
 # The loop in words:
@@ -324,7 +324,7 @@ demo.run_until_done()
 # `Scheduler.schedule`, which calls the admission loop, is where prefill priority and mixing live:
 
 # %%
-print(inspect.getsource(Scheduler.schedule))
+show_code(Scheduler.schedule)
 
 # %% [markdown]
 # If `_schedule_prefill` returns a batch, the step is a prefill step. With `enable_mixed_chunk` the running
@@ -357,12 +357,12 @@ for label, kwargs in CONFIGS.items():
     print(f"{label:<24} {len(traces[label].steps)} steps in {time.perf_counter() - t0:.2f} s")
 
 # %% [markdown]
-# The timeline below has one lane per request. On the left, the x-axis counts steps: a coloured cell means the
-# request had a row in that step (orange: prompt tokens, hatched if the chunk did not finish the prompt; blue: a
+# The timelines of Figure 5.1 have one lane per request. On the left, the x-axis counts steps: a coloured cell means
+# the request had a row in that step (orange: prompt tokens, hatched if the chunk did not finish the prompt; blue: a
 # decode token). On the right, the same steps drawn at their measured wall-clock width. The dotted line is L's
 # arrival.
 
-# %%
+# %% alt="Six timeline panels in three rows (no chunking, chunking 256, chunking 256 with mixing) and two columns (by engine step, by wall-clock time), each with lanes for requests A, B, C and the long prompt L. Blue cells are decode tokens, orange cells prompt tokens, hatched where a chunk did not finish the prompt; a dotted line marks L's arrival. Only with mixing do A, B and C have a cell in every step." caption="Three short requests and a long prompt L: without chunking, with chunking, and with chunking and mixing; by step (left) and by wall-clock time (right)." tags=["hide-input"]
 LANES = ["A", "B", "C", "L"]
 COLORS = {"prefill": "tab:orange", "decode": "tab:blue"}
 
@@ -395,6 +395,11 @@ fig.legend(handles=[Patch(facecolor="tab:orange", label="prompt tokens (finishes
            loc="lower center", ncol=3, fontsize=9)
 fig.tight_layout(rect=(0, 0.05, 1, 1))
 plt.show()
+
+# %% [markdown]
+# In Figure 5.1, follow lanes A, B and C across L's arrival, the dotted line: without chunking they skip one step, the
+# long prefill; with chunking alone they skip one step per chunk; with mixing they get a token at every step. The
+# table counts the steps and the seconds:
 
 # %%
 print(f"{'configuration':<26} {'steps':>5} {'longest gap (steps)':>20} {'longest gap (s)':>16} {'L: TTFT (s)':>12}")
@@ -450,7 +455,7 @@ print("emits           ", [row.emits for row in mixed_step.batch.rows],
 # with mixing on and measure both sides: the longest gap of A-C, and L's time to first token (TTFT) from its
 # arrival.
 
-# %%
+# %% alt="Line chart over chunk sizes 32 to 1024 on a log-2 axis, in milliseconds: the running requests' longest gap rises with the chunk size; the long prompt's time to first token is highest at the smallest chunks and rises again at the largest; a dotted line marks the gap without chunking." caption="The chunk size trade-off, with mixing on: the running requests' longest gap and the long prompt's time to first token."
 sweep = {256: summary["chunking (256) + mixing"][1:]}
 for size in (32, 64, 128, 512, 1024):
     tr = run_scenario(tiny, f"{size}", SHORT_PROMPTS, LONG_PROMPT, SHORT_PARAMS, LONG_PARAMS, ARRIVAL_STEP,
@@ -478,8 +483,8 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The gap grows with the chunk size (one chunk step is what the others wait for). The long prompt's TTFT is
-# highest for the smallest chunks (many steps, each with its fixed cost) and, on this engine, also for the
+# In Figure 5.2, the gap grows with the chunk size (one chunk step is what the others wait for). The long prompt's
+# TTFT is highest for the smallest chunks (many steps, each with its fixed cost) and, on this engine, also for the
 # largest (the quadratic score matrix again). Production engines pick the chunk size per GPU and model so that
 # one chunk step stays near a target time; SGLang's default is a few thousand tokens on large GPUs.
 #
@@ -551,8 +556,8 @@ for label, trace in real_traces.items():
 print("A's answer:", repr(real.tokenizer.decode(real_oracle["A"].output_ids)))
 assert real_summary["chunking (128) + mixing"][0] == 1
 stall_none, stall_mixed = real_summary["no chunking"][1], real_summary["chunking (128) + mixing"][1]
-print(f"longest stall of a running request: {stall_none:.2f} s without chunking, {stall_mixed:.2f} s with "
-      f"chunks of 128 + mixing ({stall_none / stall_mixed:.1f}x shorter)")
+print(f"longest stall of a running request: {stall_none:.2f} s without chunking,")
+print(f"{stall_mixed:.2f} s with chunks of 128 + mixing ({stall_none / stall_mixed:.1f}x shorter)")
 
 # %% [markdown]
 # Without chunking, the running requests froze for the whole prefill of the long prompt; with chunks of 128 riding along
@@ -623,7 +628,7 @@ print(f"longest stall of a running request: {stall_none:.2f} s without chunking,
 # counts do not.
 
 # %%
-print(f"this run: tiny model longest gap {summary['no chunking'][1]:.2f} s (no chunking) / "
-      f"{summary['chunking (256)'][1]:.2f} s (chunking) / {summary['chunking (256) + mixing'][1]:.2f} s (mixing); "
-      f"SmolLM2 longest stall {stall_none:.2f} s -> {stall_mixed:.2f} s; "
-      f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s")
+print(wrap(f"this run: tiny model longest gap {summary['no chunking'][1]:.2f} s (no chunking) / "
+           f"{summary['chunking (256)'][1]:.2f} s (chunking) / {summary['chunking (256) + mixing'][1]:.2f} s "
+           f"(mixing); SmolLM2 longest stall {stall_none:.2f} s -> {stall_mixed:.2f} s; "
+           f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s"))

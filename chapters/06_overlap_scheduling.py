@@ -48,6 +48,7 @@
 # the step in flight), `minisgl_ref/scheduler/scheduler.py` (`NEED_SYNC`).
 
 # %% tags=["setup"]
+import ast
 import inspect
 import os
 import random
@@ -61,9 +62,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.utils import logging as hf_logging
 
-from minisgl_ref import LLM, SamplingParams
+from minisgl_ref import LLM, SamplingParams, book
+from minisgl_ref.book import show_code
 from minisgl_ref.core.config import EngineConfig
-from minisgl_ref.course import task_source
 from minisgl_ref.engine.engine import Engine
 from minisgl_ref.engine.extension import HOOKS, EngineExtension
 from minisgl_ref.engine.model_runner import ModelRunner, StepOutput
@@ -216,13 +217,13 @@ print("(medians per decode step, in ms)")
 # engine's part of **task 6.1** (the frees of race 2 below are the rest).
 
 # %%
-print(task_source(Engine.step, "6.1"))
+show_code(Engine.step, task="6.1")
 
 # %% [markdown]
 # Processing a step is the same with and without overlap, so `_process` is shared by both loops:
 
 # %%
-print(inspect.getsource(Engine._process))
+show_code(Engine._process)
 
 # %% [markdown]
 # Four mechanisms make this possible.
@@ -234,7 +235,7 @@ print(inspect.getsource(Engine._process))
 # *what* token is in it:
 
 # %%
-print(inspect.getsource(ModelRunner.run))
+show_code(ModelRunner.run)
 
 # %% [markdown]
 # **One host sync per step, on the right event.** The only place the CPU waits for the device is the first line
@@ -247,7 +248,7 @@ print(inspect.getsource(ModelRunner.run))
 # waits for that event alone. On an H100 this one line was a quarter of every decode step (chapter 11):
 
 # %%
-print(inspect.getsource(StepOutput.tokens))
+show_code(StepOutput.tokens)
 
 # %% [markdown]
 # **Bookkeeping that runs ahead.** The scheduler updates `kv_scheduled_len` when it *schedules* a row, not when
@@ -263,7 +264,7 @@ print(inspect.getsource(StepOutput.tokens))
 # commits a step's prefill rows right after launching it instead:
 
 # %%
-print(inspect.getsource(Engine._commit_launched))
+show_code(Engine._commit_launched)
 
 # %% [markdown]
 # It is safe because of the order in which steps run: a request that matches those slots is admitted to a later
@@ -292,7 +293,7 @@ print(inspect.getsource(Engine._commit_launched))
 #
 # %%
 for hook in HOOKS:
-    print(f"{hook:<17} {inspect.getdoc(getattr(EngineExtension, hook)).splitlines()[0]}")
+    print(book.wrap(f"{hook:<17} {inspect.getdoc(getattr(EngineExtension, hook)).splitlines()[0]}", indent=" " * 18))
 
 # %% [markdown]
 # ## 3. Two timelines, and what overlap would save
@@ -326,8 +327,8 @@ for _ in range(3):
         runs[overlap].append(ms_per_step(overlap))
 seq_ms, ovl_ms = statistics.median(runs[False]), statistics.median(runs[True])
 print(f"tiny model, 32 requests decoding, this CPU: {seq_ms:.1f} ms/step without overlap, {ovl_ms:.1f} ms/step "
-      f"with overlap (medians of 3 alternating runs: {[round(x, 1) for x in runs[False]]} vs "
-      f"{[round(x, 1) for x in runs[True]]})")
+      f"with overlap")
+print(f"(medians of 3 alternating runs: {[round(x, 1) for x in runs[False]]} vs {[round(x, 1) for x in runs[True]]})")
 
 # %% [markdown]
 # The same, within the noise of a shared machine. Now suppose the forward ran on a separate device while the CPU
@@ -335,7 +336,7 @@ print(f"tiny model, 32 requests decoding, this CPU: {seq_ms:.1f} ms/step without
 # the CPU pieces as measured, and the forward as measured here, but placed on a device lane. They show what the
 # two loops would do with a device that is as slow as this CPU.
 
-# %%
+# %% alt="Two Gantt charts over milliseconds, each with a CPU lane and a device lane for five steps: schedule in green, prepare in olive, forward in blue, process in purple. The CPU's pieces are thin slivers next to the forwards; in the sequential chart the device lane has a narrow gap at every step, in the overlapped one the forwards run back to back." caption="The sequential and the overlapped loop on a device as slow as this CPU, computed from the measured times of a step's parts."
 def simulate(cpu_ms: dict, forward_ms: float, n_steps: int, overlap: bool):
     """Gantt bars [(lane, label, start, length)] of n_steps steps, and the steady-state time per step.
 
@@ -388,9 +389,9 @@ print(f"CPU work {measured['cpu']:.1f} ms + forward {measured['forward']:.1f} ms
       f"per step, overlapped {per_step[True]:.1f} ms per step (computed, not measured)")
 
 # %% [markdown]
-# In the sequential timeline the device lane has a hole at every step, exactly as long as the CPU work; in the
-# overlapped one the CPU's schedule and prepare for step N+1 happen during forward N, and the device runs back to
-# back. The time per step drops from `CPU + forward` to about `max(CPU, forward)`.
+# In the sequential timeline of Figure 6.1 the device lane has a hole at every step, exactly as long as the CPU work;
+# in the overlapped one the CPU's schedule and prepare for step N+1 happen during forward N, and the device runs back
+# to back. The time per step drops from `CPU + forward` to about `max(CPU, forward)`.
 #
 # **An estimate for a GPU.** On a GPU the forward is short. For a lower bound on it we use the book's
 # [yardstick](../method.md#yardsticks-physical-limits): a decode step must read every weight once plus each request's KV, at the H100's 3.35 TB/s. For the
@@ -399,7 +400,7 @@ print(f"CPU work {measured['cpu']:.1f} ms + forward {measured['forward']:.1f} ms
 # measured on this CPU in section 1: it depends on the batch size, not on the model. This is an **estimate**, not
 # a measurement: a real forward is slower than the floor, and a server's CPU is faster than this shared one.
 
-# %%
+# %% alt="Log-log line chart of milliseconds per decode step against batch size, 1 to 256: the CPU work per step and the GPU forward floor both grow with the batch; the sequential step is their sum and the overlapped step follows the larger of the two." caption="Estimated decode step time on a GPU with and without overlap, against batch size: CPU work measured here, the forward at its floor."
 H100_BYTES_PER_S = 3.35e12
 QWEN3_06B_WEIGHT_BYTES = 1.2e9
 KV_BYTES_PER_TOKEN = 114_688  # 2 * 28 layers * 8 KV heads * 128 head dim * 2 bytes (Method page)
@@ -433,9 +434,9 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Two lessons from the estimate. First, overlap saves at most half of a step, and only when CPU work and forward
-# are about equal; otherwise it hides the smaller of the two. Second, look at which column is larger. Where the
-# CPU work is below the forward floor (in our runs: up to a batch of 64), overlap hides all of it and the GPU
+# Two lessons from the estimate of Figure 6.2. First, overlap saves at most half of a step, and only when CPU work and
+# forward are about equal; otherwise it hides the smaller of the two. Second, look at which column is larger. Where
+# the CPU work is below the forward floor (in our runs: up to a batch of 64), overlap hides all of it and the GPU
 # runs back to back. Where it is above (in our runs: at 256, where the Python loop over 256 requests costs more
 # than reading the weights), the GPU waits for the CPU even with overlap. That is why production engines do
 # both: they overlap, *and* they make the CPU work per step small (vectorised scheduling, metadata built with a
@@ -488,7 +489,7 @@ results = {overlap: run_batch(overlap) for overlap in (False, True)}
 print(f"two runs in {time.perf_counter() - t0:.1f} s")
 for (q, _), r in zip(questions, results[True][0]):
     print(f"{len(r.output_ids):>3} tokens  {r.finish_reason.kind:<6} {str(r.finish_reason.matched):<10} "
-          f"{r.output_text!r}")
+          f"{book.shorten(repr(r.output_text), 70)}")
 print(f"rows whose request had already finished when processed: {results[False][1]} without overlap, "
       f"{results[True][1]} with overlap")
 assert results[False][1] == 0 and results[True][1] > 0
@@ -514,7 +515,18 @@ assert results[False][1] == 0 and results[True][1] > 0
 # part of task 6.1:
 
 # %%
-print(inspect.getsource(InflightFrees))
+def without_docstring(method) -> str:
+    """A method's source, dedented, without its docstring (the text above says what it does)."""
+    lines = inspect.cleandoc("\n" + inspect.getsource(method)).splitlines()
+    body = ast.parse("\n".join(lines)).body[0].body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        lines = lines[: body[0].lineno - 1] + lines[body[0].end_lineno :]
+    return "\n".join(lines)
+
+
+# InflightFrees (minisgl_ref/kvcache/inflight.py): parking, counting launched steps, releasing.
+show_code("\n\n".join(without_docstring(getattr(InflightFrees, name))
+                       for name in ("free", "later", "launch", "processed")))
 
 # %% [markdown]
 # We watch it on the same six requests with overlap on, without the radix cache
@@ -544,8 +556,8 @@ reqs = [real.make_request(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
 for r in reqs:
     engine.add_request(r)
 engine.run_until_done()
-print(f"{len(overlapping_slots)} times a _process parked slots that the step in flight was writing: "
-      f"{overlapping_slots}")
+print(book.wrap(f"{len(overlapping_slots)} times a _process parked slots that the step in flight was writing: "
+                f"{overlapping_slots}"))
 print("free pages after the run:", engine.allocator.num_free_pages, "of", engine.allocator.capacity_pages,
       "| still parked:", engine.frees.num_parked)
 assert overlapping_slots and engine.allocator.num_free_pages == engine.allocator.capacity_pages
@@ -641,8 +653,8 @@ for overlap in (False, True):
             assert r.finish_reason.matched not in r.output_text  # the text ends before the stop string
     kinds = [r.finish_reason.kind + (f" ({r.finish_reason.matched!r})" if r.finish_reason.matched is not None else "")
              for r in reqs]
-    print(f"overlap {'on ' if overlap else 'off'}: 6/6 requests identical to the oracle "
-          f"({sum(len(r.output_ids) for r in reqs)} tokens): {kinds}")
+    print(book.wrap(f"overlap {'on ' if overlap else 'off'}: 6/6 requests identical to the oracle "
+                    f"({sum(len(r.output_ids) for r in reqs)} tokens): {kinds}", indent=" " * 13))
 assert any(r.finish_reason.matched in eos for r in naive_reqs)
 
 # %% [markdown]
@@ -715,7 +727,7 @@ assert any(r.finish_reason.matched in eos for r in naive_reqs)
 # | whole chapter, `python chapters/06_overlap_scheduling.py` | 46 s (other jobs loading both cores) |
 
 # %%
-print(f"this run: tiny batch 64 CPU work {clocks['tiny', 64]['cpu']:.1f} ms "
-      f"vs forward {clocks['tiny', 64]['forward']:.1f} ms; "
-      f"overlap off/on on this CPU {seq_ms:.1f}/{ovl_ms:.1f} ms per step; "
-      f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s")
+print(book.wrap(f"this run: tiny batch 64 CPU work {clocks['tiny', 64]['cpu']:.1f} ms "
+                f"vs forward {clocks['tiny', 64]['forward']:.1f} ms; "
+                f"overlap off/on on this CPU {seq_ms:.1f}/{ovl_ms:.1f} ms per step; "
+                f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s"))

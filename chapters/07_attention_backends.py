@@ -64,9 +64,11 @@ if not torch.cuda.is_available():
 
 import matplotlib.pyplot as plt
 import numpy as np
+from IPython.display import display
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from minisgl_ref.attention.base import AttentionBackend
+from minisgl_ref.book import show_code, show_table, shorten, wrap
 from minisgl_ref.attention.registry import (
     HybridAttnBackend,
     create_attention_backend,
@@ -77,7 +79,6 @@ from minisgl_ref.attention.triton_backend import TritonAttnBackend
 from minisgl_ref.attention.triton_kernels import decode_attention, merge_kv_splits
 from minisgl_ref.core.config import ATTENTION_BACKENDS, EngineConfig
 from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
-from minisgl_ref.course import task_source
 from minisgl_ref.kvcache.allocator import PageAllocator
 from minisgl_ref.kvcache.pool import KVPool
 from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
@@ -142,11 +143,12 @@ def rel_error(out, ref) -> float:
 # small hooks if it wants CUDA graphs):
 
 # %%
-print(inspect.getsource(AttentionBackend.forward))
+display(show_code(AttentionBackend.forward))
 for name in ["init_forward_metadata", "attend_extend", "attend_decode", "init_graph_buffers", "prepare_capture",
              "prepare_replay"]:  # fmt: skip
     doc = (inspect.getdoc(getattr(AttentionBackend, name)) or "").split("\n\n")[0].replace("\n", " ")
-    print(f"{name}{inspect.signature(getattr(AttentionBackend, name))}\n    {doc[:230]}\n")
+    print(wrap(f"{name}{inspect.signature(getattr(AttentionBackend, name))}", indent=" " * 8))
+    print(wrap(f"    {shorten(doc, 226)}", indent="    "), end="\n\n")
 
 # %% [markdown]
 # Three rules follow from "once per step, then once per layer":
@@ -176,7 +178,7 @@ for name in ["init_forward_metadata", "attend_extend", "attend_decode", "init_gr
 # Task 7.2 is the Triton plan:
 
 # %%
-print(task_source(TritonAttnBackend, "7.2"))
+show_code(TritonAttnBackend, task="7.2")
 
 # %% [markdown]
 # Here are the two layouts for a small batch of two requests on pages of 4 tokens (the second request's context
@@ -190,7 +192,8 @@ md = triton_backend.forward_metadata
 print("seq_lens              ", batch.seq_lens_cpu)
 print("page-table rows       ",
       [table.table[r, :n].tolist() for r, n in zip(batch.req_pool_indices.tolist(), batch.seq_lens_cpu)])
-print("triton/flashinfer CSR  kv_indptr =", md.kv_indptr.tolist(), " kv_indices =", md.kv_indices.tolist())
+print("triton/flashinfer CSR  kv_indptr =", md.kv_indptr.tolist())
+print("                       kv_indices =", md.kv_indices.tolist())
 fa3_page_table = table.table[batch.req_pool_indices, : max(batch.seq_lens_cpu)]
 print("fa3 page_table (pages of one token; entries past a length are never read):")
 print(fa3_page_table)
@@ -217,7 +220,7 @@ print(fa3_page_table)
 # (`exp2` is one instruction) and choose the pieces from each request's length inside the kernel, so short
 # requests use fewer pieces and a CUDA graph needs no per-request split metadata.
 
-# %%
+# %% alt="Diagram: a row of 24 key/value cells of one request in four coloured pieces; an arrow from each piece to its program s = 0 to 3, which produces a partial output and its log-sum-exp; grey arrows from the four programs to a stage-2 box that sums the partial outputs weighted by exp(l_s - max l)." caption="Split-KV decode: each program attends over one piece of a request's context, and a second stage merges the pieces by their log-sum-exp." tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(11, 3.2))
 n_tok, pieces = 24, 4
 colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52"]
@@ -241,7 +244,7 @@ ax.set_title("Split-KV decode: one query, its context cut into pieces, merged by
 plt.show()
 
 # %% [markdown]
-# The same merge in ten lines of PyTorch, against one softmax over the whole context:
+# Figure 7.1's merge in ten lines of PyTorch, against one softmax over the whole context:
 
 # %%
 gen = torch.Generator().manual_seed(0)
@@ -269,7 +272,7 @@ assert torch.allclose(merged, full, atol=1e-12)
 # stage 1: `lse` is a log2-sum-exp2 and the weights are `exp2(lse - max)`.
 
 # %%
-print(task_source(decode_attention, "7.1"))
+show_code(decode_attention, task="7.1")
 
 # %% [markdown]
 # The same 1000 scores, cut the way stage 1 cuts a context of 1000 tokens with `max_splits=8` and
@@ -335,7 +338,7 @@ for label, specs, decode, splits in [
 # one phase. With no flag the device decides:
 
 # %%
-print(inspect.getsource(default_backends))
+show_code(default_backends)
 
 # %% [markdown]
 # Why two backends by default on a Hopper GPU? Prefill is matrix work, where FA3's Hopper kernels (warpgroup
@@ -370,7 +373,8 @@ for bad in [dict(attention_backend="flashattention"), dict(attention_backend="fl
         config = EngineConfig(**bad)
         create_attention_backend(config, pool, table, num_q_heads=4, device=device)
     except ValueError as e:
-        print(f"{bad}\n    -> {e}")
+        print(f"{bad}")
+        print(wrap(f"    -> {e}", indent=" " * 7))
 print("valid names:", ", ".join(ATTENTION_BACKENDS))
 
 # %% [markdown]
@@ -380,7 +384,7 @@ print("valid names:", ", ".join(ATTENTION_BACKENDS))
 #
 # ## 5. On an H100: correctness and the roofline
 #
-# Everything in this section was measured on an H100 80GB HBM3 by `scripts/gpu/attention.sh` and is read from
+# Everything in this section was measured on an H100 80GB HBM3 by `scripts/gpu/chapter.sh 07` and is read from
 # `docs/data/gpu_kernels_h100.json` (the numbers are not measured again here; the file carries the GPU, driver,
 # versions, commit and command).
 #
@@ -393,8 +397,8 @@ print("valid names:", ", ".join(ATTENTION_BACKENDS))
 # %%
 results = json.loads(RESULTS.read_text())
 prov = results["provenance"]
-print(f"{prov['hardware']['gpu']}, driver {prov['hardware']['nvidia_driver']}, torch {prov['software']['torch']}, "
-      f"{', '.join(f'{k} {v}' for k, v in prov['settings']['kernel_packages'].items() if v)}")  # fmt: skip
+print(wrap(f"{prov['hardware']['gpu']}, driver {prov['hardware']['nvidia_driver']}, torch {prov['software']['torch']}, "
+           f"{', '.join(f'{k} {v}' for k, v in prov['settings']['kernel_packages'].items() if v)}"))  # fmt: skip
 print(f"commit {prov['software']['git_commit']}; {results['correctness']['summary']}")
 worst: dict[str, dict[str, float]] = {}
 for entry in results["correctness"]["max_rel_error"]:
@@ -419,7 +423,7 @@ for name, errs in worst.items():
 # for a read-only kernel the copy is a floor of what is possible rather than a ceiling, and the datasheet figure
 # is the real ceiling (about 93% of it is reached).
 
-# %%
+# %% alt="Three panels. Left: achieved bandwidth in GB/s against context per request, 512 to 8,192 tokens, at batch 64 and 256, all three backends (Triton, FlashInfer, FA3) between about 2,300 and 3,100 GB/s, rising slightly with the context. Middle: bandwidth against batch size at context 2,048, rising from under 1,000 GB/s at batch 1 to about 3,000 from batch 64 on. Dotted lines mark the measured copy bandwidth, 2,438 GB/s, and the 3,350 GB/s datasheet. Right: a heat map of Triton's decode throughput over FlashInfer's by batch and context, ratios between 0.86 and 1.16." caption="Decode attention on an H100: bandwidth of each backend by context and by batch, and Triton's throughput relative to FlashInfer's." tags=["hide-input"]
 copy_gbps = results["copy_bandwidth_GBps"]
 DATASHEET_GBPS = 3350  # H100 SXM5 80GB HBM3
 decode_rows = [r for r in results["decode"] if "bandwidth_GBps" in r]
@@ -472,13 +476,18 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The same measurements on a roofline: each point is one kernel call, placed by its arithmetic intensity (FLOPs
-# per byte moved) and the FLOP/s it achieved. The slanted line is what the measured copy bandwidth allows, the
-# flat one what the dense matmul measured in the same run reaches. Decode (filled markers) sits far left, under
-# the bandwidth line: it can only go as fast as it reads the KV cache. Prefill (open markers) does far more work
+# In Figure 7.2 the batch matters far more than the context: from batch 64 on, every backend reads at 2,300 to
+# 3,100 GB/s, closer to the datasheet line as the context grows, while a single request leaves most of the GPU
+# idle. The heat map keeps the Triton kernel within 0.86 and 1.16 of FlashInfer everywhere, its weakest row at
+# batch 32.
+#
+# Figure 7.3 puts the same measurements on a roofline: each point is one kernel call, placed by its arithmetic
+# intensity (FLOPs per byte moved) and the FLOP/s it achieved. The slanted line is what the measured copy bandwidth
+# allows, the flat one what the dense matmul measured in the same run reaches. Decode (filled markers) sits far left,
+# under the bandwidth line: it can only go as fast as it reads the KV cache. Prefill (open markers) does far more work
 # per byte and climbs toward the compute roof.
 
-# %%
+# %% alt="Log-log scatter of achieved TFLOP/s against arithmetic intensity, one point per kernel call, filled for decode and open for prefill, under a slanted roof for memory bandwidth (solid: the measured copy, dotted: the datasheet) that turns flat at the 682 TFLOP/s of the matmul. Decode points sit at 1 to 8 FLOP per byte, the best of them between the two slanted lines; prefill points sit at 60 to 3,000 FLOP per byte, between about 80 and 600 TFLOP/s." caption="The attention kernels of each backend on the H100's roofline, decode and prefill." tags=["hide-input"]
 peak_tflops = results["matmul_tflops"]
 fig, ax = plt.subplots(figsize=(8, 5))
 for phase, rows, fill in (("decode", results["decode"], True), ("prefill", results["prefill"], False)):
@@ -503,15 +512,21 @@ ax.legend(fontsize=7, loc="upper left")
 fig.tight_layout()
 plt.show()
 
+# %% [markdown]
+# Figure 7.3 places every decode call at a few FLOPs per byte, on or under the slanted lines and far from the flat
+# roof: a decode kernel can only get faster by reading the KV cache faster. The numbers behind the target:
+
 # %%
 target = results["target"]
 print(f"target: batch {target['batch']}, context {target['context']}, GQA {target['gqa']}: triton / flashinfer = "
       f"{target['triton_over_flashinfer']:.3f} (required >= {target['required']})")
 print("\ndecode at batch 64, context 2048, by GQA ratio (16 query heads):")
+gqa_rows = []
 for gqa in sorted({r["gqa"] for r in decode_rows}):
     row = {r["backend"]: r for r in decode_rows if r["batch"] == 64 and r["context"] == 2048 and r["gqa"] == gqa}
-    print(f"  GQA {gqa}: " + "  ".join(f"{n} {row[n]['time_us']:7.1f} us {row[n]['bandwidth_GBps']:6.0f} GB/s"
-                                       for n in names if n in row))  # fmt: skip
+    gqa_rows.append([gqa] + [f"{row[n]['time_us']:.1f} us, {row[n]['bandwidth_GBps']:.0f} GB/s" if n in row else "-"
+                             for n in names])
+display(show_table(gqa_rows, headers=["GQA"] + list(names)))
 best = max(decode_rows, key=lambda r: r["bandwidth_GBps"])
 print(f"\nhighest decode bandwidth: {best['backend']} {best['bandwidth_GBps']:.0f} GB/s "
       f"({best['bandwidth_GBps'] / DATASHEET_GBPS:.0%} of the datasheet) at batch {best['batch']}, "
@@ -585,7 +600,7 @@ for shape in sorted({(r["batch"], r["prefix"], r["extend"]) for r in prefill_row
 # python -m pytest tests/test_attention_backends.py -q -p no:cacheprovider  # every CPU test of the backends
 # ./minisgl generate --attention-backend triton "Hello"                     # on a GPU (CPU: TRITON_INTERPRET=1)
 # # on an H100 with flashinfer-python and FlashAttention-3 installed:
-# bash scripts/gpu/attention.sh                     # pytest -m gpu + python -m benchmarks.kernels
+# bash scripts/gpu/chapter.sh 07                           # pytest -m gpu + python -m benchmarks.kernels
 # python -m benchmarks.kernels --output docs/data/gpu_kernels_h100.json
 # ```
 #

@@ -45,18 +45,20 @@ import inspect
 import json
 import os
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
+from IPython.display import display
 from torch.profiler import ProfilerActivity, profile
 
 from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.attention.base import AttentionBackend
 from minisgl_ref.attention.torch_native import TorchStaticBackend
 from minisgl_ref.bench.offline import QUICK_MODEL_CONFIG
-from minisgl_ref.course import task_source
+from minisgl_ref.book import show_code, show_table, wrap
 from minisgl_ref.engine import cuda_graph
 from minisgl_ref.engine.cuda_graph import CudaGraphRunner, RerunGraphFactory, capture_batch_sizes, padded_batch_size
 from minisgl_ref.engine.model_runner import ModelRunner
@@ -142,11 +144,11 @@ while engine.has_work:
 # the graph for 16, with 3 padding rows. The ladder is the first part of task 8.1:
 
 # %%
-print(inspect.getsource(capture_batch_sizes))
+show_code(capture_batch_sizes)
 
 # %%
 sizes = capture_batch_sizes(256)
-print(f"{len(sizes)} graphs for max batch 256: {sizes}")
+print(wrap(f"{len(sizes)} graphs for max batch 256: {sizes}"))
 for n in (1, 3, 5, 13, 100, 250):
     p = padded_batch_size(sizes, n)
     print(f"batch {n:3d} -> graph {p:3d}  ({p - n} padding rows, {100 * (p - n) / p:.0f}% of the rows wasted)")
@@ -165,7 +167,7 @@ for n in (1, 3, 5, 13, 100, 250):
 # * its token id and position are 0; its logits row is dropped.
 
 # %%
-print("DUMMY_ROW =", cuda_graph.DUMMY_ROW)
+print(wrap(f"DUMMY_ROW = {cuda_graph.DUMMY_ROW}"))
 
 # %% [markdown]
 # **Capturing.** The runner allocates its static inputs once, `max_bs` rows each, all dummy rows at rest. For
@@ -177,7 +179,7 @@ print("DUMMY_ROW =", cuda_graph.DUMMY_ROW)
 # copied *into* them. Task 8.1 is both parts, the ladder and this loop:
 
 # %%
-print(task_source(cuda_graph, "8.1"))
+show_code(cuda_graph, task="8.1")
 
 # %% [markdown]
 # The graphs come from a *graph factory*. On a GPU, `CudaGraphFactory` records real CUDA graphs on a side stream
@@ -194,8 +196,10 @@ factory = RerunGraphFactory()
 graphs = CudaGraphRunner(engine.runner.model, static_backend, torch.device("cpu"), max_bs=8,
                          graph_factory=factory)  # fmt: skip
 print(f"captured sizes {graphs.batch_sizes} in {graphs.capture_seconds:.2f} s; the factory saw, in order:")
-print("  " + ", ".join(f"{what} {bs}" for what, bs in factory.log))
-print("static inputs at rest:", {name: buf.tolist() for name, buf in graphs.static.items()})
+print(wrap("  " + ", ".join(f"{what} {bs}" for what, bs in factory.log), indent="  "))
+print("static inputs at rest:")
+for name, buf in graphs.static.items():
+    print(f"{name:>17}: {buf.tolist()}")
 
 # %% [markdown]
 # ## 3. What a replay copies (task 8.2)
@@ -205,7 +209,7 @@ print("static inputs at rest:", {name: buf.tolist() for name, buf in graphs.stat
 # (`prepare_replay`), replays, and returns the real rows of the graph's output:
 
 # %%
-print(task_source(cuda_graph, "8.2"))
+show_code(cuda_graph, task="8.2")
 
 # %% [markdown]
 # Five requests of 30 prompt tokens: prefill them with the engine, schedule their decode step, and run it
@@ -242,15 +246,16 @@ for name, buf in graphs.static.items():
 # %%
 for hook in ("init_graph_buffers", "prepare_capture", "prepare_replay"):
     doc = inspect.getdoc(getattr(AttentionBackend, hook)).split("\n\n")[0]
-    print(f"{hook}{inspect.signature(getattr(AttentionBackend, hook))}\n    {doc}\n")
+    print(wrap(f"{hook}{inspect.signature(getattr(AttentionBackend, hook))}", indent=" " * 8))
+    print(wrap("    " + " ".join(doc.split()), indent="    "), end="\n\n")
 
 # %% [markdown]
 # The smallest example is the `TorchStaticBackend` of sections 2 and 3: its decode reads two device tensors,
 # each request's page-table row and length, and under graphs those are views of two buffers of `max_bs` entries:
 
 # %%
-for hook in ("init_graph_buffers", "prepare_capture", "prepare_replay"):
-    print(inspect.getsource(getattr(TorchStaticBackend, hook)))
+show_code("\n\n".join(textwrap.dedent(inspect.getsource(getattr(TorchStaticBackend, hook)))
+                       for hook in ("init_graph_buffers", "prepare_capture", "prepare_replay")))
 
 # %% [markdown]
 # The replay hook runs before *every* graphed decode step, so it must refill the buffers in place and must not
@@ -272,7 +277,7 @@ for hook in ("init_graph_buffers", "prepare_capture", "prepare_replay"):
 # runner, without a line of this method changing:
 
 # %%
-print(inspect.getsource(ModelRunner.forward))
+show_code(ModelRunner.forward)
 
 # %% [markdown]
 # Which attention backend a step runs on is decided just before, by the engine's *attention planner*
@@ -292,21 +297,21 @@ print(f"{type(planner).__name__}: decode backends {[type(b).__name__ for b in pl
 # %% [markdown]
 # ## 5. GPU results: decode step time, eager vs graph
 #
-# Measured on an H100 80GB HBM3 with `bash scripts/gpu/offline.sh` (see Reproduce); Qwen3-0.6B config, bf16, dummy
+# Measured on an H100 80GB HBM3 with `bash scripts/gpu/measure/offline.sh` (see Reproduce); Qwen3-0.6B config, bf16, dummy
 # weights, every request at a context of 512 tokens, default attention backends (FA3 prefill, FlashInfer
 # decode). Step = attention metadata + model forward + logits, timed with CUDA events over 50 steps (launch
 # gaps included: they are the point).
 
 # %%
 prov = GPU["provenance"]
-print(f"{prov['hardware']['gpu']}, driver {prov['hardware']['nvidia_driver']}, torch {prov['software']['torch']}, "
-      f"flashinfer {prov['software']['packages']['flashinfer-python']}, measured {prov['date'][:10]}")
+print(f"{prov['hardware']['gpu']}, driver {prov['hardware']['nvidia_driver']}, torch {prov['software']['torch']},")
+print(f"flashinfer {prov['software']['packages']['flashinfer-python']}, measured {prov['date'][:10]}")
 rows = GPU["decode_steps"]
 print(f"{'batch':>5} {'eager ms':>9} {'graph ms':>9} {'speedup':>8}")
 for r in rows:
     print(f"{r['batch_size']:>5} {r['eager_ms']:>9.3f} {r['graph_ms']:>9.3f} {r['speedup']:>7.2f}x")
 
-# %%
+# %% alt="Line chart with a log-2 x axis of batch size from 1 to 256: the eager line rises from about 11 to 19 ms per decode step; the CUDA-graph line starts near 1.4 ms at batch 1, stays under 3 ms up to 64 and reaches about 9 ms at 256, about half of eager." caption="Qwen3-0.6B decode step time on an H100, eager and replayed from CUDA graphs, against batch size (context 512)." tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(6.5, 3.6))
 bs = [r["batch_size"] for r in rows]
 ax.plot(bs, [r["eager_ms"] for r in rows], "o-", label="eager")
@@ -321,7 +326,7 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Read the plot from the left. Eager steps cost ~10-20 ms whatever the batch: that is the CPU launching ~310
+# Read Figure 8.1 from the left. Eager steps cost ~10-20 ms whatever the batch: that is the CPU launching ~310
 # kernels through Python (how long depends on the host: the same step measured 9-15 ms in different calls); the
 # GPU work underneath is a fraction of it. With graphs a batch-1 step is ~1.4 ms, about eight times faster (the
 # target was 2x). From there the graphed step grows with the batch because the KV cache read grows (at batch 256
@@ -365,15 +370,14 @@ plt.show()
 # process: CUDA graphs are worth ~2.2x on this workload and the fused per-token kernels ~24%.
 
 # %%
-for h in GPU.get("history", []):
-    print(f"{h['output_throughput']:>9,.0f} tok/s  {h['change']}")
-print()
+display(show_table([(f"{h['output_throughput']:,.0f}", h["change"]) for h in GPU.get("history", [])],
+                   headers=["output tok/s", "change"]))
 print("measured side by side in the final run (canonical workload, default attention backends):")
 ladder = {r["label"]: r for r in GPU["ladder"]}
-for label in ("overlap / fa3+flashinfer (default) / graphs off", "overlap / fa3+flashinfer (default) / graphs on",
-              "overlap / default / graphs on / fused ops off"):
-    r = ladder[label]
-    print(f"{r['output_throughput']:>9,.0f} tok/s  {label}")
+show_table([(f"{ladder[label]['output_throughput']:,.0f}", label)
+            for label in ("overlap / fa3+flashinfer (default) / graphs off",
+                          "overlap / fa3+flashinfer (default) / graphs on",
+                          "overlap / default / graphs on / fused ops off")], headers=["output tok/s", "engine"])
 
 # %% [markdown]
 # ## Summary
@@ -441,7 +445,7 @@ for label in ("overlap / fa3+flashinfer (default) / graphs off", "overlap / fa3+
 # On one H100 (or any CUDA GPU with FlashInfer and FlashAttention-3 installed), from the repository root:
 #
 # ```bash
-# bash scripts/gpu/offline.sh          # GPU tests, step times, canonical run, ladder, profiles
+# bash scripts/gpu/chapter.sh 08              # GPU tests, step times, canonical run, ladder, profiles
 # python -m pytest -m gpu tests/test_cuda_graph.py tests/test_fused_ops.py
 # python -m minisgl_ref bench offline                           # the canonical workload, graphs on
 # python -m minisgl_ref bench offline --disable-cuda-graph      # the same without graphs

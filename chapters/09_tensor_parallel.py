@@ -47,7 +47,6 @@
 # `minisgl_ref/models/weights.py` (reading only a rank's slice of a checkpoint).
 
 # %% tags=["setup"]
-import inspect
 import json
 import os
 import sys
@@ -56,10 +55,12 @@ import time
 from pathlib import Path
 
 import torch
+from IPython.display import display
 from transformers import AutoModelForCausalLM, Qwen3Config
 from transformers.utils import logging as hf_logging
 
 from minisgl_ref import LLM, SamplingParams
+from minisgl_ref.book import show_code, show_table, wrap
 from minisgl_ref.distributed import set_tp_info
 from minisgl_ref.layers.linear import shard_heads
 from minisgl_ref.models.config import ModelConfig
@@ -105,30 +106,39 @@ print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU thread(s) per p
 # so that what one column-parallel layer leaves on a rank is exactly what the following row-parallel layer needs:
 #
 # ```mermaid
-# flowchart TB
-#     emb["embed_tokens: vocabulary-parallel<br/>rank r looks up ids in its block of V/N rows, zeros elsewhere"]
-#     ar0(("all-reduce<br/>T x h"))
+# flowchart LR
+#     subgraph embed["embedding"]
+#         direction TB
+#         emb["embed_tokens:<br/>vocabulary-parallel;<br/>rank r looks up ids<br/>in its V/N rows,<br/>zeros elsewhere"]
+#         ar0(("all-reduce<br/>T x h"))
+#         emb --> ar0
+#     end
 #     subgraph attn["attention block"]
-#         n1["input_layernorm (replicated)"]
-#         qkv["qkv_proj: column-parallel<br/>rank r: its query heads + their KV heads"]
-#         at["attention over local heads<br/>KV cache holds only local KV heads"]
-#         o["o_proj: row-parallel<br/>input columns = rank r's query heads"]
+#         direction TB
+#         n1["input_layernorm<br/>(replicated)"]
+#         qkv["qkv_proj:<br/>column-parallel;<br/>rank r: its query heads<br/>+ their KV heads"]
+#         at["attention over<br/>local heads; the<br/>KV cache holds only<br/>local KV heads"]
+#         o["o_proj: row-parallel;<br/>input columns =<br/>rank r's query heads"]
 #         ar1(("all-reduce<br/>T x h"))
 #         n1 --> qkv --> at --> o --> ar1
 #     end
 #     subgraph mlp["MLP block"]
-#         n2["post_attention_layernorm (replicated)"]
-#         gu["gate_up_proj: column-parallel<br/>rank r: I/N gate rows + I/N up rows"]
-#         act["SiluAndMul, I/N channels"]
-#         d["down_proj: row-parallel<br/>input columns = rank r's I/N channels"]
+#         direction TB
+#         n2["post_attention_<br/>layernorm<br/>(replicated)"]
+#         gu["gate_up_proj:<br/>column-parallel;<br/>rank r: I/N gate<br/>+ I/N up rows"]
+#         act["SiluAndMul,<br/>I/N channels"]
+#         d["down_proj:<br/>row-parallel; input<br/>columns = rank r's<br/>I/N channels"]
 #         ar2(("all-reduce<br/>T x h"))
 #         n2 --> gu --> act --> d --> ar2
 #     end
-#     head["lm_head: vocabulary-parallel<br/>rank r: logits of its V/N tokens"]
-#     ag(("all-gather<br/>B x V/N per rank"))
-#     emb --> ar0 --> n1
-#     ar1 --> n2
-#     ar2 -- "x L layers" --> head --> ag --> s["sampler: the same full logits on every rank"]
+#     subgraph out["LM head"]
+#         direction TB
+#         head["lm_head:<br/>vocabulary-parallel;<br/>rank r: logits of<br/>its V/N tokens"]
+#         ag(("all-gather<br/>B x V/N<br/>per rank"))
+#         s["sampler: the same<br/>full logits<br/>on every rank"]
+#         head --> ag --> s
+#     end
+#     embed --> attn --> mlp -- "x L layers" --> out
 # ```
 #
 # Everything between two all-reduces is local: attention works head by head, SiLU-and-multiply channel by
@@ -178,10 +188,9 @@ assert param_bytes[2, 0] == param_bytes[2, 1] and abs(2 * param_bytes[2, 0] - pa
 # `get_slice`:
 
 # %%
-from minisgl_ref.course import task_source
 from minisgl_ref.models.weights import CheckpointTensor  # noqa: E402
 
-print(inspect.getsource(CheckpointTensor.narrow))
+show_code(CheckpointTensor.narrow)
 
 # %% [markdown]
 # ## 2. Splitting the heads (task 9.1)
@@ -200,18 +209,20 @@ print(inspect.getsource(CheckpointTensor.narrow))
 # chapter before this one loads its models without ever running it.
 
 # %%
-print(task_source(shard_heads, "9.1"))
+show_code(shard_heads, task="9.1")
 
 # %%
 cases = [("SmolLM2-135M", 9, 3, 2), ("Qwen3-0.6B", 16, 8, 2), ("Qwen3-0.6B", 16, 8, 16), ("Qwen3-14B", 40, 8, 2),
          ("one KV head (MQA)", 8, 1, 4)]
+head_rows = []
 for model, heads, kv, size in cases:
     shards = [shard_heads(heads, kv, r, size) for r in range(size)]
     desc = ", ".join(f"r{r}: q{s.q_start}-{s.q_start + s.num_q - 1} kv{s.kv_start}-{s.kv_start + s.num_kv - 1}"
                      for r, s in enumerate(shards[:4]))
     more = " ..." if size > 4 else ""
     copies = sum(s.num_kv for s in shards) / kv
-    print(f"{model:18s} {heads:2d} heads / {kv} KV heads at tp={size:<2d}: {desc}{more}  (KV stored {copies:g}x)")
+    head_rows.append((model, heads, kv, size, desc + more, f"{copies:g}x"))
+show_table(head_rows, headers=["model", "heads", "KV heads", "tp", "rank: query heads, KV heads", "KV stored"])
 
 # %% [markdown]
 # ## 3. Two real ranks
@@ -273,8 +284,8 @@ print(f"(tp=1 in this process {t_ref:.1f} s; tp=2, two processes started, loaded
 #    `step()`. The **followers** replay them and step too:
 
 # %%
-print(inspect.getsource(TPEngine.step))
-print(task_source(TPEngine, "9.2"))
+display(show_code(TPEngine.step))
+show_code(TPEngine, task="9.2")
 
 # %% [markdown]
 # The ops travel as a pickled Python list over a separate **control group** (gloo, on the CPU, even when the
@@ -373,12 +384,12 @@ print("byte counts match (2L+1) T h b and B ceil(V/N) b exactly")
 #
 # ## 6. On two H200 GPUs
 #
-# `scripts/gpu/tp_bench.sh` runs on a machine with two H200s (NVLink, NCCL with NVLink multicast off) and writes
+# `scripts/gpu/measure/tp_bench.sh` runs on a machine with two H200s (NVLink, NCCL with NVLink multicast off) and writes
 # one JSON file, committed as `docs/data/tp_bench_h200.json`: the check of tp=2 against tp=1 in bf16 (a small
 # Qwen3, dummy weights), the decode step time at batch 1 and 64, and the canonical offline workload (chapter 11)
 # on a Qwen3-14B config with dummy weights, at tp=1 and tp=2. The numbers are read here, not measured again.
 
-# %%
+# %% alt="Grouped bar chart of milliseconds per decode step at batch 1 and batch 64, a tp=1 bar and a tp=2 bar for each: about 12 against 10 ms at batch 1 and 16 against 13 ms at batch 64, so two GPUs shorten a step by only about a fifth." caption="Decode step time of Qwen3-14B on H200 GPUs, on one GPU (tp=1) and split over two (tp=2), at batch 1 and 64."
 if GPU_RESULTS.is_file():
     gpu = json.loads(GPU_RESULTS.read_text())
     prov = gpu.get("provenance", {})
@@ -433,11 +444,14 @@ if GPU_RESULTS.is_file():
     print("both runs: FA3 attention and plain element-wise ops (MINISGL_FUSED=0), the same settings at tp=1 and "
           f"tp=2; {GPU_RESULTS.relative_to(ROOT)} records how each number was measured")
 else:
-    print(f"not measured yet: {GPU_RESULTS.relative_to(ROOT)} does not exist. Run scripts/gpu/tp_bench.sh on a "
+    print(f"not measured yet: {GPU_RESULTS.relative_to(ROOT)} does not exist. Run scripts/gpu/chapter.sh 09 on a "
           "machine with two GPUs and commit its tp_bench.json there.")
 
 # %% [markdown]
-# How to read it. **Correctness:** in bf16 the tp=2 logits are exactly as far from float32 as the tp=1 logits
+# How to read it. Figure 9.1 shows the decode steps: two GPUs make a step only about a fifth shorter, at batch 1
+# as at batch 64.
+#
+# **Correctness:** in bf16 the tp=2 logits are exactly as far from float32 as the tp=1 logits
 # (1.39e-2 against 1.38e-2): splitting the matmuls and summing partial results in a different order adds nothing
 # beyond bf16's own rounding. Greedy tokens then agree until the first near-tie of two logits, where either
 # rounding may win; random weights make near-ties common (two of three prompts agree for all 32 tokens, the third
@@ -474,7 +488,7 @@ else:
 # runners (decode, a cascade's decode, extend: `engine/graphs.py`), `ModelRunner.release_graphs` drops the list,
 # and a test checks that nothing of the runner still refers to one afterwards.
 #
-# The cell below reads `docs/data/parallel_serving_h200.json`, written by `scripts/gpu/parallel_serving.py` on two
+# The cell below reads `docs/data/parallel_serving_h200.json`, written by `scripts/gpu/measure/parallel_serving.py` on two
 # H200s: the check as a process (how long it lives after its result), `serve --tp-size 2` with a storm of clients
 # that disconnect mid-stream, and SIGTERM to a server and to an offline `LLM(tp_size=2)` in the middle of work.
 
@@ -487,27 +501,28 @@ if PARALLEL_RESULTS.is_file():
     if "tp_exit" in phases:
         run, ph = phases["tp_exit"]
         c = ph["check"]
-        print(f"{run['provenance']['gpus'][0].split(',')[0]} x {len(run['provenance']['gpus'])}, torch "
-              f"{run['provenance']['torch']}: the check wrote its result after {c['result_after_s']:.0f} s and exited "
-              f"{c['exit_after_result_s']:.1f} s later (status {c['exit_code']}); tp=2 shutdown "
-              f"{c['result']['shutdown_s']['tp2']:.2f} s; greedy tokens in common with tp=1: "
-              f"{c['result']['greedy_common_prefix']} of 32; failed start-up compiles: {len(c['compile_failures'])}")
+        print(wrap(f"{run['provenance']['gpus'][0].split(',')[0]} x {len(run['provenance']['gpus'])}, torch "
+                   f"{run['provenance']['torch']}: the check wrote its result after {c['result_after_s']:.0f} s and "
+                   f"exited {c['exit_after_result_s']:.1f} s later (status {c['exit_code']}); tp=2 shutdown "
+                   f"{c['result']['shutdown_s']['tp2']:.2f} s; greedy tokens in common with tp=1: "
+                   f"{c['result']['greedy_common_prefix']} of 32; failed start-up compiles: "
+                   f"{len(c['compile_failures'])}"))
     if "tp_serve" in phases:
         ph = phases["tp_serve"][1]
         storm, stop = ph["storm"], ph["stop"]
-        print(f"serve --tp-size 2: ready in {ph['ready_s']:.0f} s; the same prompt twice: identical tokens "
-              f"{ph['greedy']['repeat_identical']}, {ph['greedy']['repeat_cached_tokens']} prompt tokens cached; "
-              f"{storm['clients']} clients that leave mid-stream -> nothing left running after "
-              f"{storm['idle_after_s']:.2f} s, /health {ph['after_storm']['health']}, same greedy tokens after: "
-              f"{ph['after_storm']['greedy_again_identical']}; SIGTERM -> all {stop['processes']} processes gone in "
-              f"{stop['all_exited_s']:.1f} s (exit status {stop['exit_code']})")
+        print(wrap(f"serve --tp-size 2: ready in {ph['ready_s']:.0f} s; the same prompt twice: identical tokens "
+                   f"{ph['greedy']['repeat_identical']}, {ph['greedy']['repeat_cached_tokens']} prompt tokens cached; "
+                   f"{storm['clients']} clients that leave mid-stream -> nothing left running after "
+                   f"{storm['idle_after_s']:.2f} s, /health {ph['after_storm']['health']}, same greedy tokens after: "
+                   f"{ph['after_storm']['greedy_again_identical']}; SIGTERM -> all {stop['processes']} processes gone "
+                   f"in {stop['all_exited_s']:.1f} s (exit status {stop['exit_code']})"))
         for line in ph["compile_lines"]:
-            print("  ", line[line.index("scheduler"):])
+            print(wrap("   " + line[line.index("scheduler"):], indent=" " * 6))
         sigterm = next((r["phases"]["tp_exit"].get("sigterm") for r in runs
                         if r["phases"].get("tp_exit", {}).get("sigterm")), None)
         if sigterm:
-            print(f"offline LLM(tp_size=2), SIGTERM in the middle of generate: all {sigterm['processes']} processes "
-                  f"gone in {sigterm['all_exited_s']:.1f} s")
+            print(wrap(f"offline LLM(tp_size=2), SIGTERM in the middle of generate: all {sigterm['processes']} "
+                       f"processes gone in {sigterm['all_exited_s']:.1f} s"))
 else:
     print(f"not measured yet: {PARALLEL_RESULTS.relative_to(ROOT)} does not exist")
 
@@ -565,8 +580,8 @@ else:
 # python -m minisgl_ref generate --tp-size 2 "What is the capital of France?"
 # python -m minisgl_ref serve --tp-size 2               # one scheduler process per rank
 # # two GPUs with flashinfer-python and FlashAttention-3 installed:
-# export PYTHONPATH=$PWD:$PYTHONPATH && bash scripts/gpu/tp_bench.sh
-# NCCL_NVLS_ENABLE=0 python3 scripts/gpu/parallel_serving.py --out results --phases tp_exit,tp_serve
+# export NCCL_NVLS_ENABLE=0 && bash scripts/gpu/chapter.sh 09 tp   # scripts/gpu/measure/tp_bench.sh
+# NCCL_NVLS_ENABLE=0 bash scripts/gpu/chapter.sh 09 serving      # parallel_serving.py --phases tp_exit,tp_serve
 # ```
 #
 # Measured on a 2-core x86_64 CPU shared with other jobs, no GPU, Python 3.11, torch 2.13 (CPU), one torch
@@ -591,7 +606,7 @@ else:
 # | tp=2 vs tp=1 logits, Qwen3-0.6B bf16 | | max relative error 1.9e-2 (tolerance 2e-2), ranks identical |
 #
 # Expected on 2 x H200 (`docs/data/parallel_serving_h200.json`; `NCCL_NVLS_ENABLE=0 python3
-# scripts/gpu/parallel_serving.py --out results`; Qwen3-0.6B config, bf16, dummy weights, FlashInfer attention):
+# scripts/gpu/measure/parallel_serving.py --out results`; Qwen3-0.6B config, bf16, dummy weights, FlashInfer attention):
 #
 # | what | measured |
 # | --- | --- |

@@ -127,7 +127,7 @@ def alive(pid: int) -> bool:
 # ## 1. Four processes
 #
 # ```mermaid
-# flowchart LR
+# flowchart TB
 #     C["HTTP clients<br/>(openai, curl, bench serving)"]
 #     subgraph API["API server process"]
 #         U["uvicorn + FastAPI<br/>http_server.py"]
@@ -200,32 +200,49 @@ for name, msg in (("GenerateReqInput (32 prompt ids)", req), ("BatchTokenOut (64
 # carries it between processes:
 #
 # ```mermaid
+# ---
+# config:
+#   sequence:
+#     mirrorActors: false
+# ---
 # sequenceDiagram
-#     autonumber
 #     participant C as client
-#     participant H as HTTP handler (http_server.py)
-#     participant T as TokenizerManager (API process)
-#     participant S as scheduler process
-#     participant D as detokenizer process
-#     C->>H: POST /v1/chat/completions {"messages": [...], "stream": true}
-#     H->>H: validate JSON (pydantic) -> 400 on bad input
-#     H->>T: chat_ids(messages): chat template + tokenize
-#     T->>T: check_prompt: length vs context, ids vs vocab -> 400
-#     H-->>C: 200, first SSE chunk {"delta": {"role": "assistant"}}
-#     T->>S: GenerateReqInput(rid, input_ids, sampling_params)
-#     S->>S: engine.add_request(Req) -> waiting queue
+#     participant H as HTTP handler<br/>(http_server.py)
+#     participant T as TokenizerManager<br/>(API process)
+#     participant S as scheduler<br/>process
+#     C->>H: POST /v1/chat/completions<br/>{"messages": [...], "stream": true}
+#     H->>H: validate JSON (pydantic)<br/>-> 400 on bad input
+#     H->>T: chat_ids(messages): chat<br/>template + tokenize
+#     T->>T: check_prompt: length vs context,<br/>ids vs vocab -> 400
+#     H-->>C: 200, first SSE chunk<br/>{"delta": {"role": "assistant"}}
+#     T->>S: GenerateReqInput(rid,<br/>input_ids, sampling_params)
+#     S->>S: engine.add_request(Req)<br/>-> waiting queue
+# ```
+#
+# ```mermaid
+# ---
+# config:
+#   sequence:
+#     mirrorActors: false
+# ---
+# sequenceDiagram
+#     participant C as client
+#     participant H as HTTP handler
+#     participant T as Tokenizer<br/>Manager
+#     participant D as detokenizer
+#     participant S as scheduler
 #     loop every engine.step()
-#         S->>S: prefill or decode batch (chapters 03-06)
-#         S->>D: BatchTokenOut(rids, new_ids, finished, finish_reasons, cached_tokens, inits)
-#         D->>D: IncrementalDetokenizer.step(ids) -> text delta
-#         D->>T: BatchStrOut(rids, deltas, new_ids, finished, ...)
-#         T->>T: _recv_loop: put each row in its request's queue
-#         T->>H: (index, Chunk) from TokenizerManager.generate
-#         H-->>C: data: {"choices": [{"delta": {"content": "..."}}]}
+#         S->>S: prefill or<br/>decode batch<br/>(ch. 03-06)
+#         S->>D: BatchTokenOut(rids,<br/>new_ids, finished,<br/>finish_reasons,<br/>cached_tokens, inits)
+#         D->>D: Incremental<br/>Detokenizer.step(ids)<br/>-> text delta
+#         D->>T: BatchStrOut(rids,<br/>deltas, new_ids,<br/>finished, ...)
+#         T->>T: _recv_loop: each<br/>row to its request's<br/>queue
+#         T->>H: (index, Chunk)<br/>from generate()
+#         H-->>C: data: {"choices":<br/>[{"delta": {"content":<br/>"..."}}]}
 #     end
-#     S->>S: request finished: free or cache its KV (chapter 04)
-#     H-->>C: data: {"choices": [{"finish_reason": "stop"}]}
-#     H-->>C: data: {"choices": [], "usage": {...}} (stream_options.include_usage)
+#     S->>S: request finished:<br/>free or cache its<br/>KV (chapter 04)
+#     H-->>C: data: {"choices":<br/>[{"finish_reason":<br/>"stop"}]}
+#     H-->>C: data: {"choices": [],<br/>"usage": {...}}<br/>(include_usage)
 #     H-->>C: data: [DONE]
 #     Note over C,S: a client that leaves early: T sends AbortReq(rid), S calls engine.abort(req), KV is freed
 # ```
@@ -910,9 +927,10 @@ print(wrap("python " + " ".join(router_command(dp_args, dp_urls, metrics_port=41
 # ./minisgl serve --dp-size 2 --device cpu
 # python -m pytest tests/test_data_parallel.py           # about 1 minute on 2 busy cores
 # python -m pytest tests/test_server_watchdog.py        # the stuck-step watchdog, about 30 s
-# NCCL_NVLS_ENABLE=0 python3 scripts/gpu/parallel_serving.py --out results --phases dp   # two GPUs
+# NCCL_NVLS_ENABLE=0 bash scripts/gpu/chapter.sh 10 dp   # two GPUs: parallel_serving.py --phases dp
 #
-# # the GPU numbers: a server on one H100, then one bench per rate (4, 16, inf)
+# # the GPU numbers: a server on one H100, then one bench per rate (4, 16, inf), as `bash scripts/gpu/chapter.sh 10
+# # serving` runs them (and `features`: the per-request features on a GPU)
 # python -m minisgl_ref serve --model-path qwen3-0.6b --load-format dummy --dtype bfloat16 &
 # python -m minisgl_ref bench serving --num-prompts 200 --random-input-len 1024 --random-output-len 256 \
 #   --random-range-ratio 0.5 --request-rate 16

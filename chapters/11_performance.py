@@ -33,14 +33,13 @@
 # 8. measure the cost of one streamed token on the way to the client.
 #
 # Modules: `minisgl_ref/bench/workloads.py` (task 11.1), `minisgl_ref/bench/offline.py` (task 11.2, the
-# ladder), `scripts/gpu/offline.sh` (the GPU run), and `minisgl_ref/perf/`, the speed-ups themselves, each plugged
+# ladder), `scripts/gpu/measure/offline.sh` (the GPU run), and `minisgl_ref/perf/`, the speed-ups themselves, each plugged
 # into a seam of the core engine (`perf/model_transforms.py` applies the model's). Every GPU number here is read
 # from a committed result file under `docs/data/`; the measurements behind the decisions (A/B series, profiles,
 # the variants that lost) are collected on the [performance evidence](../performance-evidence.md) page.
 
 # %% tags=["setup"]
 import dataclasses
-import inspect
 import json
 import os
 import textwrap
@@ -53,7 +52,7 @@ import torch
 from minisgl_ref.bench import offline as bo
 from minisgl_ref.bench import workloads
 from minisgl_ref.bench.workloads import canonical_workload
-from minisgl_ref.course import task_source
+from minisgl_ref.book import show_code, show_table
 from minisgl_ref.models.config import ModelConfig
 from minisgl_ref.models.loader import resolve_model_path
 
@@ -87,7 +86,7 @@ GPU = load("gpu_offline_h100.json")
 # draws is part of the definition (prompts first, then lengths), so every engine sees the same requests.
 
 # %%
-print(task_source(workloads, "11.1"))
+show_code(workloads, task="11.1")
 
 # %%
 wl = canonical_workload()
@@ -110,7 +109,7 @@ print(f"temperature {wl.sampling_params[0]['temperature']}, ignore_eos {wl.sampl
 # `max(O_i)` steps read the weights), and with prefill counted as free:
 
 # %%
-print(task_source(bo, "11.2"))
+show_code(bo, task="11.2")
 
 # %%
 cfg = dataclasses.replace(ModelConfig.from_file(resolve_model_path("qwen3-0.6b", "dummy").config_file),
@@ -142,12 +141,14 @@ for name, bw in (("measured copy (this H100)", measured_bw), ("datasheet", 3.35e
 # %%
 quick_wl = canonical_workload(**bo.QUICK_CANONICAL)  # what --quick runs: 8 short requests
 quick = bo.run_ladder(quick_wl, bo.STAGES, bo.quick_model("cpu"), dict(bo.QUICK_BUDGETS))
-print(bo.format_table(quick))
+# The rows of bo.format_table (what the command prints), as a table.
+show_table([["-" if getattr(r, name) is None else fmt.format(getattr(r, name)) for _, name, fmt in bo._COLUMNS]
+            for r in quick], headers=[header for header, _, _ in bo._COLUMNS])
 
 # %% [markdown]
 # ### The same ladder on an H100
 #
-# `bash scripts/gpu/offline.sh` on an H100 80GB HBM3 (Qwen3-0.6B config, bf16, dummy weights). The early stages
+# `bash scripts/gpu/measure/offline.sh` on an H100 80GB HBM3 (Qwen3-0.6B config, bf16, dummy weights). The early stages
 # loop over requests in Python and are far too slow for the full workload, so the first six rows run 8 requests
 # (the last of them with the full engine, like for like); the others run the full canonical workload with each
 # attention backend, CUDA graphs off and on. (This is the engine at its first complete GPU run; section 4 follows
@@ -163,7 +164,7 @@ for r in GPU["ladder"]:
     print(f"{r['label'][:50]:<50} {r['workload_requests']:>4} {r['output_throughput']:>10,.0f} {r['wall_s']:>7.2f} "
           f"{100 * r['roofline_fraction']:>7.1f}%")
 
-# %%
+# %% alt="Two horizontal bar charts of output tokens per second, each bar labelled with its fraction of the roofline floor. Left, log scale, the reduced workload of 8 requests: the naive oracle and the paged, radix and chunked stages on torch_native all near 100 tokens/s and 1 percent, the default backends with CUDA graphs about thirty times faster at 27 percent. Right, linear, the canonical workload of 256 requests: Triton, FlashInfer and FA3 with FlashInfer, each with graphs off (24 to 31 percent) and on (67 to 68 percent, past the dashed red 17k target), and the default with fused ops off at 54 percent." caption="The stage ladder on an H100: output throughput of each configuration on a reduced workload and on the canonical one." tags=["hide-input"]
 full = [r for r in GPU["ladder"] if r["workload_requests"] == 256]
 small = [r for r in GPU["ladder"] if r["workload_requests"] != 256]
 fig, axes = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [6, 7]})
@@ -183,7 +184,7 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# What the ladder says:
+# What the ladder of Figure 11.1 says:
 #
 # * **On the CPU the KV cache is the big step** (chapter 03): the naive oracle recomputes every sequence at every
 #   step. Radix cache and chunked prefill change little on this workload: random prompts share no prefix, and
@@ -207,7 +208,7 @@ plt.show()
 # changes were later replaced by better ones (the persistent FlashInfer kernel by a decode kernel of our own), so
 # read the bars as a path, not as a list of parts.
 
-# %%
+# %% alt="Horizontal bar chart, one numbered bar per change in the order it was made, of output tokens per second on the canonical workload, each labelled with its fraction of the roofline: from 8,282 (31 percent) for the first GPU run to about 20,300 (76 percent) after the twenty-sixth, most of the gain in the first five changes; the roofline, 26,626 tokens/s, is a dashed red line." caption="The engine's path on an H100: canonical-workload throughput after each change, in the order the changes were made." tags=["hide-input"]
 ceiling = GPU["canonical_output_tokens"] / GPU["roofline_floor_s"]
 steps = GPU["history"]
 labels = [textwrap.shorten(h["change"].removeprefix("+ ").split(" (")[0], 60, placeholder="...") for h in steps]
@@ -228,10 +229,10 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Two processes on one GPU differ by 1-4% from run to run, more than most of the later changes are worth. So each
-# change after the first few was measured as an *interleaved A/B*: `scripts/gpu/canonical_ab.sh` starts fresh
-# processes of the engine before and after the change, alternating, several per side, and compares the medians of
-# their timed runs. The changes the engine kept, one line each:
+# The later bars of Figure 11.2 differ by little, and two processes on one GPU differ by 1-4% from run to run, more
+# than most of the later changes are worth. So each change after the first few was measured as an *interleaved A/B*:
+# `scripts/gpu/ab.sh` starts fresh processes of the engine before and after the change, alternating, several
+# per side, and compares the medians of their timed runs. The changes the engine kept, one line each:
 
 # %%
 KEPT = [  # (result file of an interleaved A/B, the change)
@@ -247,12 +248,15 @@ KEPT = [  # (result file of an interleaved A/B, the change)
     ("canonical_ab_race_prune_h100.json", "the sampler's race skips hopeless blocks"),
 ]
 floor_tok_s = GPU["canonical_output_tokens"] / GPU["roofline_floor_s"]
-print(f"{'change':<44} {'before':>7} {'after':>7} {'change':>7} {'of floor':>8}   (medians, output tok/s)")
+print("medians, output tok/s:")
+kept_rows = []
 for name, what in KEPT:
     ab = load(name)
     settings = ab["provenance"]["settings"]
     before, after = ab["summary"][settings["base"]]["median"], ab["summary"][settings["new"]]["median"]
-    print(f"{what:<44} {before:>7,.0f} {after:>7,.0f} {after / before - 1:>+7.1%} {after / floor_tok_s:>8.0%}")
+    kept_rows.append((what, f"{before:,.0f}", f"{after:,.0f}", f"{after / before - 1:+.1%}",
+                      f"{after / floor_tok_s:.0%}"))
+show_table(kept_rows, headers=["change", "before", "after", "change", "of floor"])
 
 # %% [markdown]
 # Most of these are a percent or less, each at or inside the spread between processes; together they are ~10%.
@@ -274,10 +278,10 @@ for name, what in KEPT:
 #
 # ### Where a decode step's time goes
 #
-# `scripts/gpu/decode_anatomy.py` measures windows of decode steps as the running count falls, unprofiled (wall and
+# `scripts/gpu/measure/decode_anatomy.py` measures windows of decode steps as the running count falls, unprofiled (wall and
 # host time) and profiled (GPU time by kernel kind). The KV floor is the running contexts' bytes over 3.0 TB/s.
 
-# %%
+# %% alt="Stacked bar chart of milliseconds per decode step for 256, 123, 63, 30 and 14 running requests, split into attention, matmul, other kernels and gaps between kernels, with a black tick at the KV floor of each bar: the step falls from about 8 to 3 ms as fewer requests run, the attention part shrinks with them and stays just above its tick, while the rest stays about the same." caption="Where the GPU time of a decode step goes on the canonical workload, by the number of requests running."
 AN = load("decode_anatomy_h100.json")
 print(f"{'running':>7} {'KV floor':>8} {'attention':>9} {'matmul':>7} {'other':>6} {'GPU step':>8} "
       f"{'gaps':>5} {'host launch':>11}   (ms per decode step)")
@@ -310,7 +314,7 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Two things to read off it:
+# Two things to read off Figure 11.3:
 #
 # * **Attention runs near its floor.** At every stage the attention kernel takes within ~15% of what its KV bytes
 #   allow at 3.0 TB/s. The one place it falls short is 256 running, where the contexts run from ~100 to ~1,000
@@ -372,7 +376,7 @@ for n in sorted(chain, reverse=True):
 # %%
 from minisgl_ref.perf.norm_folding import FoldedDecoderLayer
 
-print(textwrap.dedent(inspect.getsource(FoldedDecoderLayer.forward)))
+show_code(FoldedDecoderLayer.forward)
 
 # %% [markdown]
 # The fused kernels (`perf/kernels.py`) and the RoPE-and-store attention (`perf/rope_store.py`) plug in the same
@@ -408,7 +412,7 @@ for n in before:
 # Put together for the first timed run after a cold start, with the engine one sampler change before its last:
 
 # %%
-LATEST = load("canonical_bare_machine_loads_first_h100.json")
+LATEST = load("canonical_cold_start_loads_first_h100.json")
 run = LATEST["cold"]["results"][0]
 wall, floor, decode_steps = run["wall_s"], run["roofline_floor_s"], run["decode_steps"]
 weights_floor_ms = load("decode_matmuls_h100.json")["floor_ms_at_bandwidth"]  # the weights once, at 3.0 TB/s
@@ -426,8 +430,8 @@ for what, s in rows:
     print(f"{what:<38} {s:>7.2f}")
 print(f"\nfloor {floor:.2f} s = KV {kv_s:.2f} + weights {weights_s:.2f}; "
       f"{run['output_throughput']:,.0f} tok/s, {run['roofline_fraction']:.0%} of the floor")
-print(f"fixed cost outside attention: {fixed_s / decode_steps * 1e3:.2f} ms a decode step, "
-      f"of which {weights_floor_ms:.2f} ms is reading the weights at the bandwidth")
+print(f"fixed cost outside attention: {fixed_s / decode_steps * 1e3:.2f} ms a decode step,")
+print(f"of which {weights_floor_ms:.2f} ms is reading the weights at the bandwidth")
 
 # %% [markdown]
 # The attention reads the cache within a few percent of what this GPU can read, and the prefill is close to its
@@ -472,7 +476,7 @@ print(f"KV read per decode step: {sp.kv_bytes_per_decode_step / 1e6:.2f} MB with
 # `g * (P + n * s)` tokens of KV instead of `g * n * (P + s)`: close to `n` times less when the prefix dominates.
 # On a GPU that is time, because decode reads at the memory bandwidth; on this CPU the step is dominated by Python
 # and the small model's matmuls, so only the bytes are worth reading here. The GPU comparison is
-# `bash scripts/gpu/cascade_ab.sh` (SGLang's shared-prefix workload: 64 groups of 16 requests, 2,048-token system
+# `bash scripts/gpu/measure/cascade_ab.sh` (SGLang's shared-prefix workload: 64 groups of 16 requests, 2,048-token system
 # prompts), which runs the radix cache with the cascade, without it, and no radix cache at all.
 
 # %% [markdown]
@@ -481,9 +485,9 @@ print(f"KV read per decode step: {sp.kv_bytes_per_decode_step / 1e6:.2f} MB with
 # saving of about three, not sixteen. So the scheduler admits requests by group (`group_by_prefix` in
 # `minisgl_ref/scheduler/scheduler.py`): a waiting request whose first prompt tokens match a request already in the
 # engine moves up behind it, and a group loses that precedence once its oldest member has finished, so a busy group
-# cannot starve the others. On an H100 (`bash scripts/gpu/cascade_ab.sh`):
+# cannot starve the others. On an H100 (`bash scripts/gpu/measure/cascade_ab.sh`):
 
-# %%
+# %% alt="Horizontal grouped bar chart of output tokens per second on the shared-prefix workload for three configurations (no radix cache, radix cache, radix cache with the cascade), each with a bar for first-come and one for grouped admission; the cascade with grouped admission has the longest bar, about three times the one without a radix cache." caption="The shared-prefix workload on an H100: no radix cache, the radix cache, and the radix cache with the cascade, under first-come and grouped admission."
 P2 = load("startup_and_cascade_h100.json")
 names = {"noradix": "radix cache off", "radix_plain": "radix on, plain decode", "radix_cascade": "radix on + cascade"}
 print(f"{'admission':<12} {'engine':<24} {'out tok/s':>9} {'KV GB per step':>14} {'vs radix off':>12}")
@@ -508,10 +512,10 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Grouped, the radix cache with the cascade runs the workload **3.0x** faster than no radix cache (22,968 against
-# 7,589 tok/s), where first-come admission reached 2.1x: a decode step reads 11.3 GB of KV instead of 22.5 GB (and
-# 67.6 GB without the cascade). The plain radix run gains little from the grouping (1.61x to 1.69x): without the
-# cascade every row still reads its own copy of the prefix, whatever its neighbours.
+# In Figure 11.4, grouped, the radix cache with the cascade runs the workload **3.0x** faster than no radix cache
+# (22,968 against 7,589 tok/s), where first-come admission reached 2.1x: a decode step reads 11.3 GB of KV instead of
+# 22.5 GB (and 67.6 GB without the cascade). The plain radix run gains little from the grouping (1.61x to 1.69x):
+# without the cascade every row still reads its own copy of the prefix, whatever its neighbours.
 #
 # ## 6. From the first request: compiling at start-up
 #
@@ -534,18 +538,19 @@ for label, key in (("before", "startup_before"), ("after", "startup_after")):
               f"{r['roofline_fraction']:>8.0%} {sum(r['compiled_during_run'].values()):>26}")
 tri = P2["triton_backend"]
 print(f"\n--attention-backend triton, two fresh processes: {tri[0]['output_throughput']:,.0f} tok/s with "
-      f"{sum(tri[0]['compiled_during_run'].values())} files compiled in the run, then {tri[1]['output_throughput']:,.0f}")
+      f"{sum(tri[0]['compiled_during_run'].values())} files compiled in the run,")
+print(f"then {tri[1]['output_throughput']:,.0f}")
 
 # %% [markdown]
 # The first timed run of a cold start went from 11.8k to 17.1k tok/s, within 2% of a warm start, with nothing
 # compiled inside it, and a warm start-up from 37 s to 11 s. The engine as it now stands, a cold then a warm
-# start on three fresh H100 machines (`scripts/gpu/bare_machine.sh`):
+# start on three fresh H100 machines (`scripts/gpu/bench.sh`):
 
 # %%
 print(f"{'machine':<8} {'start':<5} {'start-up s':>10} {'weights':>8} {'compiles':>9} {'KV + graphs':>11} "
       f"{'tok/s':>7} {'of floor':>8} {'compiled':>8}")
-for i, name in enumerate(("canonical_bare_machine_prune_3_h100.json", "canonical_bare_machine_prune_4_h100.json",
-                          "canonical_bare_machine_prune_5_h100.json"), 1):
+for i, name in enumerate(("canonical_cold_start_prune_3_h100.json", "canonical_cold_start_prune_4_h100.json",
+                          "canonical_cold_start_prune_5_h100.json"), 1):
     doc = load(name)
     for start in ("cold", "warm"):
         r = doc[start]["results"][0]
@@ -560,14 +565,14 @@ for i, name in enumerate(("canonical_bare_machine_prune_3_h100.json", "canonical
 #
 # ## 7. Online serving
 #
-# `bash scripts/gpu/serving_sweep.sh` runs `bench serving` against a `serve` process with the canonical length
+# `bash scripts/gpu/measure/serving_sweep.sh` runs `bench serving` against a `serve` process with the canonical length
 # distribution, Poisson arrivals at 8, 16 and 24 requests/s and all at once, 200 requests each, with the default
 # engine and with `--enable-mixed-chunk`.
 
 # %%
 SV = json.loads((ROOT / "docs" / "data" / "bench_serving_sweep_h100.json").read_text())
-print("server ready after: " + ", ".join(f"{k} {v:.0f} s" for k, v in SV["ready_s"].items())
-      + " (the first server compiled its decode kernels, the second found them)")
+print("server ready after: " + ", ".join(f"{k} {v:.0f} s" for k, v in SV["ready_s"].items()))
+print("(the first server compiled its decode kernels, the second found them)")
 print(f"{'server':<8} {'rate':>5} {'req/s':>6} {'out tok/s':>9} {'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} "
       f"{'ITL p50/p99 ms':>15} {'E2E p50/p99 s':>14}")
 for r in SV["runs"]:
@@ -576,7 +581,7 @@ for r in SV["runs"]:
           f"{r['median_itl_ms']:>6.1f}/{r['p99_itl_ms']:<8.1f} {r['median_e2e_latency_ms'] / 1e3:>6.1f}/"
           f"{r['p99_e2e_latency_ms'] / 1e3:<7.1f}")
 
-# %%
+# %% alt="Three line charts against achieved requests per second, from 8 to about 18: time to first token, time per output token and end-to-end latency in milliseconds, each with solid p50 and dashed p99 lines for the default and the mixed-step server. Time per output token and end-to-end latency rise with the rate, the default server's steeply past 16 requests per second; the p99 time to first token climbs to about 1.4 s (default) and 3 s (mixed) before dropping at the highest rate." caption="Serving latency against the achieved request rate, for the default and the mixed-step server, median and p99." tags=["hide-input"]
 fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
 for server, marker in (("default", "o"), ("mixed", "s")):
     rows = [r for r in SV["runs"] if r["server"] == server]
@@ -593,11 +598,11 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Throughput saturates near 17-18 requests/s (10-11k output tok/s: fewer than offline, because requests arrive
-# over time and the batch is rarely full), and TTFT and TPOT grow with the rate as expected. Read the inter-token
-# latency with care: at 16 requests/s and above its median is 0.1 ms, because the client receives several tokens of
-# a stream back to back and the gap before each burst carries the whole wait (section 8 finds where the bursts come
-# from). TPOT, a request's decode time divided by its tokens, is the measure of decode smoothness here.
+# In Figure 11.5, throughput saturates near 17-18 requests/s (10-11k output tok/s: fewer than offline, because
+# requests arrive over time and the batch is rarely full), and TTFT and TPOT grow with the rate as expected. Read the
+# inter-token latency with care: at 16 requests/s and above its median is 0.1 ms, because the client receives several
+# tokens of a stream back to back and the gap before each burst carries the whole wait (section 8 finds where the
+# bursts come from). TPOT, a request's decode time divided by its tokens, is the measure of decode smoothness here.
 #
 # ### Where the latency tail comes from
 #
@@ -624,7 +629,7 @@ for r in MX["summary"]:
           f"{r['p99_ttft_ms']:<8.0f} {r['median_itl_ms']:>6.1f}/{r['p99_itl_ms']:<8.1f} {r['itl_p99_over_p50']:>8.2f} "
           f"{r['median_tpot_ms']:>12.2f}")
 
-# %%
+# %% alt="Line chart of inter-token latency in milliseconds against achieved requests per second, at about 8, 15 and 30: the medians stay between 2 and 6 ms; the p99 lines stay close to them up to 15 requests per second, then at saturation rise to about 100 ms for the default server and 36 ms for the mixed-step one. A dotted line marks twice the lowest median." caption="Inter-token latency with extend steps in CUDA graphs, median and p99, for the default and the mixed-step server." tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(7, 3.2))
 for server, marker in (("default", "o"), ("mixed", "s")):
     rows = [r for r in MX["summary"] if r["server"] == server and r["request_rate"] != float("inf")]
@@ -640,10 +645,10 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Below saturation the P99 inter-token latency is now **1.6-1.7x its median with mixed steps** (3.4 and 4.2 ms
-# against 2.0 and 2.6 ms), and 2.2-2.4x without them; before these changes it was 10-15x. At saturation (`inf`)
-# mixed steps have more rows than the largest bucket and run eagerly, and the client's ITL there is dominated by
-# bursts, the subject of the next section.
+# In Figure 11.6, below saturation the P99 inter-token latency is now **1.6-1.7x its median with mixed steps** (3.4
+# and 4.2 ms against 2.0 and 2.6 ms), and 2.2-2.4x without them; before these changes it was 10-15x. At saturation
+# (`inf`) mixed steps have more rows than the largest bucket and run eagerly, and the client's ITL there is dominated
+# by bursts, the subject of the next section.
 
 # %% [markdown]
 # ## 8. The cost of one streamed token
@@ -790,22 +795,23 @@ for side in ("server", "client"):
 # On one H100 with flashinfer-python and FlashAttention-3 installed:
 #
 # ```bash
-# bash scripts/gpu/offline.sh                 # section 3: tests, step times, the ladder, profiles
+# bash scripts/gpu/chapter.sh 11                     # every GPU run below that measures this engine, in turn
+# bash scripts/gpu/chapter.sh 11 offline             # section 3: tests, step times, the ladder, profiles
 # python -m minisgl_ref bench offline         # canonical workload, full engine, Qwen3-0.6B dummy bf16
 # python -m minisgl_ref bench offline --disable-cuda-graph
-# BASE=.baseline bash scripts/gpu/canonical_ab.sh     # section 4: interleaved A/B against an older checkout
-# python3 scripts/gpu/decode_anatomy.py --out results --at 256,128,64,32,16   # section 4: a step, by stage
+# BASE=.baseline bash scripts/gpu/ab.sh     # section 4: interleaved A/B against an older checkout
+# python3 scripts/gpu/measure/decode_anatomy.py --out results --at 256,128,64,32,16   # section 4: a step, by stage
 # python -m benchmarks.decode_balance --variants fi_graph,cudacap_200_4_128 --marks 256,192,160,128,96,64 \
 #     --layers 28 --slot-order canonical --with-matmuls --output results/split_cap.json  # section 4: our kernel
 # python -m pytest -m gpu tests/test_norm_folding.py tests/test_triton_fused.py   # section 4: folded vs float32
-# bash scripts/gpu/cascade_ab.sh              # section 5: shared prefix, radix off / on / cascade
-# bash scripts/gpu/bare_machine.sh results/bare_machine.json   # section 6: a cold start, then a warm start
-# NUM_PROMPTS=160 OUT=results bash scripts/gpu/serving_sweep.sh   # section 7: client latencies and step gaps
-# SERVERS="default mixed" RATES="8 16" OUT=results bash scripts/gpu/serving_sweep.sh   # section 7: mixed steps
+# bash scripts/gpu/measure/cascade_ab.sh              # section 5: shared prefix, radix off / on / cascade
+# bash scripts/gpu/bench.sh results/cold_start.json   # section 6: a cold start, then a warm start
+# NUM_PROMPTS=160 OUT=results bash scripts/gpu/measure/serving_sweep.sh   # section 7: client latencies and step gaps
+# SERVERS="default mixed" RATES="8 16" OUT=results bash scripts/gpu/measure/serving_sweep.sh   # section 7: mixed steps
 # ```
 #
-# Expected on an H100 80GB HBM3 with the engine as it stands (`bare_machine.sh`,
-# `canonical_bare_machine_prune_3_h100.json` to `_prune_5_`, about 2.5 minutes): about 20,400-20,500 output tok/s
+# Expected on an H100 80GB HBM3 with the engine as it stands (`bench.sh`,
+# `canonical_cold_start_prune_3_h100.json` to `_prune_5_`, about 2.5 minutes): about 20,400-20,500 output tok/s
 # on the first timed run of `python -m minisgl_ref bench offline` after a cold start (77% of the 5.03 s floor), a
 # start-up of 80-90 s cold and 12-17 s warm, the warm process within 2% of the cold one. The engine of section 3's
 # ladder (`docs/data/gpu_offline_h100.json`): about 17,700-17,850 output tok/s, about 8,200 with

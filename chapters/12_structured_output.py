@@ -170,7 +170,7 @@ for s, edges in DFA.items():
 # of the output (`<eos>`) is allowed only in an accepting state. That gives one mask per state. A toy vocabulary
 # of twelve tokens:
 
-# %%
+# %% alt="Grid of the integer automaton's states (rows) against twelve toy tokens (columns), a tick where the token is allowed and a dot where it is not: '-5' is allowed only in the start state, '3-' in none, '00' only after a non-zero digit, and the end of output only in accepting states." caption="The token mask of each state of the automaton for an integer regex, over a toy vocabulary of twelve tokens."
 TOY_VOCAB = ["-", "0", "1", "7", "42", "-5", "00", "10", "3-", "x", " ", EOS]
 
 
@@ -192,10 +192,11 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Read a column: `"3-"` is never allowed (its `-` can only come first), `"-5"` only at the start, `"00"` only
-# once a non-zero digit has been written, and `<eos>` only after a whole number. Now a toy "model": at every step it produces random logits over the twelve
-# tokens. Masking sets the forbidden ones to `-inf`, the sampler draws from the rest, and the automaton advances
-# by the token drawn. We decode 200 outputs with the mask and 200 without it.
+# Read a column of Figure 12.1: `"3-"` is never allowed (its `-` can only come first), `"-5"` only at the start,
+# `"00"` only once a non-zero digit has been written, and `<eos>` only after a whole number. Now a toy "model": at
+# every step it produces random logits over the twelve tokens. Masking sets the forbidden ones to `-inf`, the sampler
+# draws from the rest, and the automaton advances by the token drawn. We decode 200 outputs with the mask and 200
+# without it.
 
 # %%
 def toy_decode(gen: torch.Generator, masked: bool, max_tokens: int = 30) -> tuple[str, bool]:
@@ -320,7 +321,7 @@ assert re.fullmatch(r"[1-9][0-9]?( \+ [1-9][0-9]?){1,3} = [1-9][0-9]?", outs[2].
 # tokens). We replay the first output above through a fresh matcher and count the allowed tokens before each
 # token.
 
-# %%
+# %% alt="Bar chart with a log y axis, one bar per output token of a JSON object: one or a few allowed tokens at the braces, keys and punctuation, tens of thousands inside the name string, and about ten inside the integer." caption="Allowed tokens before each output token of a JSON object for the PERSON schema, out of a vocabulary of 49,152."
 def allowed_count(state) -> int:
     """How many of the vocabulary's tokens ``state`` allows next (the set bits of its mask row)."""
     mask = xgr.allocate_token_bitmask(1, VOCAB)
@@ -348,9 +349,9 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Where the schema fixes the text (the opening brace, the keys, the punctuation) one or a handful of tokens are
-# allowed: the tokens that are a *prefix* of the fixed text, like `{"` and `{`. (Look at what the model chose
-# there: `{` and then `"`, two tokens where the tokenizer would write one, `{"`. The mask allows both spellings;
+# In Figure 12.2, where the schema fixes the text (the opening brace, the keys, the punctuation) one or a handful of
+# tokens are allowed: the tokens that are a *prefix* of the fixed text, like `{"` and `{`. (Look at what the model
+# chose there: `{` and then `"`, two tokens where the tokenizer would write one, `{"`. The mask allows both spellings;
 # section 5 comes back to this.) Inside the name string tens of
 # thousands are (any token without a quote or a control character, within the length limit); inside the integer
 # only the digits. Those runs of one allowed token are what jump-forward will skip (section 5).
@@ -460,9 +461,9 @@ print(wrap(f"StructuredOutput overrides: {[hook for hook in HOOKS if overrides(s
 # discarded when step N+1 is processed, as every token of a finished request is (the
 # [structured output reference](../structured-output-reference.md#the-overlap-in-detail) has the details).
 #
-# The timelines below are a schematic (lengths in arbitrary units, not measured) of the two orders.
+# The timelines of Figure 12.3 are a schematic (lengths in arbitrary units, not measured) of the two orders.
 
-# %%
+# %% alt="Two schematic timelines, each with a CPU lane and a device lane. Top: after sampling step N the device waits while the CPU accepts the tokens and fills the mask, then runs forward N+1. Bottom: forward N+1 starts right after sampling N; accepting, filling and processing happen on the CPU during it, and only the sampling of N+1 waits for the mask." caption="Two orders for a constrained decode step (a schematic): the mask filled before the next forward, and this engine's order, where the next forward runs while the CPU fills the mask." tags=["hide-input"]
 def lane_bars(ax, y: float, bars: list[tuple[str, float, float, str]]) -> None:
     for label, start, length, color in bars:
         ax.broken_barh([(start, length)], (y - 0.35, 0.7), facecolor=color, edgecolor="white", lw=0.5)
@@ -501,9 +502,9 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# In the lower timeline the device runs forward after forward; the mask is ready before the forward it belongs to
-# has finished, as long as accepting and filling take less time than a forward. A step with no constrained row
-# gets no callback at all, and runs exactly as in chapter 06.
+# In the lower timeline of Figure 12.3 the device runs forward after forward; the mask is ready before the forward it
+# belongs to has finished, as long as accepting and filling take less time than a forward. A step with no constrained
+# row gets no callback at all, and runs exactly as in chapter 06.
 #
 # Keep in mind what this order does not change: the CPU still has to process step N before it can schedule and
 # launch step N+2. When the CPU, not the device, is what limits the step (as on a GPU with this small model,
@@ -754,12 +755,12 @@ for (kind, src), r in zip(cases, hot_reqs):
 # Every token of every output passes a matcher that never saw the engine. A hot sampler happily writes odd names
 # and odd numbers, but never a token outside its grammar.
 
-# %%
+# %% alt="Two grouped bar charts of milliseconds per decode step at batch 1, 64 and 256, with bars for free, constrained and jump-forward requests. Bounded strings: at batch 256 the free step takes about 10 ms, the constrained one about 60 and jump-forward about 185. No length bounds: the three bars stay within about 25 percent of each other, about 12 to 15 ms at batch 256." caption="Decode step time on an H100 for constrained requests, their free twins and jump-forward, with bounded strings and without length bounds."
 BENCHES = {"bounded strings": ROOT / "docs" / "data" / "constrained_bench_h100.json",
            "no length bounds": ROOT / "docs" / "data" / "constrained_bench_typical_h100.json"}
-if all(f.exists() for f in BENCHES.values()):  # GPU results, written by scripts/gpu/constrained_bench.py
-    display(Markdown("**On a GPU.** `scripts/gpu/constrained_bench.py` on an H100, default engine: random weights "
-                     "in SmolLM2-135M's shape with its real tokenizer (the cost of a grammar depends on the "
+if all(f.exists() for f in BENCHES.values()):  # GPU results, written by scripts/gpu/measure/constrained_bench.py
+    display(Markdown("**On a GPU.** `scripts/gpu/measure/constrained_bench.py` on an H100, default engine: random "
+                     "weights in SmolLM2-135M's shape with its real tokenizer (the cost of a grammar depends on the "
                      "vocabulary and the grammar, not on the weights), the five-field schema of the script with "
                      "bounded strings, then the same fields without bounds. Time per decode step for constrained "
                      "requests, their free twins (same prompts, same output lengths) and jump-forward."))
@@ -786,11 +787,11 @@ if all(f.exists() for f in BENCHES.values()):  # GPU results, written by scripts
     plt.show()
 
 # %% [markdown]
-# Two very different answers, and the difference is the schema. With **bounded strings** (`maxLength` on every
-# string, as in the script's schema) every output is a complete, valid object, and the grammar is cheap at batch 1
-# (about 10% per token) but 4.4x the free time per token at batch 64: filling a row cost about 0.9 ms of CPU per
-# step on average on that machine, and even spread over xgrammar's threads, 64 rows take longer than the 5 ms
-# forward pass the fill overlaps with, so the device waits. **Without length bounds** a row inside a string costs
+# Figure 12.4 gives two very different answers, and the difference is the schema. With **bounded strings**
+# (`maxLength` on every string, as in the script's schema) every output is a complete, valid object, and the grammar
+# is cheap at batch 1 (about 10% per token) but 4.4x the free time per token at batch 64: filling a row cost about 0.9
+# ms of CPU per step on average on that machine, and even spread over xgrammar's threads, 64 rows take longer than the
+# 5 ms forward pass the fill overlaps with, so the device waits. **Without length bounds** a row inside a string costs
 # about 0.01 ms and the grammar adds 4-11% per token; but with random weights these outputs never closed their
 # first string within 600 tokens, so this measures the cheap state only, not a whole object. Jump-forward saves
 # decode steps on structure (the bounded run's keys and punctuation: 65-70% fewer steps), and with random weights
@@ -799,7 +800,7 @@ if all(f.exists() for f in BENCHES.values()):  # GPU results, written by scripts
 # Where inside a bounded string does the time go? The cell below fills one mask row after a growing number of
 # characters of a string of at most 40, on this CPU.
 
-# %%
+# %% alt="Line chart of milliseconds to fill one mask row against the characters of the string written so far, 0 to 40: the unbounded line stays flat near zero; the maxLength 40 line also stays near zero for the first two dozen characters, then climbs to a peak of a few milliseconds around the thirtieth and falls back to zero at the bound." caption="Time to fill one mask row inside a JSON string, with a bound of 40 characters and without one, on this CPU."
 def fill_ms(schema: dict, text: str, repeat: int = 30) -> float:
     """Milliseconds to fill one mask row once the output so far is ``text``."""
     state = backend.matcher(backend.compile(spec_of(SamplingParams(json_schema=json.dumps(schema)))),
@@ -831,9 +832,9 @@ print(f"maxLength 40: {min(bounded_ms):.3f}-{max(bounded_ms):.3f} ms per row (pe
       f"{written[int(np.argmax(bounded_ms))]} characters); no bound: at most {max(free_ms):.3f} ms")
 
 # %% [markdown]
-# Far from the bound a row costs a few hundredths of a millisecond (ten times an unbounded row, still nothing).
-# The cost is in the last fifteen or so characters, where it climbs about a hundredfold: there, whether a token
-# fits depends on its length against the characters left, which a table computed once per grammar state cannot
+# In Figure 12.5, far from the bound a row costs a few hundredths of a millisecond (ten times an unbounded row, still
+# nothing). The cost is in the last fifteen or so characters, where it climbs about a hundredfold: there, whether a
+# token fits depends on its length against the characters left, which a table computed once per grammar state cannot
 # know, and the curve has the shape of checking, one by one, the tokens long enough to cross the bound (SmolLM2
 # has about 5,500 tokens longer than 10 characters; 99% of its tokens have at most 14). A real model names a person in a few characters
 # and closes the string long before the bound; random weights write until the bound stops them, so every string
@@ -925,24 +926,25 @@ display(show_table(gpu_rows, headers=["model (typical schema)", "batch 1", "batc
 # python -m minisgl_ref.course grade --chapter 12             # the tests of task 12.1
 # python -m pytest tests/test_constrained.py -q               # structured output in the engine (slow: the model)
 # python -m pytest tests/test_notebooks.py -q -k 12           # the notebook runs top to bottom
-# python3 scripts/gpu/constrained_bench.py docs/data/constrained_bench_h100.json \
+# FOLDER=... bash scripts/gpu/chapter.sh 12                  # every GPU run below, in turn (scripts/gpu/README.md)
+# python3 scripts/gpu/measure/constrained_bench.py docs/data/constrained_bench_h100.json \
 #     --model-path FOLDER --load-format dummy --max-new-tokens 400   # on a GPU; FOLDER: SmolLM2's config and tokenizer
-# python3 scripts/gpu/constrained_bench.py docs/data/constrained_bench_typical_h100.json --schema typical \
+# python3 scripts/gpu/measure/constrained_bench.py docs/data/constrained_bench_typical_h100.json --schema typical \
 #     --model-path FOLDER --load-format dummy --max-new-tokens 600
-# python3 scripts/gpu/constrained_bench.py docs/data/constrained_bench_real_typical_h100.json --schema typical \
+# python3 scripts/gpu/measure/constrained_bench.py docs/data/constrained_bench_real_typical_h100.json --schema typical \
 #     --max-new-tokens 320                                    # the embedded model's real weights (and bounded)
-# python3 scripts/gpu/constrained_bench.py docs/data/constrained_bench_typical_mixed_h100.json --schema typical \
+# python3 scripts/gpu/measure/constrained_bench.py docs/data/constrained_bench_typical_mixed_h100.json --schema typical \
 #     --max-new-tokens 320 --batch-sizes 1 32 64 256 --mixed   # with mixed steps (and without, for _plain)
 # python -m benchmarks.grammar_host --output docs/data/grammar_host_cpu.json   # the grammar's host work per step
-# python3 scripts/gpu/constrained_bench.py results/adaptive.json --schema typical --max-new-tokens 320 \
+# python3 scripts/gpu/measure/constrained_bench.py results/adaptive.json --schema typical --max-new-tokens 320 \
 #     --batch-sizes 1 32 64 256 --repeats 5                  # five alternating runs per kind, medians
-# OUT=results OVERLAYS="old/pool" bash scripts/gpu/constrained_ab.sh   # versions side by side, one machine
+# OUT=results OVERLAYS="old/pool" bash scripts/gpu/measure/constrained_ab.sh   # versions side by side, one machine
 # python -m benchmarks.h2d_copy --output results/h2d_copy.json   # a mask's copy, pageable against pinned
-# python3 scripts/gpu/padded_model.py /tmp/padded             # the 135M model zero-padded to 2.1B (about 40 s)
-# python3 scripts/gpu/constrained_bench.py results/padded.json --schema typical --max-new-tokens 160 \
+# python3 scripts/gpu/measure/padded_model.py /tmp/padded             # the 135M model zero-padded to 2.1B (about 40 s)
+# python3 scripts/gpu/measure/constrained_bench.py results/padded.json --schema typical --max-new-tokens 160 \
 #     --batch-sizes 1 64 256 --repeats 5 --skip-jump-forward --model-path /tmp/padded   # then without --model-path
-# python3 scripts/gpu/smollm2_1p7b_folder.py /tmp/random17   # SmolLM2-1.7B's shape for random weights:
-# python3 scripts/gpu/constrained_bench.py results/random.json --schema typical --max-new-tokens 160 \
+# python3 scripts/gpu/measure/smollm2_1p7b_folder.py /tmp/random17   # SmolLM2-1.7B's shape for random weights:
+# python3 scripts/gpu/measure/constrained_bench.py results/random.json --schema typical --max-new-tokens 160 \
 #     --batch-sizes 1 64 256 --repeats 5 --skip-jump-forward --model-path /tmp/random17 --load-format dummy
 # ```
 #

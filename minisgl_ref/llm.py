@@ -35,18 +35,18 @@ class GenerateOutput:
     """One completion. ``finish_reason`` is ``stop``, ``length`` or ``abort``; ``matched_stop`` is the stop
     token id or stop string that ended it, if any."""
 
-    text: str
-    output_ids: list[int]
-    finish_reason: str
-    matched_stop: int | str | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-    rid: str = ""
-    # With return_logprob: (logprob, token id, [(alternative id, logprob), ...]) per token; the first prompt
-    # token's logprob is None.
+    text: str  #: the output as text (stop strings and the stop token left out)
+    output_ids: list[int]  #: the output token ids, the stop token included
+    finish_reason: str  #: ``stop``, ``length`` or ``abort``
+    matched_stop: int | str | None  #: the stop token id or stop string that ended it, if any
+    prompt_tokens: int  #: tokens in the prompt
+    completion_tokens: int  #: tokens in the output
+    cached_tokens: int = 0  #: prompt tokens whose KV came from the radix cache (chapter 04)
+    rid: str = ""  #: the request's id
+    #: With return_logprob: (logprob, token id, [(alternative id, logprob), ...]) per token; the first prompt
+    #: token's logprob is None.
     input_token_logprobs: list[tuple[float | None, int, list[tuple[int, float]]]] | None = None
-    output_token_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
+    output_token_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None  #: the same per output token
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

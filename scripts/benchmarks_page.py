@@ -36,7 +36,7 @@ OTHER_RESULTS = [
     "`docs/data/canonical_ab_raw_prologue_h100.json`.",
     "A fresh process on a machine whose compile caches were warm (kernels compiled by an earlier benchmark): "
     "`docs/data/canonical_fresh_process_split_cap_h100.json`; a wider GPU test run cut off by its time limit, the "
-    "ten tests it finished all passing: `docs/data/gpu_tests_head_partial_h100.txt`; the whole GPU suite, 68 of its 69 "
+    "ten tests it finished all passing: `docs/data/gpu_tests_time_limited_h100.txt`; the whole GPU suite, 68 of its 69 "
     "tests passing and none failing (the 69th not collected on that machine): `docs/data/gpu_tests_full_h100.txt`.",
     "The host and the GPU on one clock in the tail of a canonical run (chapter 11, section 4): "
     "`docs/data/tail_timeline_h100.json`.",
@@ -50,7 +50,7 @@ OTHER_RESULTS = [
     "for many tile shapes: `docs/data/fused_gate_up_one_loop_h100.json`.",
     "The canonical workload from three more cold starts, a first and a second process each, one pair traced step "
     "by step with the garbage collector's work counted (chapter 11, section 4): "
-    "`docs/data/canonical_bare_machine_repeats_h100.json`.",
+    "`docs/data/canonical_cold_start_repeats_h100.json`.",
     "Checking a burst's prompt ids id by id against in C, and the canonical A/B of that change (chapter 11, "
     "section 5): `docs/data/prompt_checks_h100.json`, `docs/data/canonical_ab_prompt_checks_h100.json`.",
     "The first prefill phase of a fresh engine against a later one (chapter 11, section 4): "
@@ -83,7 +83,7 @@ OTHER_RESULTS = [
     "`docs/data/canonical_startup_extend_graphs_h100.json`; with the graphs of several rows and the split draw "
     "`docs/data/canonical_startup_multirow_graphs_h100.json` (with eager warm-ups before every extend graph: "
     "`docs/data/canonical_startup_all_warmups_h100.json`); at the latest engine "
-    "`docs/data/canonical_bare_machine_h100.json`.",
+    "`docs/data/canonical_cold_start_h100.json`.",
     "The sampler's draw split over the vocabulary against one program per row, in one process: "
     "`docs/data/sampler_ab_h100.json`, and the decode profile that showed its cost: `docs/data/decode_profile_h100.txt`. "
     "Logits kept in bf16 against converted to float32, interleaved processes: `docs/data/logits_bf16_ab_h100.json`.",
@@ -126,7 +126,7 @@ OTHER_RESULTS = [
     "The layers' norms folded into the kernels around them (chapter 11, section 4): the interleaved A/B "
     "`docs/data/canonical_ab_norm_folding_h100.json`, a decode step's kernels after it "
     "`docs/data/decode_anatomy_folded_h100.json`, the prefill phase `docs/data/prefill_anatomy_folded_h100.json`, "
-    "a cold start with it `docs/data/canonical_bare_machine_folded_h100.json`, its GPU tests "
+    "a cold start with it `docs/data/canonical_cold_start_folded_h100.json`, its GPU tests "
     "`docs/data/gpu_tests_norm_folding_engine_h100.txt`, `docs/data/gpu_tests_norm_folding_h100.txt`, "
     "`docs/data/gpu_tests_norm_folding_suite_h100.txt`. Decode attention with a cache per layer and the engine's "
     "slot layout: `docs/data/gather_bandwidth_layers_h100.json`, `docs/data/decode_balance_layers_h100.json`; "
@@ -169,9 +169,9 @@ OTHER_RESULTS = [
     "with the two races alternating in one process `docs/data/sampler_prune_ab_h100.json`, in interleaved "
     "processes `docs/data/canonical_ab_race_prune_h100.json`; the GPU tests of sampling, CUDA graphs, folded norms "
     "and fused kernels with it, 27 tests `docs/data/gpu_tests_prune_h100.txt`. The five cold starts before it: "
-    "`docs/data/canonical_bare_machine_split_cap_h100.json`, `docs/data/canonical_bare_machine_split_cap_2_h100.json`, "
-    "`docs/data/canonical_bare_machine_loads_first_h100.json`, "
-    "`docs/data/canonical_bare_machine_loads_first_2_h100.json`, `docs/data/canonical_bare_machine_fast_log_h100.json` "
+    "`docs/data/canonical_cold_start_split_cap_h100.json`, `docs/data/canonical_cold_start_split_cap_2_h100.json`, "
+    "`docs/data/canonical_cold_start_loads_first_h100.json`, "
+    "`docs/data/canonical_cold_start_loads_first_2_h100.json`, `docs/data/canonical_cold_start_fast_log_h100.json` "
     "(first runs of 19,875-20,251 output tok/s).",
 ]
 
@@ -191,7 +191,7 @@ HISTORY_NOTE = (
 TP_NOTES = (
     "Engine settings: FA3 attention for prefill and decode and `MINISGL_FUSED=0` (plain RMSNorm/SiLU/RoPE), the same "
     "at tp=1 and tp=2.",
-    "The check comes from a separate run of `python -m minisgl_ref.bench.tp --phase check --tp-size 2` on a fresh "
+    "The check comes from a separate run of `python -m benchmarks.tp --phase check --tp-size 2` on a fresh "
     "2 x H200 machine: in the first run the tp=2 engine hung while shutting NCCL down (fixed since: tp=2 now shuts "
     "down in about a second).",
 )
@@ -217,7 +217,7 @@ def offline_section() -> list[str]:
         "",
         "Data: [`docs/data/gpu_offline_h100.json`](data/gpu_offline_h100.json) (and the profile tables "
         "`gpu_offline_h100_profile_decode.txt`, `gpu_offline_h100_host_profile.txt` beside it). Measured by "
-        f"`bash scripts/gpu/offline.sh bench` on an **{hw['gpu']}** (driver {hw['nvidia_driver']}, CUDA "
+        f"`bash scripts/gpu/measure/offline.sh bench` on an **{hw['gpu']}** (driver {hw['nvidia_driver']}, CUDA "
         f"{hw['cuda_runtime']}), torch {sw['torch']}, triton {pk['triton']}, flashinfer {pk['flashinfer-python']}, "
         f"FA3 (`flash_attn_interface`), {prov['date'][:16].replace('T', ' ')} UTC. "
         "Model: Qwen3-0.6B config, bf16, dummy weights.",
@@ -293,11 +293,11 @@ def offline_section() -> list[str]:
         out.append(f"| {h['output_throughput']:,.0f} | {'' if again_tp is None else f'{again_tp:,.0f}'} | "
                    f"{pct(h['roofline_fraction'])} | {'; '.join(ab)} | {h['change']} |")
     launch = load("launch_overhead_h100.json")
-    out += ["", "**Host time per kernel launch** (`scripts/gpu/launch_overhead.py`, tiny tensors, host-bound; "
+    out += ["", "**Host time per kernel launch** (`scripts/gpu/measure/launch_overhead.py`, tiny tensors, host-bound; "
             "why our Triton kernels run only in graph-replayed decode steps):", "",
             "| launcher | us per launch |", "| --- | ---: |"]
     out += [f"| {k} | {v:.1f} |" for k, v in launch["us_per_launch"].items()]
-    out += ["", "Reproduce: `bash scripts/gpu/offline.sh` (the GPU tests and every measurement above), or "
+    out += ["", "Reproduce: `bash scripts/gpu/chapter.sh 08` (the GPU tests and every measurement above), or "
             "`python -m minisgl_ref bench offline` (`--disable-cuda-graph`, `--attention-backend NAME`, `--stage all`). "
             "On a CPU, in seconds: `python -m minisgl_ref bench offline --quick --stage all` (a tiny model: ratios, "
             "not speeds).", ""]
@@ -309,8 +309,9 @@ def tp_section() -> list[str]:
     prov = t["provenance"]
     chk = t["tp_check"]
     out = ["## Tensor parallelism on two H200s (chapter 09)", "",
-           f"Data: [`docs/data/tp_bench_h200.json`](data/tp_bench_h200.json) (log beside it). "
-           f"`scripts/gpu/tp_bench.sh` on **2 x {prov['hardware']['gpu']}** (NCCL, NVLink multicast off), "
+           f"Data: [`docs/data/tp_bench_h200.json`](data/tp_bench_h200.json) (its log: "
+           "[`docs/data/tp_bench_h200.log`](data/tp_bench_h200.log)). "
+           f"`scripts/gpu/measure/tp_bench.sh` on **2 x {prov['hardware']['gpu']}** (NCCL, NVLink multicast off), "
            f"{prov['date'][:16].replace('T', ' ')} UTC; Qwen3-14B config, "
            "bf16, dummy weights, FA3 attention, plain element-wise ops (`MINISGL_FUSED=0`).", "",
            "| | tp=1 | tp=2 | tp=2 / tp=1 |", "| --- | ---: | ---: | ---: |"]
@@ -346,8 +347,9 @@ def parallel_serving_section() -> list[str]:
     c = check["check"]
     one, two = dp["dp1"], dp["dp2"]
     out = ["## Serving with tensor and data parallelism on two H200s (chapters 09 and 10)", "",
-           "Data: [`docs/data/parallel_serving_h200.json`](data/parallel_serving_h200.json) (log beside it), from "
-           f"`scripts/gpu/parallel_serving.py` on **{len(prov['gpus'])} x {prov['gpus'][0].split(',')[0]}** "
+           "Data: [`docs/data/parallel_serving_h200.json`](data/parallel_serving_h200.json) (its log: "
+           "[`docs/data/parallel_serving_h200.log`](data/parallel_serving_h200.log)), from "
+           f"`scripts/gpu/measure/parallel_serving.py` on **{len(prov['gpus'])} x {prov['gpus'][0].split(',')[0]}** "
            f"(torch {prov['torch']}, flashinfer {prov['flashinfer']}, NVLink multicast off); Qwen3-0.6B config, bf16, "
            "dummy weights. Each phase in the file carries its own commit.", "",
            "| what | measured |", "| --- | --- |",
@@ -401,7 +403,7 @@ def seams_section() -> list[str]:
         ratios.append(f"{on:,.0f} / {off:,.0f} ({on / off:.2f}x)")
     out += [f"| shared-prefix workload, output tok/s, radix cache on / off | {ratios[0]} | {ratios[1]} |", "",
             "Data: [`canonical_ab_extensions_h200.json`](data/canonical_ab_extensions_h200.json) "
-            "(`scripts/gpu/canonical_ab.sh`; start-up times in its note), "
+            "(`scripts/gpu/ab.sh`; start-up times in its note), "
             "[`shared_prefix_radix_h200.json`](data/shared_prefix_radix_h200.json); the GPU tests "
             "[`gpu_tests_h200.txt`](data/gpu_tests_h200.txt); tensor parallelism on two GPUs: "
             f"[`tp_check_h200.json`](data/tp_check_h200.json) (tp=2 logits against tp=1: relative error "
@@ -412,17 +414,17 @@ def seams_section() -> list[str]:
 
 
 #: The engine as it stands, from cold starts (newest last): the page opens with them.
-LATEST_BARE = ["canonical_bare_machine_prune_h100.json"] + [f"canonical_bare_machine_prune_{i}_h100.json"
+LATEST_COLD = ["canonical_cold_start_prune_h100.json"] + [f"canonical_cold_start_prune_{i}_h100.json"
                                                            for i in range(2, 6)]
 
 
 def latest_section() -> list[str]:
     """The canonical workload from cold starts with the engine at the end of chapter 11: first and second process."""
-    docs = [(name, load(name)) for name in LATEST_BARE]
+    docs = [(name, load(name)) for name in LATEST_COLD]
     prov = docs[-1][1]["cold"]["provenance"]
     hw, sw = prov["hardware"], prov["software"]
     out = ["## The engine as it stands: first run from a cold start (chapter 11)", "",
-           "`bash scripts/gpu/bare_machine.sh OUT.json` runs `python -m minisgl_ref bench offline` (the canonical "
+           "`bash scripts/gpu/bench.sh OUT.json` runs `python -m minisgl_ref bench offline` (the canonical "
            "workload, Qwen3-0.6B config, bf16, dummy weights) in a first process on a fresh machine, its compile "
            "caches empty (a cold start), then in a second process. One row per machine; machines differ by a few percent. "
            f"{hw['gpu']} (driver {hw['nvidia_driver']}), torch {sw['torch']}, flashinfer "

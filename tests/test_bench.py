@@ -111,14 +111,14 @@ def test_skinny_gemm_split_k_adds_every_slice_once_and_resets_its_counters():
 
 
 def test_padded_model_computes_what_the_small_model_computes():
-    """``scripts/gpu/padded_model.py`` widens a Llama model with zeros (more hidden units, heads with their own KV
+    """``scripts/gpu/measure/padded_model.py`` widens a Llama model with zeros (more hidden units, heads with their own KV
     heads, a wider MLP, rescaled norms): the wide model's logits are the small one's, in float32, for a tiny
     random grouped-query model checked with HF transformers."""
     import importlib.util
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    spec = importlib.util.spec_from_file_location("padded_model", REPO / "scripts" / "gpu" / "padded_model.py")
+    spec = importlib.util.spec_from_file_location("padded_model", REPO / "scripts" / "gpu" / "measure" / "padded_model.py")
     assert spec is not None and spec.loader is not None
     pm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pm)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -29,7 +30,7 @@ import warnings
 # %%
 print("hello")
 
-# %%
+# %% alt="Bar chart: one grey bar per request, the third twice as tall as the others" caption="Tokens per request"
 show_a_figure()
 
 # %% tags=["remove"]
@@ -74,7 +75,9 @@ def test_outputs_follow_their_cells(hook, tmp_path: Path) -> None:  # type: igno
     assert "lines left out" in md and "499" in md and "\n250\n" not in md  # long text keeps its head and tail
     assert "UserWarning" not in md and "not on the page" not in md and "<Figure size" not in md
     assert page.figures == [("chapters/42_test/fig-1.png", PNG)]
-    assert "![Figure 1 of chapter 42, A test chapter](42_test/fig-1.png)" in md
+    assert ('<figure class="chapter-figure" markdown="span">\n'
+            "![Bar chart: one grey bar per request, the third twice as tall as the others](42_test/fig-1.png)\n"
+            "<figcaption>Figure 42.1: Tokens per request</figcaption>\n</figure>") in md
 
 
 def test_stale_or_missing_executed_copy_gives_code_only(hook, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -117,3 +120,53 @@ def test_a_plotting_cell_folds_its_code_and_shows_its_figure(hook, tmp_path: Pat
     assert 'print("result")' not in md and not line_of("result").startswith(" ")  # output only
     assert md.count('??? note "setup"') == 1 and md.count('??? note "code"') == 1
     assert md.count('??? note "output"') == 1
+
+
+def _figures_page(hook, tmp_path: Path, header: str, pngs: int):  # type: ignore[no-untyped-def]
+    """A chapter 07 whose one plotting cell (with ``header`` after ``# %%``) drew ``pngs`` figures."""
+    script = tmp_path / "07_figs.py"
+    script.write_text(f'# %% [markdown]\n# # 07 · Figures\n\n# %% {header}\ndraw()\n')
+    nb = jupytext.read(script, fmt="py:percent")
+    plot = next(c for c in nb.cells if c.cell_type == "code")
+    plot.outputs = [nbformat.v4.new_output("display_data", data={"image/png": base64.b64encode(PNG).decode()})
+                    for _ in range(pngs)]
+    executed = tmp_path / "executed"
+    executed.mkdir(exist_ok=True)
+    nbformat.write(nb, executed / "07_figs.ipynb")
+    chapter = hook.Chapter(number="07", stem="07_figs", source=script, title="Figures")
+    return hook.render_chapter_page(chapter, executed)
+
+
+def test_a_figure_renders_with_its_number_caption_and_alt_text(hook, tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The page's HTML (as MkDocs' markdown makes it) has a ``<figure>`` with the image, its alt text, and a
+    ``<figcaption>`` numbered by chapter and place; a cell that draws two figures gives a list per key."""
+    import markdown
+
+    header = ('alt=["Line chart: time (y) against batch size (x), flat then rising", '
+              '"Bar chart: three bars, the middle one [highest] & labelled"] '
+              'caption=["Step time against batch size", "Tokens kept < tokens sent"] tags=["hide-input"]')
+    with caplog.at_level("WARNING", logger="mkdocs.hooks.chapters"):
+        page = _figures_page(hook, tmp_path, header, pngs=2)
+    assert caplog.records == []
+    html = markdown.markdown(page.markdown, extensions=["md_in_html", "attr_list", "admonition", "pymdownx.details"])
+    figures = re.findall(r'<figure class="chapter-figure">(.*?)</figure>', html, re.DOTALL)
+    assert len(figures) == 2
+    assert '<img alt="Line chart: time (y) against batch size (x), flat then rising" src="07_figs/fig-1.png" />' \
+        in figures[0]
+    assert "<figcaption>Figure 7.1: Step time against batch size</figcaption>" in figures[0]
+    assert 'alt="Bar chart: three bars, the middle one [highest] &amp; labelled" src="07_figs/fig-2.png"' in figures[1]
+    assert "<figcaption>Figure 7.2: Tokens kept &lt; tokens sent</figcaption>" in figures[1]
+    assert html.index("draw()") < html.index("<figure")  # the folded code, then the figures
+
+
+def test_a_figure_without_caption_or_alt_text_is_a_build_warning(hook, tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """``mkdocs build --strict`` fails on warnings: a figure its cell does not describe stops the build."""
+    with caplog.at_level("WARNING", logger="mkdocs.hooks.chapters"):
+        _figures_page(hook, tmp_path, 'tags=["hide-input"]', pngs=1)
+    assert [r.getMessage() for r in caplog.records] == [
+        '07_figs: Figure 7.1 has no caption and no alt: give its cell `caption="..." alt="..."` in its '
+        "`# %%` header line"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mkdocs.hooks.chapters"):  # one string is for one figure only
+        _figures_page(hook, tmp_path, 'alt="Line chart: time against batch size, flat" caption="Step time"', pngs=2)
+    assert [r.getMessage().split(":")[1] for r in caplog.records] == [" Figure 7.2 has no caption and no alt"]

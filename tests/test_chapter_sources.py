@@ -127,6 +127,100 @@ def test_which_tags_hide_a_figure(hook, tmp_path: Path) -> None:  # type: ignore
     assert hidden_figures(script, hook) == ["42_fig.py, code cell 2, tags ['setup']"]
 
 
+#: Alt text that says nothing about the picture: the hook's old placeholder, or a bare word.
+GENERIC_ALT = re.compile(r"^(figure|image|picture|plot|chart|graph|diagram)\b.{0,25}$|figure \d+ of chapter",
+                         re.IGNORECASE)
+MIN_ALT = 30
+
+
+def figure_cells(path: Path) -> list[tuple[int, int]]:
+    """``(cell index, figures it draws)`` for each code cell of a chapter that draws, in page order."""
+    return [(k, len(DRAWS_FIGURE.findall(cell.source))) for k, cell in enumerate(_cells(path))
+            if cell.cell_type == "code" and DRAWS_FIGURE.search(cell.source)]
+
+
+def undescribed_figures(path: Path, hook) -> list[str]:  # type: ignore[no-untyped-def]
+    """Figures whose cell gives no caption, or an alt text too short or too generic to tell a reader what it shows."""
+    cells, found = _cells(path), []
+    for k, count in figure_cells(path):
+        for i in range(count):
+            caption, alt = hook.figure_texts(cells[k].metadata, i)
+            where = f"{path.name}, code cell {k}, figure {i + 1} of the cell"
+            if not caption:
+                found.append(f"{where}: no caption")
+            if len(alt) < MIN_ALT or GENERIC_ALT.search(alt) or alt == caption:
+                found.append(f"{where}: alt text {alt!r} does not describe the picture")
+    return found
+
+
+def uncited_figures(path: Path) -> list[str]:
+    """Figures that the markdown cell right after their cell does not cite by number (``Figure 3.2``)."""
+    cells, found, number = _cells(path), [], 0
+    chapter = int(path.name[:2])
+    for k, count in figure_cells(path):
+        after = cells[k + 1] if k + 1 < len(cells) else None
+        for _ in range(count):
+            number += 1
+            label = f"Figure {chapter}.{number}"
+            if after is None or after.cell_type != "markdown":
+                found.append(f"{path.name}, code cell {k}: no markdown cell right after it to say what {label} shows")
+            elif not re.search(re.escape(label) + r"(?!\d)", after.source):
+                found.append(f"{path.name}, code cell {k}: the markdown cell after it does not cite {label}")
+    return found
+
+
+#: Ways of pointing at a figure without its number, which break when cells move.
+VAGUE_FIGURE_REFERENCE = re.compile(
+    r"\b(the|this|that) (picture|figure|plot|chart)s? (above|below)\b"
+    r"|\b(read|in|see) the (picture|plot|figure|chart)\b"
+    r"|\bthe (first|second|third|last|previous|next) (picture|figure|plot|chart)\b", re.IGNORECASE)
+
+
+def vague_figure_references(path: Path) -> list[str]:
+    found = []
+    for k, cell in enumerate(_cells(path)):
+        if cell.cell_type == "markdown":
+            found += [f"{path.name}, markdown cell {k}: {m.group(0)!r}" for m in VAGUE_FIGURE_REFERENCE.finditer(
+                " ".join(cell.source.split()))]
+    return found
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_every_figure_has_a_caption_alt_text_and_a_sentence_citing_it(path: Path, hook) -> None:  # type: ignore[no-untyped-def]
+    """The site numbers each figure ``Figure C.K`` and captions it from its cell's ``caption`` and ``alt``
+    metadata (``docs/hooks/chapters.py``); the prose right after it says what to look at, by that number."""
+    assert undescribed_figures(path, hook) == [], 'give the plotting cell `# %% alt="..." caption="..."`'
+    assert uncited_figures(path) == []
+    assert vague_figure_references(path) == []
+
+
+def test_undescribed_and_uncited_figures_are_caught(hook, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    alt = "Line chart: time per step (y) against batch size (x), flat up to 64, then rising"
+    good = tmp_path / "03_good.py"
+    good.write_text(f'# %% alt="{alt}" caption="Step time against batch size" tags=["hide-input"]\nplt.show()\n\n'
+                    "# %% [markdown]\n# Figure 3.1 shows the knee.\n\n"
+                    '# %% alt=["Bar chart: tokens per request, the third bar twice as tall", '
+                    '"Bar chart: pages per request, all bars the same height"] caption=["Tokens", "Pages"]\n'
+                    "plt.show()\nplt.show()\n\n# %% [markdown]\n# Compare Figure 3.2 with Figure 3.3.\n")
+    assert figure_cells(good) == [(0, 1), (2, 2)]
+    assert undescribed_figures(good, hook) == [] and uncited_figures(good) == [] and vague_figure_references(good) == []
+    bad = tmp_path / "03_bad.py"
+    bad.write_text('# %% tags=["hide-input"]\nplt.show()\n\n# %% [markdown]\n# Figure 3.1 shows it.\n\n'
+                   '# %% alt="Figure 2 of chapter 03, KV cache and batching" caption="Pool"\nplt.show()\n\n'
+                   "# %% [markdown]\n# Figure 3.20 is not figure 3.2, as the picture above shows.\n\n"
+                   f'# %% alt="Chart" caption="Chart"\nfig.show()\n\n# %%\nprint(1)\n\n'
+                   f'# %% alt="{alt}" caption="Step time"\nplt.show()\n\n# %% [markdown]\n# Figure 3.3 shows it.\n')
+    assert [p.split(": ", 1)[1] for p in undescribed_figures(bad, hook)] == [
+        "no caption", "alt text '' does not describe the picture",
+        "alt text 'Figure 2 of chapter 03, KV cache and batching' does not describe the picture",
+        "alt text 'Chart' does not describe the picture"]
+    assert [p.split(": ", 1)[1] for p in uncited_figures(bad)] == [
+        "the markdown cell after it does not cite Figure 3.2",
+        "no markdown cell right after it to say what Figure 3.3 shows",
+        "the markdown cell after it does not cite Figure 3.4"]  # numbers follow the page: the last is 3.4, not 3.3
+    assert [v.split(": ", 1)[1] for v in vague_figure_references(bad)] == ["'the picture above'"]
+
+
 def _prose_lines(path: Path) -> list[tuple[int, str]]:
     """The lines a reader reads as prose: markdown cells and comments of a chapter, or a docs page."""
     lines = path.read_text(encoding="utf-8").splitlines()

@@ -257,7 +257,7 @@ def test_a_lone_request_that_cannot_grow_is_aborted():
 def test_no_retraction_while_a_step_is_in_flight_or_in_a_mixed_step():
     """While a step is in flight (overlap, chapter 06) retracting could free nothing: the scheduler answers
     NEED_SYNC and changes nothing. A mixed step (chapter 05) never retracts: its decode rows just wait. Once the
-    step in flight has been processed, the same call retracts."""
+    step in flight has been processed, the scheduler, asked again, retracts."""
     sched = bare_scheduler(6)
     reqs = [toy_req(2, max_new=5, first=3 + 10 * i) for i in range(3)]
     for r in reqs:
@@ -614,7 +614,7 @@ def test_overlap_processes_each_step_one_call_late(tiny_llm):
 @pytest.mark.task("6.1")
 def test_overlap_retracts_only_after_finishing_the_step_in_flight(tiny_llm):
     """A pool that forces retraction under overlap: the scheduler answers NEED_SYNC, the engine processes the step
-    in flight and schedules again in the same call. Tokens equal the oracle's, the pool is whole again."""
+    in flight and schedules again before ``step()`` returns. Tokens equal the oracle's, the pool is whole again."""
     rng = random.Random(21)
     prompts = [rand_tokens(rng, n) for n in (20, 24, 16, 28, 18, 22)]
     params = greedy(40, ignore_eos=True)

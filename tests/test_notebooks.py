@@ -12,13 +12,16 @@ Each chapter is written once, as ``chapters/NN_slug.py`` (jupytext percent forma
   ``notebooks/``: the executed notebook, outputs and figures included, is saved as ``build/executed/NN_slug.ipynb``
   (ignored by git), which the site build (``docs/hooks/chapters.py``) renders after each cell. A notebook that
   fails leaves no executed copy behind. Figures are recorded with the inline matplotlib backend, so every
-  ``plt.show()`` becomes a PNG output.
+  ``plt.show()`` becomes a PNG output. Then its outputs are rendered as the chapter page renders them, and
+  every line of a printed-text block must fit in ``minisgl_ref.book.OUTPUT_COLUMNS`` characters (code shown
+  with ``show_code`` is markdown, not printed text: the site's code rule applies to it instead).
 
 With no chapter written yet, both tests report a single skip.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -31,6 +34,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+from minisgl_ref.book import OUTPUT_COLUMNS
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.py"))
@@ -83,6 +88,64 @@ def test_every_notebook_has_a_chapter() -> None:
         nb.name for nb in (ROOT / "notebooks").glob("*.ipynb") if not (ROOT / "chapters" / f"{nb.stem}.py").is_file()
     )
     assert not orphans, f"notebooks without a chapter: {orphans} ({SYNC_HINT}, which deletes them)"
+
+
+# ------------------------------------------------------------------------------------------------ output width
+
+#: A ``text`` fence on a rendered page (a printed-text output block): its fence, then its body.
+_TEXT_FENCE = re.compile(r"^(`{3,})text\n(.*?)\n\1$", re.S | re.M)
+
+
+def _chapter_hook():  # type: ignore[no-untyped-def]
+    """``docs/hooks/chapters.py``, the site's chapter renderer (not a package: loaded from its file)."""
+    spec = importlib.util.spec_from_file_location("chapters_hook_notebooks", ROOT / "docs" / "hooks" / "chapters.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[spec.name] = module  # type: ignore[union-attr]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def wide_output_lines(nb: nbformat.NotebookNode, stem: str, width: int = OUTPUT_COLUMNS) -> list[str]:
+    """Every line of a printed-text output block on ``stem``'s page that is longer than ``width``, as
+    ``"cell K: [length] start of the line"``. The outputs are rendered by the page's own renderer (streams merged,
+    warnings dropped, very long blocks cut), so what is checked is what a reader sees; outputs the page leaves
+    out (``remove-output`` cells) are not checked, and markdown outputs (``show_code``, ``show_table``) are not
+    printed text."""
+    hook = _chapter_hook()
+    chapter = hook.Chapter(number=stem[:2], stem=stem, source=ROOT / "chapters" / f"{stem}.py", title=stem)
+    wide, figures = [], []
+    for k, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or hook.cell_parts(cell.metadata.get("tags", [])).outputs == "removed":
+            continue
+        for block in hook.render_outputs(cell.get("outputs", []), chapter, figures):
+            for fence in _TEXT_FENCE.finditer(block):
+                wide += [f"cell {k}: [{len(line)}] {line[:80]}" for line in fence.group(2).splitlines()
+                         if len(line) > width]
+    return wide
+
+
+def test_wide_output_lines_are_caught() -> None:
+    """A printed line wider than the column is reported (in a fold too); code shown as markdown, figures and
+    removed outputs are not."""
+    long_line = "x" * 150
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("print(...)", outputs=[
+            nbformat.v4.new_output("stream", name="stdout", text="short\n" + long_line + "\n")]),
+        nbformat.v4.new_code_cell("x", outputs=[
+            nbformat.v4.new_output("execute_result", data={"text/plain": "y" * 120}, execution_count=1)]),
+        nbformat.v4.new_code_cell("show_code(...)", outputs=[
+            nbformat.v4.new_output("display_data", data={"text/markdown": f"```python\n{long_line}\n```",
+                                                           "text/plain": "<IPython.core.display.Markdown object>"})]),
+        nbformat.v4.new_code_cell("print(...)", metadata={"tags": ["remove-output"]}, outputs=[
+            nbformat.v4.new_output("stream", name="stdout", text=long_line)]),
+        nbformat.v4.new_code_cell("print(...)", metadata={"tags": ["setup"]}, outputs=[
+            nbformat.v4.new_output("stream", name="stdout", text="z" * 101)]),
+        nbformat.v4.new_code_cell("print(...)", outputs=[
+            nbformat.v4.new_output("stream", name="stdout", text="w" * OUTPUT_COLUMNS)]),
+    ]
+    assert wide_output_lines(nb, "99_example") == [
+        f"cell 0: [150] {'x' * 80}", f"cell 1: [120] {'y' * 80}", f"cell 4: [101] {'z' * 80}"]
 
 
 # ------------------------------------------------------------------------------------------------------ execute
@@ -151,7 +214,12 @@ def test_notebook_runs(chapter: Path, kernel_name: str) -> None:
     try:
         client.execute(env=env)  # executes `nb` in memory; the file in notebooks/ is never written
         EXECUTED_DIR.mkdir(parents=True, exist_ok=True)
-        nbformat.write(nb, executed)
+        nbformat.write(nb, executed)  # kept even if a line is too wide: the page still renders, scrolling sideways
+        wide = wide_output_lines(nb, chapter.stem)
+        if wide:
+            pytest.fail(f"{notebook.name}: {len(wide)} printed output line(s) wider than {OUTPUT_COLUMNS} characters "
+                        "on the page (show code with minisgl_ref.book.show_code, rows with show_table, long text with "
+                        "wrap or shorten):\n" + "\n".join(wide), pytrace=False)
         return
     except CellExecutionError as err:
         problem = f"a cell raised\n{err}"

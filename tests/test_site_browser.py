@@ -27,6 +27,9 @@ from pathlib import Path
 
 import pytest
 
+from minisgl_ref.book import OUTPUT_COLUMNS
+from tests.test_chapter_sources import COMMIT_HASH, PROCESS
+
 ROOT = Path(__file__).resolve().parents[1]
 SCREENSHOTS = ROOT / "build" / "screenshots"
 VIEWPORT = {"width": 1440, "height": 900}
@@ -38,6 +41,13 @@ CHROMIUM_ARGS = [
 # At VIEWPORT's width a code line of up to this many characters fits in the content column
 # (docs/stylesheets/extra.css); only a block with a longer line may scroll sideways.
 CODE_COLUMNS = 120
+# A diagram's labels, as drawn (font size times the scale the SVG is shrunk or grown by to fit the column), must
+# be at least this many pixels high, and the drawing at most this many viewports tall: a diagram wider than the
+# column is scaled down until its text cannot be read, and a tall one cannot be seen whole.
+DIAGRAM_MIN_LABEL_PX = 11
+DIAGRAM_MAX_VIEWPORTS = 1.3
+# A printed output line (the ``text`` blocks of a chapter's outputs) is at most OUTPUT_COLUMNS characters long:
+# the width minisgl_ref.book wraps the chapters' printed text to.
 
 pytestmark = pytest.mark.browser
 
@@ -166,6 +176,29 @@ class PageVisit:
             return {width: box.width, height: box.height, text: svg.textContent.slice(0, 200)};
         })""")
 
+    def diagram_sizes(self) -> list[dict]:
+        """Each drawn diagram's rendered size and the smallest label on it, in CSS pixels: the computed font size
+        of every visible text (SVG ``<text>`` and the HTML labels inside ``<foreignObject>``) times the scale
+        from the SVG's coordinates to the screen."""
+        return self.page.evaluate("""() => [...document.querySelectorAll('div.mermaid')].map(d => {
+            const svg = d.shadowRoot && d.shadowRoot.querySelector('svg');
+            if (!svg) return null;
+            const box = svg.getBoundingClientRect();
+            const scale = el => { const m = el.getScreenCTM(); return m ? Math.hypot(m.a, m.b) : 1; };
+            const shown = el => { const r = el.getBoundingClientRect(); return r.width > 0 && r.height > 0; };
+            const hasText = el => [...el.childNodes].some(n => n.nodeType === 3 && n.textContent.trim());
+            let min = Infinity, smallest = '';
+            const note = (el, px) => { if (px < min) { min = px; smallest = el.textContent.trim().slice(0, 60); } };
+            for (const t of svg.querySelectorAll('text'))
+                if (t.textContent.trim() && shown(t)) note(t, parseFloat(getComputedStyle(t).fontSize) * scale(t));
+            for (const fo of svg.querySelectorAll('foreignObject'))
+                for (const el of fo.querySelectorAll('*'))
+                    if (hasText(el) && shown(el)) note(el, parseFloat(getComputedStyle(el).fontSize) * scale(fo));
+            return {width: Math.round(box.width), height: Math.round(box.height),
+                    min_label_px: min === Infinity ? null : Math.round(min * 10) / 10, smallest,
+                    text: svg.textContent.replace(/\\s+/g, ' ').slice(0, 60)};
+        }).filter(d => d)""")
+
     def images(self) -> list[dict]:
         self.page.evaluate("""() => Promise.all([...document.images].map(img => {
             img.loading = 'eager';
@@ -174,8 +207,31 @@ class PageVisit:
         return self.page.evaluate("""() => [...document.images].map(img =>
             ({src: img.currentSrc || img.src, natural: img.naturalWidth, complete: img.complete}))""")
 
+    def article_words(self) -> dict:
+        """The article's text as a reader reads it: without code (blocks, outputs and inline code), scripts and
+        typeset math; ``prose`` is the same without tables (a table of runs may name each run's commit)."""
+        return self.page.evaluate("""() => {
+            const article = document.querySelector('article');
+            if (!article) return {text: '', prose: ''};
+            const copy = article.cloneNode(true);
+            copy.querySelectorAll('pre, code, script, style, mjx-container').forEach(e => e.remove());
+            const text = copy.textContent;
+            copy.querySelectorAll('table').forEach(e => e.remove());
+            return {text: text, prose: copy.textContent};
+        }""")
+
     def chapter_outputs(self) -> int:
         return self.page.locator("article .chapter-output").count()
+
+    def undescribed_figures(self) -> list[dict]:
+        """Images of a chapter's outputs that are not a numbered, captioned figure with a real alt text."""
+        return self.page.evaluate("""() => [...document.querySelectorAll('article .chapter-output img')].map(img => {
+            const figure = img.closest('figure');
+            const caption = figure && figure.querySelector('figcaption');
+            return {src: img.getAttribute('src'), alt: img.getAttribute('alt') || '',
+                    caption: caption ? caption.textContent.trim() : null};
+        }).filter(f => f.caption === null || !/^Figure \\d+\\.\\d+: /.test(f.caption) || f.alt.trim().length < 20
+                       || /^Figure \\d+ of chapter/i.test(f.alt))""")
 
     def wide_code(self) -> list[dict]:
         return self.page.evaluate("""() => [...document.querySelectorAll('article pre > code')]
@@ -183,6 +239,15 @@ class PageVisit:
             .map(c => ({first_line: c.textContent.split('\\n')[0].trim(),
                         longest_line: Math.max(...c.textContent.split('\\n').map(l => l.length)),
                         scroll: c.scrollWidth, client: c.clientWidth}))""")
+
+    def wide_output_lines(self, width: int) -> list[dict]:
+        """Lines longer than ``width`` in the printed-text outputs of a chapter (the ``text`` fences the chapter
+        renderer wraps in ``.chapter-output``, which the build highlights as ``.language-text``; code shown with
+        ``show_code`` is ``.language-python`` and follows the code rule instead)."""
+        return self.page.evaluate("""(width) => [...document.querySelectorAll(
+                'article .chapter-output .language-text pre > code')]
+            .flatMap(c => c.textContent.split('\\n').filter(l => l.length > width)
+                .map(l => ({length: l.length, line: l.slice(0, 80)})))""", width)
 
     def search(self, query: str) -> int:
         box = self.page.locator("input.md-search__input")
@@ -246,6 +311,20 @@ def served(site_dir):
     server.shutdown()
 
 
+def process_words_and_hashes(words: dict) -> list[str]:
+    """Words about how a measurement was run, and commit hashes outside tables, in a page's rendered text: the
+    patterns of tests/test_chapter_sources.py, applied to what a reader sees (generated pages and rendered
+    docstrings included, which that test does not read)."""
+    found = []
+    for m in PROCESS.finditer(words["text"]):
+        context = " ".join(words["text"][max(0, m.start() - 50):m.end() + 50].split())
+        found.append(f"process word {m.group(0)!r} in the text: ...{context}...")
+    for m in COMMIT_HASH.finditer(words["prose"]):
+        context = " ".join(words["prose"][max(0, m.start() - 50):m.end() + 50].split())
+        found.append(f"commit hash {m.group(0)} outside a table: ...{context}...")
+    return found
+
+
 def check_page(browser, site: Path, base: str, path: str, *, expect_outputs: bool) -> list[str]:
     """Every reader-facing check on one page; returns the problems found (empty when the page is right)."""
     problems: list[str] = []
@@ -267,16 +346,33 @@ def check_page(browser, site: Path, base: str, path: str, *, expect_outputs: boo
             for d in diagrams:
                 if d["width"] < 20 or d["height"] < 20 or "Syntax error" in d["text"]:
                     problems.append(f"diagram not drawn properly: {d}")
+        step = "diagram sizes"
+        if static["mermaid"]:
+            for d in visit.diagram_sizes():
+                if d["min_label_px"] is not None and d["min_label_px"] < DIAGRAM_MIN_LABEL_PX:
+                    problems.append(f"diagram labels drawn {d['min_label_px']} px high (< {DIAGRAM_MIN_LABEL_PX}): "
+                                    f"{d}")
+                if d["height"] > DIAGRAM_MAX_VIEWPORTS * VIEWPORT["height"]:
+                    problems.append(f"diagram {d['height']} px tall (> {DIAGRAM_MAX_VIEWPORTS} viewports): {d}")
         step = "images"
         for img in visit.images():
             if not img["complete"] or img["natural"] <= 0:
                 problems.append(f"image did not load: {img}")
         if expect_outputs and visit.chapter_outputs() == 0:
             problems.append("no executed output (div.chapter-output) on this chapter page")
+        step = "figures"
+        if _is_chapter(path):
+            problems += [f"figure without a numbered caption and an alt text that describes it: {f}"
+                         for f in visit.undescribed_figures()]
         if _is_chapter(path):
             for block in visit.wide_code():
                 if block["longest_line"] <= CODE_COLUMNS:
                     problems.append(f"code block wider than the column at {VIEWPORT['width']} px: {block}")
+        if _is_chapter(path):
+            for line in visit.wide_output_lines(OUTPUT_COLUMNS):
+                problems.append(f"printed output line longer than {OUTPUT_COLUMNS} characters: {line}")
+        step = "words"
+        problems += process_words_and_hashes(visit.article_words())
         step = "search"
         hits = visit.search(SEARCH_QUERY)
         if hits == 0:
@@ -346,7 +442,8 @@ def test_output_and_image_checks_catch_problems(browser, tmp_path):
         <div class="md-search-result__item">hit</div>"""
     page = "<!doctype html><html><body>{search}<article>{body}</article></body></html>"
     (site / "chapters" / "01_good" / "index.html").write_text(page.format(search=search, body=
-        '<pre><code>x = 1</code></pre><div class="chapter-output"><pre>1</pre><img src="figure.png"></div>'))
+        '<pre><code>x = 1</code></pre><div class="chapter-output"><pre>1</pre><figure><img src="figure.png" '
+        'alt="Line chart: one point per step, rising"><figcaption>Figure 1.1: Steps</figcaption></figure></div>'))
     (site / "chapters" / "02_bare" / "index.html").write_text(page.format(search=search, body=
         "<pre><code>x = 1</code></pre>"))
     (site / "chapters" / "03_broken" / "index.html").write_text(page.format(search=search, body=
@@ -368,6 +465,99 @@ def test_output_and_image_checks_catch_problems(browser, tmp_path):
     assert "request off the local server (blocked): https://unpkg.com/mermaid@11/dist/mermaid.min.js" in online
 
 
+def test_diagram_checks_catch_problems(browser, tmp_path):
+    """The diagram checks on a small synthetic site whose pages draw their diagram the way the theme does (the
+    source in ``pre.mermaid`` replaced by a ``div.mermaid`` holding the SVG in a shadow root): a readable diagram
+    passes; one squeezed into the column until its labels are 8 px high, and one three viewports tall, are
+    reported."""
+    site = tmp_path / "site"
+    search = """<input class="md-search__input">
+        <div class="md-search-result__item">hit</div>"""
+    draw = """<script>
+        for (const pre of document.querySelectorAll('pre.mermaid')) {
+            const div = document.createElement('div'); div.className = 'mermaid';
+            div.attachShadow({mode: 'closed'}).innerHTML = pre.textContent;
+            pre.replaceWith(div);
+        }</script>"""
+    svgs = {  # viewBox width x height, drawn width (the theme caps a drawing at the column's width)
+        "good": '<svg viewBox="0 0 400 200" style="max-width: 400px; width: 100%">'
+                '<text x="10" y="40" font-size="16">ScheduledBatch</text>'
+                '<foreignObject x="10" y="60" width="300" height="40"><div style="font-size: 16px">'
+                '<span>Engine.step()</span></div></foreignObject></svg>',
+        "tiny": '<svg viewBox="0 0 2400 200" style="max-width: 2400px; width: 100%">'
+                '<text x="10" y="40" font-size="16">model + attention backend</text></svg>',
+        "tall": '<svg viewBox="0 0 400 2700" style="max-width: 400px; width: 100%">'
+                '<text x="10" y="40" font-size="16">decoder layer</text></svg>',
+    }
+    page = "<!doctype html><html><body>{search}<article style='width: 800px'>{body}</article>{draw}</body></html>"
+    for name, svg in svgs.items():
+        (site / "diagrams" / name).mkdir(parents=True)
+        body = '<pre class="mermaid">' + svg.replace("&", "&amp;").replace("<", "&lt;") + "</pre>"
+        (site / "diagrams" / name / "index.html").write_text(page.format(search=search, body=body, draw=draw))
+    server, base = _serve(site)
+    try:
+        found = {name: check_page(browser, site, base, f"diagrams/{name}/", expect_outputs=False) for name in svgs}
+    finally:
+        server.shutdown()
+    assert found["good"] == []
+    assert len(found["tiny"]) == 1 and found["tiny"][0].startswith("diagram labels drawn 5.3 px high"), found["tiny"]
+    assert len(found["tall"]) == 1 and found["tall"][0].startswith("diagram 2700 px tall"), found["tall"]
+
+
+def test_wide_output_line_is_caught(browser, tmp_path):
+    """A chapter page whose printed output has a 150-character line is reported; one whose printed lines fit,
+    with a longer line in a highlighted python block (code, not printed text), is not."""
+    site = tmp_path / "site"
+    search = """<input class="md-search__input">
+        <div class="md-search-result__item">hit</div>"""
+    page = "<!doctype html><html><body>{search}<article>{body}</article></body></html>"
+    text = '<div class="chapter-output"><div class="language-text highlight"><pre><span></span><code>{}</code></pre></div></div>'
+    python = ('<div class="chapter-output"><div class="language-python highlight"><pre><span></span><code>{}'
+              '</code></pre></div></div>')
+    lines = "".join(f'<span id="__span-1-{i}"><a id="__codelineno-1-{i}"></a>{line}\n</span>'
+                    for i, line in enumerate(["short", "y" * OUTPUT_COLUMNS]))
+    for name, body in {"01_fits": text.format(lines) + python.format("z" * 110),
+                       "02_wide": text.format("short\n" + "x" * 150 + "\nshort")}.items():
+        (site / "chapters" / name).mkdir(parents=True)
+        (site / "chapters" / name / "index.html").write_text(page.format(search=search, body=body))
+    server, base = _serve(site)
+    try:
+        fits = check_page(browser, site, base, "chapters/01_fits/", expect_outputs=True)
+        wide = check_page(browser, site, base, "chapters/02_wide/", expect_outputs=True)
+    finally:
+        server.shutdown()
+    assert fits == []
+    assert wide == [f"printed output line longer than {OUTPUT_COLUMNS} characters: "
+                    f"{{'length': 150, 'line': '{'x' * 80}'}}"]
+
+
+def test_word_check_catches_process_words_and_hashes(browser, tmp_path):
+    """The rendered-text check on a synthetic site: a page of engine prose passes (a hash in a table, a word in
+    code), a page that speaks of how its numbers were run, or names a commit in a sentence, does not."""
+    site = tmp_path / "site"
+    search = """<input class="md-search__input">
+        <div class="md-search-result__item">hit</div>"""
+    page = "<!doctype html><html><body>{search}<article>{body}</article></body></html>"
+    bodies = {
+        "good": "<p>Graphs replay the whole step with one call; a cold start compiles every kernel.</p>"
+                "<table><tr><td>run</td><td>4d00637</td></tr></table>"
+                "<pre><code>async with session.post(url) as r:</code></pre><p>Set <code>session</code> once.</p>",
+        "call": "<p>Both kernels were timed in one GPU call.</p>",
+        "hash": "<p>The kernel was removed after commit 4d00637.</p>",
+    }
+    for name, body in bodies.items():
+        (site / name).mkdir(parents=True)
+        (site / name / "index.html").write_text(page.format(search=search, body=body))
+    server, base = _serve(site)
+    try:
+        found = {name: check_page(browser, site, base, f"{name}/", expect_outputs=False) for name in bodies}
+    finally:
+        server.shutdown()
+    assert found["good"] == []
+    assert [p.split(" in the text")[0] for p in found["call"]] == ["process word 'GPU call'"]
+    assert [p.split(" outside")[0] for p in found["hash"]] == ["commit hash 4d00637"]
+
+
 def test_screenshots(browser, served):
     """The landing page and a chapter as a reader first sees them, saved as build artefacts."""
     site, base = served
@@ -387,3 +577,37 @@ def test_screenshots(browser, served):
         finally:
             visit.close()
         assert (SCREENSHOTS / name).stat().st_size > 10_000, name
+
+
+def test_figure_caption_check_catches_undescribed_figures(browser, tmp_path):
+    """On a chapter page every output image is a ``<figure>`` captioned ``Figure C.K: ...`` with an alt text that
+    describes it; a bare image, an unnumbered caption and the placeholder alt text are each reported."""
+    import base64
+
+    site = tmp_path / "site"
+    folder = site / "chapters" / "05_figures"
+    folder.mkdir(parents=True)
+    (folder / "figure.png").write_bytes(base64.b64decode(
+        "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="))
+    alt = "Line chart: time per step against batch size, flat then rising"
+    figures = [
+        f'<figure><img src="figure.png" alt="{alt}"><figcaption>Figure 5.1: Step time</figcaption></figure>',
+        '<img src="figure.png" alt="Figure 2 of chapter 05, Chunked prefill">',  # the old rendering: no caption
+        f'<figure><img src="figure.png" alt="{alt}"><figcaption>Step time</figcaption></figure>',  # no number
+        '<figure><img src="figure.png" alt="Figure 4 of chapter 05"><figcaption>Figure 5.4: x</figcaption></figure>',
+        '<figure><img src="figure.png"><figcaption>Figure 5.5: no alt text</figcaption></figure>',
+    ]
+    body = "".join(f'<div class="chapter-output">{f}</div>' for f in figures)
+    (folder / "index.html").write_text('<!doctype html><html><body><input class="md-search__input">'
+                                       '<div class="md-search-result__item">hit</div>'
+                                       f"<article>{body}</article></body></html>")
+    server, base = _serve(site)
+    try:
+        problems = check_page(browser, site, base, "chapters/05_figures/", expect_outputs=True)
+    finally:
+        server.shutdown()
+    reported = [p for p in problems if p.startswith("figure without")]
+    assert len(reported) == 4 == len(problems), problems
+    assert [("'caption': None" in p, "'caption': 'Step time'" in p, "Figure 4 of chapter" in p, "'alt': ''" in p)
+            for p in reported] == [(True, False, False, False), (False, True, False, False),
+                                   (False, False, True, False), (False, False, False, True)]

@@ -44,19 +44,38 @@ each output wrapped in ``<div class="chapter-output">``:
   note saying how many lines were left out); Python warnings on stderr and reprs of matplotlib objects
   (``<Figure size ...>``) are dropped;
 * ``text/html`` (tables) is inserted as HTML, ``text/markdown`` as markdown;
-* ``image/png`` (every ``plt.show()``) becomes a file ``chapters/NN_slug/fig-K.png`` of the site, shown with an
-  ``<img>`` and alt text; ``image/svg+xml`` is inlined;
+* ``image/png`` (every ``plt.show()``) becomes a file ``chapters/NN_slug/fig-K.png`` of the site, shown as a
+  numbered figure with a caption and alt text (see *Figures* below); ``image/svg+xml`` is inlined;
 * outputs of cells folded whole (``setup``, ``hide-cell``) stay in the fold, as do those of ``hide-output``
   cells; outputs of ``hide-input`` cells follow the fold, visible; removed cells show nothing.
 
 With no executed copy, or a stale one (the chapter changed since the test ran), the page shows code only and the
 build logs one info line saying so (``--strict`` is not affected). Run
 ``pytest tests/test_notebooks.py -k "runs"`` before ``mkdocs build`` to get a page with outputs.
+
+Figures. The cell that draws a figure gives its caption and its alt text as cell metadata, next to its tags in the
+cell's header line of the chapter script (jupytext keeps both keys in ``cell.metadata`` of the notebook, and writes
+the keys of a header in alphabetical order)::
+
+    # %% alt="Line chart: time per step against tokens fed, rising ..." caption="Each step ..." tags=["hide-input"]
+
+The alt text says what the picture shows to a reader who cannot see it (the kind of chart, its axes, the shape of
+the data); the caption says what the figure is. A cell that draws several figures gives a list for each key
+(``caption=["first", "second"]``), one entry per figure, in the order it draws them. The keys hold plain text (no
+double quotes: the header line is not the place for escapes). A cell that only plots is tagged ``hide-input``: the
+page folds the code and shows the figure.
+
+Every PNG of a page is numbered ``Figure C.K``: ``C`` the chapter's number without its leading zero, ``K`` the
+figure's place among the page's figures (so the numbers follow the page, whichever cells draw them). It is rendered
+as a ``<figure class="chapter-figure">`` holding the image, with the alt text, and a ``<figcaption>`` that reads
+``Figure C.K: caption``; the prose cites figures by these numbers. A figure whose cell gives no caption or no alt
+text for it is logged as a warning, so ``mkdocs build --strict`` fails.
 """
 
 from __future__ import annotations
 
 import base64
+import html
 import logging
 import posixpath
 import re
@@ -292,9 +311,41 @@ def _merged_streams(outputs) -> list:  # type: ignore[no-untyped-def]
     return merged
 
 
-def render_outputs(outputs, chapter: Chapter, figures: list[tuple[str, bytes]]) -> list[str]:  # type: ignore[no-untyped-def]
-    """One ``chapter-output`` block per output of a code cell; PNG figures are appended to ``figures``."""
+def figure_number(chapter: Chapter, k: int) -> str:
+    """``"11.3"``: the number the page gives the ``k``-th figure (from 1) of ``chapter``."""
+    return f"{int(chapter.number)}.{k}"
+
+
+def figure_texts(metadata, i: int) -> tuple[str, str]:  # type: ignore[no-untyped-def]
+    """The caption and alt text a cell's metadata gives its ``i``-th figure (from 0); ``""`` where it gives none.
+
+    Each key is a string (a cell that draws one figure) or a list with one string per figure.
+    """
+    def pick(key: str) -> str:
+        value = (metadata or {}).get(key, "")
+        if isinstance(value, (list, tuple)):
+            value = value[i] if i < len(value) else ""
+        elif i > 0:
+            value = ""  # a single string is for the cell's first figure only
+        return " ".join(str(value).split())
+    return pick("caption"), pick("alt")
+
+
+def figure_block(number: str, src: str, caption: str, alt: str) -> str:
+    """A numbered figure: the image with its alt text, and the caption under it (Material's figure markup)."""
+    alt_md = alt.replace("\\", "\\\\").replace("[", "\\[").replace("]", "\\]")
+    return (f'<figure class="chapter-figure" markdown="span">\n![{alt_md}]({src})\n'
+            f"<figcaption>Figure {number}: {html.escape(caption, quote=False)}</figcaption>\n</figure>")
+
+
+def render_outputs(outputs, chapter: Chapter, figures: list[tuple[str, bytes]],  # type: ignore[no-untyped-def]
+                   metadata=None) -> list[str]:
+    """One ``chapter-output`` block per output of a code cell; PNG figures are appended to ``figures``.
+
+    ``metadata`` is the cell's metadata: where its figures' captions and alt texts come from.
+    """
     blocks = []
+    drawn = 0  # figures of this cell so far
     for out in _merged_streams(outputs):
         kind = out.get("output_type")
         if kind == "stream":
@@ -312,8 +363,14 @@ def render_outputs(outputs, chapter: Chapter, figures: list[tuple[str, bytes]]) 
             k = len(figures) + 1
             uri = f"chapters/{chapter.stem}/fig-{k}.png"
             figures.append((uri, base64.b64decode(_text(data["image/png"]))))
-            alt = f"Figure {k} of chapter {chapter.number}, {chapter.title}"
-            blocks.append(_output_block(f"![{alt}]({chapter.stem}/fig-{k}.png)"))
+            caption, alt = figure_texts(metadata, drawn)
+            drawn += 1
+            number = figure_number(chapter, k)
+            missing = [key for key, value in (("caption", caption), ("alt", alt)) if not value]
+            if missing:
+                log.warning("%s: Figure %s has no %s: give its cell `caption=\"...\" alt=\"...\"` in its "
+                            "`# %%%%` header line", chapter.stem, number, " and no ".join(missing))
+            blocks.append(_output_block(figure_block(number, f"{chapter.stem}/fig-{k}.png", caption, alt)))
         elif "image/svg+xml" in data:
             blocks.append(_output_block(_text(data["image/svg+xml"]), markdown=False))
         elif "text/html" in data:
@@ -378,7 +435,7 @@ def _render_cell(cell, outputs=None, chapter: Chapter | None = None,  # type: ig
     where = cell_parts(tags)
     rendered = []
     if outputs and chapter is not None and figures is not None and where.outputs != "removed":
-        rendered = render_outputs(outputs, chapter, figures)
+        rendered = render_outputs(outputs, chapter, figures, cell.metadata)
     code_block = _fence(source)
     output_block = "\n\n".join(rendered)
     if where.one_fold:

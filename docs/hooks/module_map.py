@@ -8,7 +8,7 @@ docstring and the chapters that docstring names. Nothing in the table is written
 - the floors come from ``LAYERS`` in ``tests/test_layering.py``, the one list of them, which that test enforces;
 - the chapters are the two-digit numbers after "chapter"/"chapters" in the docstring's first paragraph (a module
   that names none inherits its package's);
-- the links point at the ``docs/reference/*.md`` page whose ``::: module`` block renders that module.
+- the links point at the ``docs/reference/**/*.md`` page whose ``::: module`` block renders that module.
 
 A module with no docstring, or with no ``::: module`` block on any reference page, is logged as a warning, which
 fails ``mkdocs build --strict``: every module must say what it is and appear in the API reference.
@@ -115,7 +115,7 @@ def collect_modules() -> list[Module]:
 def reference_pages() -> dict[str, tuple[str, bool]]:
     """module -> (reference page relative to docs/, whether it is rendered with a heading of its own)."""
     found: dict[str, tuple[str, bool]] = {}
-    for page in sorted(REFERENCE_DIR.glob("*.md")):
+    for page in sorted(REFERENCE_DIR.rglob("*.md")):
         lines = page.read_text(encoding="utf-8").splitlines()
         for i, line in enumerate(lines):
             if m := MKDOCSTRINGS_BLOCK.match(line):
@@ -125,7 +125,7 @@ def reference_pages() -> dict[str, tuple[str, bool]]:
                         break
                     options.append(follow.strip())
                 headed = "show_root_heading: false" not in options
-                found.setdefault(m["name"], (f"reference/{page.name}", headed))
+                found.setdefault(m["name"], (f"reference/{page.relative_to(REFERENCE_DIR).as_posix()}", headed))
     return found
 
 
@@ -145,7 +145,7 @@ def module_table(modules: list[Module], from_page: str) -> str:
             log.warning("module map: %s (%s) has no docstring", m.name, m.path)
         ref = refs.get(m.name)
         if ref is None:
-            log.warning("module map: %s is on no docs/reference/*.md page (add a '::: %s' block)", m.name, m.name)
+            log.warning("module map: %s is on no docs/reference/**/*.md page (add a '::: %s' block)", m.name, m.name)
             cell = f"`{m.name}`"
         else:
             page, headed = ref

@@ -74,11 +74,13 @@ class ModelArgs:
 
     model_path: str | None = flag(None, "local HF folder, or a shipped config name with --load-format dummy "
                                         "(default: the embedded SmolLM2-135M-Instruct)")
+    #: ``dummy``: random weights for the model's config, no files read (shapes and speed, not text)
     load_format: str = flag("auto", choices=["auto", "dummy"])
+    #: ``auto``: float32 on a CPU; on a GPU the checkpoint's dtype, bfloat16 for a float32 one
     dtype: str = flag("auto", choices=["auto", "float32", "float16", "bfloat16"])
     device: str | None = flag(None, "cpu or cuda (default: cuda when available)")
-    context_length: int | None = flag(None, type=int)
-    skip_tokenizer_init: bool = False  # prompts are token ids only (SGLang's --skip-tokenizer-init)
+    context_length: int | None = flag(None, type=int)  #: the context window (default: the model config's)
+    skip_tokenizer_init: bool = False  #: prompts are token ids only (SGLang's --skip-tokenizer-init)
 
 
 @dataclass(frozen=True)
@@ -117,9 +119,9 @@ class EngineConfig:
     max_total_tokens: int | None = flag(None, "KV pool size in tokens (default: from memory on a GPU, 16384 on a "
                                               "CPU)", type=int)
     mem_fraction_static: float = flag(0.85, "GPU: fraction of memory for weights + KV pool")
-    init_new_token_ratio: float = 0.7  # admission reserves this fraction of each request's remaining output
-    min_new_token_ratio: float = 0.1
-    new_token_ratio_decay: float = 0.001
+    init_new_token_ratio: float = 0.7  #: admission reserves this fraction of each request's remaining output
+    min_new_token_ratio: float = 0.1  #: the lowest the reserved fraction decays to
+    new_token_ratio_decay: float = 0.001  #: per decode step (a retraction adds 0.1)
     # CUDA graphs for decode (chapter 08): CUDA only, and only with a backend that has the graph hooks.
     cuda_graph_max_bs: int | None = flag(None, "capture decode CUDA graphs up to this batch size (default: max "
                                                "running requests, <= 256)", type=int)

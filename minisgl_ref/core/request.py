@@ -103,9 +103,9 @@ class FinishReason:
     """Why a request stopped. ``kind`` uses OpenAI's words: ``stop`` (EOS, a stop token or a stop string),
     ``length`` (max_new_tokens or the context window) or ``abort``."""
 
-    kind: str
-    matched: int | str | None = None  # the stop token id or stop string that ended it
-    message: str | None = None  # for aborts: what went wrong
+    kind: str  #: ``stop``, ``length`` or ``abort``
+    matched: int | str | None = None  #: the stop token id or stop string that ended it
+    message: str | None = None  #: for aborts: what went wrong
 
     def to_dict(self) -> dict[str, object]:
         d: dict[str, object] = {"type": self.kind}
@@ -118,35 +118,42 @@ class FinishReason:
 
 @dataclass(eq=False)
 class Req:
+    #: The prompt's token ids (never empty).
     input_ids: list[int]
+    #: How to choose tokens and when to stop (checked once, when the params were built).
     params: SamplingParams
+    #: The model's end-of-sequence ids: a stop token unless ``params.ignore_eos``.
     eos_token_ids: frozenset[int] = frozenset()
+    #: Turns output ids into text and finds stop strings; None when ids go in and ids come out.
     detokenizer: IncrementalDetokenizer | None = None
-    context_len: int | None = None  # the model's window: prompt + output may not exceed it
+    context_len: int | None = None  #: the model's window: prompt + output may not exceed it
+    #: The request's name in logs, aborts and server messages.
     rid: str = field(default_factory=lambda: f"req-{next(_next_id)}")
+    #: Every token appended so far, the stop token included (:meth:`append_token`).
     output_ids: list[int] = field(default_factory=list)
+    #: None while the request runs; set once, by the rule that ended it.
     finish_reason: FinishReason | None = None
-    cached_tokens: int = 0  # prompt tokens whose KV was found in a cache (chapter 04)
-    # Only requests with the same salt share cached prefixes (chapter 04): a tenant's salt keeps others from
-    # learning, through time to first token, which prompts it has sent.
+    cached_tokens: int = 0  #: prompt tokens whose KV was found in a cache (chapter 04)
+    #: Only requests with the same salt share cached prefixes (chapter 04): a tenant's salt keeps others from
+    #: learning, through time to first token, which prompts it has sent.
     cache_salt: str | None = None
-    # Requests without a seed still get one, drawn now, so that the request samples reproducibly *within* its own
-    # lifetime even if the engine rebuilds its sampling state (for example after being retracted, chapter 03).
+    #: Requests without a seed still get one, drawn now, so that the request samples reproducibly *within* its own
+    #: lifetime even if the engine rebuilds its sampling state (for example after being retracted, chapter 03).
     sampling_seed: int = field(default_factory=lambda: secrets.randbits(62))
     # KV bookkeeping, owned by the cache manager and scheduler (chapters 03-06); unused by the naive oracle.
-    req_pool_idx: int | None = None  # row in the page table
-    # tokens whose K/V has been computed or is being computed by a scheduled step: the scheduler moves it when it
-    # schedules a row, before the step runs, so that the next step (under overlap) can be planned at once
+    req_pool_idx: int | None = None  #: row in the page table
+    #: Tokens whose K/V has been computed or is being computed by a scheduled step: the scheduler moves it when it
+    #: schedules a row, before the step runs, so that the next step (under overlap) can be planned at once.
     kv_scheduled_len: int = 0
-    kv_allocated_len: int = 0  # tokens that have a slot
-    tree_len: int = 0  # leading tokens whose slots belong to the radix tree
-    last_node: Any = None  # deepest radix node this request pins
-    num_inflight: int = 0  # tokens sampled on the device but not yet appended (overlap scheduling)
-    # Changes whenever the request starts over from a different point than its rows in flight assumed: a retraction
-    # (chapter 03), or output grown by several tokens at once (jump-forward, chapter 12). A row scheduled under
-    # another epoch is obsolete (``Row.is_live``).
+    kv_allocated_len: int = 0  #: tokens that have a slot
+    tree_len: int = 0  #: leading tokens whose slots belong to the radix tree
+    last_node: Any = None  #: deepest radix node this request pins
+    num_inflight: int = 0  #: tokens sampled on the device but not yet appended (overlap scheduling)
+    #: Changes whenever the request starts over from a different point than its rows in flight assumed: a
+    #: retraction (chapter 03), or output grown by several tokens at once (jump-forward, chapter 12). A row
+    #: scheduled under another epoch is obsolete (``Row.is_live``).
     epoch: int = 0
-    # Log probabilities (chapter 10): what the request asked for and the entries computed so far; None if none.
+    #: Log probabilities (chapter 10): what the request asked for and the entries computed so far; None if none.
     logprobs: LogprobRequest | None = None
 
     def __post_init__(self) -> None:

@@ -23,10 +23,10 @@ steps alike: :mod:`minisgl_ref.perf.kernels` puts them into the layers' kernel t
 K/V and finish a folded norm. In a decode step the gain is the kernels saved; in a prefill step it is the bandwidth:
 the step's 16,384 new tokens of Qwen3-0.6B carry ~130 MB of q, k and v per layer, and FlashInfer's QK-norm, its RoPE
 and PyTorch's indexed store took ~86 ms of an H100's time over the canonical workload's prefill, where one pass that
-reads each value once and writes it once needs about a third of that (``scripts/gpu/prefill_anatomy.py``).
+reads each value once and writes it once needs about a third of that (``scripts/gpu/measure/prefill_anatomy.py``).
 
 Two costs that once kept them to decode steps are handled here. Triton's Python launcher costs ~20 us of host
-time per eager launch, twice a PyTorch or FlashInfer launch (``scripts/gpu/launch_overhead.py``; H100 host): CUDA
+time per eager launch, twice a PyTorch or FlashInfer launch (``scripts/gpu/measure/launch_overhead.py``; H100 host): CUDA
 graphs hide it in decode steps and small prefill steps, and next to a large prefill step's milliseconds it does
 not count (it also replaces three or four launches). And Triton compiles a variant of a kernel per pattern of
 argument alignment (a pointer aligned to 16 bytes or not): a misaligned index tensor is copied first

@@ -257,28 +257,28 @@ class SamplingParams:
     Values are checked and normalised once, at construction; the sampler trusts them afterwards.
     """
 
-    max_new_tokens: int = 128
-    temperature: float = 1.0  # 0 means greedy (argmax)
-    top_k: int = -1  # -1 means off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: str | list[str] | None = None  # normalised to list[str]
-    stop_token_ids: list[int] | None = None  # normalised to list[int]
-    stop_regex: str | list[str] | None = None  # normalised to list[str]: stop once the output text matches
-    logit_bias: dict[int, float] | None = None  # normalised to {token id: bias}; added to the logits
-    ignore_eos: bool = False
-    min_new_tokens: int = 0
-    n: int = 1
-    seed: int | None = None
-    skip_special_tokens: bool = True
+    max_new_tokens: int = 128  #: the most output tokens; 0 with prompt log probabilities scores the prompt only
+    temperature: float = 1.0  #: 0 means greedy (argmax)
+    top_k: int = -1  #: keep the k most likely tokens; -1 means off
+    top_p: float = 1.0  #: keep the smallest set of tokens whose probabilities add up to p (nucleus)
+    min_p: float = 0.0  #: drop tokens less likely than min_p times the most likely one
+    frequency_penalty: float = 0.0  #: subtracted from a logit per earlier output of its token
+    presence_penalty: float = 0.0  #: subtracted once from the logit of every token output so far
+    repetition_penalty: float = 1.0  #: > 1 discourages tokens of the prompt or output, < 1 favours them
+    stop: str | list[str] | None = None  #: stop strings, normalised to list[str]
+    stop_token_ids: list[int] | None = None  #: extra stop token ids, normalised to list[int]
+    stop_regex: str | list[str] | None = None  #: normalised to list[str]: stop once the output text matches
+    logit_bias: dict[int, float] | None = None  #: normalised to {token id: bias}; added to the logits
+    ignore_eos: bool = False  #: keep generating past the model's end-of-sequence tokens
+    min_new_tokens: int = 0  #: EOS and stop token ids cannot be drawn before this many tokens
+    n: int = 1  #: completions of the same prompt (each one a request of its own)
+    seed: int | None = None  #: the same seed and prompt give the same tokens (default: one drawn per request)
+    skip_special_tokens: bool = True  #: leave special tokens out of the output text
     # Structured output (chapter 12): at most one of these; see the module docstring and minisgl_ref.constrained.
-    json_schema: str | None = None  # a JSON schema as a JSON string (a dict is serialised), or ANY_JSON
-    regex: str | None = None  # the output must match this regular expression, whole
-    ebnf: str | None = None  # the output must be a sentence of this grammar (start rule ``root``)
-    structural_tag: str | None = None  # SGLang's structural tag as JSON text (a dict is serialised)
+    json_schema: str | None = None  #: a JSON schema as a JSON string (a dict is serialised), or ANY_JSON
+    regex: str | None = None  #: the output must match this regular expression, whole
+    ebnf: str | None = None  #: the output must be a sentence of this grammar (start rule ``root``)
+    structural_tag: str | None = None  #: SGLang's structural tag as JSON text (a dict is serialised)
 
     def __post_init__(self) -> None:
         # Lengths.

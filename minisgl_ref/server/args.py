@@ -33,11 +33,11 @@ GPU_SERVER_ENGINE_DEFAULTS: dict[str, Any] = {"enable_mixed_chunk": True}
 class ServerArgs:
     """The model, engine and tensor-parallel settings every ``LLM`` takes, plus the server's own flags."""
 
-    model: ModelArgs = field(default_factory=ModelArgs)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    tp: TPArgs = field(default_factory=TPArgs)  # tensor parallelism (chapter 09): one scheduler process per rank
-    host: str = flag("127.0.0.1")
-    port: int = flag(30000)
+    model: ModelArgs = field(default_factory=ModelArgs)  #: which model, on which device (the same as ``LLM``'s)
+    engine: EngineConfig = field(default_factory=EngineConfig)  #: the engine's settings, as for ``LLM``
+    tp: TPArgs = field(default_factory=TPArgs)  #: tensor parallelism (chapter 09): one scheduler process per rank
+    host: str = flag("127.0.0.1")  #: the address the HTTP server listens on (default: this machine only)
+    port: int = flag(30000)  #: the HTTP port (SGLang's default)
     served_model_name: str | None = flag(None, "the model name clients must use (default: the path)")
     api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on every API route")
     # The largest request body read, in MiB; a larger one gets 413 before it is read. The largest legitimate body
@@ -52,13 +52,13 @@ class ServerArgs:
                                       "tail comes from")
     watchdog_timeout: float = flag(60.0, "/health and /health_generate answer 503 while the scheduler has been "
                                          "inside one engine step for longer than this many seconds (0: off)")
-    log_level: str = flag("info", choices=LOG_LEVELS)
+    log_level: str = flag("info", choices=LOG_LEVELS)  #: the least severe log record every process prints
     shell: bool = flag(False, "chat in this terminal instead of serving HTTP")
     # data parallelism: N whole servers behind SGLang's router (data_parallel.py)
     dp_size: int = flag(1, "data parallelism: this many whole servers behind SGLang's cache-aware router "
                            "(needs: pip install 'minisgl_ref[router]')")
-    # How long a server whose child died keeps answering 503 (so that clients and /health can see why) before
-    # it exits with a non-zero status (``MINISGL_DEAD_CHILD_GRACE_S``).
+    #: How long a server whose child died keeps answering 503 (so that clients and /health can see why) before
+    #: it exits with a non-zero status (``MINISGL_DEAD_CHILD_GRACE_S``).
     dead_child_grace_s: float = field(default_factory=env.dead_child_grace_s)
 
     @classmethod
@@ -134,10 +134,10 @@ def _check_attention_backends(device: str | None, engine: EngineConfig) -> None:
 class Addresses:
     """The ZeroMQ endpoints (``ipc://`` files in a private temporary folder), one per receiving process."""
 
-    scheduler: str  # the scheduler's PULL socket: requests, aborts, RPCs from the API server
-    detokenizer: str  # the detokenizer's PULL socket: token ids from the scheduler
-    api: str  # the API server's PULL socket: text from the detokenizer, RPC replies from the scheduler
-    folder: str
+    scheduler: str  #: the scheduler's PULL socket: requests, aborts, RPCs from the API server
+    detokenizer: str  #: the detokenizer's PULL socket: token ids from the scheduler
+    api: str  #: the API server's PULL socket: text from the detokenizer, RPC replies from the scheduler
+    folder: str  #: the private temporary folder that holds the socket files
 
     @classmethod
     def fresh(cls) -> Addresses:

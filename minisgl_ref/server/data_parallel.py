@@ -30,9 +30,9 @@ What this module does, in order:
 3. supervise: if any child (a worker or the router) exits, stop the others and exit with status 1; on Ctrl-C or
    SIGTERM stop the router first (no new requests), then the workers, and exit with status 0.
 
-The children run in their own sessions, so a terminal's Ctrl-C reaches only this launcher, which stops them in
-order; and each is asked (Linux ``PR_SET_PDEATHSIG``) to receive SIGTERM if the launcher itself is killed
-outright, so no worker outlives it.
+The children are detached from the terminal (``start_new_session``), so a terminal's Ctrl-C reaches only this
+launcher, which stops them in order; and each is asked (Linux ``PR_SET_PDEATHSIG``) to receive SIGTERM if the
+launcher itself is killed outright, so no worker outlives it.
 
 Two things a reader of the logs will see. Each worker prints its own "The server is ready" line for its private
 port; the launcher's line that counts is "The router is ready" for the public one. And when the router registers
