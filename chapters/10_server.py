@@ -314,7 +314,7 @@ show_code(scheduler_process, task="10.2")
 # only then does uvicorn open the port. Before that, a connection is *refused*, which every HTTP client
 # understands. We start one with a small KV pool and count the refusals:
 
-# %%
+# %% tags=["hide-input"]
 PORT = free_port()
 URL = f"http://127.0.0.1:{PORT}"
 server_log = tempfile.NamedTemporaryFile("w+", prefix="minisgl-ch10-", suffix=".log", delete=False)
@@ -578,7 +578,7 @@ assert r.status_code == 200
 # watch the pool through `/get_server_info` (`available_kv_tokens` counts free slots plus cached ones that
 # eviction could free):
 
-# %%
+# %% tags=["hide-input"]
 def kv() -> dict:
     return httpx.get(URL + "/get_server_info", timeout=30).json()
 
