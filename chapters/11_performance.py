@@ -148,13 +148,11 @@ show_table([["-" if getattr(r, name) is None else fmt.format(getattr(r, name)) f
 # %% [markdown]
 # ### The same ladder on an H100
 #
-# `bash scripts/gpu/measure/offline.sh` on an H100 80GB HBM3 measured the rows below (Qwen3-0.6B config, bf16, dummy
-# weights). The chapter stages with the `torch_native` attention of chapter 03 loop over requests in Python and
-# are far too slow for the full workload, so the first six rows use a reduced workload (the canonical recipe with
-# 8 requests and outputs of 100-256 tokens) and the last of them repeats it with the full engine, for a
-# like-for-like comparison. The remaining rows run the full 256-request canonical workload with each attention
-# backend, CUDA graphs off and on. (This is the engine at its first complete GPU run; section 4 follows it to
-# where it stands now.)
+# `bash scripts/gpu/measure/offline.sh` on an H100 80GB HBM3 (Qwen3-0.6B config, bf16, dummy weights). The early stages
+# loop over requests in Python and are far too slow for the full workload, so the first six rows run 8 requests
+# (the last of them with the full engine, like for like); the others run the full canonical workload with each
+# attention backend, CUDA graphs off and on. (This is the engine at its first complete GPU run; section 4 follows
+# it to where it stands now.)
 
 # %%
 prov = GPU["provenance"]
@@ -269,24 +267,19 @@ show_table(kept_rows, headers=["change", "before", "after", "change", "of floor"
 # the per-token ops (RMSNorm, SiLU, RoPE, the KV store) removes kernels outright (~24%).
 #
 # **No hidden waits.** Overlap scheduling (chapter 06) only works if the host never waits for more of the GPU's work
-# than it needs. Two innocent lines broke it. A host-to-device copy from ordinary (pageable) memory does not return
-# until the GPU has drained the stream; every such copy now comes from pinned memory. And `next_tokens.tolist()`,
-# the one read of the sampled tokens per step, queues its copy *behind step N+1*, launched a moment earlier, so the
-# host waited for N+1 before processing N and the GPU idled while the host scheduled. `ModelRunner.run` now starts
-# a non-blocking copy into pinned memory right after sampling and records an event, and `StepOutput.tokens` waits
-# for that event only: three lines, worth 11,700-14,900 → 16,700-17,800 tok/s, the largest single step of the path.
+# than it needs. Every host-to-device copy now comes from pinned memory (a pageable one waits for the stream to
+# drain), and the sampled tokens are read through a non-blocking copy right after sampling and an event
+# (`StepOutput.tokens`), not `next_tokens.tolist()`, whose copy queued behind step N+1: three lines, worth
+# 11,700-14,900 → 16,700-17,800 tok/s, the largest single step of the path.
 #
 # **Less Python per request.** With the GPU step hidden, the host's per-request work is on the critical path
-# whenever it takes longer than the GPU's step, as at the end of the workload where few requests run. Allocating a
-# decode batch's KV slots in one numpy operation, checking prompt ids in C, and admitting a burst in one step each
-# trimmed it.
+# whenever it outlasts the GPU's step; batched KV allocation in numpy, prompt checks in C and one-step admission of
+# a burst each trimmed it.
 #
 # ### Where a decode step's time goes
 #
-# `scripts/gpu/measure/decode_anatomy.py` walks the whole workload and, each time the running count first drops below a
-# mark, measures a window of decode steps twice: unprofiled, with a CUDA event around every launch (wall time and
-# the host's time per phase), and profiled (the GPU time of the kernels by kind). The KV floor is the bytes of the
-# running requests' contexts over 3.0 TB/s: what the attention kernel must read.
+# `scripts/gpu/measure/decode_anatomy.py` measures windows of decode steps as the running count falls, unprofiled (wall and
+# host time) and profiled (GPU time by kernel kind). The KV floor is the running contexts' bytes over 3.0 TB/s.
 
 # %% alt="Stacked bar chart of milliseconds per decode step for 256, 123, 63, 30 and 14 running requests, split into attention, matmul, other kernels and gaps between kernels, with a black tick at the KV floor of each bar: the step falls from about 8 to 3 ms as fewer requests run, the attention part shrinks with them and stays just above its tick, while the rest stays about the same." caption="Where the GPU time of a decode step goes on the canonical workload, by the number of requests running."
 AN = load("decode_anatomy_h100.json")
@@ -339,19 +332,10 @@ plt.show()
 # the `flashinfer` backend through its `use_decode_kernel` hook by `build_runtime`'s attention planner
 # (`minisgl_ref/perf/attention.py`); the backend never imports it.
 #
-# * **One block of 128 threads per (piece, KV head).** A half-warp owns one token's 256-byte K row, 16 bytes a
-#   lane, and sums its dot products with four shuffles; the eight half-warps of a block take turns over the
-#   piece's tokens and combine their running softmax states at the end.
-# * **One memory latency per row, not two.** The piece's slot numbers are first read into shared memory, so a row
-#   load does not wait for the index load that names it, and the next turn's rows are loaded into a second set of
-#   registers while this turn's are used.
-# * **A fixed grid, the long contexts cut.** A captured CUDA graph keeps the grid it was captured with, so a batch of
-#   B requests always has room for B + B/8 pieces; `plan_pieces` (`minisgl_ref/perf/split_decode.py`) cuts a piece
-#   in half only while it is longer than twice the batch's mean context, longest first, and spare blocks return at
-#   once.
-# * **The merge inside the kernel.** The pieces of one context write partial results, and the last to finish (an
-#   atomic counter per request and KV head) merges them by their log-sum-exp (chapter 07's merge) and resets the
-#   counter: no second kernel.
+# It cuts each long context into pieces, gives every (piece, KV head) one block of 128 threads, and merges the
+# pieces' partial results by their log-sum-exp (chapter 07's merge) in the last block to finish, so no second
+# kernel runs; the [performance evidence](../performance-evidence.md#a-decode-kernel-of-our-own) page walks through
+# its design.
 #
 # Timed in a chain of 28 layers, each attention followed by the layer's four matrix multiplies (as in a real step),
 # against FlashInfer's decode kernel:
@@ -369,42 +353,25 @@ for n in sorted(chain, reverse=True):
     print(f"{n:>7} {fi:>10.1f} {ours:>6.1f} {ours / fi - 1:>+7.1%}")
 
 # %% [markdown]
-# Ours is 3-8% faster from 63 to 256 rows and level at 48; below 32 rows a batch is too few blocks to fill the
-# GPU without cutting, and FlashInfer's kernel stays there. So the engine runs ours from 48 rows
-# (`--split-decode-min-batch`). End to end it is worth about a percent and a half (the table above), but it stays
-# for more than that: the host plans it in half the time, it needs ~2 MB of workspace where the persistent kernel
-# it replaced reserved 384 MiB (memory the KV pool gets back), and it is a kernel a reader can open and change. It
-# is built at start-up beside FlashInfer's kernels and loaded from disk afterwards; where it cannot be built (no
-# nvcc) the engine says so once and keeps FlashInfer's kernels.
+# Ours is 3-8% faster from 63 to 256 rows and level at 48, so the engine runs it from 48 rows
+# (`--split-decode-min-batch`). End to end it is worth about a percent and a half, but it also plans in half the
+# host time, needs ~2 MB of workspace where the persistent kernel it replaced reserved 384 MiB, and is a kernel a
+# reader can open and change. Where it cannot be built (no nvcc) the engine keeps FlashInfer's kernels.
 #
 # ### Folding the norms into their neighbours
 #
-# After the fused kernels a decode step was still ~274 kernels at 256 running requests, and 56 of them were
-# RMSNorms: each layer runs `residual += h; x = norm(residual)` twice. At decode sizes each is a few microseconds of
-# fixed cost plus a gap before the next kernel, whatever the batch. Two identities let the kernels around a norm do
-# its work instead. With $\mathrm{norm}(x) = x / \mathrm{rms}(x) \odot g$ and the projection
+# After the fused kernels a decode step was still ~274 kernels, 56 of them RMSNorms (each layer runs
+# `residual += h; x = norm(residual)` twice), each a few microseconds plus a gap whatever the batch. Two identities
+# let the kernels around a norm do its work instead. With $\mathrm{norm}(x) = x / \mathrm{rms}(x) \odot g$ and the projection
 # $y = \mathrm{norm}(x)\, W^\top$:
 #
 # $$y \;=\; \frac{1}{\mathrm{rms}(x)} \, \bigl(x\, (W \operatorname{diag} g)^\top\bigr).$$
 #
-# The norm's weight $g$ scales the matrix's input columns, so it is multiplied into $W$ once, at load time; and
-# $1 / \mathrm{rms}(x)$ is one number per token, so the kernel that reads the projection's output next can apply it,
-# if it also reads the token's row of $x$ to compute it. After `qkv_proj` that kernel is the Triton
-# QK-norm/RoPE/KV-store kernel; after `gate_up_proj` it is a Triton SiLU-and-multiply. The residual add moves into
-# the matrix multiply before the norm: cuBLAS computes $C = AB + C$, so `o_proj` and `down_proj` add their outputs
-# straight into the residual stream (`addmm_`). A layer goes from nine kernels to seven:
-#
-# ```text
-# before: add+norm, qkv, QK-norm/RoPE/store, attention, o_proj, add+norm, gate_up, SiLU*up, down
-# after:            qkv, QK-norm/RoPE/store (/ rms), attention, o_proj (+= x), gate_up, SiLU*up (/ rms), down (+= x)
-# ```
-#
-# `minisgl_ref/perf/norm_folding.py` says when it applies (`should_fold`): where the Triton kernels run, with one
-# tensor-parallel rank (with several, `o_proj` produces a partial sum and each rank would add the residual once),
-# and no bias on the projections. Folding is a transform of one built model, not a second path through chapter
-# 01's code: `fold_(model)` multiplies the norm weights into the projections and replaces each decoder layer by a
-# `FoldedDecoderLayer`, which holds the same submodules and is called exactly as chapter 01's layer is, so the
-# model's loop over its layers runs unchanged. Its forward:
+# The norm's weight $g$ is multiplied into $W$ once, at load time; $1 / \mathrm{rms}(x)$ is one number per token,
+# which the next kernel (the Triton QK-norm/RoPE/store after `qkv_proj`, SiLU-and-multiply after `gate_up_proj`)
+# applies. The residual add moves into the multiply before the norm (`addmm_`: $C = AB + C$). A layer goes from
+# nine kernels to seven. `fold_(model)` (`minisgl_ref/perf/norm_folding.py`) transforms a built model, replacing
+# each decoder layer by a `FoldedDecoderLayer`, called exactly as chapter 01's layer is. Its forward:
 
 # %%
 from minisgl_ref.perf.norm_folding import FoldedDecoderLayer
@@ -412,12 +379,10 @@ from minisgl_ref.perf.norm_folding import FoldedDecoderLayer
 show_code(FoldedDecoderLayer.forward)
 
 # %% [markdown]
-# The rest of chapter 11's work on the layer plugs in the same way. The fused FlashInfer and Triton kernels fill
-# chapter 01's kernel table (`minisgl_ref/perf/kernels.py`), and the attention whose RoPE kernel stores the new keys
-# and values is swapped into each layer (`minisgl_ref/perf/rope_store.py`). `build_runtime` applies all three to the
-# model it has just loaded, on a GPU only (`perf/model_transforms.py`); on the CPU the model is chapter 01's, and
-# the oracle tests compare its arithmetic. Folding moves bf16's roundings rather than adding any; the GPU test
-# holds the folded Qwen3-0.6B to the float32 model as closely as the unfolded bf16 model is held:
+# The fused kernels (`perf/kernels.py`) and the RoPE-and-store attention (`perf/rope_store.py`) plug in the same
+# way: `build_runtime` applies all three transforms on a GPU only (`perf/model_transforms.py`). Folding moves bf16's
+# roundings rather than adding any; the GPU test holds the folded Qwen3-0.6B to the float32 model as closely as
+# the unfolded bf16 model is held:
 
 # %%
 gpu_log = (ROOT / "docs" / "data" / "gpu_tests_norm_folding_h100.txt").read_text().splitlines()
@@ -435,21 +400,12 @@ for n in before:
 #
 # ### Smaller steps: the prefill phase, the small kernels, the sampler
 #
-# * **Prefill steps use the fused kernel too.** All 256 prompts arrive at once, so the workload begins with nine
-#   prefill steps of up to 16,384 tokens. The K/V store there was PyTorch's general indexing, four times slower
-#   than the bandwidth allows; letting the fused QK-norm/RoPE/store kernel run in every step took the phase from
-#   ~362 to ~305 ms. And since the scheduler fills each prefill step with exactly `--max-prefill-tokens` tokens, one
-#   more CUDA graph covers all of them (`budget_tokens` in `minisgl_ref/engine/extend_graph.py`), so the host no
-#   longer launches them eagerly for ~20 ms a step.
-# * **Loads first.** A small kernel with 256 programs waits on memory latency, not bandwidth: a load after a barrier
-#   cannot be issued before it, so a program that interleaves loads with reductions waits for one latency per stage.
-#   Both Triton kernels now issue every load first (`minisgl_ref/perf/triton_ops.py`; a CPU test compiles them for an
-#   H100 and checks that all global loads come before the first barrier).
-# * **The sampler's draw** (chapter 02) is split over chunks of the vocabulary so that a small batch still fills the
-#   GPU; its noise uses a float32 `log1p` by Kahan's formula instead of a float64 logarithm, the score's second
-#   logarithm uses the hardware's approximate `lg2`, and a block whose bound `l / T - log(u)` cannot beat the best
-#   score so far skips the exact noise. Each is exact where it must be (`tests/test_sampling.py` holds the pruned
-#   race to the full race's tokens), and together they took the draw at 256 rows from ~440 to ~90 µs.
+# Three smaller changes finished the path. Prefill steps use the fused QK-norm/RoPE/store kernel too and replay one
+# CUDA graph sized for `--max-prefill-tokens` (the prefill phase went from ~362 to ~305 ms); the small Triton
+# kernels issue every load before their first barrier, so a program waits for one memory latency rather than one
+# per stage; and the sampler's draw (chapter 02) is split over chunks of the vocabulary and skips the exact noise
+# for blocks that cannot win, which took it from ~440 to ~90 µs at 256 rows. The
+# [performance evidence](../performance-evidence.md#the-prefill-phase) page has each one's measurements.
 #
 # ### Where the time of a run goes now
 #
@@ -480,20 +436,16 @@ print(f"of which {weights_floor_ms:.2f} ms is reading the weights at the bandwid
 # %% [markdown]
 # The attention reads the cache within a few percent of what this GPU can read, and the prefill is close to its
 # compute floor; what separates the engine from the floor is the ~1.6 ms that every decode step spends outside
-# the attention, only ~0.4 ms of which is reading the weights. The rest is ~220-285 short kernels (the matrix
-# multiplies' ramp-up and drain, RoPE, the activation, sampling) and the gaps between them. Attacking it piece by
-# piece (faster matrix multiplies, copies off the stream, overlapping halves of the batch, the activation inside
-# its multiply) bought at most a percent or lost; the evidence page has each attempt. What would remove it is the
-# layer's remaining seven kernels fused into a few long ones that stream the weights while the next kernel's
-# work is already in flight.
+# the attention, only ~0.4 ms of which is reading the weights; the rest is ~220-285 short kernels and the gaps
+# between them. Attacking it piece by piece bought at most a percent or lost (the evidence page has each attempt);
+# what would remove it is the layer's seven kernels fused into a few long ones that stream the weights.
 
 # %% [markdown]
 # ## 5. Reading a shared prefix once: cascade decode attention
 #
-# Section 2 says a decode step costs what it reads, and most of what it reads is KV. On a workload where many
-# requests share a long system prompt, the radix cache (chapter 04) already stores that prompt once and skips its
-# prefill; but plain decode attention still reads it once *per request* on every step, because each row of the
-# batch walks its own page-table row, even though those rows point at the same pages.
+# A decode step costs what it reads, mostly KV. When many requests share a long system prompt, the radix cache
+# (chapter 04) stores it once and skips its prefill, but plain decode attention still reads it once *per request*
+# on every step: each row walks its own page-table row, though the rows point at the same pages.
 #
 # Cascade decode attention (`minisgl_ref/perf/cascade.py`) notices, at the start of a decode step, which rows
 # share a run of whole pages at the front of their page-table rows (requests matched against the same radix
@@ -503,11 +455,8 @@ print(f"of which {weights_floor_ms:.2f} ms is reading the weights at the bandwid
 # attention over the whole context, up to floating-point rounding; `tests/test_cascade_attention.py` checks it
 # against `torch_native`, and greedy tokens with the cascade on and off. The engine picks it by itself, for
 # batches with groups whose shared prefix is at least `--cascade-min-prefix-len` tokens (default 256);
-# `--disable-cascade-attention` turns it off. It plugs into the core through the attention planner of chapter 08
-# (`minisgl_ref/engine/attention_planner.py`): `build_runtime` gives the engine `CascadePlanner`, which lists the
-# cascade as a second decode backend (so the model runner captures decode graphs for it too) and, before each
-# decode step, points the step at it when the batch has groups. An engine built without it runs every step on
-# its own backend.
+# `--disable-cascade-attention` turns it off. It plugs into chapter 08's attention planner as `CascadePlanner`, a
+# second decode backend (with decode graphs of its own) that a step uses when its batch has groups.
 #
 # What it saves is the KV traffic of a step, which the engine counts. Here on the quick model: two groups of four
 # requests, each group behind a 320-token system prompt:
@@ -531,14 +480,12 @@ print(f"KV read per decode step: {sp.kv_bytes_per_decode_step / 1e6:.2f} MB with
 # prompts), which runs the radix cache with the cascade, without it, and no radix cache at all.
 
 # %% [markdown]
-# The cascade only pays if a step's rows come in large groups, and that depends on which requests the scheduler
-# admits together. SGLang's shared-prefix workload (64 groups of 16 requests behind 2,048-token system prompts)
-# shuffles its 1,024 requests, and first-come admission then fills the 256 decode slots with about four members of
-# each of 64 groups: the cascade reads 64 prefixes per step and saves a factor of about three, not sixteen. So the
-# scheduler admits requests by group (`group_by_prefix` in `minisgl_ref/scheduler/scheduler.py`): a waiting request
-# whose first prompt tokens match a request already in the engine moves up behind it. Requests with nothing in
-# common keep first-come order, and a group loses its precedence once its oldest member has finished, so a busy
-# group cannot starve the others. On an H100 (`bash scripts/gpu/measure/cascade_ab.sh`):
+# The cascade only pays if a step's rows come in large groups. SGLang's shared-prefix workload shuffles its 1,024
+# requests, and first-come admission fills the 256 decode slots with about four members of each of 64 groups: a
+# saving of about three, not sixteen. So the scheduler admits requests by group (`group_by_prefix` in
+# `minisgl_ref/scheduler/scheduler.py`): a waiting request whose first prompt tokens match a request already in the
+# engine moves up behind it, and a group loses that precedence once its oldest member has finished, so a busy group
+# cannot starve the others. On an H100 (`bash scripts/gpu/measure/cascade_ab.sh`):
 
 # %% alt="Horizontal grouped bar chart of output tokens per second on the shared-prefix workload for three configurations (no radix cache, radix cache, radix cache with the cascade), each with a bar for first-come and one for grouped admission; the cascade with grouped admission has the longest bar, about three times the one without a radix cache." caption="The shared-prefix workload on an H100: no radix cache, the radix cache, and the radix cache with the cascade, under first-come and grouped admission."
 P2 = load("startup_and_cascade_h100.json")
@@ -572,24 +519,15 @@ plt.show()
 #
 # ## 6. From the first request: compiling at start-up
 #
-# A GPU engine runs code that is compiled on first use: FlashInfer builds each kernel family with nvcc, Triton
-# compiles each kernel once per pattern of argument alignment, our split-KV kernel is a C++ extension, and
-# `torch.compile` traces and generates code. Left lazy, that work lands inside the first requests, and a user who
-# benchmarks once (or the first users of a fresh server) sees a slow engine. `minisgl_ref/engine/warmup.py` starts
-# every compile at engine start, one thread per kernel family (the compilers are other processes or release the
-# GIL), meets every matrix shape a padded extend step can have, and the CUDA-graph capture that follows meets every
-# decode kernel variant. `bench offline` reports the start-up time phase by phase and counts the files the kernel
-# caches gained *during* the timed run: any number above zero is a compile that escaped the start-up.
-#
-# Two changes made most of the difference, each measured as a cold start (a first process on a fresh machine,
-# every disk cache empty) and a warm start (a second process, caches filled):
-#
-# * **The sampler's draw became a Triton kernel of our own** (`minisgl_ref/sampling/fused_draw.py`, chapter 02)
-#   instead of `torch.compile` of the eager function. The compiled version was as fast per step, but its tracing
-#   cost every start ~15 s even with a warm cache, and on a fresh machine its variants kept compiling inside the
-#   first run.
-# * **FlashInfer's three fused-op families compile in three threads** instead of one after the other: on a fresh
-#   machine the start-up compiles took 128 s in sequence and 72 s in threads.
+# A GPU engine runs code that is compiled on first use (FlashInfer's kernels, Triton's, our split-KV kernel,
+# `torch.compile`). Left lazy, that work lands inside the first requests. `minisgl_ref/engine/warmup.py` starts
+# every compile at engine start, one thread per kernel family, meets every matrix shape a padded extend step can
+# have, and the CUDA-graph capture that follows meets every decode kernel variant; `bench offline` counts the files
+# the kernel caches gained *during* the timed run, so a compile that escaped the start-up shows. Two changes made
+# most of the difference, measured as a cold start (every disk cache empty) and a warm one: the sampler's draw
+# became a Triton kernel of our own (`minisgl_ref/sampling/fused_draw.py`) instead of `torch.compile`, whose tracing
+# cost every start ~15 s, and FlashInfer's three fused-op families compile in three threads (72 s instead of 128 s
+# on a fresh machine).
 
 # %%
 print(f"{'':<16} {'start-up s':>10} {'first run tok/s':>15} {'of floor':>8} {'files compiled in the run':>26}")
@@ -621,17 +559,15 @@ for i, name in enumerate(("canonical_cold_start_prune_3_h100.json", "canonical_c
               f"{r['output_throughput']:>7,.0f} {r['roofline_fraction']:>8.1%} {sum(r['compiled_during_run'].values()):>8}")
 
 # %% [markdown]
-# A cold start compiles for about a minute before its first request (FlashInfer's JIT, Triton, our CUDA kernel),
-# then builds the KV pool and captures the CUDA graphs; a warm start takes 12-17 s from the disk caches. Both run
-# the canonical workload at ~20,400-20,500 output tokens/s, 77% of the floor, from the first request. (Machines of
-# the same kind differ: a slow one runs ~6% lower. The evidence page has the other machines.)
+# A cold start compiles for about a minute before its first request, then builds the KV pool and captures the CUDA
+# graphs; a warm start takes 12-17 s from the disk caches. Both run the canonical workload at ~20,400-20,500 output
+# tokens/s, 77% of the floor, from the first request.
 #
 # ## 7. Online serving
 #
-# `bash scripts/gpu/measure/serving_sweep.sh` runs `bench serving` against a real `serve` process with the canonical
-# length distribution (prompts and outputs of 100-1,024 tokens), Poisson arrivals at 8, 16 and 24 requests/s and
-# all at once, 200 requests each, first with the default engine and then with `--enable-mixed-chunk` (decode
-# rows ride along in prefill steps).
+# `bash scripts/gpu/measure/serving_sweep.sh` runs `bench serving` against a `serve` process with the canonical length
+# distribution, Poisson arrivals at 8, 16 and 24 requests/s and all at once, 200 requests each, with the default
+# engine and with `--enable-mixed-chunk`.
 
 # %%
 SV = json.loads((ROOT / "docs" / "data" / "bench_serving_sweep_h100.json").read_text())
@@ -670,24 +606,17 @@ plt.show()
 #
 # ### Where the latency tail comes from
 #
-# Below saturation the tail is made in the engine. `--step-log FILE` (on `serve` and `bench offline`,
-# `minisgl_ref/bench/step_trace.py`) writes one JSON line per engine step, and from it the gaps a decoding request
-# sees between its tokens: nearly every gap over 15 ms sat next to a *prefill*. A decode step with eight requests
-# takes ~2.3 ms; the step that launches a 1,000-token prompt's prefill took 18-47 ms, although the GPU worked for
-# under 9 ms in it. The host was launching the prefill's forward pass eagerly, ~400 operators at ~30 µs each, and
-# every running request paid for it. Three changes took that away:
+# Below saturation the tail is made in the engine. `--step-log FILE` (`minisgl_ref/bench/step_trace.py`) writes one
+# JSON line per engine step: nearly every gap over 15 ms sat next to a *prefill*, whose step took 18-47 ms for a
+# 1,000-token prompt although the GPU worked under 9 ms in it. The host was launching the prefill's ~400 operators
+# eagerly, and every running request paid for it. Three changes took that away:
 #
-# * **Padding extend steps.** cuBLAS chooses a kernel the first time it meets a matrix shape, in host time, ~0.3 ms
-#   for each new token count, and random prompt lengths meet new shapes constantly. The engine rounds an extend
-#   step's token count up to a multiple of 64 with a padding row (`ModelRunner.pad_extend`: dummy tokens writing the
-#   reserved KV slot 0, as chapter 08's graph padding does) and meets every padded shape once at start-up.
-# * **Extend steps in CUDA graphs.** With padding, an extend step has one of a bounded set of token counts, so the
-#   remedy that made decode cheap applies: `minisgl_ref/engine/extend_graph.py` captures every multiple of 64 tokens
-#   up to `--cuda-graph-max-extend-tokens` (default 2,048) for 2, 16 and 64 rows, and a step takes the smallest bucket
-#   that holds its rows. The launching step drops to ~2.5 ms, about one decode step.
-# * **Mixed steps by default.** With mixed chunks the decode rows ride along in the prompt's step, so a running
-#   request waits one step at an arrival instead of two; `serve` mixes by default on a GPU
-#   (`GPU_SERVER_ENGINE_DEFAULTS` in `minisgl_ref/server/args.py`).
+# * **Padding extend steps** to a multiple of 64 tokens (`ModelRunner.pad_extend`), so that cuBLAS, which picks a
+#   kernel in host time (~0.3 ms) the first time it meets a shape, meets every padded shape once at start-up.
+# * **Extend steps in CUDA graphs** (`minisgl_ref/engine/extend_graph.py`): every multiple of 64 tokens up to
+#   `--cuda-graph-max-extend-tokens` (2,048) for 2, 16 and 64 rows. The launching step drops to ~2.5 ms.
+# * **Mixed steps by default** on a GPU: the decode rows ride along in the prompt's step, so a running request waits
+#   one step at an arrival instead of two.
 #
 # The sweep again with all three, one server of each kind, 200 requests per rate:
 
@@ -730,19 +659,12 @@ plt.show()
 # second to spend. If either spends more than 100 us per event at 10,000 events a second, events wait in a
 # queue, and they come out in bursts: the client timestamps the backlog, not the engine.
 #
-# That budget can be measured without a GPU, as *CPU time per event*, because it does not depend on how fast
-# the tokens are made. `scripts/stream_cost.py` serves a tiny random-weight model on the CPU, streams 128
-# native `/generate` requests of 512 tokens at once, and reads the CPU time the API server process and the
-# client process spent, per event. It compares the server before and after three changes, each with two
-# clients, in alternating runs:
-#
-# * **the client:** `bench serving` read streams with httpx; it now uses aiohttp (as SGLang's `bench_serving`
-#   does), whose stream reader is mostly C;
-# * **the event loop and HTTP parser:** uvicorn ran on asyncio's loop with the pure-Python h11 parser; the server
-#   now runs on uvloop with httptools when they are installed (both are project dependencies);
-# * **the native event:** every `/generate` stream event carries *all* ids generated so far (SGLang's shape), so
-#   encoding each event afresh turns the whole answer into text again per token; the server now keeps the ids'
-#   JSON text and appends to it (`native_sse` in `minisgl_ref/server/http_server.py`).
+# That budget can be measured without a GPU, as *CPU time per event*. `scripts/stream_cost.py` streams 128 native
+# `/generate` requests of 512 tokens from a tiny model on the CPU and reads the CPU time of the API server and of
+# the client per event, before and after three changes, each with two clients, in alternating runs: the client's stream reader (httpx, now aiohttp, whose reader is mostly C), the
+# server's event loop and HTTP parser (asyncio and h11, now uvloop and httptools when installed), and the native
+# event, which carries all ids so far and was encoded afresh per token (the server now appends to the ids' JSON
+# text, `native_sse` in `minisgl_ref/server/http_server.py`).
 
 # %%
 SC = json.loads((ROOT / "docs" / "data" / "stream_cost_cpu.json").read_text())
@@ -763,16 +685,12 @@ for side in ("server", "client"):
 # of one on the server side, and both costs grow with the answer's length (a native event is as long as the
 # answer so far). Those are the bursts of section 7. The new pair needs about half a core on the server side and
 # two thirds of one on the client side, which leaves room for the engine's rate (a faster host CPU leaves more).
-# The script does not separate the server's two changes from each other; the client's change alone is the
-# `before/aiohttp` row. The latencies the script prints are not the point: on a CPU the engine itself is the
-# bottleneck, at a few thousand tokens a second.
+# The client's change alone is the `before/aiohttp` row.
 #
-# What remains per event on the server is Starlette's streaming response (a chain of `send` wrappers per chunk)
-# and one socket write per event; on the client, parsing the cumulative JSON. And if the API server falls behind
-# all the same, it no longer pays per token for it: a handler that wakes to find several chunks of its request
-# waiting sends them as one event (`coalesce` in `minisgl_ref/server/tokenizer_manager.py`), so a backlog costs
-# one encode and one write, and reaches the client as one event rather than as a burst of events microseconds
-# apart. The first table of section 7 was measured before these changes, so its ITL column still shows the bursts.
+# If the API server falls behind all the same, a handler that wakes to find several chunks of its request waiting
+# sends them as one event (`coalesce` in `minisgl_ref/server/tokenizer_manager.py`): a backlog costs one encode and
+# one write. The first table of section 7 was measured before these changes, so its ITL column still shows the
+# bursts.
 
 # %% [markdown]
 # ## Summary
@@ -833,36 +751,26 @@ for side in ("server", "client"):
 #    `minisgl_ref/engine/warmup.py` run them at start-up. What shapes must the warm-up use so that every
 #    alignment variant the workload meets is built?
 # 9. **The first matmul of a shape, here.** Time `torch.nn.functional.linear` on this CPU for 200 new row counts
-#    (1,000 .. 1,199) against a Qwen3-0.6B-sized weight (1,024 x 6,144), then for the same counts again, the way
-#    `matmul_first_call_h100.json` was measured on the GPU (`scripts/gpu/measure/prefill_timeline.py --linear-only`).
-#    Does this CPU's BLAS pay for a new shape too? Then weigh the padding multiple: with a multiple of `m`, an
-#    extend step computes up to `m - 1` dummy tokens and the start-up warm-up meets `budget / m` shapes per
-#    weight. Which `m` would you choose for prompts of ~100 tokens, and which for ~10,000?
+#    (1,000 .. 1,199) against a 1,024 x 6,144 weight, then for the same counts again: does this CPU's BLAS pay for
+#    a new shape too? With a padding multiple `m`, an extend step computes up to `m - 1` dummy tokens and the
+#    warm-up meets `budget / m` shapes per weight: which `m` for prompts of ~100 tokens, and which for ~10,000?
 # 10. **How many pieces? (the plan on a CPU, the timing on a GPU).** `plan_pieces` in
-#    `minisgl_ref/perf/split_decode.py` cuts a batch of B contexts into up to B + B/8 pieces (with
-#    `split_above=None` always that many; by default only pieces over twice the mean context). On a CPU, feed it the
-#    lengths of section 5's 256-running stage (`benchmarks.decode_balance.canonical_stages`) and of a batch of 144
-#    contexts of 500 tokens plus one of 30,000: how long is the longest piece in each, against the mean piece, and
-#    what does that predict for the last wave of blocks? Then time a count of B (no cutting) against B + B/2 on a
-#    GPU: `benchmarks/decode_balance.py --variants cudafixed_0_4_128,cudafixed_50_4_128` for the workload's stages,
-#    and for the skewed batch `Stage(lens)` and `split_decode_runner` from that module under
-#    `benchmarks.kernels.time_graph`. Where does cutting stop paying for its merge, and why does the answer depend
-#    on the spread of the lengths more than on their mean?
-# 11. **Loads before barriers (the PTX on a CPU, the timing on a GPU).** Triton compiles for a GPU it does not
-#    have: `triton.compile(ASTSource(fn=kernel, signature=..., constexprs=...), target=GPUTarget("cuda", 90, 32))`
-#    returns the PTX in `.asm["ptx"]`. Do it for `qk_norm_rope_kernel` (from `_kernels()` in
-#    `minisgl_ref/perf/triton_ops.py`, with the decode step's constants: 16 and 8 heads, `HALF=64`, norms,
-#    store and `ROW_RMS` on) and count the `ld.global` instructions before the first `bar.sync`. Then move the
-#    residual row's reduction back above the q and k loads, as the kernel once was, and count again. On a GPU,
-#    `scripts/gpu/measure/fused_kernels_ab.py --old` times the two files against each other. Why does the order not matter
-#    for a prefill step of 16,384 tokens?
+#    `minisgl_ref/perf/split_decode.py` cuts a batch of B contexts into up to B + B/8 pieces. Feed it the lengths of
+#    the 256-running stage (`benchmarks.decode_balance.canonical_stages`) and of 144 contexts of 500 tokens plus one
+#    of 30,000: how long is the longest piece against the mean piece, and what does that predict for the last wave
+#    of blocks? On a GPU, time B pieces against B + B/2 (`benchmarks/decode_balance.py --variants
+#    cudafixed_0_4_128,cudafixed_50_4_128`). Why does the answer depend on the spread of the lengths more than on
+#    their mean?
+# 11. **Loads before barriers (the PTX on a CPU).** Triton compiles for a GPU it does not have:
+#    `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)).asm["ptx"]`. Do it for
+#    `qk_norm_rope_kernel` (`_kernels()` in `minisgl_ref/perf/triton_ops.py`, with a decode step's constants) and
+#    count the `ld.global` instructions before the first `bar.sync`; then move the residual row's reduction back
+#    above the q and k loads and count again. Why does the order not matter for a prefill step of 16,384 tokens?
 # 12. **Two logarithms (the PTX on a CPU).** Compile `race_kernel` (`minisgl_ref/sampling/race_kernel.py`) for
-#    sm_90 as in exercise 11, with `LOG_SPACE=True`, `BLOCK=2048`, `num_warps=8` in `options`, once with
-#    `FAST_LOG=False` and once with `True`. Count the lines, the `bra` instructions and the `lg2.approx`
-#    instructions of each PTX, and find the inlined libdevice logarithm (its polynomial is a chain of `fma.rn`
-#    with constants). Why must the logarithm inside `log1p` stay the exact one, while the one in the score may be
-#    approximate? Work it out for `u = 2**-20`: how large is `log2(1 - u)`, and what does an absolute error of
-#    2^-22 do to it?
+#    sm_90 as in exercise 11 (`LOG_SPACE=True`, `BLOCK=2048`), with `FAST_LOG` off and on, and count the `bra` and
+#    `lg2.approx` instructions of each PTX. Why must the logarithm inside `log1p` stay exact, while the one in the
+#    score may be approximate? Work it out for `u = 2**-20`: what does an absolute error of 2^-22 do to
+#    `log2(1 - u)`?
 
 # %% [markdown]
 # ## Reproduce

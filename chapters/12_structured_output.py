@@ -40,14 +40,18 @@
 # Modules: `minisgl_ref/constrained/` (grammar specs, compiling, matchers, the bitmask, jump-forward), and in it
 # `constrained/extension.py` (`StructuredOutput`: what the engine's loop does for a constrained request, plugged
 # into the engine's seam of chapter 06, `minisgl_ref/engine/extension.py`), `minisgl_ref/server/tools.py` (tool
-# calls).
+# calls). The [structured output reference](../structured-output-reference.md) lists every JSON-schema keyword
+# and holds the GPU measurements in full.
 
 # %% tags=["setup"]
 import json
 import os
 import re
 import time
+import warnings
 from pathlib import Path
+
+warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm's widget bar; its text bar is enough here
 
 import jsonschema
 import matplotlib.pyplot as plt
@@ -59,6 +63,7 @@ from IPython.display import Markdown, display
 from xgrammar.testing import _is_grammar_accept_string
 
 from minisgl_ref import LLM, SamplingParams
+from minisgl_ref.book import show_code, show_table, shorten, wrap
 from minisgl_ref.constrained import ANY_JSON, spec_of
 from minisgl_ref.constrained import jump_forward
 from minisgl_ref.constrained.bitmask import TokenBitmask
@@ -66,7 +71,6 @@ from minisgl_ref.constrained.extension import StructuredOutput
 from minisgl_ref.constrained.jump_forward import plan_jump
 from minisgl_ref.constrained.schema_support import unsupported_keyword
 from minisgl_ref.core.config import EngineConfig
-from minisgl_ref.course import task_source
 from minisgl_ref.engine.engine import Engine
 from minisgl_ref.engine.extension import HOOKS, overrides
 from minisgl_ref.constrained.structural_tag import to_xgrammar
@@ -116,7 +120,7 @@ QUESTIONS = ["Describe Ada Lovelace as a JSON object with the keys name and birt
 free_outs = llm.generate([chat(q) for q in QUESTIONS], SamplingParams(temperature=0, max_new_tokens=48),
                          use_tqdm=False)
 for o in free_outs:
-    print(f"{o.finish_reason:<6} parses as JSON: {parses(o.text)!s:<5} {o.text!r}")
+    print(f"{o.finish_reason:<6} parses as JSON: {parses(o.text)!s:<5} {shorten(repr(o.text), 70)}")
 
 # %% [markdown]
 # Both are *nearly* JSON: a code fence around the object, a sentence after it, or an object still open when the
@@ -216,8 +220,8 @@ for masked in (False, True):
     valid = [t for t in done if re.fullmatch(INT_REGEX, t)]
     prefixes = all(regex_pkg.fullmatch(INT_REGEX, t, partial=True) for t, ended in outs if not ended)
     print(f"{'masked  ' if masked else 'unmasked'}: {len(done)}/200 ended, {len(valid)} of them match the regex"
-          + (f"; the {200 - len(done)} cut off at 30 tokens are all prefixes of a match: {prefixes}" if masked else "")
-          + f"; e.g. {[t for t, _ in outs[:6]]}")
+          + (f"; the {200 - len(done)} cut off are prefixes of a match: {prefixes}" if masked else ""))
+    print("          e.g. " + shorten(str([t for t, _ in outs[:6]]), 85))
     if masked:
         assert len(valid) == len(done) and prefixes
 
@@ -241,7 +245,7 @@ REAL_MASKS = {s: [walk(s, t) is not None and t != "" for t in token_texts] for s
 t_masks = time.perf_counter() - t0
 for s, m in REAL_MASKS.items():
     ex = [token_texts[i] for i in np.flatnonzero(m)[:: max(1, sum(m) // 6)][:6]]
-    print(f"{s:<7} {sum(m):>5} of {len(token_texts):,} tokens allowed (plus EOS when accepting), e.g. {ex}")
+    print(f"{s:<7} {sum(m):>3} of {len(token_texts):,} tokens allowed (plus EOS if accepting), e.g. {ex}")
 print(f"all four masks in {t_masks * 1e3:.0f} ms of Python ({t_decode:.1f} s to decode the vocabulary once)")
 
 # %% [markdown]
@@ -251,12 +255,11 @@ print(f"all four masks in {t_masks * 1e3:.0f} ms of Python ({t_decode:.1f} s to 
 # computed once per grammar, the table is cheap; recomputed at every step of every request, it would cost more
 # than the forward pass.
 #
-# **Why JSON needs a stack.** A JSON object can hold an object that holds an array that holds an object... and
-# every `{` must be closed by a `}` in the right order. No finite automaton can count unbounded nesting, so JSON
-# schemas and EBNF grammars compile to a *pushdown* automaton: an automaton plus a stack of "where to return to"
-# entries, one per open rule. Its state is (position in the grammar, whole stack), and there are infinitely many
-# such states, so the one-mask-per-state table is out of reach. xgrammar, SGLang's default grammar backend,
-# splits the vocabulary per grammar *position* instead:
+# **Why JSON needs a stack.** Every `{` must be closed by a `}` in the right order, at any depth, and no finite
+# automaton can count unbounded nesting. JSON schemas and EBNF grammars compile to a *pushdown* automaton, an
+# automaton plus a stack of "where to return to" entries; its states (position, whole stack) are infinitely many,
+# so one mask per state is out of reach. xgrammar, SGLang's default grammar backend, splits the vocabulary per
+# grammar *position* instead:
 #
 # - **context-independent tokens** can be decided from the position alone, because they stay inside the rule
 #   being matched: inside a JSON string, `abc` is allowed and `"\n` is not, whatever the stack holds. These are
@@ -335,7 +338,7 @@ for t in json_outs[0].output_ids:
     counts.append(allowed_count(state))
     pieces.append(tok.hf.decode([t]))
     assert state.accept(t)
-print(" ".join(f"{p!r}:{c}" for p, c in zip(pieces, counts)))
+print(wrap(" ".join(f"{p!r}:{c}" for p, c in zip(pieces, counts)), indent=""))
 fig, ax = plt.subplots(figsize=(8, 2.6))
 ax.bar(range(len(counts)), counts, color="tab:green")
 ax.set_yscale("log")
@@ -370,40 +373,12 @@ assert [o.text for o in mixed[:2]] == [o.text for o in json_outs]
 print("free requests identical to a run without the constrained ones: True")
 
 # %% [markdown]
-# **The mask against the other rules.** The grammar's `-inf` meets the sampler's own rules (chapter 02), and one of
-# them can ban what the grammar allows. `min_new_tokens` bans EOS until the answer is long enough; once `(yes|no)`
-# has written its word, EOS is all the grammar allows. Both together would leave a row with no finite logit, whose
-# softmax is NaN and whose draw is any token at all. The sampler lets the grammar win: the answer is complete and
-# ends, shorter than `min_new_tokens`.
-
-# %%
-short = llm.generate(chat("Is Paris in France? Answer yes or no."),
-                     SamplingParams(temperature=0, max_new_tokens=8, min_new_tokens=6, regex="(yes|no)"),
-                     use_tqdm=False)[0]
-print(f"{short.finish_reason:<6} {short.text!r} ({len(short.output_ids)} tokens, min_new_tokens=6)")
-assert short.text in ("yes", "no") and short.finish_reason == "stop"
-
-# %% [markdown]
-# The request's `stop_token_ids` meet the grammar in the matcher: they are its stop tokens, allowed only where the
-# grammar is complete, so that a stop id cannot cut a JSON object in half. A stop token is never text to the
-# grammar, though, and a client may name ordinary text tokens as stop ids. Then the grammar can be cornered: every
-# token it would allow next is a stop id, and the filled mask row allows nothing at all. After each fill the
-# bitmask checks the rows of requests whose stop ids include text tokens (no other request can be cornered, so no
-# other pays for the check), and where a row allows nothing it allows the request's stop ids; the one drawn ends the
-# request, as a stop id ends a free one (and, like any stop id, it is not part of the text). Here every token made
-# of digits is a stop id, and the regex wants digits:
-
-# %%
-digit_ids = [t for t in range(VOCAB) if (piece := tok.hf.decode([t])).isascii() and piece.isdigit()]
-cornered = llm.generate(chat("What year did the first person walk on the moon?"),
-                        SamplingParams(temperature=0, max_new_tokens=8, regex="[0-9]{4}", stop_token_ids=digit_ids),
-                        use_tqdm=False)[0]
-last = cornered.output_ids[-1]
-print(f"{cornered.finish_reason:<6} text {cornered.text!r}, ended by stop id {last} ({tok.hf.decode([last])!r}) "
-      f"after {len(cornered.output_ids) - 1} other tokens")
-assert cornered.finish_reason == "stop" and cornered.output_ids[-1] in digit_ids
-
-# %% [markdown]
+# **The mask against the sampler's other rules.** The grammar's `-inf` meets the sampler's own rules (chapter 02),
+# which can ban what the grammar allows: `min_new_tokens` bans EOS where a complete grammar allows nothing else,
+# and stop ids that are text tokens can corner a grammar. In the first case the grammar wins, in the second the
+# stop ids do; the [structured output reference](../structured-output-reference.md#the-mask-against-the-samplers-other-rules)
+# shows both.
+#
 # **What a schema may ask for.** The grammar is the only thing that holds the model to a schema, so a keyword
 # xgrammar does not turn into grammar is not a hint the model may follow, it is a hole: xgrammar logs a warning
 # at most, and the output can be `["a", "a"]` under `uniqueItems`, or a bare `12321` where an `allOf` of two
@@ -419,49 +394,37 @@ print("xgrammar's grammar for TAGS accepts a repeated tag:",
 try:
     llm.generate(chat("List three tags."), SamplingParams(max_new_tokens=8, json_schema=TAGS), use_tqdm=False)
 except ValueError as e:
-    print("refused:", e)
-for schema in [{"type": "number", "multipleOf": 0.5}, {"allOf": [{"type": "object"}, {"required": ["a"]}]},
-               {"type": "string", "pattern": "^(?!admin)[a-z]+$"}, {"minimum": 5}]:
-    print(f"{json.dumps(schema):<60} {unsupported_keyword(schema)}")
+    print(wrap(f"refused: {e}"))
+display(show_table([(f"`{json.dumps(schema)}`", unsupported_keyword(schema))
+                    for schema in [{"type": "number", "multipleOf": 0.5},
+                                   {"allOf": [{"type": "object"}, {"required": ["a"]}]},
+                                   {"type": "string", "pattern": "^(?!admin)[a-z]+$"}, {"minimum": 5}]],
+                   headers=["schema", "why the engine refuses it"]))
 assert unsupported_keyword(PERSON) is None and unsupported_keyword(TAGS).startswith("the keyword 'uniqueItems'")
 
 # %% [markdown]
-# What passes is an allow-list:
+# What passes is an allow-list, in short:
 #
-# - **enforced everywhere:** `type`, `enum`, `const`, `anyOf`, `$ref` with `$defs`/`definitions` (recursion
-#   included), `properties`, `additionalProperties`, `unevaluatedProperties`, `maxProperties`, `items`,
-#   `prefixItems`, `unevaluatedItems`, `minItems`, `maxItems`, `minimum`, `maximum`, `exclusiveMinimum`,
-#   `exclusiveMaximum`, `minLength`, `maxLength`, `pattern`, and `format` for the formats xgrammar knows (`date`,
-#   `time`, `date-time`, `duration`, `email`, `hostname`, `ipv4`, `ipv6`, `uuid`, `uri`, `uri-reference`,
-#   `uri-template`; by their shape: a 31 February passes);
-# - **enforced under conditions** the check verifies: `required` only of names among the properties, `allOf` with
-#   a single subschema, `oneOf` whose options are provably disjoint (by type, by listed values, or by a required
-#   property with different constants: what a tagged union has), `multipleOf` on integers (a whole number up to
-#   1024, with no bound or with both), lengths only without a `pattern` or `format` beside them, `minProperties`
-#   where no key beyond the named properties can appear, `propertyNames` and a single `patternProperties` entry
-#   only on objects without named properties;
-# - **ignored because they only describe:** `title`, `description`, `examples`, `default`, `$comment`,
-#   `$schema`, `$id` (at the root), `deprecated`, `readOnly`, `writeOnly`;
-# - **refused:** `not`, `if`/`then`/`else`, `uniqueItems`, `contains`, `minContains`, `maxContains`,
-#   `dependentRequired`, `dependentSchemas`, `dependencies`, `multipleOf` on numbers, unknown formats, lookaround
-#   or mid-pattern anchors in a `pattern`, any keyword beside `$ref`, `anyOf` or `allOf` (xgrammar reads only the
-#   combinator there) or in a schema without a `type`, and every keyword not named above.
+# | kind | examples |
+# | --- | --- |
+# | enforced | `type`, `enum`, `const`, `anyOf`, `$ref`, `properties`, `items`, bounds on numbers, lengths and counts, `pattern`, the common `format`s |
+# | enforced under conditions | `required`, `allOf` of one schema, `oneOf` with disjoint options, `multipleOf` on integers |
+# | ignored (they only describe) | `title`, `description`, `examples`, `default` |
+# | refused | `not`, `if`/`then`/`else`, `uniqueItems`, `contains`, `dependentRequired`, `multipleOf` on numbers, lookaround in a `pattern` |
 #
-# Why refuse rather than do one's best? Some of these have no small grammar at all: `uniqueItems` over strings
-# needs an automaton that remembers every item written so far, and `not` asks for the complement of a
-# context-free language, which need not be context-free. The others could be approximated, but an approximation
-# that lets one bad output through breaks the same promise as ignoring the keyword. A client that gets a 400 can
-# rewrite its schema (drop `uniqueItems` and deduplicate, spell `oneOf` as `anyOf`); a client that gets a 200
-# with a duplicate in its "unique" list never finds out.
+# The [structured output reference](../structured-output-reference.md) lists every keyword and its conditions.
+# Why refuse rather than do one's best? `uniqueItems` over strings needs an automaton that remembers every item
+# written so far, and `not` asks for the complement of a context-free language, which need not be context-free.
+# An approximation that lets one bad output through breaks the same promise as ignoring the keyword; a client
+# that gets a 400 can rewrite its schema, a client that gets a 200 with a duplicate in its "unique" list never
+# finds out.
 
 # %% [markdown]
 # ## 4. Where the mask is filled: the overlap
 #
-# **How structured output plugs into the engine.** None of what follows is written into the engine's loop. The
-# loop of chapter 06 declares a seam (`EngineExtension`, `minisgl_ref/engine/extension.py`): a few moments of a
-# step where an extension may act. `StructuredOutput` (`constrained/extension.py`) is such an extension, and
-# `build_runtime` gives one to every paged engine; it keeps each constrained request's state (the compile, then
-# the matcher) in a table of its own. A grammar request meets it at these hooks:
+# **How structured output plugs into the engine.** None of what follows is written into the engine's loop: the
+# loop of chapter 06 declares a seam (`EngineExtension`), and `StructuredOutput` (`constrained/extension.py`) is an
+# extension that `build_runtime` gives every paged engine. A grammar request meets it at these hooks:
 #
 # | hook | what structured output does there |
 # | --- | --- |
@@ -475,7 +438,7 @@ assert unsupported_keyword(PERSON) is None and unsupported_keyword(TAGS).startsw
 # | `after_step` | forgets the outcomes it kept for the step just processed |
 
 # %%
-print("StructuredOutput overrides:", [hook for hook in HOOKS if overrides(structured, hook)])
+print(wrap(f"StructuredOutput overrides: {[hook for hook in HOOKS if overrides(structured, hook)]}"))
 
 # %% [markdown]
 # A mask depends on every token the request has accepted so far, including the one sampled at the previous step.
@@ -492,18 +455,11 @@ print("StructuredOutput overrides:", [hook for hook in HOOKS if overrides(struct
 #    finish the requests that are done, jump forward (section 5). When a token reaches `Req.append_token`, its
 #    matcher has already accepted it in step 2, and the engine uses that outcome instead of accepting it twice.
 #
-# Why split step N's processing like that? The mask of step N+1 needs step N's tokens in the matchers, and
-# nothing else: not the text, not the stop strings. Processing a step is host work (turning tokens into text,
-# checking stop strings, ending requests), around a millisecond for a few dozen rows on the host of an H100
-# machine; done in step 2, all of it would stand between the forward pass and the sampling of every constrained
-# step, and the device would sit idle after the forward, waiting for work the sampling does not need. Accepting
-# a token costs a few microseconds per row (section 7 measures it).
-#
-# A request that step N finishes, or moves on by jump-forward, already has a row in step N+1 (chapter 06's token
-# too many). Its matcher has accepted N's token but knows nothing of the finish or the jump, so that row's mask
-# may be filled from an outdated state, or not at all if N's token ended the grammar (a matcher that has
-# accepted its stop token has no next mask). It does not matter: when step N+1 is processed, that row's token
-# is discarded, as every token of a finished request is.
+# Step 2 needs only step N's tokens in the matchers, not the text or the stop strings, so the rest of processing
+# step N (around a millisecond of host work for a few dozen rows) waits until sampling is launched. A row in step
+# N+1 of a request that step N finished or moved by jump-forward may get a mask from an outdated state; its token is
+# discarded when step N+1 is processed, as every token of a finished request is (the
+# [structured output reference](../structured-output-reference.md#the-overlap-in-detail) has the details).
 #
 # The timelines of Figure 12.3 are a schematic (lengths in arbitrary units, not measured) of the two orders.
 
@@ -560,7 +516,7 @@ plt.show()
 # four *free twins* (the same prompts, no grammar, each held to exactly its twin's output length), so that both
 # produce the same number of tokens. On a CPU nothing overlaps (chapter 06): the mask work adds to the step.
 
-# %%
+# %% tags=["hide-input"]
 def time_mask_rows(rows: int, repeat: int = 50) -> float:
     """Microseconds per row to fill ``rows`` mask rows from fresh JSON matchers and apply them to the logits."""
     states = [backend.matcher(backend.compile(spec_of(params[0])), llm.eos_token_ids) for _ in range(rows)]
@@ -596,8 +552,8 @@ twins = [SamplingParams(temperature=0, max_new_tokens=len(r.output_ids), ignore_
 free, t_free, _ = engine_run(bench_prompts, twins)
 n_tok = sum(len(r.output_ids) for r in cons)
 assert n_tok == sum(len(r.output_ids) for r in free)
-print(f"batch of 4, {n_tok} output tokens each run (this CPU, one thread): constrained {t_cons / n_tok * 1e3:.1f} ms "
-      f"per output token, free {t_free / n_tok * 1e3:.1f} ms per output token (ratio {t_cons / t_free:.2f})")
+print(f"batch of 4, {n_tok} output tokens each run (this CPU, one thread), ms per output token:\n"
+      f"  constrained {t_cons / n_tok * 1e3:.1f}, free {t_free / n_tok * 1e3:.1f} (ratio {t_cons / t_free:.2f})")
 
 # %% [markdown]
 # On this CPU a row's mask (fill and apply, over 49,152 logits) costs a fraction of a millisecond, against tens
@@ -630,7 +586,7 @@ print(f"batch of 4, {n_tok} output tokens each run (this CPU, one thread): const
 # decode step per jump, and a forced stretch of a single token is not jumped at all. This is task 12.1:
 
 # %%
-print(task_source(jump_forward, "12.1"))
+show_code(jump_forward, task="12.1")
 
 # %% [markdown]
 # The example of the docstring, on a real matcher: the output so far is `{"name": "Ada"`.
@@ -649,10 +605,9 @@ assert new_ids == tok.hf.encode('{"name": "Ada", "age', add_special_tokens=False
 print(f"still forced, for the model to sample: {state.jump_forward_string()!r}")
 
 # %% [markdown]
-# In the engine (`StructuredOutput._jump_forward`, called from its `after_token` hook), the request's output is
-# cut by `rollback` tokens and grows by the new ones (`Req.replace_tail`), its epoch changes (its rows in flight are
-# obsolete), its KV is kept up to where the old and new tokens agree, and the scheduler gives it an extend row
-# over the new tokens next. `max_rollback` keeps the plan away from tokens whose KV the radix tree already shares.
+# In the engine (`StructuredOutput._jump_forward`, from its `after_token` hook), the request's output is cut by
+# `rollback` tokens and grows by the new ones (`Req.replace_tail`), its KV is kept up to where the old and new
+# tokens agree, and the scheduler gives it an extend row over the new tokens next.
 # We run six JSON requests with jump-forward off and on (`EngineConfig.enable_jump_forward`) and read the engine's
 # step counters and the extension's jump counters.
 
@@ -690,14 +645,12 @@ assert runs[True][2].stats.steps < runs[False][2].stats.steps
 # costs about the same at batch 1 as at batch 64, fewer steps is directly less time for a single request; for a
 # full batch the extend rows are extra work in the steps that carry them, and the gain is smaller.
 #
-# **Why it is off by default.** Greedy outputs with and without jump-forward may differ. Here the four texts
-# agree (the tokens that spell them need not), but nothing guarantees it. The forced tokens are the canonical tokenization of the whole text, which is
-# not always the sequence the model would have produced one token at a time under the mask: the mask also allows
-# the *non-canonical* pieces of a forced string (`{` then `"` instead of `{"`), and the model sometimes prefers
-# one (section 3's output started with `{` and `"`, where jump-forward appends `{"`). After a different token
-# sequence the model's next choice can differ too. The output is valid either way, but a reader comparing runs,
-# or a test comparing with the oracle, would see the difference, and on a GPU it is slower (section 7); so the
-# engine keeps the exact non-jumping behaviour unless asked (`EngineConfig(enable_jump_forward=True)`, `--enable-jump-forward` on the command line).
+# **Why it is off by default.** Greedy outputs with and without jump-forward may differ (here the texts agree; the
+# tokens that spell them need not). The forced tokens are the canonical tokenization of the text, while the mask
+# also allows its *non-canonical* pieces, which the model sometimes prefers (section 3's output started with `{`
+# then `"`, where jump-forward appends `{"`), and after other tokens its next choice can differ. The output is
+# valid either way, but it is not the oracle's, and on a GPU it is slower (section 7); so jumping is opt-in
+# (`EngineConfig(enable_jump_forward=True)`, `--enable-jump-forward`).
 #
 # ## 6. Tool calls as a grammar
 #
@@ -720,12 +673,12 @@ clock = Function("get_time", "Current time in a time zone.",
                  {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}}, "required": ["zone"]})
 named = plan_tools([weather, clock], {"type": "function", "function": {"name": "get_weather"}})
 schema = call_schema(named)
-print("named function -> schema:", json.dumps(schema))
+print(wrap(f"named function -> schema: {json.dumps(schema)}"))
 out = llm.generate(chat("What is the weather like in Paris?"),
                    SamplingParams(temperature=0, max_new_tokens=64, json_schema=json.dumps(schema)), use_tqdm=False)[0]
 parser = ToolCallParser(named.names, form="object")
 parser.feed(out.text), parser.finish()
-print(f"model output: {out.text!r}\nparsed calls: {[c.openai()['function'] for c in parser.calls]}")
+print(wrap(f"model output: {out.text!r}\nparsed calls: {[c.openai()['function'] for c in parser.calls]}"))
 assert out.finish_reason == "stop" and parser.calls[0].name == "get_weather"
 jsonschema.validate(json.loads(parser.calls[0].arguments), weather.parameters)
 
@@ -733,7 +686,7 @@ auto = ToolCallParser(plan_tools([weather, clock], "auto").names, form="tagged")
 for piece in ['Let me check. <tool_call>{"name": "get_time", ', '"arguments": {"zone": "Europe/Paris"}}</tool_call>']:
     auto.feed(piece)
 auto.finish()
-print(f"auto: content {auto.content!r}, calls {[c.openai()['function'] for c in auto.calls]}")
+print(wrap(f"auto: content {auto.content!r}, calls {[c.openai()['function'] for c in auto.calls]}"))
 
 # %% [markdown]
 # With a named function the model could not write anything but a `get_weather` call with a city and a unit;
@@ -745,13 +698,10 @@ print(f"auto: content {auto.content!r}, calls {[c.openai()['function'] for c in 
 # **Strict tools under `"auto"`: a structural tag.** A function marked `strict: true` promises arguments that
 # follow its schema, even when the model decides for itself whether to call. A grammar can keep that promise
 # without taking the decision away, by constraining only *part* of the output. A structural tag (SGLang's
-# `structural_tag` sampling parameter, xgrammar's triggered tags) lists a *trigger*, `<tool_call>`, and one
-# *structure* per function: a fixed begin string (the trigger and the call's head, naming the function, exactly as
-# the prompt teaches it and the parser reads it), the function's parameter schema, and a fixed end string. The
-# text is free until the trigger is written; from there the grammar allows only one of the structures, and after
-# its end the text is free again. The server builds it with `call_structural_tag` for every tool once any is
-# strict (the model picks the function only after the trigger), and the same keyword check as for forced calls
-# refuses a schema the grammar would not enforce.
+# `structural_tag` sampling parameter) lists a *trigger*, `<tool_call>`, and one *structure* per function: a fixed
+# begin string naming the function, its parameter schema, and a fixed end string. The text is free until the
+# trigger is written; from there the grammar allows only one of the structures, and after its end the text is free
+# again. The server builds it with `call_structural_tag` once any tool is strict.
 
 # %%
 strict = SamplingParams(structural_tag=call_structural_tag(plan_tools([weather, clock], "auto")))
@@ -760,7 +710,7 @@ tagged = xgr.Grammar.from_structural_tag(to_xgrammar(strict.structural_tag))
 call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "Europe/Paris"}}\n</tool_call>'
 for text in ["No call is needed.", f"Let me check. {call} Done.",
              call.replace("get_time", "get_date"), call.replace('"Europe/Paris"', "42")]:
-    print(f"{_is_grammar_accept_string(tagged, text)!s:5}  {text!r}")
+    print(f"{_is_grammar_accept_string(tagged, text)!s:5}  {shorten(repr(text), 93)}")
 assert _is_grammar_accept_string(tagged, f"Let me check. {call} Done.")
 assert not _is_grammar_accept_string(tagged, call.replace('"Europe/Paris"', "42"))
 
@@ -768,35 +718,20 @@ assert not _is_grammar_accept_string(tagged, call.replace('"Europe/Paris"', "42"
 # Free text passes, and so does a well-formed call amid it; a call to a function that is not among the tools, or
 # with a number where the schema asks for a string, cannot be written.
 #
-# **Definitions move to the root.** A tool made from a pydantic model with nested models
-# (`openai.pydantic_function_tool`) keeps them in `$defs` and points at them with `{"$ref": "#/$defs/Address"}`.
-# A reference is resolved from the root of the *whole* schema, and in the call schema a function's parameters sit
-# two levels down, so `call_schema` moves each function's definitions to the root, under names that start with
-# the function's, and rewrites its references to match (two tools may both define an `Address`; a reference to a
-# schema's own root becomes a definition of its own, so recursive schemas stay recursive). The forced modes also
-# refuse a tool whose schema uses a refused keyword: its arguments are promised to fit (and so does `"auto"` with a
-# strict tool). In `"auto"` without strict tools nothing is enforced, and the schema is only text in the prompt.
-
-# %%
-ADDRESS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
-ship = Function("ship", None, {"$defs": {"Address": ADDRESS}, "type": "object",
-                               "properties": {"to": {"$ref": "#/$defs/Address"}}, "required": ["to"]})
-bill = Function("bill", None, {"$defs": {"Address": {**ADDRESS, "required": []}}, "type": "object",
-                               "properties": {"of": {"$ref": "#/$defs/Address"}}, "required": ["of"]})
-both = call_schema(plan_tools([ship, bill], "required", parallel=False))
-print(json.dumps(both["anyOf"][0]["properties"]["arguments"]), "|", list(both["$defs"]))
-assert list(both["$defs"]) == ["ship.Address", "bill.Address"]
+# **Definitions move to the root.** A tool made from a pydantic model keeps nested models in `$defs`, and a
+# reference is resolved from the root of the *whole* schema, so `call_schema` moves each function's definitions to
+# the root under names that start with the function's (the reference page has an example). The forced modes, and
+# `"auto"` with a strict tool, refuse a tool whose schema uses a refused keyword; in `"auto"` without strict tools
+# nothing is enforced, and the schema is only text in the prompt.
 
 # %% [markdown]
 # ## 7. The oracle
 #
-# The tests' oracle for constrained decoding (`tests/test_constrained.py`,
-# `test_no_sampled_token_is_ever_rejected_by_the_grammar`) does not trust the engine's masks: it samples *hot*
-# (temperature 1.5, so the model wants to stray), then replays every output through a **fresh** xgrammar
-# matcher, token by token. Every token must be accepted; an output that ended with a stop must leave the matcher
-# terminated; an output cut by its length limit must have every token accepted. For regexes it also checks, with
-# the independent `regex` package, that every decoded prefix can still be extended to a full match. A small
-# version:
+# The tests' oracle for constrained decoding (`tests/test_constrained.py`) does not trust the engine's masks: it
+# samples *hot* (temperature 1.5, so the model wants to stray), then replays every output through a **fresh**
+# xgrammar matcher, token by token. Every token must be accepted, and an output that ended with a stop must leave
+# the matcher terminated; for regexes, the independent `regex` package checks that every decoded prefix can still
+# be extended to a full match. A small version:
 
 # %%
 cases = [("json_schema", json.dumps(PERSON_AGE)), ("json_schema", ANY_JSON), ("regex", other[0][1]),
@@ -845,9 +780,8 @@ if all(f.exists() for f in BENCHES.values()):  # GPU results, written by scripts
         ax.legend(fontsize=8)
         for summary in gpu["summary"]:
             b = summary["batch_size"]
-            print(f"{name:<16} batch {b:>4}: constrained / free time per output token "
-                  f"{summary['constrained_over_free_time_per_token']:.2f}, jump-forward / constrained wall "
-                  f"{summary['jump_forward_over_constrained_wall']:.2f}, outputs complete and valid "
+            print(f"{name:<16} batch {b:>3}: constrained/free {summary['constrained_over_free_time_per_token']:.2f}, "
+                  f"jump-forward/constrained {summary['jump_forward_over_constrained_wall']:.2f}, valid "
                   f"{b - by[(b, 'constrained')]['invalid']}/{b}")
     fig.tight_layout()
     plt.show()
@@ -910,228 +844,38 @@ print(f"maxLength 40: {min(bounded_ms):.3f}-{max(bounded_ms):.3f} ms per row (pe
 # The lesson for schemas: length bounds, like regex patterns on strings, are where constrained decoding gets
 # expensive, because near them the mask cannot be looked up.
 
-# %%
-REAL = {name: ROOT / "docs" / "data" / f"constrained_bench_real_{name}_h100.json" for name in ("typical", "bounded")}
-if all(f.exists() for f in REAL.values()):  # the same script with the real SmolLM2 weights, up to 320 tokens
-    print(f"{'schema':<8} {'batch':>5} {'run':<13} {'ms/token/request':>16} {'steps':>6} {'ms/step':>8} "
-          f"{'stopped and valid':>18}")
-    for name, path in REAL.items():
-        gpu = json.loads(path.read_text())
-        for r in gpu["results"]:
-            per_token = 1e3 * r["wall_s"] / r["output_tokens"] * r["batch_size"]
-            valid = "" if r["run"] == "free" else f"{r['batch_size'] - r['invalid']}/{r['batch_size']}"
-            print(f"{name:<8} {r['batch_size']:>5} {r['run']:<13} {per_token:>16.2f} {r['steps']:>6} "
-                  f"{r['ms_per_step']:>8.2f} {valid:>18}")
-        for summary in gpu["summary"]:
-            print(f"{name:<8} batch {summary['batch_size']:>4}: constrained / free time per output token "
-                  f"{summary['constrained_over_free_time_per_token']:.2f}")
+# %% [markdown]
+# **The everyday cost.** The bounded run is the worst case; the typical schema with the embedded model's real
+# weights is the everyday one. Here is what it costs per output token against free twins on one H100, read from
+# three result files: the float32 model, the same model in bfloat16 (five alternating runs per kind, medians), and
+# the 135M model padded with zeros to 2.1B parameters, which writes the same JSON while the device does a 2.1B
+# model's work.
+
+# %% tags=["hide-input"]
+GPU_RUNS = [("135M, float32", "constrained_bench_real_typical_h100.json"),
+            ("135M, bfloat16", "constrained_bench_typical_adaptive_h100.json"),
+            ("135M padded to 2.1B, bfloat16", "constrained_bench_typical_padded_rustdecode_h100.json")]
+gpu_rows = []
+for label, name in GPU_RUNS:
+    by_batch = {x["batch_size"]: x for x in json.loads((ROOT / "docs" / "data" / name).read_text())["summary"]}
+    gpu_rows.append([label] + [f"{by_batch[b]['constrained_over_free_time_per_token']:.2f}" for b in (1, 64, 256)])
+display(show_table(gpu_rows, headers=["model (typical schema)", "batch 1", "batch 64", "batch 256"]))
 
 # %% [markdown]
-# **With the real weights** (`--load-format auto`, up to 320 tokens) the typical schema costs 3%, 2% and 11% per
-# output token at batch 1, 64 and 256: the grammar's work hides behind the forward pass until the batch is large.
-# Every output that stopped is a valid instance; the ones counted as not valid ran into the 320-token limit
-# inside a string (this 135M model sometimes repeats a name until it is cut off). The bounded schema still costs
-# 1.9x at batch 64, from the stretch before each bound.
+# * **The host paces the small model.** In bfloat16 a decode step of the 135M model takes 1.2-1.6 ms, and even a
+#   free step is bound by the host's own work (chapter 11). Accepting a token and filling a mask row cost 3-6 µs
+#   each per row inside xgrammar, holding Python's lock, so they add to the step instead of hiding behind the
+#   forward pass. (In float32 the step was twice as long and hid them.)
+# * **A larger forward pass hides them.** Behind the padded model's 2.6-5 ms step the grammar costs 2% at batch 64
+#   and 7% at 256: the overlap of section 4 works once the device, not the host, sets the pace.
+# * **Jump-forward loses on the GPU.** It saves decode steps (38% at batch 64 with bounded strings), but a step
+#   with extend rows that no captured CUDA graph fits runs eagerly, and such steps took 1.7-2.5 times as long at
+#   batch 64-256; its canonical tokens also sent more outputs to the length limit. On the CPU, with no graph to
+#   lose, it wins (section 5). It stays off by default.
 #
-# **Jump-forward loses on the GPU.** At batch 64 with bounded strings it saves 38% of the decode steps (84 against
-# 135), but each step takes three times as long, and at batch 256 five times. A jumped request needs an extend
-# row, and a step with any extend row cannot replay the decode CUDA graph: the whole batch runs the eager forward
-# pass, whose launch costs tens of milliseconds of host time (chapter 11, section 7, measures it for a
-# prefill). With several jumps per step at batch 256, almost every step becomes such a step. On the CPU, where
-# there is no graph to lose, the step count is what matters and jump-forward wins (section 5). The outputs also
-# differ: with the canonical tokens of forced text the model writes a different, not always better, answer, and
-# its outputs ran to the length limit more often (the "stopped and valid" column). What would make it pay on a
-# GPU: running the forced tokens of a few requests without taking the others off the graph (a decode graph that
-# accepts a few tokens per row), or jumping only when the forced text is long.
-#
-# **Every number above ran the model in float32.** The embedded SmolLM2 is stored de-quantised in float32, and
-# the engine used to keep a checkpoint's dtype on a GPU. In float32 the fast attention kernels (FlashAttention,
-# FlashInfer) do not run, so every step went through our Triton kernels with exact float32 products, and their
-# extend kernel is slow on a step with hundreds of one-token rows: a device profile of the jump-forward run at
-# batch 256 (`docs/data/constrained_bench_f32_jump_profile_h100.txt`) shows it at 7.6 ms per layer call, two
-# thirds of all GPU time, which is what made a jump's step cost 50-260 ms. `--dtype auto` now serves a float32
-# checkpoint in bfloat16 on a GPU, as vLLM's `auto` serves one in 16 bits. The same measurement in bfloat16, the
-# typical schema, real weights, with the default steps and with mixed prefill+decode steps (`--mixed`, as `serve`
-# runs on a GPU). Since these runs, chapter 11 also captures extend steps of up to 64 rows in CUDA graphs, so a
-# jump's step replays a graph when it fits one:
-
-# %%
-AGAIN = {mode: ROOT / "docs" / "data" / f"constrained_bench_typical_{mode}_h100.json" for mode in ("plain", "mixed")}
-if all(f.exists() for f in AGAIN.values()):
-    print(f"{'steps':<6} {'batch':>5} {'constrained ms/step':>20} {'jump-forward ms/step':>21} {'ratio':>6} "
-          f"{'jumped tokens':>14} {'ran to the limit (constrained, jump)':>37}")
-    for mode, path in AGAIN.items():
-        gpu = json.loads(path.read_text())
-        by = {(r["batch_size"], r["run"]): r for r in gpu["results"]}
-        for b in sorted({r["batch_size"] for r in gpu["results"]}):
-            c, j = by[(b, "constrained")], by[(b, "jump_forward")]
-            print(f"{mode:<6} {b:>5} {c['ms_per_step']:>20.2f} {j['ms_per_step']:>21.2f} "
-                  f"{j['ms_per_step'] / c['ms_per_step']:>6.2f} {j['jump_forward_tokens']:>14} "
-                  f"{c['finished_by_length']:>22}/{b}, {j['finished_by_length']}/{b}")
-
-# %% [markdown]
-# In bfloat16 a decode step of this 135M model takes 1.2-1.6 ms at batch 1-64, and that changes the picture
-# twice over.
-#
-# * **The grammar no longer hides.** A constrained step now costs 1.3x a free one at batch 1 and about 1.5-1.6x
-#   at 32 and 64 (plain steps; the mixed-steps process, another sample of the same constrained work, measured
-#   1.5-2.1x), and 1.06-1.33x at 256, where the forward is longer. The overlap of section 4 hides the mask only
-#   where the host has time to spare, and at these step times it has none: even the free steps are bound by the
-#   host's own work (chapter 11 measures ~2 ms of it per decode step), so every row's mask fill, copy and
-#   matcher update adds to the step. The float32 runs above stayed within 10% of a free step at batch 64
-#   because their GPU step was twice as long.
-# * **Jump-forward's step got cheaper, but not cheap.** Its extend rows ride in steps that now cost 5 ms at
-#   batch 32 and 26-46 ms at 64 and 256 (the profile's 50-260 ms in float32). Per step it is 1.3x a constrained
-#   step at 32, 1.7-2.0x at 64 and 2.3-2.5x at 256, still a loss, from the steps with extend rows: at 64 and
-#   more they exceed the largest extend graph and run eagerly. And its outputs are still worse: 27 of 32 and 49
-#   of 64 ran to the 320-token limit, against 7 and 17 without jumps. It stays off by default.
-#
-# How much of the host's time per step is the grammar's own? `benchmarks/grammar_host.py` replays, without a
-# model, what the engine does for each constrained row of a decode step: the matcher accepts the sampled token
-# (and is asked whether the grammar has ended), the row's next mask is filled, and the mask is applied. Its rows
-# write valid instances of the typical schema, tokenized by SmolLM2's tokenizer, each with other values:
-
-# %%
-HOST = json.loads((ROOT / "docs" / "data" / "grammar_host_cpu.json").read_text())
-print(f"{HOST['provenance']['hardware']['cpu']}, {HOST['fill_threads']} fill thread(s); ms per decode step:")
-print(f"{'rows':>5} {'accept':>8} {'(one call)':>11} {'fill':>7} {'apply (CPU)':>12}   us per row: accept, fill")
-for r in HOST["results"]:
-    print(f"{r['batch']:>5} {r['accept']:>8.3f} {r['accept_batch']:>11.3f} {r['fill']:>7.3f} {r['apply']:>12.3f}"
-          f"   {r['accept_us_per_row']:>5.1f}, {r['fill_us_per_row']:>5.1f}")
-
-# %% [markdown]
-# * **Accepting a token costs 3-6 µs per row, inside xgrammar**: handing all the rows' tokens to xgrammar in one
-#   call (`batch_accept_token`, the "one call" column) is no faster than a Python call per row. It is paid on the
-#   host for every constrained row of every step, and no thread helps it: each matcher must have its token before
-#   its mask can be filled.
-# * **Filling is about as much again**, on one thread here. The engine can spread it over half the machine's
-#   cores (eight threads on the 16-core host of the H100 machine), which pays only when the rows are dear, as
-#   below.
-# * **Applying is the CPU's own cost.** On a CPU it writes `-inf` into every forbidden logit of the row, ~0.1 ms
-#   per row of SmolLM2's 49k vocabulary; on a GPU it is one kernel for all rows.
-#
-# At 64 rows the accepts alone are ~0.3-0.4 ms and the fills at most as much again: about half of the ~1.2 ms by
-# which a constrained step at batch 64 outlasts a free one on the H100 above. The rest shows in a profile of that run
-# (below); what the arithmetic already says is that a host-bound step cannot absorb even the
-# grammar's irreducible part, a few µs per row, unless the rest of the host's work per step shrinks first.
-#
-# **Measured again, five times each.** One timed run of a batch lasts 0.5-1 s, and single runs turned out to be
-# too noisy to compare versions: the same code measured a constrained/free ratio of 1.05 in one process and 2.0 in
-# the next. `scripts/gpu/measure/constrained_bench.py --repeats 5` now alternates five constrained and five free runs per
-# batch size and compares medians. With that, one process per engine version, one after another on one H100:
-
-# %%
-for name in ("constrained_order_ab_h100.json", "constrained_fill_ab_h100.json"):
-    ab = json.loads((ROOT / "docs" / "data" / name).read_text())
-    for label, proc in ab["processes"].items():
-        ratios = ", ".join(f"batch {x['batch_size']}: {x['constrained_over_free_time_per_token']:.2f}"
-                           for x in proc["summary"])
-        print(f"{label:<24} constrained / free time per output token  {ratios}")
-    print()
-
-# %% [markdown]
-# * **Where the step in flight is processed does not matter**, nor where the mask is copied from: every version
-#   that fills the masks on xgrammar's thread pool lands between 1.3 and 1.9, the spread of one version between
-#   two processes as wide as the differences between versions. That is what the arithmetic of section 4 says for
-#   a host-bound step: moving the host's work around inside a step leaves its sum, and the step, unchanged.
-# * **A host profile of one constrained and one free run at batch 64** (`constrained_bench_typical_profile_h100.txt`,
-#   cProfile) finds the constrained steps' extra host time in three places: the batch fill, ~0.34 ms a step
-#   although the rows (about 25 on average) fill in a few µs each, so nearly all of it is handing them to the
-#   thread pool and back; the matchers' accepts with their Python around them, ~0.2 ms; the mask's copy and the
-#   masking kernel's launch, ~0.1 ms.
-# * **Filling cheap rows on the engine's own thread** and keeping the pool for steps whose rows are dear (the
-#   bitmask times its fills and decides step by step) brings batch 32 to ~1.2 and batch 64 to ~1.3-1.4.
-#
-# What remains is the grammar's irreducible host work, a few microseconds per row, on a step that the host already
-# paces: on this 135M model a free step at a few dozen rows takes ~1.5 ms, nearly all of it the host's. xgrammar's
-# calls hold Python's global interpreter lock (measured: a fill in a second thread does not overlap Python work),
-# so a helper thread cannot hide them either. With a larger model, whose forward pass outlasts the host's work,
-# most of it hides (the float32 runs above, whose steps were twice as long, stayed within 10%; the next section
-# measures a larger model in bfloat16).
-# The whole table once more, with the fills decided step by step:
-
-# %%
-ADAPT = json.loads((ROOT / "docs" / "data" / "constrained_bench_typical_adaptive_h100.json").read_text())
-for x in ADAPT["summary"]:
-    print(f"batch {x['batch_size']:>4}: constrained / free time per output token "
-          f"{x['constrained_over_free_time_per_token']:.2f}, jump-forward / constrained wall "
-          f"{x['jump_forward_over_constrained_wall']:.2f}")
-
-# %% [markdown]
-# ### Against a larger model's forward pass
-#
-# All of this is the 135M model, whose step is the host's. A model of a size people serve in production spends
-# longer on the device per step, and the overlap has room to hide the grammar. To see how much, the GPU run needs
-# a larger model that writes real JSON. Random weights are a poor substitute: a random model under the typical
-# schema writes tokens that the mask allows inside the first string and almost never closes it, so every request
-# runs to the length limit, all 64 rows of batch 64 stay in every step and every row's matcher sits in the same
-# kind of state. That is a different workload from real outputs, which end after a few dozen to a few hundred
-# tokens, so that a batch thins out as it runs. (Timed anyway, with SmolLM2-1.7B's shape and random weights,
-# `constrained_bench_typical_random_1p7b_h100.json`: a free step of 64 rows took 2.9 ms and a constrained one
-# 1.31x that, at 64 constrained rows in every step.)
-#
-# So the larger model is built from the small one: `scripts/gpu/measure/padded_model.py` pads the 135M model with zeros to
-# the width of SmolLM2-1.7B (2048 hidden units, 32 heads each with its own KV head, an MLP of 8192; the 135M's 30
-# layers, 2.1B parameters). Every matrix keeps the 135M's weights in its top-left corner and zeros elsewhere, so
-# the extra units stay exactly zero through every layer; the one place where zeros change a result is RMSNorm,
-# which averages over all 2048 units, and its weights and epsilon are rescaled to undo that
-# (`tests/test_bench.py` checks, on a small random model in float32, that the padded model's logits are the
-# original's). The padded model writes the 135M's JSON and makes the device do a 2.1B model's reads and products.
-# The same benchmark as above, typical schema, five alternating runs per kind, on one H100: the padded model and
-# then the 135M model, one after the other ("before"); then, on another H100, the same after the detokenizer's
-# decodes went straight to the Rust tokenizer (chapter 02: three times cheaper per token), with the old decode
-# laid over the new engine as the control:
-
-# %%
-print(f"{'model':<25} {'batch':>5} {'rows/step':>9} {'free ms/step':>12} {'constrained ms/step':>20} "
-      f"{'ratio (median)':>15} {'ratio (best runs)':>18}")
-RUNS = [("2.1B padded, before", "padded"), ("135M, before", "135m"),
-        ("2.1B padded, Rust decode", "padded_rustdecode"), ("2.1B padded, HF decode", "padded_hfdecode"),
-        ("135M, Rust decode", "135m_rustdecode")]
-for label, name in ((label, f"constrained_bench_typical_{key}_h100.json") for label, key in RUNS):
-    run = json.loads((ROOT / "docs" / "data" / name).read_text())
-    by = {(r["batch_size"], r["run"]): r for r in run["results"]}
-    for b in sorted({r["batch_size"] for r in run["results"]}):
-        c, f = by[(b, "constrained")], by[(b, "free")]
-        best = min(c["wall_runs_s"]) / min(f["wall_runs_s"])
-        print(f"{label:<25} {b:>5} {c['output_tokens'] / c['steps']:>9.0f} {f['ms_per_step']:>12.2f} "
-              f"{c['ms_per_step']:>20.2f} {c['wall_s'] / f['wall_s']:>15.2f} {best:>18.2f}")
-
-# %% [markdown]
-# (Both kinds of run write the same number of tokens in the same number of steps, so the ratio of wall times is
-# the ratio of time per output token. "rows/step" is the average: requests end at different lengths, and a batch
-# of 64 has about 32 rows left in a step on average.)
-#
-# * **Batch 1: hidden.** 2% on the padded model, whose 2.6 ms step leaves the host idle most of the time.
-# * **Batch 64, before: mostly hidden.** A free step of the padded model takes 3.2 ms; the host's own work for
-#   such a step is about 1.7 ms (the 135M's free step, which the host paces), and with the grammar's accepts,
-#   fills and copy about 3.0 ms (the 135M's constrained step): about as long as the padded model's forward pass.
-#   The overlap hid most of it, and 12% was left.
-# * **Batch 256, before: not hidden.** The host's work grows with the rows (the 135M's free step 4.6 ms, 6.6 ms
-#   constrained) faster than the padded model's step (5.5 ms): the host paced the step again, 1.45x.
-# * **After: hidden at 64, nearly at 256.** The grammar's work did not change; the host's other work did. At a
-#   few dozen rows the detokenizer's window decodes every row of every step (chapter 02 measures ~23 µs a token
-#   before and ~8 after on a small CPU), and three times cheaper it leaves the host enough room to finish a
-#   constrained step's work inside the padded model's forward pass: 2% at batch 64, 7% at 256. The control, on the same machine, with the old decode: 17% and 11% in the median, while its best
-#   runs came as close as the new ones (1.03 and 1.00). With the old decode the host had just enough time in a
-#   quiet run and too little whenever anything else stirred on the machine (its constrained runs at batch 64
-#   spread over 0.52-0.63 s, the new decode's over 0.51-0.56 s); with the new one it has room to spare in most
-#   runs.
-# * **The 135M model stays host-bound.** Its ratio even grows at 256 rows (1.7x): the cheaper detokenizer made its
-#   *free* steps faster (3.0 against 4.6 ms at 256), and the grammar's share of a shorter step is larger.
-#
-# So constrained decoding costs what the host cannot hide behind the forward pass, and whether it hides depends on
-# everything else the host does in a step. The grammar's own work per row is mostly xgrammar's (above: a few µs to
-# accept, a few to fill, both holding Python's lock). What would hide it on the 135M model too is doing it
-# somewhere else than on the engine's thread: a process of its own that mirrors the matchers, accepts the tokens
-# and fills the masks into shared pinned memory while the engine's thread detokenizes, schedules and launches.
-
-# %% [markdown]
-# One more thing these runs found. All requests of a batch arrive together, and at batch 256 the scheduler
-# admitted them in halves, 128, then 64, 32 and so on, one step each: it counted the requests admitted earlier
-# in the same step twice against `max_running_requests`. With mixed steps every one of those nine steps also
-# decoded all running requests eagerly, which had made free steps at batch 256 a third slower with `--mixed`.
-# A burst is now admitted in one step (chapter 11's canonical workload gained too).
+# The [structured output reference](../structured-output-reference.md) has the tables behind each point: real
+# weights in float32 and bfloat16, the grammar's host work per row, repeated runs of several engine versions, and
+# the padded model against the 135M one.
 
 # %% [markdown]
 # ## Summary
@@ -1205,23 +949,12 @@ for label, name in ((label, f"constrained_bench_typical_{key}_h100.json") for la
 # ```
 #
 # Expected on a 2-core x86_64 CPU: the chapter in about 40 s; `benchmarks.grammar_host` in about a minute, with
-# 3-6 µs per row both to accept a token and to fill a mask (one thread) and ~0.1 ms per row to apply a mask to CPU
-# logits; in section 7, one mask row inside a string of at
-# most 40 characters fills in about 0.05 ms for the first 20 characters and up to about 4.5 ms around the 32nd,
-# against about 0.005 ms without the bound. On an H100 with the real weights
-# (`docs/data/constrained_bench_real_typical_h100.json`): the typical schema at about 1.03, 1.02 and 1.11 times the
-# free time per output token at batch 1, 64 and 256; jump-forward 3-5x the time per step at batch 64-256 (both
-# in float32, as the embedded model ran on a GPU then). In bfloat16 (`constrained_bench_typical_{plain,mixed}_h100.json`):
-# the typical schema at about 1.3x the free time per output token at batch 1, 1.5-2.1x at 32 and 64 and
-# 1.06-1.33x at 256; jump-forward 1.1-1.3x the time per step at batch 32, 1.7-2.0x at 64 and 2.3-2.5x at 256.
-# With five alternating runs per kind and fills on one thread while cheap
-# (`constrained_bench_typical_adaptive_h100.json`): about 1.06, 1.16-1.21, 1.30-1.38 and 1.42 at batch 1, 32, 64
-# and 256; `h2d_copy`: a 64-row mask's copy costs the CPU ~65 µs from pageable memory, ~20 µs from pinned. The
-# padded 2.1B model (`constrained_bench_typical_padded_h100.json`): about 1.02, 1.12 and 1.45 at batch 1, 64 and
-# 256, with free steps of 2.6, 3.2 and 5.5 ms; the 135M model on the same machine about 1.1, 1.8 and 1.4; random
-# weights in SmolLM2-1.7B's shape about 1.01, 1.31 and 1.22. With the detokenizer's Rust decode
-# (`constrained_bench_typical_padded_rustdecode_h100.json`): about 1.02, 1.02 and 1.07, against 1.17 and 1.11 at
-# 64 and 256 with the old decode on the same machine; the 135M about 1.03, 1.28 and 1.69.
+# 3-6 µs per row both to accept a token and to fill a mask (one thread). On an H100 with the real weights in
+# bfloat16 (`docs/data/constrained_bench_typical_adaptive_h100.json`): the typical schema at about 1.06, 1.16-1.21,
+# 1.30-1.38 and 1.42 times the free time per output token at batch 1, 32, 64 and 256; the padded 2.1B model
+# (`constrained_bench_typical_padded_rustdecode_h100.json`) at about 1.02, 1.02 and 1.07 at batch 1, 64 and 256.
+# The [structured output reference](../structured-output-reference.md#expected-numbers-at-a-glance) lists the
+# expected numbers of every other run above.
 
 # %%
 print(f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s")
