@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 from minisgl_ref.course import grade as grading
@@ -66,10 +65,7 @@ def cmd_solutions(args: argparse.Namespace) -> int:
 def cmd_grade(args: argparse.Namespace) -> int:
     t = _load(args.root)
     chosen = _selected(args, t)
-    start = time.perf_counter()
-    records = grading.run_tests(args.root, [task.id for task in chosen], timeout_s=args.timeout,
-                                quiet=not args.verbose)
-    result = grading.report(chosen, records, time.perf_counter() - start)
+    result = grading.grade(args.root, chosen, timeout_s=args.timeout, quiet=not args.verbose)
     print(grading.render(result))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
