@@ -63,15 +63,27 @@ def cmd_solutions(args: argparse.Namespace) -> int:
 
 
 def cmd_grade(args: argparse.Namespace) -> int:
-    t = _load(args.root)
-    chosen = _selected(args, t)
-    result = grading.grade(args.root, chosen, timeout_s=args.timeout, quiet=not args.verbose)
+    try:
+        t = _load(args.root)
+        chosen = _selected(args, t)
+        result = grading.grade(args.root, chosen, timeout_s=args.timeout, quiet=not args.verbose)
+    except (ValueError, RuntimeError, OSError) as e:
+        if not args.json:
+            raise
+        # Gradescope still gets a report: 0 points and the reason (no other process runs after this one)
+        _write(Path(args.json), grading.failure_report(str(e)))
+        print(f"error: {e}\nwrote {args.json} (0 points)", file=sys.stderr)
+        return 2
     print(grading.render(result))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        _write(Path(args.json), result)
         print(f"wrote {args.json}")
     return 0
+
+
+def _write(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:

@@ -27,16 +27,17 @@ the engine, and it has measured the machine (:func:`environment`) before any stu
 What this stops: a submission that writes or rewrites a report file, fakes records on the pipe, calls
 ``os._exit(0)`` halfway (the tests without a signed record count as not run, hence failed), patches the plugin or
 the assertions (refused statically), or imports the reference or the grader (refused statically). Where it stops:
-the child runs arbitrary code with the grading user's rights, so code that slips past the static check could read
-the key out of the plugin's memory, or write into files the parent reads later; run the grader as a user the
-tests' user cannot write for (on Gradescope, the autograder runs the tests as root: see docs/course/instructor.md),
-and spot-check surprising scores.
+the child runs with the grading user's rights, so code that slips past the static check could read the key out of
+the plugin's memory, or write files a later process reads (which is why the Gradescope script runs its fallback
+Python with ``-I -S``). Running the tests as a user who cannot write the grader's files would close the second
+gap; the static check and a look at surprising scores are what cover the first.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+from importlib import metadata
 import os
 import platform
 import re
@@ -229,10 +230,10 @@ def grade(root: Path, tasks: Sequence[Task], *, timeout_s: int = DEFAULT_TIMEOUT
     a child process on a scratch copy, and return the report (:func:`report`). See the module's docstring for
     what each step guards against."""
     start = time.perf_counter()
-    machine = environment()  # before any submitted code runs
     refused_all = screen.screen_tree(root)
+    machine = environment()  # before any submitted code runs
     refused = {t.id: refused_all[t.id] for t in tasks if t.id in refused_all}
-    with tempfile.TemporaryDirectory(prefix="minisgl-grade-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="minisgl-grade-", ignore_cleanup_errors=True) as tmp:
         scratch = Path(tmp) / "copy"
         grading_copy(root, scratch)
         screen.blank_refused(scratch, refused_all)
@@ -276,10 +277,10 @@ def environment() -> dict[str, Any]:
     import minisgl_ref
 
     info["minisgl_ref"] = minisgl_ref.__version__
-    for name in ("transformers", "triton", "pytest", "hypothesis"):
+    for name in ("transformers", "triton", "pytest", "hypothesis"):  # from their metadata: importing is slow
         try:
-            info[name] = __import__(name).__version__
-        except Exception:  # noqa: BLE001 - a missing optional package is just not reported
+            info[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:  # a missing optional package is just not reported
             info[name] = None
     return info
 
@@ -389,6 +390,13 @@ def report(tasks: Sequence[Task], records: list[dict[str, Any]], seconds: float,
                        "environment": machine if machine is not None else environment(),
                        "time": time.strftime("%Y-%m-%d %H:%M")},
     }
+
+
+def failure_report(reason: str) -> dict[str, Any]:
+    """The report of a grading that could not happen (the code does not parse outside a task region, a task
+    marker was removed, pytest could not start): 0 points and the reason."""
+    return {"score": 0, "output": "The grader could not run (a syntax error outside the task regions, an import "
+            f"error, a task marker removed?):\n{reason[-6000:]}", "tests": []}
 
 
 def render(result: dict[str, Any]) -> str:
