@@ -400,3 +400,17 @@ def test_the_static_check_refuses_escapes_naming_the_task_and_the_construct(body
     refused = screen.screen_text(submitted, path)
     assert list(refused) == ["0.1"], refused
     assert any(construct in why and why.startswith(path) for why in refused["0.1"]), refused
+
+
+def test_a_grade_that_cannot_run_still_writes_a_report_with_the_reason(tmp_path: Path) -> None:
+    """Gradescope's script hands its place to the grader, so the grader itself must leave a results.json when it
+    cannot grade: here a syntax error outside every task region."""
+    out = tmp_path / "copy"
+    student.make_copy(ROOT, out, ["0.1"], commit=False)
+    path = out / "minisgl_ref/attention/torch_native.py"
+    path.write_text(path.read_text(encoding="utf-8") + "\ndef broken(:\n", encoding="utf-8")
+    results = tmp_path / "results.json"
+    proc = course("grade", "--task", "0.1", "--json", str(results), cwd=out, check=False)
+    assert proc.returncode == 2
+    report = json.loads(results.read_text(encoding="utf-8"))
+    assert report["score"] == 0 and "syntax error outside every task region" in report["output"]

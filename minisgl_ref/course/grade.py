@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minisgl_ref.course import screen
+from minisgl_ref.course import regions, screen
 from minisgl_ref.course.plugin import CHANNEL_ENV, KEY_BYTES, sign
 from minisgl_ref.course.table import Task
 
@@ -239,8 +239,14 @@ def grade(root: Path, tasks: Sequence[Task], *, timeout_s: int = DEFAULT_TIMEOUT
         screen.blank_refused(scratch, refused_all)
         run = run_checked(scratch, [t.id for t in tasks if t.id not in refused], timeout_s=timeout_s,
                           quiet=quiet, env=env)
-    return report(tasks, run.records, time.perf_counter() - start, refused=refused, forged=run.forged,
-                  machine=machine)
+    result = report(tasks, run.records, time.perf_counter() - start, refused=refused, forged=run.forged,
+                    machine=machine)
+    elsewhere = sorted(set(refused_all) - set(refused), key=regions.task_key)
+    if elsewhere:  # not graded now, but blanked: a check that runs their code says "depends on" them
+        result["output"] += (f" The regions of task(s) {', '.join(elsewhere)}, not graded here, were refused by "
+                             "the static check and ran blank.")
+        result["extra_data"]["refused_elsewhere"] = {t: refused_all[t] for t in elsewhere}
+    return result
 
 
 def checks_of(records: list[dict[str, Any]]) -> dict[str, list[Check]]:

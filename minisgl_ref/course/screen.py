@@ -138,8 +138,11 @@ def _store_problems(target: ast.expr, module_names: set[str], local: set[str]) -
 def _refusals(nodes: Iterable[ast.AST], path: str, module_names: set[str], local: set[str]) -> list[str]:
     out: list[str] = []
     for top in nodes:
+        called = {id(n.func) for n in ast.walk(top) if isinstance(n, ast.Call)}
         for node in ast.walk(top):
             line = getattr(node, "lineno", "?")
+            if isinstance(node, ast.Name) and node.id in ("getattr", "hasattr") and id(node) not in called:
+                out.append(f"line {line}: {node.id} passed around (only a direct call is checked)")
             if isinstance(node, ast.Import):
                 out += [f"line {line}: imports {a.name}" for a in node.names if _module_refused(a.name)]
             elif isinstance(node, ast.ImportFrom):
