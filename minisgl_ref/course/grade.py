@@ -28,16 +28,16 @@ What this stops: a submission that writes or rewrites a report file, fakes recor
 ``os._exit(0)`` halfway (the tests without a signed record count as not run, hence failed), patches the plugin or
 the assertions (refused statically), or imports the reference or the grader (refused statically). Where it stops:
 the child runs with the grading user's rights, so code that slips past the static check could read the key out of
-the plugin's memory, or write files a later process reads (which is why the Gradescope script runs its fallback
-Python with ``-I -S``). Running the tests as a user who cannot write the grader's files would close the second
-gap; the static check and a look at surprising scores are what cover the first.
+the plugin's memory, or write files that a process started later would read (which is why the Gradescope script
+in docs/course/instructor.md ends by handing its place to the grader, and the grader writes a report even when it
+fails: no process starts after the submission's code has run). Running the tests as a user who cannot write the
+grader's files would close the second gap; the static check and a look at surprising scores cover the first.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
-from importlib import metadata
 import os
 import platform
 import re
@@ -51,6 +51,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -193,7 +194,7 @@ def run_checked(
     pipe = subprocess.PIPE if quiet else None
     try:
         proc = subprocess.Popen(cmd, cwd=root, env=run_env, stdout=pipe, stderr=pipe, text=True,
-                                pass_fds=(key_r, out_w), start_new_session=True)
+                                errors="replace", pass_fds=(key_r, out_w), start_new_session=True)
     finally:
         os.close(key_r)
         os.close(out_w)
