@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from minisgl_ref.course import grade, mutants, regions, student, table
+from minisgl_ref.course import grade, mutants, regions, screen, student, table
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -269,3 +269,148 @@ def test_updating_a_copy_commits_on_top_and_never_unblanks_by_accident(tmp_path:
     assert len(log) == 2 and log[0].startswith("Reference update")
     student.make_copy(ROOT, out, ["0.2"], unblank=True)
     assert 'NotImplementedError("Task 0.1' not in (out / "minisgl_ref/attention/torch_native.py").read_text()
+
+
+# ------------------------------------------------------------------------------ the report's numbers and names
+
+
+def _record(task: str, check: str, outcome: str, case: str = "") -> dict:
+    return {"nodeid": check + case, "check": check, "task": task, "marks": [task], "gpu": False,
+            "outcome": outcome, "message": "" if outcome == "passed" else "AssertionError", "seconds": 0.1}
+
+
+def _exact(result: dict) -> dict:
+    """The report as Gradescope reads it, its numbers as the exact decimals written."""
+    from decimal import Decimal
+
+    return json.loads(json.dumps(result), parse_float=Decimal)
+
+
+def test_report_scores_add_up_exactly_and_check_names_are_unique() -> None:
+    """Points that do not divide evenly (10 over 3 checks, 5 over 7, 2.5 over 6) still add up to the last digit:
+    the per-check scores to the total score, their maximums to the total maximum; and two checks with one test
+    function name (in two files) get two names."""
+    tasks = [table.Task("1.1", "one", 10), table.Task("1.2", "two", 5), table.Task("1.3", "three", 2.5)]
+    records = [_record("1.1", f"tests/test_a.py::test_{i}", "passed") for i in range(3)]
+    records += [_record("1.2", f"tests/test_b.py::test_{i}", "passed" if i % 2 else "failed") for i in range(6)]
+    records += [_record("1.2", "tests/test_c.py::test_0", "passed")]  # the same function name as test_b's
+    records += [_record("1.3", f"tests/test_d.py::test_{i}", "passed", f"[{c}]") for i in range(6) for c in "xy"]
+    result = _exact(grade.report(tasks, records, 1.0, machine={}))
+    assert result["max_score"] == 17.5 and sum(t["max_score"] for t in result["tests"]) == result["max_score"]
+    assert sum(t["score"] for t in result["tests"]) == result["score"]
+    assert {str(t["max_score"]) for t in result["tests"] if t["extra_data"]["task"] == "1.1"} == {"3.334", "3.333"}
+    for s in result["extra_data"]["tasks"]:
+        mine = [t for t in result["tests"] if t["extra_data"]["task"] == s["task"]]
+        assert sum(t["score"] for t in mine) == s["score"] and sum(t["max_score"] for t in mine) == s["max_score"]
+    names = [t["name"] for t in result["tests"]]
+    assert len(names) == len(set(names)) == 3 + 7 + 6
+    assert sum("tests/test_c.py::test_0" in n or "tests/test_b.py::test_0" in n for n in names) == 2
+
+
+def test_a_blocked_check_leaves_its_task_worth_all_its_points() -> None:
+    """Task 2.4-like: eight CPU checks pass, one GPU check is blocked. The task is worth its 5 points (the blocked
+    share went to the other checks), and the report's total is the sum of the points. A task whose every check is
+    blocked is out of 0, and the report says so with the full total."""
+    tasks = [table.Task("2.4", "noise", 5), table.Task("7.1", "kernel", 5)]
+    records = [_record("2.4", f"tests/test_s.py::test_{i}", "passed") for i in range(8)]
+    records += [{**_record("2.4", "tests/test_s.py::test_gpu", "skipped"), "gpu": True, "message": "needs CUDA"}]
+    result = _exact(grade.report(tasks[:1], records, 1.0, machine={}))
+    assert result["score"] == result["max_score"] == 5
+    blocked = [t for t in result["tests"] if t["extra_data"]["outcome"] == "blocked"]
+    assert len(blocked) == 1 and blocked[0]["max_score"] == 0 and "other checks" in blocked[0]["output"]
+    assert sum(t["score"] for t in result["tests"]) == 5
+    only_gpu = [{**_record("7.1", "tests/test_k.py::test_gpu", "skipped"), "gpu": True}]
+    result = _exact(grade.report(tasks, records + only_gpu, 1.0, machine={}))
+    assert result["score"] == result["max_score"] == 5
+    assert "7.1 could not be graded here" in result["output"] and "full total is 10" in result["output"]
+
+
+def test_a_refused_task_scores_zero_out_of_its_points_with_the_reason() -> None:
+    tasks = [table.Task("0.1", "attention", 10), table.Task("0.2", "stops", 10)]
+    records = [_record("0.2", "tests/test_x.py::test_stop", "passed")]
+    result = grade.report(tasks, records, 1.0, refused={"0.1": ["x.py:3-9: line 4: imports os"]}, machine={})
+    (entry,) = [t for t in result["tests"] if t["extra_data"]["task"] == "0.1"]
+    assert entry["score"] == 0 and entry["max_score"] == 10 and entry["status"] == "failed"
+    assert "imports os" in entry["output"] and entry["extra_data"]["outcome"] == "refused"
+    assert result["score"] == 10 and result["max_score"] == 20
+
+
+def test_the_channel_keeps_only_lines_signed_with_the_runs_key() -> None:
+    """Records reach the grader only signed with the key of this run and in sequence: an unsigned line, one
+    signed with another key, a replay, and a result for a test that was not collected are dropped and counted."""
+    from minisgl_ref.course import plugin
+
+    key, other = b"k" * plugin.KEY_BYTES, b"o" * plugin.KEY_BYTES
+    collected = [_record("0.1", "tests/t.py::test_a", "not run"), _record("0.1", "tests/t.py::test_b", "not run")]
+
+    def line(message: dict, seq: int, k: bytes = key) -> bytes:
+        body = json.dumps({**message, "seq": seq}).encode()
+        return plugin.sign(k, body) + b" " + body + b"\n"
+
+    passed_b = {"kind": "result", "record": {**collected[1], "outcome": "passed"}}
+    data = line({"kind": "collected", "records": collected}, 0)
+    data += b"0" * 64 + b" " + json.dumps({**passed_b, "seq": 1}).encode() + b"\n"  # unsigned
+    data += line(passed_b, 1, other)  # another key
+    data += line({"kind": "result", "record": {**collected[0], "outcome": "failed"}}, 1)
+    data += line(passed_b, 1)  # a replayed sequence number
+    data += line({"kind": "result", "record": _record("0.1", "tests/t.py::test_new", "passed")}, 2)
+    data += line({"kind": "finished", "exitstatus": 1}, 3)
+    run = grade.read_channel(key, data)
+    assert run.forged == 3 and run.exitstatus == 1
+    assert {r["nodeid"]: r["outcome"] for r in run.records} == {"tests/t.py::test_a": "failed",
+                                                                "tests/t.py::test_b": "not run"}
+    with pytest.raises(RuntimeError, match="collected"):
+        grade.read_channel(key, line({"kind": "collected", "records": collected}, 0, other))
+
+
+# ---------------------------------------------------------------------------- the static check of submissions
+
+
+def test_no_reference_region_is_refused() -> None:
+    assert screen.screen_tree(ROOT) == {}
+
+
+@pytest.mark.parametrize("body,construct", [
+    (["import os", "os._exit(0)"], "imports os"),
+    (["from minisgl_ref.course import plugin", "return q"], "imports from minisgl_ref.course"),
+    (["from ..course import grade", "return q"], "imports from minisgl_ref.course"),
+    (["import pytest", "return q"], "imports pytest"),
+    (["import _pytest.runner", "return q"], "imports _pytest.runner"),
+    (["import conftest", "return q"], "imports conftest"),
+    (["import __editable___minisgl_ref_finder", "return q"], "imports __editable___minisgl_ref_finder"),
+    (["import ctypes", "return q"], "imports ctypes"),
+    (["import subprocess", "return q"], "imports subprocess"),
+    (["m = __import__('o' + 's')", "return q"], "uses __import__"),
+    (["exec('x = 1')", "return q"], "uses exec"),
+    (["f = open('/autograder/results/results.json', 'w')", "return q"], "uses open"),
+    (["x = torch.sys.modules", "return q"], "uses the attribute .sys"),
+    (["torch.os._exit(0)"], "uses the attribute ._exit"),
+    (["b = getattr(torch, 'o' + 's')", "return q"], "getattr with a computed name"),
+    (["torch.testing.assert_close = lambda *a, **k: None", "return q"], "monkeypatching the module-level torch"),
+    (["global reference_attention", "return q"], "declares global reference_attention"),
+    (["return q", "<import os", "<def _after():", "pass"], "code outside the function"),
+    (["return (q"], "does not parse"),
+])
+def test_the_static_check_refuses_escapes_naming_the_task_and_the_construct(body: list[str], construct: str) -> None:
+    path = "minisgl_ref/attention/torch_native.py"
+    text = (ROOT / path).read_text(encoding="utf-8")
+    rs = regions.scan_text(text, path)
+    lines = [line[1:] if line.startswith("<") else "    " + line for line in body]  # "<": at column 0
+    submitted = regions.fill_text(text, rs, {("0.1", 0): lines})
+    refused = screen.screen_text(submitted, path)
+    assert list(refused) == ["0.1"], refused
+    assert any(construct in why and why.startswith(path) for why in refused["0.1"]), refused
+
+
+def test_a_grade_that_cannot_run_still_writes_a_report_with_the_reason(tmp_path: Path) -> None:
+    """Gradescope's script hands its place to the grader, so the grader itself must leave a results.json when it
+    cannot grade: here a syntax error outside every task region."""
+    out = tmp_path / "copy"
+    student.make_copy(ROOT, out, ["0.1"], commit=False)
+    path = out / "minisgl_ref/attention/torch_native.py"
+    path.write_text(path.read_text(encoding="utf-8") + "\ndef broken(:\n", encoding="utf-8")
+    results = tmp_path / "results.json"
+    proc = course("grade", "--task", "0.1", "--json", str(results), cwd=out, check=False)
+    assert proc.returncode == 2
+    report = json.loads(results.read_text(encoding="utf-8"))
+    assert report["score"] == 0 and "syntax error outside every task region" in report["output"]

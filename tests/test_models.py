@@ -138,13 +138,17 @@ def test_reference_attention_queries_are_the_newest_positions(lq, lk):
 @pytest.mark.task("0.1")
 def test_reference_attention_consecutive_query_heads_share_a_kv_head():
     """8 query heads over 2 KV heads: heads 0-3 read KV head 0 and heads 4-7 read KV head 1. Each KV head's
-    values are one constant, so every output shows which KV head its query head read."""
+    values are one constant, so every output shows which KV head its query head read. The output must also
+    follow the inputs: with the two KV heads' values swapped, the two halves of the heads swap what they read
+    (an answer that ignores its inputs and returns the pattern above fails here)."""
     q, k, _ = random_qkv(4, 4, 8, 2, seed=2)
     v = torch.ones(4, 2, 16)
     v[:, 1] = 7.0
     out = reference_attention(q, k, v, scale=0.25)
     read = out[..., 0].round()  # [Lq, H]: 1.0 or 7.0
     assert read.tolist() == [[1.0] * 4 + [7.0] * 4] * 4
+    swapped = reference_attention(q, k, v.flip(1), scale=0.25)[..., 0].round()
+    assert swapped.tolist() == [[7.0] * 4 + [1.0] * 4] * 4
 
 
 @pytest.mark.task("0.1")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 from minisgl_ref.course import grade as grading
@@ -64,18 +63,27 @@ def cmd_solutions(args: argparse.Namespace) -> int:
 
 
 def cmd_grade(args: argparse.Namespace) -> int:
-    t = _load(args.root)
-    chosen = _selected(args, t)
-    start = time.perf_counter()
-    records = grading.run_tests(args.root, [task.id for task in chosen], timeout_s=args.timeout,
-                                quiet=not args.verbose)
-    result = grading.report(chosen, records, time.perf_counter() - start)
+    try:
+        t = _load(args.root)
+        chosen = _selected(args, t)
+        result = grading.grade(args.root, chosen, timeout_s=args.timeout, quiet=not args.verbose)
+    except (ValueError, RuntimeError, OSError) as e:
+        if not args.json:
+            raise
+        # Gradescope still gets a report: 0 points and the reason (no other process runs after this one)
+        _write(Path(args.json), grading.failure_report(str(e)))
+        print(f"error: {e}\nwrote {args.json} (0 points)", file=sys.stderr)
+        return 2
     print(grading.render(result))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        _write(Path(args.json), result)
         print(f"wrote {args.json}")
     return 0
+
+
+def _write(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:

@@ -4,15 +4,62 @@ Loaded with ``pytest -p minisgl_ref.course.plugin --course-tasks 4.1,4.2 --cours
 tests whose ``@pytest.mark.task`` id is chosen, makes hypothesis derandomized (the same examples on every run, so
 a grade never depends on luck), and writes one record per test: its task, its check (the test function, all
 parametrized cases together), whether it needs a GPU, the outcome and the line of the error a student needs.
+
+The grader reads those records through a *channel*, not a file (see :mod:`minisgl_ref.course.grade`): it starts
+pytest with ``MINISGL_COURSE_CHANNEL=KEY_FD,OUT_FD`` and two inherited pipe ends. When pytest loads it, before any
+conftest or test module is imported, this plugin reads a fresh random key from ``KEY_FD``, closes it, and from then on writes each
+message to ``OUT_FD`` as one line ``HMAC-SHA256(key, body) body``, with a sequence number inside the body: the
+collected tests, then each test's record as soon as the test is over, then the end of the session. The key exists
+only in the grader and in this plugin's closure, so a line the tested code writes on the same pipe does not carry
+a valid signature, and the grader drops it. ``--course-report FILE`` still writes the records to a file, for
+tools that only collect (it is not what grading trusts).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import itertools
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+CHANNEL_ENV = "MINISGL_COURSE_CHANNEL"
+KEY_BYTES = 32
+
+
+def sign(key: bytes, body: bytes) -> bytes:
+    """The hex HMAC-SHA256 of one message body: what makes a line the plugin's."""
+    return hmac.new(key, body, hashlib.sha256).hexdigest().encode()
+
+
+def _open_channel() -> Callable[[dict[str, Any]], None] | None:
+    """Read the key and return the function that sends a message, or ``None`` when no grader asked for one."""
+    spec = os.environ.pop(CHANNEL_ENV, "")
+    if not spec:
+        return None
+    key_fd, out_fd = (int(x) for x in spec.split(","))
+    key = b""
+    while len(key) < KEY_BYTES:
+        chunk = os.read(key_fd, KEY_BYTES - len(key))
+        if not chunk:
+            break
+        key += chunk
+    os.close(key_fd)
+    os.set_inheritable(out_fd, False)  # the tests' own subprocesses (a server) get no copy
+    counter = itertools.count()
+
+    def send(message: dict[str, Any]) -> None:
+        body = json.dumps({**message, "seq": next(counter)}, separators=(",", ":")).encode()
+        view = memoryview(sign(key, body) + b" " + body + b"\n")
+        while view:
+            view = view[os.write(out_fd, view):]
+
+    return send
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -35,6 +82,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 _RECORDS = pytest.StashKey[dict[str, dict[str, Any]]]()
+# Opened when pytest imports this plugin (``-p``), before it loads a conftest or a test module: no tested code
+# has run yet when the key is read and its pipe closed.
+_SEND: dict[str, Callable[[dict[str, Any]], None]] = {}
+if (_sender := _open_channel()) is not None:
+    _SEND["send"] = _sender
+del _sender
 
 
 # Fixtures that load a model: the checks using them run after the plain unit checks of the same selection.
@@ -73,6 +126,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "message": "",
             "seconds": 0.0,
         }
+    _send({"kind": "collected", "records": list(records.values())})
+
+
+def _send(message: dict[str, Any]) -> None:
+    send = _SEND.get("send")
+    if send is not None:
+        send(message)
 
 
 def _message(report: pytest.TestReport) -> str:
@@ -110,6 +170,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         record["message"] = _message(report)
     elif report.when == "call" and report.passed and record["outcome"] == "not run":
         record["outcome"] = "passed"
+    if report.when == "teardown":  # the test is over: its record is final
+        _send({"kind": "result", "record": record})
 
 
 _CONFIG: dict[str, pytest.Config] = {}
@@ -120,7 +182,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     _CONFIG["config"] = session.config
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _send({"kind": "finished", "exitstatus": int(exitstatus)})
     path = session.config.getoption("--course-report")
     if path:
         records = list(session.config.stash.get(_RECORDS, {}).values())
