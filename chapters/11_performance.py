@@ -203,10 +203,11 @@ plt.show()
 #
 # ## 4. What each optimisation bought
 #
-# From its first complete GPU run at ~12,000 output tokens/s the engine went to ~20,500, 77% of the floor. Each bar
-# below is one change, in the order they were made; the dashed line is the floor of section 2. A few of the
-# changes were later replaced by better ones (the persistent FlashInfer kernel by a decode kernel of our own), so
-# read the bars as a path, not as a list of parts.
+# From its first complete GPU run, 8,282 output tokens/s or 31% of the floor, the engine went to about 20,300 after
+# twenty-six changes, 76% of the floor: two and a half times as fast, with most of the gain in the first five
+# changes. Each bar below is one change, in the order they were made; the dashed line is the floor of section 2. A
+# few of the changes were later replaced by better ones (the persistent FlashInfer kernel by a decode kernel of our
+# own), so read the bars as a path, not as a list of parts.
 
 # %% alt="Horizontal bar chart, one numbered bar per change in the order it was made, of output tokens per second on the canonical workload, each labelled with its fraction of the roofline: from 8,282 (31 percent) for the first GPU run to about 20,300 (76 percent) after the twenty-sixth, most of the gain in the first five changes; the roofline, 26,626 tokens/s, is a dashed red line." caption="The engine's path on an H100: canonical-workload throughput after each change, in the order the changes were made." tags=["hide-input"]
 ceiling = GPU["canonical_output_tokens"] / GPU["roofline_floor_s"]
@@ -281,7 +282,7 @@ show_table(kept_rows, headers=["change", "before", "after", "change", "of floor"
 # `scripts/gpu/measure/decode_anatomy.py` measures windows of decode steps as the running count falls, unprofiled (wall and
 # host time) and profiled (GPU time by kernel kind). The KV floor is the running contexts' bytes over 3.0 TB/s.
 
-# %% alt="Stacked bar chart of milliseconds per decode step for 256, 123, 63, 30 and 14 running requests, split into attention, matmul, other kernels and gaps between kernels, with a black tick at the KV floor of each bar: the step falls from about 8 to 3 ms as fewer requests run, the attention part shrinks with them and stays just above its tick, while the rest stays about the same." caption="Where the GPU time of a decode step goes on the canonical workload, by the number of requests running."
+# %%
 AN = load("decode_anatomy_h100.json")
 print(f"{'running':>7} {'KV floor':>8} {'attention':>9} {'matmul':>7} {'other':>6} {'GPU step':>8} "
       f"{'gaps':>5} {'host launch':>11}   (ms per decode step)")
@@ -292,6 +293,8 @@ for w in AN["windows"]:
     print(f"{w['running']:>7} {w['kv_floor_ms_per_step']:>8.2f} {k['attention']:>9.2f} {k['matmul']:>7.2f} "
           f"{small:>6.2f} {u['gpu_launch_to_end_ms']:>8.2f} {gaps:>5.2f} {u['host_ms_per_step']['launch']:>11.2f}")
 
+
+# %% alt="Stacked bar chart of milliseconds per decode step for 256, 123, 63, 30 and 14 running requests, split into attention, matmul, other kernels and gaps between kernels, with a black tick at the KV floor of each bar: the step falls from about 8 to 3 ms as fewer requests run, the attention part shrinks with them and stays just above its tick, while the rest stays about the same." caption="Where the GPU time of a decode step goes on the canonical workload, by the number of requests running." tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(8, 3.6))
 labels = [str(w["running"]) for w in AN["windows"]]
 parts = {"attention": [], "matmul": [], "other kernels": [], "gaps between kernels": []}
@@ -487,7 +490,7 @@ print(f"KV read per decode step: {sp.kv_bytes_per_decode_step / 1e6:.2f} MB with
 # engine moves up behind it, and a group loses that precedence once its oldest member has finished, so a busy group
 # cannot starve the others. On an H100 (`bash scripts/gpu/measure/cascade_ab.sh`):
 
-# %% alt="Horizontal grouped bar chart of output tokens per second on the shared-prefix workload for three configurations (no radix cache, radix cache, radix cache with the cascade), each with a bar for first-come and one for grouped admission; the cascade with grouped admission has the longest bar, about three times the one without a radix cache." caption="The shared-prefix workload on an H100: no radix cache, the radix cache, and the radix cache with the cascade, under first-come and grouped admission."
+# %%
 P2 = load("startup_and_cascade_h100.json")
 names = {"noradix": "radix cache off", "radix_plain": "radix on, plain decode", "radix_cascade": "radix on + cascade"}
 print(f"{'admission':<12} {'engine':<24} {'out tok/s':>9} {'KV GB per step':>14} {'vs radix off':>12}")
@@ -499,6 +502,8 @@ for label, key in (("first-come", "cascade_fcfs_admission"), ("grouped", "cascad
         print(f"{label:<12} {names[name]:<24} {r['output_throughput']:>9,.0f} "
               f"{f'{kv / 1e9:.1f}' if kv else '-':>14} {r['output_throughput'] / base:>11.2f}x")
 
+
+# %% alt="Horizontal grouped bar chart of output tokens per second on the shared-prefix workload for three configurations (no radix cache, radix cache, radix cache with the cascade), each with a bar for first-come and one for grouped admission; the cascade with grouped admission has the longest bar, about three times the one without a radix cache." caption="The shared-prefix workload on an H100: no radix cache, the radix cache, and the radix cache with the cascade, under first-come and grouped admission." tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(8, 3))
 order = ["noradix", "radix_plain", "radix_cascade"]
 for i, (label, key) in enumerate((("first-come admission", "cascade_fcfs_admission"),

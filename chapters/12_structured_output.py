@@ -170,7 +170,7 @@ for s, edges in DFA.items():
 # of the output (`<eos>`) is allowed only in an accepting state. That gives one mask per state. A toy vocabulary
 # of twelve tokens:
 
-# %% alt="Grid of the integer automaton's states (rows) against twelve toy tokens (columns), a tick where the token is allowed and a dot where it is not: '-5' is allowed only in the start state, '3-' in none, '00' only after a non-zero digit, and the end of output only in accepting states." caption="The token mask of each state of the automaton for an integer regex, over a toy vocabulary of twelve tokens."
+# %%
 TOY_VOCAB = ["-", "0", "1", "7", "42", "-5", "00", "10", "3-", "x", " ", EOS]
 
 
@@ -180,6 +180,9 @@ def mask_of(state: str, vocab: list[str]) -> list[bool]:
 
 
 MASKS = {s: mask_of(s, TOY_VOCAB) for s in DFA}
+
+
+# %% alt="Grid of the integer automaton's states (rows) against twelve toy tokens (columns), a tick where the token is allowed and a dot where it is not: '-5' is allowed only in the start state, '3-' in none, '00' only after a non-zero digit, and the end of output only in accepting states." caption="The token mask of each state of the automaton for an integer regex, over a toy vocabulary of twelve tokens." tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(7, 2.2))
 ax.imshow(np.array([MASKS[s] for s in DFA], dtype=float), cmap="Greens", vmin=-0.2, vmax=1.2, aspect="auto")
 ax.set_xticks(range(len(TOY_VOCAB)), [repr(t) if t != EOS else t for t in TOY_VOCAB], fontsize=8)
@@ -321,7 +324,7 @@ assert re.fullmatch(r"[1-9][0-9]?( \+ [1-9][0-9]?){1,3} = [1-9][0-9]?", outs[2].
 # tokens). We replay the first output above through a fresh matcher and count the allowed tokens before each
 # token.
 
-# %% alt="Bar chart with a log y axis, one bar per output token of a JSON object: one or a few allowed tokens at the braces, keys and punctuation, tens of thousands inside the name string, and about ten inside the integer." caption="Allowed tokens before each output token of a JSON object for the PERSON schema, out of a vocabulary of 49,152."
+# %%
 def allowed_count(state) -> int:
     """How many of the vocabulary's tokens ``state`` allows next (the set bits of its mask row)."""
     mask = xgr.allocate_token_bitmask(1, VOCAB)
@@ -339,6 +342,9 @@ for t in json_outs[0].output_ids:
     pieces.append(tok.hf.decode([t]))
     assert state.accept(t)
 print(wrap(" ".join(f"{p!r}:{c}" for p, c in zip(pieces, counts)), indent=""))
+
+
+# %% alt="Bar chart with a log y axis, one bar per output token of a JSON object: one or a few allowed tokens at the braces, keys and punctuation, tens of thousands inside the name string, and about ten inside the integer." caption="Allowed tokens before each output token of a JSON object for the PERSON schema, out of a vocabulary of 49,152." tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(8, 2.6))
 ax.bar(range(len(counts)), counts, color="tab:green")
 ax.set_yscale("log")
@@ -755,18 +761,29 @@ for (kind, src), r in zip(cases, hot_reqs):
 # Every token of every output passes a matcher that never saw the engine. A hot sampler happily writes odd names
 # and odd numbers, but never a token outside its grammar.
 
-# %% alt="Two grouped bar charts of milliseconds per decode step at batch 1, 64 and 256, with bars for free, constrained and jump-forward requests. Bounded strings: at batch 256 the free step takes about 10 ms, the constrained one about 60 and jump-forward about 185. No length bounds: the three bars stay within about 25 percent of each other, about 12 to 15 ms at batch 256." caption="Decode step time on an H100 for constrained requests, their free twins and jump-forward, with bounded strings and without length bounds."
+# %%
 BENCHES = {"bounded strings": ROOT / "docs" / "data" / "constrained_bench_h100.json",
            "no length bounds": ROOT / "docs" / "data" / "constrained_bench_typical_h100.json"}
-if all(f.exists() for f in BENCHES.values()):  # GPU results, written by scripts/gpu/measure/constrained_bench.py
+GPU_BENCH = {name: json.loads(path.read_text()) for name, path in BENCHES.items() if path.exists()}
+if len(GPU_BENCH) == len(BENCHES):  # GPU results, written by scripts/gpu/measure/constrained_bench.py
     display(Markdown("**On a GPU.** `scripts/gpu/measure/constrained_bench.py` on an H100, default engine: random "
                      "weights in SmolLM2-135M's shape with its real tokenizer (the cost of a grammar depends on the "
                      "vocabulary and the grammar, not on the weights), the five-field schema of the script with "
                      "bounded strings, then the same fields without bounds. Time per decode step for constrained "
                      "requests, their free twins (same prompts, same output lengths) and jump-forward."))
+    for name, gpu in GPU_BENCH.items():
+        by = {(r["batch_size"], r["run"]): r for r in gpu["results"]}
+        for summary in gpu["summary"]:
+            b = summary["batch_size"]
+            print(f"{name:<16} batch {b:>3}: constrained/free {summary['constrained_over_free_time_per_token']:.2f}, "
+                  f"jump-forward/constrained {summary['jump_forward_over_constrained_wall']:.2f}, valid "
+                  f"{b - by[(b, 'constrained')]['invalid']}/{b}")
+
+
+# %% alt="Two grouped bar charts of milliseconds per decode step at batch 1, 64 and 256, with bars for free, constrained and jump-forward requests. Bounded strings: at batch 256 the free step takes about 10 ms, the constrained one about 60 and jump-forward about 185. No length bounds: the three bars stay within about 25 percent of each other, about 12 to 15 ms at batch 256." caption="Decode step time on an H100 for constrained requests, their free twins and jump-forward, with bounded strings and without length bounds." tags=["hide-input"]
+if len(GPU_BENCH) == len(BENCHES):
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.2))
-    for ax, (name, path) in zip(axes, BENCHES.items()):
-        gpu = json.loads(path.read_text())
+    for ax, (name, gpu) in zip(axes, GPU_BENCH.items()):
         by = {(r["batch_size"], r["run"]): r for r in gpu["results"]}
         sizes = sorted({r["batch_size"] for r in gpu["results"]})
         width = 0.27
@@ -778,11 +795,6 @@ if all(f.exists() for f in BENCHES.values()):  # GPU results, written by scripts
         ax.set_ylabel("ms per decode step")
         ax.set_title(f"H100, {name}", fontsize=9)
         ax.legend(fontsize=8)
-        for summary in gpu["summary"]:
-            b = summary["batch_size"]
-            print(f"{name:<16} batch {b:>3}: constrained/free {summary['constrained_over_free_time_per_token']:.2f}, "
-                  f"jump-forward/constrained {summary['jump_forward_over_constrained_wall']:.2f}, valid "
-                  f"{b - by[(b, 'constrained')]['invalid']}/{b}")
     fig.tight_layout()
     plt.show()
 
@@ -800,7 +812,7 @@ if all(f.exists() for f in BENCHES.values()):  # GPU results, written by scripts
 # Where inside a bounded string does the time go? The cell below fills one mask row after a growing number of
 # characters of a string of at most 40, on this CPU.
 
-# %% alt="Line chart of milliseconds to fill one mask row against the characters of the string written so far, 0 to 40: the unbounded line stays flat near zero; the maxLength 40 line also stays near zero for the first two dozen characters, then climbs to a peak of a few milliseconds around the thirtieth and falls back to zero at the bound." caption="Time to fill one mask row inside a JSON string, with a bound of 40 characters and without one, on this CPU."
+# %%
 def fill_ms(schema: dict, text: str, repeat: int = 30) -> float:
     """Milliseconds to fill one mask row once the output so far is ``text``."""
     state = backend.matcher(backend.compile(spec_of(SamplingParams(json_schema=json.dumps(schema)))),
@@ -819,6 +831,11 @@ NAME40 = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 written = list(range(0, 41, 2))
 bounded_ms = [fill_ms(NAME40, '{"name": "' + "a" * n) for n in written]
 free_ms = [fill_ms(NAME, '{"name": "' + "a" * n) for n in written]
+print(f"maxLength 40: {min(bounded_ms):.3f}-{max(bounded_ms):.3f} ms per row (peak after "
+      f"{written[int(np.argmax(bounded_ms))]} characters); no bound: at most {max(free_ms):.3f} ms")
+
+
+# %% alt="Line chart of milliseconds to fill one mask row against the characters of the string written so far, 0 to 40: the unbounded line stays flat near zero; the maxLength 40 line also stays near zero for the first two dozen characters, then climbs to a peak of a few milliseconds around the thirtieth and falls back to zero at the bound." caption="Time to fill one mask row inside a JSON string, with a bound of 40 characters and without one, on this CPU." tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(7, 2.8))
 ax.plot(written, bounded_ms, marker="o", label="maxLength 40")
 ax.plot(written, free_ms, marker="s", label="no bound")
@@ -828,8 +845,6 @@ ax.set_title("one mask row inside a JSON string, this CPU", fontsize=9)
 ax.legend(fontsize=8)
 fig.tight_layout()
 plt.show()
-print(f"maxLength 40: {min(bounded_ms):.3f}-{max(bounded_ms):.3f} ms per row (peak after "
-      f"{written[int(np.argmax(bounded_ms))]} characters); no bound: at most {max(free_ms):.3f} ms")
 
 # %% [markdown]
 # In Figure 12.5, far from the bound a row costs a few hundredths of a millisecond (ten times an unbounded row, still
