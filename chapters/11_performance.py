@@ -151,8 +151,8 @@ show_table([["-" if getattr(r, name) is None else fmt.format(getattr(r, name)) f
 # `bash scripts/gpu/measure/offline.sh` on an H100 80GB HBM3 (Qwen3-0.6B config, bf16, dummy weights). The early stages
 # loop over requests in Python and are far too slow for the full workload, so the first six rows run 8 requests
 # (the last of them with the full engine, like for like); the others run the full canonical workload with each
-# attention backend, CUDA graphs off and on. (This is the engine at its first complete GPU run; section 4 follows
-# it to where it stands now.)
+# attention backend, CUDA graphs off and on. (The ladder was measured partway along the history that section 4
+# tells: its best row, about 17,800 tokens/s, is some 14% below where the engine stands now.)
 
 # %%
 prov = GPU["provenance"]
