@@ -141,9 +141,11 @@ for name, bw in (("measured copy (this H100)", measured_bw), ("datasheet", 3.35e
 # %%
 quick_wl = canonical_workload(**bo.QUICK_CANONICAL)  # what --quick runs: 8 short requests
 quick = bo.run_ladder(quick_wl, bo.STAGES, bo.quick_model("cpu"), dict(bo.QUICK_BUDGETS))
-# The rows of bo.format_table (what the command prints), as a table.
-show_table([["-" if getattr(r, name) is None else fmt.format(getattr(r, name)) for _, name, fmt in bo._COLUMNS]
-            for r in quick], headers=[header for header, _, _ in bo._COLUMNS])
+# The columns of bo.format_table (what the command prints) that a CPU run fills and this section discusses.
+SHOWN = ("stage", "reqs", "out tok", "wall s", "out tok/s", "prefill tok", "cached tok", "retract")
+columns = [c for c in bo._COLUMNS if c[0] in SHOWN]
+show_table([["-" if getattr(r, name) is None else fmt.format(getattr(r, name)) for _, name, fmt in columns]
+            for r in quick], headers=[header for header, _, _ in columns])
 
 # %% [markdown]
 # ### The same ladder on an H100
