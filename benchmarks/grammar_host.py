@@ -41,7 +41,7 @@ SKILLS = ["mathematics", "poetry", "compilers", "chess", "painting", "networks",
 
 def typical_schema() -> dict[str, Any]:
     """The typical schema of chapter 12's GPU benchmark (one definition, read from that script)."""
-    spec = importlib.util.spec_from_file_location("constrained_bench", ROOT / "scripts" / "gpu" / "constrained_bench.py")
+    spec = importlib.util.spec_from_file_location("constrained_bench", ROOT / "scripts" / "gpu" / "measure" / "constrained_bench.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
