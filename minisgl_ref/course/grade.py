@@ -18,11 +18,11 @@ the engine, and it has measured the machine (:func:`environment`) before any stu
    for the process, the interpreter or the grader (a refused task scores 0, as if blank, with the reason);
 2. copies the checkout to a fresh temporary folder and blanks the refused regions there, so that no test, of the
    refused task or another, runs their code;
-3. runs pytest there in a new session, with the grader's plugin reading a fresh random key from a pipe before
-   any test module is imported; the plugin signs every record it sends back on a second pipe, and the parent
-   keeps only lines whose signature and sequence number check out (:func:`read_channel`). Nothing is read back
-   from a file the child could write, and the parent writes the report itself, after the child and any process
-   left in its session are gone.
+3. runs pytest there as the leader of a new process group (``start_new_session``), with the grader's plugin reading
+   a fresh random key from a pipe before any test module is imported; the plugin signs every record it sends back on
+   a second pipe, and the parent keeps only lines whose signature and sequence number check out
+   (:func:`read_channel`). Nothing is read back from a file the child could write, and the parent writes the report
+   itself, after the child and any process left in its process group are gone.
 
 What this stops: a submission that writes or rewrites a report file, fakes records on the pipe, calls
 ``os._exit(0)`` halfway (the tests without a signed record count as not run, hence failed), patches the plugin or
@@ -114,7 +114,7 @@ class Run:
 
     records: list[dict[str, Any]]
     forged: int = 0  # lines on the channel without a valid signature (written by the tested code), dropped
-    exitstatus: int | None = None  # pytest's, as its plugin signed it; None when the session never finished
+    exitstatus: int | None = None  # pytest's, as its plugin signed it; None when the test run never finished
 
 
 def read_channel(key: bytes, data: bytes) -> Run:
@@ -155,7 +155,7 @@ def _drain(fd: int, chunks: list[bytes]) -> None:
 
 
 def _end_session(pid: int) -> None:
-    """Kill whatever the child left running in its session (a server it started, a process it forked)."""
+    """Kill whatever the child left running in its process group (a server it started, a process it forked)."""
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -202,7 +202,7 @@ def run_checked(
         stdout, stderr = proc.communicate()
     finally:
         _end_session(proc.pid)
-    reader.join(timeout=30)  # a process that left the session may still hold the pipe: stop waiting for it
+    reader.join(timeout=30)  # a process that left the group may still hold the pipe: stop waiting for it
     try:
         return read_channel(key, b"".join(chunks))
     except RuntimeError as e:

@@ -9,7 +9,7 @@ The grader reads those records through a *channel*, not a file (see :mod:`minisg
 pytest with ``MINISGL_COURSE_CHANNEL=KEY_FD,OUT_FD`` and two inherited pipe ends. When pytest loads it, before any
 conftest or test module is imported, this plugin reads a fresh random key from ``KEY_FD``, closes it, and from then on writes each
 message to ``OUT_FD`` as one line ``HMAC-SHA256(key, body) body``, with a sequence number inside the body: the
-collected tests, then each test's record as soon as the test is over, then the end of the session. The key exists
+collected tests, then each test's record as soon as the test is over, then the end of the run. The key exists
 only in the grader and in this plugin's closure, so a line the tested code writes on the same pipe does not carry
 a valid signature, and the grader drops it. ``--course-report FILE`` still writes the records to a file, for
 tools that only collect (it is not what grading trusts).
