@@ -26,14 +26,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from minisgl_ref import env as engine_env  # noqa: E402
 from minisgl_ref.course import autograder, gradescope  # noqa: E402
+from minisgl_ref.models import embedded  # noqa: E402
 
 OUT = ROOT / "docs" / "data" / "course_gradescope_cpu.json"
 
 
 def machine() -> str:
     return f"{os.cpu_count()} CPU cores ({platform.machine()}, Python {platform.python_version()})"
+
+
+def save(data: dict) -> None:
+    data["assignments"] = dict(sorted(data["assignments"].items(), key=lambda kv: int(kv[0])))
+    OUT.write_text(json.dumps(data, indent=1) + "\n")
 
 
 def main() -> int:
@@ -60,9 +65,10 @@ def main() -> int:
             "machine": machine(), "when": time.strftime("%Y-%m-%d"),
             "setup_seconds": round(seconds, 1),
             "size_mb": {"venv": round(gradescope.folder_mb(venv)),
-                        "model_cache": round(gradescope.folder_mb(engine_env.model_cache_root())),
+                        "model_cache": round(gradescope.folder_mb(embedded.cache_root() / embedded.EMBEDDED_NAME)),
                         "zip": round(zip_path.stat().st_size / 1e6, 1)},
         })
+        save(data)
         run_env = gradescope.clean_env(PY=str(venv / "bin" / "python"))
         for n in chosen:
             chapters = autograder.assignments()[n]
@@ -87,8 +93,7 @@ def main() -> int:
             }
             if n != chosen[0]:  # its copy is no longer needed (the first one holds the environment)
                 shutil.rmtree(ag, ignore_errors=True)
-    data["assignments"] = dict(sorted(data["assignments"].items(), key=lambda kv: int(kv[0])))
-    OUT.write_text(json.dumps(data, indent=1) + "\n")
+            save(data)  # after each assignment: an interrupted run keeps what it measured
     print(f"wrote {OUT.relative_to(ROOT)}; now run: python -m minisgl_ref.course pages")
     return 0
 

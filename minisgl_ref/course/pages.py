@@ -218,22 +218,28 @@ def gradescope_table(root: Path) -> str:
     known = autograder.assignments()
     if not isinstance(data, dict):
         return "*Not measured yet: run `python scripts/course_gradescope.py`.*"
-    rows = ["| assignment | chapters | points | grading the reference | blank submission | peak memory | "
-            "time limit to set |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    rows = ["| assignment | chapters | the reference's code | the copy as handed out | peak memory | "
+            "time limit to set |", "| ---: | --- | ---: | ---: | ---: | ---: |"]
     for n, chapters in sorted(known.items()):
         m = data.get("assignments", {}).get(str(n))
         if m is None:
-            rows.append(f"| {n} | {chapters} | | not measured | | | 10 min or more |")
+            rows.append(f"| {n} | {chapters} | not measured | | | |")
             continue
-        rows.append(f"| {n} | {chapters} | {m['score']:g} / {m['max_score']:g} | {m['seconds']:.0f} s | "
-                    f"{m['blank_seconds']:.0f} s | {m['peak_rss_mb']:.0f} MB | "
+        rows.append(f"| {n} | {chapters} | {m['score']:g} / {m['max_score']:g} in {m['seconds']:.0f} s | "
+                    f"{m['blank_score']:g} in {m['blank_seconds']:.0f} s | {m['peak_rss_mb']:,.0f} MB | "
                     f"{time_limit_minutes(max(m['seconds'], m['blank_seconds']))} min |")
     size = data["size_mb"]
+    disk = size["venv"] + size["model_cache"]
+    peaks = [m["peak_rss_mb"] for m in data.get("assignments", {}).values()]
+    memory = f" and at least {math.ceil(1.5 * max(peaks) / 512) / 2:g} GB of memory (1.5 times the largest " \
+             f"peak below)" if peaks else ""
     return (
         f"Measured on {data['machine']}, {data['when']}: `setup.sh` took {data['setup_seconds']:.0f} s (pip "
-        f"reading wheels from a local cache) and left **{size['venv'] + size['model_cache']:,.0f} MB** on disk: "
-        f"{size['venv']:,.0f} MB of virtual environment and {size['model_cache']:,.0f} MB of converted model "
-        f"(`~/.cache/minisgl_ref`), beside a {size['zip']:.1f} MB zip.\n\n" + "\n".join(rows)
+        f"downloading the pinned wheels) and left **{disk:,.0f} MB** on disk: {size['venv']:,.0f} MB of virtual "
+        f"environment and {size['model_cache']:,.0f} MB of converted model (`~/.cache/minisgl_ref`), beside a "
+        f"{size['zip']:.1f} MB zip. Give the container room for that plus the operating system's Python"
+        f"{memory}. Per assignment, the score and the time of `run_autograder` on the reference's code and on the "
+        "copy as handed out, and the peak memory of its largest process:\n\n" + "\n".join(rows)
     )
 
 
