@@ -56,8 +56,8 @@ def main() -> int:
         zip_path = base / f"autograder-a{chosen[0]}.zip"
         gradescope.build(ROOT, chosen[0], zip_path)
         gradescope.unpack(zip_path, first)
-        env = gradescope.clean_env(PYTHON=args.python, TORCH_INDEX=os.environ.get("TORCH_INDEX",
-                                                                                    "https://download.pytorch.org/whl/cpu"))
+        index = os.environ.get("TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
+        env = gradescope.clean_env(PYTHON=args.python, TORCH_INDEX=index)
         seconds, _ = gradescope.setup(first, env)
         venv = first / "source" / ".venv"
         print(f"setup.sh: {seconds:.0f} s; .venv {gradescope.folder_mb(venv):,.0f} MB", flush=True)

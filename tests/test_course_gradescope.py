@@ -124,7 +124,9 @@ def test_the_autograder_gives_the_reference_full_marks_and_a_blank_copy_zero_in_
     chapters = autograder.assignments()[ASSIGNMENT]
     ag = tmp_path / "autograder"
     source = gradescope.unpack(autograder_zip, ag)
-    setup_s, _ = gradescope.setup(ag, gradescope.clean_env(PYTHON=sys._base_executable, TORCH_INDEX=""))  # type: ignore[attr-defined]
+    base_python = sys._base_executable  # type: ignore[attr-defined]  # the interpreter this venv was made from
+    # TORCH_INDEX empty: torch from pip's configured index (here a local CPU wheel), as the other packages
+    setup_s, _ = gradescope.setup(ag, gradescope.clean_env(PYTHON=base_python, TORCH_INDEX=""))
     venv_python = source / ".venv" / "bin" / "python"
     cfg = (source / ".venv" / "pyvenv.cfg").read_text(encoding="utf-8")
     assert "include-system-site-packages = false" in cfg
@@ -144,7 +146,8 @@ def test_the_autograder_gives_the_reference_full_marks_and_a_blank_copy_zero_in_
     gpu = {c.name for c in pages.scan_checks(ROOT) if c.gpu}
     for run in (right, blank):
         assert run.results["max_score"] == pytest.approx(total), run.log[-3000:]
-        blocked = [t["extra_data"]["check"] for t in run.results["tests"] if t["extra_data"].get("outcome") == "blocked"]
+        blocked = [t["extra_data"]["check"] for t in run.results["tests"]
+                   if t["extra_data"].get("outcome") == "blocked"]
         assert all(b.split("::")[-1] in gpu for b in blocked), f"checks blocked for a missing package: {blocked}"
         assert run.results["extra_data"]["forged_lines"] == 0
     assert right.results["score"] == pytest.approx(total), right.log[-3000:]

@@ -164,8 +164,9 @@ def cmd_gradescope(args: argparse.Namespace) -> int:
     if args.assignment is None or args.out is None:
         raise ValueError("gradescope: say which assignment and where: --assignment 2 autograder-a2.zip")
     built = gradescope.build(args.root, args.assignment, Path(args.out))
+    blank = ", ".join(built["blank_tasks"])  # type: ignore[arg-type]
     print(f"{args.out}: assignment {built['assignment']} (chapters {built['chapters']}), {built['files']} files, "
-          f"{int(built['bytes']) / 1e6:.1f} MB; blank: tasks {', '.join(built['blank_tasks'])}")  # type: ignore[arg-type]
+          f"{int(built['bytes']) / 1e6:.1f} MB; blank: tasks {blank}")  # type: ignore[call-overload]
     print("upload it as the assignment's autograder (Configure Autograder > Zip file upload)")
     return 0
 
