@@ -7,6 +7,8 @@
     mutants [--task 4.1] [--jobs 2]   apply every known wrong answer and check that the grader catches it
     tasks                             the task table: points, time, difficulty, where the code is
     check                             every region can be blanked, the table matches the code and the tests
+    gradescope --assignment 2 OUT.zip the autograder zip Gradescope takes for an assignment (--lock: re-pin it)
+    pages [--check]                   write the course pages' generated parts (tables, scripts) from their sources
 
 Run it from the root of a checkout (the reference or a student copy): it grades the package found there.
 """
@@ -18,6 +20,7 @@ import json
 import sys
 from pathlib import Path
 
+from minisgl_ref.course import autograder, gradescope, pages
 from minisgl_ref.course import grade as grading
 from minisgl_ref.course import mutants as mutation
 from minisgl_ref.course import regions, student, table
@@ -151,6 +154,36 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if found else 0
 
 
+def cmd_gradescope(args: argparse.Namespace) -> int:
+    if args.lock:
+        path = autograder.TEMPLATES / autograder.REQUIREMENTS
+        path.write_text(autograder.lock(args.root), encoding="utf-8")
+        print(f"wrote {path} from this environment")
+        if args.assignment is None:
+            return 0
+    if args.assignment is None or args.out is None:
+        raise ValueError("gradescope: say which assignment and where: --assignment 2 autograder-a2.zip")
+    built = gradescope.build(args.root, args.assignment, Path(args.out))
+    blank = ", ".join(built["blank_tasks"])  # type: ignore[arg-type]
+    print(f"{args.out}: assignment {built['assignment']} (chapters {built['chapters']}), {built['files']} files, "
+          f"{int(built['bytes']) / 1e6:.1f} MB; blank: tasks {blank}")  # type: ignore[call-overload]
+    print("upload it as the assignment's autograder (Configure Autograder > Zip file upload)")
+    return 0
+
+
+def cmd_pages(args: argparse.Namespace) -> int:
+    if args.check:
+        found = pages.problems(args.root)
+        for problem in found:
+            print(problem)
+        print("ok: every generated part of the pages is filled and current" if not found else
+              f"{len(found)} problem(s): run `python -m minisgl_ref.course pages`")
+        return 1 if found else 0
+    changed = pages.write(args.root)
+    print(f"rewrote {', '.join(changed)}" if changed else "every page was current")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minisgl_ref.course", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -192,6 +225,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only the tasks whose tests or mutants changed since the run recorded in --json, whose "
                         "records are then updated in place")
     p.set_defaults(func=cmd_mutants)
+
+    p = sub.add_parser("gradescope", help="build an assignment's autograder zip for Gradescope")
+    p.add_argument("out", nargs="?", default=None, help="the zip to write, e.g. autograder-a2.zip")
+    p.add_argument("--assignment", type=int, default=None, help="the assignment's number (tasks.toml [assignments])")
+    p.add_argument("--lock", action="store_true",
+                   help="first pin requirements.txt to this environment's versions (run in the reference's .venv "
+                        "after its tests pass)")
+    p.set_defaults(func=cmd_gradescope)
+
+    p = sub.add_parser("pages", help="write the generated parts of the course pages")
+    p.add_argument("--check", action="store_true", help="only report unfilled or stale parts (exit status 1)")
+    p.set_defaults(func=cmd_pages)
 
     sub.add_parser("tasks", help="print the task table").set_defaults(func=cmd_tasks)
     sub.add_parser("check", help="check regions, table and tests").set_defaults(func=cmd_check)

@@ -2,9 +2,10 @@
 
 A copy is made from the files git tracks (so no build output, caches or bytecode come along), without the
 instructor's ``course/`` folder (its mutants are near-solutions) and with every notebook's outputs cleared (a
-chapter prints its task's code). It becomes a fresh git repository with one commit, so no history leads back to
-the reference. Before it is committed, :func:`leaks` looks for every distinctive line of a blanked region in every
-file of the copy and refuses to finish if one is found.
+chapter prints its task's code); the generated parts of its pages are written again from the copy's own
+sources, so the instructor guide's table of wrong answers becomes a note. It becomes a fresh git repository with
+one commit, so no history leads back to the reference. Before it is committed, :func:`leaks` looks for every
+distinctive line of a blanked region in every file of the copy and refuses to finish if one is found.
 
 Making a copy into a folder that already holds one adds a commit on top ("the reference moved on"), which is how a
 running course is updated: students pull it and git merges it with their work.
@@ -18,6 +19,7 @@ import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
+from minisgl_ref.course import pages
 from minisgl_ref.course.regions import Region, blank_text, bodies_by_file, fill_text, scan, scan_text, task_key
 
 INSTRUCTOR_ONLY = ("course/",)  # never copied: realistic wrong answers are close to the right ones
@@ -150,6 +152,9 @@ def make_copy(root: Path, out: Path, task_ids: Iterable[str], *, commit: bool = 
             dst.write_text(clear_outputs(src.read_text(encoding="utf-8")), encoding="utf-8")
         else:
             shutil.copy2(src, dst)
+    # the pages' generated parts, written again from the copy's own sources: the mutants table, which lists the
+    # instructor's wrong answers, becomes a note (the copy has no course/ folder)
+    pages.write(out)
     manifest: dict[str, object] = {
         "blank_tasks": task_ids,
         "reference_commit": _reference_commit(root),
