@@ -491,7 +491,7 @@ class NaiveCacheMachinePage4(CacheMachine):
 # tests/test_radix.py. With steps in flight the frees of chapter 06 run too, so that machine grades 6.1.
 TestRadixCachePage1 = pytest.mark.task("4.4")(CacheMachine.TestCase)
 TestRadixCachePage4 = pytest.mark.task("4.4")(CacheMachinePage4.TestCase)
-TestRadixCachePage4Overlap = pytest.mark.task("6.1")(CacheMachinePage4Overlap.TestCase)
+TestRadixCachePage4Overlap = pytest.mark.task("6.1", weight=6)(CacheMachinePage4Overlap.TestCase)
 TestNaiveCachePage4 = NaiveCacheMachinePage4.TestCase  # its rules call the radix tree too: no task mark
 # A failing radix machine reports the run it found, unshrunk: shrinking a run of the whole cache manager takes
 # minutes, and the deterministic tests of tests/test_radix.py point at the bug faster.
