@@ -602,6 +602,23 @@ def test_inflight_frees_wait_for_the_step_they_were_parked_under():
     assert sorted(alloc._free) == list(range(1, 8)) and frees.num_parked == 0 and not frees.in_flight
 
 
+@pytest.mark.task("6.1", weight=2)
+def test_parked_frees_keep_their_own_copy_of_the_slots():
+    """The caller may reuse its tensor as soon as ``free`` returns (a row of the page table, refilled for the next
+    request). What is parked is a copy: processing the step gives back the pages named when ``free`` was called,
+    not whatever the caller's tensor holds by then, which belong to someone else."""
+    alloc = PageAllocator(num_pages=8)
+    frees = InflightFrees(alloc)
+    mine, theirs = alloc.alloc_pages(3), alloc.alloc_pages(3)
+    row = torch.tensor(mine)
+    step = frees.launch()
+    frees.free(row)
+    row[:] = torch.tensor(theirs)  # the caller refills its row for another request
+    frees.processed(step)
+    assert set(mine) <= set(alloc._free) and not set(theirs) & set(alloc._free), (
+        "the pages freed must be the ones named by free(), not the caller's reused tensor")
+
+
 @pytest.mark.task("6.1", weight=4)
 def test_deferred_acts_run_after_their_step_and_may_park_again():
     """``later(fn)`` runs fn at once with nothing in flight, else once the step is processed. A deferred release
