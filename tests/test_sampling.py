@@ -330,7 +330,7 @@ def _random_rows(seed: int, rows: int, vocab: int) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=g, dtype=torch.float64).float() * 2
 
 
-@pytest.mark.task("2.3")
+@pytest.mark.task("2.3", weight=2)
 @pytest.mark.parametrize(
     "top_k,top_p,min_p",
     [(-1, 0.9, 0.0), (-1, 0.5, 0.0), (-1, 0.05, 0.0), (10, 0.8, 0.0), (-1, 1.0, 0.1), (-1, 1.0, 0.5),
@@ -391,7 +391,7 @@ def test_filter_boundaries_are_exact(top_p: float, min_p: float, kept: list[int]
     assert torch.nonzero(out[0]).flatten().tolist() == kept
 
 
-@pytest.mark.task("2.3", weight=4)
+@pytest.mark.task("2.3", weight=8)
 @pytest.mark.parametrize("vocab", [32000, 49152])
 def test_rows_with_every_filter_off_keep_every_token_of_a_large_vocabulary(vocab: int) -> None:
     """The filter runs on the whole batch as soon as one row asks for it, so rows with the filters off pass
@@ -425,7 +425,7 @@ def test_top_k_keeps_exactly_k_among_ties() -> None:
     torch.testing.assert_close(out[0, 2], torch.tensor(2 / 3))  # renormalised over the two that are kept
 
 
-@pytest.mark.task("2.3")
+@pytest.mark.task("2.3", weight=2)
 @settings(max_examples=100, deadline=None)
 @given(_rows_and_params())
 def test_property_filter_keeps_a_valid_nucleus(case: tuple[list[float], SamplingParams]) -> None:
