@@ -457,26 +457,26 @@ class Scheduler:
         ``reqs`` are running requests in admission order; ``rows`` may already hold this step's prefill rows
         (a mixed step, chapter 05), and a request already there gets no second row (filtered out above).
 
-        * Room: a request whose last page has a free slot needs no new page, the others one page each
-          (``allocator.pages_needed(req.kv_allocated_len, 1)``); the pages needed, times the page size, must
-          not exceed ``self.cache.available_tokens``.
-        * While they do not fit:
-          - with ``allow_retract=False`` (a mixed step) add no decode rows at all and return None: the running
-            requests simply wait for the next step;
-          - while a step is still in flight (``self.cache.frees.in_flight``, overlap scheduling, chapter 06)
-            nothing retracted could be freed before it completes: return ``NEED_SYNC`` and change nothing (the
-            engine finishes that step and asks again);
-          - otherwise pick the victim: the newest request holding KV, by admission number
-            (``self.arrival[req]``), among ``reqs`` and the partially prefilled ``self.chunked`` if any (usually
-            the newest, and cheaper to send back than a request that is already decoding). If it is the only
-            holder and the only running request, it can never grow: abort it (``self.abort(victim, message)``
-            with a message that says the KV cache pool is too small for its context), release its KV
-            (``self.cache.release``), append it to ``self.aborted`` (the engine reports it) and return None.
-            Else ``self.retract(victim)`` (back to the front of the waiting queue, KV freed), drop it from
-            ``reqs`` if it was there, and check the room again.
-        * Then allocate one slot each with ``self.cache.alloc_decode(reqs)`` and add one row per request, in
-          order, with ``self._add_row(rows, req, 1, decode=True, emits=True)`` (it records where the row starts,
-          ``req.kv_scheduled_len``, and moves it on). Return None."""
+        What has to be decided, and why:
+
+        * *Room.* A token needs a slot, and slots come a page at a time: a request whose last page still has a
+          free slot needs no new page (``allocator.pages_needed`` knows), the others a whole page each. What
+          the step may take is ``self.cache.available_tokens`` (free slots, and cached ones it may evict).
+        * *When it does not fit.* A mixed step never retracts (``allow_retract=False``): its decode rows just
+          wait for the next step, and none is added. While a step is still in flight
+          (``self.cache.frees.in_flight``, overlap scheduling, chapter 06) retracting could free nothing before
+          that step completes: answer ``NEED_SYNC`` and change nothing (the engine finishes that step and asks
+          again). Otherwise someone must give way, and the cheapest to send back is the request that has had
+          the least time to grow: the newest holder of KV by admission number (``self.arrival``), which may be
+          the partially prefilled ``self.chunked``. ``self.retract`` sends it back to the front of the queue
+          with its tokens; then look at the room again.
+        * *When giving way cannot help.* A request that is the only one holding KV and the only one running
+          would, once retracted, come back to the same pool and fail again, forever. It is aborted instead
+          (``self.abort``, with a message saying that the KV cache pool is too small for its context), its KV
+          released, and it goes to ``self.aborted`` for the engine to report; no rows are added.
+        * *The rows.* One slot each from ``self.cache.alloc_decode(reqs)``, then one row per request, in order,
+          by ``self._add_row(rows, req, 1, decode=True, emits=True)`` (it records where the row starts and
+          moves the request on). Return None."""
         in_batch = {id(row.req) for row in rows}
         reqs = [r for r in reqs if id(r) not in in_batch]
         # BEGIN TASK 3.2: decode rows and retraction
