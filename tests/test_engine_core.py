@@ -186,7 +186,7 @@ def test_decode_needs_no_page_while_last_pages_have_room():
     assert [row.req for row in batch.rows] == reqs[:1] and sched.num_retractions == 2
 
 
-@pytest.mark.task("3.2")
+@pytest.mark.task("3.2", weight=3)
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_out_of_memory_retracts_the_newest_request(page_size):
     """Three requests fill a 6-page pool with their prompts (two pages each). Their first decode step needs a
@@ -237,7 +237,7 @@ def test_a_partially_prefilled_request_gives_way_first():
     assert [a.kv_allocated_len, b.kv_allocated_len] == [4, 4]
 
 
-@pytest.mark.task("3.2")
+@pytest.mark.task("3.2", weight=3)
 def test_a_lone_request_that_cannot_grow_is_aborted():
     """One request has the whole 4-slot pool and wants more: retracting it would free room only for itself
     again, forever. It is aborted with a message that says why, its KV is freed and the scheduler forgets it."""
@@ -253,7 +253,7 @@ def test_a_lone_request_that_cannot_grow_is_aborted():
     assert sched.num_retractions == 0
 
 
-@pytest.mark.task("3.2")
+@pytest.mark.task("3.2", weight=3)
 def test_no_retraction_while_a_step_is_in_flight_or_in_a_mixed_step():
     """While a step is in flight (overlap, chapter 06) retracting could free nothing: the scheduler answers
     NEED_SYNC and changes nothing. A mixed step (chapter 05) never retracts: its decode rows just wait. Once the
@@ -346,7 +346,7 @@ def test_prepare_a_decode_step(split_tables):
     assert runner.req_to_token.table[1, 4] == 12 and runner.req_to_token.table[2, 10] == 77
 
 
-@pytest.mark.task("3.3")
+@pytest.mark.task("3.3", weight=3)
 def test_prepared_steps_give_the_oracle_tokens(tiny_llm):
     """The tiny model through a model runner fed by hand, no scheduler: a 13-token prompt prefilled in two chunks
     (8 + 5), a 9-token prompt whole, then decode steps, in slots scattered over the pool. Greedy tokens equal the

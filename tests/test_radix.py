@@ -630,7 +630,7 @@ def test_commit_moves_the_lock_from_the_matched_prefix_to_the_new_node():
     assert cm.tree.protected_size == 0 and all(n.lock_ref == 0 for n in cm.tree._all_nodes())
 
 
-@pytest.mark.task("4.4")
+@pytest.mark.task("4.4", weight=3)
 def test_commit_keeps_one_copy_of_a_prefix_two_requests_computed():
     """The pitfall of section 6. [1 2 3 4] is cached; A and B both match it, and both compute the same *new*
     tokens [5..10] in one prefill step (each into its own slots), then their own tails. A commits first. B's
@@ -698,7 +698,7 @@ def test_commit_stops_at_upto():
     check_manager(cm, [a])
 
 
-@pytest.mark.task("4.4")
+@pytest.mark.task("4.4", weight=3)
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_radix_engine_reuses_prefixes_and_matches_the_oracle(tiny_llm, page_size):
     """The tiny model through an engine with the radix cache (overlap off, no chunking, in-batch deferral off):
