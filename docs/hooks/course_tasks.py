@@ -49,6 +49,7 @@ class TestCheck:
     name: str
     doc: str
     gpu: bool
+    weight: int = 1  #: its share of the task, relative to the task's other checks (``mark.task(id, weight=n)``)
 
 
 def _marks(node: ast.AST, attr: str) -> list[ast.Call | ast.Attribute]:
@@ -65,6 +66,16 @@ def _marks(node: ast.AST, attr: str) -> list[ast.Call | ast.Attribute]:
 def _task_ids(node: ast.AST) -> list[str]:
     return [c.args[0].value for c in _marks(node, "task") if isinstance(c, ast.Call) and c.args
             and isinstance(c.args[0], ast.Constant) and isinstance(c.args[0].value, str)]
+
+
+def _weight(nodes: list[ast.expr]) -> int:
+    """The ``weight=`` of the first task mark among ``nodes`` (1 without one)."""
+    for c in (c for d in nodes for c in _marks(d, "task") if isinstance(c, ast.Call)):
+        for kw in c.keywords:
+            if kw.arg == "weight" and isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, int):
+                return kw.value.value
+        return 1
+    return 1
 
 
 def scan_checks(tests_dir: Path = TESTS_DIR) -> list[TestCheck]:
@@ -86,7 +97,7 @@ def scan_checks(tests_dir: Path = TESTS_DIR) -> list[TestCheck]:
             gpu = gpu or any(_marks(d, "gpu") for d in fn.decorator_list)
             if own:
                 doc = (ast.get_docstring(fn) or "").strip().split("\n\n")[0].replace("\n", " ")
-                out.append(TestCheck(own[0], rel, fn.name, doc, gpu))
+                out.append(TestCheck(own[0], rel, fn.name, doc, gpu, _weight(fn.decorator_list)))
 
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
@@ -175,8 +186,9 @@ def checks_list(t: course_table.Table, checks: list[TestCheck]) -> str:
         out.append(f"**{task.id} {task.title}**\n")
         for c in (c for c in checks if c.task == task.id):
             gpu = " *(GPU)*" if c.gpu else ""
+            weight = f" *(weight {c.weight})*" if c.weight != 1 else ""
             doc = c.doc or c.name.removeprefix("test_").replace("_", " ")
-            out.append(f"- `{c.name}`{gpu}: {doc} (`{c.file}`)")
+            out.append(f"- `{c.name}`{gpu}{weight}: {doc} (`{c.file}`)")
         out.append("")
     return "\n".join(out)
 
