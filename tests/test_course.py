@@ -338,7 +338,7 @@ def test_the_plugin_records_each_checks_weight(tmp_path: Path) -> None:
         cwd=ROOT, capture_output=True, text=True)
     assert out.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
     weights = {r["check"].split("::")[-1]: r["weight"] for r in json.loads(out.read_text())}
-    assert weights["test_chunked_admission_serves_every_request_and_keeps_its_promises"] == 16
+    assert weights["test_chunked_admission_serves_every_request_and_keeps_its_promises"] == 24
     assert weights["test_a_partial_chunk_reserves_nothing_yet"] == 1
     bad = tmp_path / "test_bad_weight.py"
     bad.write_text('import pytest\n\n@pytest.mark.task("5.1", weight=0.5)\ndef test_x():\n    pass\n')

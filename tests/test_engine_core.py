@@ -476,7 +476,7 @@ def test_a_chunk_that_does_not_fit_waits_and_keeps_its_kv():
     assert sched.chunked is long and long.kv_allocated_len == held and long.req_pool_idx is not None
 
 
-@pytest.mark.task("5.1", weight=16)
+@pytest.mark.task("5.1", weight=24)
 @pytest.mark.parametrize("ratio", [0.0, 1.0], ids=["retracting", "reserving-all"])
 def test_chunked_admission_serves_every_request_and_keeps_its_promises(ratio):
     """The whole of chunked admission on a random workload (prompts of 3-40 tokens, 1-20 new, arriving in
