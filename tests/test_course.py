@@ -329,7 +329,7 @@ def test_weights_split_a_task_in_proportion_and_the_scores_still_add_up_exactly(
 
 
 def test_the_plugin_records_each_checks_weight(tmp_path: Path) -> None:
-    """``@pytest.mark.task("5.1", weight=16)`` reaches the records; a check without one weighs 1; a weight that
+    """``@pytest.mark.task("5.1", weight=24)`` reaches the records; a check without one weighs 1; a weight that
     is not a whole number >= 1 stops the collection with the test's name."""
     out = tmp_path / "records.json"
     proc = subprocess.run(
