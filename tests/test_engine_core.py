@@ -580,7 +580,7 @@ def test_a_partial_chunk_reserves_nothing_yet():
 # ---------------------------------------------------------------------------------------- task 6.1: overlap
 
 
-@pytest.mark.task("6.1", weight=5)
+@pytest.mark.task("6.1", weight=8)
 def test_inflight_frees_wait_for_the_step_they_were_parked_under():
     """Frees with nothing in flight go back at once. Frees while steps 1 and 2 are in flight are parked under
     step 2 (the newest), so processing step 1 releases nothing; processing step 2 releases them, in order."""
@@ -1297,7 +1297,7 @@ def reuse_workload(tiny_llm):
     return prompts, params
 
 
-@pytest.mark.task("6.1", weight=5)
+@pytest.mark.task("6.1", weight=8)
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_freed_pages_wait_for_the_step_in_flight(tiny_llm, page_size):
     check_freed_pages_wait_for_the_step_in_flight(tiny_llm, page_size, radix=False)
