@@ -247,8 +247,8 @@ display(show_code(Scheduler._schedule_prefill))
 show_code(Scheduler._admit)
 
 # %% [markdown]
-# and then the chunked admission, task 5.1 (its docstring, in `minisgl_ref/scheduler/scheduler.py`, spells out
-# the steps; `_add_prefill_row` allocates the slots, adds the row and moves the request on):
+# and then the chunked admission, task 5.1 (its docstring, in `minisgl_ref/scheduler/scheduler.py`, says what it
+# must decide and why; `_add_prefill_row` allocates the slots, adds the row and moves the request on):
 
 # %%
 show_code(Scheduler._admit_chunk, task="5.1")

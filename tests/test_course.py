@@ -307,6 +307,48 @@ def test_report_scores_add_up_exactly_and_check_names_are_unique() -> None:
     assert sum("tests/test_c.py::test_0" in n or "tests/test_b.py::test_0" in n for n in names) == 2
 
 
+def test_weights_split_a_task_in_proportion_and_the_scores_still_add_up_exactly() -> None:
+    """Task 5.1-like: 15 points over checks of weights 16, 4, 3 and 1 (24 in all) are 10, 2.5, 1.875 and 0.625;
+    10 points over weights 2, 1, 1, 1, 1, 1 (7 in all) do not divide: the thousandths left over by rounding down
+    go to the shares that lost most, and every total is exact. A failed heavy check costs its weight's share."""
+    assert grade.split_weighted(15000, [16, 4, 3, 1]) == [10000, 2500, 1875, 625]
+    shares = grade.split_weighted(10000, [2, 1, 1, 1, 1, 1])
+    assert sum(shares) == 10000 and shares == [2857, 1429, 1429, 1429, 1428, 1428]
+    assert grade.split(10000, 3) == grade.split_weighted(10000, [1, 1, 1]) == [3334, 3333, 3333]
+    with pytest.raises(ValueError):
+        grade.split_weighted(1000, [0, 0])
+    tasks = [table.Task("5.1", "admission", 15)]
+    weights = {"heavy": 16, "a": 4, "b": 3, "c": 1}
+    records = [{**_record("5.1", f"tests/test_e.py::test_{name}", "failed" if name == "heavy" else "passed"),
+                "weight": w} for name, w in weights.items()]
+    result = _exact(grade.report(tasks, records, 1.0, machine={}))
+    assert result["score"] == 5 and result["max_score"] == 15
+    assert sum(t["max_score"] for t in result["tests"]) == 15
+    (heavy,) = [t for t in result["tests"] if t["extra_data"]["weight"] == 16]
+    assert heavy["max_score"] == 10 and heavy["score"] == 0
+
+
+def test_the_plugin_records_each_checks_weight(tmp_path: Path) -> None:
+    """``@pytest.mark.task("5.1", weight=24)`` reaches the records; a check without one weighs 1; a weight that
+    is not a whole number >= 1 stops the collection with the test's name."""
+    out = tmp_path / "records.json"
+    proc = subprocess.run(
+        [PY, "-m", "pytest", "--collect-only", "-q", "-p", "minisgl_ref.course.plugin", "--course-tasks=5.1",
+         f"--course-report={out}", "-p", "no:cacheprovider", "tests/test_engine_core.py"],
+        cwd=ROOT, capture_output=True, text=True)
+    assert out.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
+    weights = {r["check"].split("::")[-1]: r["weight"] for r in json.loads(out.read_text())}
+    assert weights["test_chunked_admission_serves_every_request_and_keeps_its_promises"] == 24
+    assert weights["test_a_partial_chunk_reserves_nothing_yet"] == 1
+    bad = tmp_path / "test_bad_weight.py"
+    bad.write_text('import pytest\n\n@pytest.mark.task("5.1", weight=0.5)\ndef test_x():\n    pass\n')
+    proc = subprocess.run(
+        [PY, "-m", "pytest", "--collect-only", "-q", "-p", "minisgl_ref.course.plugin", "--course-tasks=5.1",
+         "-p", "no:cacheprovider", "-o", "addopts=", str(bad)], cwd=tmp_path, capture_output=True, text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode != 0 and "weight is a whole number" in proc.stdout + proc.stderr
+
+
 def test_a_blocked_check_leaves_its_task_worth_all_its_points() -> None:
     """Task 2.4-like: eight CPU checks pass, one GPU check is blocked. The task is worth its 5 points (the blocked
     share went to the other checks), and the report's total is the sum of the points. A task whose every check is

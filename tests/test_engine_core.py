@@ -186,7 +186,7 @@ def test_decode_needs_no_page_while_last_pages_have_room():
     assert [row.req for row in batch.rows] == reqs[:1] and sched.num_retractions == 2
 
 
-@pytest.mark.task("3.2")
+@pytest.mark.task("3.2", weight=3)
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_out_of_memory_retracts_the_newest_request(page_size):
     """Three requests fill a 6-page pool with their prompts (two pages each). Their first decode step needs a
@@ -237,7 +237,7 @@ def test_a_partially_prefilled_request_gives_way_first():
     assert [a.kv_allocated_len, b.kv_allocated_len] == [4, 4]
 
 
-@pytest.mark.task("3.2")
+@pytest.mark.task("3.2", weight=3)
 def test_a_lone_request_that_cannot_grow_is_aborted():
     """One request has the whole 4-slot pool and wants more: retracting it would free room only for itself
     again, forever. It is aborted with a message that says why, its KV is freed and the scheduler forgets it."""
@@ -253,7 +253,26 @@ def test_a_lone_request_that_cannot_grow_is_aborted():
     assert sched.num_retractions == 0
 
 
-@pytest.mark.task("3.2")
+@pytest.mark.task("3.2", weight=6)
+def test_after_a_lone_request_is_aborted_the_whole_pool_serves_the_next():
+    """The abort must give the pool back. A request that cannot grow is aborted; the next request needs every
+    slot of the pool (3 prompt tokens and 1 output) and must finish. A scheduler that aborts without freeing
+    leaks the pages for good: every later request that needs them is refused or waits forever."""
+    sched = bare_scheduler(4)
+    first = toy_req(3, max_new=10)
+    sched.add(first)
+    play(sched, sched.schedule())
+    play(sched, sched.schedule())
+    assert sched.schedule() is None and first.finish_reason.kind == "abort"
+    sched.take_aborted()
+    second = toy_req(3, max_new=1, first=40)
+    run_scheduler(sched, [second])
+    assert second.finish_reason.kind == "length" and second.output_ids == [7], (
+        "the next request must get the pages the aborted one held")
+    assert sched.cache.allocator.num_free_pages == 4 and not sched.has_work
+
+
+@pytest.mark.task("3.2", weight=3)
 def test_no_retraction_while_a_step_is_in_flight_or_in_a_mixed_step():
     """While a step is in flight (overlap, chapter 06) retracting could free nothing: the scheduler answers
     NEED_SYNC and changes nothing. A mixed step (chapter 05) never retracts: its decode rows just wait. Once the
@@ -346,7 +365,7 @@ def test_prepare_a_decode_step(split_tables):
     assert runner.req_to_token.table[1, 4] == 12 and runner.req_to_token.table[2, 10] == 77
 
 
-@pytest.mark.task("3.3")
+@pytest.mark.task("3.3", weight=3)
 def test_prepared_steps_give_the_oracle_tokens(tiny_llm):
     """The tiny model through a model runner fed by hand, no scheduler: a 13-token prompt prefilled in two chunks
     (8 + 5), a 9-token prompt whole, then decode steps, in slots scattered over the pool. Greedy tokens equal the
@@ -379,7 +398,7 @@ def test_prepared_steps_give_the_oracle_tokens(tiny_llm):
 # ---------------------------------------------------------------------------------------- task 5.1: admission
 
 
-@pytest.mark.task("5.1")
+@pytest.mark.task("5.1", weight=2)
 def test_chunks_respect_the_chunk_size_and_the_step_budget():
     """max_prefill_tokens=24, chunked_prefill_size=16, prompts of 10, 50, 30 and 5 tokens: the exact rows of the
     prefill steps (request, prefix, new tokens, emits). A partial chunk emits nothing and ends admission for the
@@ -404,7 +423,7 @@ def test_chunks_respect_the_chunk_size_and_the_step_budget():
     assert sched.schedule().is_decode and not sched.waiting
 
 
-@pytest.mark.task("5.1")
+@pytest.mark.task("5.1", weight=2)
 def test_admission_reserves_room_for_future_output():
     """A 64-slot pool, new_token_ratio 0.5: each request (10 prompt tokens, 40 new) takes 10 slots and reserves
     20 for its output, so two are admitted and the third waits, holding nothing, though its prompt would fit."""
@@ -439,7 +458,7 @@ def test_a_burst_fills_every_request_slot_in_one_step(max_running):
     assert [row.req for row in batch.rows] == reqs[max_running:2 * max_running]
 
 
-@pytest.mark.task("5.1")
+@pytest.mark.task("5.1", weight=4)
 def test_a_request_alone_starts_even_if_its_reserve_exceeds_the_pool():
     """A 32-slot pool and max_new_tokens=1000 (a reserve of 700 at the default ratio): alone, the request is
     admitted anyway (it is aborted later if it really outgrows the pool). A second such request that arrives
@@ -456,7 +475,7 @@ def test_a_request_alone_starts_even_if_its_reserve_exceeds_the_pool():
     assert list(sched.waiting) == [second] and second.req_pool_idx is None
 
 
-@pytest.mark.task("5.1")
+@pytest.mark.task("5.1", weight=3)
 def test_a_chunk_that_does_not_fit_waits_and_keeps_its_kv():
     """The chunked request's next chunk needs more memory than is free: the step has no prefill row for it, it
     keeps its KV and its place, and the running requests decode instead."""
@@ -476,10 +495,111 @@ def test_a_chunk_that_does_not_fit_waits_and_keeps_its_kv():
     assert sched.chunked is long and long.kv_allocated_len == held and long.req_pool_idx is not None
 
 
+@pytest.mark.task("5.1", weight=24)
+@pytest.mark.parametrize("ratio", [0.0, 1.0], ids=["retracting", "reserving-all"])
+def test_chunked_admission_serves_every_request_and_keeps_its_promises(ratio):
+    """The whole of chunked admission on a random workload (prompts of 3-40 tokens, 1-20 new, arriving in
+    bursts; a 64-slot pool, chunks of 8, 16 tokens a step), played step by step without a model. Every step keeps
+    both budgets; every request ends with all its tokens; the scheduler never stalls; the pool ends whole.
+    ``retracting``: nothing is reserved for output (ratio 0), so decode growth must retract, and retracted
+    requests come back and finish. ``reserving-all``: ratio 1 reserves each request's whole output, and since
+    any one request fits the pool alone, nothing may ever be retracted: a request admitted into room promised
+    to another is an overcommitted pool."""
+    sched = bare_scheduler(64, chunked_prefill_size=8, max_prefill_tokens=16, init_new_token_ratio=ratio,
+                           min_new_token_ratio=ratio)
+    rng = random.Random(5)
+    reqs = [toy_req(rng.randint(3, 40), max_new=rng.randint(1, 20), first=3 + 50 * i) for i in range(24)]
+    arriving = list(reqs)
+    for step in itertools.count():
+        assert step < 600, "the scheduler did not finish"
+        if step % 3 == 0:
+            for _ in range(min(len(arriving), rng.randint(0, 4))):
+                sched.add(arriving.pop(0))
+        if not sched.has_work:
+            if not arriving:
+                break
+            continue
+        batch = sched.schedule()
+        assert batch is not None, "the scheduler has work but scheduled nothing"
+        prefill = [row for row in batch.rows if not row.is_decode]
+        assert sum(row.extend_len for row in prefill) <= 16 and all(row.extend_len <= 8 for row in prefill)
+        check_own_slots(sched, reqs)
+        play(sched, batch)
+    assert all(len(r.output_ids) == r.params.max_new_tokens and r.finish_reason.kind == "length" for r in reqs)
+    assert sched.cache.allocator.num_free_pages == 64 and sched.chunked is None and not sched.arrival
+    if ratio == 0.0:
+        assert sched.num_retractions > 0, "the workload is meant to retract when nothing is reserved"
+    else:
+        assert sched.num_retractions == 0, "a request was admitted into room reserved for another's output"
+
+
+@pytest.mark.task("5.1", weight=4)
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_retracted_request_is_prefilled_again_with_its_output_and_finishes(page_size):
+    """Chunked prefill (chunks of 2 pages) and a pool that three requests fill with their prompts: the first
+    decode step retracts the newest one, which has one output token by then. Admitted again, what it must
+    compute is its prompt *and* that output token (its KV was freed with it), so its last chunk ends at
+    ``len(all_ids)``; counting from the prompt alone leaves it chunked forever with nothing left to compute, and
+    the scheduler stalls. Every request ends with all its tokens and the pool whole."""
+    sched = bare_scheduler(6 * page_size, page_size, chunked_prefill_size=2 * page_size)
+    reqs = [toy_req(2 * page_size, max_new=3, first=3 + 20 * i) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    play(sched, sched.schedule())
+    batch = sched.schedule()
+    assert sched.num_retractions == 1 and list(sched.waiting) == [reqs[2]] and reqs[2].output_ids == [7]
+    play(sched, batch)
+    batches = run_scheduler(sched, [])
+    again = [row for b in batches for row in b.rows if row.req is reqs[2] and not row.is_decode]
+    assert again, "the retracted request was never prefilled again"
+    assert again[-1].emits and again[-1].prefix_len + again[-1].extend_len == len(reqs[2].input_ids) + 1, (
+        "its new prefill must cover the prompt and the output token it already had")
+    assert all(len(r.output_ids) == 3 and r.finish_reason.kind == "length" for r in reqs)
+    assert sched.chunked is None and sched.cache.allocator.num_free_pages == 6 and not sched.arrival
+
+
+@pytest.mark.task("5.1", weight=3)
+def test_a_second_request_whose_reserve_does_not_fit_waits():
+    """A 56-slot pool, new_token_ratio 0.5, two requests of 10 prompt tokens and 40 new ones arriving together:
+    each needs 10 slots and a reserve of 20. The first takes 30 and leaves 26: the second's 10 slots fit but its
+    reserve does not, so it waits, holding nothing. Only a request that would run alone may start with less than
+    its reserve; capping every request's reserve at what is left would admit the second and overcommit the
+    pool. Once the first is done, the second starts."""
+    sched = bare_scheduler(56, chunked_prefill_size=64, init_new_token_ratio=0.5, min_new_token_ratio=0.5)
+    first, second = reqs = [toy_req(10, max_new=40, first=3 + 20 * i) for i in range(2)]
+    for r in reqs:
+        sched.add(r)
+    batch = sched.schedule()
+    assert [row.req for row in batch.rows] == [first], "the second request's reserve does not fit beside the first"
+    assert list(sched.waiting) == [second] and second.req_pool_idx is None
+    play(sched, batch)
+    for _ in range(3):  # while the first runs, the second still does not fit
+        batch = sched.schedule()
+        assert [row.req for row in batch.rows] == [first]
+        play(sched, batch)
+    run_scheduler(sched, [])
+    assert all(len(r.output_ids) == 40 for r in reqs) and sched.num_retractions == 0
+
+
+@pytest.mark.task("5.1")
+def test_a_partial_chunk_reserves_nothing_yet():
+    """A 24-slot pool, ratio 0.5, chunks of 8. A short request (4 tokens, reserve 2) and a 16-token prompt
+    with a reserve of 12 arrive together. The long prompt's first chunk takes 8 of the 18 slots left and reserves
+    nothing: its output comes only after its last chunk, which is when the reserve is charged. Reserving with
+    every chunk would keep it waiting for room it does not need yet (until the short request is gone)."""
+    sched = bare_scheduler(24, chunked_prefill_size=8, init_new_token_ratio=0.5, min_new_token_ratio=0.5)
+    short, long = toy_req(4, max_new=4), toy_req(16, max_new=24, first=40)
+    for r in (short, long):
+        sched.add(r)
+    batch = sched.schedule()
+    assert [(row.req, row.extend_len, row.emits) for row in batch.rows] == [(short, 4, True), (long, 8, False)]
+    assert sched.chunked is long
+
+
 # ---------------------------------------------------------------------------------------- task 6.1: overlap
 
 
-@pytest.mark.task("6.1")
+@pytest.mark.task("6.1", weight=8)
 def test_inflight_frees_wait_for_the_step_they_were_parked_under():
     """Frees with nothing in flight go back at once. Frees while steps 1 and 2 are in flight are parked under
     step 2 (the newest), so processing step 1 releases nothing; processing step 2 releases them, in order."""
@@ -501,7 +621,24 @@ def test_inflight_frees_wait_for_the_step_they_were_parked_under():
     assert sorted(alloc._free) == list(range(1, 8)) and frees.num_parked == 0 and not frees.in_flight
 
 
-@pytest.mark.task("6.1")
+@pytest.mark.task("6.1", weight=8)
+def test_parked_frees_keep_their_own_copy_of_the_slots():
+    """The caller may reuse its tensor as soon as ``free`` returns (a row of the page table, refilled for the next
+    request). What is parked is a copy: processing the step gives back the pages named when ``free`` was called,
+    not whatever the caller's tensor holds by then, which belong to someone else."""
+    alloc = PageAllocator(num_pages=8)
+    frees = InflightFrees(alloc)
+    mine, theirs = alloc.alloc_pages(3), alloc.alloc_pages(3)
+    row = torch.tensor(mine)
+    step = frees.launch()
+    frees.free(row)
+    row[:] = torch.tensor(theirs)  # the caller refills its row for another request
+    frees.processed(step)
+    assert set(mine) <= set(alloc._free) and not set(theirs) & set(alloc._free), (
+        "the pages freed must be the ones named by free(), not the caller's reused tensor")
+
+
+@pytest.mark.task("6.1", weight=4)
 def test_deferred_acts_run_after_their_step_and_may_park_again():
     """``later(fn)`` runs fn at once with nothing in flight, else once the step is processed. A deferred release
     that frees slots while a later step is in flight parks them under that step: they are not lost, and go back
@@ -563,8 +700,7 @@ class StandInEngine:
 @pytest.mark.task("6.1")
 def test_overlapped_step_launches_the_next_step_before_processing_the_last():
     """Call by call: launch step N+1, then process step N and tell the frees it is processed; keep N+1 in flight.
-    NEED_SYNC: process the step in flight first, then schedule again. A failed launch: process the step in flight,
-    then roll the failed one back."""
+    NEED_SYNC: process the step in flight first, then schedule again."""
     eng = StandInEngine(["launch", "launch", None])
     assert eng.step() == [] and eng.log == ["launch 1"] and eng.inflight.step == 1
     assert eng.step() == ["tokens of 1"] and eng.log[1:] == ["launch 2", "process 1"]
@@ -577,11 +713,19 @@ def test_overlapped_step_launches_the_next_step_before_processing_the_last():
     assert eng.step() == ["tokens of 1"]
     assert eng.log == ["launch 1", "NEED_SYNC", "process 1", "launch 2"] and eng.inflight.step == 2
 
+
+
+@pytest.mark.task("6.1", weight=8)
+def test_a_failed_launch_first_processes_the_step_in_flight():
+    """A launch that fails (out of memory in the forward, a kernel error) while step N is in flight: step N's
+    tokens are real and what waits for it (parked frees) must be given back, so the engine processes step N first,
+    then rolls the failed step back. Recovering first would lose N's tokens and leave its frees parked forever."""
     batch = ScheduledBatch([])
     eng = StandInEngine(["launch", LaunchFailed(batch, 2, RuntimeError("boom"))])
     eng.step()
-    assert eng.step() == ["tokens of 1", "rolled back 2"]
+    assert eng.step() == ["tokens of 1", "rolled back 2"], "step 1's tokens first, then the rollback"
     assert eng.log == ["launch 1", "launch fails", "process 1", "recover 2"] and eng.inflight is None
+    assert eng.frees.processed_through == 1 and not eng.frees.in_flight
 
 
 @pytest.mark.task("6.1")
@@ -611,7 +755,7 @@ def test_overlap_processes_each_step_one_call_late(tiny_llm):
     assert_pool_accounting(engine)
 
 
-@pytest.mark.task("6.1")
+@pytest.mark.task("6.1", weight=3)
 def test_overlap_retracts_only_after_finishing_the_step_in_flight(tiny_llm):
     """A pool that forces retraction under overlap: the scheduler answers NEED_SYNC, the engine processes the step
     in flight and schedules again before ``step()`` returns. Tokens equal the oracle's, the pool is whole again."""
@@ -1179,7 +1323,7 @@ def reuse_workload(tiny_llm):
     return prompts, params
 
 
-@pytest.mark.task("6.1")
+@pytest.mark.task("6.1", weight=8)
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_freed_pages_wait_for_the_step_in_flight(tiny_llm, page_size):
     check_freed_pages_wait_for_the_step_in_flight(tiny_llm, page_size, radix=False)
@@ -1315,7 +1459,7 @@ def test_aborted_requests_are_forgotten_by_the_scheduler(tiny_llm, how):
     assert_pool_accounting(engine)
 
 
-@pytest.mark.task("5.1")
+@pytest.mark.task("5.1", weight=2)
 def test_chunked_prefill_does_not_starve_a_request_that_fits(tiny_llm):
     check_chunked_prefill_does_not_starve_a_request_that_fits(tiny_llm, overlap=False)
 
@@ -1343,7 +1487,7 @@ def check_chunked_prefill_does_not_starve_a_request_that_fits(tiny_llm, overlap:
     assert_pool_accounting(engine)
 
 
-@pytest.mark.task("5.1")
+@pytest.mark.task("5.1", weight=3)
 @pytest.mark.parametrize("case", ["reservation-over-pool", "max-new-tokens-beyond-context"])
 def test_request_whose_reservation_exceeds_the_pool_is_admitted(tiny_llm, case):
     """A lone request must always make progress. (a) 30 prompt tokens + 60 new in a 64-token pool: it fits at
@@ -1374,7 +1518,7 @@ def test_request_whose_reservation_exceeds_the_pool_is_admitted(tiny_llm, case):
 # ------------------------------------------------------------------------------------------------ 4. chunked + mixed
 
 
-@pytest.mark.task("5.1")
+@pytest.mark.task("5.1", weight=2)
 @pytest.mark.parametrize("mixed", [True, False])
 def test_long_prompt_chunks_alongside_decoding_requests(tiny_llm, mixed):
     check_long_prompt_chunks_alongside_decoding_requests(tiny_llm, mixed, overlap=False)
@@ -1585,7 +1729,7 @@ def test_prefix_is_shared_with_the_very_next_step(tiny_llm, page_size, overlap):
     assert_pool_accounting(engine)
 
 
-@pytest.mark.task("6.1")
+@pytest.mark.task("6.1", weight=4)
 def test_abort_while_a_step_is_in_flight_frees_after_that_step(tiny_llm):
     check_abort_while_a_step_is_in_flight_frees_after_that_step(tiny_llm, radix=False)
 

@@ -91,7 +91,7 @@ def test_alloc_tokens_fills_the_last_page_before_taking_fresh_ones(page_size):
     check_rows(alloc, [])
 
 
-@pytest.mark.task("3.1")
+@pytest.mark.task("3.1", weight=3)
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_requests_growing_side_by_side_never_share_a_page(page_size):
     """Three requests take turns growing (a prompt, then one token at a time), so their pages interleave in the
@@ -109,7 +109,7 @@ def test_requests_growing_side_by_side_never_share_a_page(page_size):
     assert sorted(alloc._free) == list(range(1, alloc.num_pages))
 
 
-@pytest.mark.task("3.1")
+@pytest.mark.task("3.1", weight=2)
 def test_alloc_pages_takes_pages_off_the_free_list():
     """``alloc_pages(n)`` hands out ``n`` distinct free pages and they leave the free list; ``n = 0`` takes
     nothing; asking for more than is free raises OutOfPages and takes nothing; a freed page is handed out again."""
@@ -142,7 +142,7 @@ def test_alloc_tokens_out_of_pages_takes_nothing():
     assert alloc.num_free_pages == 0
 
 
-@pytest.mark.task("3.1")
+@pytest.mark.task("3.1", weight=3)
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_free_slots_gives_each_page_back_once(page_size):
     """A request's slots name its last page once per token: the page goes back once. Freed pages are handed out
@@ -489,9 +489,9 @@ class NaiveCacheMachinePage4(CacheMachine):
 # The radix machines drive the whole cache manager, so they grade the task that ties the tree to the requests
 # (4.4, commit); the tree operations it builds on (4.1-4.3) have deterministic tests of their own in
 # tests/test_radix.py. With steps in flight the frees of chapter 06 run too, so that machine grades 6.1.
-TestRadixCachePage1 = pytest.mark.task("4.4")(CacheMachine.TestCase)
-TestRadixCachePage4 = pytest.mark.task("4.4")(CacheMachinePage4.TestCase)
-TestRadixCachePage4Overlap = pytest.mark.task("6.1")(CacheMachinePage4Overlap.TestCase)
+TestRadixCachePage1 = pytest.mark.task("4.4", weight=3)(CacheMachine.TestCase)
+TestRadixCachePage4 = pytest.mark.task("4.4", weight=3)(CacheMachinePage4.TestCase)
+TestRadixCachePage4Overlap = pytest.mark.task("6.1", weight=6)(CacheMachinePage4Overlap.TestCase)
 TestNaiveCachePage4 = NaiveCacheMachinePage4.TestCase  # its rules call the radix tree too: no task mark
 # A failing radix machine reports the run it found, unshrunk: shrinking a run of the whole cache manager takes
 # minutes, and the deterministic tests of tests/test_radix.py point at the bug faster.

@@ -342,7 +342,7 @@ def test_insert_under_a_salt_shares_only_with_that_salt():
 # ------------------------------------------------------------------------------------------------ 4.3 locks, eviction
 
 
-@pytest.mark.task("4.3")
+@pytest.mark.task("4.3", weight=3)
 def test_locks_pin_the_whole_path_and_move_the_sizes():
     """[1 2] -> [3] -> [4 5], and [1 2] -> [6]. A lock pins its node and every ancestor; a node counts once in
     protected_size however many requests pin it; unlocking walks the same path back."""
@@ -387,7 +387,7 @@ def test_unlocking_more_than_locked_is_an_error():
         tree.dec_lock(b)
 
 
-@pytest.mark.task("4.3")
+@pytest.mark.task("4.3", weight=2)
 def test_evict_takes_the_least_recently_used_leaf_first():
     """Three leaves used at times 3, 1, 2: evict(1) frees the one of time 1 (its slot goes back to the pool),
     then the one of time 2."""
@@ -420,7 +420,7 @@ def test_evict_frees_whole_leaves_until_it_has_enough():
     check_tree(tree)
 
 
-@pytest.mark.task("4.3")
+@pytest.mark.task("4.3", weight=4)
 def test_evict_never_takes_a_locked_leaf():
     """A running request's prefix is pinned: attention reads its slots every step. The oldest leaf is locked, so
     eviction takes the other one, and then nothing more until the lock goes."""
@@ -437,7 +437,7 @@ def test_evict_never_takes_a_locked_leaf():
     check_tree(tree)
 
 
-@pytest.mark.task("4.3")
+@pytest.mark.task("4.3", weight=3)
 def test_evict_never_takes_an_inner_node():
     """[1 2] (time 1) -> {[3] (5), [4] (6)}, and [9] (4). The oldest node, [1 2], has children: evicting it would
     cut them off (their slots lost to everyone, never freed). It becomes a candidate when its last child goes."""
@@ -466,7 +466,7 @@ def test_evict_continues_with_a_parent_left_without_children():
     check_tree(tree)
 
 
-@pytest.mark.task("4.3")
+@pytest.mark.task("4.3", weight=4)
 def test_evict_keeps_a_locked_parent_and_drops_an_empty_salted_root():
     """A request pins [1 2]; its unpinned child [3] may go, but [1 2] stays even once it has no children. A salted
     root whose last prefix is evicted goes too."""
@@ -491,6 +491,59 @@ def test_evict_in_whole_pages():
     assert tree.evict(1) == 8 and tree.allocator.num_free_pages == pages
     assert sorted(set((a.value // 4).tolist())) == sorted(tree.allocator._free[-2:])
     check_tree(tree)
+
+
+@pytest.mark.task("4.3", weight=12)
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_random_locks_and_evictions_never_lose_a_pinned_prefix(seed: int, page_size: int):
+    """A random tree (about 20 nodes, some salted, random ages), random requests pinning random paths, then
+    evictions of random sizes while the pins come and go. After every operation: a pinned node is still in the
+    tree with its slots not free (a running request reads them every step), the sizes and the free list agree
+    with the tree, and an eviction frees what was asked whenever the unpinned part of the tree holds that much,
+    never more than that part, and takes only whole unpinned nodes."""
+    rng = random.Random(seed)
+    tree = make_tree(page_size, num_pages=200)
+    nodes: list[TreeNode] = []
+    roots = [tree.root, tree.root_for("a", create=True), tree.root_for("b", create=True)]
+    for i in range(20):
+        parent = rng.choice(roots + nodes)
+        key = [3 + i] + [rng.randrange(3, 50) for _ in range(rng.randint(1, 3) * page_size - 1)]
+        nodes.append(hang(tree, parent, key, t=rng.randrange(1000)))
+    pins: list[TreeNode] = []
+
+    def attached(node: TreeNode) -> bool:
+        while node.parent is not None:
+            if node.parent.children.get(tree._child_key(node.key)) is not node:
+                return False
+            node = node.parent
+        return node is tree.root or node in tree.salted_roots.values()
+
+    for _ in range(40):
+        op = rng.random()
+        live = [n for n in nodes if attached(n)]
+        if op < 0.4 and live:
+            node = rng.choice(live)
+            tree.inc_lock(node)
+            pins.append(node)
+        elif op < 0.6 and pins:
+            tree.dec_lock(pins.pop(rng.randrange(len(pins))))
+        else:
+            asked = rng.randint(1, 12) * page_size
+            before = tree.evictable_size
+            freed = tree.evict(asked)
+            assert freed + tree.evictable_size == before, "eviction took pinned tokens, or lost track of some"
+            assert freed >= min(asked, before), "eviction stopped although unpinned leaves were left"
+        check_tree(tree)
+        free = set(tree.allocator._free)
+        for node in pins:
+            assert attached(node), "a pinned node was evicted (or cut off with its parent)"
+            assert not {s // page_size for s in path_slots(node)} & free, "a pinned slot went back to the pool"
+    for node in pins:
+        tree.dec_lock(node)
+    tree.evict(10**6)
+    assert tree.evictable_size == tree.protected_size == 0 and not tree._all_nodes()
+    assert len(tree.allocator._free) == 199, "evicting everything must give every page back"
 
 
 # ------------------------------------------------------------------------------------------------ 4.4 commit
@@ -577,7 +630,7 @@ def test_commit_moves_the_lock_from_the_matched_prefix_to_the_new_node():
     assert cm.tree.protected_size == 0 and all(n.lock_ref == 0 for n in cm.tree._all_nodes())
 
 
-@pytest.mark.task("4.4")
+@pytest.mark.task("4.4", weight=3)
 def test_commit_keeps_one_copy_of_a_prefix_two_requests_computed():
     """The pitfall of section 6. [1 2 3 4] is cached; A and B both match it, and both compute the same *new*
     tokens [5..10] in one prefill step (each into its own slots), then their own tails. A commits first. B's
@@ -607,7 +660,7 @@ def test_commit_keeps_one_copy_of_a_prefix_two_requests_computed():
     assert sorted(cm.allocator._free) == list(range(1, cm.allocator.num_pages)), "a slot leaked or was freed twice"
 
 
-@pytest.mark.task("6.1")
+@pytest.mark.task("6.1", weight=4)
 def test_commit_frees_duplicates_only_after_the_step_in_flight():
     """Duplicate slots were written by the step that computed them; with a step in flight (overlap) they may still
     be being written, so they go back to the pool only once that step has been processed (``frees``).
@@ -645,7 +698,7 @@ def test_commit_stops_at_upto():
     check_manager(cm, [a])
 
 
-@pytest.mark.task("4.4")
+@pytest.mark.task("4.4", weight=3)
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_radix_engine_reuses_prefixes_and_matches_the_oracle(tiny_llm, page_size):
     """The tiny model through an engine with the radix cache (overlap off, no chunking, in-batch deferral off):

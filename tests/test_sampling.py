@@ -330,7 +330,7 @@ def _random_rows(seed: int, rows: int, vocab: int) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=g, dtype=torch.float64).float() * 2
 
 
-@pytest.mark.task("2.3")
+@pytest.mark.task("2.3", weight=2)
 @pytest.mark.parametrize(
     "top_k,top_p,min_p",
     [(-1, 0.9, 0.0), (-1, 0.5, 0.0), (-1, 0.05, 0.0), (10, 0.8, 0.0), (-1, 1.0, 0.1), (-1, 1.0, 0.5),
@@ -391,6 +391,28 @@ def test_filter_boundaries_are_exact(top_p: float, min_p: float, kept: list[int]
     assert torch.nonzero(out[0]).flatten().tolist() == kept
 
 
+@pytest.mark.task("2.3", weight=8)
+@pytest.mark.parametrize("vocab", [32000, 49152])
+def test_rows_with_every_filter_off_keep_every_token_of_a_large_vocabulary(vocab: int) -> None:
+    """The filter runs on the whole batch as soon as one row asks for it, so rows with the filters off pass
+    through it too: top_k=-1 (stored as ``vocab``), top_p=1 and min_p=0, as ``SamplingBatchInfo.build`` writes
+    them for ``SamplingParams()``, beside rows with top-p 0.9 or min-p 0.9. Over tens of thousands of float32
+    probabilities the running sum rounds, and a plain ``mass_above < top_p * total`` test then drops the tail
+    (some 17,000 of 32,000 tokens): an off row must come out as it went in, every token kept."""
+    g = torch.Generator().manual_seed(11)
+    probs = torch.softmax(torch.randn(4, vocab, generator=g) * 4, dim=-1)  # a peaked row with a long, tiny tail
+    params = [SamplingParams(), SamplingParams(top_p=0.9), SamplingParams(top_k=-1, top_p=1.0, min_p=0.0),
+              SamplingParams(min_p=0.9)]
+    info = build(params, vocab)
+    assert info.top_ks.tolist() == [vocab] * 4 and info.top_ps[[0, 2]].tolist() == [1.0, 1.0]
+    assert info.min_ps[[0, 2]].tolist() == [0.0, 0.0]
+    out = top_k_top_p_min_p_filter(probs, info.top_ks, info.top_ps, info.min_ps)
+    for i in (0, 2):
+        assert int((out[i] > 0).sum()) == vocab, f"row {i} has its filters off but lost tokens"
+        torch.testing.assert_close(out[i], probs[i], rtol=1e-5, atol=0)
+    assert 0 < int((out[1] > 0).sum()) < vocab and 0 < int((out[3] > 0).sum()) < vocab
+
+
 @pytest.mark.task("2.3")
 def test_top_k_keeps_exactly_k_among_ties() -> None:
     """Three tokens share the 2nd-highest probability: top-k = 2 keeps the best and exactly one of them."""
@@ -403,7 +425,7 @@ def test_top_k_keeps_exactly_k_among_ties() -> None:
     torch.testing.assert_close(out[0, 2], torch.tensor(2 / 3))  # renormalised over the two that are kept
 
 
-@pytest.mark.task("2.3")
+@pytest.mark.task("2.3", weight=2)
 @settings(max_examples=100, deadline=None)
 @given(_rows_and_params())
 def test_property_filter_keeps_a_valid_nucleus(case: tuple[list[float], SamplingParams]) -> None:
@@ -584,6 +606,25 @@ def test_penalties_match_a_hand_written_loop(case: str) -> None:
             scope |= set(prompts[i])
         changed = set(torch.nonzero(got[i] != logits[i]).flatten().tolist())
         assert changed == scope, (case, i, changed, scope)
+
+
+@pytest.mark.task("2.2", weight=3)
+def test_neutral_penalties_leave_every_logit_bit_identical() -> None:
+    """repetition_penalty=1, frequency_penalty=0 and presence_penalty=0 are the penalties turned off. A batch
+    where another row turns each of them on runs every stage over all rows: the neutral rows, whose prompt and
+    output repeat tokens, must come out bit for bit as they went in (greedy decoding compares them exactly)."""
+    vocab = 16
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, vocab, generator=g) * 3
+    params = [SamplingParams(), SamplingParams(repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0),
+              SamplingParams(repetition_penalty=1.4), SamplingParams(frequency_penalty=0.5, presence_penalty=0.3)]
+    prompts = [[1, 2, 2, 3], [4, 5, 5], [1, 6], [7]]
+    outputs = [[2, 2, 8, 9], [5, 10, 10], [6, 6], [7, 7]]
+    info = build(params, vocab, prompts, outputs)
+    assert info.need_repetition and info.need_frequency_presence
+    got = apply_penalties(logits, info)
+    assert torch.equal(got[0], logits[0]) and torch.equal(got[1], logits[1])
+    assert not torch.equal(got[2], logits[2]) and not torch.equal(got[3], logits[3])
 
 
 @pytest.mark.task("2.2")

@@ -3,8 +3,12 @@ write a report Gradescope reads as is.
 
 **Points.** They come from ``tasks.toml``, not from test counts: a task's points are split over its *checks* (one
 test function with all its parametrized cases; a check passes when every case passes), so partial credit means
-"some of the task's checks pass". The split is exact, in thousandths of a point (10 points over 3 checks are
-3.334, 3.333 and 3.333), so the checks' scores add up to the task's and the tasks' to the total. A check that
+"some of the task's checks pass". Each check has a weight (``@pytest.mark.task("4.3", weight=3)``; 1 by default)
+and gets its weight's share of the task: a check that catches a severe bug (wrong tokens, a lost request, a
+stall, a leak, a race, a locked node evicted) weighs more than one about a detail, so that such a bug costs most
+of the task's points rather than one check's even share. The split is exact, in thousandths of a point (10
+points over 3 checks of weight 1 are 3.334, 3.333 and 3.333), so the checks' scores add up to the task's and the
+tasks' to the total. A check that
 needs a GPU on a machine without one (or a package the machine lacks) is *blocked*: reported, worth nothing, and
 its share goes to the task's other checks, so a task is worth its full points on any machine. A task whose every
 check is blocked cannot be graded there: it is reported out of 0, and the total says so. A failure caused by
@@ -74,6 +78,11 @@ class Check:
     cases: list[dict[str, Any]] = field(default_factory=list)
 
     @property
+    def weight(self) -> int:
+        """Its weight in the task's split (every case of one test function carries the same)."""
+        return max(int(c.get("weight", 1)) for c in self.cases) if self.cases else 1
+
+    @property
     def outcome(self) -> str:
         outcomes = {c["outcome"] for c in self.cases}
         if outcomes & {"failed", "not run"}:
@@ -95,14 +104,15 @@ class Check:
 
 
 def task_test_files(root: Path, task_ids: Sequence[str]) -> list[str]:
-    """The test files under ``root/tests`` that mark a test with one of ``task_ids`` (``pytest.mark.task("2.1")``
-    written out, as every graded test is), or ``["tests"]`` when ``task_ids`` holds ``*`` or no file matches.
+    """The test files under ``root/tests`` that mark a test with one of ``task_ids`` (``pytest.mark.task("2.1"``
+    written out, with or without a weight after it, as every graded test is), or ``["tests"]`` when ``task_ids``
+    holds ``*`` or no file matches.
 
     Collecting only these files is what makes grading one task quick: importing every test module of the
     project takes pytest several seconds before the first test runs."""
     if "*" in task_ids:
         return ["tests"]
-    marks = [f'mark.task("{task}")' for task in task_ids]
+    marks = [f'mark.task("{task}"' for task in task_ids]  # the closing quote: "5.1" never matches "5.10"
     found = [path.relative_to(root).as_posix() for path in sorted((root / "tests").glob("test_*.py"))
              if any(mark in path.read_text(encoding="utf-8") for mark in marks)]
     return found or ["tests"]
@@ -297,8 +307,21 @@ UNITS = 1000  #: a point in the report's unit: scores are whole thousandths of a
 
 def split(units: int, n: int) -> list[int]:
     """``units`` split over ``n`` shares as evenly as whole units allow, the larger shares first."""
-    base, extra = divmod(units, n)
-    return [base + (1 if i < extra else 0) for i in range(n)]
+    return split_weighted(units, [1] * n)
+
+
+def split_weighted(units: int, weights: Sequence[int]) -> list[int]:
+    """``units`` split in proportion to ``weights``, in whole units that add up to ``units`` exactly: each share
+    is rounded down, and the units left over go one each to the shares that lost the most by rounding (the
+    earlier first among equals)."""
+    total = sum(weights)
+    if total <= 0:
+        raise ValueError(f"weights must add up to more than 0: {list(weights)}")
+    shares = [units * w // total for w in weights]
+    lost = sorted(range(len(weights)), key=lambda i: (-(units * weights[i] % total), i))
+    for i in lost[: units - sum(shares)]:
+        shares[i] += 1
+    return shares
 
 
 def points(units: int) -> float | int:
@@ -341,7 +364,8 @@ def report(tasks: Sequence[Task], records: list[dict[str, Any]], seconds: float,
         units = round(task.points * UNITS)
         mine = [] if task.id in refused else checks.get(task.id, [])
         counted = [c for c in mine if c.outcome != "blocked"]
-        shares = dict(zip((c.name for c in counted), split(units, len(counted)))) if counted else {}
+        shares = (dict(zip((c.name for c in counted), split_weighted(units, [c.weight for c in counted])))
+                  if counted else {})
         earned = 0
         for check in mine:
             share = shares.get(check.name, 0)
@@ -352,7 +376,7 @@ def report(tasks: Sequence[Task], records: list[dict[str, Any]], seconds: float,
                 "name": names[(task.id, check.name)], "score": points(score), "max_score": points(share),
                 "output": explain(check, task), "visibility": task.visibility,
                 "extra_data": {"task": task.id, "check": check.name, "outcome": check.outcome,
-                               "cases": len(cases), "cases_passed": cases.count("passed")},
+                               "weight": check.weight, "cases": len(cases), "cases_passed": cases.count("passed")},
             }
             if check.outcome == "blocked":
                 entry["output"] += ("\nIts share goes to the task's other checks." if counted else

@@ -4,7 +4,8 @@
 off-by-one, the wrong end of a queue). Each is an exact ``find`` text inside the task's regions and its
 ``replace``ment. :func:`run` applies one mutant at a time to a scratch copy of the package and its tests, grades
 the task there with the first failure stopping the run, and reports whether the task lost points and how long it
-took: a task's tests are strong enough when every one of its mutants is caught within seconds.
+took: a task's tests are strong enough when every one of its mutants is caught within seconds. :func:`cost`
+grades a mutant in full instead, to show what that wrong answer costs a student in points.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from minisgl_ref.course.grade import checks_of, run_tests, task_test_files
+from minisgl_ref.course.grade import checks_of, report, run_tests, task_test_files
 from minisgl_ref.course.regions import Region, scan
+from minisgl_ref.course.table import Task
 
 MUTANTS_DIR = Path("course") / "mutants"
 SCRATCH = ("minisgl_ref", "tests", "benchmarks", "pyproject.toml")  # what a task's tests need to run
@@ -145,6 +147,20 @@ def run_one(root: Path, mutant: Mutant, regions: list[Region], *, timeout_s: int
     if not records:
         return Outcome(mutant, False, seconds, "the task has no tests")
     return Outcome(mutant, False, seconds, f"all {len(records)} test cases of task {mutant.task} passed")
+
+
+def cost(root: Path, mutant: Mutant, task: Task, *, timeout_s: int = 120) -> tuple[float, float]:
+    """What the wrong answer ``mutant`` costs a student: (points its task still scores, the task's points), with
+    every check of the task run to its end (no stopping at the first failure) and split by the checks' weights,
+    exactly as :func:`minisgl_ref.course.grade.report` scores a submission."""
+    path, mutated = locate(root, mutant, scan(root))
+    with tempfile.TemporaryDirectory(prefix="mutant-cost-") as tmp:
+        scratch = Path(tmp)
+        scratch_copy(root, scratch)
+        (scratch / path).write_text(mutated, encoding="utf-8")
+        records = run_tests(scratch, [mutant.task], timeout_s=timeout_s)
+    summary = report([task], records, 0.0, machine={})["extra_data"]["tasks"][0]
+    return float(summary["score"]), float(summary["max_score"])
 
 
 def run(root: Path, mutants: Iterable[Mutant], *, jobs: int = 2, timeout_s: int = 60,

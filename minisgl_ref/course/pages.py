@@ -59,6 +59,7 @@ class TestCheck:
     name: str
     doc: str
     gpu: bool
+    weight: int = 1  #: its share of the task, relative to the task's other checks (``mark.task(id, weight=n)``)
 
 
 def _marks(node: ast.AST, attr: str) -> list[ast.Call | ast.Attribute]:
@@ -75,6 +76,16 @@ def _marks(node: ast.AST, attr: str) -> list[ast.Call | ast.Attribute]:
 def _task_ids(node: ast.AST) -> list[str]:
     return [c.args[0].value for c in _marks(node, "task") if isinstance(c, ast.Call) and c.args
             and isinstance(c.args[0], ast.Constant) and isinstance(c.args[0].value, str)]
+
+
+def _weight(nodes: list[ast.expr]) -> int:
+    """The ``weight=`` of the first task mark among ``nodes`` (1 without one)."""
+    for c in (c for d in nodes for c in _marks(d, "task") if isinstance(c, ast.Call)):
+        for kw in c.keywords:
+            if kw.arg == "weight" and isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, int):
+                return kw.value.value
+        return 1
+    return 1
 
 
 def scan_checks(root: Path) -> list[TestCheck]:
@@ -96,7 +107,7 @@ def scan_checks(root: Path) -> list[TestCheck]:
             gpu = gpu or any(_marks(d, "gpu") for d in fn.decorator_list)
             if own:
                 doc = (ast.get_docstring(fn) or "").strip().split("\n\n")[0].replace("\n", " ")
-                out.append(TestCheck(own[0], rel, fn.name, doc, gpu))
+                out.append(TestCheck(own[0], rel, fn.name, doc, gpu, _weight(fn.decorator_list)))
 
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
@@ -151,7 +162,31 @@ def tasks_table(t: table.Table, checks: list[TestCheck]) -> str:
                               f"chapters, {total:g} points, about {hours:.0f} hours of work.")
 
 
-def assignment_table(t: table.Table, chapters: str, root: Path) -> str:
+def weights_list(tasks: list[table.Task], checks: list[TestCheck]) -> str:
+    """How each task's points are split over its checks: the checks that weigh more than 1, with their share.
+
+    A student should know before starting that a bug in the correctness or safety of a task (a lost request, a
+    leaked slot, a wrong token) costs most of its points, while a missed detail costs a little."""
+    lines = []
+    for x in tasks:
+        mine = [c for c in checks if c.task == x.id]
+        total = sum(c.weight for c in mine)
+        heavy = [c for c in mine if c.weight != 1]
+        if not mine:
+            continue
+        if not heavy:
+            lines.append(f"- **{x.id}**: {len(mine)} checks of equal weight, {x.points / len(mine):.2g} points each.")
+            continue
+        parts = ", ".join(f"`{c.name}` weighs {c.weight} ({x.points * c.weight / total:.1f} points)" for c in heavy)
+        rest = len(mine) - len(heavy)
+        tail = f"; the other {rest} weigh 1 each ({x.points / total:.2g} points)" if rest else ""
+        lines.append(f"- **{x.id}** ({x.points:g} points, weights adding up to {total}): {parts}{tail}.")
+    return ("How a task's points are split over its checks (a check that finds a wrong token, a lost request, a "
+            "leaked slot or a race weighs most; a GPU check that cannot run on the grading machine passes its share "
+            "on to the task's other checks):\n\n" + "\n".join(lines))
+
+
+def assignment_table(t: table.Table, chapters: str, root: Path, checks: list[TestCheck] | None = None) -> str:
     wanted = table.parse_chapters(chapters)
     times = _json(root / GRADING_TIMES) or {}
     tasks = [x for x in t.tasks.values() if x.chapter in wanted]
@@ -169,6 +204,8 @@ def assignment_table(t: table.Table, chapters: str, root: Path) -> str:
         where = times.get("machine", "a CPU machine")
         parts = ", ".join(f"chapter {c:02d} in {s['seconds']:.0f} s" for c, s in measured)
         out += f" Grading the reference on {where} takes: {parts}."
+    if checks is not None:
+        out += "\n\n" + weights_list(tasks, checks)
     return out
 
 
@@ -178,8 +215,9 @@ def checks_list(t: table.Table, checks: list[TestCheck]) -> str:
         out.append(f"**{task.id} {task.title}**\n")
         for c in (c for c in checks if c.task == task.id):
             gpu = " *(GPU)*" if c.gpu else ""
+            weight = f" *(weight {c.weight})*" if c.weight != 1 else ""
             doc = c.doc or c.name.removeprefix("test_").replace("_", " ")
-            out.append(f"- `{c.name}`{gpu}: {doc} (`{c.file}`)")
+            out.append(f"- `{c.name}`{gpu}{weight}: {doc} (`{c.file}`)")
         out.append("")
     return "\n".join(out).rstrip("\n")
 
@@ -259,7 +297,7 @@ def _renderers(root: Path) -> Callable[[str], str]:
         kind, arg = what.split(" ", 1)
         if kind == "autograder":
             return autograder_file(arg, root)
-        return assignment_table(t, arg, root)
+        return assignment_table(t, arg, root, checks)
 
     return render
 

@@ -3,7 +3,8 @@
 Loaded with ``pytest -p minisgl_ref.course.plugin --course-tasks 4.1,4.2 --course-report out.json``. It keeps the
 tests whose ``@pytest.mark.task`` id is chosen, makes hypothesis derandomized (the same examples on every run, so
 a grade never depends on luck), and writes one record per test: its task, its check (the test function, all
-parametrized cases together), whether it needs a GPU, the outcome and the line of the error a student needs.
+parametrized cases together), the check's weight (``@pytest.mark.task("4.3", weight=3)``, 1 when not given),
+whether it needs a GPU, the outcome and the line of the error a student needs.
 
 The grader reads those records through a *channel*, not a file (see :mod:`minisgl_ref.course.grade`): it starts
 pytest with ``MINISGL_COURSE_CHANNEL=KEY_FD,OUT_FD`` and two inherited pipe ends. When pytest loads it, before any
@@ -99,6 +100,17 @@ def task_of(item: pytest.Item) -> str | None:
     return marks[0] if marks else None
 
 
+def weight_of(item: pytest.Item) -> int:
+    """The check's weight within its task: ``@pytest.mark.task("4.3", weight=3)`` makes it worth three times a
+    check of weight 1 (the default). A check that catches lost requests, wrong tokens, stalls, leaks or races
+    weighs more than one about a detail, so such a bug costs most of its task's points."""
+    marks = [m for m in item.iter_markers("task") if m.args]
+    weight = marks[0].kwargs.get("weight", 1) if marks else 1
+    if not isinstance(weight, int) or isinstance(weight, bool) or weight < 1:
+        raise pytest.UsageError(f"{item.nodeid}: a task's weight is a whole number >= 1, not {weight!r}")
+    return weight
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     wanted = {t.strip() for t in config.getoption("--course-tasks").split(",") if t.strip()}
@@ -121,6 +133,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "check": item.nodeid.split("[", 1)[0],
             "task": task_of(item),
             "marks": [m.args[0] for m in item.iter_markers("task") if m.args],
+            "weight": weight_of(item),
             "gpu": "gpu" in item.keywords,
             "outcome": "not run",
             "message": "",

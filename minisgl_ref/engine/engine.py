@@ -211,17 +211,21 @@ class Engine:
         """One overlapped step: schedule and launch step N+1 while step N (``self.inflight``, launched by the
         previous call, or None) may still run on the device; only then process step N. Returns the events.
 
-        1. ``self._schedule_and_launch()`` schedules the next step and launches it (it tells ``self.frees``, so
-           every free from now on waits for it). It returns a :class:`Launched`, None (nothing to run), or
-           ``NEED_SYNC``: the scheduler would have to retract while a step is in flight. Then finish the step in
-           flight first (:meth:`_finish_inflight`, keeping its events) and schedule and launch again: with
-           nothing in flight the scheduler can retract.
-        2. If launching raises :class:`LaunchFailed`, finish the step in flight, then roll the failed step back
-           with ``self._recover(failed)``, and return the events of both plus ``self._take_aborted()``.
-        3. Otherwise collect ``self._take_aborted()`` (requests the scheduler gave up on), then finish the step in
-           flight (step N: its tokens, the one wait for the device), and keep the step just launched as
-           ``self.inflight`` (None if nothing was launched): the next call processes it. Return the events in
-           that order."""
+        The point of overlap is that the host never leaves the device idle: the next step is scheduled and
+        launched *before* the host waits for the tokens of the one in flight, and that wait
+        (:meth:`_finish_inflight`) is the only one. What has to be decided, and why:
+
+        * *Launching.* ``self._schedule_and_launch()`` returns a :class:`Launched`, None (nothing to run), or
+          ``NEED_SYNC``: the scheduler would have to retract, and the memory a retraction frees is held by the
+          step in flight until it completes. Only finishing that step first (keeping its events) lets a second
+          attempt succeed. Launching tells ``self.frees``, so every free from then on waits for the new step.
+        * *A launch that fails* (:class:`LaunchFailed`) must not lose the step in flight: its tokens are real.
+          Finish it, then roll the failed step back with ``self._recover(failed)``.
+        * *Otherwise* report the requests the scheduler gave up on (``self._take_aborted()``), then finish the
+          step in flight, and keep the step just launched as ``self.inflight`` for the next call (None if
+          nothing was launched).
+
+        Return the events in the order they happened."""
         # BEGIN TASK 6.1: the overlapped step and its deferred frees
         events: list[StepEvent] = []
         try:

@@ -211,10 +211,12 @@ class RadixCache:
     def inc_lock(self, node: TreeNode) -> None:
         """Pin ``node`` and its ancestors: a running request's prefix must stay in memory.
 
-        Add 1 to the ``lock_ref`` of ``node`` and of every ancestor up to, not including, its root (the node
-        whose ``parent`` is None; a root is never evicted and never counted). A node whose count goes from 0 to 1
-        moves its tokens (``len(node.key)``) from ``evictable_size`` to ``protected_size``; a node another
-        request pins already only counts one more. Locking a root itself does nothing."""
+        A request reads its whole cached prefix at every step, so no node on that path may be evicted while it
+        runs, and several requests may share a node. ``lock_ref`` counts the requests pinning a node (a count, not
+        a flag, so one request finishing cannot unpin another's prefix). The tree also keeps two totals the
+        scheduler budgets with: ``evictable_size`` (tokens eviction could give back) and ``protected_size``
+        (tokens pinned); a node's tokens belong to exactly one of them, and change sides only when a node goes
+        from unpinned to pinned. Roots (``parent`` is None) hold no tokens and are never counted."""
         # BEGIN TASK 4.3: locking and LRU eviction
         while node.parent is not None:  # up to its root
             if node.lock_ref == 0:
@@ -227,10 +229,10 @@ class RadixCache:
     def dec_lock(self, node: TreeNode) -> None:
         """Undo one :meth:`inc_lock` of ``node``: the request that pinned this path no longer uses it.
 
-        Subtract 1 from the ``lock_ref`` of ``node`` and of every ancestor up to, not including, its root. A node
-        whose count drops to 0 moves its tokens from ``protected_size`` back to ``evictable_size``: it may be
-        evicted again (if it is, or becomes, a leaf). A count that is already 0 means the caller unlocked more
-        often than it locked: raise ``RuntimeError`` rather than let the sizes drift."""
+        The mirror of :meth:`inc_lock`, along the same path: a node becomes evictable again only when the last
+        request pinning it lets go. Unlocking more often than locking is a bug in the caller that would let the
+        two totals drift until eviction frees KV a running request still reads, so it raises ``RuntimeError``
+        instead of being absorbed."""
         # BEGIN TASK 4.3: locking and LRU eviction
         while node.parent is not None:
             if node.lock_ref <= 0:
@@ -246,13 +248,13 @@ class RadixCache:
         """Free at least ``num_tokens`` tokens of KV from unpinned leaves, least recently used first (fewer if the
         tree has no more to give). Returns how many were freed: leaves go whole, so it may be more than asked.
 
-        The candidates are the nodes without children whose ``lock_ref`` is 0 (``self._all_nodes()`` lists every
-        node below the roots); take them in order of ``last_access``, smallest first (``TreeNode`` compares by
-        it, so a ``heapq`` of nodes pops the least recently used). Evicting a leaf means: its slots go back to
-        the pool (``self.allocator.free_slots(leaf.value)``), it leaves its parent's ``children`` (under
-        ``self._child_key(leaf.key)``), and its length leaves ``evictable_size``. A parent that loses its last
-        child becomes a leaf, and so a candidate in turn if it is unpinned and not a root (a root's ``parent`` is
-        None); a salted root left empty is dropped (``self._drop_salted_root(parent)``)."""
+        Only a leaf can go: an inner node's tokens are the prefix of its children's, which would be left without
+        their start. Only an unpinned leaf can go: a pinned one is read by a running request. Among those, the
+        one touched longest ago (``last_access``; ``TreeNode`` orders by it, so ``heapq`` works on nodes) is the
+        one least likely to be matched again. Removing a leaf can turn its parent into a leaf, which then
+        competes like any other; a salted root left with no children is forgotten
+        (``self._drop_salted_root``). The slots go back with ``self.allocator.free_slots``, and the totals of
+        :meth:`inc_lock` must still add up afterwards."""
         # BEGIN TASK 4.3: locking and LRU eviction
         heap = [n for n in self._all_nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(heap)

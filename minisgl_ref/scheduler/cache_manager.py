@@ -137,23 +137,25 @@ class CacheManager:
         requests can share them, and make the request use the tree's copy of them.
 
         The engine calls it right after launching a prefill step (the KV exists once that step has run, before any
-        later step reads it) and on release. Four steps:
+        later step reads it) and on release. What has to be decided, and why:
 
-        1. How far: the request's KV is computed for its first ``req.kv_scheduled_len`` tokens (never more than
-           ``upto``), of which only whole pages can go into the tree. If that is not beyond ``req.tree_len`` (the
-           tokens whose slots in its page-table row are the tree's already), there is nothing to do.
-        2. ``self.tree.insert`` those tokens (``req.all_ids``, under ``req.cache_salt``) with the slots of the
-           request's row (``self.req_to_token.read``). If another request inserted the same tokens first (two
-           requests with a common *new* prefix in one batch), the tree keeps its own copy and returns how many
-           tokens it had. Our slots for those tokens, past the first ``tree_len`` (which were the tree's all
-           along), are then duplicates: free them with ``self.frees.free``, which waits until the steps in flight
-           (that may be writing them) have been processed.
-        3. ``self.tree.match_prefix`` the same tokens: the tree's slots for all of them, and the node where they
-           end. Write those slots over the start of the row (``self.req_to_token.write``): the row must point at
-           the tree's slots, whose KV is identical, not at the freed duplicates.
-        4. Move the request's lock down to the new node: ``inc_lock`` it first, then ``dec_lock`` the old
-           ``req.last_node`` (in this order the shared path stays pinned throughout), and record the new
-           ``req.last_node`` and ``req.tree_len``."""
+        * *How far.* The request's KV is computed (or being computed) for its first ``req.kv_scheduled_len``
+          tokens, and the caller may ask for fewer (``upto``); the tree stores whole pages only. The first
+          ``req.tree_len`` tokens of its page-table row point at the tree's slots already: if nothing lies
+          beyond them, there is nothing to do.
+        * *Who owns the slots.* ``self.tree.insert`` (with ``req.all_ids`` and the slots of the request's row,
+          ``self.req_to_token.read``, under ``req.cache_salt``) may find that another request inserted some of
+          these tokens first (two requests with a common *new* prefix in one batch): the tree keeps its own
+          copy and says how many tokens it had. The request's own slots for those tokens are then duplicates
+          that nobody will read again, except a step still in flight, which may be writing them; so they go
+          back through ``self.frees.free``, which waits for such steps. Slots that were the tree's all along
+          are not the request's to free.
+        * *What the row must point at.* The tree's slots for every token stored (``self.tree.match_prefix``
+          gives them, and the node where they end), written over the start of the row
+          (``self.req_to_token.write``): the KV is identical, and the duplicates are about to be reused.
+        * *What stays pinned.* The request now depends on the new node's path, not the old one's: it pins the
+          new node and unpins ``req.last_node``, in an order that never leaves the shared path unpinned, and
+          records the new ``req.last_node`` and ``req.tree_len``."""
         assert req.req_pool_idx is not None and req.last_node is not None
         # BEGIN TASK 4.4: share a request's computed prefix
         n = req.kv_scheduled_len if upto is None else min(upto, req.kv_scheduled_len)

@@ -346,53 +346,57 @@ class Scheduler:
         it was, unpinned) if not.
 
         With chunked prefill (``chunked_prefill_size > 0``, chapter 05) the row may be a chunk of the prompt:
-        :meth:`_admit_chunk`. Without it the rest of the request's tokens go whole, in one row: alone in a step
-        of its own if they exceed the step's token budget (as in SGLang), never cut behind the user's back."""
+        :meth:`_admit_chunk`. Without it the rest of the request goes whole, in one row: alone in a step of its
+        own if it exceeds the step's token budget (as in SGLang), never cut behind the user's back. Its memory
+        is chapter 03's bet: the request must leave room, beside its own tokens, for the output it may still
+        produce (discounted by ``new_token_ratio``), since that room is what keeps the running requests from
+        being retracted; only a request that would hold the pool alone may start with less (it is aborted later,
+        with a clear message, if it really outgrows the pool), or it would never start at all."""
         if self.config.chunked_prefill_size > 0:
             return self._admit_chunk(req, adder)
         n = len(req.all_ids) - req.kv_scheduled_len
         if n > adder.budget and adder.rows:
             return self._not_admitted(req)
-        # Admission reserves room for the request's future output (the bet of chapter 03). A request that would
-        # run alone reserves only what the pool has left: if it outgrows the pool it is aborted then, with a
-        # clear message, instead of never being admitted at all.
-        reserve = int(self._future_tokens(req) * self.new_token_ratio)
-        needed = self.cache.allocator.pages_needed(req.kv_allocated_len, n) * self.cache.page_size
-        if self._alone(req, adder):
-            reserve = min(reserve, max(adder.available - needed, 0))
-        if needed + reserve > adder.available:
+        room = adder.available - self.cache.allocator.pages_needed(req.kv_allocated_len, n) * self.cache.page_size
+        promised = int(self._future_tokens(req) * self.new_token_ratio)
+        if room < 0 or (promised > room and not self._alone(req, adder)):
             return self._not_admitted(req)
         row = self._add_prefill_row(req, adder, n)
         if row is not None:
             adder.budget -= n
-            adder.available -= needed + reserve
+            adder.available = max(room - promised, 0)  # a lone request may have been promised more than is left
         return row
 
     def _admit_chunk(self, req: Req, adder: PrefillAdder) -> Row | None:
-        """With chunked prefill: add ``req``'s next chunk to the step if the token budgets and the KV memory
+        """With chunked prefill: add ``req``'s next chunk to the step if the step's token budget and the KV memory
         allow, and return its row; return None if not.
 
-        ``req`` is either ``self.chunked`` (the request whose prompt is part-way through: it always comes first)
-        or a waiting request that ``cache.match`` has just given a page-table row and its cached prefix: the
-        KV of its first ``req.kv_scheduled_len`` tokens exists (or is being computed), the rest is to compute.
-        ``adder`` is what the step still has room for: ``adder.budget`` new tokens (``max_prefill_tokens``
-        minus what earlier rows of the step took) and ``adder.available`` KV slots (free and evictable slots
-        minus the running requests' reserves and what earlier rows took).
+        ``req`` is either ``self.chunked`` (the request part-way through its prefill: it always comes first) or a
+        waiting request that ``cache.match`` has just given a page-table row and its cached prefix. The KV of its
+        first ``req.kv_scheduled_len`` tokens exists (or is being computed); the KV of every later token of the
+        request is what prefilling it must compute. ``adder`` is what the step still has room for:
+        ``adder.budget`` new tokens and ``adder.available`` KV slots (free and evictable slots, minus what the
+        running requests have reserved and what earlier rows of this step took).
 
-        1. Tokens: the rest of the request (``remaining = len(req.all_ids) - req.kv_scheduled_len``), capped by
-           the step's remaining budget and by ``config.chunked_prefill_size``: ``n`` tokens this step.
-        2. Memory: the slots of the fresh pages these ``n`` tokens take
-           (``allocator.pages_needed(req.kv_allocated_len, n) * page_size``), plus, when this row completes the
-           prompt, a reserve for the output still to come: ``int(self._future_tokens(req) *
-           self.new_token_ratio)`` (the bet of chapter 03). A partial chunk reserves nothing yet. If the
-           request would run alone (``self._alone(req, adder)``), cap its reserve at what the pool has left
-           beside ``needed`` (never below 0): a request whose reserve alone exceeds the pool must still start.
-        3. If ``n`` is 0 or ``needed + reserve`` exceeds ``adder.available``, the request does not fit:
-           return ``self._not_admitted(req)``.
-        4. Otherwise ``self._add_prefill_row(req, adder, n)`` allocates the slots and adds the row (the request
-           joins ``running``, or becomes ``self.chunked`` after a partial chunk). If it returns a row, charge
-           the step for it: ``n`` tokens of the budget and ``needed + reserve`` slots of the memory. Return the
-           row (None if the allocation failed after all)."""
+        What has to be decided, and why:
+
+        * *How much of the request this step computes.* A step runs at most ``max_prefill_tokens`` new tokens
+          (its budget, which bounds how long the decoding requests wait for it) and a request at most
+          ``config.chunked_prefill_size`` per step (so that one long prompt is spread over several steps and
+          cannot hold everyone else up). Think about which tokens still need KV: a request retracted while
+          decoding (chapter 03) comes back holding none, with output tokens as well as its prompt.
+        * *What memory the row takes.* Its tokens' fresh pages (``allocator.pages_needed``), and, once the row
+          finishes the prefill and the request starts decoding, room for the output it may still produce: the
+          bet of chapter 03, ``self._future_tokens(req)`` discounted by ``self.new_token_ratio``. A chunk that
+          leaves part of the prompt for later produces no token yet.
+        * *Who may start with less than that room.* A reserve is a promise to the requests already holding KV;
+          only a request that would hold the pool alone (``self._alone``) has no one to break it to. If it could
+          not start with part of its reserve, a request whose reserve exceeds the whole pool would never run
+          (it is aborted later, with a clear message, if it really outgrows the pool).
+        * *Admitted or not.* A request that does not fit is left as it was, by ``self._not_admitted(req)``.
+          One that fits gets its row from ``self._add_prefill_row(req, adder, n)`` (None if the allocation
+          failed after all), and what the row took is charged to ``adder``, so that the step's later rows see
+          what is left."""
         # BEGIN TASK 5.1: admission with token budgets and chunking
         remaining = len(req.all_ids) - req.kv_scheduled_len
         n = min(remaining, adder.budget, self.config.chunked_prefill_size)
@@ -453,26 +457,26 @@ class Scheduler:
         ``reqs`` are running requests in admission order; ``rows`` may already hold this step's prefill rows
         (a mixed step, chapter 05), and a request already there gets no second row (filtered out above).
 
-        * Room: a request whose last page has a free slot needs no new page, the others one page each
-          (``allocator.pages_needed(req.kv_allocated_len, 1)``); the pages needed, times the page size, must
-          not exceed ``self.cache.available_tokens``.
-        * While they do not fit:
-          - with ``allow_retract=False`` (a mixed step) add no decode rows at all and return None: the running
-            requests simply wait for the next step;
-          - while a step is still in flight (``self.cache.frees.in_flight``, overlap scheduling, chapter 06)
-            nothing retracted could be freed before it completes: return ``NEED_SYNC`` and change nothing (the
-            engine finishes that step and asks again);
-          - otherwise pick the victim: the newest request holding KV, by admission number
-            (``self.arrival[req]``), among ``reqs`` and the partially prefilled ``self.chunked`` if any (usually
-            the newest, and cheaper to send back than a request that is already decoding). If it is the only
-            holder and the only running request, it can never grow: abort it (``self.abort(victim, message)``
-            with a message that says the KV cache pool is too small for its context), release its KV
-            (``self.cache.release``), append it to ``self.aborted`` (the engine reports it) and return None.
-            Else ``self.retract(victim)`` (back to the front of the waiting queue, KV freed), drop it from
-            ``reqs`` if it was there, and check the room again.
-        * Then allocate one slot each with ``self.cache.alloc_decode(reqs)`` and add one row per request, in
-          order, with ``self._add_row(rows, req, 1, decode=True, emits=True)`` (it records where the row starts,
-          ``req.kv_scheduled_len``, and moves it on). Return None."""
+        What has to be decided, and why:
+
+        * *Room.* A token needs a slot, and slots come a page at a time: a request whose last page still has a
+          free slot needs no new page (``allocator.pages_needed`` knows), the others a whole page each. What
+          the step may take is ``self.cache.available_tokens`` (free slots, and cached ones it may evict).
+        * *When it does not fit.* A mixed step never retracts (``allow_retract=False``): its decode rows just
+          wait for the next step, and none is added. While a step is still in flight
+          (``self.cache.frees.in_flight``, overlap scheduling, chapter 06) retracting could free nothing before
+          that step completes: answer ``NEED_SYNC`` and change nothing (the engine finishes that step and asks
+          again). Otherwise someone must give way, and the cheapest to send back is the request that has had
+          the least time to grow: the newest holder of KV by admission number (``self.arrival``), which may be
+          the partially prefilled ``self.chunked``. ``self.retract`` sends it back to the front of the queue
+          with its tokens; then look at the room again.
+        * *When giving way cannot help.* A request that is the only one holding KV and the only one running
+          would, once retracted, come back to the same pool and fail again, forever. It is aborted instead
+          (``self.abort``, with a message saying that the KV cache pool is too small for its context), its KV
+          released, and it goes to ``self.aborted`` for the engine to report; no rows are added.
+        * *The rows.* One slot each from ``self.cache.alloc_decode(reqs)``, then one row per request, in order,
+          by ``self._add_row(rows, req, 1, decode=True, emits=True)`` (it records where the row starts and
+          moves the request on). Return None."""
         in_batch = {id(row.req) for row in rows}
         reqs = [r for r in reqs if id(r) not in in_batch]
         # BEGIN TASK 3.2: decode rows and retraction
