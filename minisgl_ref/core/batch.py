@@ -13,6 +13,32 @@ from functools import cached_property
 from minisgl_ref.core.request import Req
 
 
+@dataclass(frozen=True)
+class Guess:
+    """Tokens a row feeds after its request's known ones, which are not (yet) part of the request: a guess the
+    step checks (speculative decoding, chapter 13, fills it; the core only carries it).
+
+    The row's input is its known tokens followed by ``tokens``; ``depths[i]`` is how far after the last known
+    token guessed token ``i`` sits (1, 2, 3, ... for a chain; a tree repeats depths), so its position is the last
+    known token's plus ``depths[i]``, while its KV slot is the row's next one in order. Such a row is never a
+    decode row; the model runner computes the logits at every one of its positions (``StepOutput.row_logits``),
+    and the tokens it appends are decided by whoever made the guess (``EngineExtension.row_tokens``), since the
+    token sampled at its last position follows a guess that may be wrong."""
+
+    tokens: tuple[int, ...]
+    depths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.depths) or not self.tokens:
+            raise ValueError(f"a guess needs one depth per token and at least one token: {len(self.tokens)} "
+                             f"tokens, {len(self.depths)} depths")
+
+    @property
+    def is_chain(self) -> bool:
+        """One token per depth, in order: the row is then an ordinary causal extend row."""
+        return self.depths == tuple(range(1, len(self.tokens) + 1))
+
+
 @dataclass(slots=True)
 class Row:
     """One request's part of a step."""
@@ -23,6 +49,7 @@ class Row:
     is_decode: bool  # a decode row's input token is the one the previous step sampled on the device
     emits: bool  # does the row produce the request's next token? (not a partial prefill chunk)
     epoch: int  # the request's epoch when scheduled: a retracted (or jumped-forward) request ignores this row
+    guess: Guess | None = None  # tokens fed after the known ones, to be checked (chapter 13); None for most rows
 
     @property
     def is_live(self) -> bool:

@@ -52,6 +52,9 @@ class ForwardBatch:
     seq_lens: torch.Tensor | None = None  # [B]
     # Index of each request's last new token in the flat [T] layout: only those rows need logits.
     last_token_indices: torch.Tensor | None = None  # [B]
+    # Further tokens whose logits are wanted, by flat index: every position of a row that feeds a guess to check
+    # (chapter 13). None (nearly every step): only the last tokens'. The forward pass then returns [B + M] logits.
+    extra_logit_indices: torch.Tensor | None = None  # [M]
 
     @property
     def batch_size(self) -> int:

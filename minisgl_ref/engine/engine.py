@@ -287,7 +287,11 @@ class Engine:
                 continue
             if logprobs is not None and req.logprobs is not None:
                 req.logprobs.output.append(logprobs(i, req.logprobs.top))
-            delta = self._append(launched, i, token)
+            delta = ""
+            for appended in self.extensions.row_tokens(launched, i, token) if row.guess else (token,):
+                delta += self._append(launched, i, appended)  # a row that fed a guess may append several
+                if req.finished:
+                    break  # a stop inside a run of accepted tokens: the rest is dropped
             if req.finished:
                 self.scheduler.finish(req)
             events.append(StepEvent(req, delta, req.finished))
@@ -326,7 +330,7 @@ class Engine:
         (two rows of this step computing the same new prefix) are written by this step, so their frees wait
         until it has been processed."""
         for row in batch.rows:
-            if not row.is_decode:
+            if not row.is_decode and row.guess is None:  # a guess's KV enters the tree only once it is accepted
                 self.cache.commit(row.req)
 
     def _record_prompt_logprobs(self, batch: ScheduledBatch, plan: PromptLogprobPlan, computed: StepLogprobs) -> None:

@@ -13,7 +13,8 @@ One engine's step in order, with its hooks::
     add_request:  check (may refuse the request) -> admit
     step:         before_step -> schedule (ready: may a waiting request be admitted now?)
                   -> forward pass -> logits_processor (mask the logits) -> sample -> ...
-    processing:   for each emitting row: before_token (may refuse the token) -> append -> after_token
+    processing:   for each emitting row: [row_tokens, for a row that fed a guess: the tokens it appends]
+                  -> for each token: before_token (may refuse the token) -> append -> after_token
                   -> after_step
 
 **Only what overrides is called.** :class:`Extensions` keeps, for each hook, the extensions that override it,
@@ -35,7 +36,9 @@ import torch
 from minisgl_ref.core.batch import ScheduledBatch
 from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.core.request import Req
+from minisgl_ref.engine.model_runner import ModelRunner
 from minisgl_ref.engine.step import Launched, StepEvent
+from minisgl_ref.kvcache.pool import KVPool
 from minisgl_ref.sampling.params import EXTENSION_FIELDS
 from minisgl_ref.scheduler.scheduler import Scheduler
 
@@ -44,11 +47,15 @@ LogitsProcessor = Callable[[torch.Tensor], None]
 
 class EngineView(Protocol):
     """What an extension may see of its engine: the settings, the scheduler (its queues, ``abort``,
-    ``extend_next``) and the step in flight."""
+    ``extend_next``, ``guesser``), the step in flight, the model runner (its ``token_buffer``: an extension
+    that appends tokens no step sampled puts the last one there, where the next decode row reads its input) and
+    the KV pool (whose ``move`` puts KV computed in one slot into another)."""
 
     config: EngineConfig
     scheduler: Scheduler
     inflight: Launched | None
+    runner: ModelRunner
+    kv_pool: KVPool
 
 
 class EngineExtension:
@@ -110,6 +117,17 @@ class EngineExtension:
         calling it."""
         return True
 
+    def row_tokens(self, launched: Launched, i: int, token: int) -> list[int] | None:
+        """The tokens row ``i`` of ``launched`` appends, for a row that fed a guess (``Row.guess``), or None.
+
+        Asked only for such rows (speculative decoding, chapter 13, makes them), as the step is processed and
+        before anything of the row is appended: ``token``, sampled after the row's last guessed token, is only
+        right if the whole guess was. The extension that made the guess checks it against the row's logits
+        (``launched.output.row_logits``) and returns what to append, in order; each token then goes through the
+        token hooks and the request's stop rules, and a token that ends the request drops the rest. The first
+        extension that answers decides; if none does, ``token`` is appended."""
+        return None
+
     def before_token(self, launched: Launched, i: int, token: int) -> str | None:
         """A reason to refuse the ``token`` that row ``i`` of ``launched`` sampled, or None.
 
@@ -133,7 +151,8 @@ class EngineExtension:
 
 
 E = TypeVar("E", bound=EngineExtension)
-HOOKS = ("check", "admit", "ready", "before_step", "logits_processor", "before_token", "after_token", "after_step")
+HOOKS = ("check", "admit", "ready", "before_step", "logits_processor", "row_tokens", "before_token", "after_token",
+         "after_step")
 
 
 def overrides(extension: EngineExtension, hook: str) -> bool:
@@ -218,6 +237,14 @@ class Extensions:
         watching = [e for e in self._hooks["before_token"] + self._hooks["after_token"] if e.watches_tokens()]
         self._before_token = [e.before_token for e in self._hooks["before_token"] if e in watching]
         self._after_token = [e.after_token for e in self._hooks["after_token"] if e in watching]
+
+    def row_tokens(self, launched: Launched, i: int, token: int) -> list[int]:
+        """The tokens a row that fed a guess appends: the first extension's answer, else the sampled ``token``."""
+        for e in self._hooks["row_tokens"]:
+            tokens = e.row_tokens(launched, i, token)
+            if tokens is not None:
+                return tokens
+        return [token]
 
     def before_token(self, launched: Launched, i: int, token: int) -> str | None:
         """The first extension's reason to refuse the token, or None (once per appended token: a plain loop)."""

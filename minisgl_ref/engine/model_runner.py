@@ -41,6 +41,7 @@ from minisgl_ref.core.batch import ScheduledBatch
 from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
 from minisgl_ref.engine.attention_planner import AttentionPlanner
 from minisgl_ref.engine.graphs import GraphRunner, GraphSettings, capture_graphs
+from minisgl_ref.engine.guess_rows import prepare_with_guesses, split_row_logits
 from minisgl_ref.engine.prompt_logprobs import PromptLogprobPlan, compute_prompt_logprobs
 from minisgl_ref.engine.sampling_state import SamplingState
 from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
@@ -63,6 +64,9 @@ class StepOutput:
     # On a GPU, a copy of the tokens in pinned host memory, and the event that marks the end of that copy.
     host_tokens: torch.Tensor | None = None
     copy_done: torch.cuda.Event | None = None
+    # The logits [M, V] at every position of the rows that feed a guess (chapter 13), row after row, in the
+    # model's dtype on the device; None when no row does.
+    row_logits: torch.Tensor | None = None
 
     def tokens(self) -> list[int]:
         """The sampled tokens on the host: the one wait for the device per step.
@@ -237,8 +241,9 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, StepLogprobs | None]:
         """Logits [B, V] (in the model's dtype) of each request's last new token: a CUDA-graph replay when one
         takes the step. With a ``prompt_plan`` (extend steps only), also the log probabilities of the prompt
-        tokens it names (no graph computes those)."""
-        if prompt_plan is None:
+        tokens it names; with ``fb.extra_logit_indices``, the logits there follow the B rows (no graph computes
+        either)."""
+        if prompt_plan is None and fb.extra_logit_indices is None:
             for graphs in self.graph_runners:
                 if graphs.can_run(fb):
                     return graphs.replay(fb), None
@@ -246,7 +251,8 @@ class ModelRunner:
         hidden = self.model(fb.input_ids, fb.positions, fb)
         logprobs = compute_prompt_logprobs(self.model, hidden, prompt_plan, self.device) if prompt_plan else None
         if not fb.mode.is_decode:
-            hidden = hidden[fb.last_token_indices]
+            extra = fb.extra_logit_indices
+            hidden = hidden[fb.last_token_indices if extra is None else torch.cat([fb.last_token_indices, extra])]
         return self.model.compute_logits(hidden), logprobs
 
     @torch.inference_mode()
@@ -256,11 +262,12 @@ class ModelRunner:
         ``before_sampling`` (a step with constrained rows, chapter 12) is called with the logits [B, V] after the
         forward pass has been launched and before sampling: it may wait for the previous step's tokens and mask
         the logits in place."""
-        fb = self.pad_extend(self.prepare(batch))
+        fb = self.pad_extend(prepare_with_guesses(self.prepare, batch))  # rows with a guess: chapter 13
         rows = fb.req_pool_indices[: len(batch.rows)]  # the real rows (an extend step may end with a padding row)
         self.planner.plan(batch, fb)  # which attention backend (and so which graphs) this step runs on
         plan = PromptLogprobPlan.of(batch) if not batch.is_decode else None
         logits, prompt_logprobs = self.forward(fb, plan)
+        logits, row_logits = split_row_logits(logits, fb)  # the rows' last tokens', and a guess's every one
         info = self.sampling.info(batch)
         if before_sampling is not None:
             before_sampling(logits)
@@ -284,7 +291,7 @@ class ModelRunner:
             copy_done = torch.cuda.Event()
             copy_done.record()
         prompt = (plan, prompt_logprobs) if plan is not None and prompt_logprobs is not None else None
-        return StepOutput(fb, next_tokens, logprobs, prompt, host_tokens, copy_done)
+        return StepOutput(fb, next_tokens, logprobs, prompt, host_tokens, copy_done, row_logits)
 
 
 def _to_pinned_host(t: torch.Tensor) -> torch.Tensor:

@@ -40,3 +40,13 @@ class KVPool:
         copy of whole rows instead of PyTorch's general indexing, which took ~4x the bandwidth's time on the
         prompts of a prefill step."""
         KERNELS.store_kv(self.k[layer_id], self.v[layer_id], slots, k, v)
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the keys and values of slots ``src`` [N] into slots ``dst`` [N], in every layer.
+
+        For KV that was computed in one place and belongs in another: a tree of guessed tokens (chapter 13) is
+        computed in slot order, and the accepted path's tokens must end up at their positions' slots. The
+        sources are read before anything is written, so the two may overlap."""
+        for k, v in zip(self.k, self.v):
+            k[dst] = k[src]
+            v[dst] = v[src]

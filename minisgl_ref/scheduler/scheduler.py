@@ -8,6 +8,12 @@ The scheduler owns three groups of requests:
 * ``extending``: running requests whose output grew by more than one token without a decode step (jump-forward
   decoding, chapter 12): they hold KV, and their next row is an extend row over the new tokens.
 
+A running request may have its decode row widened into a row that also feeds a guess, tokens proposed for after
+its last one, which the step checks (``Row.guess``: speculative decoding, chapter 13, sets the ``guesser``; by
+default there is none and nothing changes). Such a row's request cannot be planned again until the step has been
+processed, since only then is its length known: while one is in flight, :meth:`Scheduler.schedule` answers
+``NEED_SYNC``.
+
 A waiting request that is not ``ready`` (a test the engine hands over from its extensions: in chapter 12, a request
 whose grammar is still compiling) keeps its place in the queue but is not admitted yet.
 
@@ -31,8 +37,9 @@ import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from minisgl_ref.core.batch import Row, ScheduledBatch
+from minisgl_ref.core.batch import Guess, Row, ScheduledBatch
 from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.core.request import Req
 from minisgl_ref.kvcache.allocator import OutOfPages
@@ -81,6 +88,21 @@ class NeedSync:
 NEED_SYNC = NeedSync()
 
 
+class Guesser(Protocol):
+    """Who proposes guesses for running requests' rows (speculative decoding, chapter 13, plugs one in as
+    ``Scheduler.guesser``). Asked while a step is scheduled, after its decode rows have their KV."""
+
+    def active(self, running: list[Req]) -> bool:
+        """Whether this step may carry guesses at all. While one is in flight the scheduler asks for that step to
+        be processed first (``NEED_SYNC``): a guess follows a request's last token, which must be known."""
+        ...
+
+    def guesses(self, reqs: list[Req], room: list[int]) -> list[Guess | None]:
+        """A guess (or None) for each of ``reqs``, whose tokens are all known on the host; ``room[i]`` is the most
+        tokens ``reqs[i]``'s guess may hold (its output limit and context window leave no room for more)."""
+        ...
+
+
 @dataclass
 class PrefillAdder:
     """What one prefill step still has room for while requests are admitted one by one (chapter 05)."""
@@ -102,6 +124,8 @@ class Scheduler:
         self.cache = cache
         # May this waiting request be admitted now? None: every one may (the engine sets it from its extensions).
         self.ready = ready
+        # Who widens decode rows into rows that feed a guess (chapter 13); None: plain decode rows.
+        self.guesser: Guesser | None = None
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None
@@ -214,6 +238,8 @@ class Scheduler:
     # --------------------------------------------------------------------------------------------- schedule
 
     def schedule(self) -> ScheduledBatch | NeedSync | None:
+        if self.guesser is not None and self._settle_first(self.guesser):
+            return NEED_SYNC
         # Requests that will certainly finish by length once their in-flight token lands need no further step.
         decodable = [r for r in self.running if len(r.output_ids) + r.num_inflight < r.params.max_new_tokens]
         rows = self._schedule_prefill()
@@ -223,11 +249,13 @@ class Scheduler:
             # request for a step otherwise); a real prefill step takes them only with mixed chunks, as before.
             if (self.config.enable_mixed_chunk or not rows) and decodable:
                 self._add_decode_rows(rows, decodable, allow_retract=False)
+                self._add_guesses(rows)
             return ScheduledBatch(extend + rows)
         if not decodable:
             return None
         if self._add_decode_rows(rows, decodable, allow_retract=True) is NEED_SYNC:
             return NEED_SYNC
+        self._add_guesses(rows)
         self.new_token_ratio = max(self.config.min_new_token_ratio,
                                    self.new_token_ratio - self.config.new_token_ratio_decay)
         return ScheduledBatch(rows) if rows else None
@@ -254,6 +282,48 @@ class Scheduler:
             self.running.append(req)
             self._add_row(rows, req, n, decode=False, emits=True)
         return rows
+
+    def _settle_first(self, guesser: Guesser) -> bool:
+        """Must the step in flight be processed before this one is planned (chapter 13)? Yes if it holds a row
+        that fed a guess, whose request's length is unknown until then: such a request's scheduled KV runs past
+        its known tokens (at any other time it never does, overlap or not). Yes too if this step may carry
+        guesses: a guess needs its request's last token, which a row in flight is still computing. The cost is
+        overlap itself (chapter 06): while speculation is on, the host schedules and processes with the device
+        idle, as without overlap."""
+        if not self.cache.frees.in_flight:
+            return False
+        return (any(r.kv_scheduled_len > len(r.input_ids) + len(r.output_ids) for r in self.running)
+                or guesser.active(self.running))
+
+    def _add_guesses(self, rows: list[Row]) -> None:
+        """Widen decode rows into rows that also feed the guesser's guesses (chapter 13).
+
+        Only a decode row whose request has no other token in flight qualifies (its last token is known on the
+        host). A guess takes KV slots like extend tokens and counts against the step's token budget
+        (``max_prefill_tokens``); one that does not fit is dropped and its request just decodes this step."""
+        guesser = self.guesser
+        if guesser is None or not guesser.active(self.running):
+            return
+        plain = [row for row in rows if row.is_decode and row.req.num_inflight == 1]
+        if not plain:
+            return
+        budget = self.config.max_prefill_tokens - sum(row.extend_len for row in rows)
+        room = [self._future_tokens(row.req) for row in plain]
+        for row, limit, guess in zip(plain, room, guesser.guesses([row.req for row in plain], room)):
+            n = len(guess.tokens) if guess is not None else 0
+            if n == 0 or n > min(limit, budget):
+                continue
+            req = row.req
+            if self.cache.allocator.pages_needed(req.kv_allocated_len, n) * self.cache.page_size \
+                    > self.cache.available_tokens:
+                continue
+            try:
+                self.cache.alloc(req, n)
+            except OutOfPages:
+                continue
+            row.extend_len, row.is_decode, row.guess = 1 + n, False, guess
+            req.kv_scheduled_len += n
+            budget -= n
 
     def _future_tokens(self, req: Req) -> int:
         """The most KV slots ``req`` can still need for its output: its remaining ``max_new_tokens``, but never

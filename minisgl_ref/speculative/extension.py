@@ -1,0 +1,344 @@
+"""Speculative decoding as an engine extension: draft, verify in the target's step, keep what it agrees with
+(chapter 13).
+
+:class:`SpeculativeExtension` owns a proposer (:mod:`~minisgl_ref.speculative.proposer`) and plugs into two seams
+of the core, neither of which knows what speculation is:
+
+* **the scheduler's guesser** (``Scheduler.guesser``). While a step is planned, the decode rows of the running
+  requests it may draft for are widened into verify rows: the request's last token followed by the draft
+  (``Row.guess``), with KV slots for every drafted token, allocated like extend tokens. A verify row is an
+  ordinary causal extend row when the draft is a chain; the model runner computes the logits at all of its
+  positions (``StepOutput.row_logits``).
+* **the engine's ``row_tokens`` hook**. As the step is processed, the draft is checked against those logits
+  (:func:`_accept_greedy`, the one place the acceptance rule is called), the KV of the rejected tokens is given
+  back and the request's scheduled length rewound to the accepted ones; the tokens to append, the accepted drafts
+  and the target's bonus token after them, go through the request's ordinary append path one by one, so stop
+  tokens, stop strings, ``max_new_tokens`` and the detokenizer apply per token and a stop inside the run drops the
+  rest. Only then can the KV of accepted tokens reach the radix cache (a verify row is never committed at
+  launch).
+
+**What it costs.** A verify row's request has an unknown length until its step is processed, and a draft needs
+the request's last token: while speculation is on, the scheduler asks for the step in flight to be processed
+before the next is planned (``NEED_SYNC``), so overlap scheduling (chapter 06) is off for those steps and the
+host's scheduling and processing are no longer hidden behind the device. That is why speculation turns itself
+down: above ``max_batch`` running requests (decode is bound by arithmetic there, and verifying extra tokens
+costs what it saves) it pauses entirely and overlap comes back, and a request whose drafts are mostly rejected
+drafts fewer tokens, then none for a while.
+
+**Which requests draft.** Greedy ones (``temperature=0`` or ``top_k=1``) without penalties, log probabilities
+or a grammar: for them the target's choice at every drafted position is an argmax that the step's logits decide
+alone. The others run as before, without drafts, in the same batches (the lossless rejection-sampling rule of
+:mod:`~minisgl_ref.speculative.accept` extends drafting to them).
+
+**Trees.** A draft tree (several guesses at one depth) needs an attention mask that lets each node see only its
+ancestors. Until the engine's attention backend takes one (``tree_mask=True``), a tree is cut to its longest
+chain (the path to its first deepest node) before it is verified: never verified under a causal mask, which would
+let siblings see each other. When a tree is verified, the accepted path's KV is moved from the nodes' slots to
+the slots of its positions (``KVPool.move``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from minisgl_ref.core.batch import Guess, Row
+from minisgl_ref.core.request import Req
+from minisgl_ref.engine.extension import EngineExtension, EngineView
+from minisgl_ref.engine.step import Launched, StepEvent
+from minisgl_ref.sampling.params import SamplingParams
+from minisgl_ref.speculative.config import SpeculativeConfig
+
+from minisgl_ref.speculative.tree import DraftTree
+
+if TYPE_CHECKING:  # the proposers' interface: start, extend, propose, finish
+    from minisgl_ref.speculative.proposer import Proposer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DraftGuess(Guess):
+    """The core's :class:`~minisgl_ref.core.batch.Guess` of a verify row, with the draft tree it was made from."""
+
+    tree: DraftTree = field(default_factory=lambda: DraftTree((), ()))
+
+    @classmethod
+    def of(cls, tree: DraftTree) -> DraftGuess:
+        return cls(tree.tokens, tuple(tree.depths()), tree)
+
+
+@dataclass
+class SpecStats:
+    """One request's speculation, as SGLang reports it in ``meta_info``: verify rows, draft tokens proposed and
+    accepted, and tokens appended by verify rows (accepted drafts plus one bonus token each)."""
+
+    verify_ct: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    appended_tokens: int = 0
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens appended per verify row (1.0: no draft token was ever accepted)."""
+        return self.appended_tokens / self.verify_ct if self.verify_ct else 0.0
+
+
+@dataclass
+class _Drafting:
+    """What the extension keeps per request: how many of its tokens the proposer has seen, its recent accept
+    rate (accepted / drafted, a moving average), and steps left before it may draft again."""
+
+    seen: int
+    rate: float = 1.0
+    cooldown: int = 0
+
+
+def is_chain(tree: DraftTree) -> bool:
+    return all(p == i - 1 for i, p in enumerate(tree.parents))
+
+
+def longest_chain(tree: DraftTree) -> DraftTree:
+    """The path from the root to ``tree``'s first deepest node, as a chain (with its nodes' proposal rows)."""
+    depths = tree.depths()
+    node = depths.index(max(depths))
+    path: list[int] = []
+    while node >= 0:
+        path.append(node)
+        node = tree.parents[node]
+    path.reverse()
+    probs = tree.probs[path] if tree.probs is not None else None
+    return DraftTree.chain([tree.tokens[i] for i in path], probs)
+
+
+def first_nodes(tree: DraftTree, n: int) -> DraftTree:
+    """``tree``'s first ``n`` nodes (a tree again: parents come before their children)."""
+    if len(tree) <= n:
+        return tree
+    probs = tree.probs[:n] if tree.probs is not None else None
+    return DraftTree(tree.tokens[:n], tree.parents[:n], probs)
+
+
+def may_draft(params: SamplingParams, req: Req) -> bool:
+    """Whether greedy verification reproduces exactly what ``req`` would decode on its own: a greedy request
+    without penalties (which would depend on the drafted tokens), log probabilities or a grammar."""
+    return (params.is_greedy and not req.return_logprob and params.grammar_field is None
+            and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
+            and params.presence_penalty == 0.0)
+
+
+def _accept_greedy(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, output_ids: list[int],
+                   eos_token_ids: frozenset[int]) -> tuple[list[int], list[int]]:
+    """Greedy verification of ``tree`` against the verify row's ``logits`` [n + 1, vocab] (offset 0: the root):
+    ``(accepted nodes, tokens to append)``, the nodes a path from the root and the tokens their tokens followed by
+    the bonus token (one more than the nodes).
+
+    Offset ``j``'s logits are processed as the sampler would process them for that token: the ``logit_bias``,
+    and the stop tokens banned while the output (``output_ids`` plus the drafts above ``j``) is shorter than
+    ``min_new_tokens``. Then the walk: from the root, the child whose token is the argmax of its parent's offset
+    (ties to the lowest id, as torch's argmax) is accepted, and the first argmax no child matches is the bonus."""
+    scores = logits.float()
+    if params.logit_bias or params.min_new_tokens > len(output_ids):
+        scores = scores.clone()  # a copy to change (the step's logits are inference tensors, and stay as they are)
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=scores.device)
+        scores[:, ids] += torch.tensor(list(params.logit_bias.values()), device=scores.device)
+    if params.min_new_tokens > len(output_ids):
+        stops = torch.tensor(sorted(set(eos_token_ids) | set(params.stop_token_ids or ())), dtype=torch.int64)
+        for j, depth in enumerate([0, *tree.depths()]):
+            if len(output_ids) + depth < params.min_new_tokens and len(stops):
+                scores[j, stops.to(scores.device)] = float("-inf")
+    targets = scores.argmax(dim=-1).tolist()
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(tree.parents):
+        children.setdefault(parent, []).append(i)
+    node, nodes, tokens = -1, [], []
+    while True:
+        want = targets[node + 1]
+        tokens.append(want)
+        node = next((c for c in children.get(node, ()) if tree.tokens[c] == want), -2)
+        if node == -2:
+            return nodes, tokens
+        nodes.append(node)
+
+
+class SpeculativeExtension(EngineExtension):
+    """Speculative decoding for one engine (see the module docstring). ``proposer`` drafts; ``config`` holds the
+    knobs; ``tree_mask``: whether the engine's attention backend verifies trees under a tree mask (False: trees
+    are cut to their longest chain)."""
+
+    def __init__(self, proposer: Proposer, config: SpeculativeConfig, *, tree_mask: bool = False) -> None:
+        self.proposer = proposer
+        self.config = config
+        self.tree_mask = tree_mask
+        self._engine: EngineView | None = None
+        self._drafting: dict[Req, _Drafting] = {}
+        self.stats: dict[str, SpecStats] = {}  #: per rid, kept after the request ends (the server reads it once)
+        self.verify_ct = 0  #: verify rows processed, all requests
+        self.appended_tokens = 0  #: tokens those rows appended
+        self._offsets: tuple[Launched | None, dict[int, int]] = (None, {})
+        self._publish: list[Req] = []  # requests that appended tokens no step sampled: their last goes to the device
+
+    def bind(self, engine: EngineView) -> None:
+        self._engine = engine
+        engine.scheduler.guesser = self
+
+    @property
+    def engine(self) -> EngineView:
+        assert self._engine is not None, "SpeculativeExtension is used by an engine, which binds it first"
+        return self._engine
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens appended per verify row, over every request so far (what ``/metrics`` shows)."""
+        return self.appended_tokens / self.verify_ct if self.verify_ct else 0.0
+
+    def pop_stats(self, rid: str) -> SpecStats | None:
+        """``rid``'s speculation figures, forgotten once read (a finished request's last report)."""
+        return self.stats.pop(rid, None)
+
+    # ------------------------------------------------------------------------------------------ the guesser
+
+    def _may_draft(self, req: Req) -> bool:
+        state = self._drafting.get(req)
+        return (state is None or state.cooldown == 0) and may_draft(req.params, req)
+
+    def active(self, running: list[Req]) -> bool:
+        return len(running) <= self.config.max_batch and any(self._may_draft(r) for r in running)
+
+    def guesses(self, reqs: list[Req], room: list[int]) -> list[Guess | None]:
+        out: list[Guess | None] = [None] * len(reqs)
+        asked: list[tuple[int, Req, int]] = []  # (index, request, most draft tokens)
+        for i, (req, limit) in enumerate(zip(reqs, room)):
+            if not self._may_draft(req):
+                continue
+            n = min(limit, self._draft_len(self._sync(req)))
+            if n >= 1:
+                asked.append((i, req, n))
+        if not asked:
+            return out
+        trees = self.proposer.propose([req.rid for _, req, _ in asked], max(n for _, _, n in asked))
+        for (i, _, n), tree in zip(asked, trees):
+            if tree is None or len(tree) == 0:
+                continue
+            tree = first_nodes(tree, n)
+            if not self.tree_mask and not is_chain(tree):
+                tree = longest_chain(tree)  # never verified under a causal mask: siblings would see each other
+            out[i] = DraftGuess.of(tree)
+        return out
+
+    def _sync(self, req: Req) -> _Drafting:
+        """Tell the proposer the tokens ``req`` appended since it last saw it (every token, verified or decoded
+        plainly), starting it on its first draft."""
+        state = self._drafting.get(req)
+        ids = req.all_ids
+        if state is None:
+            self.proposer.start(req.rid, ids)
+            state = self._drafting[req] = _Drafting(len(ids))
+        elif state.seen < len(ids):
+            self.proposer.extend(req.rid, ids[state.seen:])
+            state.seen = len(ids)
+        return state
+
+    def _draft_len(self, state: _Drafting) -> int:
+        """How many draft tokens the request gets: all that a verify row holds while half or more of its recent
+        drafts were accepted, proportionally fewer below that (at least one)."""
+        most = self.config.draft_tokens - 1
+        return most if state.rate >= 0.5 else max(1, int(most * 2 * state.rate))
+
+    # ---------------------------------------------------------------------------------------- verification
+
+    def row_tokens(self, launched: Launched, i: int, token: int) -> list[int] | None:
+        row = launched.batch.rows[i]
+        guess = row.guess
+        if not isinstance(guess, DraftGuess):
+            return None  # somebody else's guess
+        req = row.req
+        try:
+            logits = self._logits_of(launched, i)
+            nodes, tokens = _accept_greedy(guess.tree, logits, req.params, req.output_ids, req.eos_token_ids)
+            self._keep_accepted_kv(row, guess, nodes)
+        except Exception as e:  # noqa: BLE001 - one request's failure must not end the engine
+            log.exception("verifying the draft of request %s failed", req.rid)
+            req.abort(f"this request failed while verifying its draft: {type(e).__name__}: {e}")
+            return []
+        self._count(req, len(guess.tokens), len(nodes), len(tokens))
+        self._publish.append(req)
+        return tokens
+
+    def _logits_of(self, launched: Launched, i: int) -> torch.Tensor:
+        """Row ``i``'s verify logits [n + 1, vocab]: its last known token's offset and its draft's."""
+        if self._offsets[0] is not launched:
+            starts, start = {}, 0
+            for j, row in enumerate(launched.batch.rows):
+                if row.guess is not None:
+                    starts[j] = start
+                    start += row.extend_len
+            self._offsets = (launched, starts)
+        row = launched.batch.rows[i]
+        assert row.guess is not None and launched.output.row_logits is not None
+        end = self._offsets[1][i] + row.extend_len
+        return launched.output.row_logits[end - len(row.guess.tokens) - 1 : end]
+
+    def _keep_accepted_kv(self, row: Row, guess: Guess, nodes: list[int]) -> None:
+        """Keep the KV of the row's root and accepted nodes, at the slots of positions root + 1 .. root + k, and
+        give back the rest: the request's scheduled and allocated lengths end after the accepted tokens, and the
+        whole pages past them are freed (through the in-flight frees, like every free). A path through a tree
+        whose nodes are not the first k has its KV moved there first."""
+        req, cache = row.req, self.engine.scheduler.cache
+        assert req.req_pool_idx is not None
+        root = row.prefix_len + row.extend_len - len(guess.tokens) - 1
+        k = len(nodes)
+        if nodes != list(range(k)):
+            slots = cache.req_to_token.read(req.req_pool_idx, root + 1 + len(guess.tokens), start=root + 1)
+            device = self.engine.kv_pool.k[0].device
+            self.engine.kv_pool.move(slots[nodes].to(device), slots[:k].to(device))
+        keep = root + 1 + k
+        first_free = -(-keep // cache.page_size) * cache.page_size  # the first page holding no kept token
+        if first_free < req.kv_allocated_len:
+            cache.frees.free(cache.req_to_token.read(req.req_pool_idx, req.kv_allocated_len, start=first_free))
+        req.kv_scheduled_len = req.kv_allocated_len = keep
+
+    def _count(self, req: Req, drafted: int, accepted: int, appended: int) -> None:
+        stats = self.stats.setdefault(req.rid, SpecStats())
+        stats.verify_ct += 1
+        stats.draft_tokens += drafted
+        stats.accepted_tokens += accepted
+        stats.appended_tokens += appended
+        self.verify_ct += 1
+        self.appended_tokens += appended
+        state = self._drafting.get(req)
+        if state is not None:
+            decay = self.config.rate_decay
+            state.rate = (1 - decay) * state.rate + decay * (accepted / drafted)
+            if state.rate < self.config.min_accept_rate:
+                state.cooldown = self.config.cooldown_steps
+                state.rate = self.config.min_accept_rate  # after the pause: one token, and growing if accepted
+
+    # ------------------------------------------------------------------------------------------- the loop
+
+    def before_step(self) -> None:
+        for req in [r for r in self._drafting if r.finished]:
+            self._forget(req)
+        for state in self._drafting.values():
+            state.cooldown = max(0, state.cooldown - 1)
+
+    def after_step(self, launched: Launched, events: list[StepEvent]) -> None:
+        """The verified requests that go on read their next decode input from the device's token buffer, which
+        holds what the step sampled after the last drafted token: put the last appended token there."""
+        publish, self._publish = [r for r in self._publish if not r.finished], []
+        if publish:
+            runner = self.engine.runner
+            rows = torch.tensor([r.req_pool_idx for r in publish])
+            last = torch.tensor([r.output_ids[-1] for r in publish], dtype=runner.token_buffer.dtype)
+            runner.token_buffer[rows.to(runner.device)] = last.to(runner.device)
+        for event in events:
+            if event.finished:
+                self._forget(event.req)
+
+    def _forget(self, req: Req) -> None:
+        if self._drafting.pop(req, None) is not None:
+            self.proposer.finish(req.rid)

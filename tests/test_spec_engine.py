@@ -1,0 +1,278 @@
+"""Speculative decoding inside the engine (chapter 13): verify rows, greedy acceptance, KV rollback.
+
+A scripted proposer (a test double) knows each request's true greedy continuation, computed by the chapter-00
+oracle, and proposes by a script: the right continuation, a wrong one, a partly right one, or trees whose right
+branch comes second. Whatever it proposes, a greedy request must produce exactly the oracle's tokens, text and
+finish reason, and afterwards the engine must be idle: no KV slot or request slot leaked, nothing pinned, and the
+radix cache holding only tokens some request really produced.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from minisgl_ref import SamplingParams
+from minisgl_ref.core.batch import Guess
+from minisgl_ref.core.config import EngineConfig
+from minisgl_ref.engine.engine import Engine
+from minisgl_ref.kvcache.pool import KVPool
+from minisgl_ref.speculative.config import SpeculativeConfig
+from minisgl_ref.speculative.extension import (SpeculativeExtension, _accept_greedy, first_nodes, longest_chain)
+from minisgl_ref.speculative.tree import DraftTree
+from tests.engine_fixtures import (assert_matches_oracle, assert_pool_accounting, check_live_invariants,
+                                   make_reqs, oracle, smol_llm, tree_nodes)
+
+__all__ = ["smol_llm"]  # the fixture, imported for pytest
+
+TEXTS = ("The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5,")
+JUNK = 17  # what the script drafts past a request's true end: a stop inside a run must drop it
+
+
+class ScriptedProposer:
+    """Proposes from each request's known true sequence (``truth``: prompt + the oracle's output), by a script of
+    modes cycled per request: ``right`` (the true continuation), ``wrong`` (every token off by one), ``partial``
+    (the first half right), ``none``, ``tree_right_second`` (a wrong leaf first, the right chain as the second,
+    deeper, branch) and ``tree_wrong_deeper`` (the right token as a leaf, a deeper wrong branch second). It checks
+    that the engine tells it exactly the tokens the request appended."""
+
+    def __init__(self, truth: dict[str, list[int]], script: tuple[str, ...]) -> None:
+        self.truth, self.script = truth, script
+        self.known: dict[str, list[int]] = {}
+        self.modes: dict[str, itertools.cycle] = {}
+        self.finished: list[str] = []
+        self.proposed = 0
+
+    def start(self, rid, tokens):
+        self.known[rid] = list(tokens)
+        self.modes.setdefault(rid, itertools.cycle(self.script))
+
+    def extend(self, rid, tokens):
+        self.known[rid] += tokens
+        seq = self.truth[rid]
+        assert self.known[rid] == seq[: len(self.known[rid])], f"{rid}: the proposer was told a wrong token"
+
+    def propose(self, rids, max_tokens):
+        out = []
+        for rid in rids:
+            seq = self.truth[rid] + [JUNK] * max_tokens
+            known = self.known[rid]
+            assert known == seq[: len(known)], f"{rid}: drafting from a sequence that is not the request's"
+            right = seq[len(known) : len(known) + max_tokens]
+            wrong = [(t + 1) % 1000 for t in right]
+            mode = next(self.modes[rid])
+            self.proposed += mode != "none"
+            if mode == "right":
+                out.append(DraftTree.chain(right))
+            elif mode == "wrong":
+                out.append(DraftTree.chain(wrong))
+            elif mode == "partial":
+                half = max(1, len(right) // 2)
+                out.append(DraftTree.chain(right[:half] + wrong[half:]))
+            elif mode == "tree_right_second" and len(right) >= 2:
+                n = len(right)
+                out.append(DraftTree((wrong[0], *right[: n - 1]), (-1, -1, *range(1, n - 1))))
+            elif mode == "tree_wrong_deeper" and len(right) >= 2:
+                n = len(right)
+                out.append(DraftTree((right[0], *wrong[: n - 1]), (-1, -1, *range(1, n - 1))))
+            else:
+                out.append(None)
+        return out
+
+    def finish(self, rid):
+        self.finished.append(rid)
+
+
+def _prompts(llm):
+    return [llm.tokenizer.encode(t) for t in TEXTS]
+
+
+def _run(llm, prompts, params, expected, script=("right",), *, spec=None, tree_mask=False, **config):
+    """Run ``prompts`` on a fresh engine with a scripted proposer; check outputs and the idle state after."""
+    reqs = make_reqs(llm, prompts, params)  # the oracle's requests, seeds included
+    truth = {r.rid: r.input_ids + e.ids for r, e in zip(reqs, expected)}
+    proposer = ScriptedProposer(truth, script)
+    ext = SpeculativeExtension(proposer, spec or SpeculativeConfig("NGRAM", num_steps=4), tree_mask=tree_mask)
+    config = {"max_total_tokens": 1024, **config}
+    engine = Engine(llm.model, llm.config, EngineConfig(**config), device="cpu", context_length=llm.context_length,
+                    extensions=[ext])
+    for r in reqs:
+        engine.add_request(r)
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        check_live_invariants(engine)
+        steps += 1
+        assert steps < 500, "the engine did not finish"
+    assert_matches_oracle(reqs, expected)
+    assert_pool_accounting(engine)
+    assert not engine.scheduler.extending
+    if engine.cache.shares_prefixes:  # every cached path is a prefix of some request's real tokens
+        for node in tree_nodes(engine):
+            path = _path_tokens(node)
+            assert any(r.all_ids[: len(path)] == path for r in reqs), f"the radix cache holds {path}"
+    assert sorted(proposer.finished) == sorted({r.rid for r in reqs if r.rid in proposer.known})
+    return engine, ext, reqs
+
+
+def _path_tokens(node) -> list[int]:
+    keys = []
+    while node.parent is not None:
+        keys.append(list(node.key))
+        node = node.parent
+    return [t for key in reversed(keys) for t in key]
+
+
+def _greedy(n: int = 16, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_new_tokens=n, **kw)
+
+
+@pytest.fixture(scope="module")
+def workload(smol_llm):
+    prompts = _prompts(smol_llm)
+    params = [_greedy(16), _greedy(12), _greedy(16)]
+    return prompts, params, oracle(smol_llm, prompts, params)
+
+
+@pytest.mark.parametrize(("script", "config"), [
+    (("right",), {}),
+    (("right",), {"disable_overlap_schedule": True}),
+    (("wrong", "partial"), {"page_size": 4}),
+    (("partial", "right", "none"), {"disable_radix_cache": True, "disable_overlap_schedule": True}),
+    (("tree_right_second", "tree_wrong_deeper"), {"page_size": 4, "disable_overlap_schedule": True}),
+    (("right", "wrong"), {"chunked_prefill_size": 4, "max_prefill_tokens": 8}),
+])
+def test_greedy_output_is_the_oracle_s_whatever_the_drafts(smol_llm, workload, script, config):
+    prompts, params, expected = workload
+    engine, ext, reqs = _run(smol_llm, prompts, params, expected, script, **config)
+    assert ext.verify_ct > 0, "no draft was verified"
+    if script == ("right",):  # every draft right: about num_steps + 1 tokens per verify row
+        assert ext.accept_length > 2.5
+        assert engine.stats.steps < sum(len(e.ids) for e in expected)
+
+
+def test_drafted_and_undrafted_requests_share_steps(smol_llm, workload):
+    """A sampled request runs without drafts beside greedy ones that draft."""
+    prompts, _, _ = workload
+    params = [_greedy(12), SamplingParams(temperature=0.8, seed=5, max_new_tokens=10), _greedy(12)]
+    expected = oracle(smol_llm, prompts, params)
+    _, ext, reqs = _run(smol_llm, prompts, params, expected, ("right",))
+    assert reqs[1].rid not in ext.stats and reqs[0].rid in ext.stats
+
+
+def test_stops_inside_an_accepted_run(smol_llm):
+    """EOS, a stop token and a stop string inside a run of accepted drafts end the request there; the drafted
+    junk after them is dropped (the script drafts past each request's true end)."""
+    prompts = _prompts(smol_llm)
+    base = oracle(smol_llm, prompts, [_greedy(16)] * 3)
+    word = smol_llm.tokenizer.decode(base[0].ids[3:5]).strip()
+    params = [_greedy(16, stop=[word]), _greedy(16, stop_token_ids=[base[1].ids[4]]), _greedy(3)]
+    expected = oracle(smol_llm, prompts, params)
+    assert expected[0].kind == "stop" and expected[1].kind == "stop" and expected[2].kind == "length"
+    _run(smol_llm, prompts, params, expected, ("right",), spec=SpeculativeConfig("NGRAM", num_steps=6))
+
+
+def test_min_new_tokens_is_honoured_at_every_drafted_position(smol_llm):
+    prompts = _prompts(smol_llm)[:1]
+    base = oracle(smol_llm, prompts, [_greedy(16)])
+    params = [_greedy(16, stop_token_ids=[base[0].ids[1]], min_new_tokens=3)]
+    expected = oracle(smol_llm, prompts, params)
+    _run(smol_llm, prompts, params, expected, ("right",))
+
+
+def test_retraction_under_a_tiny_kv_pool(smol_llm, workload):
+    prompts, params, expected = workload
+    engine, _, _ = _run(smol_llm, prompts, params, expected, ("right", "partial"), max_total_tokens=48, init_new_token_ratio=0.1,
+                        page_size=4, disable_overlap_schedule=True)
+    assert engine.scheduler.num_retractions > 0
+
+
+def test_speculation_pauses_for_a_large_batch(smol_llm, workload):
+    prompts, params, expected = workload
+    spec = SpeculativeConfig("NGRAM", num_steps=4, max_batch=2)
+    _, ext, _ = _run(smol_llm, prompts, params, expected, ("right",), spec=spec)
+    assert ext.verify_ct > 0  # once a request finishes, the batch is small enough again
+
+
+def test_low_accept_rate_drafts_less_then_pauses(smol_llm, workload):
+    prompts, params, expected = workload
+    spec = SpeculativeConfig("NGRAM", num_steps=4, cooldown_steps=100)
+    _, ext, reqs = _run(smol_llm, prompts, params, expected, ("wrong",), spec=spec)
+    for r in reqs:
+        # The accept rate falls 1 -> 0.75 -> 0.56 -> 0.42 -> 0.32 -> 0.24 -> 0.18 (decay 0.25): 4 tokens while it
+        # is >= 0.5, then 3, 2, 1; below 0.2 the request pauses for longer than it has left to decode.
+        stats = ext.stats[r.rid]
+        assert (stats.verify_ct, stats.draft_tokens, stats.accepted_tokens) == (6, 4 + 4 + 4 + 3 + 2 + 1, 0)
+
+
+def test_the_core_runs_unchanged_without_the_extension(smol_llm, workload):
+    prompts, params, expected = workload
+    engine = Engine(smol_llm.model, smol_llm.config, EngineConfig(max_total_tokens=1024), device="cpu",
+                    context_length=smol_llm.context_length)
+    assert engine.scheduler.guesser is None
+    reqs = make_reqs(smol_llm, prompts, params)
+    for r in reqs:
+        engine.add_request(r)
+    launched = []
+    run = engine.runner.run
+    engine.runner.run = lambda batch, *a: launched.append(batch) or run(batch, *a)  # type: ignore[method-assign]
+    engine.run_until_done()
+    assert_matches_oracle(reqs, expected)
+    assert all(row.guess is None for b in launched for row in b.rows)
+    assert_pool_accounting(engine)
+
+
+# ------------------------------------------------------------------------------------------- the small parts
+
+
+def test_greedy_acceptance_walks_the_matching_path():
+    tree = DraftTree((5, 6, 7, 8), (-1, -1, 1, 2))  # root -> 5 | root -> 6 -> 7 -> 8
+    logits = torch.full((5, 10), -1.0)
+    for offset, best in enumerate([6, 0, 7, 9, 0]):  # after root: 6; after 6 (offset 2): 7; after 7: 9 (not 8)
+        logits[offset, best] = 1.0
+    nodes, tokens = _accept_greedy(tree, logits, _greedy(), [], frozenset())
+    assert nodes == [1, 2] and tokens == [6, 7, 9]
+
+
+def test_greedy_acceptance_bans_stops_before_min_new_tokens():
+    tree = DraftTree.chain([2, 3])
+    logits = torch.zeros(3, 10)
+    logits[:, 2] = 5.0  # EOS (2) is the favourite everywhere; 3 is second
+    logits[:, 3] = 4.0
+    nodes, tokens = _accept_greedy(tree, logits, _greedy(min_new_tokens=2), [], frozenset({2}))
+    assert nodes == [] and tokens == [3]  # EOS may not be the first output token, nor (offset 1) the second
+    nodes, tokens = _accept_greedy(DraftTree.chain([3, 2]), logits, _greedy(min_new_tokens=2), [], frozenset({2}))
+    assert nodes == [0] and tokens == [3, 3]
+    nodes, tokens = _accept_greedy(DraftTree.chain([3, 3]), logits, _greedy(min_new_tokens=2), [], frozenset({2}))
+    assert nodes == [0, 1] and tokens == [3, 3, 2]  # the third token may be EOS
+
+
+def test_trees_are_cut_to_their_longest_chain_and_trimmed():
+    tree = DraftTree((5, 6, 7, 8), (-1, -1, 1, 2))
+    assert longest_chain(tree) == DraftTree.chain([6, 7, 8])
+    assert first_nodes(tree, 2) == DraftTree((5, 6), (-1, -1))
+    assert Guess((6, 7, 8), (1, 2, 3)).is_chain and not Guess((5, 6), (1, 1)).is_chain
+
+
+def test_kv_pool_move_copies_every_layer():
+    pool = KVPool(2, 8, 1, 2, torch.float32)
+    for layer in range(2):
+        pool.k[layer][:, 0, 0] = torch.arange(8.0) + 10 * layer
+        pool.v[layer][:, 0, 0] = -torch.arange(8.0)
+    pool.move(torch.tensor([5, 6]), torch.tensor([3, 5]))  # overlapping: sources are read first
+    assert pool.k[1][:, 0, 0].tolist() == [10, 11, 12, 15, 14, 16, 16, 17]
+    assert pool.v[0][:, 0, 0].tolist() == [0, -1, -2, -5, -4, -6, -6, -7]
+
+
+@pytest.mark.parametrize(("kwargs", "fragment"), [
+    ({"algorithm": "EAGLE"}, "speculative_algorithm"),
+    ({"algorithm": "STANDALONE"}, "speculative_draft_model_path"),
+    ({"algorithm": "NGRAM", "num_draft_tokens": 1}, "speculative_num_draft_tokens"),
+    ({"algorithm": "NGRAM", "num_steps": 0}, "speculative_num_steps"),
+    ({"algorithm": "STANDALONE", "draft_model_path": "self:x"}, "self:K"),
+])
+def test_bad_settings_are_refused_by_name(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        SpeculativeConfig(**kwargs).self_draft_layers  # noqa: B018 - parsing self:K is part of the check
