@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from minisgl_ref.bench import offline as bench_offline
 from minisgl_ref.core.config import EngineConfig, ModelArgs, TPArgs, add_flags, from_flags
 from minisgl_ref.sampling.params import SamplingParams
+from minisgl_ref.speculative.config import SpeculativeConfig
 
 
 def add_model_and_engine_args(p: argparse.ArgumentParser) -> None:
@@ -29,6 +30,7 @@ def add_model_and_engine_args(p: argparse.ArgumentParser) -> None:
                    help="paged: the real engine; naive: the chapter-00 oracle (no KV cache)")
     add_flags(g, EngineConfig, chunked_prefill_size=None, enable_mixed_chunk=None)
     add_flags(p.add_argument_group("tensor parallelism (SGLang names, chapter 09)"), TPArgs)
+    add_flags(p.add_argument_group("speculative decoding (SGLang names, chapter 13)"), SpeculativeConfig)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, default_temperature: float) -> None:
@@ -105,8 +107,10 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    """The engine flags given, as ``LLM`` keyword arguments (a flag left at None takes the default)."""
-    return {k: v for k, v in vars(from_flags(EngineConfig, args)).items() if getattr(args, k, None) is not None}
+    """The engine flags given (speculative decoding's included), as ``LLM`` keyword arguments (a flag left at
+    None takes the default)."""
+    given = {**vars(from_flags(EngineConfig, args)), **vars(from_flags(SpeculativeConfig, args))}
+    return {k: v for k, v in given.items() if getattr(args, k, None) is not None}
 
 
 def _messages(system: str | None, turns: list[dict[str, str]]) -> list[dict[str, str]]:

@@ -23,6 +23,7 @@ from minisgl_ref.engine.engine import Engine
 from minisgl_ref.engine.naive import NaiveEngine
 from minisgl_ref.runtime import build_runtime
 from minisgl_ref.sampling.params import SamplingParams
+from minisgl_ref.speculative.config import SpeculativeConfig
 from minisgl_ref.tokenizer import IncrementalDetokenizer
 from minisgl_ref.tp.group import TPGroup
 
@@ -59,7 +60,8 @@ class LLM:
 
     ``engine="paged"`` (default) is the real engine of chapters 03-06, configured by SGLang-named keyword
     arguments (``max_running_requests``, ``chunked_prefill_size``, ``page_size``, ``disable_radix_cache``, ...,
-    see :class:`EngineConfig`); ``engine="naive"`` is the chapter-00 oracle that recomputes everything.
+    see :class:`EngineConfig`, and the ``speculative_*`` ones of chapter 13's :class:`SpeculativeConfig`:
+    ``speculative_algorithm="NGRAM"``, say); ``engine="naive"`` is the chapter-00 oracle that recomputes everything.
 
     ``tp_size=N`` (chapter 09) shards the model over N ranks: this process becomes rank 0 and starts ranks
     1..N-1 as child processes (one GPU each, or CPU processes talking through gloo), which follow it step by
@@ -89,7 +91,8 @@ class LLM:
                           device, context_length, skip_tokenizer_init)
         tp = TPArgs(tp_size, nnodes, node_rank, dist_init_addr)
         group = TPGroup.member(tp, tp_rank) if tp_rank is not None and tp.enabled else None  # started elsewhere
-        rt = build_runtime(model, EngineConfig(**engine_kwargs), tp, kind=engine, group=group)
+        speculative, engine_kwargs = SpeculativeConfig.split(engine_kwargs)  # chapter 13's speculative_* settings
+        rt = build_runtime(model, EngineConfig(**engine_kwargs), tp, kind=engine, group=group, speculative=speculative)
         self.runtime, self.engine_kind, self.tp_size, self.tp_rank = rt, engine, tp_size, rt.tp_rank
         self.model, self.config, self.model_path, self.device = rt.model, rt.model_config, rt.model_path, rt.device
         self.tokenizer, self.eos_token_ids, self.context_length = rt.tokenizer, rt.eos_token_ids, rt.context_length

@@ -31,6 +31,8 @@ from minisgl_ref.models.loader import load_model
 from minisgl_ref.perf import attention as perf_attention
 from minisgl_ref.perf import kernels as perf_kernels
 from minisgl_ref.perf import model_transforms
+from minisgl_ref.speculative.build import check_combination, speculative_extension
+from minisgl_ref.speculative.config import SpeculativeConfig
 from minisgl_ref.tokenizer import Tokenizer
 from minisgl_ref.tp.engine import TPEngine
 from minisgl_ref.tp.group import TPGroup
@@ -102,9 +104,11 @@ def engine_extensions(config: ModelConfig, tokenizer: Tokenizer | None,
 
 
 def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = None, tp: TPArgs = TPArgs(), *,
-                  kind: str = "paged", group: TPGroup | None = None) -> Runtime:
+                  kind: str = "paged", group: TPGroup | None = None,
+                  speculative: SpeculativeConfig = SpeculativeConfig()) -> Runtime:
     """Load ``model`` and build a ``kind`` engine (``paged``: the real engine of chapters 03-08; ``naive``: the
-    chapter-00 oracle) configured by ``engine``.
+    chapter-00 oracle) configured by ``engine``; with ``speculative`` enabled, the paged engine also drafts and
+    verifies (chapter 13: its extension and proposer are built here, after the target model).
 
     With ``tp.tp_size > 1`` this process becomes its node's first rank and starts the node's other ranks, which
     build the same runtime (:func:`follow_leader`); pass ``group`` instead when someone else starts the ranks
@@ -113,6 +117,7 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
         raise ValueError(f"engine must be 'paged' or 'naive', got {kind!r}")
     if (group is not None or tp.enabled) and kind != "paged":
         raise ValueError(f"tp_size={tp.tp_size} needs engine='paged' (the naive oracle runs on one device)")
+    check_combination(speculative, kind=kind, tp_enabled=group is not None or tp.enabled)
     if group is None and tp.enabled:
         group = TPGroup.launch(tp, follow_leader, (model, engine))  # checks the flags before it starts anything
     phases: dict[str, float] = {}
@@ -152,8 +157,12 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
                                             tokenizer=tokenizer, extensions=engine_extensions(config, tokenizer, eos),
                                             attention_planner=perf_attention.attention_planner)
         else:
-            built = Engine(net, config, engine, device=device, context_length=context,
-                           extensions=engine_extensions(config, tokenizer, eos),
+            extensions = engine_extensions(config, tokenizer, eos)
+            if speculative.enabled:  # chapter 13: drafts, verified in the engine's own steps
+                extensions.append(speculative_extension(speculative, net, config, device=device,
+                                                        engine=engine or EngineConfig(), context_length=context,
+                                                        dtype=model.dtype))
+            built = Engine(net, config, engine, device=device, context_length=context, extensions=extensions,
                            attention_planner=perf_attention.attention_planner)  # chapter 11's decode attention
         phase("engine (KV pool, CUDA graphs)")
     except BaseException as e:

@@ -94,7 +94,7 @@ def _run(llm, prompts, params, expected, script=("right",), *, spec=None, tree_m
     reqs = make_reqs(llm, prompts, params)  # the oracle's requests, seeds included
     truth = {r.rid: r.input_ids + e.ids for r, e in zip(reqs, expected)}
     proposer = ScriptedProposer(truth, script)
-    ext = SpeculativeExtension(proposer, spec or SpeculativeConfig("NGRAM", num_steps=4), tree_mask=tree_mask)
+    ext = SpeculativeExtension(proposer, spec or SpeculativeConfig("NGRAM"), tree_mask=tree_mask)
     config = {"max_total_tokens": 1024, **config}
     engine = Engine(llm.model, llm.config, EngineConfig(**config), device="cpu", context_length=llm.context_length,
                     extensions=[ext])
@@ -171,7 +171,7 @@ def test_stops_inside_an_accepted_run(smol_llm):
     params = [_greedy(16, stop=[word]), _greedy(16, stop_token_ids=[base[1].ids[4]]), _greedy(3)]
     expected = oracle(smol_llm, prompts, params)
     assert expected[0].kind == "stop" and expected[1].kind == "stop" and expected[2].kind == "length"
-    _run(smol_llm, prompts, params, expected, ("right",), spec=SpeculativeConfig("NGRAM", num_steps=6))
+    _run(smol_llm, prompts, params, expected, ("right",), spec=SpeculativeConfig("NGRAM", speculative_num_steps=6))
 
 
 def test_min_new_tokens_is_honoured_at_every_drafted_position(smol_llm):
@@ -184,21 +184,21 @@ def test_min_new_tokens_is_honoured_at_every_drafted_position(smol_llm):
 
 def test_retraction_under_a_tiny_kv_pool(smol_llm, workload):
     prompts, params, expected = workload
-    engine, _, _ = _run(smol_llm, prompts, params, expected, ("right", "partial"), max_total_tokens=48, init_new_token_ratio=0.1,
-                        page_size=4, disable_overlap_schedule=True)
+    engine, _, _ = _run(smol_llm, prompts, params, expected, ("right", "partial"), max_total_tokens=48,
+                        init_new_token_ratio=0.1, page_size=4, disable_overlap_schedule=True)
     assert engine.scheduler.num_retractions > 0
 
 
 def test_speculation_pauses_for_a_large_batch(smol_llm, workload):
     prompts, params, expected = workload
-    spec = SpeculativeConfig("NGRAM", num_steps=4, max_batch=2)
+    spec = SpeculativeConfig("NGRAM", speculative_max_batch=2)
     _, ext, _ = _run(smol_llm, prompts, params, expected, ("right",), spec=spec)
     assert ext.verify_ct > 0  # once a request finishes, the batch is small enough again
 
 
 def test_low_accept_rate_drafts_less_then_pauses(smol_llm, workload):
     prompts, params, expected = workload
-    spec = SpeculativeConfig("NGRAM", num_steps=4, cooldown_steps=100)
+    spec = SpeculativeConfig("NGRAM", speculative_cooldown_steps=100)
     _, ext, reqs = _run(smol_llm, prompts, params, expected, ("wrong",), spec=spec)
     for r in reqs:
         # The accept rate falls 1 -> 0.75 -> 0.56 -> 0.42 -> 0.32 -> 0.24 -> 0.18 (decay 0.25): 4 tokens while it
@@ -267,12 +267,101 @@ def test_kv_pool_move_copies_every_layer():
 
 
 @pytest.mark.parametrize(("kwargs", "fragment"), [
-    ({"algorithm": "EAGLE"}, "speculative_algorithm"),
-    ({"algorithm": "STANDALONE"}, "speculative_draft_model_path"),
-    ({"algorithm": "NGRAM", "num_draft_tokens": 1}, "speculative_num_draft_tokens"),
-    ({"algorithm": "NGRAM", "num_steps": 0}, "speculative_num_steps"),
-    ({"algorithm": "STANDALONE", "draft_model_path": "self:x"}, "self:K"),
+    ({"speculative_algorithm": "EAGLE"}, "speculative_algorithm"),
+    ({"speculative_algorithm": "STANDALONE"}, "speculative_draft_model_path"),
+    ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1}, "speculative_num_draft_tokens"),
+    ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 9}, "speculative_num_steps \\+ 1"),
+    ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 0}, "speculative_num_steps"),
+    ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "self:x"}, "self:K"),
 ])
 def test_bad_settings_are_refused_by_name(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         SpeculativeConfig(**kwargs).self_draft_layers  # noqa: B018 - parsing self:K is part of the check
+
+
+# ------------------------------------------------------------------------------------------- the front doors
+
+
+def test_flags_and_keyword_arguments_carry_sglang_names():
+    from minisgl_ref.cli import build_parser, engine_kwargs
+    from minisgl_ref.server.args import ServerArgs
+
+    flags = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "self:4",
+             "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "3"]
+    args = ServerArgs.from_cli(build_parser().parse_args(["serve", "--device", "cpu", *flags]))
+    assert args.speculative == SpeculativeConfig("STANDALONE", "self:4", speculative_num_steps=3,
+                                                 speculative_num_draft_tokens=3)
+    assert args.speculative.self_draft_layers == 4 and args.speculative.draft_tokens == 3
+    assert args.public_dict()["speculative_algorithm"] == "STANDALONE"
+    kwargs = engine_kwargs(build_parser().parse_args(["generate", "hi", *flags]))
+    spec, rest = SpeculativeConfig.split({**kwargs, "page_size": 4})
+    assert spec == args.speculative and rest["page_size"] == 4 and not any(k.startswith("spec") for k in rest)
+    with pytest.raises(ValueError, match="speculative_num_draft_tokens"):
+        ServerArgs.from_cli(build_parser().parse_args(
+            ["serve", "--device", "cpu", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "1"]))
+
+
+@pytest.mark.parametrize(("kind", "tp", "topk", "fragment"), [
+    ("naive", False, 1, "engine='paged'"),
+    ("paged", True, 1, "tp_size"),
+    ("paged", False, 2, "speculative_eagle_topk=2"),
+])
+def test_combinations_it_cannot_run_are_refused_by_name(kind, tp, topk, fragment):
+    from minisgl_ref.speculative.build import check_combination
+
+    with pytest.raises(ValueError, match=fragment):
+        check_combination(SpeculativeConfig("NGRAM", speculative_eagle_topk=topk), kind=kind, tp_enabled=tp)
+    check_combination(SpeculativeConfig(), kind=kind, tp_enabled=tp)  # off: anything goes
+
+
+def test_the_offline_llm_refuses_before_loading():
+    from minisgl_ref import LLM
+
+    with pytest.raises(ValueError, match="engine='paged'"):
+        LLM(engine="naive", speculative_algorithm="NGRAM")
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+def test_the_real_proposers_in_the_engine(smol_llm, algorithm):
+    """The n-gram proposer on a repetitive prompt, and the target's first 24 of 30 layers as its own draft (on
+    this prompt 16 layers draft nothing the target accepts, 20 about one token per verify, 24 all four)."""
+    pytest.importorskip("minisgl_ref.speculative.ngram" if algorithm == "NGRAM" else
+                        "minisgl_ref.speculative.draft_model")
+    from minisgl_ref.speculative.build import speculative_extension
+
+    prompts = [smol_llm.tokenizer.encode("1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2,"),
+               smol_llm.tokenizer.encode(TEXTS[0])]
+    params = [_greedy(16), _greedy(8)]
+    expected = oracle(smol_llm, prompts, params)
+    spec = SpeculativeConfig(algorithm, "self:24" if algorithm == "STANDALONE" else None)
+    config = EngineConfig(max_total_tokens=1024)
+    ext = speculative_extension(spec, smol_llm.model, smol_llm.config, device=torch.device("cpu"), engine=config,
+                                context_length=smol_llm.context_length)
+    engine = Engine(smol_llm.model, smol_llm.config, config, device="cpu", context_length=smol_llm.context_length,
+                    extensions=[ext])
+    reqs = make_reqs(smol_llm, prompts, params)
+    for r in reqs:
+        engine.add_request(r)
+    engine.run_until_done()
+    assert_matches_oracle(reqs, expected)
+    assert_pool_accounting(engine)
+    assert ext.verify_ct > 0 and ext.accept_length > 1.0, "nothing was accepted"
+
+
+def test_server_reports_accept_lengths(embedded_path):
+    """``/generate``'s meta_info carries SGLang's speculation figures and ``/metrics`` the accept length."""
+    pytest.importorskip("minisgl_ref.speculative.ngram")
+    import re
+
+    from tests.server_utils import running_server
+
+    with running_server("--device", "cpu", "--speculative-algorithm", "NGRAM", "--enable-metrics",
+                        "--max-total-tokens", "2048", "--log-level", "warning") as srv:
+        body = {"text": "1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2,",
+                "sampling_params": {"temperature": 0, "max_new_tokens": 16}}
+        meta = srv.post("/generate", json=body).json()["meta_info"]
+        assert meta["spec_verify_ct"] >= 1 and meta["spec_accept_length"] > 1.0, meta
+        assert meta["spec_accept_token_num"] <= meta["spec_draft_token_num"]
+        metrics = srv.get("/metrics").text
+        found = re.search(r'^sglang:spec_accept_length\{[^}]*\} ([0-9.]+)$', metrics, re.M)
+        assert found and float(found.group(1)) > 1.0, metrics

@@ -13,6 +13,7 @@ from typing import Any
 
 from minisgl_ref import env
 from minisgl_ref.core.config import EngineConfig, ModelArgs, TPArgs, add_flags, flag, from_flags
+from minisgl_ref.speculative.config import SpeculativeConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -36,6 +37,8 @@ class ServerArgs:
     model: ModelArgs = field(default_factory=ModelArgs)  #: which model, on which device (the same as ``LLM``'s)
     engine: EngineConfig = field(default_factory=EngineConfig)  #: the engine's settings, as for ``LLM``
     tp: TPArgs = field(default_factory=TPArgs)  #: tensor parallelism (chapter 09): one scheduler process per rank
+    #: speculative decoding (chapter 13): off unless --speculative-algorithm is given
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     host: str = flag("127.0.0.1")  #: the address the HTTP server listens on (default: this machine only)
     port: int = flag(30000)  #: the HTTP port (SGLang's default)
     served_model_name: str | None = flag(None, "the model name clients must use (default: the path)")
@@ -90,12 +93,13 @@ class ServerArgs:
         given = {k: v for k, v in device_defaults.items() if getattr(args, k) is None}
         engine = from_flags(EngineConfig, args, **given)  # a bad engine flag fails here, before any process starts
         _check_attention_backends(args.device, engine)
-        return from_flags(cls, args, model=from_flags(ModelArgs, args), engine=engine, tp=tp)
+        speculative = from_flags(SpeculativeConfig, args)  # a bad combination of its flags fails here too
+        return from_flags(cls, args, model=from_flags(ModelArgs, args), engine=engine, tp=tp, speculative=speculative)
 
     def public_dict(self) -> dict[str, Any]:
         """For ``/get_server_info``: every setting but the API key, in one flat dictionary."""
-        d = {**asdict(self.model), **asdict(self.tp), **asdict(self.engine), **asdict(self)}
-        for name in ("api_key", "model", "engine", "tp", "skip_tokenizer_init"):
+        d = {**asdict(self.model), **asdict(self.tp), **asdict(self.engine), **asdict(self.speculative), **asdict(self)}
+        for name in ("api_key", "model", "engine", "tp", "speculative", "skip_tokenizer_init"):
             d.pop(name)
         return d
 

@@ -91,7 +91,8 @@ def worker_command(args: ServerArgs, port: int) -> list[str]:
     """The ``serve`` command line of one worker: every model, engine and server flag of ``args`` (SGLang's flag
     names are the field names with dashes), on a private loopback port, without ``--dp-size``."""
     return [sys.executable, "-m", "minisgl_ref", "serve", "--host", "127.0.0.1", "--port", str(port),
-            *[a for obj in (args.model, args.engine, args.tp, args) for a in to_argv(obj, NOT_FORWARDED)]]
+            *[a for obj in (args.model, args.engine, args.tp, args.speculative, args)
+              for a in to_argv(obj, NOT_FORWARDED)]]
 
 
 def router_command(args: ServerArgs, worker_urls: list[str], metrics_port: int) -> list[str]:

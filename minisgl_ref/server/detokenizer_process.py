@@ -82,7 +82,7 @@ class DetokenizerWorker:
                 self.states.pop(rid, None)
             deltas.append(delta)
         return BatchStrOut(batch.rids, deltas, batch.new_ids, batch.finished, batch.finish_reasons,
-                           batch.cached_tokens, batch.logprobs)
+                           batch.cached_tokens, batch.logprobs, batch.spec)
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)

@@ -638,9 +638,11 @@ class Output:
     last_seen: Chunk | None = None  # its latest chunk
     ids_json: str = ""  # ``ids`` as JSON array items ("1,2,3"), grown with them: see :func:`native_sse`
     streamed: int = 0  # output log-probability entries already sent in native stream events (:func:`_native`)
+    spec: dict[str, Any] | None = None  # the latest speculation figures (chapter 13), if it verified drafts
 
     def add(self, chunk: Chunk) -> None:
         self.last_seen = chunk
+        self.spec = chunk.spec or self.spec
         self.text += chunk.text
         self.ids += chunk.token_ids
         if chunk.token_ids:
@@ -682,9 +684,15 @@ def _final(out: Output) -> dict[str, Any]:
         "meta_info": {
             "id": last.rid, "finish_reason": meta_reason, "prompt_tokens": last.prompt_tokens,
             "completion_tokens": last.completion_tokens, "cached_tokens": last.cached_tokens,
-            "e2e_latency": round(last.e2e_latency, 6),
+            "e2e_latency": round(last.e2e_latency, 6), **_spec_meta(out),
         },
     }
+
+
+def _spec_meta(out: Output) -> dict[str, Any]:
+    """SGLang's speculation figures of a sequence (``spec_verify_ct``, ``spec_accept_length``, ...), from its
+    latest chunk that carried them; none for a request that verified no draft (chapter 13)."""
+    return dict(out.spec or {})
 
 
 def _native(out: Output, prompt: list[int], options: RequestOptions, texts: TokenText | None | bool,
@@ -706,7 +714,7 @@ def _native(out: Output, prompt: list[int], options: RequestOptions, texts: Toke
         c = out.last_seen
         meta = {"id": c.rid, "finish_reason": None, "prompt_tokens": c.prompt_tokens,
                 "completion_tokens": c.completion_tokens, "cached_tokens": c.cached_tokens,
-                "e2e_latency": round(c.e2e_latency, 6)}
+                "e2e_latency": round(c.e2e_latency, 6), **_spec_meta(out)}
     if texts is not False:
         first = options.logprob_start(len(prompt))
         prompt_ids = prompt[first:] if first >= 0 else []

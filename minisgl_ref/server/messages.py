@@ -76,6 +76,9 @@ class BatchTokenOut:
     # ``{"input": [...], "output": [...]}`` with each entry ``[logprob, [[token id, logprob], ...]]``.
     # None when no row has any.
     logprobs: list[dict[str, Any] | None] | None = None
+    # Per row, for requests that verified drafts (speculative decoding, chapter 13): SGLang's ``meta_info``
+    # figures so far (``spec_verify_ct``, ``spec_accept_length``, ...). None when no row has any.
+    spec: list[dict[str, Any] | None] | None = None
 
 
 @dataclass
@@ -89,6 +92,7 @@ class BatchStrOut:
     finish_reasons: list[dict[str, Any] | None]
     cached_tokens: list[int]
     logprobs: list[dict[str, Any] | None] | None = None
+    spec: list[dict[str, Any] | None] | None = None
 
 
 _TYPES: dict[str, type] = {

@@ -25,6 +25,9 @@ Gauges, set from the scheduler's statistics at each scrape:
 - ``sglang:decode_throughput``: the same value as ``gen_throughput``.
 - ``sglang:prefill_throughput``: prompt tokens prefilled (KV computed, cache hits excluded) per second between
   the last two scrapes.
+- ``sglang:spec_accept_length``: with speculative decoding (chapter 13), the tokens each verify row appended
+  (its accepted drafts and one bonus token), averaged over the rows verified between the last two scrapes (it
+  keeps its value through an interval without any; 0 until the first).
 
 Counters, advanced once per request when it ends (see the counting rule below):
 
@@ -135,8 +138,11 @@ class ServerMetrics:
                               "Per request, (e2e - ttft) / (completion_tokens - 1) in seconds.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency in seconds.",
                              E2E_BUCKETS)
+        self.spec_accept_length = gauge("spec_accept_length",
+                                        "Tokens appended per verify row of speculative decoding, recently.")
         # The previous scrape's cumulative counters, for the throughput gauges: (time, prefill, decode).
         self._last_counts: tuple[float, int, int] | None = None
+        self._last_spec = (0, 0)  # and for the accept length: (verify rows, tokens they appended)
 
     # ----------------------------------------------------------------------------------- scheduler gauges
 
@@ -152,6 +158,10 @@ class ServerMetrics:
         self.num_used_tokens.set(total - stats["available_kv_tokens"])
         self.max_total_num_tokens.set(total)
         self.cache_hit_rate.set(stats["cache_hit_rate"])
+        verified, appended = stats.get("spec_verify_ct", 0), stats.get("spec_appended_tokens", 0)
+        if verified > self._last_spec[0]:
+            self.spec_accept_length.set((appended - self._last_spec[1]) / (verified - self._last_spec[0]))
+        self._last_spec = (verified, appended)
 
         prefill, decode = stats["prefill_tokens"], stats["decode_tokens"]
         if self._last_counts is None:

@@ -50,6 +50,7 @@ from minisgl_ref.server.messages import (
 )
 from minisgl_ref.server.process_utils import child_process_setup, report_ready
 from minisgl_ref.server.watchdog import LoopClock, LoopWatch, start_stuck_step_logger
+from minisgl_ref.speculative.extension import SpeculativeExtension
 from minisgl_ref.tokenizer import IncrementalDetokenizer
 
 # Prompt ids the detokenizer gets as context for the first output token (IncrementalDetokenizer looks at most
@@ -65,6 +66,8 @@ class SchedulerWorker:
         # an LLM.generate call with the same settings run the very same engine code.
         self.rt = rt
         self.engine = rt.engine
+        # Speculative decoding (chapter 13), if this engine has it: its per-request figures go into meta_info.
+        self.spec = rt.engine.extensions.find(SpeculativeExtension) if isinstance(rt.engine, Engine) else None
         assert isinstance(self.engine, Engine)
         self.reqs: dict[str, Any] = {}  # rid -> Req, while the engine has it
         self.sent: dict[str, int] = {}  # rid -> output ids already sent on
@@ -225,6 +228,8 @@ class SchedulerWorker:
             "prefill_tokens": engine.stats.prefill_tokens,
             "decode_tokens": engine.stats.decode_tokens,
             "num_tracked_reqs": len(self.reqs),
+            "spec_verify_ct": self.spec.verify_ct if self.spec else 0,  # verify rows so far, and the tokens they
+            "spec_appended_tokens": self.spec.appended_tokens if self.spec else 0,  # appended (chapter 13)
         }
 
     # ------------------------------------------------------------------------------------------------- outputs
@@ -250,7 +255,7 @@ class SchedulerWorker:
     def _send_rows(self, rows: list[tuple[Any, list[int], bool]]) -> None:
         if not rows:
             return
-        out = BatchTokenOut([], [], [], [], [], [], [])
+        out = BatchTokenOut([], [], [], [], [], [], [], [])
         for req, new_ids, finished in rows:
             rid = req.rid
             if rid in self.sent:
@@ -263,6 +268,7 @@ class SchedulerWorker:
             out.finish_reasons.append(req.finish_reason.to_dict() if finished else None)
             out.cached_tokens.append(req.cached_tokens)
             out.logprobs.append(self._new_logprobs(req.rid, req.logprobs) if req.logprobs is not None else None)
+            out.spec.append(self._spec_info(rid, finished))
             out.inits.append({
                 "stop": list(req.params.stop),
                 "stop_regex": list(req.params.stop_regex),
@@ -276,6 +282,8 @@ class SchedulerWorker:
                 self.announced.discard(rid)
         if not any(out.logprobs):
             out.logprobs = None
+        if not any(out.spec):
+            out.spec = None
         self.to_detok.send(encode(out))
 
     def _refuse(self, rid: str, message: str) -> None:
@@ -283,6 +291,17 @@ class SchedulerWorker:
         init = {"stop": [], "stop_regex": [], "skip_special_tokens": True, "prompt_tail": []}
         reason = FinishReason("abort", message=message).to_dict()
         self.to_detok.send(encode(BatchTokenOut([rid], [[]], [True], [reason], [0], [init])))
+
+    def _spec_info(self, rid: str, finished: bool) -> dict[str, Any] | None:
+        """SGLang's per-request speculation figures for ``meta_info`` (None for a request that verified no
+        draft); the extension forgets them with the request's last row."""
+        if self.spec is None:
+            return None
+        stats = self.spec.pop_stats(rid) if finished else self.spec.stats.get(rid)
+        if stats is None:
+            return None
+        return {"spec_verify_ct": stats.verify_ct, "spec_accept_length": round(stats.accept_length, 6),
+                "spec_accept_token_num": stats.accepted_tokens, "spec_draft_token_num": stats.draft_tokens}
 
     def _new_logprobs(self, rid: str, logprobs: LogprobRequest) -> dict[str, Any]:
         """The log-probability entries request ``rid`` gained since its last row."""
@@ -332,7 +351,7 @@ def run_scheduler_process(args: ServerArgs, addrs: Addresses, ready_conn: Any, t
         if (args.model.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu"):
             torch.set_num_threads(env.cpu_threads(spare=1))  # one core for the API server and the detokenizer
         group = TPGroup.member(args.tp, tp_rank) if args.tp.enabled else None
-        rt = build_runtime(args.model, args.engine, args.tp, group=group)
+        rt = build_runtime(args.model, args.engine, args.tp, group=group, speculative=args.speculative)
         worker = SchedulerWorker(rt, addrs, clock) if tp_rank == 0 else None
         trace = StepTrace(args.step_log) if worker is not None and args.step_log else None
         if worker is not None and trace is not None:

@@ -67,6 +67,8 @@ class Chunk:
     # For requests that asked for them: the log-probability entries computed since the last chunk, as
     # ``{"input": [...], "output": [...]}`` (see :mod:`minisgl_ref.server.logprobs`).
     logprobs: dict[str, list[Any]] | None = None
+    # For requests that verified drafts (chapter 13): SGLang's speculation figures so far, for meta_info.
+    spec: dict[str, Any] | None = None
 
 
 def merge_chunks(first: Chunk, then: Chunk) -> Chunk:
@@ -76,7 +78,7 @@ def merge_chunks(first: Chunk, then: Chunk) -> Chunk:
         before = first.logprobs or {}
         logprobs = {key: before.get(key, []) + then.logprobs.get(key, []) for key in ("input", "output")}
     return dataclasses.replace(then, text=first.text + then.text, token_ids=first.token_ids + then.token_ids,
-                               logprobs=logprobs)
+                               logprobs=logprobs, spec=then.spec or first.spec)
 
 
 def coalesce(pending: list[tuple[int, Chunk]]) -> list[tuple[int, Chunk]]:
@@ -329,20 +331,21 @@ class TokenizerManager:
         while True:
             msg = decode(await self.recv.recv())
             if isinstance(msg, BatchStrOut):
-                for rid, delta, ids, finished, reason, cached, logprobs in zip(
+                for rid, delta, ids, finished, reason, cached, logprobs, spec in zip(
                     msg.rids, msg.deltas, msg.new_ids, msg.finished, msg.finish_reasons, msg.cached_tokens,
-                    msg.logprobs or itertools.repeat(None),
+                    msg.logprobs or itertools.repeat(None), msg.spec or itertools.repeat(None),
                 ):
                     st = self.states.get(rid)
                     if st is not None and not st.finished:
-                        self._deliver(st, delta, ids, finished, reason, cached, logprobs)
+                        self._deliver(st, delta, ids, finished, reason, cached, logprobs, spec)
             elif isinstance(msg, RpcResp):
                 fut = self.rpcs.get(msg.rpc_id)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
 
     def _deliver(self, st: ReqState, text: str, ids: list[int], finished: bool, reason: dict[str, Any] | None,
-                 cached: int, logprobs: dict[str, list[Any]] | None = None) -> None:
+                 cached: int, logprobs: dict[str, list[Any]] | None = None,
+                 spec: dict[str, Any] | None = None) -> None:
         now = time.perf_counter()
         st.completion_tokens += len(ids)
         if ids:
@@ -356,4 +359,4 @@ class TokenizerManager:
             if m is not None and track is not None:
                 m.end(track, aborted=bool(reason and reason.get("type") == "abort"), now=now)
         st.queue.put_nowait((st.index, Chunk(text, list(ids), finished, reason, cached, st.completion_tokens,
-                                             st.prompt_tokens, st.rid, e2e, logprobs)))
+                                             st.prompt_tokens, st.rid, e2e, logprobs, spec)))

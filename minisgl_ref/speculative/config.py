@@ -7,7 +7,9 @@ an engine without speculation never reads them. :func:`~minisgl_ref.runtime.buil
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from minisgl_ref.core.config import flag
 
 #: The proposers: n-gram lookup in the request's own tokens, or a draft model (STANDALONE, SGLang's name for a
 #: separate small model; ``self:K`` as its path drafts with the target's own first K layers).
@@ -18,74 +20,94 @@ SELF_DRAFT_PREFIX = "self:"
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Whether and how to speculate. ``algorithm=None`` (the default) turns the feature off.
+    """Whether and how to speculate; ``speculative_algorithm=None`` (the default) turns the feature off. Every
+    field is the command-line flag of the same name (``--speculative-num-steps``) and a keyword argument of the
+    offline ``LLM``.
 
-    ``num_draft_tokens`` counts, as in SGLang, the tokens of one verify row: the request's last known token and
-    the drafts after it, so a request is given at most ``num_draft_tokens - 1`` draft tokens per step. With
-    ``eagle_topk == 1`` the draft is a chain of ``num_steps`` tokens, and ``num_draft_tokens`` defaults to
-    ``num_steps + 1``; a larger top-k draws a tree of ``num_steps`` levels, which needs an attention backend that
-    takes a tree mask."""
+    ``speculative_num_draft_tokens`` counts, as in SGLang, the tokens of one verify row: the request's last known
+    token and the drafts after it, so a request gets at most ``speculative_num_draft_tokens - 1`` draft tokens per
+    step. With ``speculative_eagle_topk == 1`` the draft is a chain of ``speculative_num_steps`` tokens and the
+    count defaults to ``speculative_num_steps + 1``; a larger top-k draws a tree of ``speculative_num_steps``
+    levels, which needs an attention backend that takes a tree mask."""
 
-    algorithm: str | None = None  #: NGRAM or STANDALONE (SGLang: --speculative-algorithm)
-    draft_model_path: str | None = None  #: STANDALONE's draft model folder, or ``self:K``
-    num_steps: int = 4  #: draft depth (SGLang: --speculative-num-steps)
-    eagle_topk: int = 1  #: children per draft node; 1 drafts chains (SGLang: --speculative-eagle-topk)
-    num_draft_tokens: int | None = None  #: tokens per verify row, the root included (default num_steps + 1)
+    speculative_algorithm: str | None = flag(None, "NGRAM (look the continuation up in the request's own tokens) "
+                                                   "or STANDALONE (a draft model)", choices=list(ALGORITHMS))
+    speculative_draft_model_path: str | None = flag(None, "STANDALONE's draft model folder, or self:K to draft "
+                                                          "with the target's own first K layers")
+    speculative_num_steps: int = flag(4, "draft depth: tokens of a chain, levels of a tree")
+    speculative_eagle_topk: int = flag(1, "children per draft node (1: chains)")
+    speculative_num_draft_tokens: int | None = flag(None, "tokens per verify row, the last known token included "
+                                                          "(default: --speculative-num-steps + 1)", type=int)
     #: Above this many running requests a decode step is bound by arithmetic, not by reading the weights, and a
-    #: verify row's extra tokens cost about what they save: speculation pauses (no guesses, overlap as usual).
-    max_batch: int = 8
-    #: A request whose recent drafts were accepted less often than this (accepted / drafted, averaged over about
-    #: the last ``1 / rate_decay`` verifies) stops drafting for ``cooldown_steps`` steps, then tries one token.
-    min_accept_rate: float = 0.2
-    rate_decay: float = 0.25
-    cooldown_steps: int = 16
+    #: verify row's extra tokens cost about what they save: speculation pauses (no drafts, overlap as usual).
+    speculative_max_batch: int = flag(8, "speculate only while at most this many requests run")
+    #: A request whose recent drafts were accepted less often than this (accepted / drafted, a moving average
+    #: with weight ``speculative_rate_decay`` for the newest verify) stops drafting for
+    #: ``speculative_cooldown_steps`` steps, then starts again with one token.
+    speculative_min_accept_rate: float = flag(0.2, "pause drafting for a request whose recent accept rate is lower")
+    speculative_cooldown_steps: int = flag(16, "how many steps such a pause lasts")
+    speculative_rate_decay: float = 0.25
 
     def __post_init__(self) -> None:
-        if self.algorithm is None:
+        algorithm = self.speculative_algorithm
+        if algorithm is None:
             return
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"speculative_algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
-        if self.algorithm == "STANDALONE" and not self.draft_model_path:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"speculative_algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        if algorithm == "STANDALONE" and not self.speculative_draft_model_path:
             raise ValueError("speculative_draft_model_path is needed with speculative_algorithm=STANDALONE "
                              f"(a model folder, or {SELF_DRAFT_PREFIX}K for the target's first K layers)")
-        if self.algorithm == "NGRAM" and self.draft_model_path:
+        if algorithm == "NGRAM" and self.speculative_draft_model_path:
             raise ValueError("speculative_draft_model_path is only for speculative_algorithm=STANDALONE")
-        if self.self_draft_layers is not None and self.self_draft_layers < 1:
-            raise ValueError(f"speculative_draft_model_path {self.draft_model_path!r}: K in {SELF_DRAFT_PREFIX}K "
-                             f"must be >= 1")
-        if self.num_steps < 1:
-            raise ValueError(f"speculative_num_steps must be >= 1, got {self.num_steps}")
-        if self.eagle_topk < 1:
-            raise ValueError(f"speculative_eagle_topk must be >= 1, got {self.eagle_topk}")
+        layers = self.self_draft_layers
+        if layers is not None and layers < 1:
+            raise ValueError(f"speculative_draft_model_path {self.speculative_draft_model_path!r}: K in "
+                             f"{SELF_DRAFT_PREFIX}K must be >= 1")
+        if self.speculative_num_steps < 1:
+            raise ValueError(f"speculative_num_steps must be >= 1, got {self.speculative_num_steps}")
+        if self.speculative_eagle_topk < 1:
+            raise ValueError(f"speculative_eagle_topk must be >= 1, got {self.speculative_eagle_topk}")
         if self.draft_tokens < 2:
             raise ValueError(f"speculative_num_draft_tokens must be >= 2 (it counts the last known token and at "
-                             f"least one draft), got {self.num_draft_tokens}")
-        if self.eagle_topk == 1 and self.num_draft_tokens is not None and self.num_draft_tokens > self.num_steps + 1:
-            raise ValueError(f"speculative_num_draft_tokens ({self.num_draft_tokens}) exceeds speculative_num_steps "
-                             f"+ 1 ({self.num_steps + 1}): a chain of {self.num_steps} drafts has no more tokens")
-        if self.max_batch < 1:
-            raise ValueError(f"speculative_max_batch must be >= 1, got {self.max_batch}")
-        if not 0 <= self.min_accept_rate <= 1 or not 0 < self.rate_decay <= 1 or self.cooldown_steps < 0:
-            raise ValueError("speculative_min_accept_rate and speculative_rate_decay must lie in [0, 1] and (0, 1], "
-                             "speculative_cooldown_steps must be >= 0")
+                             f"least one draft), got {self.speculative_num_draft_tokens}")
+        if self.speculative_eagle_topk == 1 and self.draft_tokens > self.speculative_num_steps + 1:
+            raise ValueError(f"speculative_num_draft_tokens ({self.draft_tokens}) exceeds speculative_num_steps + 1 "
+                             f"({self.speculative_num_steps + 1}): a chain of {self.speculative_num_steps} drafts "
+                             f"has no more tokens")
+        if self.speculative_max_batch < 1:
+            raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
+        if not 0 <= self.speculative_min_accept_rate <= 1:
+            raise ValueError(f"speculative_min_accept_rate must be in [0, 1], got {self.speculative_min_accept_rate}")
+        if not 0 < self.speculative_rate_decay <= 1:
+            raise ValueError(f"speculative_rate_decay must be in (0, 1], got {self.speculative_rate_decay}")
+        if self.speculative_cooldown_steps < 0:
+            raise ValueError(f"speculative_cooldown_steps must be >= 0, got {self.speculative_cooldown_steps}")
+
+    @classmethod
+    def split(cls, kwargs: dict[str, object]) -> tuple[SpeculativeConfig, dict[str, object]]:
+        """The settings among ``kwargs`` (the offline ``LLM``'s keyword arguments), and the rest."""
+        names = {f.name for f in fields(cls)}
+        mine = {k: v for k, v in kwargs.items() if k in names}
+        return cls(**mine), {k: v for k, v in kwargs.items() if k not in names}  # type: ignore[arg-type]
 
     @property
     def enabled(self) -> bool:
-        return self.algorithm is not None
+        return self.speculative_algorithm is not None
 
     @property
     def draft_tokens(self) -> int:
-        """Tokens per verify row, the root included (``num_draft_tokens`` or its default)."""
-        return self.num_draft_tokens if self.num_draft_tokens is not None else self.num_steps + 1
+        """Tokens per verify row, the root included (``speculative_num_draft_tokens`` or its default)."""
+        n = self.speculative_num_draft_tokens
+        return n if n is not None else self.speculative_num_steps + 1
 
     @property
     def self_draft_layers(self) -> int | None:
         """K of ``self:K`` (the target's first K layers draft), or None for a separate draft model."""
-        path = self.draft_model_path
+        path = self.speculative_draft_model_path
         if path is None or not path.startswith(SELF_DRAFT_PREFIX):
             return None
         k = path[len(SELF_DRAFT_PREFIX):]
         if not k.isdigit():
-            raise ValueError(f"speculative_draft_model_path {path!r}: expected {SELF_DRAFT_PREFIX}K with K a number "
-                             f"of layers")
+            raise ValueError(f"speculative_draft_model_path {path!r}: expected {SELF_DRAFT_PREFIX}K with K a "
+                             f"number of layers")
         return int(k)

@@ -21,7 +21,7 @@ of the core, neither of which knows what speculation is:
 the request's last token: while speculation is on, the scheduler asks for the step in flight to be processed
 before the next is planned (``NEED_SYNC``), so overlap scheduling (chapter 06) is off for those steps and the
 host's scheduling and processing are no longer hidden behind the device. That is why speculation turns itself
-down: above ``max_batch`` running requests (decode is bound by arithmetic there, and verifying extra tokens
+down: above ``speculative_max_batch`` running requests (decode is bound by arithmetic there, and verifying extra tokens
 costs what it saves) it pauses entirely and overlap comes back, and a request whose drafts are mostly rejected
 drafts fewer tokens, then none for a while.
 
@@ -58,6 +58,9 @@ if TYPE_CHECKING:  # the proposers' interface: start, extend, propose, finish
     from minisgl_ref.speculative.proposer import Proposer
 
 log = logging.getLogger(__name__)
+
+#: How many requests' figures (:class:`SpecStats`) are kept for the server to read with their last row.
+KEPT_STATS = 4096
 
 
 @dataclass(frozen=True)
@@ -176,7 +179,9 @@ class SpeculativeExtension(EngineExtension):
         self.tree_mask = tree_mask
         self._engine: EngineView | None = None
         self._drafting: dict[Req, _Drafting] = {}
-        self.stats: dict[str, SpecStats] = {}  #: per rid, kept after the request ends (the server reads it once)
+        #: Per rid; an ended request's are kept (for the server's last row) until read, the newest
+        #: ``KEPT_STATS`` at most (an offline run never reads them).
+        self.stats: dict[str, SpecStats] = {}
         self.verify_ct = 0  #: verify rows processed, all requests
         self.appended_tokens = 0  #: tokens those rows appended
         self._offsets: tuple[Launched | None, dict[int, int]] = (None, {})
@@ -207,7 +212,7 @@ class SpeculativeExtension(EngineExtension):
         return (state is None or state.cooldown == 0) and may_draft(req.params, req)
 
     def active(self, running: list[Req]) -> bool:
-        return len(running) <= self.config.max_batch and any(self._may_draft(r) for r in running)
+        return len(running) <= self.config.speculative_max_batch and any(self._may_draft(r) for r in running)
 
     def guesses(self, reqs: list[Req], room: list[int]) -> list[Guess | None]:
         out: list[Guess | None] = [None] * len(reqs)
@@ -312,11 +317,12 @@ class SpeculativeExtension(EngineExtension):
         self.appended_tokens += appended
         state = self._drafting.get(req)
         if state is not None:
-            decay = self.config.rate_decay
+            decay = self.config.speculative_rate_decay
             state.rate = (1 - decay) * state.rate + decay * (accepted / drafted)
-            if state.rate < self.config.min_accept_rate:
-                state.cooldown = self.config.cooldown_steps
-                state.rate = self.config.min_accept_rate  # after the pause: one token, and growing if accepted
+            if state.rate < self.config.speculative_min_accept_rate:
+                state.cooldown = self.config.speculative_cooldown_steps
+                # After the pause: one token, growing again as drafts are accepted.
+                state.rate = self.config.speculative_min_accept_rate
 
     # ------------------------------------------------------------------------------------------- the loop
 
@@ -342,3 +348,5 @@ class SpeculativeExtension(EngineExtension):
     def _forget(self, req: Req) -> None:
         if self._drafting.pop(req, None) is not None:
             self.proposer.finish(req.rid)
+        while len(self.stats) > KEPT_STATS:
+            del self.stats[next(iter(self.stats))]  # the oldest first (dicts keep insertion order)
