@@ -226,6 +226,10 @@ show_code(Engine.step, task="6.1")
 show_code(Engine._process)
 
 # %% [markdown]
+# (The inner loop is for speculative decoding, chapter 13: a row that fed the model a guess of several tokens
+# appends the ones the model agreed with, which `row_tokens` names. Every row of this chapter appends exactly the
+# one token it sampled.)
+#
 # Four mechanisms make this possible.
 #
 # **The device-side token buffer.** Step N+1's decode rows need step N's sampled tokens as input, and the CPU has
@@ -265,6 +269,10 @@ show_code(StepOutput.tokens)
 
 # %%
 show_code(Engine._commit_launched)
+
+# %% [markdown]
+# (A row that feeds a guess, chapter 13, is left out: its guessed tokens become the request's only if the model
+# agrees with them, once the step has been processed.)
 
 # %% [markdown]
 # It is safe because of the order in which steps run: a request that matches those slots is admitted to a later

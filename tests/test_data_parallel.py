@@ -80,6 +80,7 @@ def test_worker_command_round_trips() -> None:
         "--context-length", "512", "--max-running-requests", "8", "--chunked-prefill-size", "64", "--page-size", "4",
         "--schedule-policy", "lpm", "--enable-mixed-chunk", "--disable-cuda-graph", "--mem-fraction-static", "0.5",
         "--served-model-name", "m", "--api-key", "k", "--enable-metrics", "--log-level", "warning",
+        "--speculative-algorithm", "NGRAM", "--speculative-num-steps", "3", "--speculative-max-batch", "4",
     ])
     cmd = worker_command(args, 1234)
     assert cmd[:4] == [sys.executable, "-m", "minisgl_ref", "serve"] and "--dp-size" not in cmd

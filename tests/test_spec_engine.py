@@ -256,6 +256,39 @@ def test_trees_are_cut_to_their_longest_chain_and_trimmed():
     assert Guess((6, 7, 8), (1, 2, 3)).is_chain and not Guess((5, 6), (1, 1)).is_chain
 
 
+def test_a_tree_s_accepted_path_moves_into_place_and_the_rest_is_freed():
+    """Rollback after a tree was verified: the accepted nodes' KV moves to the slots of their positions, the
+    request's lengths end after them, and the whole pages past them go back to the allocator."""
+    from types import SimpleNamespace
+
+    from minisgl_ref.core.batch import Row
+    from minisgl_ref.core.request import Req
+    from minisgl_ref.kvcache.allocator import PageAllocator
+    from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
+    from minisgl_ref.scheduler.cache_manager import NaiveCacheManager
+    from minisgl_ref.speculative.extension import DraftGuess
+
+    allocator, table = PageAllocator(9, 2), ReqToTokenPool(2, 32)
+    cache, pool = NaiveCacheManager(allocator, table), KVPool(1, 18, 1, 1, torch.float32)
+    req = Req([1, 2, 3], _greedy())
+    cache.match(req)
+    cache.alloc(req, 3)  # the prompt; its last token (position 2) is the verify row's root
+    guess = DraftGuess.of(DraftTree((5, 6, 7, 8), (-1, -1, 1, 2)))  # root -> 5 | root -> 6 -> 7 -> 8
+    row = Row(req, 2, 5, False, True, 0, guess)
+    cache.alloc(req, 4)  # the nodes, at table positions 3 .. 6
+    req.kv_scheduled_len = 7
+    slots = table.read(req.req_pool_idx, 7)
+    pool.k[0][slots, 0, 0] = torch.arange(7.0) + 100  # each slot's key says which table position it was
+    free_before = allocator.num_free_pages
+    ext = SpeculativeExtension(ScriptedProposer({}, ()), SpeculativeConfig("NGRAM"))
+    ext._engine = SimpleNamespace(scheduler=SimpleNamespace(cache=cache), kv_pool=pool)  # type: ignore[assignment]
+    ext._keep_accepted_kv(row, guess, [1, 2])  # the path 6 -> 7: nodes at positions 4, 5 belong at 3, 4
+    assert req.kv_scheduled_len == req.kv_allocated_len == 5
+    kept = table.read(req.req_pool_idx, 5)
+    assert pool.k[0][kept, 0, 0].tolist() == [100, 101, 102, 104, 105]
+    assert allocator.num_free_pages == free_before + 1  # the page of position 6; positions 4-5 share a kept one
+
+
 def test_kv_pool_move_copies_every_layer():
     pool = KVPool(2, 8, 1, 2, torch.float32)
     for layer in range(2):

@@ -77,4 +77,5 @@ class ScheduledBatch:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(row.extend_len for row in self.rows if not row.is_decode)
+        """Tokens of extend rows; a row that feeds a guess (chapter 13) decodes, and counts with the decode ones."""
+        return sum(row.extend_len for row in self.rows if not row.is_decode and row.guess is None)
