@@ -69,8 +69,7 @@ def make_case(rows: list[Row], *, page_size: int, num_kv_heads: int = 2, gqa: in
         new = allocator.alloc_tokens(prefix, int(pre[-1]) if prefix else 0, extend)
         table.write(row, prefix, new)
         new_slots.append(new)
-        depths = [0] + r.depths() if isinstance(r, DraftTree) else list(range(extend))
-        positions += [prefix + d for d in depths]
+        positions += r.positions(prefix) if isinstance(r, DraftTree) else [prefix + i for i in range(extend)]
     masks = [r.mask() if isinstance(r, DraftTree) else None for _, r in rows]
     num_tokens, num_heads = sum(e for _, e in specs), num_kv_heads * gqa
     q = 2 * torch.randn(num_tokens, num_heads, head_dim, generator=gen, device=device, dtype=dtype)
@@ -87,6 +86,11 @@ def make_case(rows: list[Row], *, page_size: int, num_kv_heads: int = 2, gqa: in
         extend_masks=masks if any(m is not None for m in masks) else None,
     )
     return Case(rows, batch, pool, table, AttentionLayer(0, num_heads, num_kv_heads, head_dim), q, k, v)
+
+
+def test_tree_positions_are_prefix_plus_depth():
+    assert BUSHY.positions(9) == [9, 10, 10, 11, 11, 11, 12, 10]
+    assert CHAIN.positions(0) == [0, 1, 2, 3, 4] and ROOT_ONLY.positions(5) == [5]
 
 
 def run(case: Case, backend: AttentionBackend) -> torch.Tensor:
@@ -235,7 +239,7 @@ def test_model_verify_row_gives_each_paths_logits(tiny_llm):  # noqa: F811 - fix
 
     step(prefix, 0, list(range(len(prefix))), None)
     p = len(prefix)
-    row = step([root, *tree.tokens], p, [p + d for d in [0] + tree.depths()], tree.mask())
+    row = step([root, *tree.tokens], p, tree.positions(p), tree.mask())
     oracle = NoCacheAttentionBackend()
     for a in range(len(tree) + 1):
         seq = prefix + [root] + [tree.tokens[o - 1] for o in ancestors(tree, a) if o > 0]
