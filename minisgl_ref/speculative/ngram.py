@@ -29,6 +29,11 @@ width). ``match_type="PROB"`` ranks every eligible node by its empirical path pr
 ``count(child) / count(parent)`` along the path), so a branch the text took once in ten loses to a deep chain it
 always took. Either way the tree is deterministic (``probs`` is None: the acceptance rule treats each node as a
 point mass).
+
+**What it buys.** Replaying the embedded SmolLM2-135M's greedy output offline (``scripts/spec_accept_rates.py``,
+``docs/data/spec_accept_cpu.json``), the default tree of at most 8 nodes yields 3.25 tokens per verify step on
+prompts that ask to repeat or edit a paragraph (6.4 when the answer is a verbatim copy) and 1.30 on chat; a chain of
+4 yields 2.49 and 1.23. The lookup itself costs microseconds per request.
 """
 
 from __future__ import annotations
