@@ -181,10 +181,10 @@ def smol():  # type: ignore[no-untyped-def]
     return model, config, [tokenizer.hf.encode(p) for p in PROMPTS]
 
 
-def greedy(model, vocab: int, prompt: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
+def greedy(model, vocab: int, prompt: list[int], n: int, device: str = "cpu") -> list[int]:  # type: ignore[no-untyped-def]
     """The chapter-00 oracle's greedy continuation of ``prompt`` by ``model``."""
     req = Req(list(prompt), SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True))
-    NaiveEngine(model, vocab).run([req])
+    NaiveEngine(model, vocab, device).run([req])
     return req.output_ids
 
 
@@ -319,3 +319,39 @@ def test_a_draft_with_another_vocabulary_is_refused_by_name(smol) -> None:  # ty
 
 def test_empty_proposals() -> None:
     assert empty(None) and empty(DraftTree((), ())) and not empty(DraftTree.chain([1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch_native", "triton"])
+def test_draft_proposer_on_cuda_matches_the_oracle(backend: str, tiny_checkpoints) -> None:  # type: ignore[no-untyped-def]
+    """The chain, rollback and pool checks on a GPU, where the page table lives on the device (every write goes
+    through the host copy and a pinned transfer) and the backend may be a real kernel. A small random Llama in
+    float32, so that the draft's argmax and the oracle's agree."""
+    from minisgl_ref.core.config import EngineConfig
+    from minisgl_ref.models.loader import load_model
+
+    model, config, _ = load_model(str(tiny_checkpoints["llama"]), dtype="float32", device="cuda")
+    draft = truncated_model(model, 1)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, config.vocab_size, (n,), generator=gen).tolist() for n in (5, 17, 9)]
+
+    def make() -> DraftModelProposer:
+        return DraftModelProposer(draft, draft.config, target_vocab_size=config.vocab_size, num_steps=3,
+                                  max_total_tokens=512, max_requests=4, device="cuda",
+                                  config=EngineConfig(attention_backend=backend))
+
+    p = make()
+    for rid, prompt in enumerate(prompts):
+        p.start(rid, prompt)
+    first = p.propose([0, 1, 2], 3)
+    for tree, prompt in zip(first, prompts):
+        assert tree == DraftTree.chain(greedy(draft, config.vocab_size, prompt, 3, "cuda"))
+    appended = [*first[0].tokens[:1], 11]  # type: ignore[union-attr]
+    p.extend(0, appended)
+    fresh = make()
+    fresh.start(0, prompts[0] + appended)
+    assert p.propose([0], 3) == fresh.propose([0], 3)
+    for rid in range(3):
+        p.finish(rid)
+    assert p.allocator.num_free_pages == p.allocator.capacity_pages
+
