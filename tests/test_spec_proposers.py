@@ -355,3 +355,21 @@ def test_draft_proposer_on_cuda_matches_the_oracle(backend: str, tiny_checkpoint
         p.finish(rid)
     assert p.allocator.num_free_pages == p.allocator.capacity_pages
 
+
+
+def test_a_draft_pool_too_small_fails_the_propose_and_keeps_the_pool_consistent(smol) -> None:  # type: ignore[no-untyped-def]
+    from minisgl_ref.kvcache.allocator import OutOfPages
+
+    model, config, prompts = smol
+    draft = truncated_model(model, 2)
+    p = DraftModelProposer(draft, draft.config, target_vocab_size=config.vocab_size, num_steps=2,
+                           max_total_tokens=len(prompts[0]) + 4, max_requests=4)
+    p.start(0, prompts[0])
+    p.start(1, prompts[1])  # too long for what is left once request 0 is in
+    with pytest.raises(OutOfPages):
+        p.propose([0, 1], 2)
+    assert p.allocator.num_free_pages == p.allocator.capacity_pages  # nothing half-computed was kept
+    assert all(not r.slots for r in p.reqs.values())
+    p.finish(1)
+    (tree,) = p.propose([0], 2)  # the request that fits still drafts, and its draft is the oracle's
+    assert tree == DraftTree.chain(greedy(draft, config.vocab_size, prompts[0], 2))

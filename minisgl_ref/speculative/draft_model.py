@@ -117,7 +117,11 @@ class DraftModelProposer:
     ``--speculative-num-steps``); ``topk``: children per frontier node (``--speculative-eagle-topk``; 1 draws a
     chain); ``temperature``: 0 for greedy chains, else chains are sampled (with a generator seeded by ``seed``)
     and carry their distributions. ``max_requests`` and ``max_total_tokens`` size the draft's own page table and
-    KV pool; ``config`` picks the attention backend the way the engine's flags do (default: the device's)."""
+    KV pool; ``config`` picks the attention backend the way the engine's flags do (default: the device's).
+    A ``propose`` that does not fit the pool raises
+    :class:`~minisgl_ref.kvcache.allocator.OutOfPages` and keeps nothing of its step (the engine then verifies no
+    draft for those requests, or finishes some); the pool is the proposer's own, so the target never pays for
+    it."""
 
     def __init__(self, model: nn.Module, model_config: ModelConfig, *, target_vocab_size: int, num_steps: int = 4,
                  topk: int = 1, temperature: float = 0.0, seed: int = 0, max_requests: int = 64,
@@ -189,17 +193,27 @@ class DraftModelProposer:
                 self.allocator.free_slots(req.slots[-1:])
                 del req.slots[-1:]
         ids, positions, new_slots, prefix, extend = [], [], [], [], []
-        for req in reqs:
-            start, end = len(req.slots), len(req.tokens)
-            slots = self.allocator.alloc_tokens(start, req.slots[-1] if req.slots else 0, end - start)
-            self.req_to_token.write(req.row, start, slots)
-            req.slots.extend(slots.tolist())
-            ids += req.tokens[start:end]
-            positions += range(start, end)
-            new_slots += slots.tolist()
-            prefix.append(start)
-            extend.append(end - start)
-        return self._forward(ForwardMode.EXTEND, [r.row for r in reqs], ids, positions, new_slots, prefix, extend)
+        try:
+            for req in reqs:
+                start, end = len(req.slots), len(req.tokens)
+                slots = self.allocator.alloc_tokens(start, req.slots[-1] if req.slots else 0, end - start).tolist()
+                new_slots += slots
+                prefix.append(start)
+                self.req_to_token.write(req.row, start, torch.tensor(slots))
+                ids += req.tokens[start:end]
+                positions += range(start, end)
+                extend.append(end - start)
+            logits = self._forward(ForwardMode.EXTEND, [r.row for r in reqs], ids, positions, new_slots, prefix,
+                                   extend)
+        except Exception:
+            # Out of draft KV, say: nothing of this step happened (no request claims a slot whose KV was not
+            # written), and the caller decides what to do without drafts.
+            self.allocator.free_slots(new_slots)
+            raise
+        for req, start in zip(reqs, prefix):
+            req.slots.extend(new_slots[:len(req.tokens) - start])
+            del new_slots[:len(req.tokens) - start]
+        return logits
 
     def _forward(self, mode: ForwardMode, rows: list[int], ids: list[int], positions: list[int], slots: list[int],
                  prefix: list[int], extend: list[int]) -> torch.Tensor:
