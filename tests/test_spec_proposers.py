@@ -13,6 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minisgl_ref import SamplingParams
+from minisgl_ref.attention.torch_native import NoCacheAttentionBackend
+from minisgl_ref.core.forward_batch import ForwardBatch
 from minisgl_ref.core.request import Req
 from minisgl_ref.engine.naive import NaiveEngine
 from minisgl_ref.speculative.draft_model import DraftModelProposer, truncated_model
@@ -181,7 +183,7 @@ def smol():  # type: ignore[no-untyped-def]
     return model, config, [tokenizer.hf.encode(p) for p in PROMPTS]
 
 
-def greedy(model, vocab: int, prompt: list[int], n: int, device: str = "cpu") -> list[int]:  # type: ignore[no-untyped-def]
+def greedy(model: torch.nn.Module, vocab: int, prompt: list[int], n: int, device: str = "cpu") -> list[int]:
     """The chapter-00 oracle's greedy continuation of ``prompt`` by ``model``."""
     req = Req(list(prompt), SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True))
     NaiveEngine(model, vocab, device).run([req])
@@ -262,12 +264,8 @@ def test_draft_tree_nodes_are_the_models_top_k(smol) -> None:  # type: ignore[no
         assert tree.parents[0] == -1  # the best node of all is the root's most likely child
         built: list[list[int]] = []
         for tok, parent in zip(tree.tokens, tree.parents):
-            path = (built[parent] if parent >= 0 else [])
-            ids = torch.tensor(prompt + path)
-            from minisgl_ref.attention.torch_native import NoCacheAttentionBackend
-            from minisgl_ref.core.forward_batch import ForwardBatch
-
-            fb = ForwardBatch.for_full_sequences([ids.tolist()], NoCacheAttentionBackend())
+            path = built[parent] if parent >= 0 else []
+            fb = ForwardBatch.for_full_sequences([prompt + path], NoCacheAttentionBackend())
             with torch.inference_mode():
                 logits = draft.compute_logits(draft(fb.input_ids, fb.positions, fb)[-1:])
             assert tok in logits.topk(2, dim=-1).indices[0].tolist()
@@ -323,7 +321,7 @@ def test_empty_proposals() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["torch_native", "triton"])
-def test_draft_proposer_on_cuda_matches_the_oracle(backend: str, tiny_checkpoints) -> None:  # type: ignore[no-untyped-def]
+def test_draft_proposer_on_cuda_matches_the_oracle(backend: str, tiny_checkpoints: dict) -> None:
     """The chain, rollback and pool checks on a GPU, where the page table lives on the device (every write goes
     through the host copy and a pinned transfer) and the backend may be a real kernel. A small random Llama in
     float32, so that the draft's argmax and the oracle's agree."""
@@ -357,7 +355,7 @@ def test_draft_proposer_on_cuda_matches_the_oracle(backend: str, tiny_checkpoint
 
 
 
-def test_a_draft_pool_too_small_fails_the_propose_and_keeps_the_pool_consistent(smol) -> None:  # type: ignore[no-untyped-def]
+def test_a_draft_pool_too_small_fails_the_propose_and_keeps_nothing(smol) -> None:  # type: ignore[no-untyped-def]
     from minisgl_ref.kvcache.allocator import OutOfPages
 
     model, config, prompts = smol
