@@ -204,6 +204,8 @@ def test_truncated_model_shares_the_targets_weights(smol) -> None:  # type: igno
     assert draft.layers[3] is model.layers[3] and draft.lm_head is model.lm_head and draft.norm is model.norm
     with pytest.raises(ValueError, match="num_layers"):
         truncated_model(model, 31)
+    selfspec = DraftModelProposer.self_speculative(model, config, 3, max_total_tokens=64)
+    assert len(selfspec.model.layers) == 3 and len(selfspec.kv_pool.k) == 3  # a pool for its own layers only
 
 
 def test_draft_chain_equals_the_truncated_models_greedy_continuation(smol) -> None:  # type: ignore[no-untyped-def]

@@ -155,6 +155,14 @@ class DraftModelProposer:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.reqs: dict[int, _Draft] = {}
 
+    @classmethod
+    def self_speculative(cls, target: nn.Module, target_config: ModelConfig, num_layers: int,
+                         **kwargs: object) -> DraftModelProposer:
+        """Self-speculation: the draft is the first ``num_layers`` layers of ``target`` (:func:`truncated_model`,
+        sharing its weights); ``kwargs`` as for the constructor."""
+        draft = truncated_model(target, num_layers)
+        return cls(draft, draft.config, target_vocab_size=target_config.vocab_size, **kwargs)  # type: ignore[arg-type]
+
     # ------------------------------------------------------------------------------------------ the interface
 
     def start(self, rid: int, tokens: list[int]) -> None:
