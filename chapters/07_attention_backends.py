@@ -349,7 +349,11 @@ show_code(default_backends)
 # the base class declares every hook the engine calls, each with a default that means "not supported", so the
 # engine never has to ask what kind of backend it holds. Chapter 11 adds two more of them: extend steps in CUDA
 # graphs (`supports_extend_graph` and three hooks like the decode ones) and `use_decode_kernel`, through which
-# the engine hands the `flashinfer` backend a decode kernel of its own for large batches. On this CPU:
+# the engine hands the `flashinfer` backend a decode kernel of its own for large batches. Chapter 13 adds a
+# capability, `supports_custom_mask`: whether an extend step may narrow, row by row, which of its new tokens each
+# new token sees (`ForwardBatch.extend_masks`, a draft tree's ancestor mask). `torch_native`, `triton` and
+# `flashinfer` have it; FA3's kernels mask only causally, so it refuses such a step rather than ignore the mask.
+# On this CPU:
 
 # %%
 print("default on this machine:", default_backends(torch.device("cuda" if torch.cuda.is_available() else "cpu")))

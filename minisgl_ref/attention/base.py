@@ -30,7 +30,9 @@ any backend without asking what it is:
 - :meth:`~AttentionBackend.phase_backend`: which backend runs one phase's steps (a hybrid backend answers with
   one of its halves, every other backend with itself);
 - :meth:`~AttentionBackend.use_decode_kernel`: a :class:`DecodeKernel` handed in from outside for large decode
-  batches (chapter 11's split-KV kernel, which the FlashInfer backend accepts).
+  batches (chapter 11's split-KV kernel, which the FlashInfer backend accepts);
+- ``supports_custom_mask``: whether an extend step may restrict, per row, which of its new tokens each new token
+  sees (``ForwardBatch.extend_masks``; chapter 13's draft trees).
 """
 
 from __future__ import annotations
@@ -71,6 +73,14 @@ class AttentionBackend:
     supports_cuda_graph: bool = False
     #: Whether the three extend-graph hooks are implemented (chapter 11; extend steps run eagerly if not).
     supports_extend_graph: bool = False
+    #: Whether extend steps may carry ``ForwardBatch.extend_masks``: per-row masks over a row's new tokens that
+    #: take visibility away from the causal mask (chapter 13 verifies a draft *tree* in one row, each node seeing
+    #: only its ancestors). ``forward`` refuses a masked batch on a backend without it rather than attend causally
+    #: and silently change the result, so the engine must pick a backend that has it for such steps (and run
+    #: them eagerly: a captured extend graph replays without masks). ``torch_native`` (the oracle), ``triton``
+    #: and ``flashinfer`` have it; ``fa3`` has not: FlashAttention's kernels take only causal or sliding-window
+    #: masks, no arbitrary one.
+    supports_custom_mask: bool = False
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool) -> None:
         self.kv_pool = kv_pool
@@ -92,6 +102,10 @@ class AttentionBackend:
         decode, the new token is part of its own context); ``kv_stored=True`` says the model's RoPE kernel has
         written them already."""
         assert batch.out_cache_loc is not None
+        if batch.extend_masks is not None and not self.supports_custom_mask and batch.has_custom_mask:
+            raise ValueError(f"the {self.name} attention backend takes no custom attention mask, and this batch "
+                             f"carries extend_masks: use a backend with supports_custom_mask (torch_native, "
+                             f"triton or flashinfer)")
         decode = batch.mode.is_decode
         if not kv_stored:
             self.kv_pool.store(layer.layer_id, batch.out_cache_loc, k, v)

@@ -104,6 +104,9 @@ class FlashAttentionBackend(AttentionBackend):
     with a block table (FA2). ``page_size`` is the engine's page size (FA2 reads real pages)."""
 
     name = "fa3"
+    #: FlashAttention's kernels mask causally or by a sliding window, never by an arbitrary per-token mask: a
+    #: batch carrying ``ForwardBatch.extend_masks`` (draft trees) is refused, and runs on another backend.
+    supports_custom_mask = False
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, *, page_size: int = 1) -> None:
         super().__init__(kv_pool, req_to_token)

@@ -70,6 +70,7 @@ class FlashInferBackend(AttentionBackend):
 
     name = "flashinfer"
     supports_cuda_graph = True
+    supports_custom_mask = True  # extend: the prefill plan's custom_mask (see init_forward_metadata)
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, *, num_q_heads: int) -> None:
         import flashinfer  # the registry turns an ImportError into one clear line
@@ -151,8 +152,25 @@ class FlashInferBackend(AttentionBackend):
             self.active_decode_wrapper = self.decode_wrapper
         else:
             qo_indptr = indptr(batch.extend_lens_cpu)
+            # A masked step (ForwardBatch.extend_masks) hands FlashInfer every row's whole [new, context] mask
+            # instead of causal=True (its custom mask replaces the causal one for the whole batch).
+            mask = self._custom_mask(batch) if batch.has_custom_mask else None
             self.prefill_wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, H, KVH, D, 1,
-                                      causal=True, **self._plan_kwargs())  # fmt: skip
+                                      causal=mask is None, custom_mask=mask, **self._plan_kwargs())  # fmt: skip
+
+    def _custom_mask(self, batch: ForwardBatch) -> torch.Tensor:
+        """FlashInfer's ``custom_mask``: for each row, its ``[extend_len, prefix_len + extend_len]`` bool mask
+        (query i, key j: may i see j), flattened row-major, the rows back to back, on the device. The prefix
+        columns are all True; the new-token columns are the row's extend mask, or the causal triangle for a row
+        without one. FlashInfer packs it to bits itself (``segment_packbits``) with offsets it derives from
+        ``qo_indptr`` and ``kv_indptr``: a long causal row of a mixed step costs ``E x (P + E)`` bools here."""
+        batch.check_extend_masks()
+        assert batch.extend_masks is not None
+        parts = []
+        for m, p, e in zip(batch.extend_masks, batch.prefix_lens_cpu, batch.extend_lens_cpu):
+            new = torch.ones(e, e, dtype=torch.bool).tril() if m is None else m.to("cpu", torch.bool)
+            parts.append(torch.cat([torch.ones(e, p, dtype=torch.bool), new], dim=1).reshape(-1))
+        return torch.cat(parts).to(self.device, non_blocking=True)
 
     # -------------------------------------------------------------------------------------------- forward
 

@@ -185,6 +185,7 @@ class HybridAttnBackend(AttentionBackend):
         self.prefill, self.decode = prefill, decode
         self.name = f"{prefill.name}+{decode.name}"
         self.supports_cuda_graph = decode.supports_cuda_graph
+        self.supports_custom_mask = prefill.supports_custom_mask  # masks come with extend steps only
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         (self.decode if batch.mode.is_decode else self.prefill).init_forward_metadata(batch)

@@ -46,6 +46,27 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     # END TASK 0.1
 
 
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     visible: torch.Tensor) -> torch.Tensor:
+    """:func:`reference_attention` with the visibility spelled out instead of causal: ``visible`` is ``[Lq, Lk]``
+    bool, True where query i may see key j (each query must see at least one key). A row whose new tokens form a
+    draft tree (``ForwardBatch.extend_masks``) sees its whole prefix and, among its new tokens, its ancestors."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    scores.masked_fill_(~visible.to(scores.device), float("-inf"))
+    out = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v.float())
+    return out.to(q.dtype)
+
+
+def extend_visibility(prefix_len: int, mask: torch.Tensor) -> torch.Tensor:
+    """``[E, prefix + E]`` bool: a row's whole visibility, from its mask over its ``E`` new tokens (the prefix is
+    visible to all of them)."""
+    prefix = torch.ones(mask.shape[0], prefix_len, dtype=torch.bool, device=mask.device)
+    return torch.cat([prefix, mask], dim=1)
+
+
 class NoCacheAttentionBackend(AttentionBackend):
     """The chapter-00 backend: no KV cache. Every step feeds each request's *whole* sequence, so a sequence's
     keys and values are exactly the k and v of this forward pass: nothing is stored, and there is no decode."""
@@ -59,6 +80,8 @@ class NoCacheAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         if batch.mode.is_decode or any(batch.prefix_lens_cpu):
             raise ValueError("NoCacheAttentionBackend stores no KV: every step must feed whole sequences")
+        if batch.has_custom_mask:
+            raise ValueError("NoCacheAttentionBackend takes no custom attention mask (extend_masks)")
         outs = []
         start = 0
         for length in batch.extend_lens_cpu:
@@ -74,9 +97,14 @@ class TorchNativeBackend(AttentionBackend):
     per request: slow, simple, and the reference for the Triton/FlashInfer/FA3 backends of chapter 07.
 
     No CUDA graphs: the per-request Python loop and the host-side lengths it slices with cannot be recorded into a
-    graph, so the engine runs decode eagerly with this backend."""
+    graph, so the engine runs decode eagerly with this backend.
+
+    Custom masks (``ForwardBatch.extend_masks``): a masked row spells out its visibility, prefix then mask
+    (:func:`extend_visibility`, built once per step), and runs :func:`masked_attention`."""
 
     name = "torch_native"
+    supports_custom_mask = True
+    row_visibility: list[torch.Tensor | None] | None = None  # this step's masked rows' [E, L] visibility
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         # Computed once per step, used by every layer: where each request's context lives in the pool.
@@ -84,15 +112,25 @@ class TorchNativeBackend(AttentionBackend):
         rows = batch.req_pool_indices.tolist()
         table = self.req_to_token.table
         self.context_slots = [table[r, :n].to(torch.int64) for r, n in zip(rows, batch.seq_lens_cpu)]
+        self.row_visibility = None
+        if batch.has_custom_mask:
+            batch.check_extend_masks()
+            assert batch.extend_masks is not None
+            self.row_visibility = [None if m is None else extend_visibility(p, m.to(self.device))
+                                   for m, p in zip(batch.extend_masks, batch.prefix_lens_cpu)]
 
     def attend_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         k_all, v_all = self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id]
+        masks = self.row_visibility if not batch.mode.is_decode else None
         outs, start = [], 0
-        for slots, length in zip(self.context_slots, batch.extend_lens_cpu):
+        for b, (slots, length) in enumerate(zip(self.context_slots, batch.extend_lens_cpu)):
             end = start + length
-            outs.append(reference_attention(q[start:end], k_all[slots], v_all[slots], layer.scale))
+            if masks is not None and masks[b] is not None:
+                outs.append(masked_attention(q[start:end], k_all[slots], v_all[slots], layer.scale, masks[b]))
+            else:
+                outs.append(reference_attention(q[start:end], k_all[slots], v_all[slots], layer.scale))
             start = end
         return torch.cat(outs).flatten(1)
 
@@ -140,6 +178,7 @@ class TorchStaticBackend(TorchNativeBackend):
             self.context_slots = [table[r, : p + e].to(torch.int64)
                                   for r, p, e in zip(self.extend_rows[:rows].tolist(), prefix, extend)]
             batch = dataclasses.replace(batch, extend_lens_cpu=extend, prefix_lens_cpu=prefix)
+            self.row_visibility = None  # a graph replays causal rows only (masked steps run eagerly)
         return super().attend_extend(q, k, v, layer, batch)
 
     def init_extend_graph_buffers(self, max_rows: int) -> None:

@@ -38,6 +38,7 @@ from minisgl_ref.attention.triton_kernels import (
     extend_attention_fwd,
     extend_launch_config,
 )
+from minisgl_ref.attention.triton_kernels.extend_attention import pack_extend_masks
 from minisgl_ref.attention.utils import indptr
 
 if TYPE_CHECKING:
@@ -64,6 +65,9 @@ class TritonMetadata:
     qo_indptr: torch.Tensor | None = None  # [B + 1] int32
     max_extend_len: int = 0
     extend_config: dict[str, int] = field(default_factory=dict)  # tile sizes for this step's extend kernel
+    # extend with ForwardBatch.extend_masks: the masks packed for the kernel (extend_attention.pack_extend_masks)
+    custom_mask: torch.Tensor | None = None  # uint8, the masked requests' [E, E] masks back to back
+    mask_offsets: torch.Tensor | None = None  # [B] int64: where each request's mask starts, -1 if causal
     # decode only: split-KV scratch, float32, [B, H, max_splits, D] and [B, H, max_splits]
     max_splits: int = 1
     mid_o: torch.Tensor | None = None
@@ -81,6 +85,7 @@ class TritonAttnBackend(AttentionBackend):
 
     name = "triton"
     supports_cuda_graph = True
+    supports_custom_mask = True  # the extend kernel reads ForwardBatch.extend_masks (chapter 13)
 
     def __init__(
         self,
@@ -161,6 +166,12 @@ class TritonAttnBackend(AttentionBackend):
             md.extend_config = extend_launch_config(max(batch.prefix_lens_cpu))
         self.forward_metadata = md
         # END TASK 7.2
+        if batch.has_custom_mask:  # draft trees (chapter 13): packed once per step, read by every layer
+            batch.check_extend_masks()
+            assert batch.extend_masks is not None
+            meta = self.forward_metadata
+            assert meta is not None
+            meta.custom_mask, meta.mask_offsets = pack_extend_masks(batch.extend_masks, self.device)
 
     def _split_scratch(self, bs: int, num_heads: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
         mid_o = torch.empty(bs, num_heads, splits, self.head_dim, dtype=torch.float32, device=self.device)
@@ -180,7 +191,7 @@ class TritonAttnBackend(AttentionBackend):
         extend_attention_fwd(
             _last_dim_contiguous(q), _last_dim_contiguous(k.to(k_buf.dtype)), _last_dim_contiguous(v.to(v_buf.dtype)),
             o, k_buf, v_buf, md.qo_indptr, md.kv_indptr, md.kv_indices, md.max_extend_len, layer.scale,
-            **md.extend_config,
+            **md.extend_config, custom_mask=md.custom_mask, mask_offsets=md.mask_offsets,
         )  # fmt: skip
         return o.flatten(1)
 

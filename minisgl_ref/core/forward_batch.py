@@ -55,6 +55,38 @@ class ForwardBatch:
     # Further tokens whose logits are wanted, by flat index: every position of a row that feeds a guess to check
     # (chapter 13). None (nearly every step): only the last tokens'. The forward pass then returns [B + M] logits.
     extra_logit_indices: torch.Tensor | None = None  # [M]
+    #: Which of its own new tokens each new token may attend to, per row of an EXTEND batch (chapter 13's draft
+    #: trees): None (every row causal), or one entry per row, in row order. Entry ``b`` is None for a causal row,
+    #: or a bool tensor ``[extend_lens_cpu[b], extend_lens_cpu[b]]`` on any device (the backend copies it over):
+    #: ``[i, j]`` True means row b's new token i may attend to its new token j. It must be lower triangular with
+    #: a true diagonal (a token sees itself and, among the new tokens, only earlier ones), so it can only take
+    #: visibility away from the causal mask: a draft tree in topological order gives such a mask
+    #: (``DraftTree.mask()``). The row's ``prefix_lens_cpu[b]`` cached tokens stay visible to all its new tokens.
+    #: The mask does not move positions: whoever builds the batch sets them (a tree node at ``prefix + depth``).
+    #: Only a backend that declares ``supports_custom_mask`` takes a batch with a mask; any other raises.
+    extend_masks: list[torch.Tensor | None] | None = None
+
+    @property
+    def has_custom_mask(self) -> bool:
+        """Whether some row attends through ``extend_masks`` rather than causally."""
+        return self.extend_masks is not None and any(m is not None for m in self.extend_masks)
+
+    def check_extend_masks(self) -> None:
+        """Raise ValueError unless ``extend_masks`` keeps its contract (see the field). Shapes and dtypes are
+        checked on the host; the triangle only for masks on the CPU, since reading a device tensor would wait."""
+        if self.extend_masks is None:
+            return
+        if self.mode.is_decode:
+            raise ValueError("extend_masks belong to EXTEND batches: a decode row has one new token")
+        if len(self.extend_masks) != self.batch_size:
+            raise ValueError(f"extend_masks has {len(self.extend_masks)} entries for {self.batch_size} rows")
+        for b, (m, e) in enumerate(zip(self.extend_masks, self.extend_lens_cpu)):
+            if m is None:
+                continue
+            if m.dtype != torch.bool or tuple(m.shape) != (e, e):
+                raise ValueError(f"row {b}'s extend mask must be [{e}, {e}] bool, got {tuple(m.shape)} {m.dtype}")
+            if m.device.type == "cpu" and not (torch.equal(m, m.tril()) and bool(m.diagonal().all())):
+                raise ValueError(f"row {b}'s extend mask must be lower triangular with a true diagonal")
 
     @property
     def batch_size(self) -> int:

@@ -553,6 +553,36 @@ def temperature_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: 
     return sample_from_probs(probs, seeds, steps)
 
 
+def penalised_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """float32 logits after the logit bias and the penalties: what a greedy row takes the argmax of, and what a
+    sampled row's temperature divides. Named on its own so that a caller outside the sampler (speculative
+    decoding's acceptance rule, chapter 13) processes logits exactly as a plain step does."""
+    logits = logits.float()
+    if info.logit_bias is not None:
+        logits = logits + info.logit_bias
+    if info.need_penalties:
+        logits = apply_penalties(logits, info)
+    return logits
+
+
+def sampling_temperatures(info: SamplingBatchInfo) -> torch.Tensor:
+    """[B] float32: each row's temperature, with 1 for greedy rows, which the argmax answers: the division by
+    their (near-zero) temperature would not stay finite."""
+    return torch.where(info.greedy_mask(), torch.ones_like(info.temperatures), info.temperatures)
+
+
+def sampling_probs(logits: torch.Tensor, info: SamplingBatchInfo,
+                   temperatures: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, V] float32: the distribution a sampled row draws its token from, given its :func:`penalised_logits`:
+    ``softmax(logits / T)``, then top-k / top-p / min-p and renormalisation where some row asks for them."""
+    if temperatures is None:
+        temperatures = sampling_temperatures(info)
+    probs = torch.softmax(logits / temperatures[:, None], dim=-1)
+    if info.need_filtering:
+        probs = top_k_top_p_min_p_filter(probs, info.top_ks, info.top_ps, info.min_ps)
+    return probs
+
+
 @dataclass
 class StepLogprobs:
     """Per row of a step: the log probability of the token sampled there, and the ``k`` most likely tokens with
@@ -607,25 +637,18 @@ class Sampler:
         # float32 itself (exactly); every other path needs a float32 copy first.
         one_pass = (fuse and info.logit_bias is None and not info.need_penalties and not info.all_greedy
                     and not info.need_filtering and top_logprobs < 0)
-        if not one_pass:
-            logits = logits.float()
-        if info.logit_bias is not None:
-            logits = logits + info.logit_bias
-        if info.need_penalties:
-            logits = apply_penalties(logits, info)
+        if not one_pass:  # (the one-pass case has neither a logit bias nor penalties to apply)
+            logits = penalised_logits(logits, info)
         if info.all_greedy:
             tokens = logits.argmax(dim=-1)  # ties go to the lowest id, as in every torch argmax
             return tokens, token_logprobs(logits, tokens, top_logprobs) if top_logprobs >= 0 else None
 
         greedy = info.greedy_mask()
-        # Greedy rows are answered by argmax below; give them T = 1 here so the division stays finite.
-        temperatures = torch.where(greedy, torch.ones_like(info.temperatures), info.temperatures)
+        temperatures = sampling_temperatures(info)
         if fuse and not info.need_filtering:  # plain temperature sampling: one pass over the logits
             tokens = fused_draw.temperature_sample(logits, temperatures, info.seeds, info.steps)
         else:
-            probs = torch.softmax(logits / temperatures[:, None], dim=-1)
-            if info.need_filtering:
-                probs = top_k_top_p_min_p_filter(probs, info.top_ks, info.top_ps, info.min_ps)
+            probs = sampling_probs(logits, info, temperatures)
             draw = fused_draw.sample_from_probs if fuse else sample_from_probs
             tokens = draw(probs, info.seeds, info.steps)
         if info.any_greedy:  # argmax in bf16 picks the same id as in float32: the conversion is exact

@@ -54,6 +54,12 @@ class DraftTree:
             out.append(1 if p < 0 else out[p] + 1)
         return out
 
+    def positions(self, root_position: int) -> list[int]:
+        """The verify row's positions, root first: the root at ``root_position`` (the number of the request's
+        tokens already in the KV cache), node i at ``root_position + depth``. Siblings share a position: each is a
+        guess for the same place in the sequence, and RoPE must rotate it as if it stood there alone."""
+        return [root_position] + [root_position + d for d in self.depths()]
+
     def children(self, node: int) -> list[int]:
         """The children of ``node`` (-1: of the root), in node order."""
         return [i for i, p in enumerate(self.parents) if p == node]

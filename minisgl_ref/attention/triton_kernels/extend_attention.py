@@ -40,6 +40,8 @@ def _extend_kernel(
     qo_indptr,  # [B + 1]: request b's new tokens are rows qo_indptr[b] .. qo_indptr[b + 1] of Q/K_Extend/O
     kv_indptr,  # [B + 1]: request b's prefix slots are kv_indices[kv_indptr[b] .. kv_indptr[b + 1]]
     kv_indices,
+    custom_mask,  # HAS_MASK: uint8, every masked request's [extend_len, extend_len] mask, row-major, back to back
+    mask_offsets,  # HAS_MASK: [B] int64, where request b's mask starts in custom_mask, or -1 (causal)
     sm_scale_log2,
     stride_qt,
     stride_qh,
@@ -60,6 +62,7 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    HAS_MASK: tl.constexpr = False,
 ):
     # Index arithmetic in int64 from the start (see the package docstring).
     b = tl.program_id(0).to(tl.int64)
@@ -121,8 +124,14 @@ def _extend_kernel(
             m_i = m_new
 
         # Part 2: the new tokens themselves, causally: new token i sees new tokens 0..i. Key blocks after this
-        # program's last query are skipped entirely.
+        # program's last query are skipped entirely. A request with a custom mask (HAS_MASK and an offset >= 0)
+        # also drops what its mask forbids; the mask is lower triangular, so the same blocks are skipped.
         causal_end = tl.minimum(extend_len, (block_m + 1) * BLOCK_M)
+        if HAS_MASK:
+            mask_start = tl.load(mask_offsets + b)
+            # The request's real queries, if it has a mask (none otherwise). Made a [BLOCK_M] vector before it
+            # meets a load's mask: Triton's interpreter refuses a mask combined with a scalar condition.
+            tree_m = mask_m & ((offs_m * 0 + mask_start) >= 0)
         for start_n in range(0, causal_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             mask_n = offs_n < extend_len
@@ -135,6 +144,14 @@ def _extend_kernel(
                 k = k.to(tl.float32)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
             visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
+            if HAS_MASK:
+                # Entries outside the request's square read as 1 (no change); a causal request reads none.
+                allowed = tl.load(
+                    custom_mask + mask_start + offs_m[:, None] * extend_len + offs_n[None, :],
+                    mask=tree_m[:, None] & mask_n[None, :],
+                    other=1,
+                )
+                visible = visible & (allowed != 0)
             qk = tl.where(visible, qk, float("-inf"))
             v = tl.load(
                 V_Extend + (qo_start + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
@@ -142,8 +159,13 @@ def _extend_kernel(
                 other=0.0,
             )
             m_new = tl.maximum(m_i, tl.max(qk, 1))  # the same online-softmax step as in part 1
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
+            m_sub = m_new
+            if HAS_MASK:
+                # Without a prefix, a masked query may see no key of the first blocks: its running max is still
+                # -inf, and exp2(-inf - -inf) would be NaN. Subtracting 0 there adds exactly nothing (p = 0).
+                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_sub)
+            p = tl.exp2(qk - m_sub[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             p = p.to(v.dtype)
             if UPCAST:
@@ -185,9 +207,14 @@ def extend_attention_fwd(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 1,
+    custom_mask: torch.Tensor | None = None,
+    mask_offsets: torch.Tensor | None = None,
 ) -> None:
     """q, o: [T, H, D]; k_extend, v_extend: [T, KVH, D] (this pass's new tokens); k_buffer, v_buffer:
-    [slots, KVH, D] holding every request's prefix at ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``."""
+    [slots, KVH, D] holding every request's prefix at ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``.
+
+    ``custom_mask`` / ``mask_offsets`` (both or neither; :func:`pack_extend_masks` builds them): per-request masks
+    over the new tokens (``ForwardBatch.extend_masks``), each lower triangular with a true diagonal."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_extend.shape[1]
     group = num_heads // num_kv_heads
@@ -200,12 +227,31 @@ def extend_attention_fwd(
     block_d = max(16, triton.next_power_of_2(head_dim))
     upcast = interpreted(_extend_kernel) and q.dtype == torch.bfloat16
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"  # fp32: exact products, not TF32
+    has_mask = custom_mask is not None
+    assert has_mask == (mask_offsets is not None), "custom_mask and mask_offsets go together"
     grid = (batch, num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
         q, k_extend, v_extend, k_buffer, v_buffer, o, qo_indptr, kv_indptr, kv_indices,
+        custom_mask if has_mask else qo_indptr, mask_offsets if has_mask else qo_indptr,  # unused without a mask
         sm_scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_extend.stride(0), k_extend.stride(1), v_extend.stride(0), v_extend.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), o.stride(0), o.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PRECISION=precision, UPCAST=upcast, num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=precision, UPCAST=upcast, HAS_MASK=has_mask, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+
+
+def pack_extend_masks(masks: list[torch.Tensor | None], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ForwardBatch.extend_masks`` as the kernel reads them: the masked requests' ``[E, E]`` masks flattened
+    back to back as uint8 on ``device``, and each request's start in it (-1 for a causal request), int64. Built
+    on the host and copied once per step."""
+    offsets, parts, total = [], [], 0
+    for m in masks:
+        if m is None:
+            offsets.append(-1)
+            continue
+        offsets.append(total)
+        parts.append(m.reshape(-1).to("cpu", torch.uint8))
+        total += m.numel()
+    flat = torch.cat(parts) if parts else torch.ones(1, dtype=torch.uint8)
+    return flat.to(device, non_blocking=True), torch.tensor(offsets, dtype=torch.int64).to(device, non_blocking=True)

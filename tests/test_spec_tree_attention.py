@@ -1,0 +1,315 @@
+"""Tree attention masks (chapter 13): ``ForwardBatch.extend_masks`` through the attention backends.
+
+A verify row holds a request's last known token (the root) and its draft tree's nodes, in topological order. With
+the tree's ancestor mask, each node's attention output must equal a plain causal computation over the cached
+prefix plus that node's ancestor path (the chapter-00 ``reference_attention`` with one query): the tree evaluates
+every path at once. Checked for torch_native (the oracle) on the CPU, the Triton extend kernel (its interpreter
+on the CPU, compiled on a GPU) against it, FlashInfer on a GPU, and the whole tiny model: a verify row's logits
+at each node are those of the full sequence ending in that node's path, which also shows that nothing in the model
+needs consecutive positions within a row (tree nodes sit at ``prefix + depth``).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from minisgl_ref.attention.base import AttentionBackend
+from minisgl_ref.attention.registry import HybridAttnBackend
+from minisgl_ref.attention.torch_native import NoCacheAttentionBackend, TorchNativeBackend, reference_attention
+from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
+from minisgl_ref.kvcache.allocator import PageAllocator
+from minisgl_ref.kvcache.pool import KVPool
+from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
+from minisgl_ref.layers.attention import AttentionLayer
+from minisgl_ref.speculative.tree import DraftTree
+from tests.engine_fixtures import tiny_engine_path, tiny_llm  # noqa: F401 - fixtures
+
+#: A bushy tree: two children of the root, node 0 with two children, node 3 with one; node 6 a third root child.
+BUSHY = DraftTree((5, 6, 7, 8, 9, 10, 11), (-1, -1, 0, 0, 1, 3, -1))
+CHAIN = DraftTree.chain([1, 2, 3, 4])
+ROOT_ONLY = DraftTree((), ())
+
+Row = tuple[int, "DraftTree | int"]  # (prefix length, a draft tree for a verify row or a causal row's length)
+
+
+@dataclass
+class Case:
+    rows: list[Row]
+    batch: ForwardBatch
+    pool: KVPool
+    table: ReqToTokenPool
+    layer: AttentionLayer
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def make_case(rows: list[Row], *, page_size: int, num_kv_heads: int = 2, gqa: int = 2, head_dim: int = 16,
+              dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> Case:
+    """Rows laid out as the engine lays them out (pages from a shuffled PageAllocator, a page-table row each);
+    a tree row's positions are ``prefix + depth`` and its mask the tree's ancestor mask."""
+    rng = random.Random(seed)
+    gen = torch.Generator(device).manual_seed(seed)
+    specs = [(p, len(r) + 1 if isinstance(r, DraftTree) else r) for p, r in rows]
+    num_pages = sum(p + e for p, e in specs) // page_size + 2 * len(specs) + 2
+    allocator = PageAllocator(num_pages, page_size, device)
+    rng.shuffle(allocator._free)
+    table = ReqToTokenPool(len(specs) + 1, max(p + e for p, e in specs) + 1, device)
+    pool = KVPool(1, num_pages * page_size, num_kv_heads, head_dim, dtype, device)
+    pool.k[0].normal_(generator=gen)
+    pool.v[0].normal_(generator=gen)
+    new_slots, positions = [], []
+    for row, ((prefix, extend), (_, r)) in enumerate(zip(specs, rows)):
+        pre = allocator.alloc_tokens(0, 0, prefix)
+        table.write(row, 0, pre)
+        new = allocator.alloc_tokens(prefix, int(pre[-1]) if prefix else 0, extend)
+        table.write(row, prefix, new)
+        new_slots.append(new)
+        positions += r.positions(prefix) if isinstance(r, DraftTree) else [prefix + i for i in range(extend)]
+    masks = [r.mask() if isinstance(r, DraftTree) else None for _, r in rows]
+    num_tokens, num_heads = sum(e for _, e in specs), num_kv_heads * gqa
+    q = 2 * torch.randn(num_tokens, num_heads, head_dim, generator=gen, device=device, dtype=dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
+    batch = ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        extend_lens_cpu=[e for _, e in specs], prefix_lens_cpu=[p for p, _ in specs],
+        attn_backend=None,  # type: ignore[arg-type]
+        req_pool_indices=torch.arange(len(specs), dtype=torch.int64, device=device),
+        out_cache_loc=torch.cat(new_slots).to(device),
+        extend_masks=masks if any(m is not None for m in masks) else None,
+    )
+    return Case(rows, batch, pool, table, AttentionLayer(0, num_heads, num_kv_heads, head_dim), q, k, v)
+
+
+def test_tree_positions_are_prefix_plus_depth():
+    assert BUSHY.positions(9) == [9, 10, 10, 11, 11, 11, 12, 10]
+    assert CHAIN.positions(0) == [0, 1, 2, 3, 4] and ROOT_ONLY.positions(5) == [5]
+
+
+def run(case: Case, backend: AttentionBackend) -> torch.Tensor:
+    case.batch.attn_backend = backend
+    backend.init_forward_metadata(case.batch)
+    return backend.forward(case.q, case.k, case.v, case.layer, case.batch)
+
+
+def ancestors(tree: DraftTree, offset: int) -> list[int]:
+    """The verify-row offsets a tree offset may see: the root, its ancestors and itself, in row order."""
+    path, node = [offset], offset - 1
+    while node >= 0:
+        node = tree.parents[node]
+        path.append(node + 1)
+    return sorted(set(path))
+
+
+def path_by_path(case: Case) -> torch.Tensor:
+    """The expected output, from the pool (the new K/V stored): each tree node as the last query of a plain causal
+    sequence ``prefix + its ancestor path``; each causal row as itself. float32, [T, H * D]."""
+    k_all, v_all = case.pool.k[0].float(), case.pool.v[0].float()
+    outs, start = [], 0
+    for b, (prefix, r) in enumerate(case.rows):
+        extend = case.batch.extend_lens_cpu[b]
+        slots = case.table.table[b, : prefix + extend].long()
+        q = case.q[start : start + extend].float()
+        if isinstance(r, DraftTree):
+            for a in range(extend):
+                keys = torch.cat([slots[:prefix], slots[prefix + torch.tensor(ancestors(r, a))]])
+                outs.append(reference_attention(q[a : a + 1], k_all[keys], v_all[keys], case.layer.scale))
+        else:
+            outs.append(reference_attention(q, k_all[slots], v_all[slots], case.layer.scale))
+        start += extend
+    return torch.cat(outs).flatten(1)
+
+
+MIXED = [(9, BUSHY), (5, 6), (0, CHAIN), (13, ROOT_ONLY), (3, BUSHY)]
+
+
+# ------------------------------------------------------------------------------------------ torch_native (CPU)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("rows", [[(11, BUSHY)], MIXED], ids=["one-tree", "mixed"])
+def test_torch_native_tree_row_equals_each_path(page_size, rows):
+    case = make_case(rows, page_size=page_size)
+    out = run(case, TorchNativeBackend(case.pool, case.table))
+    torch.testing.assert_close(out, path_by_path(case), rtol=1e-5, atol=1e-6)
+
+
+def test_a_tree_mask_changes_the_result():
+    """The same row without its mask (causal) differs at every node that has a non-ancestor before it."""
+    case = make_case([(7, BUSHY)], page_size=1)
+    masked = run(case, TorchNativeBackend(case.pool, case.table))
+    case.batch.extend_masks = None
+    causal = run(case, TorchNativeBackend(case.pool, case.table))
+    differs = [not torch.allclose(masked[a], causal[a]) for a in range(len(BUSHY) + 1)]
+    # The root and its first child (offsets 0 and 1) have only ancestors before them; from offset 2 on (node 1,
+    # whose predecessor node 0 is its sibling) every offset has a non-ancestor before it.
+    assert differs == [False, False, True, True, True, True, True, True]
+
+
+def test_a_chain_mask_is_the_causal_mask():
+    case = make_case([(6, CHAIN)], page_size=4)
+    masked = run(case, TorchNativeBackend(case.pool, case.table))
+    case.batch.extend_masks = None
+    torch.testing.assert_close(masked, run(case, TorchNativeBackend(case.pool, case.table)), rtol=1e-6, atol=1e-7)
+
+
+class CausalOnly(TorchNativeBackend):
+    name = "causal_only"
+    supports_custom_mask = False
+
+
+def test_a_backend_without_masks_refuses_a_masked_batch():
+    case = make_case(MIXED, page_size=1)
+    with pytest.raises(ValueError, match="causal_only attention backend takes no custom attention mask"):
+        run(case, CausalOnly(case.pool, case.table))
+    case.batch.extend_masks = [None] * len(MIXED)  # entries all None: no mask, nothing to refuse
+    run(case, CausalOnly(case.pool, case.table))
+
+
+def test_the_no_cache_oracle_refuses_a_mask():
+    batch = ForwardBatch.for_full_sequences([[1, 2, 3]], NoCacheAttentionBackend())
+    batch.extend_masks = [DraftTree.chain([2, 3]).mask()]
+    q = torch.zeros(3, 2, 4)
+    with pytest.raises(ValueError, match="no custom attention mask"):
+        batch.attn_backend.forward(q, q, q, AttentionLayer(0, 2, 2, 4), batch)
+
+
+def test_capability_flags():
+    assert TorchNativeBackend.supports_custom_mask and not AttentionBackend.supports_custom_mask
+    case = make_case([(2, 3)], page_size=1)
+    native, causal = TorchNativeBackend(case.pool, case.table), CausalOnly(case.pool, case.table)
+    assert HybridAttnBackend(native, causal).supports_custom_mask  # masks come with extend steps: prefill's
+    assert not HybridAttnBackend(causal, native).supports_custom_mask
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda m: m[:-1], "must be"),
+    (lambda m: m.int(), "bool"),
+    (lambda m: m | torch.ones_like(m).triu(1), "lower triangular"),
+    (lambda m: m & ~torch.eye(m.shape[0], dtype=torch.bool), "true diagonal"),
+], ids=["shape", "dtype", "upper", "diagonal"])
+def test_a_broken_mask_is_refused(bad, match):
+    case = make_case([(4, BUSHY)], page_size=1)
+    case.batch.extend_masks = [bad(BUSHY.mask())]
+    with pytest.raises(ValueError, match=match):
+        run(case, TorchNativeBackend(case.pool, case.table))
+
+
+def test_masks_belong_to_extend_batches():
+    case = make_case([(4, BUSHY)], page_size=1)
+    case.batch.mode = ForwardMode.DECODE
+    with pytest.raises(ValueError, match="EXTEND"):
+        case.batch.check_extend_masks()
+    case = make_case([(4, BUSHY), (2, 2)], page_size=1)
+    case.batch.extend_masks = [BUSHY.mask()]
+    with pytest.raises(ValueError, match="1 entries for 2 rows"):
+        case.batch.check_extend_masks()
+
+
+# ------------------------------------------------------------------------------------ the model, end to end
+
+
+def test_model_verify_row_gives_each_paths_logits(tiny_llm):  # noqa: F811 - fixture
+    """The tiny model over prefix + a tree row (positions prefix + depth, the tree mask, torch_native) gives at
+    every offset the logits the chapter-00 oracle gives for the whole sequence ending in that offset's path."""
+    model, cfg = tiny_llm.model, tiny_llm.config
+    prefix = [3, 17, 42, 8, 99, 23, 5]
+    root, tree = 61, BUSHY
+    table = ReqToTokenPool(1, 64)
+    pool = KVPool(cfg.num_layers, 64, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    backend = TorchNativeBackend(pool, table)
+    slots = torch.randperm(63, generator=torch.Generator().manual_seed(0))[: len(prefix) + len(tree) + 1] + 1
+    table.write(0, 0, slots)
+
+    def step(ids: list[int], start: int, positions: list[int], mask: torch.Tensor | None) -> torch.Tensor:
+        batch = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=torch.tensor(ids), positions=torch.tensor(positions),
+                             extend_lens_cpu=[len(ids)], prefix_lens_cpu=[start], attn_backend=backend,
+                             req_pool_indices=torch.tensor([0]), out_cache_loc=slots[start : start + len(ids)],
+                             extend_masks=None if mask is None else [mask])
+        backend.init_forward_metadata(batch)
+        with torch.no_grad():
+            return model.compute_logits(model(batch.input_ids, batch.positions, batch))
+
+    step(prefix, 0, list(range(len(prefix))), None)
+    p = len(prefix)
+    row = step([root, *tree.tokens], p, tree.positions(p), tree.mask())
+    oracle = NoCacheAttentionBackend()
+    for a in range(len(tree) + 1):
+        seq = prefix + [root] + [tree.tokens[o - 1] for o in ancestors(tree, a) if o > 0]
+        full = ForwardBatch.for_full_sequences([seq], oracle)
+        with torch.no_grad():
+            want = model.compute_logits(model(full.input_ids, full.positions, full))[-1]
+        torch.testing.assert_close(row[a], want, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------- Triton (interpreter on CPU, or a GPU)
+
+
+def triton_backend(case: Case):  # type: ignore[no-untyped-def]
+    pytest.importorskip("triton")
+    from minisgl_ref.attention.triton_backend import TritonAttnBackend, triton_interpret_mode
+
+    if case.pool.k[0].device.type == "cpu" and not triton_interpret_mode():
+        pytest.skip("triton was imported without TRITON_INTERPRET=1 (tests/test_attention_backends.py covers it)")
+    return TritonAttnBackend(case.pool, case.table)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_triton_extend_kernel_takes_tree_masks(page_size):
+    case = make_case(MIXED, page_size=page_size, device="cuda" if torch.cuda.is_available() else "cpu")
+    out = run(case, triton_backend(case))
+    torch.testing.assert_close(out.cpu(), path_by_path(case).cpu(), rtol=1e-4, atol=1e-5)
+
+
+def test_triton_masked_query_that_sees_no_key_of_a_block():
+    """No prefix, tiles of 16, and a mask under which tokens 16.. see none of tokens 0..15: their first key block
+    is all masked, which the kernel's online softmax must survive (no NaN)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    case = make_case([(0, 40)], page_size=1, device=device)
+    mask = torch.ones(40, 40, dtype=torch.bool).tril()
+    mask[16:, :16] = False
+    case.batch.extend_masks = [mask]
+    backend = triton_backend(case)
+    backend.init_forward_metadata(case.batch)
+    assert backend.forward_metadata is not None
+    backend.forward_metadata.extend_config = dict(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    out = backend.forward(case.q, case.k, case.v, case.layer, case.batch)
+    ref = run(case, TorchNativeBackend(case.pool, case.table))
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------- GPU
+
+
+def gpu_cases() -> list[list[Row]]:
+    rng = random.Random(3)
+    wide = DraftTree(tuple(range(40)), tuple(rng.randint(-1, i - 1) for i in range(40)))
+    return [[(1000, wide), (300, 200), (0, BUSHY), (77, CHAIN)], [(5, wide)] * 8]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["triton", "flashinfer"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_gpu_backends_take_tree_masks(name, page_size):
+    for rows in gpu_cases():
+        case = make_case(rows, page_size=page_size, num_kv_heads=4, gqa=4, head_dim=128, dtype=torch.bfloat16,
+                         device="cuda")
+        if name == "triton":
+            backend = triton_backend(case)
+        else:
+            pytest.importorskip("flashinfer")
+            from minisgl_ref.attention.flashinfer_backend import FlashInferBackend
+
+            backend = FlashInferBackend(case.pool, case.table, num_q_heads=case.layer.num_heads)
+        out = run(case, backend).float()
+        ref = path_by_path(case)
+        err = ((out - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, f"{name}: relative error {err:.2e}"
