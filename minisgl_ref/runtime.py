@@ -117,7 +117,7 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
         raise ValueError(f"engine must be 'paged' or 'naive', got {kind!r}")
     if (group is not None or tp.enabled) and kind != "paged":
         raise ValueError(f"tp_size={tp.tp_size} needs engine='paged' (the naive oracle runs on one device)")
-    check_combination(speculative, kind=kind, tp_enabled=group is not None or tp.enabled)
+    check_combination(speculative, kind=kind, tp_enabled=group is not None or tp.enabled, engine=engine)
     if group is None and tp.enabled:
         group = TPGroup.launch(tp, follow_leader, (model, engine))  # checks the flags before it starts anything
     phases: dict[str, float] = {}

@@ -20,7 +20,8 @@ from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.engine.engine import Engine
 from minisgl_ref.kvcache.pool import KVPool
 from minisgl_ref.speculative.config import SpeculativeConfig
-from minisgl_ref.speculative.extension import (SpeculativeExtension, _accept_greedy, first_nodes, longest_chain)
+from minisgl_ref.core.request import LogprobRequest
+from minisgl_ref.speculative.extension import SpeculativeExtension, first_nodes, longest_chain
 from minisgl_ref.speculative.tree import DraftTree
 from tests.engine_fixtures import (assert_matches_oracle, assert_pool_accounting, check_live_invariants,
                                    make_reqs, oracle, smol_llm, tree_nodes)
@@ -89,9 +90,12 @@ def _prompts(llm):
     return [llm.tokenizer.encode(t) for t in TEXTS]
 
 
-def _run(llm, prompts, params, expected, script=("right",), *, spec=None, tree_mask=False, **config):
-    """Run ``prompts`` on a fresh engine with a scripted proposer; check outputs and the idle state after."""
+def _run(llm, prompts, params, expected, script=("right",), *, spec=None, tree_mask=None, logprobs=(), **config):
+    """Run ``prompts`` on a fresh engine with a scripted proposer; check outputs and the idle state after.
+    ``logprobs``: the requests (by index) that ask for log probabilities, which therefore do not draft."""
     reqs = make_reqs(llm, prompts, params)  # the oracle's requests, seeds included
+    for i in logprobs:
+        reqs[i].logprobs = LogprobRequest(top=1)
     truth = {r.rid: r.input_ids + e.ids for r, e in zip(reqs, expected)}
     proposer = ScriptedProposer(truth, script)
     ext = SpeculativeExtension(proposer, spec or SpeculativeConfig("NGRAM"), tree_mask=tree_mask)
@@ -142,6 +146,7 @@ def workload(smol_llm):
     (("wrong", "partial"), {"page_size": 4}),
     (("partial", "right", "none"), {"disable_radix_cache": True, "disable_overlap_schedule": True}),
     (("tree_right_second", "tree_wrong_deeper"), {"page_size": 4, "disable_overlap_schedule": True}),
+    (("tree_right_second",), {"tree_mask": False}),
     (("right", "wrong"), {"chunked_prefill_size": 4, "max_prefill_tokens": 8}),
 ])
 def test_greedy_output_is_the_oracle_s_whatever_the_drafts(smol_llm, workload, script, config):
@@ -151,15 +156,40 @@ def test_greedy_output_is_the_oracle_s_whatever_the_drafts(smol_llm, workload, s
     if script == ("right",):  # every draft right: about num_steps + 1 tokens per verify row
         assert ext.accept_length > 2.5
         assert engine.stats.steps < sum(len(e.ids) for e in expected)
+    if script[0] == "tree_right_second":  # under the tree mask the second branch is verified, and accepted
+        assert ext.tree_mask is False or ext.accept_length > 1.5
 
 
 def test_drafted_and_undrafted_requests_share_steps(smol_llm, workload):
-    """A sampled request runs without drafts beside greedy ones that draft."""
-    prompts, _, _ = workload
-    params = [_greedy(12), SamplingParams(temperature=0.8, seed=5, max_new_tokens=10), _greedy(12)]
-    expected = oracle(smol_llm, prompts, params)
-    _, ext, reqs = _run(smol_llm, prompts, params, expected, ("right",))
+    """A request that wants log probabilities runs without drafts beside greedy ones that draft, and still gets
+    one log probability per output token."""
+    prompts, params, expected = workload
+    _, ext, reqs = _run(smol_llm, prompts, params, expected, ("right",), logprobs=(1,))
     assert reqs[1].rid not in ext.stats and reqs[0].rid in ext.stats
+    assert len(reqs[1].logprobs.output) == len(reqs[1].output_ids)
+
+
+def test_sampled_requests_draft_and_replay_their_seed(smol_llm):
+    """A seeded sampled request drafts too (the acceptance rule keeps its distribution) and, seeded, gives the
+    same tokens in every run, overlapped or not."""
+    pytest.importorskip("minisgl_ref.speculative.ngram")
+    from minisgl_ref.speculative.ngram import NgramProposer
+
+    prompt = smol_llm.tokenizer.encode("1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2,")
+    outputs = []
+    for overlap in (True, False):
+        ext = SpeculativeExtension(NgramProposer(), SpeculativeConfig("NGRAM"))
+        engine = Engine(smol_llm.model, smol_llm.config,
+                        EngineConfig(max_total_tokens=1024, disable_overlap_schedule=not overlap), device="cpu",
+                        context_length=smol_llm.context_length, extensions=[ext])
+        req = smol_llm.make_request(prompt, SamplingParams(temperature=0.7, top_p=0.9, seed=7, max_new_tokens=16,
+                                                           repetition_penalty=1.1))
+        engine.add_request(req)
+        engine.run_until_done()
+        assert_pool_accounting(engine)
+        assert ext.verify_ct > 0 and ext.accept_length > 1.0
+        outputs.append(req.output_ids)
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 16
 
 
 def test_stops_inside_an_accepted_run(smol_llm):
@@ -227,33 +257,14 @@ def test_the_core_runs_unchanged_without_the_extension(smol_llm, workload):
 # ------------------------------------------------------------------------------------------- the small parts
 
 
-def test_greedy_acceptance_walks_the_matching_path():
-    tree = DraftTree((5, 6, 7, 8), (-1, -1, 1, 2))  # root -> 5 | root -> 6 -> 7 -> 8
-    logits = torch.full((5, 10), -1.0)
-    for offset, best in enumerate([6, 0, 7, 9, 0]):  # after root: 6; after 6 (offset 2): 7; after 7: 9 (not 8)
-        logits[offset, best] = 1.0
-    nodes, tokens = _accept_greedy(tree, logits, _greedy(), [], frozenset())
-    assert nodes == [1, 2] and tokens == [6, 7, 9]
-
-
-def test_greedy_acceptance_bans_stops_before_min_new_tokens():
-    tree = DraftTree.chain([2, 3])
-    logits = torch.zeros(3, 10)
-    logits[:, 2] = 5.0  # EOS (2) is the favourite everywhere; 3 is second
-    logits[:, 3] = 4.0
-    nodes, tokens = _accept_greedy(tree, logits, _greedy(min_new_tokens=2), [], frozenset({2}))
-    assert nodes == [] and tokens == [3]  # EOS may not be the first output token, nor (offset 1) the second
-    nodes, tokens = _accept_greedy(DraftTree.chain([3, 2]), logits, _greedy(min_new_tokens=2), [], frozenset({2}))
-    assert nodes == [0] and tokens == [3, 3]
-    nodes, tokens = _accept_greedy(DraftTree.chain([3, 3]), logits, _greedy(min_new_tokens=2), [], frozenset({2}))
-    assert nodes == [0, 1] and tokens == [3, 3, 2]  # the third token may be EOS
-
-
 def test_trees_are_cut_to_their_longest_chain_and_trimmed():
     tree = DraftTree((5, 6, 7, 8), (-1, -1, 1, 2))
     assert longest_chain(tree) == DraftTree.chain([6, 7, 8])
     assert first_nodes(tree, 2) == DraftTree((5, 6), (-1, -1))
-    assert Guess((6, 7, 8), (1, 2, 3)).is_chain and not Guess((5, 6), (1, 1)).is_chain
+    assert Guess((6, 7, 8), (1, 2, 3)).is_chain
+    assert not Guess((5, 6), (1, 1), DraftTree((5, 6), (-1, -1)).mask()).is_chain
+    with pytest.raises(ValueError, match="needs a mask"):  # siblings under a causal mask would see each other
+        Guess((5, 6), (1, 1))
 
 
 def test_a_tree_s_accepted_path_moves_into_place_and_the_rest_is_freed():
@@ -342,9 +353,19 @@ def test_flags_and_keyword_arguments_carry_sglang_names():
 def test_combinations_it_cannot_run_are_refused_by_name(kind, tp, topk, fragment):
     from minisgl_ref.speculative.build import check_combination
 
+    engine = EngineConfig(attention_backend="fa3")  # takes no tree mask
     with pytest.raises(ValueError, match=fragment):
-        check_combination(SpeculativeConfig("NGRAM", speculative_eagle_topk=topk), kind=kind, tp_enabled=tp)
-    check_combination(SpeculativeConfig(), kind=kind, tp_enabled=tp)  # off: anything goes
+        check_combination(SpeculativeConfig("NGRAM", speculative_eagle_topk=topk), kind=kind, tp_enabled=tp,
+                          engine=engine)
+    check_combination(SpeculativeConfig(), kind=kind, tp_enabled=tp, engine=engine)  # off: anything goes
+
+
+def test_trees_without_a_tree_mask_are_refused_when_asked_for(smol_llm):
+    spec = SpeculativeConfig("NGRAM", speculative_eagle_topk=2)
+    with pytest.raises(ValueError, match="speculative_eagle_topk=2 drafts trees"):
+        Engine(smol_llm.model, smol_llm.config, EngineConfig(max_total_tokens=64), device="cpu",
+               context_length=smol_llm.context_length,
+               extensions=[SpeculativeExtension(ScriptedProposer({}, ()), spec, tree_mask=False)])
 
 
 def test_the_offline_llm_refuses_before_loading():

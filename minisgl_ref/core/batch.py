@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+import torch
+
 from minisgl_ref.core.request import Req
 
 
@@ -20,18 +22,26 @@ class Guess:
 
     The row's input is its known tokens followed by ``tokens``; ``depths[i]`` is how far after the last known
     token guessed token ``i`` sits (1, 2, 3, ... for a chain; a tree repeats depths), so its position is the last
-    known token's plus ``depths[i]``, while its KV slot is the row's next one in order. Such a row is never a
-    decode row; the model runner computes the logits at every one of its positions (``StepOutput.row_logits``),
+    known token's plus ``depths[i]``, while its KV slot is the row's next one in order. ``mask`` says which of the
+    last known token and the guessed tokens each of them may attend to (``[n + 1, n + 1]`` bool, lower triangular
+    with a true diagonal; ``ForwardBatch.extend_masks`` carries it): None for a chain, which attends causally. A
+    tree needs one, since siblings must not see each other. Such a row is never a decode row; the model runner computes the logits at every one of its positions (``StepOutput.row_logits``),
     and the tokens it appends are decided by whoever made the guess (``EngineExtension.row_tokens``), since the
     token sampled at its last position follows a guess that may be wrong."""
 
     tokens: tuple[int, ...]
     depths: tuple[int, ...]
+    mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.depths) or not self.tokens:
             raise ValueError(f"a guess needs one depth per token and at least one token: {len(self.tokens)} "
                              f"tokens, {len(self.depths)} depths")
+        n = len(self.tokens) + 1
+        if self.mask is None and not self.is_chain:
+            raise ValueError("a guess that is not a chain needs a mask: its siblings must not see each other")
+        if self.mask is not None and tuple(self.mask.shape) != (n, n):
+            raise ValueError(f"a guess of {n - 1} tokens needs a [{n}, {n}] mask, got {tuple(self.mask.shape)}")
 
     @property
     def is_chain(self) -> bool:

@@ -8,7 +8,9 @@ and needs the logits at every one of its positions, not only the last. Two thing
   builder stays exactly what chapter 03 shows; KV slots and page-table entries come out right, since a guessed
   token takes the row's next slot like any extend token;
 * a tree-shaped guess puts several tokens at the same depth: their positions (what RoPE sees) are the last known
-  token's plus their depth, not consecutive. Those are patched after the builder ran (a chain needs nothing).
+  token's plus their depth, not consecutive. Those are patched after the builder ran (a chain needs nothing),
+  and the row's attention mask (``Guess.mask``) goes into ``ForwardBatch.extend_masks``, which only a backend
+  with ``supports_custom_mask`` takes (its ``forward`` refuses the step otherwise: never a silent causal mask).
 
 Every position of such a row is listed in ``ForwardBatch.extra_logit_indices``; the forward pass returns their
 logits after the rows' last ones, and :func:`split_row_logits` takes them apart.
@@ -51,9 +53,11 @@ def prepare_with_guesses(prepare: Callable[[ScheduledBatch], ForwardBatch], batc
     wanted: list[int] = []
     moved: list[int] = []  # flat index of each guessed token whose position is not the consecutive one
     moved_pos: list[int] = []
+    masks: list[torch.Tensor | None] = []
     start = 0
     for row in batch.rows:
         guess = row.guess
+        masks.append(None if guess is None or guess.mask is None else _row_mask(row.extend_len, guess.mask))
         if guess is not None:
             wanted.extend(range(start, start + row.extend_len))
             if not guess.is_chain:
@@ -66,7 +70,18 @@ def prepare_with_guesses(prepare: Callable[[ScheduledBatch], ForwardBatch], batc
     fb.extra_logit_indices = to_device(torch.tensor(wanted, dtype=torch.int64), device)
     if moved:
         fb.positions[to_device(torch.tensor(moved), device)] = to_device(torch.tensor(moved_pos), device)
+    if any(m is not None for m in masks):
+        fb.extend_masks = masks
     return fb
+
+
+def _row_mask(extend_len: int, guess_mask: torch.Tensor) -> torch.Tensor:
+    """The row's mask over its new tokens: causal among the known ones, the guess's own mask over the last known
+    token and the guessed ones (which see every earlier known token)."""
+    n = guess_mask.shape[0]
+    mask = torch.ones(extend_len, extend_len, dtype=torch.bool).tril()
+    mask[extend_len - n:, extend_len - n:] = guess_mask.to(device="cpu", dtype=torch.bool)
+    return mask
 
 
 def split_row_logits(logits: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -231,6 +231,7 @@ class ModelRunner:
         fb.seq_lens = torch.cat([fb.seq_lens, ramp[pad : pad + 1]])
         fb.extend_lens_cpu = [*fb.extend_lens_cpu, pad]
         fb.prefix_lens_cpu = [*fb.prefix_lens_cpu, 0]
+        fb.extend_masks = None if fb.extend_masks is None else [*fb.extend_masks, None]  # padding: causal
         return fb
 
     # ------------------------------------------------------------------------------------------------- running

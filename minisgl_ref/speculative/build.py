@@ -21,7 +21,16 @@ from minisgl_ref.speculative.config import SpeculativeConfig
 from minisgl_ref.speculative.extension import SpeculativeExtension
 
 
-def check_combination(config: SpeculativeConfig, *, kind: str, tp_enabled: bool) -> None:
+def engine_backend_lacks_masks(engine: EngineConfig | None) -> bool:
+    """Whether the attention backend named for extend steps is one that takes no tree mask (fa3). An automatic
+    choice is checked once the engine is built (``SpeculativeExtension.bind``)."""
+    if engine is None:
+        return False
+    return (engine.prefill_attention_backend or engine.attention_backend) == "fa3"
+
+
+def check_combination(config: SpeculativeConfig, *, kind: str, tp_enabled: bool,
+                      engine: EngineConfig | None = None) -> None:
     """Refuse, by name, what speculation cannot run with (before anything is loaded)."""
     if not config.enabled:
         return
@@ -31,9 +40,10 @@ def check_combination(config: SpeculativeConfig, *, kind: str, tp_enabled: bool)
     if tp_enabled:
         raise ValueError("speculative_algorithm cannot be combined with tp_size > 1 yet (every rank would have "
                          "to draft alike)")
-    if config.speculative_eagle_topk > 1:
-        raise ValueError(f"speculative_eagle_topk={config.speculative_eagle_topk} drafts trees, and no attention "
-                         "backend of this engine takes a tree mask yet: use speculative_eagle_topk=1 (chains)")
+    if config.speculative_eagle_topk > 1 and engine_backend_lacks_masks(engine):
+        raise ValueError(f"speculative_eagle_topk={config.speculative_eagle_topk} drafts trees, and the fa3 "
+                         "attention backend takes no tree mask: use speculative_eagle_topk=1, or another "
+                         "attention backend (torch_native, triton, flashinfer)")
 
 
 def speculative_extension(config: SpeculativeConfig, target: nn.Module, target_config: ModelConfig, *,

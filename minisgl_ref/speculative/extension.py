@@ -10,7 +10,8 @@ of the core, neither of which knows what speculation is:
   ordinary causal extend row when the draft is a chain; the model runner computes the logits at all of its
   positions (``StepOutput.row_logits``).
 * **the engine's ``row_tokens`` hook**. As the step is processed, the draft is checked against those logits
-  (:func:`_accept_greedy`, the one place the acceptance rule is called), the KV of the rejected tokens is given
+  (:meth:`SpeculativeExtension._verify`, the one place the acceptance rule of
+  :mod:`~minisgl_ref.speculative.accept` is called), the KV of the rejected tokens is given
   back and the request's scheduled length rewound to the accepted ones; the tokens to append, the accepted drafts
   and the target's bonus token after them, go through the request's ordinary append path one by one, so stop
   tokens, stop strings, ``max_new_tokens`` and the detokenizer apply per token and a stop inside the run drops the
@@ -25,23 +26,25 @@ down: above ``speculative_max_batch`` running requests (decode is bound by arith
 costs what it saves) it pauses entirely and overlap comes back, and a request whose drafts are mostly rejected
 drafts fewer tokens, then none for a while.
 
-**Which requests draft.** Greedy ones (``temperature=0`` or ``top_k=1``) without penalties, log probabilities
-or a grammar: for them the target's choice at every drafted position is an argmax that the step's logits decide
-alone. The others run as before, without drafts, in the same batches (the lossless rejection-sampling rule of
-:mod:`~minisgl_ref.speculative.accept` extends drafting to them).
+**Which requests draft.** Every request but those that want log probabilities (a verify row computes none per
+token) or follow a grammar (its mask would have to follow every drafted path): greedy ones and sampled ones, with
+any penalties. The acceptance rule processes each offset's logits with the sampler's own functions, so a greedy
+request appends exactly the tokens it would have decoded alone, and a sampled one tokens of exactly the same
+distribution (its accept / reject draws come from a generator seeded by its seed and step). The others run as
+before, without drafts, in the same batches.
 
 **Trees.** A draft tree (several guesses at one depth) needs an attention mask that lets each node see only its
-ancestors. Until the engine's attention backend takes one (``tree_mask=True``), a tree is cut to its longest
-chain (the path to its first deepest node) before it is verified: never verified under a causal mask, which would
-let siblings see each other. When a tree is verified, the accepted path's KV is moved from the nodes' slots to
-the slots of its positions (``KVPool.move``).
+ancestors (``Guess.mask``, carried to the backend as ``ForwardBatch.extend_masks``). With an attention backend
+that takes one (``supports_custom_mask``) trees are verified whole; with any other a tree is cut to its longest
+chain (the path to its first deepest node) before it is verified, never verified under a causal mask, which would
+let siblings see each other; asking for trees there (``speculative_eagle_topk > 1``) is refused. When a tree is
+verified, the accepted path's KV is moved from the nodes' slots to the slots of its positions (``KVPool.move``).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -50,12 +53,12 @@ from minisgl_ref.core.request import Req
 from minisgl_ref.engine.extension import EngineExtension, EngineView
 from minisgl_ref.engine.step import Launched, StepEvent
 from minisgl_ref.sampling.params import SamplingParams
+from minisgl_ref.speculative.accept import accept, request_generator
 from minisgl_ref.speculative.config import SpeculativeConfig
 
 from minisgl_ref.speculative.tree import DraftTree
 
-if TYPE_CHECKING:  # the proposers' interface: start, extend, propose, finish
-    from minisgl_ref.speculative.proposer import Proposer
+from minisgl_ref.speculative.proposer import Proposer
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +74,7 @@ class DraftGuess(Guess):
 
     @classmethod
     def of(cls, tree: DraftTree) -> DraftGuess:
-        return cls(tree.tokens, tuple(tree.depths()), tree)
+        return cls(tree.tokens, tuple(tree.depths()), None if is_chain(tree) else tree.mask(), tree)
 
 
 @dataclass
@@ -126,54 +129,17 @@ def first_nodes(tree: DraftTree, n: int) -> DraftTree:
 
 
 def may_draft(params: SamplingParams, req: Req) -> bool:
-    """Whether greedy verification reproduces exactly what ``req`` would decode on its own: a greedy request
-    without penalties (which would depend on the drafted tokens), log probabilities or a grammar."""
-    return (params.is_greedy and not req.return_logprob and params.grammar_field is None
-            and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
-            and params.presence_penalty == 0.0)
-
-
-def _accept_greedy(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, output_ids: list[int],
-                   eos_token_ids: frozenset[int]) -> tuple[list[int], list[int]]:
-    """Greedy verification of ``tree`` against the verify row's ``logits`` [n + 1, vocab] (offset 0: the root):
-    ``(accepted nodes, tokens to append)``, the nodes a path from the root and the tokens their tokens followed by
-    the bonus token (one more than the nodes).
-
-    Offset ``j``'s logits are processed as the sampler would process them for that token: the ``logit_bias``,
-    and the stop tokens banned while the output (``output_ids`` plus the drafts above ``j``) is shorter than
-    ``min_new_tokens``. Then the walk: from the root, the child whose token is the argmax of its parent's offset
-    (ties to the lowest id, as torch's argmax) is accepted, and the first argmax no child matches is the bonus."""
-    scores = logits.float()
-    if params.logit_bias or params.min_new_tokens > len(output_ids):
-        scores = scores.clone()  # a copy to change (the step's logits are inference tensors, and stay as they are)
-    if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), device=scores.device)
-        scores[:, ids] += torch.tensor(list(params.logit_bias.values()), device=scores.device)
-    if params.min_new_tokens > len(output_ids):
-        stops = torch.tensor(sorted(set(eos_token_ids) | set(params.stop_token_ids or ())), dtype=torch.int64)
-        for j, depth in enumerate([0, *tree.depths()]):
-            if len(output_ids) + depth < params.min_new_tokens and len(stops):
-                scores[j, stops.to(scores.device)] = float("-inf")
-    targets = scores.argmax(dim=-1).tolist()
-    children: dict[int, list[int]] = {}
-    for i, parent in enumerate(tree.parents):
-        children.setdefault(parent, []).append(i)
-    node, nodes, tokens = -1, [], []
-    while True:
-        want = targets[node + 1]
-        tokens.append(want)
-        node = next((c for c in children.get(node, ()) if tree.tokens[c] == want), -2)
-        if node == -2:
-            return nodes, tokens
-        nodes.append(node)
+    """Whether ``req`` may draft: not if it wants log probabilities (a verify row computes none per token) or
+    follows a grammar (whose mask would have to follow every drafted path)."""
+    return not req.return_logprob and params.grammar_field is None
 
 
 class SpeculativeExtension(EngineExtension):
     """Speculative decoding for one engine (see the module docstring). ``proposer`` drafts; ``config`` holds the
-    knobs; ``tree_mask``: whether the engine's attention backend verifies trees under a tree mask (False: trees
-    are cut to their longest chain)."""
+    knobs; ``tree_mask``: whether trees are verified whole under a tree mask (None: when the engine's attention
+    backend takes one; False: trees are cut to their longest chain)."""
 
-    def __init__(self, proposer: Proposer, config: SpeculativeConfig, *, tree_mask: bool = False) -> None:
+    def __init__(self, proposer: Proposer, config: SpeculativeConfig, *, tree_mask: bool | None = None) -> None:
         self.proposer = proposer
         self.config = config
         self.tree_mask = tree_mask
@@ -190,6 +156,13 @@ class SpeculativeExtension(EngineExtension):
     def bind(self, engine: EngineView) -> None:
         self._engine = engine
         engine.scheduler.guesser = self
+        if self.tree_mask is None:
+            self.tree_mask = engine.runner.attn_backend.supports_custom_mask
+        if self.config.speculative_eagle_topk > 1 and not self.tree_mask:
+            raise ValueError(f"speculative_eagle_topk={self.config.speculative_eagle_topk} drafts trees, and the "
+                             f"{engine.runner.attn_backend.name} attention backend takes no tree mask: use "
+                             "speculative_eagle_topk=1, or an attention backend with one (torch_native, triton, "
+                             "flashinfer)")
 
     @property
     def engine(self) -> EngineView:
@@ -263,8 +236,7 @@ class SpeculativeExtension(EngineExtension):
             return None  # somebody else's guess
         req = row.req
         try:
-            logits = self._logits_of(launched, i)
-            nodes, tokens = _accept_greedy(guess.tree, logits, req.params, req.output_ids, req.eos_token_ids)
+            nodes, tokens = self._verify(req, guess.tree, self._logits_of(launched, i))
             self._keep_accepted_kv(row, guess, nodes)
         except Exception as e:  # noqa: BLE001 - one request's failure must not end the engine
             log.exception("verifying the draft of request %s failed", req.rid)
@@ -273,6 +245,16 @@ class SpeculativeExtension(EngineExtension):
         self._count(req, len(guess.tokens), len(nodes), len(tokens))
         self._publish.append(req)
         return tokens
+
+    @staticmethod
+    def _verify(req: Req, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        """The acceptance rule on one verify row: (accepted nodes, tokens to append). A sampled request's draws
+        come from a generator seeded by its seed and step, so a seeded request replays them."""
+        params = req.params
+        generator = None if params.is_greedy else request_generator(req.sampling_seed, len(req.output_ids))
+        verdict = accept(tree, logits, params, prompt_ids=req.input_ids, output_ids=req.output_ids,
+                         eos_token_ids=sorted(req.eos_token_ids), generator=generator)
+        return verdict.nodes, verdict.tokens
 
     def _logits_of(self, launched: Launched, i: int) -> torch.Tensor:
         """Row ``i``'s verify logits [n + 1, vocab]: its last known token's offset and its draft's."""
