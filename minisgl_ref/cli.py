@@ -10,6 +10,7 @@ status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
@@ -30,7 +31,9 @@ def add_model_and_engine_args(p: argparse.ArgumentParser) -> None:
                    help="paged: the real engine; naive: the chapter-00 oracle (no KV cache)")
     add_flags(g, EngineConfig, chunked_prefill_size=None, enable_mixed_chunk=None)
     add_flags(p.add_argument_group("tensor parallelism (SGLang names, chapter 09)"), TPArgs)
-    add_flags(p.add_argument_group("speculative decoding (SGLang names, chapter 13)"), SpeculativeConfig)
+    # Left at None unless given, so that only the flags given become LLM keyword arguments (speculative_kwargs).
+    add_flags(p.add_argument_group("speculative decoding (SGLang names, chapter 13)"), SpeculativeConfig,
+              **{f.name: None for f in dataclasses.fields(SpeculativeConfig)})
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, default_temperature: float) -> None:
@@ -103,14 +106,18 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
     return LLM(args.model_path, load_format=args.load_format, dtype=args.dtype, device=args.device,
                context_length=args.context_length, engine=args.engine, **vars(from_flags(TPArgs, args)),
-               **(engine_kwargs(args) if args.engine == "paged" else {}))
+               **(engine_kwargs(args) if args.engine == "paged" else {}), **speculative_kwargs(args))
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    """The engine flags given (speculative decoding's included), as ``LLM`` keyword arguments (a flag left at
-    None takes the default)."""
-    given = {**vars(from_flags(EngineConfig, args)), **vars(from_flags(SpeculativeConfig, args))}
-    return {k: v for k, v in given.items() if getattr(args, k, None) is not None}
+    """The engine flags given, as ``LLM`` keyword arguments (a flag left at None takes the default)."""
+    return {k: v for k, v in vars(from_flags(EngineConfig, args)).items() if getattr(args, k, None) is not None}
+
+
+def speculative_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """The ``--speculative-*`` flags given (chapter 13), as ``LLM`` keyword arguments of the same names."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(SpeculativeConfig)
+            if getattr(args, f.name, None) is not None}
 
 
 def _messages(system: str | None, turns: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -174,7 +181,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # The engine's start-up lines (what compiles, how long the CUDA graphs took) go to stderr with the results.
     logging.basicConfig(level=logging.WARNING, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("minisgl_ref").setLevel(logging.INFO)
-    kwargs = engine_kwargs(args)
+    kwargs = engine_kwargs(args) | speculative_kwargs(args)
     if from_flags(TPArgs, args).enabled:  # bench offline --tp-size N: the LLM takes the TP flags too (ch. 09)
         kwargs |= vars(from_flags(TPArgs, args))
     return bench_offline.main(args, kwargs)

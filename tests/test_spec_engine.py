@@ -327,7 +327,7 @@ def test_bad_settings_are_refused_by_name(kwargs, fragment):
 
 
 def test_flags_and_keyword_arguments_carry_sglang_names():
-    from minisgl_ref.cli import build_parser, engine_kwargs
+    from minisgl_ref.cli import build_parser, speculative_kwargs
     from minisgl_ref.server.args import ServerArgs
 
     flags = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "self:4",
@@ -337,9 +337,12 @@ def test_flags_and_keyword_arguments_carry_sglang_names():
                                                  speculative_num_draft_tokens=3)
     assert args.speculative.self_draft_layers == 4 and args.speculative.draft_tokens == 3
     assert args.public_dict()["speculative_algorithm"] == "STANDALONE"
-    kwargs = engine_kwargs(build_parser().parse_args(["generate", "hi", *flags]))
+    kwargs = speculative_kwargs(build_parser().parse_args(["generate", "hi", *flags]))
+    assert kwargs == {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "self:4",
+                      "speculative_num_steps": 3, "speculative_num_draft_tokens": 3}
     spec, rest = SpeculativeConfig.split({**kwargs, "page_size": 4})
-    assert spec == args.speculative and rest["page_size"] == 4 and not any(k.startswith("spec") for k in rest)
+    assert spec == args.speculative and rest == {"page_size": 4}
+    assert speculative_kwargs(build_parser().parse_args(["generate", "hi"])) == {}
     with pytest.raises(ValueError, match="speculative_num_draft_tokens"):
         ServerArgs.from_cli(build_parser().parse_args(
             ["serve", "--device", "cpu", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "1"]))
