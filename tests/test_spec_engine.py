@@ -90,7 +90,8 @@ def _prompts(llm):
     return [llm.tokenizer.encode(t) for t in TEXTS]
 
 
-def _run(llm, prompts, params, expected, script=("right",), *, spec=None, tree_mask=None, logprobs=(), **config):
+def _run(llm, prompts, params, expected, script=("right",), *, spec=None, tree_mask=None, logprobs=(), on_engine=None,
+         **config):
     """Run ``prompts`` on a fresh engine with a scripted proposer; check outputs and the idle state after.
     ``logprobs``: the requests (by index) that ask for log probabilities, which therefore do not draft."""
     reqs = make_reqs(llm, prompts, params)  # the oracle's requests, seeds included
@@ -102,6 +103,8 @@ def _run(llm, prompts, params, expected, script=("right",), *, spec=None, tree_m
     config = {"max_total_tokens": 1024, **config}
     engine = Engine(llm.model, llm.config, EngineConfig(**config), device="cpu", context_length=llm.context_length,
                     extensions=[ext])
+    if on_engine is not None:
+        on_engine(engine, engine.scheduler)
     for r in reqs:
         engine.add_request(r)
     steps = 0
@@ -212,11 +215,37 @@ def test_min_new_tokens_is_honoured_at_every_drafted_position(smol_llm):
     _run(smol_llm, prompts, params, expected, ("right",))
 
 
-def test_retraction_under_a_tiny_kv_pool(smol_llm, workload):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_retraction_under_a_tiny_kv_pool(smol_llm, workload, overlap):
     prompts, params, expected = workload
     engine, _, _ = _run(smol_llm, prompts, params, expected, ("right", "partial"), max_total_tokens=48,
-                        init_new_token_ratio=0.1, page_size=4, disable_overlap_schedule=True)
+                        init_new_token_ratio=0.1, page_size=4, disable_overlap_schedule=not overlap)
     assert engine.scheduler.num_retractions > 0
+
+
+def test_under_overlap_a_verify_step_is_processed_before_the_next_is_planned(smol_llm, workload):
+    """The cost of speculation under overlap: with a step in flight the scheduler answers NEED_SYNC while it may
+    draft, and never plans a request whose verify row is still in flight."""
+    from minisgl_ref.scheduler.scheduler import NeedSync
+
+    prompts, params, expected = workload
+    answers = []
+
+    def watch(engine, scheduler):
+        schedule = scheduler.schedule
+
+        def recording():
+            in_flight = [row.req for row in engine.inflight.batch.rows if row.guess] if engine.inflight else []
+            out = schedule()
+            answers.append(out)
+            if out is not None and not isinstance(out, NeedSync):
+                assert not set(map(id, in_flight)) & set(map(id, out.reqs)), "planned before its verify row"
+            return out
+
+        scheduler.schedule = recording
+
+    _run(smol_llm, prompts, params, expected, ("right",), on_engine=watch)
+    assert any(isinstance(a, NeedSync) for a in answers)
 
 
 def test_speculation_pauses_for_a_large_batch(smol_llm, workload):
