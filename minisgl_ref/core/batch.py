@@ -15,7 +15,7 @@ import torch
 from minisgl_ref.core.request import Req
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: a mask tensor has no single truth value
 class Guess:
     """Tokens a row feeds after its request's known ones, which are not (yet) part of the request: a guess the
     step checks (speculative decoding, chapter 13, fills it; the core only carries it).

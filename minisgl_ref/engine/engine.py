@@ -259,7 +259,8 @@ class Engine:
 
     def _process(self, launched: Launched) -> list[StepEvent]:
         """Wait for a launched step's tokens and apply them: append each emitting row's token to its request
-        (stop rules included), finish the requests that are done, and return one event per appended token.
+        (stop rules included; a row that fed a guess appends what ``row_tokens`` says, chapter 13), finish the
+        requests that are done, and return one event per emitting row.
 
         A row is skipped if it emits nothing (a partial prefill chunk, whose KV was committed at launch) or is no
         longer live: under overlap, the extra token computed for a request that finished in the step before, or

@@ -66,7 +66,7 @@ log = logging.getLogger(__name__)
 KEPT_STATS = 4096
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DraftGuess(Guess):
     """The core's :class:`~minisgl_ref.core.batch.Guess` of a verify row, with the draft tree it was made from."""
 
