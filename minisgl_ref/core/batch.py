@@ -25,9 +25,10 @@ class Guess:
     known token's plus ``depths[i]``, while its KV slot is the row's next one in order. ``mask`` says which of the
     last known token and the guessed tokens each of them may attend to (``[n + 1, n + 1]`` bool, lower triangular
     with a true diagonal; ``ForwardBatch.extend_masks`` carries it): None for a chain, which attends causally. A
-    tree needs one, since siblings must not see each other. Such a row is never a decode row; the model runner computes the logits at every one of its positions (``StepOutput.row_logits``),
-    and the tokens it appends are decided by whoever made the guess (``EngineExtension.row_tokens``), since the
-    token sampled at its last position follows a guess that may be wrong."""
+    tree needs one, since siblings must not see each other. Such a row is never a decode row; the model runner
+    computes the logits at every one of its positions (``StepOutput.row_logits``), and the tokens it appends are
+    decided by whoever made the guess (``EngineExtension.row_tokens``), since the token sampled at its last
+    position follows a guess that may be wrong."""
 
     tokens: tuple[int, ...]
     depths: tuple[int, ...]

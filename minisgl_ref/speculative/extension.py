@@ -22,9 +22,10 @@ of the core, neither of which knows what speculation is:
 the request's last token: while speculation is on, the scheduler asks for the step in flight to be processed
 before the next is planned (``NEED_SYNC``), so overlap scheduling (chapter 06) is off for those steps and the
 host's scheduling and processing are no longer hidden behind the device. That is why speculation turns itself
-down: above ``speculative_max_batch`` running requests (decode is bound by arithmetic there, and verifying extra tokens
-costs what it saves) it pauses entirely and overlap comes back, and a request whose drafts are mostly rejected
-drafts fewer tokens, then none for a while.
+down: above ``speculative_max_batch`` running requests (decode is bound by arithmetic there, and verifying extra
+tokens costs what it saves) it pauses entirely and overlap comes back, and a request whose drafts are mostly
+rejected (or for which the proposer keeps finding nothing) drafts fewer tokens, then none for a while; once no
+running request may draft, steps overlap again.
 
 **Which requests draft.** Every request but those that want log probabilities (a verify row computes none per
 token) or follow a grammar (its mask would have to follow every drafted path): greedy ones and sampled ones, with
@@ -199,8 +200,11 @@ class SpeculativeExtension(EngineExtension):
         if not asked:
             return out
         trees = self.proposer.propose([req.rid for _, req, _ in asked], max(n for _, _, n in asked))
-        for (i, _, n), tree in zip(asked, trees):
+        for (i, req, n), tree in zip(asked, trees):
             if tree is None or len(tree) == 0:
+                # Nothing to propose counts as a draft rejected outright: a request the proposer keeps finding
+                # nothing for pauses, and a step in which nobody may draft runs overlapped again.
+                self._update_rate(self._drafting[req], 0.0)
                 continue
             tree = first_nodes(tree, n)
             if not self.tree_mask and not is_chain(tree):
@@ -299,12 +303,15 @@ class SpeculativeExtension(EngineExtension):
         self.appended_tokens += appended
         state = self._drafting.get(req)
         if state is not None:
-            decay = self.config.speculative_rate_decay
-            state.rate = (1 - decay) * state.rate + decay * (accepted / drafted)
-            if state.rate < self.config.speculative_min_accept_rate:
-                state.cooldown = self.config.speculative_cooldown_steps
-                # After the pause: one token, growing again as drafts are accepted.
-                state.rate = self.config.speculative_min_accept_rate
+            self._update_rate(state, accepted / drafted)
+
+    def _update_rate(self, state: _Drafting, rate: float) -> None:
+        """Fold one verify's accept rate into the request's moving average; below the floor, pause it."""
+        decay = self.config.speculative_rate_decay
+        state.rate = (1 - decay) * state.rate + decay * rate
+        if state.rate < self.config.speculative_min_accept_rate:
+            state.cooldown = self.config.speculative_cooldown_steps
+            state.rate = self.config.speculative_min_accept_rate  # after the pause: one token, growing if accepted
 
     # ------------------------------------------------------------------------------------------- the loop
 
