@@ -451,3 +451,52 @@ def test_server_reports_accept_lengths(embedded_path):
         metrics = srv.get("/metrics").text
         found = re.search(r'^sglang:spec_accept_length\{[^}]*\} ([0-9.]+)$', metrics, re.M)
         assert found and float(found.group(1)) > 1.0, metrics
+
+
+@pytest.mark.parametrize("script", [("right", "partial"), ("wrong",)])
+def test_verify_steps_replay_the_extend_graphs(smol_llm, workload, script):
+    """On a GPU a verify step is an extend step of a few tokens per row, which the extend graphs of chapter 11
+    capture: it replays one (run eagerly, a 30-layer model's ~400 launches cost more than the drafts save) and the
+    LM head then runs on the drafted positions' hidden states, which the graph leaves in its buffer. Here with
+    stand-in graphs and the ``torch_static`` backend: the greedy tokens are still the oracle's, and verify steps
+    did replay (a replay that reused stale hidden states would accept the wrong drafts)."""
+    from minisgl_ref.attention.torch_native import TorchStaticBackend
+    from minisgl_ref.engine.cuda_graph import RerunGraphFactory
+    from minisgl_ref.engine.extend_graph import ExtendGraphRunner
+
+    prompts, params, expected = workload
+    replays = {"verify": 0, "other": 0}
+
+    def with_graphs(engine, scheduler):
+        runner = engine.runner
+        runner.attn_backend = static = TorchStaticBackend(engine.kv_pool, engine.req_to_token)
+        graphs = ExtendGraphRunner(runner.model, static, static, torch.device("cpu"), max_tokens=128, multiple=8,
+                                   row_buckets=(2, 4, 8), graph_factory=RerunGraphFactory())
+        replay = graphs.replay
+
+        def counting_replay(fb):
+            replays["verify" if fb.extra_logit_indices is not None else "other"] += 1
+            return replay(fb)
+
+        graphs.replay = counting_replay  # type: ignore[method-assign]
+        runner.graph_runners = [graphs]
+
+    _run(smol_llm, prompts, params, expected, script, on_engine=with_graphs, extend_token_multiple=8,
+         disable_overlap_schedule=True)
+    assert replays["verify"] > 0, "no verify step replayed a graph"
+
+
+def test_the_batched_greedy_walk_is_the_acceptance_rule_s():
+    """A plain greedy request is verified from one argmax of the whole step (no per-row processing): on random
+    trees and logits, with ties, its path and tokens are exactly what :func:`accept` gives a greedy request."""
+    from minisgl_ref.speculative.accept import accept
+
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(300):
+        n = int(torch.randint(1, 9, (1,), generator=gen))
+        parents = tuple(int(torch.randint(-1, i, (1,), generator=gen)) for i in range(n))
+        tokens = tuple(int(t) for t in torch.randint(0, 4, (n,), generator=gen))
+        logits = torch.randint(0, 3, (n + 1, 6), generator=gen).float()  # small integers: many ties
+        tree = DraftTree(tokens, parents)
+        verdict = accept(tree, logits, _greedy(8))
+        assert SpeculativeExtension._greedy_walk(tree, logits.argmax(-1).tolist()) == (verdict.nodes, verdict.tokens)

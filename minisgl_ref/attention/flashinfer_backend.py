@@ -88,6 +88,10 @@ class FlashInferBackend(AttentionBackend):
         # One workspace shared by both wrappers: a step is either an extend or a decode, never both at once.
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        # Masked extend steps (a draft tree, chapter 13) need FlashInfer's FA2 kernels: on Hopper its default, the
+        # SM90 kernels, take no custom mask ("operation not supported"). Built on first use.
+        self.masked_prefill_wrapper: Any = None
+        self.active_prefill_wrapper: Any = self.prefill_wrapper
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
         )
@@ -155,8 +159,15 @@ class FlashInferBackend(AttentionBackend):
             # A masked step (ForwardBatch.extend_masks) hands FlashInfer every row's whole [new, context] mask
             # instead of causal=True (its custom mask replaces the causal one for the whole batch).
             mask = self._custom_mask(batch) if batch.has_custom_mask else None
-            self.prefill_wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, H, KVH, D, 1,
-                                      causal=mask is None, custom_mask=mask, **self._plan_kwargs())  # fmt: skip
+            if mask is None:
+                self.active_prefill_wrapper = self.prefill_wrapper
+            else:
+                if self.masked_prefill_wrapper is None:
+                    self.masked_prefill_wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                        self.workspace, "NHD", backend="fa2")
+                self.active_prefill_wrapper = self.masked_prefill_wrapper
+            self.active_prefill_wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, H, KVH, D, 1,
+                                             causal=mask is None, custom_mask=mask, **self._plan_kwargs())
 
     def _custom_mask(self, batch: ForwardBatch) -> torch.Tensor:
         """FlashInfer's ``custom_mask``: for each row, its ``[extend_len, prefix_len + extend_len]`` bool mask
@@ -189,7 +200,7 @@ class FlashInferBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         self._check_layer(q, layer)
-        o = self.prefill_wrapper.run(q.contiguous(), self._paged_cache(layer.layer_id))
+        o = self.active_prefill_wrapper.run(q.contiguous(), self._paged_cache(layer.layer_id))
         return o.view(q.shape[0], -1)
 
     def attend_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:

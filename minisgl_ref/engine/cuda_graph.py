@@ -244,6 +244,13 @@ class CudaGraphRunner:
         with (an engine may capture one set per decode backend: :mod:`~minisgl_ref.engine.attention_planner`)."""
         return fb.mode.is_decode and fb.batch_size <= self.max_bs and fb.attn_backend is self.backend
 
+    def can_run_all_positions(self, fb: ForwardBatch) -> bool:
+        """Never: a decode step has one token per row, whose logits :meth:`replay` returns already."""
+        return False
+
+    def hidden_states(self, fb: ForwardBatch) -> torch.Tensor:
+        raise NotImplementedError("decode graphs keep no hidden states")
+
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
         """Run decode batch ``fb`` through the graph of the smallest captured size that holds it, and return the
         real rows' logits ``[fb.batch_size, V]`` (a view of the captured output, valid until the next replay).

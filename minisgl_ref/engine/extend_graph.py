@@ -24,7 +24,10 @@ the pace of a burst's prefill. ``budget_tokens`` adds a graph for exactly that t
 bucket only (chapter 11 measures what it bought).
 
 The graph runs the whole forward pass and the LM head on each row's last token, and writes the logits into one
-buffer per bucket, so that 96 graphs do not keep 96 logits tensors. Steps with more rows than the largest bucket,
+buffer per bucket, so that 96 graphs do not keep 96 logits tensors. It also copies the final hidden states of all
+tokens into one shared buffer (a copy of ``T x hidden`` values, microseconds against the step): a verify step of
+speculative decoding (chapter 13), which needs the logits at every drafted position, replays the graph and runs
+the LM head on those positions alone, rather than the whole forward pass eagerly. Steps with more rows than the largest bucket,
 prompt log probabilities, or more than ``max_tokens`` tokens run eagerly as before. Only a backend with the three
 hooks can be captured (``supports_extend_graph``, declared with the hooks on
 :class:`~minisgl_ref.attention.base.AttentionBackend`).
@@ -82,6 +85,7 @@ class ExtendGraphRunner:
         head = model.lm_head
         self.logits = {r: torch.zeros(r, head.vocab_size, dtype=head.weight.dtype, device=device)
                        for r in self.row_buckets}
+        self.hidden = torch.zeros(self.max_tokens, head.weight.shape[1], dtype=head.weight.dtype, device=device)
         self.graphs: dict[tuple[int, int], Any] = {}  # (rows, tokens) -> graph
         backend.init_extend_graph_buffers(max_rows)
         self.graph_factory = graph_factory if graph_factory is not None else CudaGraphFactory(device)
@@ -110,6 +114,7 @@ class ExtendGraphRunner:
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
         hidden = self.model(fb.input_ids, fb.positions, fb)
+        self.hidden[: hidden.shape[0]].copy_(hidden)
         out = self.logits[fb.batch_size]
         out.copy_(self.model.compute_logits(hidden[fb.last_token_indices]))
         return out
@@ -159,6 +164,13 @@ class ExtendGraphRunner:
 
     def can_run(self, fb: ForwardBatch) -> bool:
         return fb.attn_backend is self.attn_backend and self.bucket(fb) is not None
+
+    def can_run_all_positions(self, fb: ForwardBatch) -> bool:
+        """A step whose rows only ever see their tokens causally (a tree mask is not in the static buffers)."""
+        return fb.extend_masks is None and self.can_run(fb)
+
+    def hidden_states(self, fb: ForwardBatch) -> torch.Tensor:
+        return self.hidden[: fb.input_ids.shape[0]]
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
         """Copy the step's inputs into the static buffers, let the backend refill its metadata, replay: the logits

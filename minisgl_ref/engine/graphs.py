@@ -44,6 +44,15 @@ class GraphRunner(Protocol):
         view of a buffer the next replay rewrites)."""
         ...
 
+    def can_run_all_positions(self, fb: ForwardBatch) -> bool:
+        """Whether a replay of this step also leaves the hidden states of every token (:meth:`hidden_states`):
+        what a step that wants logits at more than each row's last token (``fb.extra_logit_indices``) needs."""
+        ...
+
+    def hidden_states(self, fb: ForwardBatch) -> torch.Tensor:
+        """After :meth:`replay`: the final hidden states ``[T, H]`` of the step's tokens."""
+        ...
+
 
 @dataclass(frozen=True)
 class GraphSettings:

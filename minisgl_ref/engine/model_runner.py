@@ -242,17 +242,18 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, StepLogprobs | None]:
         """Logits [B, V] (in the model's dtype) of each request's last new token: a CUDA-graph replay when one
         takes the step. With a ``prompt_plan`` (extend steps only), also the log probabilities of the prompt
-        tokens it names; with ``fb.extra_logit_indices``, the logits there follow the B rows (no graph computes
-        either)."""
-        if prompt_plan is None and fb.extra_logit_indices is None:
-            for graphs in self.graph_runners:
-                if graphs.can_run(fb):
-                    return graphs.replay(fb), None
+        tokens it names (never in a graph); with ``fb.extra_logit_indices``, the logits there follow the B rows."""
+        extra = fb.extra_logit_indices
+        for graphs in self.graph_runners if prompt_plan is None else ():
+            if extra is None and graphs.can_run(fb):
+                return graphs.replay(fb), None
+            if extra is not None and graphs.can_run_all_positions(fb):  # the LM head at every drafted position
+                last = graphs.replay(fb)
+                return torch.cat([last, self.model.compute_logits(graphs.hidden_states(fb)[extra])]), None
         fb.attn_backend.init_forward_metadata(fb)  # the engine's backend, or the one the planner chose
         hidden = self.model(fb.input_ids, fb.positions, fb)
         logprobs = compute_prompt_logprobs(self.model, hidden, prompt_plan, self.device) if prompt_plan else None
         if not fb.mode.is_decode:
-            extra = fb.extra_logit_indices
             hidden = hidden[fb.last_token_indices if extra is None else torch.cat([fb.last_token_indices, extra])]
         return self.model.compute_logits(hidden), logprobs
 

@@ -1,0 +1,142 @@
+"""Chapter 13's GPU numbers: time per output token with and without speculative decoding, by batch size.
+
+    python3 scripts/gpu/measure/spec_bench.py OUT.json --model-path /tmp/padded [--batch-sizes 1 8 64]
+
+The target is the embedded SmolLM2-135M zero-padded to 2.1B parameters (``padded_model.py``): its outputs are
+the 135M's, so drafts are accepted at the real model's rate, while every forward pass reads and multiplies the
+bytes of a 2.1B model, as a realistic target does. The workload is copy-heavy (repeat or lightly edit a paragraph
+given in the prompt, the case prompt lookup is made for), greedy, up to ``--max-new-tokens`` each.
+
+For each configuration (no speculation; the n-gram proposer as a tree; optionally others) the engine is built once
+(its cold start timed), then per batch size: one untimed warm-up of the same shape, then ``--repeats`` timed runs.
+Reported per run: wall seconds, output tokens, milliseconds per output token per request (wall over the longest
+request's tokens: what a user of that batch waits per token), throughput, verify rows and tokens appended per
+verify row; per batch size the speed-up against no speculation in the same process, and how many outputs are
+token-for-token identical to the plain engine's (bf16 on a GPU: a verify row's logits come from the extend
+kernel and a decode row's from the decode kernel, so a near-tie may round the other way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+CONFIGS: dict[str, dict[str, object]] = {
+    "plain": {},
+    "ngram": {"speculative_algorithm": "NGRAM"},  # the defaults: a chain of 4
+    "ngram_chain8": {"speculative_algorithm": "NGRAM", "speculative_num_steps": 8},
+    # trees need a backend that takes a mask for the verify rows (FA3 does not)
+    "ngram_tree": {"speculative_algorithm": "NGRAM", "speculative_num_steps": 8, "speculative_eagle_topk": 4,
+                   "speculative_num_draft_tokens": 12, "prefill_attention_backend": "flashinfer"},
+    "plain_fi": {"prefill_attention_backend": "flashinfer"},
+}
+
+
+def prompts(llm, n: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """``n`` copy-heavy chat prompts, cycling over the workload's and numbered so no two are the same text."""
+    from spec_accept_rates import WORKLOADS
+    base = WORKLOADS["copy"]
+    out = []
+    for i in range(n):
+        text = f"(Task {i + 1}.) " + base[i % len(base)]
+        ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        out.append(list(ids))
+    return out
+
+
+def spec_counts(llm) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """(verify rows, tokens they appended) so far, or (0, 0) without speculation."""
+    for ext in getattr(llm.runtime.engine, "extensions").all:
+        if hasattr(ext, "verify_ct") and hasattr(ext, "appended_tokens"):
+            return int(ext.verify_ct), int(ext.appended_tokens)
+    return 0, 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("output", type=Path)
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--configs", nargs="+", default=["plain", "ngram"], choices=sorted(CONFIGS))
+    args = parser.parse_args()
+
+    import torch
+
+    from minisgl_ref import LLM, SamplingParams
+    from minisgl_ref.bench.provenance import collect_provenance
+
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    result: dict[str, object] = {"provenance": collect_provenance(settings={
+        "model_path": args.model_path, "batch_sizes": args.batch_sizes, "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats, "configs": {c: CONFIGS[c] for c in args.configs}}), "runs": {}}
+    outputs: dict[tuple[str, int], list[list[int]]] = {}
+    for name in args.configs:
+        t0 = time.perf_counter()
+        llm = LLM(args.model_path, dtype=args.dtype, **CONFIGS[name])
+        cold = time.perf_counter() - t0
+        entry: dict[str, object] = {"cold_start_s": round(cold, 2), "batches": {}}
+        for bs in args.batch_sizes:
+            batch = prompts(llm, bs)
+            params = SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens)
+            llm.generate(batch, params, use_tqdm=False)  # warm-up of the same shape
+            runs = []
+            for _ in range(args.repeats):
+                v0, a0 = spec_counts(llm)
+                sync()
+                t = time.perf_counter()
+                outs = llm.generate(batch, params, use_tqdm=False)
+                sync()
+                wall = time.perf_counter() - t
+                v1, a1 = spec_counts(llm)
+                lens = [len(o.output_ids) for o in outs]
+                runs.append({"wall_s": round(wall, 4), "output_tokens": sum(lens), "longest": max(lens),
+                             "ms_per_token": round(1e3 * wall / max(lens), 3),
+                             "tok_per_s": round(sum(lens) / wall, 1), "verify_rows": v1 - v0,
+                             "tokens_per_verify_row": round((a1 - a0) / (v1 - v0), 3) if v1 > v0 else None})
+                outputs[(name, bs)] = [list(o.output_ids) for o in outs]
+            best = min(r["ms_per_token"] for r in runs)
+            entry["batches"][str(bs)] = {"runs": runs, "best_ms_per_token": best,
+                                         "median_ms_per_token": statistics.median(r["ms_per_token"] for r in runs)}
+            print(f"{name:<12} bs={bs:<3} best {best:7.2f} ms/token  runs {[r['ms_per_token'] for r in runs]}  "
+                  f"accept {[r['tokens_per_verify_row'] for r in runs]}", flush=True)
+        result["runs"][name] = entry
+        llm.shutdown()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if "plain" in args.configs:
+        summary = {}
+        for name in args.configs:
+            if name == "plain":
+                continue
+            for bs in args.batch_sizes:
+                plain = result["runs"]["plain"]["batches"][str(bs)]["best_ms_per_token"]
+                mine = result["runs"][name]["batches"][str(bs)]["best_ms_per_token"]
+                same = sum(a == b for a, b in zip(outputs[("plain", bs)], outputs[(name, bs)]))
+                summary[f"{name}/bs{bs}"] = {"speedup": round(plain / mine, 3), "identical_outputs": same,
+                                             "requests": bs}
+                print(f"{name}/bs{bs}: {plain / mine:.2f}x faster per token, {same}/{bs} outputs identical")
+        result["summary"] = summary
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
