@@ -848,7 +848,7 @@ def test_same_seed_same_tokens_whatever_the_batch() -> None:
 PLAIN = SamplingParams(seed=1234, temperature=0.9)
 
 
-@pytest.mark.task("2.4")
+@pytest.mark.task("2.4", weight=3)
 def test_seeded_request_ignores_its_row_and_its_neighbours() -> None:
     """Temperature sampling only: the tracked request draws the same tokens alone, at another row among other
     requests (one with the same seed), and while requests leave and join around it."""
@@ -936,7 +936,7 @@ def test_seeded_noise_is_uniform_and_depends_only_on_its_coordinates() -> None:
     assert abs(float(u.mean()) - 0.5) < 0.005
 
 
-@pytest.mark.task("2.4")
+@pytest.mark.task("2.4", weight=3)
 def test_noise_rows_are_never_permutations_of_each_other() -> None:
     """60,000 steps of one request over a 16-token vocabulary: no two steps may see the same 16 numbers reordered.
 
