@@ -314,9 +314,8 @@ def test_shared_prefix_workload_groups_share_exactly_their_system_prompt():
 
 @pytest.mark.task("11.2")
 def test_roofline_floor_of_the_canonical_workload():
-    """design.md: "about 4.6 s on an H100 SXM (~29k output tok/s)". With its formula (weights + KV per decode
-    step) the floor is 5.03 s at the measured 3.0 TB/s and 4.50 s at the datasheet 3.35 TB/s; design.md's
-    figure is the 3.35 TB/s one (within 3%)."""
+    """The canonical workload's floor (weights + KV per decode step, over the bandwidth): 5.03 s at the 3.0 TB/s
+    measured on an H100 SXM and 4.50 s at its datasheet 3.35 TB/s (about 4.6 s, ~29k output tok/s, within 3%)."""
     config = ModelConfig.from_file(SHIPPED_CONFIGS / "qwen3-0.6b.json")  # bf16
     assert config.kv_bytes_per_token == 114_688
     assert offline.weight_bytes(config) == 596_049_920 * 2  # tied embedding counted once

@@ -15,8 +15,8 @@ asks it for a draft tree before each step:
 * ``propose(rids, max_tokens)``: one result per rid, in order: a :class:`~minisgl_ref.speculative.tree.DraftTree`
   of at most ``max_tokens`` nodes rooted at the request's last known token, or ``None`` (an empty tree means the
   same) when there is nothing worth proposing. Batched, because a draft model runs all requests in one forward
-  pass per draft step. Proposing changes nothing the engine can observe: the same calls with the same known
-  tokens give the same trees (a proposer that samples keeps its own seeded generator), and a proposer whose
+  pass per draft step. Proposing changes nothing the engine can observe: proposing again with the same known
+  tokens gives the same trees (a proposer that samples keeps its own seeded generator), and a proposer whose
   draft left state behind (a draft model's KV for the drafted tokens) drops it before returning, so that what it
   holds for a request always matches the tokens the request has *accepted*.
 * ``finish(rid)``: the request left (finished, aborted, or retracted to be started again): forget it and free
