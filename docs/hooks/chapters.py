@@ -113,6 +113,8 @@ CHAPTER_PLAN: tuple[tuple[str, str, str], ...] = (
     ("11", "Performance", "workloads, the roofline, the stage ladder"),
     ("12", "Structured output", "grammar masks on the logits (JSON schema, regex, EBNF) through the engine's "
      "extension seam, jump-forward decoding, tool calls"),
+    ("13", "Speculative decoding", "draft trees verified in one forward pass under a tree mask, the lossless "
+     "acceptance rule, n-gram and draft-model proposers, KV rollback, through the engine's guess seams"),
 )
 
 #: Tags that fold both the code and its outputs into one collapsed block.
