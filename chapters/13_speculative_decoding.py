@@ -138,8 +138,8 @@ print(f"tokens per step before arithmetic outlasts the read: {t_read / t_flops_p
 # it needs to stream 4.2 GB through the memory system, while the arithmetic for one token would take 4 µs. Until a
 # step holds about two hundred tokens, adding tokens to it adds no time on this idealised machine: the tensor cores
 # are waiting for bytes anyway. (The engine measured 2.03 ms per token at batch 1 on an H200 with this model,
-# `docs/data/spec_bench_h200.json`: the floor plus kernel launches, attention and host work, which also do not grow
-# with a few more tokens.)
+# `docs/data/spec_bench_h200.json`: the floor plus attention, small kernels that do not reach full bandwidth, and host
+# work, none of which grows much with a few more tokens.)
 #
 # Speculation spends that slack. With `k` drafted tokens per request, a *verify row* feeds the request's last
 # token and the `k` guesses, `k + 1` tokens, and gets the target's logits at every one of them. If on average the
@@ -166,7 +166,7 @@ ACCEPT_LENS = [1.3, 2.5, 4.0]
 display(show_table([[f"{a}"] + [f"{model_speedup(b, a, 4):.2f}" for b in BATCHES] for a in ACCEPT_LENS],
                    headers=["accept length (4 drafts)"] + [f"batch {b}" for b in BATCHES]))
 
-# %% alt="Line chart of the modelled speed-up (log x axis, batch size 1 to 512) for accept lengths 1.3, 2.5 and 4 with four drafted tokens per request: each line is flat at its accept length up to a batch of about 40, then falls as the verify step becomes bound by arithmetic, crossing 1.0 (the dashed line) at a batch of about 50 for 1.3 and about 150 for 2.5, and reaching 0.8 at batch 512 for 4." caption="Modelled speed-up of speculation with four drafted tokens per request against batch size, for three accept lengths, on an H200's roofline for the 2.1B model." tags=["hide-input"]
+# %% alt="Line chart of the modelled speed-up (log x axis, batch size 1 to 512) for accept lengths 1.3, 2.5 and 4 with four drafted tokens per request: each line is flat at its accept length up to a batch of about 40, then falls as the verify step becomes bound by arithmetic, crossing 1.0 (the dashed line) at a batch of about 50 for 1.3 and about 100 for 2.5, and settling beyond a batch of about 200 at a fifth of the accept length, 0.8 for 4." caption="Modelled speed-up of speculation with four drafted tokens per request against batch size, for three accept lengths, on an H200's roofline for the 2.1B model." tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(6.5, 3.2))
 xs = np.unique(np.logspace(0, np.log2(512), 60, base=2).astype(int))
 for a in ACCEPT_LENS:
@@ -238,10 +238,11 @@ plt.show()
 # * **Slots in row order.** Each node still gets its own KV slot, the next one in the row, whatever its depth;
 #   the mask, not the slot order, says who sees whom.
 #
-# A chain is the tree where each node's parent is the one before it; its mask is the ordinary causal one, so a
-# chain needs no mask at all and runs on every attention backend. A tree needs a backend whose
-# `supports_custom_mask` is true: `torch_native`, the Triton kernels and FlashInfer's FA2 kernels take the mask
-# through `ForwardBatch.extend_masks`; FA3 takes none, and there the engine cuts each tree to its longest chain.
+# A chain is the tree where each node's parent is the one before it; its mask is the ordinary causal one, so a chain
+# needs no mask at all and runs on every attention backend. A tree needs a backend whose `supports_custom_mask` is
+# true: `torch_native`, the Triton kernels and FlashInfer's FA2 kernels take the mask through
+# `ForwardBatch.extend_masks`; FA3 takes none: there asking for trees (`speculative_eagle_topk > 1`) is refused, and
+# a tree a proposer returns anyway is cut to its longest chain before it is verified.
 #
 # Let us check the claim on the embedded model: a prefix, then one verify row of the root and the six nodes with
 # the mask and the depth positions, through the `torch_native` backend; then, for each node, the whole sequence
@@ -321,10 +322,10 @@ verdict = accept(TREE, forced, greedy, prompt_ids=prefix + [root])
 print("accepted nodes:", verdict.nodes, "  appended:", repr(tok.decode(verdict.tokens)))
 
 # %% [markdown]
-# The first verdict is what the real model chose: the argmax after "The" is no word of the tree (it is " neighbour"), so the row
-# appends that one token, as a plain decode step would have. In the second the target agrees with the path "dog ran
-# away" and the row appends four tokens: three accepted guesses and the bonus after "away". A verify row always
-# appends at least one token and at most its tree's depth plus one.
+# The first verdict is what the real model chose: the argmax after "The" is no word of the tree (it is " neighbour"),
+# so the row appends that one token, as a plain decode step would have. In the second the target agrees with the path
+# "dog ran away" and the row appends four tokens: three accepted guesses and the bonus after "away". A verify row
+# always appends at least one token and at most its tree's depth plus one.
 #
 # **Sampling: the rule that changes nothing.** With `temperature > 0` the target does not have one right answer;
 # what must be preserved is the *distribution*. Suppose the proposer drew its guess `x` from a distribution `q` it
@@ -486,21 +487,21 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# In Figure 13.4 the default proposer matched the longest suffix it could, six tokens that occur once in the
-# prompt: what followed them there, the rest of the sentence, is the only continuation the trie knows, so the
-# tree is a single chain of eight guesses. (A long match is a confident one, and the proposer also narrows its
-# breadth per node as the match grows, giving the budget to depth.) If the model copies faithfully, the whole chain is accepted
-# and the step appends nine tokens. Restricted to a window of one token, the proposer only knows that the last
-# token is " the", which the paragraph follows with six different words: the tree spends its eight nodes on the
-# four most recent of them, and the right one, " spiral", is not even there. That is what the lookup looks like
-# on a chat answer that quotes nothing: short, common n-grams ("of the") whose continuations are coin flips, and
-# an accept length near 1.
+# In Figure 13.4 the default proposer matched the longest suffix it could, six tokens that occur once in the prompt:
+# what followed them there, the rest of the sentence, is the only continuation the trie knows, so the tree is a
+# single chain of eight guesses. (A long match is a confident one, and the proposer also narrows its breadth per node
+# as the match grows, giving the budget to depth.) If the model copies faithfully, the whole chain is accepted and
+# the step appends nine tokens. Restricted to a window of one token, the proposer only knows that the last token is "
+# the", which the paragraph follows with six different words: the tree spends its eight nodes on the four most recent
+# of them, and the right one, " spiral", is not even there. That is what the lookup looks like on a chat answer that
+# quotes nothing: short, common n-grams ("of the") whose continuations are coin flips, and an accept length near 1.
 #
 # **A draft model** (`draft_model.py`, SGLang's `STANDALONE`). A smaller model of the same vocabulary runs a few
 # cheap decode steps of its own and proposes what it would write: a chain of its greedy or sampled tokens (with
 # their distributions `q`, for the `p / q` rule), or, with `speculative_eagle_topk > 1`, a tree of its most likely
 # branches. It runs on the engine's own parts (model classes, a paged KV pool of its own, the attention backend,
-# the model runner's forward) with a scheduler of its own, and it keeps KV only for tokens the target accepted.
+# the model runner's forward), laying out its own batches rather than going through the engine's scheduler, and
+# it keeps KV only for tokens the target accepted.
 #
 # **Self-speculation.** The draft need not be a separate model: `truncated_model(model, k)` is the target's first
 # `k` decoder layers with its embedding, final norm and LM head, sharing every weight tensor (no copy), selected by
@@ -614,8 +615,8 @@ print(f"n-gram speculation:  {spec_steps:3d} steps, {spec_s:.1f} s; {ext.verify_
 assert spec_out.output_ids == plain_out.output_ids
 
 # %% [markdown]
-# The same 64 tokens, in about a quarter of the steps: the prefill, a few plain decode steps while the proposer
-# finds nothing, and verify rows that each append about four tokens, the most a chain of four drafts and a bonus
+# The same 64 tokens, in about a quarter of the steps: the prefill, one plain decode step, and verify rows that
+# each append about four tokens, the most a chain of four drafts and a bonus
 # can when nearly everything is accepted. On this CPU a step of five tokens costs little more than a step of one,
 # for the same reason as on a GPU at small batch (the weights are read once per step), so the wall time falls
 # with the step count.
@@ -624,14 +625,14 @@ assert spec_out.output_ids == plain_out.output_ids
 #
 # `scripts/gpu/measure/spec_bench.py` runs a copy-heavy greedy workload (66 output tokens per request) on an H200
 # with the padded 2.1B model of section 1, at batch 1, 8 and 64, in four configurations: no speculation, n-gram
-# chains of 4 and of 8 drafts, and an n-gram tree of up to 11 nodes (8 levels, 4 children per node, FlashInfer for
-# its masks). Each configuration runs twice; the best milliseconds per output token are kept
+# chains of 4 and of 8 drafts, and an n-gram tree of up to 11 drafted tokens with up to 4 children per node (FlashInfer
+# for its masks). Each configuration runs twice; the best milliseconds per output token are kept
 # (`docs/data/spec_bench_h200.json`).
 
 # %%
 BENCH = json.loads((ROOT / "docs" / "data" / "spec_bench_h200.json").read_text())["runs"]
 CONFIGS = {"plain": "no speculation", "ngram": "n-gram chain of 4", "ngram_chain8": "n-gram chain of 8",
-           "ngram_tree": "n-gram tree (8 levels, top-4)"}
+           "ngram_tree": "n-gram tree (11 nodes, top-4)"}
 GPU_BATCHES = ["1", "8", "64"]
 ms = {c: [BENCH[c]["batches"][b]["best_ms_per_token"] for b in GPU_BATCHES] for c in CONFIGS}
 rows = []
@@ -673,11 +674,12 @@ plt.show()
 #   the host is what takes it away.
 # * **Batch 64: paused.** Above `speculative_max_batch` the extension drafts nothing and steps overlap as usual.
 #   (The configurations with speculation came out a little faster than the plain one here, 2.86-3.22 ms against
-#   3.60; they run the same steps, and the difference is between separate engine instances, not a gain of
-#   speculation.)
+#   3.60, yet they made no verify row at all: they ran the same plain steps, and the difference is between
+#   separately started engines, not speculation's doing.)
 # * **Trees gain nothing yet.** The tree's rows append the most tokens (8.4 per row at batch 1), but a step with
-#   a tree mask runs eagerly, outside the captured CUDA graphs, and FlashInfer's masked kernels are slower, so
-#   2.00 ms per token at batch 1 is no better than no speculation, and 4.19 at batch 8 is much worse.
+#   a tree mask runs eagerly, outside the captured CUDA graphs (on FlashInfer's FA2 kernels, the ones on Hopper
+#   here that take a mask), so 2.00 ms per token at batch 1 is no better than no speculation, and 4.19 at batch 8
+#   is much worse.
 #
 # So: on a GPU, speculation is worth turning on for single requests or very small batches on text that repeats
 # its context. The next gains are in the host work of a verify row and in graph-captured tree steps.
@@ -714,8 +716,9 @@ plt.show()
 #    best at batch 1 on an H200, and which at batch 32?
 # 2. **Write a proposer.** Implement the four calls of `Proposer` for a "repeat the last line" guesser that proposes
 #    the tokens that followed the previous newline, as a chain. Check it with `scripts/spec_accept_rates.py`'s replay
-#    idea on the copy prompt, then plug it in with `SpeculativeExtension(your_proposer, SpeculativeConfig("NGRAM"))`
-#    passed to `build_runtime`, and check that the greedy text does not change.
+#    idea on the copy prompt, then plug it in as `SpeculativeExtension(your_proposer, SpeculativeConfig("NGRAM"))`
+#    in an engine's `extensions` (as `tests/test_spec_engine.py` does), and check that the greedy text does not
+#    change.
 # 3. **Break the rule.** In `chain_pair` of section 3, replace the residual draw by a draw from `p` itself (write your
 #    own walk for one node). Run the chi-square test again: what p-value do you get, and which pairs are over- or
 #    under-represented? Explain why from the derivation.
