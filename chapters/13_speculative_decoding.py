@@ -548,8 +548,8 @@ display(show_table(rows, headers=["proposer (docs/data/spec_accept_cpu.json)", "
 # **Planning.** While the scheduler lays out a step it asks its `guesser` (the extension; the core's default has
 # none) whether to guess at all (`active`: at most `speculative_max_batch` running requests, and at least one that
 # may draft) and then for each decode row's guess (`guesses`). The extension tells the proposer about the tokens
-# each request appended since it last saw it (`extend`), asks for trees of at most `speculative_num_draft_tokens -
-# 1` nodes, and hands each back as a `Guess`: the drafted tokens, their depths and, for a real tree, the mask. The
+# each request appended since it last saw it (`extend`), asks for trees of at most `speculative_num_draft_tokens`
+# minus one nodes, and hands each back as a `Guess`: the drafted tokens, their depths and, for a real tree, the mask. The
 # scheduler turns that decode row into a *verify row* (`Row.guess`): the last known token and the guesses, with a KV
 # slot for every one of them, allocated like the tokens of an extend row. Requests that want log probabilities or
 # follow a grammar do not draft.
