@@ -7,11 +7,13 @@ the 135M's, so drafts are accepted at the real model's rate, while every forward
 bytes of a 2.1B model, as a realistic target does. The workload is copy-heavy (repeat or lightly edit a paragraph
 given in the prompt, the case prompt lookup is made for), greedy, up to ``--max-new-tokens`` each.
 
-For each configuration (no speculation; the n-gram proposer as a tree; optionally others) the engine is built once
+For each configuration (no speculation; the n-gram proposer as a chain or a tree, pausing above its batch limit or
+never; no speculation again at the end, to see drift) the engine is built once
 (its cold start timed), then per batch size: one untimed warm-up of the same shape, then ``--repeats`` timed runs.
 Reported per run: wall seconds, output tokens, milliseconds per output token per request (wall over the longest
 request's tokens: what a user of that batch waits per token), throughput, verify rows and tokens appended per
-verify row; per batch size the speed-up against no speculation in the same process, and how many outputs are
+verify row; per batch size the speed-up against the faster of the runs without speculation in the same process
+(the conservative ratio), and how many outputs are
 token-for-token identical to the plain engine's (bf16 on a GPU: a verify row's logits come from the extend
 kernel and a decode row's from the decode kernel, so a near-tie may round the other way).
 """
@@ -38,7 +40,16 @@ CONFIGS: dict[str, dict[str, object]] = {
     "ngram_tree": {"speculative_algorithm": "NGRAM", "speculative_num_steps": 8, "speculative_eagle_topk": 4,
                    "speculative_num_draft_tokens": 12, "prefill_attention_backend": "flashinfer"},
     "plain_fi": {"prefill_attention_backend": "flashinfer"},
+    # the same chains at every batch size (no pause), to find where speculation stops paying
+    "ngram_b64": {"speculative_algorithm": "NGRAM", "speculative_max_batch": 64},
+    "ngram_chain8_b64": {"speculative_algorithm": "NGRAM", "speculative_num_steps": 8, "speculative_max_batch": 64},
+    "ngram_b4": {"speculative_algorithm": "NGRAM", "speculative_max_batch": 4},
+    # no speculation again, last: how far the GPU's speed drifted over the run (clocks, heat)
+    "plain_again": {},
 }
+
+#: Configurations without speculation; each speculative one is compared with the fastest of them.
+PLAIN = ("plain", "plain_again")
 
 
 def prompts(llm, n: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
@@ -61,6 +72,24 @@ def spec_counts(llm) -> tuple[int, int]:  # type: ignore[no-untyped-def]
     return 0, 0
 
 
+def profile_run(llm, batch, params, bs: int) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """One more run under cProfile: the functions with the most own time, and the run's wall time under it."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    llm.generate(batch, params, use_tqdm=False)
+    prof.disable()
+    wall = time.perf_counter() - t
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:40]
+    return {"batch_size": bs, "wall_s_under_profiler": round(wall, 4),
+            "top_own_time": [{"function": f"{Path(f).name}:{line}({fn})", "calls": nc, "own_s": round(tt, 5),
+                              "cumulative_s": round(ct, 5)} for (f, line, fn), (_cc, nc, tt, ct, _c) in rows]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("output", type=Path)
@@ -70,6 +99,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--configs", nargs="+", default=["plain", "ngram"], choices=sorted(CONFIGS))
+    parser.add_argument("--profile-host", metavar="CONFIG/BS",
+                        help="one more run of that configuration and batch size under cProfile: the 40 functions "
+                             "with the most own time go into the JSON (where a step's host time goes)")
     args = parser.parse_args()
 
     import torch
@@ -109,6 +141,8 @@ def main() -> int:
                              "tok_per_s": round(sum(lens) / wall, 1), "verify_rows": v1 - v0,
                              "tokens_per_verify_row": round((a1 - a0) / (v1 - v0), 3) if v1 > v0 else None})
                 outputs[(name, bs)] = [list(o.output_ids) for o in outs]
+            if args.profile_host == f"{name}/{bs}":
+                entry["host_profile"] = profile_run(llm, batch, params, bs)
             best = min(r["ms_per_token"] for r in runs)
             entry["batches"][str(bs)] = {"runs": runs, "best_ms_per_token": best,
                                          "median_ms_per_token": statistics.median(r["ms_per_token"] for r in runs)}
@@ -120,15 +154,16 @@ def main() -> int:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    if "plain" in args.configs:
+    plains = [c for c in args.configs if c in PLAIN]
+    if plains:
         summary = {}
         for name in args.configs:
-            if name == "plain":
+            if name in PLAIN:
                 continue
             for bs in args.batch_sizes:
-                plain = result["runs"]["plain"]["batches"][str(bs)]["best_ms_per_token"]
+                plain = min(result["runs"][c]["batches"][str(bs)]["best_ms_per_token"] for c in plains)
                 mine = result["runs"][name]["batches"][str(bs)]["best_ms_per_token"]
-                same = sum(a == b for a, b in zip(outputs[("plain", bs)], outputs[(name, bs)]))
+                same = sum(a == b for a, b in zip(outputs[(plains[0], bs)], outputs[(name, bs)]))
                 summary[f"{name}/bs{bs}"] = {"speedup": round(plain / mine, 3), "identical_outputs": same,
                                              "requests": bs}
                 print(f"{name}/bs{bs}: {plain / mine:.2f}x faster per token, {same}/{bs} outputs identical")
