@@ -12,7 +12,7 @@ never; no speculation again at the end, to see drift) the engine is built once
 (its cold start timed), then per batch size: one untimed warm-up of the same shape, then ``--repeats`` timed runs.
 Reported per run: wall seconds, output tokens, milliseconds per output token per request (wall over the longest
 request's tokens: what a user of that batch waits per token), throughput, verify rows and tokens appended per
-verify row; per batch size the speed-up against the faster of the runs without speculation in the same process
+verify row, and the steps each request needed (the batch lasts as long as its slowest request); per batch size the speed-up against the faster of the runs without speculation in the same process
 (the conservative ratio), and how many outputs are
 token-for-token identical to the plain engine's (bf16 on a GPU: a verify row's logits come from the extend
 kernel and a decode row's from the decode kernel, so a near-tie may round the other way).
@@ -90,6 +90,22 @@ def profile_run(llm, batch, params, bs: int) -> dict[str, object]:  # type: igno
                               "cumulative_s": round(ct, 5)} for (f, line, fn), (_cc, nc, tt, ct, _c) in rows]}
 
 
+def request_steps(llm, outs) -> list[int]:  # type: ignore[no-untyped-def]
+    """Steps each request needed: its verify rows, plus one step per token it got from an ordinary decode or
+    prefill row. A batch runs until its last request finishes, so the largest of these, not the average accept
+    length, sets how many steps the batch takes."""
+    stats: dict = {}
+    for ext in getattr(llm.runtime.engine, "extensions").all:
+        if hasattr(ext, "verify_ct") and hasattr(ext, "stats"):
+            stats = ext.stats
+    steps = []
+    for o in outs:
+        s = stats.get(o.rid)
+        verify, appended = (s.verify_ct, s.appended_tokens) if s is not None else (0, 0)
+        steps.append(verify + len(o.output_ids) - appended)
+    return steps
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("output", type=Path)
@@ -136,10 +152,12 @@ def main() -> int:
                 wall = time.perf_counter() - t
                 v1, a1 = spec_counts(llm)
                 lens = [len(o.output_ids) for o in outs]
+                steps = request_steps(llm, outs)
                 runs.append({"wall_s": round(wall, 4), "output_tokens": sum(lens), "longest": max(lens),
                              "ms_per_token": round(1e3 * wall / max(lens), 3),
                              "tok_per_s": round(sum(lens) / wall, 1), "verify_rows": v1 - v0,
-                             "tokens_per_verify_row": round((a1 - a0) / (v1 - v0), 3) if v1 > v0 else None})
+                             "tokens_per_verify_row": round((a1 - a0) / (v1 - v0), 3) if v1 > v0 else None,
+                             "steps_of_slowest_request": max(steps), "steps_per_request": steps})
                 outputs[(name, bs)] = [list(o.output_ids) for o in outs]
             if args.profile_host == f"{name}/{bs}":
                 entry["host_profile"] = profile_run(llm, batch, params, bs)
