@@ -38,9 +38,12 @@ class SpeculativeConfig:
     speculative_eagle_topk: int = flag(1, "children per draft node (1: chains)")
     speculative_num_draft_tokens: int | None = flag(None, "tokens per verify row, the last known token included "
                                                           "(default: --speculative-num-steps + 1)", type=int)
-    #: Above this many running requests a decode step is bound by arithmetic, not by reading the weights, and a
-    #: verify row's extra tokens cost about what they save: speculation pauses (no drafts, overlap as usual).
-    speculative_max_batch: int = flag(8, "speculate only while at most this many requests run")
+    #: Above this many running requests speculation pauses (no drafts, overlap as usual). A batch runs until its
+    #: slowest request finishes, so its pace is set by the request whose drafts are rejected most, while every
+    #: verify step (without overlap) costs about two decode steps: on an H200 with a 2.1B model, n-gram chains
+    #: that never paused were 2.4x faster per token for one request, 1.06x for 4, 0.98x for 8, 0.85x for 16 and
+    #: 0.28x for 64 (``docs/data/spec_bench_h200.json``, config ``ngram_b64``); pausing above 4 keeps the wins.
+    speculative_max_batch: int = flag(4, "speculate only while at most this many requests run")
     #: A request whose recent drafts were accepted less often than this (accepted / drafted, a moving average
     #: with weight ``speculative_rate_decay`` for the newest verify) stops drafting for
     #: ``speculative_cooldown_steps`` steps, then starts again with one token.
