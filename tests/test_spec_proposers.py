@@ -306,9 +306,67 @@ def test_the_draft_pool_is_idle_after_finish(smol) -> None:  # type: ignore[no-u
         p.propose([1, 2], 4)
         for rid in (0, 1, 2):
             p.finish(rid)
+        # What is not free is the radix cache's, and none of it is pinned: evicting it all empties the pool.
+        assert p.cache is not None and p.cache.protected_size == 0 and p.cache.evictable_size > 0
+        assert p.allocator.num_free_pages + p.cache.evictable_size == p.allocator.capacity_pages
+        p.cache.evict(p.allocator.capacity_pages)
         assert p.allocator.num_free_pages == p.allocator.capacity_pages
         assert p.req_to_token.num_free == p.req_to_token.max_requests
         assert not p.reqs
+
+
+def test_without_a_radix_cache_finish_frees_everything(smol) -> None:  # type: ignore[no-untyped-def]
+    from minisgl_ref.core.config import EngineConfig
+
+    model, config, prompts = smol
+    draft = truncated_model(model, 2)
+    p = DraftModelProposer(draft, draft.config, target_vocab_size=config.vocab_size, num_steps=3,
+                           max_total_tokens=256, max_requests=8, config=EngineConfig(disable_radix_cache=True))
+    assert p.cache is None
+    for rid, prompt in enumerate(prompts):
+        p.start(rid, prompt)
+    p.propose([0, 1, 2], 4)
+    for rid in (0, 1, 2):
+        p.finish(rid)
+    assert p.allocator.num_free_pages == p.allocator.capacity_pages
+
+
+def test_a_later_request_drafts_from_an_earlier_one_s_cached_kv(smol) -> None:  # type: ignore[no-untyped-def]
+    model, config, prompts = smol
+    draft = truncated_model(model, 6)
+    p = proposer(draft, draft.config, config.vocab_size, num_steps=3)
+    p.start(0, prompts[0])
+    (first,) = p.propose([0], 3)
+    accepted = [*first.tokens[:2], 11]  # type: ignore[union-attr]
+    p.extend(0, accepted)
+    p.propose([0], 3)  # computes the KV of the accepted tokens
+    p.finish(0)
+    # A second turn: the first one's prompt and accepted tokens, then more. Its prefix comes from the cache...
+    turn = prompts[0] + accepted + prompts[1]
+    p.start(1, turn)
+    assert p.reqs[1].cached == len(prompts[0]) + len(accepted)
+    assert p.cache is not None and p.cache.protected_size == p.reqs[1].cached  # pinned while it runs
+    # ... and drafts exactly what a draft without a cache computes from scratch.
+    (again,) = p.propose([1], 3)
+    assert again == DraftTree.chain(greedy(draft, config.vocab_size, turn, 3))
+    p.finish(1)
+    assert p.cache.protected_size == 0
+
+
+def test_the_draft_cache_is_evicted_when_its_pool_runs_short(smol) -> None:  # type: ignore[no-untyped-def]
+    model, config, prompts = smol
+    draft = truncated_model(model, 2)
+    room = max(len(prompts[0]), len(prompts[1])) + 4
+    p = DraftModelProposer(draft, draft.config, target_vocab_size=config.vocab_size, num_steps=2,
+                           max_total_tokens=room, max_requests=4)
+    p.start(0, prompts[0])
+    p.propose([0], 2)
+    p.finish(0)
+    assert p.cache is not None and p.cache.evictable_size == len(prompts[0])
+    p.start(1, prompts[1])  # shares no prefix, and needs the cached slots: they are evicted, not refused
+    (tree,) = p.propose([1], 2)
+    assert tree == DraftTree.chain(greedy(draft, config.vocab_size, prompts[1], 2))
+    assert p.cache.evictable_size < len(prompts[0])
 
 
 def test_a_draft_with_another_vocabulary_is_refused_by_name(smol) -> None:  # type: ignore[no-untyped-def]
@@ -353,7 +411,8 @@ def test_draft_proposer_on_cuda_matches_the_oracle(backend: str, tiny_checkpoint
     assert p.propose([0], 3) == fresh.propose([0], 3)
     for rid in range(3):
         p.finish(rid)
-    assert p.allocator.num_free_pages == p.allocator.capacity_pages
+    assert p.cache is not None and p.cache.protected_size == 0
+    assert p.allocator.num_free_pages + p.cache.evictable_size == p.allocator.capacity_pages
 
 
 

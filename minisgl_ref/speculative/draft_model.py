@@ -23,7 +23,11 @@ feature head (EAGLE); a separate small draft of the same family is the usual cho
 of the tokens it has *accepted* (``start`` plus every ``extend``). ``start`` and ``extend`` only record tokens:
 the next ``propose`` computes the KV of every request's unseen tail in one batched extend step (the prompt, the
 first time; afterwards the accepted draft tokens and the bonus token), whose last logits give the first draft
-token. The draft steps after it write KV for drafted tokens into fresh slots, and before ``propose`` returns
+token. The prompt's KV may already be there: the draft keeps a radix cache of its own (chapter 04's
+:class:`~minisgl_ref.kvcache.radix.RadixCache` over its own pool), into which a finished request's accepted
+tokens go, so a request that shares a prefix with an earlier one (a system prompt, the earlier turns of a chat)
+starts from that KV instead of recomputing it, and the least recently used prefixes are evicted when the pool runs
+short. The draft steps after it write KV for drafted tokens into fresh slots, and before ``propose`` returns
 those slots are freed and the table rows forgotten: a rejected guess leaves nothing behind, and an accepted one
 is recomputed (a few tokens more in the next extend row, which runs anyway for the bonus token).
 
@@ -56,6 +60,7 @@ from minisgl_ref.engine.attention_planner import AttentionPlanner
 from minisgl_ref.engine.model_runner import ModelRunner
 from minisgl_ref.kvcache.allocator import PageAllocator
 from minisgl_ref.kvcache.pool import KVPool
+from minisgl_ref.kvcache.radix import RadixCache, TreeNode
 from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
 from minisgl_ref.layers.attention import AttentionLayer
 from minisgl_ref.models.config import ModelConfig
@@ -89,11 +94,14 @@ def truncated_model(model: nn.Module, num_layers: int) -> nn.Module:
 @dataclass
 class _Draft:
     """One request as the draft model knows it: its accepted tokens, its page-table row, and the KV slots of its
-    first ``len(slots)`` tokens."""
+    first ``len(slots)`` tokens, of which the first ``cached`` belong to the radix cache (pinned through ``node``
+    while the request runs) and the rest to the request."""
 
     tokens: list[int]
     row: int
     slots: list[int] = field(default_factory=list)
+    cached: int = 0
+    node: TreeNode | None = None
 
 
 @dataclass
@@ -117,7 +125,8 @@ class DraftModelProposer:
     ``--speculative-num-steps``); ``topk``: children per frontier node (``--speculative-eagle-topk``; 1 draws a
     chain); ``temperature``: 0 for greedy chains, else chains are sampled (with a generator seeded by ``seed``)
     and carry their distributions. ``max_requests`` and ``max_total_tokens`` size the draft's own page table and
-    KV pool; ``config`` picks the attention backend the way the engine's flags do (default: the device's).
+    KV pool; ``config`` picks the attention backend the way the engine's flags do (default: the device's), and
+    its ``disable_radix_cache`` turns the draft's own radix cache off too.
     A ``propose`` that does not fit the pool raises
     :class:`~minisgl_ref.kvcache.allocator.OutOfPages` and keeps nothing of its step (the engine then verifies no
     draft for those requests, or finishes some); the pool is the proposer's own, so the target never pays for
@@ -154,6 +163,7 @@ class DraftModelProposer:
                                   self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.reqs: dict[int, _Draft] = {}
+        self.cache = None if self.config.disable_radix_cache else RadixCache(self.allocator)
 
     @classmethod
     def self_speculative(cls, target: nn.Module, target_config: ModelConfig, num_layers: int,
@@ -169,7 +179,16 @@ class DraftModelProposer:
         if not tokens:
             raise ValueError("a request starts with at least one token")
         self.finish(rid)
-        self.reqs[rid] = _Draft(list(tokens), self.req_to_token.alloc())
+        req = _Draft(list(tokens), self.req_to_token.alloc())
+        if self.cache is not None:
+            # All but the last token: that one is computed anyway, since its logits give the first draft token.
+            match = self.cache.match_prefix(req.tokens[:-1])
+            self.cache.record_lookup(len(req.tokens) - 1, match.length)
+            if match.length:
+                self.cache.inc_lock(match.node)
+                self.req_to_token.write(req.row, 0, match.slots)
+                req.slots, req.cached, req.node = match.slots.tolist(), match.length, match.node
+        self.reqs[rid] = req
 
     def extend(self, rid: int, tokens: list[int]) -> None:
         self.reqs[rid].tokens.extend(tokens)
@@ -178,8 +197,23 @@ class DraftModelProposer:
         req = self.reqs.pop(rid, None)
         if req is None:
             return
-        self.allocator.free_slots(req.slots)
+        own = req.slots[req.cached:]
+        if self.cache is not None and own:
+            # The accepted tokens' KV goes into the tree; it already held the first `have` of them, so the
+            # request's own slots among those are duplicates and go back to the pool.
+            have = self.cache.insert(req.tokens[: len(req.slots)], torch.tensor(req.slots, dtype=torch.int64))
+            own = req.slots[req.cached : max(have, req.cached)]
+        self.allocator.free_slots(own)
+        if req.node is not None:
+            self.cache.dec_lock(req.node)  # type: ignore[union-attr]
         self.req_to_token.free(req.row)
+
+    def _make_room(self, tokens: int) -> None:
+        """Evict the least recently used cached prefixes until ``tokens`` slots are free (or nothing is left to
+        evict: the allocation after this then fails as it would without a cache)."""
+        short = tokens - self.allocator.num_free_tokens
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
 
     @torch.inference_mode()
     def propose(self, rids: list[int], max_tokens: int) -> list[DraftTree | None]:
@@ -198,8 +232,10 @@ class DraftModelProposer:
         request with no unseen token (proposed twice in a row) recomputes its last one."""
         for req in reqs:
             if len(req.slots) == len(req.tokens):
+                assert len(req.slots) > req.cached  # the cache never holds a request's last token
                 self.allocator.free_slots(req.slots[-1:])
                 del req.slots[-1:]
+        self._make_room(sum(len(r.tokens) - len(r.slots) for r in reqs))
         ids, positions, new_slots, prefix, extend = [], [], [], [], []
         try:
             for req in reqs:
@@ -242,6 +278,7 @@ class DraftModelProposer:
     def _decode(self, rows: list[int], tokens: list[int], positions: list[int]) -> tuple[torch.Tensor, list[int]]:
         """One draft token per row at the given positions (each row's earlier slots already in the table): fresh
         slots for them, the logits [B, V] after them, and the slots (the caller frees them)."""
+        self._make_room(len(rows))
         slots = self.allocator.alloc_tokens(0, 0, len(rows)).tolist()  # page size 1: any free slots
         for row, pos, slot in zip(rows, positions, slots):
             self.req_to_token.write(row, pos, torch.tensor([slot]))
