@@ -501,7 +501,10 @@ plt.show()
 # their distributions `q`, for the `p / q` rule), or, with `speculative_eagle_topk > 1`, a tree of its most likely
 # branches. It runs on the engine's own parts (model classes, a paged KV pool of its own, the attention backend,
 # the model runner's forward), laying out its own batches rather than going through the engine's scheduler, and
-# it keeps KV only for tokens the target accepted.
+# it keeps KV only for tokens the target accepted. It also keeps a radix cache of its own (chapter 04's, over its
+# own pool): when a request finishes, its accepted tokens' KV goes into the tree, so the next request that shares a
+# prefix with it (the same system prompt, the earlier turns of a chat) drafts from that KV instead of running the
+# draft over the prefix again, and the least recently used prefixes are evicted when the draft's pool runs short.
 #
 # **Self-speculation.** The draft need not be a separate model: `truncated_model(model, k)` is the target's first
 # `k` decoder layers with its embedding, final norm and LM head, sharing every weight tensor (no copy), selected by
