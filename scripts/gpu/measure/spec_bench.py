@@ -44,6 +44,8 @@ CONFIGS: dict[str, dict[str, object]] = {
     "ngram_b64": {"speculative_algorithm": "NGRAM", "speculative_max_batch": 64},
     "ngram_chain8_b64": {"speculative_algorithm": "NGRAM", "speculative_num_steps": 8, "speculative_max_batch": 64},
     "ngram_b4": {"speculative_algorithm": "NGRAM", "speculative_max_batch": 4},
+    # no speculation and no overlap: what a verify step gives up by waiting for the step before it
+    "plain_sync": {"disable_overlap_schedule": True},
     # no speculation again, last: how far the GPU's speed drifted over the run (clocks, heat)
     "plain_again": {},
 }
