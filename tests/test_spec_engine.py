@@ -164,7 +164,7 @@ def test_greedy_output_is_the_oracle_s_whatever_the_drafts(smol_llm, workload, s
 
 
 def test_log_probability_requests_draft_beside_others(smol_llm, workload):
-    """A request that wants log probabilities drafts beside greedy ones that do not, and gets one log
+    """A request that wants log probabilities drafts beside requests that want none, and gets one log
     probability per output token, also for the tokens its verify rows appended (tests/test_spec_grammar.py
     compares their values with a run without speculation)."""
     prompts, params, expected = workload

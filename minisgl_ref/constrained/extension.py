@@ -36,6 +36,11 @@ its grammar): that row's token is discarded when N+1 is processed, as under over
 request's matcher sees the same tokens in the same order as without overlap, so the outputs are those of the
 non-overlapped engine.
 
+**A run of tokens** (``may_draft``, ``allowed_after``): speculative decoding (chapter 13) appends several tokens in
+one step, and checks its drafts under the grammar first. :meth:`StructuredOutput.allowed_after` gives the mask
+after the request's output plus a drafted path (its matcher accepts the path, fills, and rolls back); the matcher
+itself advances only as tokens are appended, once per token, through :meth:`StructuredOutput.before_token`.
+
 **Around each token** (``before_token``, ``after_token``): the matcher accepts the token (a refused token aborts
 the request: the mask forbids it, so only a failure gets there); a grammar that has ended ends the request. Then
 jump-forward decoding (``EngineConfig.enable_jump_forward``, :mod:`~minisgl_ref.constrained.jump_forward`): when

@@ -37,12 +37,30 @@ engine runs as without it. A verify step replays the extend CUDA graphs of chapt
 drafted positions; a tree (FlashInfer's FA2 kernels, the only ones on Hopper that take a mask) still runs
 eagerly and gained nothing (1.0x at batch 1).
 
-**Which requests draft.** Every request but those that want log probabilities (a verify row computes none per
-token) or follow a grammar (its mask would have to follow every drafted path): greedy ones and sampled ones, with
-any penalties. The acceptance rule processes each offset's logits with the sampler's own functions, so a greedy
-request appends exactly the tokens it would have decoded alone, and a sampled one tokens of exactly the same
-distribution (its accept / reject draws come from a generator seeded by its seed and step). The others run as
-before, without drafts, in the same batches.
+**Which requests draft.** Every request: greedy and sampled ones, with any penalties, with or without log
+probabilities or a grammar. The acceptance rule processes each offset's logits with the sampler's own functions, so
+a greedy request appends exactly the tokens it would have decoded alone, and a sampled one tokens of exactly the
+same distribution (its accept / reject draws come from a generator seeded by its seed and step).
+
+*A grammar* (chapter 12) is followed at every drafted offset. The engine's structured output, handed over by
+``build_runtime`` as the ``constraint`` (a :class:`TokenConstraint`: ``may_draft(req)``,
+``allowed_after(req, tokens)``), gives the mask there: the request's matcher accepts the path's draft tokens, fills
+its mask and rolls them back. The rule walks under those masks, so a drafted token the grammar forbids is never
+accepted (nor anything below it), and the tokens appended then advance the matcher one by one, through the
+ordinary append path, as decoded ones do; a stop token or the grammar's end inside the run drops the rest. Drafts
+are not pruned by the grammar before they are verified: a forbidden draft costs one position of the verify row,
+and pruning a draft model's sampled chain would bias its acceptance rule, which must not depend on the drafted
+token.
+
+*Log probabilities*: each token a verify row appends gets what a plain step computes for it, from the row's
+logits at the offset it was chosen at (masked, biased and penalised as there, over the temperature:
+:meth:`SpeculativeExtension._token_logprobs`), with the request's ``top`` alternatives; the prompt's are computed
+by its prefill, before any draft. They equal a run without drafts up to float rounding: the verify row's logits
+come from an extend pass, whose sums run in another order than a decode step's (about 4e-6 in float32 on a CPU).
+
+*Without drafts*, in the same batches: a request that follows a grammar when the engine has no constraint, or has
+jump-forward on (``enable_jump_forward``: the grammar would append forced text in the middle of a run verified
+without it).
 
 **Trees.** A draft tree (several guesses at one depth) needs an attention mask that lets each node see only its
 ancestors (``Guess.mask``, carried to the backend as ``ForwardBatch.extend_masks``). With an attention backend
