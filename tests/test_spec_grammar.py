@@ -133,8 +133,8 @@ def _run(llm: LLM, work, *, truths=None, script=("right",), logprobs=(), constra
                     context_length=llm.context_length, extensions=extensions)
     for i, r in enumerate(reqs):
         r.sampling_seed = 1234 + i
-        if i in logprobs:
-            r.logprobs = LogprobRequest(top=3)
+        if i in logprobs:  # ``logprobs``: request index -> the first prompt position to report (-1: none)
+            r.logprobs = LogprobRequest(top=3, start=dict(logprobs)[i])
         engine.add_request(r)
     steps = 0
     while engine.has_work:
@@ -151,7 +151,8 @@ _PLAIN: dict[tuple, list[Req]] = {}
 
 def _plain(llm: LLM, work, logprobs=(), **config) -> list[Req]:
     """The same requests without speculation (memoized per workload)."""
-    key = (tuple((tuple(p), repr(sp)) for p, sp in work), tuple(logprobs), tuple(sorted(config.items())))
+    key = (tuple((tuple(p), repr(sp)) for p, sp in work), tuple(dict(logprobs).items()),
+           tuple(sorted(config.items())))
     if key not in _PLAIN:
         _PLAIN[key] = _run(llm, work, logprobs=logprobs, **config)[0]
     return _PLAIN[key]
@@ -180,6 +181,7 @@ def _truths(reqs: list[Req]) -> list[list[int]]:
 
 def _assert_logprobs_match(plain: Req, spec: Req) -> None:
     assert plain.logprobs is not None and spec.logprobs is not None
+    assert spec.logprobs.prompt == plain.logprobs.prompt  # the prefill's, before any draft
     assert len(spec.logprobs.output) == len(spec.output_ids) == len(plain.logprobs.output)
     for k, (a, b) in enumerate(zip(plain.logprobs.output, spec.logprobs.output)):
         assert abs(a.logprob - b.logprob) <= LOGPROB_TOLERANCE, (k, a, b)
@@ -275,10 +277,11 @@ def test_sampled_grammar_requests_draft_and_stay_valid(llm):
 def test_log_probability_requests_draft_and_get_the_plain_log_probabilities(llm):
     """Greedy requests that want log probabilities (top 3), with and without a grammar, beside a plain one and
     a sampled one: the same tokens as without speculation, one log probability per output token, equal within
-    float tolerance, the same top alternatives; the log-probability requests drafted."""
+    float tolerance, the same top alternatives (and the same prompt log probabilities, which the prefill
+    computes); the log-probability requests drafted."""
     work = _workload(llm) + [(llm.tokenizer.encode("The capital of France is"),
                               SamplingParams(temperature=0.8, seed=3, max_new_tokens=12))]
-    logprobs = (0, 2)  # the schema request and the free greedy one
+    logprobs = {0: -1, 2: 4}  # the schema request; the free greedy one, with its prompt's from position 4
     plain = _plain(llm, work, logprobs=logprobs)
     reqs, spec, _ = _run(llm, work, truths=_truths(plain), script=("right", "forbidden"), logprobs=logprobs)
     _assert_same(plain[:3], reqs[:3])  # the sampled one draws differently under speculation
