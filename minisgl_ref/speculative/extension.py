@@ -298,7 +298,7 @@ class SpeculativeExtension(EngineExtension):
             else:
                 nodes, tokens = self._verify(req, guess.tree, self._logits_of(launched, i), masks)
             if req.logprobs is not None:
-                logprobs = self._token_logprobs(req, guess.tree, self._logits_of(launched, i), nodes, tokens, masks)
+                logprobs = self._token_logprobs(req, self._logits_of(launched, i), nodes, tokens, masks)
                 self._logprobs[req] = list(zip(tokens, logprobs))
             self._keep_accepted_kv(row, guess, nodes)
         except Exception as e:  # noqa: BLE001 - one request's failure must not end the engine
@@ -328,7 +328,7 @@ class SpeculativeExtension(EngineExtension):
         return verdict.nodes, verdict.tokens
 
     @staticmethod
-    def _token_logprobs(req: Req, tree: DraftTree, logits: torch.Tensor, nodes: list[int], tokens: list[int],
+    def _token_logprobs(req: Req, logits: torch.Tensor, nodes: list[int], tokens: list[int],
                         masks: _PathMasks | None) -> list[TokenLogprob]:
         """The log probability of each token a verify row appends (and the request's ``top`` alternatives), as
         a plain step computes it for the same token: from the logits at the offset it was chosen at (the root,
