@@ -554,8 +554,16 @@ display(show_table(rows, headers=["proposer (docs/data/spec_accept_cpu.json)", "
 # each request appended since it last saw it (`extend`), asks for trees of at most `speculative_num_draft_tokens`
 # minus one nodes, and hands each back as a `Guess`: the drafted tokens, their depths and, for a real tree, the mask. The
 # scheduler turns that decode row into a *verify row* (`Row.guess`): the last known token and the guesses, with a KV
-# slot for every one of them, allocated like the tokens of an extend row. Requests that want log probabilities or
-# follow a grammar do not draft.
+# slot for every one of them, allocated like the tokens of an extend row.
+#
+# Requests that follow a grammar (chapter 12) draft too. `build_runtime` hands the structured-output extension to
+# speculation as its `constraint`, and the acceptance rule walks under the grammar's mask at every drafted offset:
+# the request's matcher accepts the path's draft tokens, fills its mask and rolls them back (`allowed_after`). A
+# drafted token the grammar forbids is never accepted, nor anything below it; the tokens that are appended advance
+# the matcher one by one, as decoded ones do. Only with jump-forward on do they not draft: forced text would land
+# in the middle of a run verified without it. Requests that want log probabilities draft as well: each token a
+# verify row appends gets the log probability a plain step would give it, computed from the row's logits at the
+# offset the token was chosen at.
 #
 # **The forward pass.** A verify row is an extend row whose positions come from the depths and whose attention may
 # carry a mask. The model runner computes the logits at every position of such a row (`StepOutput.row_logits`), not

@@ -159,9 +159,10 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
         else:
             extensions = engine_extensions(config, tokenizer, eos)
             if speculative.enabled:  # chapter 13: drafts, verified in the engine's own steps
+                grammar = next(e for e in extensions if isinstance(e, StructuredOutput))  # masks drafted paths
                 extensions.append(speculative_extension(speculative, net, config, device=device,
                                                         engine=engine or EngineConfig(), context_length=context,
-                                                        dtype=model.dtype))
+                                                        dtype=model.dtype, constraint=grammar))
             built = Engine(net, config, engine, device=device, context_length=context, extensions=extensions,
                            attention_planner=perf_attention.attention_planner)  # chapter 11's decode attention
         phase("engine (KV pool, CUDA graphs)")

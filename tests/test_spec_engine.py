@@ -93,7 +93,7 @@ def _prompts(llm):
 def _run(llm, prompts, params, expected, script=("right",), *, spec=None, tree_mask=None, logprobs=(), on_engine=None,
          **config):
     """Run ``prompts`` on a fresh engine with a scripted proposer; check outputs and the idle state after.
-    ``logprobs``: the requests (by index) that ask for log probabilities, which therefore do not draft."""
+    ``logprobs``: the requests (by index) that ask for log probabilities."""
     reqs = make_reqs(llm, prompts, params)  # the oracle's requests, seeds included
     for i in logprobs:
         reqs[i].logprobs = LogprobRequest(top=1)
@@ -163,13 +163,15 @@ def test_greedy_output_is_the_oracle_s_whatever_the_drafts(smol_llm, workload, s
         assert ext.tree_mask is False or ext.accept_length > 1.5
 
 
-def test_drafted_and_undrafted_requests_share_steps(smol_llm, workload):
-    """A request that wants log probabilities runs without drafts beside greedy ones that draft, and still gets
-    one log probability per output token."""
+def test_log_probability_requests_draft_beside_others(smol_llm, workload):
+    """A request that wants log probabilities drafts beside requests that want none, and gets one log
+    probability per output token, also for the tokens its verify rows appended (tests/test_spec_grammar.py
+    compares their values with a run without speculation)."""
     prompts, params, expected = workload
     _, ext, reqs = _run(smol_llm, prompts, params, expected, ("right",), logprobs=(1,))
-    assert reqs[1].rid not in ext.stats and reqs[0].rid in ext.stats
+    assert ext.stats[reqs[1].rid].accepted_tokens > 0 and reqs[0].rid in ext.stats
     assert len(reqs[1].logprobs.output) == len(reqs[1].output_ids)
+    assert [e.top[0][0] for e in reqs[1].logprobs.output] == reqs[1].output_ids  # greedy: the likeliest token
 
 
 def test_sampled_requests_draft_and_replay_their_seed(smol_llm):

@@ -36,6 +36,11 @@ its grammar): that row's token is discarded when N+1 is processed, as under over
 request's matcher sees the same tokens in the same order as without overlap, so the outputs are those of the
 non-overlapped engine.
 
+**A run of tokens** (``may_draft``, ``allowed_after``): speculative decoding (chapter 13) appends several tokens in
+one step, and checks its drafts under the grammar first. :meth:`StructuredOutput.allowed_after` gives the mask
+after the request's output plus a drafted path (its matcher accepts the path, fills, and rolls back); the matcher
+itself advances only as tokens are appended, once per token, through :meth:`StructuredOutput.before_token`.
+
 **Around each token** (``before_token``, ``after_token``): the matcher accepts the token (a refused token aborts
 the request: the mask forbids it, so only a failure gets there); a grammar that has ended ends the request. Then
 jump-forward decoding (``EngineConfig.enable_jump_forward``, :mod:`~minisgl_ref.constrained.jump_forward`): when
@@ -46,11 +51,13 @@ along with the decode rows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
+import xgrammar as xgr
 
 from minisgl_ref.constrained.backend import GrammarBackend
 from minisgl_ref.constrained.bitmask import TokenBitmask
@@ -74,6 +81,7 @@ class StructuredOutput(EngineExtension):
         self._compiling: dict[Req, Future[Any]] = {}  # waiting requests whose grammar is compiling, in order
         self._matchers: dict[Req, GrammarState] = {}  # admitted constrained requests, pruned as they finish
         self._bitmask: TokenBitmask | None = None  # allocated with the first constrained step
+        self._scratch: torch.Tensor | None = None  # one bitmask row for :meth:`allowed_after`
         # The step in flight whose rows' tokens the matchers have already been given (:meth:`_accept_early`),
         # and each outcome by row (an exception: the matcher failed); :meth:`before_token` uses them.
         self._early_step: Launched | None = None
@@ -100,6 +108,30 @@ class StructuredOutput(EngineExtension):
     def matcher(self, req: Req) -> GrammarState | None:
         """``req``'s matcher: from the end of its grammar's compile until the first step after it finished."""
         return self._matchers.get(req)
+
+    # ------------------------------------------------------------------------------------------ a run of tokens
+
+    def may_draft(self, req: Req) -> bool:
+        """Whether ``req``'s tokens may be checked a run at a time (speculative decoding, chapter 13): a request
+        without a grammar may; one with a grammar once its matcher exists, and only without jump-forward, which
+        would append forced tokens in the middle of a run that was verified without them."""
+        if spec_of(req.params) is None:
+            return True
+        return req in self._matchers and not self.engine.config.enable_jump_forward
+
+    def allowed_after(self, req: Req, tokens: Sequence[int]) -> torch.Tensor | None:
+        """The tokens ``req``'s grammar allows after its output followed by ``tokens`` (a path it allows), as a
+        ``[vocab]`` bool mask (True: allowed), exactly the mask a plain step would apply there; None when
+        ``req`` follows no grammar, or a stop token on the path ended it. The matcher is left as it was: it
+        accepts ``tokens`` one by one, fills the mask, and rolls them back; it advances only as tokens are
+        appended (:meth:`before_token`, once per token)."""
+        matcher = self._matchers.get(req)
+        if matcher is None:
+            return None
+        if self._scratch is None:
+            assert self.backend is not None, "a request with a matcher had its grammar compiled by the backend"
+            self._scratch = xgr.allocate_token_bitmask(1, self.backend.vocab_size)
+        return matcher.allowed_after(tokens, self._scratch)
 
     # ---------------------------------------------------------------------------------------------- the door
 

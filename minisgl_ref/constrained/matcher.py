@@ -22,7 +22,7 @@ stop id does in a free request. Without it the row would have no finite logit, a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -44,6 +44,7 @@ class GrammarState:
         self.num_accepted = 0  # tokens accepted so far (those rollback can undo)
         self.at_dead_end = False  # the last fill allowed nothing; open_dead_end allowed the stop ids instead
         self._stopped = False  # a stop id was accepted at a dead end
+        self._vocab_size: int = info.vocab_size
 
     def accept(self, token_id: int) -> bool:
         """Advance by ``token_id``; False (and no change) if the grammar does not allow it here. At a dead end,
@@ -53,6 +54,11 @@ class GrammarState:
             return True
         ok = self._matcher.accept_token(token_id)
         self.num_accepted += ok
+        if not ok and token_id in self.stop_token_ids and self._cornered_now():
+            # At a dead end that no fill has marked: several tokens appended in one step (speculative decoding,
+            # chapter 13) are accepted without a fill between them.
+            self._stopped = True
+            return True
         return ok
 
     def accepts(self, token_ids: Iterable[int]) -> bool:
@@ -70,6 +76,41 @@ class GrammarState:
         if num_tokens > 0:
             self._matcher.rollback(num_tokens)
             self.num_accepted -= num_tokens
+
+    def _cornered_now(self) -> bool:
+        """Whether the grammar is at a dead end here: it can be cornered, and its mask allows nothing."""
+        if not self.can_be_cornered or self._matcher.is_terminated():
+            return False
+        scratch = xgr.allocate_token_bitmask(1, self._vocab_size)
+        self._matcher.fill_next_token_bitmask(scratch, 0)
+        return not scratch.any()
+
+    def allowed_after(self, tokens: Sequence[int], scratch: torch.Tensor) -> torch.Tensor | None:
+        """The tokens allowed after this state advanced by ``tokens`` (a path the grammar allows, each token
+        allowed by the mask before it), as a ``[vocab]`` bool mask (True: allowed), the state left as it was.
+        None when nothing may follow (a stop token on the path ended the grammar): no token after it is kept.
+
+        The mask is the one a plain step would fill there, a dead end opened to the stop ids included.
+        ``scratch`` is a one-row bitmask (``xgr.allocate_token_bitmask(1, vocab)``) to fill into."""
+        at_dead_end, done, ended = self.at_dead_end, 0, False
+        try:
+            for t in tokens:
+                if self._matcher.accept_token(t):
+                    done += 1
+                elif t in self.stop_token_ids and self._cornered_now():
+                    ended = True  # a stop id at a dead end: the output is over
+                else:
+                    raise ValueError(f"token {t} is not allowed by the grammar at its place on the path")
+                if ended or self._matcher.is_terminated():
+                    return None
+            self.fill(scratch, 0)
+            if self.can_be_cornered and not scratch[0].any():
+                self.open_dead_end(scratch, 0)
+            return unpack_mask(scratch[0], self._vocab_size)
+        finally:
+            if done:
+                self._matcher.rollback(done)
+            self.at_dead_end = at_dead_end
 
     @property
     def xgr_matcher(self) -> xgr.GrammarMatcher:
@@ -99,3 +140,10 @@ class GrammarState:
     def jump_forward_string(self) -> str:
         """The text every continuation allowed by the grammar starts with ("" when there is a choice)."""
         return self._matcher.find_jump_forward_string()
+
+
+def unpack_mask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """One packed bitmask row (int32, bit ``v % 32`` of word ``v // 32``: token ``v`` allowed) as a
+    ``[vocab_size]`` bool mask. An arithmetic shift keeps bit 0 right for the sign bit too."""
+    ids = torch.arange(vocab_size)
+    return ((words.to(torch.int64)[ids >> 5] >> (ids & 31)) & 1).bool()

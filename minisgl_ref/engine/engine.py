@@ -286,7 +286,7 @@ class Engine:
                 self.scheduler.finish(req)
                 events.append(StepEvent(req, "", True))
                 continue
-            if logprobs is not None and req.logprobs is not None:
+            if logprobs is not None and req.logprobs is not None and row.guess is None:  # a guess's: row_tokens
                 req.logprobs.output.append(logprobs(i, req.logprobs.top))
             delta = ""
             for appended in self.extensions.row_tokens(launched, i, token) if row.guess else (token,):

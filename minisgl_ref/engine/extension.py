@@ -125,7 +125,9 @@ class EngineExtension:
         right if the whole guess was. The extension that made the guess checks it against the row's logits
         (``launched.output.row_logits``) and returns what to append, in order; each token then goes through the
         token hooks and the request's stop rules, and a token that ends the request drops the rest. The first
-        extension that answers decides; if none does, ``token`` is appended."""
+        extension that answers decides; if none does, ``token`` is appended. The engine records no log
+        probability for such a row (its own is that of ``token``): the extension that answers records those of
+        the tokens it returns, as each is appended (in :meth:`before_token`), for a request that wants them."""
         return None
 
     def before_token(self, launched: Launched, i: int, token: int) -> str | None:

@@ -18,7 +18,7 @@ from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.models.config import ModelConfig
 from minisgl_ref.models.loader import load_model
 from minisgl_ref.speculative.config import SpeculativeConfig
-from minisgl_ref.speculative.extension import SpeculativeExtension
+from minisgl_ref.speculative.extension import SpeculativeExtension, TokenConstraint
 
 
 def engine_backend_lacks_masks(engine: EngineConfig | None) -> bool:
@@ -48,8 +48,9 @@ def check_combination(config: SpeculativeConfig, *, kind: str, tp_enabled: bool,
 
 def speculative_extension(config: SpeculativeConfig, target: nn.Module, target_config: ModelConfig, *,
                           device: torch.device, engine: EngineConfig, context_length: int,
-                          dtype: str = "auto") -> SpeculativeExtension:
-    """The extension with the proposer ``config`` asks for, drafting for ``target``."""
+                          dtype: str = "auto", constraint: TokenConstraint | None = None) -> SpeculativeExtension:
+    """The extension with the proposer ``config`` asks for, drafting for ``target``; ``constraint`` (the engine's
+    structured output) masks the drafted paths of requests that follow a grammar."""
     drafts = config.draft_tokens - 1
     if config.speculative_algorithm == "NGRAM":
         from minisgl_ref.speculative.ngram import NgramProposer, NgramSettings
@@ -77,4 +78,4 @@ def speculative_extension(config: SpeculativeConfig, target: nn.Module, target_c
                                       num_steps=config.speculative_num_steps, topk=config.speculative_eagle_topk,
                                       max_requests=engine.max_running_requests, context_length=context_length,
                                       device=device, config=engine)
-    return SpeculativeExtension(proposer, config)
+    return SpeculativeExtension(proposer, config, constraint=constraint)

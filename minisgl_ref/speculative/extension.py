@@ -37,12 +37,30 @@ engine runs as without it. A verify step replays the extend CUDA graphs of chapt
 drafted positions; a tree (FlashInfer's FA2 kernels, the only ones on Hopper that take a mask) still runs
 eagerly and gained nothing (1.0x at batch 1).
 
-**Which requests draft.** Every request but those that want log probabilities (a verify row computes none per
-token) or follow a grammar (its mask would have to follow every drafted path): greedy ones and sampled ones, with
-any penalties. The acceptance rule processes each offset's logits with the sampler's own functions, so a greedy
-request appends exactly the tokens it would have decoded alone, and a sampled one tokens of exactly the same
-distribution (its accept / reject draws come from a generator seeded by its seed and step). The others run as
-before, without drafts, in the same batches.
+**Which requests draft.** Every request: greedy and sampled ones, with any penalties, with or without log
+probabilities or a grammar. The acceptance rule processes each offset's logits with the sampler's own functions, so
+a greedy request appends exactly the tokens it would have decoded alone, and a sampled one tokens of exactly the
+same distribution (its accept / reject draws come from a generator seeded by its seed and step).
+
+*A grammar* (chapter 12) is followed at every drafted offset. The engine's structured output, handed over by
+``build_runtime`` as the ``constraint`` (a :class:`TokenConstraint`: ``may_draft(req)``,
+``allowed_after(req, tokens)``), gives the mask there: the request's matcher accepts the path's draft tokens, fills
+its mask and rolls them back. The rule walks under those masks, so a drafted token the grammar forbids is never
+accepted (nor anything below it), and the tokens appended then advance the matcher one by one, through the
+ordinary append path, as decoded ones do; a stop token or the grammar's end inside the run drops the rest. Drafts
+are not pruned by the grammar before they are verified: a forbidden draft costs one position of the verify row,
+and pruning a draft model's sampled chain would bias its acceptance rule, which must not depend on the drafted
+token.
+
+*Log probabilities*: each token a verify row appends gets what a plain step computes for it, from the row's
+logits at the offset it was chosen at (masked, biased and penalised as there, over the temperature:
+:meth:`SpeculativeExtension._token_logprobs`), with the request's ``top`` alternatives; the prompt's are computed
+by its prefill, before any draft. They equal a run without drafts up to float rounding: the verify row's logits
+come from an extend pass, whose sums run in another order than a decode step's (about 4e-6 in float32 on a CPU).
+
+*Without drafts*, in the same batches: a request that follows a grammar when the engine has no constraint, or has
+jump-forward on (``enable_jump_forward``: the grammar would append forced text in the middle of a run verified
+without it).
 
 **Trees.** A draft tree (several guesses at one depth) needs an attention mask that lets each node see only its
 ancestors (``Guess.mask``, carried to the backend as ``ForwardBatch.extend_masks``). With an attention backend
@@ -55,15 +73,17 @@ verified, the accepted path's KV is moved from the nodes' slots to the slots of 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from minisgl_ref.core.batch import Guess, Row
-from minisgl_ref.core.request import Req
+from minisgl_ref.core.request import Req, TokenLogprob
 from minisgl_ref.engine.extension import EngineExtension, EngineView
 from minisgl_ref.engine.step import Launched, StepEvent
-from minisgl_ref.sampling.params import SamplingParams
+from minisgl_ref.sampling.sampler import SamplingBatchInfo, penalised_logits, sampling_temperatures, token_logprobs
 from minisgl_ref.speculative.accept import accept, request_generator
 from minisgl_ref.speculative.config import SpeculativeConfig
 
@@ -139,21 +159,34 @@ def first_nodes(tree: DraftTree, n: int) -> DraftTree:
     return DraftTree(tree.tokens[:n], tree.parents[:n], probs)
 
 
-def may_draft(params: SamplingParams, req: Req) -> bool:
-    """Whether ``req`` may draft: not if it wants log probabilities (a verify row computes none per token) or
-    follows a grammar (whose mask would have to follow every drafted path)."""
-    return not req.return_logprob and params.grammar_field is None
+class TokenConstraint(Protocol):
+    """What speculation asks of the extension that restricts which tokens a request may append (structured
+    output, chapter 12: ``StructuredOutput``); :func:`~minisgl_ref.runtime.build_runtime` hands it over. Without
+    one, a request that follows a grammar does not draft."""
+
+    def may_draft(self, req: Req) -> bool:
+        """Whether ``req``'s tokens may be checked a run at a time (its constraint can mask any drafted path)."""
+        ...
+
+    def allowed_after(self, req: Req, tokens: Sequence[int]) -> torch.Tensor | None:
+        """The ``[vocab]`` bool mask (True: allowed) of the tokens ``req`` may append after its output followed
+        by ``tokens``, the mask a plain step would apply there; None where nothing is masked. Leaves ``req``'s
+        state as it was."""
+        ...
 
 
 class SpeculativeExtension(EngineExtension):
     """Speculative decoding for one engine (see the module docstring). ``proposer`` drafts; ``config`` holds the
     knobs; ``tree_mask``: whether trees are verified whole under a tree mask (None: when the engine's attention
-    backend takes one; False: trees are cut to their longest chain)."""
+    backend takes one; False: trees are cut to their longest chain); ``constraint``: the engine's grammar masks
+    (None: requests that follow a grammar do not draft)."""
 
-    def __init__(self, proposer: Proposer, config: SpeculativeConfig, *, tree_mask: bool | None = None) -> None:
+    def __init__(self, proposer: Proposer, config: SpeculativeConfig, *, tree_mask: bool | None = None,
+                 constraint: TokenConstraint | None = None) -> None:
         self.proposer = proposer
         self.config = config
         self.tree_mask = tree_mask
+        self.constraint = constraint
         self._engine: EngineView | None = None
         self._drafting: dict[Req, _Drafting] = {}
         #: Per rid; an ended request's are kept (for the server's last row) until read, the newest
@@ -164,6 +197,8 @@ class SpeculativeExtension(EngineExtension):
         self._offsets: tuple[Launched | None, dict[int, int]] = (None, {})
         self._argmax: tuple[Launched | None, list[int]] = (None, [])  # a step's target argmax per verify offset
         self._publish: list[Req] = []  # requests that appended tokens no step sampled: their last goes to the device
+        # The log probabilities of the tokens a verify row appends, per request, recorded as each is appended.
+        self._logprobs: dict[Req, list[tuple[int, TokenLogprob]]] = {}
 
     def bind(self, engine: EngineView) -> None:
         self._engine = engine
@@ -194,7 +229,13 @@ class SpeculativeExtension(EngineExtension):
 
     def _may_draft(self, req: Req) -> bool:
         state = self._drafting.get(req)
-        return (state is None or state.cooldown == 0) and may_draft(req.params, req)
+        return (state is None or state.cooldown == 0) and self._drafts(req)
+
+    def _drafts(self, req: Req) -> bool:
+        """Whether ``req`` drafts at all: one that follows a grammar only through the engine's constraint."""
+        if req.params.grammar_field is None:
+            return True
+        return self.constraint is not None and self.constraint.may_draft(req)
 
     def active(self, running: list[Req]) -> bool:
         return len(running) <= self.config.speculative_max_batch and any(self._may_draft(r) for r in running)
@@ -251,10 +292,14 @@ class SpeculativeExtension(EngineExtension):
             return None  # somebody else's guess
         req = row.req
         try:
-            if self._plain_greedy(req):
+            masks = self._masks(req)
+            if masks is None and self._plain_greedy(req):
                 nodes, tokens = self._greedy_walk(guess.tree, self._argmax_of(launched, i))
             else:
-                nodes, tokens = self._verify(req, guess.tree, self._logits_of(launched, i))
+                nodes, tokens = self._verify(req, guess.tree, self._logits_of(launched, i), masks)
+            if req.logprobs is not None:
+                logprobs = self._token_logprobs(req, self._logits_of(launched, i), nodes, tokens, masks)
+                self._logprobs[req] = list(zip(tokens, logprobs))
             self._keep_accepted_kv(row, guess, nodes)
         except Exception as e:  # noqa: BLE001 - one request's failure must not end the engine
             log.exception("verifying the draft of request %s failed", req.rid)
@@ -264,15 +309,50 @@ class SpeculativeExtension(EngineExtension):
         self._publish.append(req)
         return tokens
 
+    def _masks(self, req: Req) -> _PathMasks | None:
+        """``req``'s grammar masks per drafted path, asked of the constraint once each (None: no grammar)."""
+        if req.params.grammar_field is None or self.constraint is None:
+            return None
+        return _PathMasks(self.constraint, req)
+
     @staticmethod
-    def _verify(req: Req, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+    def _verify(req: Req, tree: DraftTree, logits: torch.Tensor,
+                masks: _PathMasks | None = None) -> tuple[list[int], list[int]]:
         """The acceptance rule on one verify row: (accepted nodes, tokens to append). A sampled request's draws
-        come from a generator seeded by its seed and step, so a seeded request replays them."""
+        come from a generator seeded by its seed and step, so a seeded request replays them. A draft token the
+        grammar forbids is never accepted (its offset is unreachable)."""
         params = req.params
         generator = None if params.is_greedy else request_generator(req.sampling_seed, len(req.output_ids))
         verdict = accept(tree, logits, params, prompt_ids=req.input_ids, output_ids=req.output_ids,
-                         eos_token_ids=sorted(req.eos_token_ids), generator=generator)
+                         eos_token_ids=sorted(req.eos_token_ids), allowed=masks, generator=generator)
         return verdict.nodes, verdict.tokens
+
+    @staticmethod
+    def _token_logprobs(req: Req, logits: torch.Tensor, nodes: list[int], tokens: list[int],
+                        masks: _PathMasks | None) -> list[TokenLogprob]:
+        """The log probability of each token a verify row appends (and the request's ``top`` alternatives), as
+        a plain step computes it for the same token: from the logits at the offset it was chosen at (the root,
+        then each accepted node), masked by the grammar there, after bias and penalties counting the tokens
+        before it (:func:`~minisgl_ref.sampling.sampler.penalised_logits`), divided by the temperature (1 for a
+        greedy request), through the sampler's own :func:`~minisgl_ref.sampling.sampler.token_logprobs`."""
+        assert req.logprobs is not None
+        offsets = [0] + [n + 1 for n in nodes]
+        rows = logits[offsets].float()
+        paths = [tuple(tokens[:k]) for k in range(len(tokens))]
+        if masks is not None:
+            for k, path in enumerate(paths):
+                mask = masks(path)
+                if mask is not None:
+                    rows[k] = rows[k].masked_fill(~mask.to(rows.device), float("-inf"))
+        n, params = len(offsets), req.params
+        info = SamplingBatchInfo.build([params] * n, [req.input_ids] * n, [req.output_ids + list(p) for p in paths],
+                                       [sorted(req.eos_token_ids)] * n, rows.shape[1], rows.device, seeds=[0] * n)
+        processed = penalised_logits(rows, info)
+        temperatures = None if params.is_greedy else sampling_temperatures(info)
+        chosen = torch.tensor(tokens, device=rows.device)
+        found = token_logprobs(processed, chosen, req.logprobs.top, temperatures)
+        values, ids = found.top_values.tolist(), found.top_ids.tolist()
+        return [TokenLogprob(lp, list(zip(ids[k], values[k]))) for k, lp in enumerate(found.chosen.tolist())]
 
     @staticmethod
     def _plain_greedy(req: Req) -> bool:
@@ -372,9 +452,27 @@ class SpeculativeExtension(EngineExtension):
         for state in self._drafting.values():
             state.cooldown = max(0, state.cooldown - 1)
 
+    def watches_tokens(self) -> bool:
+        """Only while a request that wants log probabilities drafts: its verified tokens' are recorded as each is
+        appended (:meth:`before_token`)."""
+        return any(r.logprobs is not None for r in self._drafting)
+
+    def before_token(self, launched: Launched, i: int, token: int) -> str | None:
+        """Record the log probability of a token a verify row appends, as the engine appends it: a token that
+        ends the request drops the rest, and theirs with them. Never refuses a token."""
+        req = launched.batch.rows[i].req
+        pending = self._logprobs.get(req)
+        if pending and launched.batch.rows[i].guess is not None:
+            verified, entry = pending.pop(0)
+            assert verified == token, "the engine appends the verified tokens in order"
+            assert req.logprobs is not None
+            req.logprobs.output.append(entry)
+        return None
+
     def after_step(self, launched: Launched, events: list[StepEvent]) -> None:
         """The verified requests that go on read their next decode input from the device's token buffer, which
         holds what the step sampled after the last drafted token: put the last appended token there."""
+        self._logprobs.clear()
         publish, self._publish = [r for r in self._publish if not r.finished], []
         if publish:
             runner = self.engine.runner
@@ -390,3 +488,17 @@ class SpeculativeExtension(EngineExtension):
             self.proposer.finish(req.rid)
         while len(self.stats) > KEPT_STATS:
             del self.stats[next(iter(self.stats))]  # the oldest first (dicts keep insertion order)
+
+
+class _PathMasks:
+    """One verify row's grammar masks, by drafted path: asked of the constraint once per path, kept for the log
+    probabilities after the walk. The ``allowed`` callable of :func:`~minisgl_ref.speculative.accept.accept`."""
+
+    def __init__(self, constraint: TokenConstraint, req: Req) -> None:
+        self._constraint, self._req = constraint, req
+        self._found: dict[tuple[int, ...], torch.Tensor | None] = {}
+
+    def __call__(self, path: tuple[int, ...]) -> torch.Tensor | None:
+        if path not in self._found:
+            self._found[path] = self._constraint.allowed_after(self._req, path)
+        return self._found[path]
