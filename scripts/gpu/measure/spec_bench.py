@@ -108,6 +108,40 @@ def request_steps(llm, outs) -> list[int]:  # type: ignore[no-untyped-def]
     return steps
 
 
+def interleaved(args, LLM, SamplingParams, sync) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """Two engines in one process, their runs alternated per batch size: BASE, OTHER, BASE, OTHER, ... Returns
+    per batch size both run lists (milliseconds per output token) and the ratio of their medians."""
+    base, other = args.interleave
+    llms = {name: LLM(args.model_path, dtype=args.dtype, max_total_tokens=args.pool_tokens, **CONFIGS[name])
+            for name in (base, other)}
+    out: dict[str, object] = {}
+    for bs in args.batch_sizes:
+        params = SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens)
+        batch = prompts(llms[base], bs)
+        ms: dict[str, list[float]] = {base: [], other: []}
+        verify: dict[str, int] = {base: 0, other: 0}
+        for name, llm in llms.items():
+            llm.generate(batch, params, use_tqdm=False)  # warm-up of the same shape
+        for _ in range(args.repeats):
+            for name, llm in llms.items():
+                v0, _ = spec_counts(llm)
+                sync()
+                t = time.perf_counter()
+                outs = llm.generate(batch, params, use_tqdm=False)
+                sync()
+                wall = time.perf_counter() - t
+                ms[name].append(round(1e3 * wall / max(len(o.output_ids) for o in outs), 3))
+                verify[name] += spec_counts(llm)[0] - v0
+        ratio = statistics.median(ms[base]) / statistics.median(ms[other])
+        out[str(bs)] = {"ms_per_token": ms, "verify_rows": verify, "speedup_of_medians": round(ratio, 3),
+                        "speedup_of_bests": round(min(ms[base]) / min(ms[other]), 3)}
+        print(f"bs={bs:<3} {base} {statistics.median(ms[base]):.3f}  {other} {statistics.median(ms[other]):.3f} "
+              f"ms/token (medians): {ratio:.3f}x  verify rows {verify}", flush=True)
+    for llm in llms.values():
+        llm.shutdown()
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("output", type=Path)
@@ -117,6 +151,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--configs", nargs="+", default=["plain", "ngram"], choices=sorted(CONFIGS))
+    parser.add_argument("--interleave", nargs=2, metavar=("BASE", "OTHER"), choices=sorted(CONFIGS),
+                        help="instead: build both engines side by side (each with a pool of --pool-tokens) and "
+                             "alternate their runs, so that drift of the GPU's speed and differences between "
+                             "separately started engines fall on both alike")
+    parser.add_argument("--pool-tokens", type=int, default=65536)
     parser.add_argument("--profile-host", metavar="CONFIG/BS",
                         help="one more run of that configuration and batch size under cProfile: the 40 functions "
                              "with the most own time go into the JSON (where a step's host time goes)")
@@ -134,6 +173,12 @@ def main() -> int:
     result: dict[str, object] = {"provenance": collect_provenance(settings={
         "model_path": args.model_path, "batch_sizes": args.batch_sizes, "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats, "configs": {c: CONFIGS[c] for c in args.configs}}), "runs": {}}
+    if args.interleave:
+        result["provenance"]["settings"]["settings"]["interleave"] = args.interleave  # type: ignore[index]
+        result["interleaved"] = interleaved(args, LLM, SamplingParams, sync)
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        return 0
     outputs: dict[tuple[str, int], list[list[int]]] = {}
     for name in args.configs:
         t0 = time.perf_counter()
