@@ -231,7 +231,7 @@ def one_hot_rows(argmaxes: list[int], vocab: int = 5) -> torch.Tensor:
 GREEDY = SamplingParams(temperature=0.0)
 
 
-@pytest.mark.task("13.1", weight=2)
+@pytest.mark.task("13.1", weight=3)
 def test_greedy_walks_the_argmax_through_siblings():
     # Root's children: 1 (node 0), 2 (node 1); node 1's children: 4 (node 2), 0 (node 3); node 3's child 3 (node 4).
     tree = DraftTree((1, 2, 4, 0, 3), (-1, -1, 1, 1, 3))
@@ -253,13 +253,13 @@ def test_greedy_nothing_accepted():
     assert accept(tree, one_hot_rows([3, 0, 0]), GREEDY) == Verdict([], [3])
 
 
-@pytest.mark.task("13.1")
+@pytest.mark.task("13.1", weight=2)
 def test_greedy_everything_accepted_adds_the_bonus():
     tree = DraftTree.chain([4, 4, 0])
     assert accept(tree, one_hot_rows([4, 4, 0, 2]), GREEDY) == Verdict([0, 1, 2], [4, 4, 0, 2])
 
 
-@pytest.mark.task("13.1")
+@pytest.mark.task("13.1", weight=2)
 def test_greedy_ties_go_to_the_lowest_id():
     tree = DraftTree((3, 1), (-1, -1))  # both tie at the top; the plain sampler's argmax is 1
     logits = torch.tensor([[0.0, 2.0, 0.0, 2.0, 0.0], [0.0] * 5, [0.0, 0.0, 1.0, 0.0, 0.0]])
@@ -281,7 +281,7 @@ def plain_greedy(params: SamplingParams, output: list[int], steps: int, vocab: i
     return out
 
 
-@pytest.mark.task("13.1", weight=2)
+@pytest.mark.task("13.1", weight=5)
 @pytest.mark.parametrize("params", [
     GREEDY,
     SamplingParams(temperature=0.0, repetition_penalty=1.8, frequency_penalty=1.0, presence_penalty=0.5),
@@ -335,7 +335,7 @@ SAMPLED = {
 }
 
 
-@pytest.mark.task("13.1", weight=3)
+@pytest.mark.task("13.1", weight=12)
 @pytest.mark.parametrize("name", list(SAMPLED))
 def test_sampled_tree_is_lossless(name):
     """A fixed tree with siblings (and a repeated sibling): the point-mass rule with renormalisation."""
@@ -344,7 +344,7 @@ def test_sampled_tree_is_lossless(name):
     assert p_first > ALPHA and p_two > ALPHA, (p_first, p_two)
 
 
-@pytest.mark.task("13.1", weight=3)
+@pytest.mark.task("13.1", weight=5)
 def test_sampled_chain_without_proposal_is_lossless():
     ctx = PROMPT + OUTPUT
     a = int(model(tuple(ctx)).argmax())
@@ -353,7 +353,7 @@ def test_sampled_chain_without_proposal_is_lossless():
     assert p_first > ALPHA and p_two > ALPHA, (p_first, p_two)
 
 
-@pytest.mark.task("13.1", weight=2)
+@pytest.mark.task("13.1", weight=3)
 def test_sampled_tree_under_a_grammar_is_lossless():
     """The mask depends on the path; node 1's token is forbidden after the root, so its subtree is unreachable."""
     ctx = PROMPT + OUTPUT
@@ -376,7 +376,7 @@ def chain_from_q(g: torch.Generator) -> DraftTree:
     return DraftTree.chain([x1, x2], probs=torch.stack([Q_ROOT, Q_NEXT[x1]]))
 
 
-@pytest.mark.task("13.1", weight=3)
+@pytest.mark.task("13.1", weight=12)
 @pytest.mark.parametrize("name", ["temperature", "penalties"])
 def test_sampled_chain_with_proposal_is_lossless(name):
     """Drafts drawn from a known q: accept with min(1, p/q), else draw from norm(max(p - q, 0))."""
@@ -384,7 +384,7 @@ def test_sampled_chain_with_proposal_is_lossless(name):
     assert p_first > ALPHA and p_two > ALPHA, (p_first, p_two)
 
 
-@pytest.mark.task("13.1", weight=2)
+@pytest.mark.task("13.1", weight=6)
 def test_sampled_chain_with_proposal_under_a_grammar_is_lossless():
     p_first, p_two = check_lossless(chain_from_q, SamplingParams(temperature=1.0), grammar=forbid_after, seed=5)
     assert p_first > ALPHA and p_two > ALPHA, (p_first, p_two)

@@ -88,7 +88,7 @@ def make_case(rows: list[Row], *, page_size: int, num_kv_heads: int = 2, gqa: in
     return Case(rows, batch, pool, table, AttentionLayer(0, num_heads, num_kv_heads, head_dim), q, k, v)
 
 
-@pytest.mark.task("13.2", weight=2)
+@pytest.mark.task("13.2", weight=3)
 def test_tree_positions_are_prefix_plus_depth():
     assert BUSHY.positions(9) == [9, 10, 10, 11, 11, 11, 12, 10]
     assert CHAIN.positions(0) == [0, 1, 2, 3, 4] and ROOT_ONLY.positions(5) == [5]
@@ -220,7 +220,7 @@ def test_masks_belong_to_extend_batches():
 # ------------------------------------------------------------------------------------ the model, end to end
 
 
-@pytest.mark.task("13.2", weight=2)
+@pytest.mark.task("13.2", weight=3)
 def test_model_verify_row_gives_each_paths_logits(tiny_llm):  # noqa: F811 - fixture
     """The tiny model over prefix + a tree row (positions prefix + depth, the tree mask, torch_native) gives at
     every offset the logits the chapter-00 oracle gives for the whole sequence ending in that offset's path."""
