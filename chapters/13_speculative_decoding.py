@@ -14,8 +14,10 @@
 # %% [markdown]
 # # Chapter 13 — Speculative decoding
 #
-# **What you will build.** Nothing new to write this time: you will read and check speculative decoding as the
-# engine does it, in `minisgl_ref/speculative/`. A cheap *proposer* guesses the next few tokens of a request, the
+# **What you will build.** The two pieces of speculative decoding that decide whether the output stays exactly
+# what plain decoding gives: a draft tree's depths and attention mask (task 13.2, `DraftTree.depths` and
+# `DraftTree.mask` in `minisgl_ref/speculative/tree.py`), and the acceptance rule (task 13.1, `walk` and its two
+# rules in `minisgl_ref/speculative/accept.py`). A cheap *proposer* guesses the next few tokens of a request, the
 # target model checks all of them in one forward pass, and the request keeps the guesses the target agrees with,
 # plus one token of the target's own.
 #
@@ -29,9 +31,10 @@
 #
 # 1. work out, from bytes and FLOPs, when verifying several tokens costs one decode step, and what speed-up to
 #    expect from an accept length and a batch size;
-# 2. build a draft tree, its attention mask and its positions, and check that one masked verify row gives every
-#    path's logits;
-# 3. derive the acceptance rule, greedy and sampled, and check by drawing that the sampled one is lossless;
+# 2. build a draft tree, its attention mask and its positions (task 13.2), and check that one masked verify row
+#    gives every path's logits;
+# 3. derive the acceptance rule, greedy and sampled (task 13.1), and check by drawing that the sampled one is
+#    lossless;
 # 4. meet the proposers: n-gram lookup in the request's own tokens, a draft model, and self-speculation by the
 #    target's first layers, with their measured accept lengths;
 # 5. follow a verify row through the engine (scheduling, logits, appending, KV rollback) and run it;
@@ -194,10 +197,11 @@ plt.show()
 # A proposer does not have to commit to one guess per position. If it is unsure whether the next word is "cat" or
 # "dog", it may propose both, and a continuation of each: a *tree* of guesses rooted at the request's last known
 # token. `DraftTree` stores it as two tuples, each node's token and its parent (`-1` for the root), with parents
-# numbered before their children:
+# numbered before their children. Each node's depth and the verify row's attention mask follow from the parents;
+# this is task 13.2:
 
 # %%
-show_code(DraftTree.mask)
+show_code(DraftTree, task="13.2")
 
 # %%
 llm = LLM(device="cpu")
@@ -349,6 +353,14 @@ print("accepted nodes:", verdict.nodes, "  appended:", repr(tok.decode(verdict.t
 # follow by induction. It accepts less often than the `p / q` rule (`p(x) <= min(1, p(x)/q(x))` since `q <= 1`),
 # which is why the `p / q` rule is used whenever `q` is known.
 #
+# In `accept.py` the walk and its two rules are task 13.1. At each node the walk picks the rule that fits how the
+# node's children were drafted (by the tree's shape, never by the drafted token), and where it stops it still
+# emits the token decided there:
+
+# %%
+show_code(walk, task="13.1")
+
+# %% [markdown]
 # Proofs are good; draws are better. A toy model over a four-token vocabulary whose next-token distribution
 # depends only on the previous token (a bigram table `P`) plays the target, another table `Q` the draft. Each trial
 # generates two tokens after token 0, in three ways: plainly from `P`; with a chain of two guesses drawn from `Q`
@@ -433,7 +445,7 @@ plt.show()
 # would reject "this follows `P`" if the p-value fell below 0.01; none does, for the plain draws or for either
 # speculative rule. (The seeds are fixed, so the notebook gives the same numbers every run; a biased rule, such as
 # accepting with `p(x)` but drawing rejections from `p` instead of the residual, fails this test by a wide margin:
-# try it in exercise 3.)
+# try it in exercise 5.)
 #
 # In the engine, the target's `p` at each offset is the distribution a plain step would draw from: the sampler's
 # own penalties (which count the path's tokens as generated), temperature, top-k, top-p and min-p, built by the
@@ -722,27 +734,36 @@ plt.show()
 # %% [markdown]
 # ## Exercises
 #
-# 1. **Tune the depth.** Run section 5 with `speculative_num_steps` of 1, 2, 4, 8 and 16. How do the step count
+# 1. **Task 13.2.** Write `DraftTree.depths` and `DraftTree.mask` in `minisgl_ref/speculative/tree.py`, then run
+#    section 2 again: Figure 13.2's mask and the verify row's logits against each path are now your code's. If
+#    every node saw the root, its parent and itself only, at which offsets of section 2's tree would the logits
+#    stop matching the separate paths, and why only there?
+# 2. **Task 13.1.** Write `walk`, `_try_candidates` and `_try_proposal` in `minisgl_ref/speculative/accept.py`.
+#    Grade both tasks with `python -m minisgl_ref.course grade --chapter 13`. Then, in your `_try_candidates`,
+#    accept each candidate with its original `p(x)` instead of its share of what is left, and grade again: which
+#    check fails, and which tokens come out too rarely?
+# 3. **Tune the depth.** Run section 5 with `speculative_num_steps` of 1, 2, 4, 8 and 16. How do the step count
 #    and the accept length change? With section 1's model and the accept lengths you measure, which depth would be
 #    best at batch 1 on an H200, and which at batch 32?
-# 2. **Write a proposer.** Implement the four calls of `Proposer` for a "repeat the last line" guesser that proposes
+# 4. **Write a proposer.** Implement the four calls of `Proposer` for a "repeat the last line" guesser that proposes
 #    the tokens that followed the previous newline, as a chain. Check it with `scripts/spec_accept_rates.py`'s replay
 #    idea on the copy prompt, then plug it in as `SpeculativeExtension(your_proposer, SpeculativeConfig("NGRAM"))`
 #    in an engine's `extensions` (as `tests/test_spec_engine.py` does), and check that the greedy text does not
 #    change.
-# 3. **Break the rule.** In `chain_pair` of section 3, replace the residual draw by a draw from `p` itself (write your
+# 5. **Break the rule.** In `chain_pair` of section 3, replace the residual draw by a draw from `p` itself (write your
 #    own walk for one node). Run the chi-square test again: what p-value do you get, and which pairs are over- or
 #    under-represented? Explain why from the derivation.
-# 4. **Two siblings, by hand.** A node has two deterministic candidates `x_1` and `x_2` and target distribution `p`.
+# 6. **Two siblings, by hand.** A node has two deterministic candidates `x_1` and `x_2` and target distribution `p`.
 #    Write the probability that the rule emits `x_1`, `x_2` and any other `y`, and show that they are `p(x_1)`,
 #    `p(x_2)` and `p(y)`. What happens when `x_1 = x_2`?
-# 5. **Mask or no mask.** Run section 2's verify row without its mask (`extend_masks=None`). At which offsets do the
+# 7. **Mask or no mask.** Run section 2's verify row without its mask (`extend_masks=None`). At which offsets do the
 #    logits still match the separate paths, and why exactly those?
 #
 # ## Reproduce
 #
 # ```bash
 # python chapters/13_speculative_decoding.py                     # this chapter, end to end (CPU)
+# python -m minisgl_ref.course grade --chapter 13                # the tests of tasks 13.1 and 13.2
 # python -m pytest tests/test_notebooks.py -q -k 13              # the notebook runs top to bottom
 # python -m pytest tests/test_spec_tree_attention.py tests/test_spec_accept.py -q   # masks and the rule
 # python -m pytest tests/test_spec_proposers.py tests/test_spec_engine.py -q        # proposers, the engine

@@ -231,6 +231,7 @@ def one_hot_rows(argmaxes: list[int], vocab: int = 5) -> torch.Tensor:
 GREEDY = SamplingParams(temperature=0.0)
 
 
+@pytest.mark.task("13.1", weight=3)
 def test_greedy_walks_the_argmax_through_siblings():
     # Root's children: 1 (node 0), 2 (node 1); node 1's children: 4 (node 2), 0 (node 3); node 3's child 3 (node 4).
     tree = DraftTree((1, 2, 4, 0, 3), (-1, -1, 1, 1, 3))
@@ -239,28 +240,33 @@ def test_greedy_walks_the_argmax_through_siblings():
     assert accept(tree, logits, GREEDY) == Verdict([1, 3, 4], [2, 0, 3, 1])
 
 
+@pytest.mark.task("13.1")
 def test_greedy_chain_partly_accepted():
     tree = DraftTree.chain([1, 2, 3])
     logits = one_hot_rows([1, 2, 4, 0])  # agrees with 1 and 2, then wants 4 where the draft has 3
     assert accept(tree, logits, GREEDY) == Verdict([0, 1], [1, 2, 4])
 
 
+@pytest.mark.task("13.1")
 def test_greedy_nothing_accepted():
     tree = DraftTree((1, 2), (-1, -1))
     assert accept(tree, one_hot_rows([3, 0, 0]), GREEDY) == Verdict([], [3])
 
 
+@pytest.mark.task("13.1", weight=2)
 def test_greedy_everything_accepted_adds_the_bonus():
     tree = DraftTree.chain([4, 4, 0])
     assert accept(tree, one_hot_rows([4, 4, 0, 2]), GREEDY) == Verdict([0, 1, 2], [4, 4, 0, 2])
 
 
+@pytest.mark.task("13.1", weight=2)
 def test_greedy_ties_go_to_the_lowest_id():
     tree = DraftTree((3, 1), (-1, -1))  # both tie at the top; the plain sampler's argmax is 1
     logits = torch.tensor([[0.0, 2.0, 0.0, 2.0, 0.0], [0.0] * 5, [0.0, 0.0, 1.0, 0.0, 0.0]])
     assert accept(tree, logits, GREEDY) == Verdict([1], [1, 2])
 
 
+@pytest.mark.task("13.1")
 def test_greedy_with_top_k_one_is_greedy():
     tree = DraftTree.chain([2])
     assert accept(tree, one_hot_rows([2, 3]), SamplingParams(temperature=0.8, top_k=1)) == Verdict([0], [2, 3])
@@ -275,6 +281,7 @@ def plain_greedy(params: SamplingParams, output: list[int], steps: int, vocab: i
     return out
 
 
+@pytest.mark.task("13.1", weight=5)
 @pytest.mark.parametrize("params", [
     GREEDY,
     SamplingParams(temperature=0.0, repetition_penalty=1.8, frequency_penalty=1.0, presence_penalty=0.5),
@@ -304,6 +311,7 @@ def test_greedy_equals_plain_greedy_decoding(params):
     assert accepted_some > 10  # the random drafts do agree with the target often enough to test something
 
 
+@pytest.mark.task("13.1")
 def test_greedy_grammar_mask_changes_the_argmax():
     tree = DraftTree.chain([1])
     logits = one_hot_rows([1, 2])
@@ -327,6 +335,7 @@ SAMPLED = {
 }
 
 
+@pytest.mark.task("13.1", weight=12)
 @pytest.mark.parametrize("name", list(SAMPLED))
 def test_sampled_tree_is_lossless(name):
     """A fixed tree with siblings (and a repeated sibling): the point-mass rule with renormalisation."""
@@ -335,6 +344,7 @@ def test_sampled_tree_is_lossless(name):
     assert p_first > ALPHA and p_two > ALPHA, (p_first, p_two)
 
 
+@pytest.mark.task("13.1", weight=5)
 def test_sampled_chain_without_proposal_is_lossless():
     ctx = PROMPT + OUTPUT
     a = int(model(tuple(ctx)).argmax())
@@ -343,6 +353,7 @@ def test_sampled_chain_without_proposal_is_lossless():
     assert p_first > ALPHA and p_two > ALPHA, (p_first, p_two)
 
 
+@pytest.mark.task("13.1", weight=3)
 def test_sampled_tree_under_a_grammar_is_lossless():
     """The mask depends on the path; node 1's token is forbidden after the root, so its subtree is unreachable."""
     ctx = PROMPT + OUTPUT
@@ -365,6 +376,7 @@ def chain_from_q(g: torch.Generator) -> DraftTree:
     return DraftTree.chain([x1, x2], probs=torch.stack([Q_ROOT, Q_NEXT[x1]]))
 
 
+@pytest.mark.task("13.1", weight=12)
 @pytest.mark.parametrize("name", ["temperature", "penalties"])
 def test_sampled_chain_with_proposal_is_lossless(name):
     """Drafts drawn from a known q: accept with min(1, p/q), else draw from norm(max(p - q, 0))."""
@@ -372,6 +384,7 @@ def test_sampled_chain_with_proposal_is_lossless(name):
     assert p_first > ALPHA and p_two > ALPHA, (p_first, p_two)
 
 
+@pytest.mark.task("13.1", weight=6)
 def test_sampled_chain_with_proposal_under_a_grammar_is_lossless():
     p_first, p_two = check_lossless(chain_from_q, SamplingParams(temperature=1.0), grammar=forbid_after, seed=5)
     assert p_first > ALPHA and p_two > ALPHA, (p_first, p_two)
@@ -426,6 +439,7 @@ def test_a_wrong_rule_fails_the_check(monkeypatch, wrong, attr, tree_for):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.task("13.1")
 def test_verdict_is_a_path_and_tokens_end_with_one_more():
     tree, g = likely_tree(), torch.Generator().manual_seed(0)
     logits = row_logits(tree, PROMPT + OUTPUT)
@@ -438,6 +452,7 @@ def test_verdict_is_a_path_and_tokens_end_with_one_more():
             node = nxt
 
 
+@pytest.mark.task("13.1")
 def test_request_generator_replays_and_separates():
     tree = likely_tree()
     logits = row_logits(tree, PROMPT + OUTPUT)
@@ -461,6 +476,7 @@ def test_mask_of_the_wrong_shape_is_refused():
         accept(DraftTree.chain([1]), torch.zeros(2, 5), GREEDY, allowed=torch.ones(2, 5))
 
 
+@pytest.mark.task("13.1")
 def test_per_offset_masks_as_a_tensor():
     tree = DraftTree((2, 1), (-1, 0))
     logits = one_hot_rows([2, 1, 0])

@@ -488,6 +488,7 @@ def test_verify_steps_replay_the_extend_graphs(smol_llm, workload, script):
     assert replays["verify"] > 0, "no verify step replayed a graph"
 
 
+@pytest.mark.task("13.1", weight=2)
 def test_the_batched_greedy_walk_is_the_acceptance_rule_s():
     """A plain greedy request is verified from one argmax of the whole step (no per-row processing): on random
     trees and logits, with ties, its path and tokens are exactly what :func:`accept` gives a greedy request."""

@@ -88,6 +88,7 @@ def make_case(rows: list[Row], *, page_size: int, num_kv_heads: int = 2, gqa: in
     return Case(rows, batch, pool, table, AttentionLayer(0, num_heads, num_kv_heads, head_dim), q, k, v)
 
 
+@pytest.mark.task("13.2", weight=3)
 def test_tree_positions_are_prefix_plus_depth():
     assert BUSHY.positions(9) == [9, 10, 10, 11, 11, 11, 12, 10]
     assert CHAIN.positions(0) == [0, 1, 2, 3, 4] and ROOT_ONLY.positions(5) == [5]
@@ -133,6 +134,7 @@ MIXED = [(9, BUSHY), (5, 6), (0, CHAIN), (13, ROOT_ONLY), (3, BUSHY)]
 # ------------------------------------------------------------------------------------------ torch_native (CPU)
 
 
+@pytest.mark.task("13.2", weight=3)
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("rows", [[(11, BUSHY)], MIXED], ids=["one-tree", "mixed"])
 def test_torch_native_tree_row_equals_each_path(page_size, rows):
@@ -141,6 +143,7 @@ def test_torch_native_tree_row_equals_each_path(page_size, rows):
     torch.testing.assert_close(out, path_by_path(case), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.task("13.2")
 def test_a_tree_mask_changes_the_result():
     """The same row without its mask (causal) differs at every node that has a non-ancestor before it."""
     case = make_case([(7, BUSHY)], page_size=1)
@@ -153,6 +156,7 @@ def test_a_tree_mask_changes_the_result():
     assert differs == [False, False, True, True, True, True, True, True]
 
 
+@pytest.mark.task("13.2")
 def test_a_chain_mask_is_the_causal_mask():
     case = make_case([(6, CHAIN)], page_size=4)
     masked = run(case, TorchNativeBackend(case.pool, case.table))
@@ -216,6 +220,7 @@ def test_masks_belong_to_extend_batches():
 # ------------------------------------------------------------------------------------ the model, end to end
 
 
+@pytest.mark.task("13.2", weight=3)
 def test_model_verify_row_gives_each_paths_logits(tiny_llm):  # noqa: F811 - fixture
     """The tiny model over prefix + a tree row (positions prefix + depth, the tree mask, torch_native) gives at
     every offset the logits the chapter-00 oracle gives for the whole sequence ending in that offset's path."""

@@ -152,7 +152,24 @@ def _grammar_masks(tree: DraftTree, paths: list[tuple[int, ...]], allowed: Allow
 def walk(tree: DraftTree, target: TargetView, generator: torch.Generator | None = None) -> Verdict:
     """Walk ``tree`` from the root under the target's distributions (the module docstring has the rules and why
     they are lossless). ``generator`` supplies every random number of a sampled request (None: torch's default
-    CPU generator); a greedy request draws none. The draws happen on the generator's device."""
+    CPU generator); a greedy request draws none. The draws happen on the generator's device.
+
+    At each node of the walk (the root is ``node = -1``) two things are decided: the token emitted there, and
+    whether the walk goes on to a child. The node's distribution is the row of its *offset* in the verify row
+    (``node + 1``), not of its depth: in a tree, siblings and their subtrees lie side by side in the row.
+
+    A greedy request follows the child that drafts the row's argmax, the lowest id among ties (as the plain
+    sampler picks), provided that child's offset is ``reachable``. A sampled request needs the rule whose
+    guarantee fits how the children were chosen: the ``min(1, p / q)`` rule (:func:`_try_proposal`) holds only
+    for one child drawn from the ``q`` it carries (``tree.probs`` given and no sibling); everything else
+    (deterministic drafts, siblings) goes through the candidate rule (:func:`_try_candidates`), which assumes
+    nothing about where the candidates came from. Which rule applies must depend on the tree's shape only, never
+    on the drafted token or on ``p``: each rule is lossless on average over the drafts it is given, so choosing by
+    the token would bias the mix.
+
+    The walk stops at the first node where no child is accepted (a leaf included). The token decided there is
+    still emitted: it is the bonus (or the correction after a rejection), which is why a verify pass always
+    appends ``len(nodes) + 1`` tokens, and why it must be the target's own choice at that node."""
     node, nodes, tokens = -1, [], []
     scores = target.scores
     if not target.greedy:
@@ -161,6 +178,7 @@ def walk(tree: DraftTree, target: TargetView, generator: torch.Generator | None 
     kids_of: dict[int, list[int]] = {}
     for i, parent in enumerate(tree.parents):
         kids_of.setdefault(parent, []).append(i)
+    # BEGIN TASK 13.1: the acceptance rule
     while True:
         row, kids = scores[node + 1], kids_of.get(node, [])
         if target.greedy:
@@ -181,12 +199,22 @@ def walk(tree: DraftTree, target: TargetView, generator: torch.Generator | None 
             return Verdict(nodes, tokens)
         nodes.append(nxt)
         node = nxt
+    # END TASK 13.1
 
 
 def _try_candidates(p: torch.Tensor, candidates: list[int],
                     generator: torch.Generator | None) -> tuple[int | None, int]:
     """The multi-candidate rule at one node: ``(index of the accepted candidate, its token)``, or ``(None, the
-    token drawn from what the rejections left of p)``. ``p`` is a probability row (it need not sum exactly to 1)."""
+    token drawn from what the rejections left of p)``. ``p`` is a probability row (it need not sum exactly to 1).
+
+    The candidates are tried in order, each against what the rejections before it left of ``p``: a rejected
+    token's mass is removed, so the next candidate is accepted with its share of the mass that is left, not with
+    its original ``p(x)``. That renormalisation is what makes the emitted token come out as ``p`` (the module
+    docstring's induction); without it, later siblings are accepted too rarely. A candidate repeated after its
+    rejection has no mass left and is rejected again. When every candidate is rejected, the token is drawn from
+    the mass left (a token the rejections removed must never come out then); only if rounding left none is it
+    drawn from ``p``. Every random number comes from ``generator``, on ``p``'s device."""
+    # BEGIN TASK 13.1: the acceptance rule
     if candidates:
         mass = p[torch.tensor(candidates, device=p.device)].tolist()
         left = float(p.sum())
@@ -203,11 +231,21 @@ def _try_candidates(p: torch.Tensor, candidates: list[int],
         if float(rest.sum()) > 0:  # zero only through rounding: every token of p was a rejected candidate
             p = rest
     return None, int(torch.multinomial(p, 1, generator=generator))
+    # END TASK 13.1
 
 
 def _try_proposal(p: torch.Tensor, q: torch.Tensor, x: int, generator: torch.Generator | None) -> tuple[bool, int]:
     """The rule for a candidate ``x`` drawn from ``q``: ``(True, x)`` if accepted, else ``(False, a token drawn
-    from norm(max(p - q, 0)))``."""
+    from norm(max(p - q, 0)))``.
+
+    Accepting ``x`` with probability ``min(1, p(x) / q(x))`` keeps exactly the part of ``q`` that ``p`` also has,
+    ``min(p, q)``; the rejections must then supply the part of ``p`` that ``q`` under-proposes, ``max(p - q, 0)``,
+    and nothing else: drawing from ``p`` itself would count ``min(p, q)`` twice. The residual is clamped at zero
+    (where ``q`` over-proposes, ``p - q`` is negative and is no probability) and renormalised, which
+    ``torch.multinomial`` does for any non-negative row. A ``q(x)`` of zero cannot have drawn ``x``; treat it as
+    a ratio of 1 if ``p(x) > 0``, else 0. If rounding leaves the residual empty (``p == q``), draw from ``p``.
+    Every random number comes from ``generator``, on ``p``'s device."""
+    # BEGIN TASK 13.1: the acceptance rule
     px, qx = float(p[x]), float(q[x])
     u = float(torch.rand((), generator=generator, device=p.device))
     ratio = px / qx if qx > 0 else (1.0 if px > 0 else 0.0)
@@ -217,6 +255,7 @@ def _try_proposal(p: torch.Tensor, q: torch.Tensor, x: int, generator: torch.Gen
     if float(residual.sum()) <= 0:  # p <= q everywhere means p == q: rejection had probability 0 (rounding)
         residual = p
     return False, int(torch.multinomial(residual, 1, generator=generator))
+    # END TASK 13.1
 
 
 def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, *,

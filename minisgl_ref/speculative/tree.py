@@ -48,11 +48,15 @@ class DraftTree:
 
     def depths(self) -> list[int]:
         """Each node's distance from the root (a child of the root is at depth 1): its position is the root's
-        position plus its depth."""
+        position plus its depth. Not its index plus one: siblings share a depth, and a node listed late in the row
+        (the third child of the root, say) can be shallow. Parents come before their children, so a node's
+        depth follows from its parent's, already known."""
+        # BEGIN TASK 13.2: the tree's depths and attention mask
         out: list[int] = []
         for p in self.parents:
             out.append(1 if p < 0 else out[p] + 1)
         return out
+        # END TASK 13.2
 
     def positions(self, root_position: int) -> list[int]:
         """The verify row's positions, root first: the root at ``root_position`` (the number of the request's
@@ -66,7 +70,13 @@ class DraftTree:
 
     def mask(self) -> torch.Tensor:
         """[n + 1, n + 1] bool over the verify row's offsets (root first): offset a may attend to offset b when b
-        is a or one of a's ancestors. Every offset also sees the whole cached prefix, which is not in the mask."""
+        is a or one of a's ancestors. Every offset also sees the whole cached prefix, which is not in the mask.
+
+        The causal mask would let a node see every offset before it in the row, its earlier siblings and their
+        subtrees included: it would be computed after a text nobody wrote. Under this mask each node is computed
+        as the last token of its own path, root to itself, so one pass scores every path at once. Node ``i`` sits
+        at offset ``i + 1`` (the root at 0); parents come before their children."""
+        # BEGIN TASK 13.2: the tree's depths and attention mask
         n = len(self.tokens)
         m = torch.zeros(n + 1, n + 1, dtype=torch.bool)
         m[:, 0] = True
@@ -74,3 +84,4 @@ class DraftTree:
             m[i + 1] = m[p + 1]
             m[i + 1, i + 1] = True
         return m
+        # END TASK 13.2
