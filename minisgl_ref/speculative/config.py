@@ -41,8 +41,9 @@ class SpeculativeConfig:
     #: Above this many running requests speculation pauses (no drafts, overlap as usual). A batch runs until its
     #: slowest request finishes, so its pace is set by the request whose drafts are rejected most, while every
     #: verify step (without overlap) costs about two decode steps: on an H200 with a 2.1B model, n-gram chains
-    #: that never paused were 2.4x faster per token for one request, 1.06x for 4, 0.98x for 8, 0.85x for 16 and
-    #: 0.28x for 64 (``docs/data/spec_bench_h200.json``, config ``ngram_b64``); pausing above 4 keeps the wins.
+    #: that never paused were 2.3x faster per token for one request, 1.04x for 4, 0.94x for 8, 0.75x for 16 and
+    #: 0.30x for 64 (``docs/data/spec_bench_h200.json``, config ``ngram_b64``); paused above 4, 1.00-1.01x from 8
+    #: to 64 requests and 2.39x for one (``docs/data/spec_interleaved_h200.json``).
     speculative_max_batch: int = flag(4, "speculate only while at most this many requests run")
     #: A request whose recent drafts were accepted less often than this (accepted / drafted, a moving average
     #: with weight ``speculative_rate_decay`` for the newest verify) stops drafting for

@@ -22,20 +22,22 @@ of the core, neither of which knows what speculation is:
 the request's last token: while speculation is on, the scheduler asks for the step in flight to be processed
 before the next is planned (``NEED_SYNC``), so overlap scheduling (chapter 06) is off for those steps and the
 host's scheduling and processing are no longer hidden behind the device. That is why speculation turns itself
-down: above ``speculative_max_batch`` running requests (decode is bound by arithmetic there, and verifying extra
-tokens costs what it saves) it pauses entirely and overlap comes back, and a request whose drafts are mostly
-rejected (or for which the proposer keeps finding nothing) drafts fewer tokens, then none for a while; once no
-running request may draft, steps overlap again.
+down: above ``speculative_max_batch`` running requests it pauses entirely and overlap comes back, and a request
+whose drafts are mostly rejected (or for which the proposer keeps finding nothing) drafts fewer tokens, then none
+for a while; once no running request may draft, steps overlap again.
 
 **What it buys.** On an H200, with the embedded SmolLM2 zero-padded to 2.1B parameters (its outputs, a larger
-model's bytes) on a copy-heavy workload, greedy, 66 output tokens per request
+model's bytes) on a copy-heavy workload, greedy, up to 67 output tokens per request
 (``scripts/gpu/measure/spec_bench.py``, ``docs/data/spec_bench_h200.json``): at batch 1 the n-gram chain of 4
-drafts takes 0.89 ms per output token against 2.03 without speculation (2.3x, 4.2 tokens per verify row), a chain
-of 8 drafts 0.69 ms (2.9x, 6.6 tokens per row); at batch 8, 2.48 ms against 2.21 (0.89x: eight verify rows
-processed without overlap cost more host time than their drafts save); at batch 64 speculation is paused and the
-engine runs as without it. A verify step replays the extend CUDA graphs of chapter 11 and runs the LM head on the
-drafted positions; a tree (FlashInfer's FA2 kernels, the only ones on Hopper that take a mask) still runs
-eagerly and gained nothing (1.0x at batch 1).
+drafts takes 0.88 ms per output token against 2.04 without speculation (2.3x, 4.2 tokens per verify row), a chain
+of 8 drafts 0.58 ms (3.5x, 6.6 tokens per row). A verify step costs about two decode steps (no overlap; an extend
+graph of 64 tokens and the LM head on the drafted positions), and a batch lasts until its slowest drafter is done,
+so chains that never pause are about even at 4 and 8 requests, 0.75x at 16 and 0.30x at 64 (64 verify rows of 5
+tokens make a step bound by arithmetic). Paused above 4 requests, the default, measured side by side with the
+plain engine (``docs/data/spec_interleaved_h200.json``), is 2.39x at batch 1, 1.05x at 4 and 1.00-1.01x from 8 to
+64. A verify step replays the extend CUDA graphs of chapter 11 and runs the LM head on the drafted positions; a
+tree step (FlashInfer's FA2 kernels, which take a mask, and have no extend graphs here) runs eagerly and gained
+1.25x at batch 1.
 
 **Which requests draft.** Every request: greedy and sampled ones, with any penalties, with or without log
 probabilities or a grammar. The acceptance rule processes each offset's logits with the sampler's own functions, so
