@@ -108,6 +108,15 @@ def request_steps(llm, outs) -> list[int]:  # type: ignore[no-untyped-def]
     return steps
 
 
+def timed(llm, batch, params, sync):  # type: ignore[no-untyped-def]
+    """One run of the batch: its wall seconds, the device drained before and after, and its outputs."""
+    sync()
+    t = time.perf_counter()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    sync()
+    return time.perf_counter() - t, outs
+
+
 def interleaved(args, LLM, SamplingParams, sync) -> dict[str, object]:  # type: ignore[no-untyped-def]
     """Two engines in one process, their runs alternated per batch size: BASE, OTHER, BASE, OTHER, ... Returns
     per batch size both run lists (milliseconds per output token) and the ratio of their medians."""
@@ -125,11 +134,7 @@ def interleaved(args, LLM, SamplingParams, sync) -> dict[str, object]:  # type: 
         for _ in range(args.repeats):
             for name, llm in llms.items():
                 v0, _ = spec_counts(llm)
-                sync()
-                t = time.perf_counter()
-                outs = llm.generate(batch, params, use_tqdm=False)
-                sync()
-                wall = time.perf_counter() - t
+                wall, outs = timed(llm, batch, params, sync)
                 ms[name].append(round(1e3 * wall / max(len(o.output_ids) for o in outs), 3))
                 verify[name] += spec_counts(llm)[0] - v0
         ratio = statistics.median(ms[base]) / statistics.median(ms[other])
@@ -192,11 +197,7 @@ def main() -> int:
             runs = []
             for _ in range(args.repeats):
                 v0, a0 = spec_counts(llm)
-                sync()
-                t = time.perf_counter()
-                outs = llm.generate(batch, params, use_tqdm=False)
-                sync()
-                wall = time.perf_counter() - t
+                wall, outs = timed(llm, batch, params, sync)
                 v1, a1 = spec_counts(llm)
                 lens = [len(o.output_ids) for o in outs]
                 steps = request_steps(llm, outs)
