@@ -28,6 +28,7 @@ from minisgl_ref.engine.extension import EngineExtension
 from minisgl_ref.engine.naive import NaiveEngine
 from minisgl_ref.models.config import ModelConfig
 from minisgl_ref.models.loader import load_model
+from minisgl_ref.moe.registry import register_moe_models
 from minisgl_ref.perf import attention as perf_attention
 from minisgl_ref.perf import kernels as perf_kernels
 from minisgl_ref.perf import model_transforms
@@ -118,6 +119,7 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
     if (group is not None or tp.enabled) and kind != "paged":
         raise ValueError(f"tp_size={tp.tp_size} needs engine='paged' (the naive oracle runs on one device)")
     check_combination(speculative, kind=kind, tp_enabled=group is not None or tp.enabled, engine=engine)
+    register_moe_models()  # chapter 14: the MoE architectures, through the loader's registry seam
     if group is None and tp.enabled:
         group = TPGroup.launch(tp, follow_leader, (model, engine))  # checks the flags before it starts anything
     phases: dict[str, float] = {}
@@ -139,7 +141,7 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
         # Dummy weights keep the folder's tokenizer when it has one (a shipped config has none).
         tokenizer = None if model.skip_tokenizer_init else Tokenizer.find(folder)
         eos = frozenset(config.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else frozenset())
-        context = model.context_length or config.max_position_embeddings
+        context = config.usable_context(model.context_length or None)  # a sliding window caps it
         if context < 2:
             raise ValueError(f"context_length must be at least 2, got {context}")
         phase("weights")

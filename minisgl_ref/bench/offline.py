@@ -169,8 +169,7 @@ def weight_bytes(config: ModelConfig) -> int:
 
     Counted from the checkpoint's tensor shapes, so a tied embedding counts once (the LM head reads it; the
     embedding lookup reads only a few rows)."""
-    attn = MODEL_REGISTRY[config.architecture].decoder_layer_cls.attention_cls
-    shapes = checkpoint_shapes(config, config.attention_bias or attn.qkv_bias_default, attn.use_qk_norm)
+    shapes = MODEL_REGISTRY[config.architecture].checkpoint_shapes(config)
     # `shapes`: checkpoint tensor name -> shape; what is left is elements times bytes per element (of
     # config.dtype: 2 in bf16, 4 in float32).
     # BEGIN TASK 11.2: the decode roofline
