@@ -198,6 +198,17 @@ def test_the_experts_function_is_a_hook(moe_checkpoints):
     assert not torch.allclose(our_logits(model, PROMPTS), before)
 
 
+def test_norm_folding_leaves_moe_layers_alone(moe_checkpoints):
+    """Chapter 11's folded norms multiply the post-attention norm into ``gate_up_proj``, which an MoE block does
+    not have: on a GPU, a model with any MoE layer keeps its norms (and its dense layers alone could be folded)."""
+    from minisgl_ref.perf import norm_folding
+
+    model, _, _ = load_model(str(moe_checkpoints["qwen3_moe_mixed"]), dtype="float32")
+    assert [norm_folding._foldable(layer) for layer in model.layers] == [True, False, True, False]
+    with pytest.raises(ValueError, match="cannot be folded"):
+        norm_folding.fold_(model)
+
+
 # ------------------------------------------------------------------------------------------------ the routers
 
 
