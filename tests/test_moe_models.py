@@ -341,7 +341,8 @@ def test_a_window_that_is_off_or_wider_changes_nothing():
 # ------------------------------------------------------------------------------------------- shipped configs
 
 
-@pytest.mark.parametrize("name,total,active", [("qwen3-30b-a3b", 30.53e9, 3.35e9), ("mixtral-8x7b", 46.70e9, 12.88e9)])
+@pytest.mark.parametrize("name,total,active",
+                         [("qwen3-30b-a3b", 30.53e9, 3.35e9), ("mixtral-8x7b", 46.70e9, 12.88e9)])
 def test_shipped_moe_configs_have_the_published_size(name, total, active):
     """Counted from checkpoint shapes, never allocated: 30.5 B parameters of which 3.3 B active per token
     (Qwen3-30B-A3B), 46.7 B and 12.9 B (Mixtral-8x7B)."""

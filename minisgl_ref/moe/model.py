@@ -25,7 +25,8 @@ _EXPERT = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<module>\w+)\.exp
                      r"(?P<leaf>\w+)\.weight$")
 # transformers 5 holds the experts already stacked (gate rows first), and a checkpoint saved from its state dict
 # keeps that form: model.layers.3.mlp.experts.gate_up_proj [E, 2I, H] and ...experts.down_proj [E, H, I].
-_STACKED = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<module>\w+)\.experts\.(?P<which>gate_up_proj|down_proj)$")
+_STACKED = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<module>\w+)\.experts\."
+                      r"(?P<which>gate_up_proj|down_proj)$")
 
 
 class MoEForCausalLM(LlamaForCausalLM):
