@@ -101,6 +101,23 @@ def test_fused_experts_bf16_on_the_interpreter() -> None:
 
 
 @needs_compiled
+def test_fused_experts_reads_nothing_past_a_row() -> None:
+    """Strided views whose gaps hold NaN: the hidden rows and the weight rows are followed by NaN columns, so a
+    load past H or I in the last (partial) K tile, or a stride taken as the row length, would put NaN into the
+    output. The kernel masks both operands of every partial tile and follows the given strides."""
+    x, w13, w2, weights, ids = make_layer(29, 40, 24, 8, 2, "random", seed=11)
+    def with_nan_gap(t: torch.Tensor) -> torch.Tensor:
+        wide = torch.full((*t.shape[:-1], t.shape[-1] + 8), float("nan"), device=DEVICE)
+        wide[..., : t.shape[-1]] = t
+        return wide[..., : t.shape[-1]]
+    gx, g13, g2 = with_nan_gap(x), with_nan_gap(w13), with_nan_gap(w2)
+    assert not gx.is_contiguous() and not g13.is_contiguous() and not g2.is_contiguous()
+    out = fused_experts(gx, g13, g2, weights, ids, block_n=16, block_k=16)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, reference_experts(x, w13, w2, weights, ids), **F32_TOL)
+
+
+@needs_compiled
 def test_fused_experts_takes_the_routing_weight_once_per_pair() -> None:
     """Doubling one token's routing weights doubles that token's output and no other's."""
     x, w13, w2, weights, ids = make_layer(20, 32, 32, 8, 2, "random", seed=7)
