@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton")
 
+from minisgl_ref.moe import fused_moe  # noqa: E402
 from minisgl_ref.moe.experts import reference_experts  # noqa: E402
 from minisgl_ref.moe.fused_moe import align_by_expert, default_block_m, fused_experts  # noqa: E402
 
@@ -140,6 +143,12 @@ def test_fused_experts_refuses_bad_input() -> None:
     assert empty.shape == (0, 32)
 
 
+@needs_compiled
+def test_available_where_the_kernel_runs() -> None:
+    """On a GPU, or on the CPU under the interpreter (this file's CPU runs): the layer may take the kernel."""
+    assert fused_moe.available(torch.zeros(1, device=DEVICE))
+
+
 def test_default_block_m_follows_the_load() -> None:
     """16 rows while experts average fewer than 64 pairs, 64 from there (Qwen3-30B-A3B: E = 128, k = 8)."""
     assert [default_block_m(t * 8, 128) for t in (1, 64, 512, 1023, 1024, 4096)] == [16, 16, 16, 16, 64, 64]
@@ -197,12 +206,8 @@ def test_align_by_expert_example() -> None:
     assert all(r == s for r in rows.tolist()[8:]) and all(e == -1 for e in expert_of_block.tolist()[4:])
 
 
-hypothesis = pytest.importorskip("hypothesis")
-st = hypothesis.strategies
-
-
-@hypothesis.settings(max_examples=60, deadline=None)
-@hypothesis.given(data=st.data(), tokens=st.integers(1, 40), top_k=st.integers(1, 4),
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), tokens=st.integers(1, 40), top_k=st.integers(1, 4),
                   num_experts=st.integers(1, 12), block_m=st.sampled_from([1, 2, 3, 16, 64]))
 def test_align_by_expert_invariants_hypothesis(data, tokens, top_k, num_experts, block_m) -> None:
     """Any routing, repeated experts within a token included (the layout does not need them distinct)."""

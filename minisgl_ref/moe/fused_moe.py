@@ -32,6 +32,12 @@ def interpreted(kernel: object) -> bool:
     return not isinstance(kernel, triton.runtime.JITFunction)
 
 
+def available(x: torch.Tensor) -> bool:
+    """Whether :func:`fused_experts` can run on ``x``'s device: CUDA, or anywhere under Triton's interpreter
+    (slow: for tests). Elsewhere the reference loop is the way."""
+    return x.is_cuda or interpreted(_grouped_gemm_kernel)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # 1. Sort and pad the (token, choice) pairs by expert
 # --------------------------------------------------------------------------------------------------------------

@@ -13,7 +13,9 @@ a uniform random routing (each token's k experts drawn without repetition). Time
 The work is reading weights: the experts that at least one token chose, each ``3 x H x I x 2`` bytes (9.4 MB).
 The report gives that count, the bytes, and the bandwidth the fused kernel reaches on them (an H200 streams
 about 4.3 TB/s in a device-to-device copy); at T = 1 that is 8 experts, at T = 1024 nearly all 128. Also the
-largest difference from the reference, as a check that the timed thing is the right one.
+largest difference from the reference, as a check that the timed thing is the right one. Each T replays one
+routing, so at T = 1 part of its 75 MB of weights may still be in the H200's 60 MB L2 from the previous call:
+the smallest T's bandwidth can read high.
 
     PYTHONPATH=$PWD python3 scripts/gpu/measure/moe_kernel.py --out results   # writes results/moe_kernel.json
 
