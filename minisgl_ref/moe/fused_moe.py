@@ -16,6 +16,11 @@ of activations. A fused MoE does the whole layer in three steps, each over all e
 
 This is the structure of SGLang's and vLLM's ``fused_moe`` (``moe_align_block_size`` + ``fused_moe_kernel``),
 written out plainly: one kernel, no autotuning, no quantised weights, no expert parallelism.
+
+Importing this module imports ``triton``; ``TRITON_INTERPRET=1`` set before that import runs the kernel on the CPU
+in Triton's interpreter (how ``tests/test_fused_moe.py`` checks it without a GPU). The kernel follows the
+conventions of :mod:`minisgl_ref.attention.triton_kernels`: int64 index arithmetic, no helper ``@triton.jit``
+calls, and bf16 tiles upcast to float32 under the interpreter, whose ``tl.dot`` cannot take bf16.
 """
 
 from __future__ import annotations
@@ -73,8 +78,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
     to the host to size its output.
 
     SGLang does this step in one small CUDA kernel (``moe_align_block_size``: per-expert counts in shared memory,
-    a prefix sum, a scatter) because the ten or so torch operations below are ten launches, some microseconds each,
-    which matters in a decode step. The torch version is what the book shows: each line is one idea of the
+    a prefix sum, a scatter) because the torch operations below are some twenty launches of a few microseconds
+    each, which matters in a decode step. The torch version is what the book shows: each line is one idea of the
     layout, and inside a CUDA graph the launches cost little.
     """
     if topk_ids.dim() != 2:
@@ -178,10 +183,11 @@ def _grouped_gemm_kernel(
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-#: Block sizes. BLOCK_M is chosen by load (:func:`default_block_m`); BLOCK_N = 64 and BLOCK_K = 32 are the
-#: middle of the range SGLang's tuned configs use for bf16 on Hopper and Ampere (32-128 and 32-128): a program
-#: holds a [BLOCK_M, 32] activation tile and two [32, 64] weight tiles per step, small enough for 3 pipeline
-#: stages at 4 warps. No autotuning: one fixed choice that the benchmark (scripts/gpu/measure/moe_kernel.py) measures.
+#: Block sizes. BLOCK_M follows the load (:func:`default_block_m`); BLOCK_N = 64 and BLOCK_K = 32 are the untuned
+#: default of vLLM's and SGLang's fused MoE (with BLOCK_M = 64; for small batches they take BLOCK_M = 16). A
+#: program holds one [BLOCK_M, 32] activation tile and two [32, 64] weight tiles (gate and up) per K step, 12 KB in
+#: bf16 at BLOCK_M = 64, so 3 pipeline stages fit easily in shared memory at 4 warps. No autotuning: one fixed
+#: choice, which scripts/gpu/measure/moe_kernel.py measures; tuned tables per (E, N, GPU) are a later step.
 BLOCK_N = 64
 BLOCK_K = 32
 NUM_WARPS = 4
@@ -233,10 +239,10 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
 
     Second launch: ``out_pair[p] = w[p] * act[p] @ W2[e]^T``, written in float32. The ``k`` rows of a token are
     then summed by a reshape-sum in torch and rounded once to the hidden dtype, as the reference does. We chose
-    the sum over atomic adds into ``[T, H]`` (what SGLang's ``moe_sum`` avoids too, in its own kernel): it is
-    deterministic (the same sum order every run, so CUDA-graph replays and eager runs agree bit for bit), needs
-    no zeroed output, and costs one small read of ``T * k * H * 4`` bytes (64 MB at T = 1024, next to the
-    expert weights' 1.2 GB).
+    the sum over atomic adds into ``[T, H]`` (SGLang and vLLM also sum the ``k`` rows in a separate small kernel,
+    ``moe_sum``): it is deterministic (the same order of addition every run, so CUDA-graph replays and eager runs
+    agree bit for bit), needs no zeroed output, and costs one read of ``T * k * H * 4`` bytes (67 MB at
+    T = 1024, next to the expert weights' 1.2 GB).
     """
     check_expert_inputs(hidden, w13, w2, topk_weights, topk_ids)
     num_tokens, top_k = topk_ids.shape
