@@ -109,6 +109,7 @@ def test_fused_experts_reads_nothing_past_a_row() -> None:
     load past H or I in the last (partial) K tile, or a stride taken as the row length, would put NaN into the
     output. The kernel masks both operands of every partial tile and follows the given strides."""
     x, w13, w2, weights, ids = make_layer(29, 40, 24, 8, 2, "random", seed=11)
+
     def with_nan_gap(t: torch.Tensor) -> torch.Tensor:
         wide = torch.full((*t.shape[:-1], t.shape[-1] + 8), float("nan"), device=DEVICE)
         wide[..., : t.shape[-1]] = t

@@ -144,7 +144,8 @@ def _grouped_gemm_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    pid_m = tl.program_id(0).to(tl.int64)  # axis 0 varies fastest: neighbouring programs share a weight tile
+    # axis 0 varies fastest: neighbouring programs are an expert's consecutive blocks, reading the same weight tile
+    pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
     if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded).to(tl.int64):
         return  # a block past the used rows (the grid is sized for the worst case)
