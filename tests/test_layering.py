@@ -31,8 +31,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("perf", "constrained", "speculative", "moe"),  # extensions (chapter 11): cascade and split-KV decode, folded
     # norms, fused kernels; (chapter 12): structured output -- grammar specs, xgrammar compiles, matchers, token
     # bitmasks, the engine hooks; (chapter 13): speculative decoding -- proposers, draft trees, verification,
-    # acceptance; (chapter 14): mixture of experts -- routers, expert kernels, the MoE models, registered with the
-    # loader through register_architecture
+    # acceptance; (chapter 14): mixture of experts -- routers, the expert computation and its fused kernel, the
+    # MoE models, registered with the loader through register_architecture
     ("tp",),  # the tensor-parallel engine, group membership and rank launching
     ("runtime",),  # build_runtime: model, tokenizer and engine for one process (offline, server, followers)
     ("llm",),  # the offline LLM
