@@ -28,7 +28,7 @@ from minisgl_ref.engine.extension import EngineExtension
 from minisgl_ref.engine.naive import NaiveEngine
 from minisgl_ref.models.config import ModelConfig
 from minisgl_ref.models.loader import load_model
-from minisgl_ref.moe.registry import register_moe_models
+from minisgl_ref.moe.registry import install_moe_kernels, register_moe_models
 from minisgl_ref.perf import attention as perf_attention
 from minisgl_ref.perf import kernels as perf_kernels
 from minisgl_ref.perf import model_transforms
@@ -136,6 +136,7 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
         net, config, folder = load_model(model.model_path, load_format=model.load_format, dtype=model.dtype,
                                          device=device)
         model_transforms.apply_(net, device, config.dtype)  # chapter 11: fused kernels, folded norms (on a GPU)
+        install_moe_kernels(net, device)  # chapter 14: the fused expert kernel (on a GPU)
         if group is not None:
             group.join(device)  # every rank has loaded its shard: meet the others
         # Dummy weights keep the folder's tokenizer when it has one (a shipped config has none).

@@ -373,3 +373,37 @@ def test_scaled_down_shipped_config_loads_dummy_weights(name, tmp_path):
     assert logits.shape == (3, 320) and torch.isfinite(logits).all()
     again, _, _ = load_model(str(tmp_path), load_format="dummy", dtype="float32")
     assert torch.equal(blocks[1].w2, [m for m in again.modules() if isinstance(m, MoEBlock)][1].w2)
+
+
+def test_on_a_cpu_the_reference_loop_stays(moe_checkpoints):
+    from minisgl_ref.moe.registry import install_moe_kernels
+
+    model, _, _ = load_model(str(moe_checkpoints["mixtral"]), dtype="float32")
+    assert install_moe_kernels(model, torch.device("cpu")) == 0
+    assert all(b.experts is reference_experts for b in model.modules() if isinstance(b, MoEBlock))
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_engine_runs_the_fused_kernel_in_cuda_graphs(moe_checkpoints):
+    """On a GPU the runtime installs the fused expert kernel, CUDA graphs capture it, and the greedy tokens equal
+    transformers' on the CPU (float32: the kernel's products are exact, not TF32)."""
+    from transformers import AutoModelForCausalLM
+
+    from minisgl_ref.moe.fused_moe import fused_experts
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    for name in ("qwen3_moe_mixed", "mixtral"):
+        folder = moe_checkpoints[name]
+        llm = LLM(folder, device="cuda", dtype="float32", max_total_tokens=4096)
+        blocks = [m for m in llm.model.modules() if isinstance(m, MoEBlock)]
+        assert blocks and all(b.experts is fused_experts for b in blocks)
+        params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+        ours = llm.generate(PROMPTS, params, use_tqdm=False)
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        for prompt, out in zip(PROMPTS, ours):
+            with torch.inference_mode():
+                ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8, min_new_tokens=8,
+                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):]
+            assert out.output_ids == ref.tolist(), name
+        llm.shutdown()
