@@ -49,7 +49,8 @@ class MoEForCausalLM(LlamaForCausalLM):
         tp = get_tp_info()
         if tp.size > 1 and tp.ep_size != tp.size:
             # Slicing every expert's width over the ranks (MoE tensor parallelism without expert parallelism) is
-            # not implemented, and a rank holding every expert whole would all-reduce tp copies of the output.
+            # not implemented; every rank holding every expert would compute each layer tp times over, in tp copies
+            # of the largest part of the model, which is what splitting the experts is for.
             raise ValueError(f"{config.architecture} at tp_size={tp.size} needs ep_size={tp.size} (expert "
                              f"parallelism: each rank holds whole experts); slicing each expert over the ranks "
                              f"is not implemented")
