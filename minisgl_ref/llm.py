@@ -68,7 +68,8 @@ class LLM:
     step. ``nnodes``, ``node_rank`` and ``dist_init_addr`` spread the ranks over machines, as in SGLang; on a
     node other than 0, call :meth:`follow` instead of generating. :meth:`shutdown` (or a ``with`` block, or the
     end of the program) stops the other ranks. ``tp_rank`` is for processes started by someone else, one per
-    rank. :func:`~minisgl_ref.runtime.build_runtime` does the building."""
+    rank. ``ep_size=N`` (with ``tp_size=N``, chapter 14) splits each MoE layer's experts over the ranks (an MoE model
+    needs it at ``tp_size > 1``). :func:`~minisgl_ref.runtime.build_runtime` does the building."""
 
     def __init__(
         self,
@@ -84,12 +85,13 @@ class LLM:
         nnodes: int = 1,
         node_rank: int = 0,
         dist_init_addr: str | None = None,
+        ep_size: int = 1,
         tp_rank: int | None = None,
         **engine_kwargs: Any,
     ) -> None:
         model = ModelArgs(None if model_path is None else str(model_path), load_format, dtype,  # type: ignore[arg-type]
                           device, context_length, skip_tokenizer_init)
-        tp = TPArgs(tp_size, nnodes, node_rank, dist_init_addr)
+        tp = TPArgs(tp_size, nnodes, node_rank, dist_init_addr, ep_size)
         group = TPGroup.member(tp, tp_rank) if tp_rank is not None and tp.enabled else None  # started elsewhere
         speculative, engine_kwargs = SpeculativeConfig.split(engine_kwargs)  # chapter 13's speculative_* settings
         rt = build_runtime(model, EngineConfig(**engine_kwargs), tp, kind=engine, group=group, speculative=speculative)

@@ -28,19 +28,24 @@ import torch.distributed as dist
 class TPInfo:
     rank: int = 0
     size: int = 1
+    #: Over how many of the group's ranks MoE layers split their experts (chapter 14): 1, or ``size``. The dense
+    #: layers never read it; it rides here because it is decided with the group and read while building the model.
+    ep_size: int = 1
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"tp rank {self.rank} is not in a group of size {self.size}")
+        if self.ep_size not in (1, self.size):
+            raise ValueError(f"ep_size ({self.ep_size}) must be 1 or equal tp_size ({self.size})")
 
 
 _TP_INFO = TPInfo()
 
 
-def set_tp_info(rank: int, size: int) -> None:
+def set_tp_info(rank: int, size: int, ep_size: int = 1) -> None:
     """Record this process's place in the tensor-parallel group (call before building the model)."""
     global _TP_INFO
-    _TP_INFO = TPInfo(rank, size)
+    _TP_INFO = TPInfo(rank, size, ep_size)
 
 
 def get_tp_info() -> TPInfo:

@@ -7,12 +7,21 @@ Every implementation here computes the same function, the reference's: for each 
 
 with the gate and up projections stacked as ``w13[e] = [W1[e]; W3[e]]`` (``[E, 2I, H]``: gate rows first) and
 the down projection ``w2[e]`` (``[E, H, I]``), the layout SGLang's and vLLM's fused MoE kernels use.
+
+An id below 0 is a pair this call does not compute (it adds nothing, whatever its weight): under expert
+parallelism (:mod:`~minisgl_ref.moe.ep`) a rank holds only some experts and marks the pairs routed elsewhere so,
+as SGLang's ``expert_map`` does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+#: ``(hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k]) -> [T, H]``.
+ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def check_expert_inputs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -39,6 +48,8 @@ def reference_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     out = torch.zeros_like(x)
     inter = w13.shape[1] // 2
     for e in topk_ids.unique().tolist():
+        if e < 0:  # routed to an expert this rank does not hold
+            continue
         rows, slot = (topk_ids == e).nonzero(as_tuple=True)
         gate_up = x[rows] @ w13[e].float().t()
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]

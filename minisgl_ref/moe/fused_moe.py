@@ -61,6 +61,10 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
       last used block.
     - ``num_tokens_post_padded`` (int32, ``[1]``): how many rows are used (a multiple of ``block_m``).
 
+    A pair whose id is negative gets no row at all: under expert parallelism (:mod:`~minisgl_ref.moe.ep`) it is
+    routed to an expert another rank holds. It is counted in an extra bucket ``E`` that is given no blocks, and its
+    place in the sort is written to a spare slot past the end that the caller never sees.
+
     Why this layout: the grouped GEMM gives each program one block of rows, and a block of one expert needs one
     weight tile per K step, read once for all its rows. Mixing experts in a block would mean one weight tile per
     row, i.e. no matrix product at all. The cost is the padding: each used expert wastes up to ``block_m - 1``
@@ -92,18 +96,23 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
     max_padded = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
     max_blocks = (max_padded + block_m - 1) // block_m
 
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    flat = torch.where(flat >= 0, flat, num_experts)  # skipped pairs (another rank's experts): bucket E
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m  # each group rounded up; 0 stays 0 (no block)
+    padded[num_experts] = 0  # ... and the skipped bucket gets no rows
     group_start = torch.cumsum(counts, 0) - counts  # where expert e's pairs start among the sorted pairs
     padded_start = torch.cumsum(padded, 0) - padded  # ... and among the padded rows
 
     _, order = torch.sort(flat, stable=True)  # pair ids, grouped by expert, in pair order within a group
     expert_sorted = flat[order]
     rank = torch.arange(num_pairs, device=device) - group_start[expert_sorted]  # place within its expert's group
-    sorted_token_ids = torch.full((max_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
-    sorted_token_ids.scatter_(0, padded_start[expert_sorted] + rank, order.to(torch.int32))
+    spare = max_blocks * block_m  # one slot past the end, where skipped pairs land
+    sorted_token_ids = torch.full((spare + 1,), num_pairs, dtype=torch.int32, device=device)
+    where = torch.where(expert_sorted < num_experts, padded_start[expert_sorted] + rank, spare)
+    sorted_token_ids.scatter_(0, where, order.to(torch.int32))
+    sorted_token_ids = sorted_token_ids[:spare]
 
-    blocks_end = torch.cumsum(padded // block_m, 0)  # expert e owns blocks [blocks_end[e-1], blocks_end[e])
+    blocks_end = torch.cumsum(padded[:num_experts] // block_m, 0)  # expert e owns [blocks_end[e-1], blocks_end[e])
     block = torch.arange(max_blocks, device=device)
     owner = torch.searchsorted(blocks_end, block, right=True)
     expert_of_block = torch.where(block < blocks_end[-1], owner, -1).to(torch.int32)
@@ -242,8 +251,9 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     then summed by a reshape-sum in torch and rounded once to the hidden dtype, as the reference does. We chose
     the sum over atomic adds into ``[T, H]`` (SGLang and vLLM also sum the ``k`` rows in a separate small kernel,
     ``moe_sum``): it is deterministic (the same order of addition every run, so CUDA-graph replays and eager runs
-    agree bit for bit), needs no zeroed output, and costs one read of ``T * k * H * 4`` bytes (67 MB at
-    T = 1024, next to the expert weights' 1.2 GB).
+    agree bit for bit), and costs one read of ``T * k * H * 4`` bytes (67 MB at T = 1024, next to the expert
+    weights' 1.2 GB). The pair rows start at zero because a pair with a negative id (another rank's expert, see
+    :mod:`~minisgl_ref.moe.ep`) is in no block and never written: one more write of the same bytes.
     """
     check_expert_inputs(hidden, w13, w2, topk_weights, topk_ids)
     num_tokens, top_k = topk_ids.shape
@@ -264,7 +274,7 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     _launch(hidden, w13, act, weights, sorted_token_ids, expert_of_block, num_tokens_post_padded,
             a_row_div=top_k, gated=True, mul_routed_weight=False, **blocks)
-    out_pairs = torch.empty(num_pairs, h, dtype=torch.float32, device=hidden.device)
+    out_pairs = torch.zeros(num_pairs, h, dtype=torch.float32, device=hidden.device)  # skipped pairs stay 0
     _launch(act, w2, out_pairs, weights, sorted_token_ids, expert_of_block, num_tokens_post_padded,
             a_row_div=1, gated=False, mul_routed_weight=True, **blocks)
     return out_pairs.view(num_tokens, top_k, h).sum(dim=1).to(hidden.dtype)

@@ -5,6 +5,11 @@ family's decoder layer only swaps its ``mlp``. What differs is the checkpoint: a
 three matrices separately (``model.layers.N.mlp.experts.E.gate_proj.weight``, ...), and this model keeps them
 stacked. :meth:`MoEForCausalLM.load_weights` writes each expert tensor into its slot of the stacks as the tensors
 stream by, and hands every other tensor to the chapter-01 loader, which fuses and checks them as for a dense model.
+
+At ``tp_size > 1`` the attention and dense layers are tensor-parallel as in chapter 09, and the experts are split
+by expert (``ep_size == tp_size``, :mod:`~minisgl_ref.moe.ep`): a rank keeps its own experts' tensors and drops the
+others unread (a lazy checkpoint tensor is never read; dummy weights are generated whole, seeded by name, and
+dropped, so every rank's experts are the very ones a single process would have).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from minisgl_ref.distributed import get_tp_info
 from minisgl_ref.models.config import ModelConfig
 from minisgl_ref.models.llama import LlamaForCausalLM
 from minisgl_ref.moe.config import MoEConfig
+from minisgl_ref.moe.ep import local_experts
 from minisgl_ref.moe.layer import EXPERT_PARTS, MoEBlock
 
 # model.layers.3.mlp.experts.17.gate_proj.weight (Qwen3-MoE), model.layers.3.block_sparse_moe.experts.5.w1.weight
@@ -40,12 +46,15 @@ class MoEForCausalLM(LlamaForCausalLM):
         raise NotImplementedError
 
     def __init__(self, config: ModelConfig) -> None:
-        tp = get_tp_info().size
-        if tp > 1:
-            # Experts would be split over ranks (by expert, or each expert's width); neither is implemented, and
-            # a rank building the whole model would silently hold a full copy and all-reduce wrong sums.
-            raise ValueError(f"{config.architecture} at tp_size={tp}: tensor parallelism for mixture-of-experts "
-                             f"layers is not implemented (use tp_size=1)")
+        tp = get_tp_info()
+        if tp.size > 1 and tp.ep_size != tp.size:
+            # Slicing every expert's width over the ranks (MoE tensor parallelism without expert parallelism) is
+            # not implemented; every rank holding every expert would compute each layer tp times over, in tp copies
+            # of the largest part of the model, which is what splitting the experts is for.
+            raise ValueError(f"{config.architecture} at tp_size={tp.size} needs ep_size={tp.size} (expert "
+                             f"parallelism: each rank holds whole experts); slicing each expert over the ranks "
+                             f"is not implemented")
+        local_experts(0, tp.ep_size, type(self).moe_config(config).num_experts)  # refuses an uneven split by name
         super().__init__(config)
 
     @classmethod
@@ -90,18 +99,14 @@ class MoEForCausalLM(LlamaForCausalLM):
                 if m["leaf"] not in self.expert_names:
                     raise KeyError(f"checkpoint tensor {name!r}: an expert's matrices are {sorted(self.expert_names)}")
                 part = self.expert_names[m["leaf"]]
-                block_of(name, n).load_expert(expert, part, tensor)
+                block_of(name, n).load_expert(expert, part, tensor)  # another rank's: left unread
                 seen.add((n, expert, part))
                 continue
             m = _STACKED.match(name)
             if m and m["module"] == self.moe_module:
                 n = int(m["layer"])
                 block = block_of(name, n)
-                target = block.w13 if m["which"] == "gate_up_proj" else block.w2
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected "
-                                     f"{tuple(target.shape)}")
-                target.data.copy_(tensor)
+                block.load_stacked(m["which"], tensor)  # this rank's block of experts
                 parts = ("gate", "up") if m["which"] == "gate_up_proj" else ("down",)
                 seen |= {(n, e, p) for e in range(block.num_experts) for p in parts}
                 continue
