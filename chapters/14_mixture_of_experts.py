@@ -167,7 +167,7 @@ display(show_table(rows, headers=["batch", "experts per layer (formula)", "(simu
                                   "+ KV at 2,048 tokens (GB)", "floor on an H200 (ms)"]))
 print(f"KV per token: {KV_PER_TOKEN / 1024:.0f} KiB; weights every step reads: {2 * DENSE_READ / 1e9:.2f} GB")
 
-# %% alt="Two panels against batch size on a log scale from 1 to 512. Left: expected distinct experts per layer rises from 8 at batch 1 to 52 at batch 8, 112 at batch 32 and 126 at batch 64, flattening at 128; simulated dots sit on the curve. Right, log scale: gigabytes of weights read per decode step: the MoE model's line starts at 6.1 GB at batch 1, just under the dense 3.3B model's flat 6.7 GB line, crosses it before batch 2, reaches 26 GB at batch 8 and 60 GB from batch 64 on, just under the dense 30.5B model's flat 61 GB line." caption="Qwen3-30B-A3B under uniform routing: distinct experts a decode step reaches per layer, and the weight bytes it reads, against a dense model of its active and of its total size." tags=["hide-input"]
+# %% alt="Two panels against batch size on a log scale from 1 to 512. Left: expected distinct experts per layer rises from 8 at batch 1 to 52 at batch 8, 112 at batch 32 and 126 at batch 64, flattening at 128; simulated dots sit on the curve. Right: gigabytes of weights read per decode step: the MoE model's line starts at 6.1 GB at batch 1, just under the dense 3.3B model's flat 6.7 GB line, crosses it before batch 2, reaches 26 GB at batch 8 and 60 GB from batch 64 on, just under the dense 30.5B model's flat 61 GB line." caption="Qwen3-30B-A3B under uniform routing: distinct experts a decode step reaches per layer, and the weight bytes it reads, against a dense model of its active and of its total size." tags=["hide-input"]
 fig, (ax_e, ax_b) = plt.subplots(1, 2, figsize=(9, 3.3))
 xs = np.unique(np.logspace(0, 9, 80, base=2).astype(int))
 ax_e.plot(xs, expected_experts(xs), label="E (1 - (1 - k/E)^B)")
@@ -178,21 +178,23 @@ ax_e.set_xlabel("batch size (tokens per step)")
 ax_e.set_ylabel("distinct experts per layer")
 ax_e.legend(fontsize=8)
 ax_b.plot(xs, [moe_step_bytes(int(b)) / 1e9 for b in xs], label="Qwen3-30B-A3B (MoE)")
-ax_b.axhline(2 * ACTIVE / 1e9, color="tab:green", ls="--", label=f"dense {ACTIVE / 1e9:.1f}B")
-ax_b.axhline(2 * TOTAL / 1e9, color="tab:red", ls="--", label=f"dense {TOTAL / 1e9:.1f}B")
+ax_b.axhline(2 * ACTIVE / 1e9, color="tab:green", ls="--", label=f"dense {ACTIVE / 1e9:.2f}B (its active size)")
+ax_b.axhline(2 * TOTAL / 1e9, color="tab:red", ls="--", label=f"dense {TOTAL / 1e9:.2f}B (its total size)")
 ax_b.set_xscale("log", base=2)
-ax_b.set_yscale("log")
+ax_b.set_ylim(0, 66)
 ax_b.set_xlabel("batch size (tokens per step)")
 ax_b.set_ylabel("weights read per step (GB)")
 ax_b.legend(fontsize=8)
+for a in (ax_e, ax_b):
+    a.set_xticks([1, 4, 16, 64, 256], ["1", "4", "16", "64", "256"])
 fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Figure 14.1 is the serving economics of an MoE model. At batch 1 a step reads 6.1 GB of weights, a little less
-# than a dense model of the same active size (6.7 GB): 2.5 GB that every step reads (attention, norms, routers, the
-# LM head) and 8 experts in each of 48 layers (3.6 GB), while the 0.6 GB embedding table is only looked up. That
-# is 1.3 ms on an H200's 4.8 TB/s. But each extra token reaches new experts: at batch 8 a layer reads 52 experts on
+# Figure 14.1 is the serving economics of an MoE model. At batch 1 a step reads 6.1 GB of weights, about what a
+# dense model of its active size reads (6.7 GB, counted whole): 2.5 GB that every step reads (attention, norms,
+# routers, the LM head) and 8 experts in each of 48 layers (3.6 GB), while the 0.6 GB embedding table is only
+# looked up. That is 1.3 ms on an H200's 4.8 TB/s. But each extra token reaches new experts: at batch 8 a layer reads 52 experts on
 # average and the step 26 GB, four times the dense 3.3B model's bytes; from batch 64 on nearly every expert is hit
 # and the step reads 60 GB, as much as a dense 30B model. So while a step is paced by memory, an MoE model costs
 # what a small model costs only at batch 1 or 2, and what the large one costs from a few dozen tokens on. Its
@@ -569,6 +571,8 @@ ax_bw.set_ylim(0, 5.2)
 ax_bw.set_xlabel("tokens T")
 ax_bw.set_ylabel("TB/s on the touched experts")
 ax_bw.legend(fontsize=8)
+for a in (ax_t, ax_bw):
+    a.set_xticks(ts, [str(t) for t in ts])
 fig.tight_layout()
 plt.show()
 
