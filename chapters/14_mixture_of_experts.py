@@ -429,7 +429,7 @@ assert torch.allclose(out_fused, out_ref, rtol=1e-5, atol=1e-5)
 # ## 4. The models
 #
 # An MoE model is a dense model whose MLPs are (some or all) `MoEBlock`s. Qwen3-MoE keeps Qwen3's attention
-# (QK-norm, no bias); Mixtral keeps Mistral's. So each family is a decoder layer that builds the chapter-01 layer and
+# (QK-norm, no bias); Mixtral keeps Llama's. So each family is a decoder layer that builds the chapter-01 layer and
 # swaps its `mlp`:
 
 # %%
@@ -509,7 +509,7 @@ except ValueError as err:
 # %% [markdown]
 # ## 5. Expert parallelism
 #
-# <!-- This section's code and measurements are added with minisgl_ref/moe/ep.py (`--ep-size`). -->
+# <!-- TO FILL: code and measurements of minisgl_ref/moe/ep.py (`--ep-size`). -->
 #
 # Tensor parallelism (chapter 09) splits every matrix of a layer over the GPUs: each rank holds a slice of every
 # expert, and every step all-reduces the layer's output. For an MoE layer there is a more natural cut: give each
@@ -595,10 +595,10 @@ plt.show()
 #   (At `T = 1` part of the 75 MB may still sit in the H200's 60 MB L2 cache from the previous replay of the same
 #   routing, so the smallest `T` can read slightly fast.)
 #
-# **End to end.** <!-- The lead adds the engine's measurements here: Qwen3-30B-A3B on the canonical workload. -->
+# **End to end.** <!-- TO FILL: the engine serving Qwen3-30B-A3B on chapter 11's canonical workload. -->
 # What these kernel numbers do not show is the whole model served by the engine: Qwen3-30B-A3B's 48 layers with
-# attention, the scheduler and the server, on the canonical workload of chapter 11. That measurement is not in this
-# chapter yet; this paragraph will give its throughput and latency beside the dense models of chapter 11.
+# attention, the scheduler and the server, on the canonical workload of chapter 11. That measurement is not
+# recorded yet; its throughput and latency belong here, beside the dense models of chapter 11.
 
 # %% [markdown]
 # ## Summary
