@@ -74,6 +74,7 @@ CASES = [
 ]
 
 
+@pytest.mark.task("14.1", weight=2)
 @needs_compiled
 @pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}-k{c[1]}-E{c[2]}-H{c[3]}-I{c[4]}-{c[5]}" for c in CASES])
 def test_fused_experts_matches_the_reference_fp32(case) -> None:
@@ -189,6 +190,7 @@ def check_alignment(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
     assert used_experts == sorted(used_experts)  # grouped, in expert order
 
 
+@pytest.mark.task("14.1", weight=3)
 @pytest.mark.parametrize("kind", ["random", "overloaded", "sparse"])
 @pytest.mark.parametrize("tokens,top_k,block_m", [(1, 8, 16), (1, 1, 16), (37, 2, 16), (200, 8, 64), (5, 2, 1)])
 def test_align_by_expert_invariants(kind, tokens, top_k, block_m) -> None:
@@ -196,6 +198,7 @@ def test_align_by_expert_invariants(kind, tokens, top_k, block_m) -> None:
     check_alignment(routing(tokens, top_k, 16, kind, g), 16, block_m)
 
 
+@pytest.mark.task("14.1")
 def test_align_by_expert_example() -> None:
     """Three tokens, k = 2, four experts, blocks of 2: expert 1 is empty and gets no block."""
     ids = torch.tensor([[2, 0], [0, 3], [2, 0]])  # pairs 0..5 -> experts 2, 0, 0, 3, 2, 0
@@ -207,6 +210,7 @@ def test_align_by_expert_example() -> None:
     assert all(r == s for r in rows.tolist()[8:]) and all(e == -1 for e in expert_of_block.tolist()[4:])
 
 
+@pytest.mark.task("14.1", weight=3)
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), tokens=st.integers(1, 40), top_k=st.integers(1, 4),
                   num_experts=st.integers(1, 12), block_m=st.sampled_from([1, 2, 3, 16, 64]))
@@ -235,6 +239,7 @@ def test_gpu_bf16_qwen3_moe_shape_matches_the_reference(tokens) -> None:
     assert ref.float().abs().mean() > 0.1
 
 
+@pytest.mark.task("14.1", weight=2)
 @pytest.mark.gpu
 def test_gpu_cuda_graph_replay_equals_eager() -> None:
     """Captured once, replayed after the routing (and the tokens) changed in place: the layout is computed on

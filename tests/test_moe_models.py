@@ -226,6 +226,7 @@ def hf_router(kind: str, logits_weight: torch.Tensor, top_k: int, norm: bool = T
     return router
 
 
+@pytest.mark.task("14.2", weight=2)
 @pytest.mark.parametrize("norm", [True, False])
 def test_qwen3_routing_matches_transformers(norm):
     g = torch.Generator().manual_seed(0)
@@ -241,6 +242,7 @@ def test_qwen3_routing_matches_transformers(norm):
         assert (sums < 1).all()
 
 
+@pytest.mark.task("14.2", weight=2)
 def test_mixtral_routing_is_the_softmax_of_the_top_k_logits():
     """Mixtral's paper routes by softmax over the top-k logits; that is exactly softmax, top-k, renormalise."""
     g = torch.Generator().manual_seed(1)

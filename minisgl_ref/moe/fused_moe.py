@@ -81,6 +81,11 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
     same reason the counts come from ``scatter_add_`` and not ``torch.bincount``, which reads the largest id back
     to the host to size its output.
 
+    What to decide (task 14.1): the outputs' sizes, from ``T``, ``k``, ``E`` and ``block_m`` alone (the worst
+    case above); where each expert's group starts among the padded rows (a running sum of the counts rounded up
+    to whole blocks, so that an empty expert takes no room); where each pair lands inside its group (its rank
+    among its expert's pairs, in pair order); and which expert owns each block.
+
     SGLang does this step in one small CUDA kernel (``moe_align_block_size``: per-expert counts in shared memory,
     a prefix sum, a scatter) because the torch operations below are some twenty launches of a few microseconds
     each, which matters in a decode step. The torch version is what the book shows: each line is one idea of the
@@ -90,6 +95,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
         raise ValueError(f"topk_ids must be [tokens, k], got {tuple(topk_ids.shape)}")
     if block_m < 1:
         raise ValueError(f"block_m must be positive, got {block_m}")
+    # BEGIN TASK 14.1: sort and pad the pairs by expert
     device = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     num_pairs = flat.numel()
@@ -118,6 +124,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
     expert_of_block = torch.where(block < blocks_end[-1], owner, -1).to(torch.int32)
     num_tokens_post_padded = (blocks_end[-1:] * block_m).to(torch.int32)
     return sorted_token_ids, expert_of_block, num_tokens_post_padded
+    # END TASK 14.1
 
 
 # --------------------------------------------------------------------------------------------------------------

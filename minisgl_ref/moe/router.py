@@ -20,14 +20,21 @@ import torch
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(topk_weights float32 [T, k], topk_ids int64 [T, k])`` for router logits ``[T, E]``, the largest weight
-    first in each row (the order ``torch.topk`` gives; the expert computation does not depend on it)."""
+    first in each row (the order ``torch.topk`` gives; the expert computation does not depend on it).
+
+    What to decide: where the softmax is taken (over all ``E`` logits, before choosing, so that an unnormalised
+    weight says how much of the router's whole belief the chosen experts hold), in which precision (float32:
+    128 logits within a few bf16 ulps of each other would otherwise tie and reorder), and what ``renormalize``
+    divides by (the sum of the ``k`` kept weights, per token, so that they add up to 1)."""
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits must be [tokens, experts], got {tuple(router_logits.shape)}")
     num_experts = router_logits.shape[1]
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be between 1 and the number of experts ({num_experts}), got {top_k}")
+    # BEGIN TASK 14.2: the router's weights
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+    # END TASK 14.2
