@@ -497,14 +497,15 @@ except ValueError as err:
 
 # %% [markdown]
 # * **A hook for the experts.** `MoEBlock.experts` is the function that computes the experts: the float32 reference
-#   loop by default, the fused kernel once `use_experts(model, fused_experts)` installs it on a GPU. Both read
-#   the same stacks, so swapping them moves no weight.
+#   loop by default; on a GPU the runtime installs the fused kernel with `use_experts(model, fused_experts)`
+#   (`install_moe_kernels`) before the engine captures its CUDA graphs. Both read the same stacks, so swapping
+#   them moves no weight.
 #
 # The dense model of chapter 01 stays as it was: the MoE layer is a different module in the same place, its loading
-# a filter in front of the same loader, and its architectures entries in a table. What the engine does not do yet
-# is split an MoE model over several GPUs with tensor parallelism: building one at `tp_size > 1` is refused by
-# name, because each rank would otherwise hold every expert and add up wrong sums. Splitting the experts themselves
-# is the subject of the next section.
+# a filter in front of the same loader, and its architectures entries in a table. What the engine does not do is
+# slice every expert over several GPUs as tensor parallelism slices a dense MLP: building an MoE model at
+# `tp_size > 1` without `--ep-size` equal to it is refused by name. Splitting the experts themselves, whole, is the
+# subject of the next section.
 
 # %% [markdown]
 # ## 5. Expert parallelism
