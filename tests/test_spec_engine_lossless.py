@@ -74,22 +74,24 @@ class FixedDrafts:
     def __init__(self) -> None:
         self.last: dict[str, int] = {}
 
-    def start(self, rid, tokens):
+    def start(self, rid: str, tokens: list[int]) -> None:
         self.last[rid] = tokens[-1]
 
-    def extend(self, rid, tokens):
+    def extend(self, rid: str, tokens: list[int]) -> None:
         self.last[rid] = tokens[-1]
 
-    def propose(self, rids, max_tokens):
+    def propose(self, rids: list[str], max_tokens: int) -> list[DraftTree]:
         return [DRAFTS.get(self.last[rid], DRAFTS[None]) for rid in rids]
 
-    def finish(self, rid):
+    def finish(self, rid: str) -> None:
         self.last.pop(rid, None)
 
 
-def sample(llm: LLM, params: SamplingParams, first_seed: int, speculate: bool) -> tuple[list[list[int]], object]:
-    """``DRAWS`` requests of ``params`` with seeds ``first_seed, first_seed + 1, ...``, run together on a fresh
-    engine (with speculation: every one of them drafts at every step); their output ids, and the extension."""
+def sample(llm: LLM, params: SamplingParams, first_seed: int,
+           speculate: bool) -> tuple[list[list[int]], SpeculativeExtension | None]:
+    """``DRAWS`` requests of ``params`` with seeds ``first_seed, first_seed + 1, ...``, run together in one batch
+    on a fresh engine; their output ids, and the extension. With speculation every request of the batch may draft
+    (``speculative_max_batch`` covers the batch) whenever its remaining tokens leave room for a draft."""
     ext = None
     if speculate:
         spec = SpeculativeConfig("NGRAM", speculative_num_steps=2, speculative_eagle_topk=2,
@@ -128,7 +130,7 @@ def plain(llm: LLM, name: str) -> list[Counter]:
     return _PLAIN[name]
 
 
-def compare(llm: LLM, name: str, seed: int) -> tuple[list[float], SpeculativeExtension]:
+def compare(llm: LLM, name: str, seed: int) -> tuple[list[float], SpeculativeExtension | None]:
     """Arm B for a setting, drawn with seeds from ``seed`` on; the p-values of its comparisons with arm A, one per
     speculated position."""
     outputs, ext = sample(llm, SETTINGS[name], seed, speculate=True)
@@ -146,6 +148,7 @@ def test_speculation_keeps_the_sampled_distribution(smol_llm, name):
     draft back too often (after " Paris": "." rises from 0.68 to about 0.86), and the same test then gives
     p < 1e-8 at token 2 (see the next test)."""
     pvalues, ext = compare(smol_llm, name, seed=1_000_000)
+    assert ext is not None
     stats = list(ext.stats.values())
     assert len(stats) == DRAWS and all(s.verify_ct >= 1 for s in stats), "a request did not speculate"
     drafted = sum(s.draft_tokens for s in stats)
