@@ -607,10 +607,10 @@ assert spec_out.output_ids == plain_out.output_ids
 # overlap; n-gram chains of 4 and of 8 drafts that never pause, to see where speculation stops paying; the same
 # chain of 4 with the default pause above 4 running requests; and an n-gram tree of up to 11 drafted tokens with up
 # to 4 children per node (FlashInfer for its masks). The last configuration run is a second engine without
-# speculation: the two plain engines differ by a few per cent at the same batch, which is the noise of comparing
-# separately started engines (about 4% at batch 64), so every ratio below takes the faster of the two. A second measurement removes that
-# noise for the default configuration: both engines side by side in one process, their runs alternated, nine per
-# batch size (`docs/data/spec_interleaved_h200.json`).
+# speculation: the two plain engines differ by a few per cent at the same batch (about 4% at batch 64), which is
+# the noise of comparing separately started engines, so every ratio below takes the faster of the two. A second
+# measurement removes that noise for the default configuration: both engines side by side in one process, their
+# runs alternated, nine per batch size (`docs/data/spec_interleaved_h200.json`).
 
 # %%
 BENCH = json.loads((ROOT / "docs" / "data" / "spec_bench_h200.json").read_text())["runs"]
