@@ -29,3 +29,18 @@ class TruthScript:
 
     def finish(self, rid):
         self.finished.append(rid)
+
+
+def step_until_done(engine, max_steps: int) -> int:  # type: ignore[no-untyped-def]
+    """Step ``engine`` until it has no work, asserting the KV invariants after every step (a verify row's drafted
+    tokens are not the request's, so ``engine_fixtures.drive``'s fed-token check does not apply); return the
+    number of steps."""
+    from tests.engine_fixtures import check_live_invariants
+
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        check_live_invariants(engine)
+        steps += 1
+        assert steps < max_steps, "the engine did not finish"
+    return steps

@@ -22,9 +22,9 @@ from minisgl_ref.speculative.config import SpeculativeConfig
 from minisgl_ref.core.request import LogprobRequest
 from minisgl_ref.speculative.extension import SpeculativeExtension, first_nodes, longest_chain
 from minisgl_ref.speculative.tree import DraftTree
-from tests.engine_fixtures import (assert_matches_oracle, assert_pool_accounting, check_live_invariants,
+from tests.engine_fixtures import (assert_matches_oracle, assert_pool_accounting,
                                    make_reqs, oracle, smol_llm, tree_nodes)
-from tests.spec_fixtures import TruthScript
+from tests.spec_fixtures import TruthScript, step_until_done
 
 __all__ = ["smol_llm"]  # the fixture, imported for pytest
 
@@ -97,12 +97,7 @@ def _run(llm, prompts, params, expected, script=("right",), *, spec=None, tree_m
         on_engine(engine, engine.scheduler)
     for r in reqs:
         engine.add_request(r)
-    steps = 0
-    while engine.has_work:
-        engine.step()
-        check_live_invariants(engine)
-        steps += 1
-        assert steps < 500, "the engine did not finish"
+    step_until_done(engine, 500)
     assert_matches_oracle(reqs, expected)
     assert_pool_accounting(engine)
     assert not engine.scheduler.extending

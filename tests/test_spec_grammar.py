@@ -28,8 +28,8 @@ from minisgl_ref.speculative.config import SpeculativeConfig
 from minisgl_ref.speculative.extension import SpeculativeExtension
 from minisgl_ref.speculative.ngram import NgramProposer
 from minisgl_ref.speculative.tree import DraftTree
-from tests.engine_fixtures import assert_pool_accounting, check_live_invariants
-from tests.spec_fixtures import TruthScript
+from tests.engine_fixtures import assert_pool_accounting
+from tests.spec_fixtures import TruthScript, step_until_done
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                            "country": {"type": "string", "maxLength": 8}},
@@ -123,12 +123,7 @@ def _run(llm: LLM, work, *, truths=None, script=("right",), logprobs=(), constra
         if i in logprobs:  # ``logprobs``: request index -> the first prompt position to report (-1: none)
             r.logprobs = LogprobRequest(top=3, start=dict(logprobs)[i])
         engine.add_request(r)
-    steps = 0
-    while engine.has_work:
-        engine.step()
-        check_live_invariants(engine)
-        steps += 1
-        assert steps < 300, "the engine did not finish"
+    step_until_done(engine, 300)
     assert_pool_accounting(engine)
     return reqs, spec, proposer
 
