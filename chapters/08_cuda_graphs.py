@@ -43,7 +43,6 @@
 # %% tags=["setup"]
 import inspect
 import json
-import os
 import tempfile
 import textwrap
 import time
@@ -58,25 +57,13 @@ from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.attention.base import AttentionBackend
 from minisgl_ref.attention.torch_native import TorchStaticBackend
 from minisgl_ref.bench.offline import QUICK_MODEL_CONFIG
-from minisgl_ref.book import show_code, show_table, wrap
+from minisgl_ref.book import setup_chapter, show_code, show_table, wrap
 from minisgl_ref.engine import cuda_graph
 from minisgl_ref.engine.cuda_graph import CudaGraphRunner, RerunGraphFactory, capture_batch_sizes, padded_batch_size
 from minisgl_ref.engine.model_runner import ModelRunner
 
 CHAPTER_START = time.perf_counter()
-torch.set_num_threads(int(os.environ.get("MINISGL_THREADS", "1")))
-
-
-def find_root() -> Path:
-    """The repository root (the notebook runs from notebooks/, the script from anywhere)."""
-    here = Path.cwd().resolve()
-    for p in [here, *here.parents]:
-        if (p / "docs" / "data").is_dir() and (p / "minisgl_ref").is_dir():
-            return p
-    return Path(__file__).resolve().parents[1]
-
-
-ROOT = find_root()
+ROOT = setup_chapter()  # one torch thread (MINISGL_THREADS for more), and the repository root
 GPU = json.loads((ROOT / "docs" / "data" / "gpu_offline_h100.json").read_text())
 
 

@@ -41,10 +41,8 @@
 # %% tags=["setup"]
 import dataclasses
 import json
-import os
 import textwrap
 import time
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
@@ -52,23 +50,12 @@ import torch
 from minisgl_ref.bench import offline as bo
 from minisgl_ref.bench import workloads
 from minisgl_ref.bench.workloads import canonical_workload
-from minisgl_ref.book import show_code, show_table
+from minisgl_ref.book import setup_chapter, show_code, show_table
 from minisgl_ref.models.config import ModelConfig
 from minisgl_ref.models.loader import resolve_model_path
 
 CHAPTER_START = time.perf_counter()
-torch.set_num_threads(int(os.environ.get("MINISGL_THREADS", "1")))
-
-
-def find_root() -> Path:
-    here = Path.cwd().resolve()
-    for p in [here, *here.parents]:
-        if (p / "docs" / "data").is_dir() and (p / "minisgl_ref").is_dir():
-            return p
-    return Path(__file__).resolve().parents[1]
-
-
-ROOT = find_root()
+ROOT = setup_chapter()  # one torch thread (MINISGL_THREADS for more), and the repository root
 
 
 def load(name: str) -> dict:

@@ -45,11 +45,9 @@
 
 # %% tags=["setup"]
 import json
-import os
 import re
 import time
 import warnings
-from pathlib import Path
 
 warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm's widget bar; its text bar is enough here
 
@@ -63,7 +61,7 @@ from IPython.display import Markdown, display
 from xgrammar.testing import _is_grammar_accept_string
 
 from minisgl_ref import LLM, SamplingParams
-from minisgl_ref.book import show_code, show_table, shorten, wrap
+from minisgl_ref.book import setup_chapter, shorten, show_code, show_table, wrap
 from minisgl_ref.constrained import ANY_JSON, spec_of
 from minisgl_ref.constrained import jump_forward
 from minisgl_ref.constrained.bitmask import TokenBitmask
@@ -77,20 +75,7 @@ from minisgl_ref.constrained.structural_tag import to_xgrammar
 from minisgl_ref.server.tools import Function, ToolCallParser, call_schema, call_structural_tag, plan_tools
 
 CHAPTER_START = time.perf_counter()
-# One torch thread, as in the other chapters: on a small shared CPU two threads that wait for each other at
-# every matmul make step times erratic. Set MINISGL_THREADS to try more.
-torch.set_num_threads(int(os.environ.get("MINISGL_THREADS", "1")))
-
-
-def find_root() -> Path:
-    here = Path.cwd().resolve()
-    for p in [here, *here.parents]:
-        if (p / "docs" / "data").is_dir() and (p / "minisgl_ref").is_dir():
-            return p
-    return Path(__file__).resolve().parents[1]
-
-
-ROOT = find_root()
+ROOT = setup_chapter()  # one torch thread (MINISGL_THREADS for more), and the repository root
 
 # %% [markdown]
 # ## 1. The problem

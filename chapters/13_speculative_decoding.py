@@ -49,10 +49,8 @@
 
 # %% tags=["setup"]
 import json
-import os
 import time
 import warnings
-from pathlib import Path
 
 warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm's widget bar; its text bar is enough here
 
@@ -62,32 +60,16 @@ import torch
 from IPython.display import display
 
 from minisgl_ref import LLM, SamplingParams
-from minisgl_ref.attention.torch_native import NoCacheAttentionBackend, TorchNativeBackend
-from minisgl_ref.book import show_code, show_table, shorten, wrap
-from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
-from minisgl_ref.kvcache.pool import KVPool
-from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
+from minisgl_ref.book import setup_chapter, shorten, show_code, show_table, wrap
 from minisgl_ref.speculative.accept import TargetView, accept, walk
 from minisgl_ref.speculative.draft_model import truncated_model
 from minisgl_ref.speculative.extension import SpeculativeExtension
 from minisgl_ref.speculative.ngram import NgramProposer, NgramSettings
 from minisgl_ref.speculative.tree import DraftTree
+from minisgl_ref.speculative.tree_logits import path_logits, path_to, verify_row_logits
 
 CHAPTER_START = time.perf_counter()
-# One torch thread, as in the other chapters: on a small shared CPU two threads that wait for each other at
-# every matmul make step times erratic. Set MINISGL_THREADS to try more.
-torch.set_num_threads(int(os.environ.get("MINISGL_THREADS", "1")))
-
-
-def find_root() -> Path:
-    here = Path.cwd().resolve()
-    for p in [here, *here.parents]:
-        if (p / "docs" / "data").is_dir() and (p / "minisgl_ref").is_dir():
-            return p
-    return Path(__file__).resolve().parents[1]
-
-
-ROOT = find_root()
+ROOT = setup_chapter()  # one torch thread (MINISGL_THREADS for more), and the repository root
 
 
 def draw_tree(ax, tree: DraftTree, labels: list[str], root_label: str) -> None:  # type: ignore[no-untyped-def]
@@ -256,41 +238,12 @@ plt.show()
 model, cfg = llm.model, llm.config
 prefix = tok.encode("My neighbour has a pet.")
 root = tok.encode(" " + ROOT_WORD)[0]
-table = ReqToTokenPool(1, 64)
-pool = KVPool(cfg.num_layers, 64, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
-backend = TorchNativeBackend(pool, table)
-slots = torch.randperm(63, generator=torch.Generator().manual_seed(0))[: len(prefix) + len(TREE) + 1] + 1
-table.write(0, 0, slots)
-
-
-def extend_step(ids: list[int], start: int, positions: list[int], mask: torch.Tensor | None) -> torch.Tensor:
-    batch = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=torch.tensor(ids), positions=torch.tensor(positions),
-                         extend_lens_cpu=[len(ids)], prefix_lens_cpu=[start], attn_backend=backend,
-                         req_pool_indices=torch.tensor([0]), out_cache_loc=slots[start: start + len(ids)],
-                         extend_masks=None if mask is None else [mask])
-    backend.init_forward_metadata(batch)
-    with torch.no_grad():
-        return model.compute_logits(model(batch.input_ids, batch.positions, batch))
-
-
-def path_to(tree: DraftTree, node: int) -> list[int]:
-    """The drafted tokens from the root down to ``node`` (-1: the root itself, no token)."""
-    path = []
-    while node >= 0:
-        path.append(tree.tokens[node])
-        node = tree.parents[node]
-    return path[::-1]
-
-
-extend_step(prefix, 0, list(range(len(prefix))), None)  # the prefix's KV, as a first prefill leaves it
-row = extend_step([root, *TREE.tokens], len(prefix), TREE.positions(len(prefix)), TREE.mask())
-oracle = NoCacheAttentionBackend()
+display(show_code(verify_row_logits))
+row = verify_row_logits(model, cfg, prefix, root, TREE)
 worst = 0.0
 for offset in range(len(TREE) + 1):
     seq = prefix + [root] + path_to(TREE, offset - 1)
-    full = ForwardBatch.for_full_sequences([seq], oracle)
-    with torch.no_grad():
-        want = model.compute_logits(model(full.input_ids, full.positions, full))[-1]
+    want = path_logits(model, seq)  # the whole sequence from scratch, by the chapter-00 oracle's attention
     worst = max(worst, float((row[offset] - want).abs().max()))
     top = tok.decode([int(row[offset].argmax())])
     print(f"offset {offset} {shorten(tok.decode(seq[len(prefix):]), 30):<30} next (argmax): {top!r}")
@@ -654,10 +607,10 @@ assert spec_out.output_ids == plain_out.output_ids
 # overlap; n-gram chains of 4 and of 8 drafts that never pause, to see where speculation stops paying; the same
 # chain of 4 with the default pause above 4 running requests; and an n-gram tree of up to 11 drafted tokens with up
 # to 4 children per node (FlashInfer for its masks). The last configuration run is a second engine without
-# speculation: the two plain engines differ by a few per cent at the same batch, which is the noise of comparing
-# separately started engines (about 4% at batch 64), so every ratio below takes the faster of the two. A second measurement removes that
-# noise for the default configuration: both engines side by side in one process, their runs alternated, nine per
-# batch size (`docs/data/spec_interleaved_h200.json`).
+# speculation: the two plain engines differ by a few per cent at the same batch (about 4% at batch 64), which is
+# the noise of comparing separately started engines, so every ratio below takes the faster of the two. A second
+# measurement removes that noise for the default configuration: both engines side by side in one process, their
+# runs alternated, nine per batch size (`docs/data/spec_interleaved_h200.json`).
 
 # %%
 BENCH = json.loads((ROOT / "docs" / "data" / "spec_bench_h200.json").read_text())["runs"]

@@ -14,11 +14,31 @@ from __future__ import annotations
 import inspect
 import textwrap
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
+
+from minisgl_ref.env import chapter_threads
 
 #: The widest printed output line a chapter shows (characters): it fits the site's content column at 1440 px
 #: and a notebook at its default width without scrolling sideways.
 OUTPUT_COLUMNS = 100
+
+
+def setup_chapter() -> Path:
+    """What a chapter's setup cell does first: one torch thread, and the repository root returned.
+
+    One thread (``MINISGL_THREADS`` sets more): on a small shared CPU, two threads that wait for each other at
+    every matmul make the step times a chapter prints erratic. The root is where a chapter finds its committed
+    measurements (``docs/data/``): a notebook runs from ``notebooks/`` and a script from anywhere, so it is looked
+    for from the working directory upwards, and else taken as the folder above this package."""
+    import torch  # imported when called, so that the display helpers do not need it
+
+    torch.set_num_threads(chapter_threads())
+    here = Path.cwd().resolve()
+    for folder in [here, *here.parents]:
+        if (folder / "docs" / "data").is_dir() and (folder / "minisgl_ref").is_dir():
+            return folder
+    return Path(__file__).resolve().parents[1]
 
 
 def _markdown(text: str) -> Any:
@@ -89,4 +109,4 @@ def shorten(text: str, width: int = OUTPUT_COLUMNS, placeholder: str = " …") -
     return one_line if len(one_line) <= width else one_line[: width - len(placeholder)].rstrip() + placeholder
 
 
-__all__ = ["OUTPUT_COLUMNS", "show_code", "show_table", "shorten", "wrap"]
+__all__ = ["OUTPUT_COLUMNS", "setup_chapter", "show_code", "show_table", "shorten", "wrap"]

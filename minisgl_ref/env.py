@@ -30,6 +30,12 @@ def fused_kernels_enabled() -> bool:
     return os.environ.get("MINISGL_FUSED", "1") != "0"
 
 
+def chapter_threads() -> int:
+    """Torch threads of a chapter's notebook or script (:func:`minisgl_ref.book.setup_chapter`):
+    ``MINISGL_THREADS``, else one."""
+    return int(_get("MINISGL_THREADS") or 1)
+
+
 def cpu_threads(ranks: int = 1, spare: int = 0) -> int:
     """Intra-op threads for one of ``ranks`` CPU engine processes that share this machine with ``spare`` cores'
     worth of other work (the server's API process and detokenizer).

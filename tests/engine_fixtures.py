@@ -21,22 +21,14 @@ from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.core.request import Req
 from minisgl_ref.engine.engine import Engine, StepEvent
 from minisgl_ref.engine.naive import NaiveEngine
+from tests.conftest import TINY
 
-# The brief's tiny Llama. initializer_range=0.1 (HF's default is 0.02) makes attention matter: with it, changing a
-# single early prompt token flips the greedy next token for a large share of prompts, so a request that reads one
-# wrong KV slot (aliased page, stale slot, wrong position) produces different greedy tokens than the oracle
-# instead of silently agreeing with it. Greedy margins stay far above float32 noise (the smallest seen is ~1e-3).
-TINY_ENGINE_MODEL = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=320,
-    max_position_embeddings=1024,
-    rms_norm_eps=1e-6,
-    initializer_range=0.1,
-)
+# The tiny Llama of tests/conftest.py (TINY), with more positions and initializer_range=0.1 (HF's default is
+# 0.02), which makes attention matter: with it, changing a single early prompt token flips the greedy next token
+# for a large share of prompts, so a request that reads one wrong KV slot (aliased page, stale slot, wrong
+# position) produces different greedy tokens than the oracle instead of silently agreeing with it. Greedy margins
+# stay far above float32 noise (the smallest seen is ~1e-3).
+TINY_ENGINE_MODEL = dict(TINY, max_position_embeddings=1024, initializer_range=0.1)
 TINY_EOS = 2  # LlamaConfig's default eos_token_id; prompts below avoid relying on it (ignore_eos or own eos sets)
 
 

@@ -19,7 +19,6 @@ import math
 import os
 import random
 import sys
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -45,10 +44,10 @@ from minisgl_ref.attention.triton_kernels import (  # noqa: E402
     merge_kv_splits,
 )
 from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from minisgl_ref.kvcache.allocator import PageAllocator  # noqa: E402
 from minisgl_ref.kvcache.pool import KVPool  # noqa: E402
 from minisgl_ref.kvcache.req_to_token import ReqToTokenPool  # noqa: E402
-from minisgl_ref.layers.attention import AttentionLayer  # noqa: E402
+from tests.attention_cases import Case  # noqa: E402
+from tests.attention_cases import make_case as make_attention_case  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
@@ -64,71 +63,9 @@ CPU_SPLITS = dict(max_kv_splits=4, min_kv_split_len=16)
 # ---------------------------------------------------------------------------------------------------- helpers
 
 
-@dataclass
-class Case:
-    """One attention call laid out exactly as the engine lays it out: pages from a PageAllocator (handed out in
-    shuffled order, so a request's pages are scattered over the pool), slots in a ReqToTokenPool row per request,
-    the new tokens' slots in ``out_cache_loc``. The pool starts full of random values, so reading a wrong slot
-    shows up as a wrong result."""
-
-    batch: ForwardBatch
-    pool: KVPool
-    table: ReqToTokenPool
-    layer: AttentionLayer
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-
-
-def make_case(
-    specs: list[tuple[int, int]],  # (prefix_len, extend_len) per request; decode: extend_len 1
-    *,
-    num_kv_heads: int,
-    gqa: int,
-    head_dim: int,
-    page_size: int,
-    dtype: torch.dtype = torch.float32,
-    decode: bool = False,
-    seed: int = 0,
-    device: str = DEVICE,
-) -> Case:
-    rng = random.Random(seed)
-    gen = torch.Generator(device).manual_seed(seed)  # random values made on the device (GPU pools are large)
-    num_heads = num_kv_heads * gqa
-    total = sum(p + e for p, e in specs)
-    num_pages = total // page_size + 2 * len(specs) + 2
-    allocator = PageAllocator(num_pages, page_size, device)
-    rng.shuffle(allocator._free)  # scatter: consecutive allocations get non-adjacent pages
-    max_ctx = max(p + e for p, e in specs) + 1
-    table = ReqToTokenPool(2 * len(specs) + 1, max_ctx, device)
-    pool = KVPool(1, num_pages * page_size, num_kv_heads, head_dim, dtype, device)
-    pool.k[0].normal_(generator=gen)
-    pool.v[0].normal_(generator=gen)
-    rows = rng.sample(range(table.max_requests), len(specs))  # page-table rows in no particular order
-    new_slots = []
-    for row, (prefix, extend) in zip(rows, specs):
-        # Prefix then new tokens, each through alloc_tokens: the new tokens first fill the prefix's last page.
-        pre = allocator.alloc_tokens(0, 0, prefix)
-        table.write(row, 0, pre)
-        new = allocator.alloc_tokens(prefix, int(pre[-1]) if prefix else 0, extend)
-        table.write(row, prefix, new)
-        new_slots.append(new)
-    num_tokens = sum(e for _, e in specs)
-    q = 2 * torch.randn(num_tokens, num_heads, head_dim, generator=gen, device=device, dtype=dtype)
-    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
-    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
-    positions = [p + i for p, e in specs for i in range(e)]
-    batch = ForwardBatch(
-        mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
-        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        extend_lens_cpu=[e for _, e in specs],
-        prefix_lens_cpu=[p for p, _ in specs],
-        attn_backend=None,  # type: ignore[arg-type]
-        req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=device),
-        out_cache_loc=torch.cat(new_slots).to(device),
-    )
-    return Case(batch, pool, table, AttentionLayer(0, num_heads, num_kv_heads, head_dim), q, k, v)
+def make_case(specs: list[tuple[int, int]], **options) -> Case:
+    """:func:`tests.attention_cases.make_case` on this file's device (the GPU when there is one)."""
+    return make_attention_case(specs, **{"device": DEVICE, **options})
 
 
 def oracle(case: Case) -> torch.Tensor:

@@ -25,6 +25,7 @@ from minisgl_ref.sampling import Sampler, SamplingBatchInfo, SamplingParams
 from minisgl_ref.sampling.sampler import penalised_logits, sampling_probs
 from minisgl_ref.speculative.accept import Verdict, accept, request_generator, target_view, walk
 from minisgl_ref.speculative.tree import DraftTree
+from tests.stats import chi2_pvalue, chi2_sf, homogeneity_bins, homogeneity_pvalue
 
 V = 6  #: vocabulary of the statistical tests
 DRAWS = 12_000  #: verifications per parameter set
@@ -52,62 +53,6 @@ def row_logits(tree: DraftTree, context: list[int], **kw) -> torch.Tensor:
     for t, p in zip(tree.tokens, tree.parents):
         paths.append(paths[p + 1] + (t,))
     return torch.stack([model(tuple(context) + p, **kw) for p in paths])
-
-
-def chi2_sf(x: float, df: int) -> float:
-    """P(X >= x) for X chi-square with ``df`` degrees of freedom: the regularised upper incomplete gamma function
-    Q(df / 2, x / 2), by its power series below a + 1 and by its continued fraction (modified Lentz) above, as in
-    Numerical Recipes (section 6.2). Checked against the table in ``test_chi2_sf_matches_the_table``."""
-    a, z = df / 2, x / 2
-    if z <= 0:
-        return 1.0
-    log_front = a * math.log(z) - z - math.lgamma(a)
-    if z < a + 1:
-        term = total = 1 / a
-        n = a
-        while abs(term) > abs(total) * 1e-15:
-            n += 1
-            term *= z / n
-            total += term
-        return max(0.0, 1 - total * math.exp(log_front))
-    tiny = 1e-300
-    b = z + 1 - a
-    c, d = 1 / tiny, 1 / b
-    h = d
-    for i in range(1, 1000):
-        an = -i * (i - a)
-        b += 2
-        d = an * d + b
-        d = tiny if abs(d) < tiny else d
-        c = b + an / c
-        c = tiny if abs(c) < tiny else c
-        d = 1 / d
-        h *= d * c
-        if abs(d * c - 1) < 1e-15:
-            break
-    return math.exp(log_front) * h
-
-
-def chi2_pvalue(counts: Counter, probs: dict, draws: int) -> float:
-    """Pearson's test of ``counts`` (outcome -> count) against ``probs`` (outcome -> probability). An outcome of
-    probability 0 must never be seen. Outcomes expected fewer than 5 times are pooled into one bin (the usual
-    rule for the chi-square approximation); the degrees of freedom are the bins minus one."""
-    impossible = [o for o in counts if probs.get(o, 0.0) <= 0]
-    assert not impossible, f"drew outcomes of probability 0: {impossible}"
-    bins, pooled_o, pooled_e = [], 0, 0.0
-    for outcome, p in probs.items():
-        if p <= 0:
-            continue
-        if draws * p >= 5:
-            bins.append((counts.get(outcome, 0), draws * p))
-        else:
-            pooled_o, pooled_e = pooled_o + counts.get(outcome, 0), pooled_e + draws * p
-    if pooled_e > 0:
-        bins.append((pooled_o, pooled_e))
-    if len(bins) < 2:
-        return 1.0
-    stat = sum((o - e) ** 2 / e for o, e in bins)
-    return chi2_sf(stat, len(bins) - 1)
 
 
 class Plain:
@@ -214,6 +159,18 @@ def test_chi2_sf_matches_the_table():
         assert chi2_sf(crit, df) == pytest.approx(1e-3, rel=2e-3)
     assert chi2_sf(43.773, 30) == pytest.approx(0.05, rel=2e-3)
     assert chi2_sf(0.0, 4) == 1.0 and chi2_sf(1e5, 4) < 1e-300 + 1e-200
+
+
+def test_homogeneity_matches_a_hand_computed_table():
+    # Expected counts 40, 30, 30 in each sample: statistic 2 * (100 / 40 + 0 + 100 / 30) = 11.667 on 2 degrees of
+    # freedom, whose upper tail is exp(-11.667 / 2).
+    a, b = Counter(x=50, y=30, z=20), Counter(x=30, y=30, z=40)
+    assert homogeneity_pvalue(a, b) == pytest.approx(math.exp(-35 / 6), rel=1e-9)
+    assert homogeneity_pvalue(a, a) == pytest.approx(1.0)
+    # Outcomes expected fewer than 5 times in a sample are pooled; a pool itself expected fewer than 5 times
+    # (here 6 * 103 / 209 = 3.0) joins the smallest bin.
+    assert homogeneity_bins(a + Counter(u=2, v=1), b + Counter(w=3)) == [(50, 30), (30, 30), (23, 43)]
+    assert homogeneity_bins(a + Counter(u=6, v=1), b + Counter(w=7)) == [(50, 30), (30, 30), (20, 40), (7, 7)]
 
 
 # ---------------------------------------------------------------------------------------------------------------

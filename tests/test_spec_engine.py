@@ -9,7 +9,6 @@ radix cache holding only tokens some request really produced.
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
@@ -23,8 +22,9 @@ from minisgl_ref.speculative.config import SpeculativeConfig
 from minisgl_ref.core.request import LogprobRequest
 from minisgl_ref.speculative.extension import SpeculativeExtension, first_nodes, longest_chain
 from minisgl_ref.speculative.tree import DraftTree
-from tests.engine_fixtures import (assert_matches_oracle, assert_pool_accounting, check_live_invariants,
+from tests.engine_fixtures import (assert_matches_oracle, assert_pool_accounting,
                                    make_reqs, oracle, smol_llm, tree_nodes)
+from tests.spec_fixtures import TruthScript, step_until_done
 
 __all__ = ["smol_llm"]  # the fixture, imported for pytest
 
@@ -32,7 +32,7 @@ TEXTS = ("The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5,")
 JUNK = 17  # what the script drafts past a request's true end: a stop inside a run must drop it
 
 
-class ScriptedProposer:
+class ScriptedProposer(TruthScript):
     """Proposes from each request's known true sequence (``truth``: prompt + the oracle's output), by a script of
     modes cycled per request: ``right`` (the true continuation), ``wrong`` (every token off by one), ``partial``
     (the first half right), ``none``, ``tree_right_second`` (a wrong leaf first, the right chain as the second,
@@ -40,18 +40,11 @@ class ScriptedProposer:
     that the engine tells it exactly the tokens the request appended."""
 
     def __init__(self, truth: dict[str, list[int]], script: tuple[str, ...]) -> None:
-        self.truth, self.script = truth, script
-        self.known: dict[str, list[int]] = {}
-        self.modes: dict[str, itertools.cycle] = {}
-        self.finished: list[str] = []
+        super().__init__(truth, script)
         self.proposed = 0
 
-    def start(self, rid, tokens):
-        self.known[rid] = list(tokens)
-        self.modes.setdefault(rid, itertools.cycle(self.script))
-
     def extend(self, rid, tokens):
-        self.known[rid] += tokens
+        super().extend(rid, tokens)
         seq = self.truth[rid]
         assert self.known[rid] == seq[: len(self.known[rid])], f"{rid}: the proposer was told a wrong token"
 
@@ -63,7 +56,7 @@ class ScriptedProposer:
             assert known == seq[: len(known)], f"{rid}: drafting from a sequence that is not the request's"
             right = seq[len(known) : len(known) + max_tokens]
             wrong = [(t + 1) % 1000 for t in right]
-            mode = next(self.modes[rid])
+            mode = self.next_mode(rid)
             self.proposed += mode != "none"
             if mode == "right":
                 out.append(DraftTree.chain(right))
@@ -81,9 +74,6 @@ class ScriptedProposer:
             else:
                 out.append(None)
         return out
-
-    def finish(self, rid):
-        self.finished.append(rid)
 
 
 def _prompts(llm):
@@ -107,12 +97,7 @@ def _run(llm, prompts, params, expected, script=("right",), *, spec=None, tree_m
         on_engine(engine, engine.scheduler)
     for r in reqs:
         engine.add_request(r)
-    steps = 0
-    while engine.has_work:
-        engine.step()
-        check_live_invariants(engine)
-        steps += 1
-        assert steps < 500, "the engine did not finish"
+    step_until_done(engine, 500)
     assert_matches_oracle(reqs, expected)
     assert_pool_accounting(engine)
     assert not engine.scheduler.extending

@@ -10,7 +10,6 @@ sampled requests under a grammar draft, accept drafts and stay valid; and the en
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
 
@@ -29,7 +28,8 @@ from minisgl_ref.speculative.config import SpeculativeConfig
 from minisgl_ref.speculative.extension import SpeculativeExtension
 from minisgl_ref.speculative.ngram import NgramProposer
 from minisgl_ref.speculative.tree import DraftTree
-from tests.engine_fixtures import assert_pool_accounting, check_live_invariants
+from tests.engine_fixtures import assert_pool_accounting
+from tests.spec_fixtures import TruthScript, step_until_done
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                            "country": {"type": "string", "maxLength": 8}},
@@ -65,7 +65,7 @@ def _workload(llm: LLM) -> list[tuple[list[int], SamplingParams]]:
             (llm.tokenizer.encode("1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,"), SamplingParams(temperature=0, max_new_tokens=16))]
 
 
-class TruthProposer:
+class TruthProposer(TruthScript):
     """Drafts from a known run of each request (``truth``: prompt + output without speculation): where the
     request's tokens so far are a prefix of it, the true continuation, else what followed the last occurrence of
     the request's last token there. The script, cycled per request, then spoils it: ``right`` leaves it,
@@ -73,18 +73,8 @@ class TruthProposer:
     forbidden token first and the right chain as a sibling branch."""
 
     def __init__(self, truth: dict[str, list[int]], script: tuple[str, ...] = ("right",)) -> None:
-        self.truth, self.script = truth, script
-        self.known: dict[str, list[int]] = {}
-        self.modes: dict[str, itertools.cycle] = {}
-        self.finished: list[str] = []
+        super().__init__(truth, script)
         self.forbidden_drafted = 0
-
-    def start(self, rid, tokens):
-        self.known[rid] = list(tokens)
-        self.modes.setdefault(rid, itertools.cycle(self.script))
-
-    def extend(self, rid, tokens):
-        self.known[rid] += tokens
 
     def _continuation(self, rid: str, n: int) -> list[int]:
         known, seq = self.known[rid], self.truth[rid]
@@ -97,7 +87,7 @@ class TruthProposer:
         out = []
         for rid in rids:
             right = self._continuation(rid, max_tokens)
-            mode = next(self.modes[rid])
+            mode = self.next_mode(rid)
             if not right:
                 out.append(None)
             elif mode == "forbidden" and len(right) >= 2:
@@ -111,9 +101,6 @@ class TruthProposer:
             else:
                 out.append(DraftTree.chain(right))
         return out
-
-    def finish(self, rid):
-        self.finished.append(rid)
 
 
 def _run(llm: LLM, work, *, truths=None, script=("right",), logprobs=(), constrained=True, **config):
@@ -136,12 +123,7 @@ def _run(llm: LLM, work, *, truths=None, script=("right",), logprobs=(), constra
         if i in logprobs:  # ``logprobs``: request index -> the first prompt position to report (-1: none)
             r.logprobs = LogprobRequest(top=3, start=dict(logprobs)[i])
         engine.add_request(r)
-    steps = 0
-    while engine.has_work:
-        engine.step()
-        check_live_invariants(engine)
-        steps += 1
-        assert steps < 300, "the engine did not finish"
+    step_until_done(engine, 300)
     assert_pool_accounting(engine)
     return reqs, spec, proposer
 

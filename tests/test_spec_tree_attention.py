@@ -12,7 +12,6 @@ needs consecutive positions within a row (tree nodes sit at ``prefix + depth``).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -21,11 +20,11 @@ from minisgl_ref.attention.base import AttentionBackend
 from minisgl_ref.attention.registry import HybridAttnBackend
 from minisgl_ref.attention.torch_native import NoCacheAttentionBackend, TorchNativeBackend, reference_attention
 from minisgl_ref.core.forward_batch import ForwardBatch, ForwardMode
-from minisgl_ref.kvcache.allocator import PageAllocator
-from minisgl_ref.kvcache.pool import KVPool
-from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
 from minisgl_ref.layers.attention import AttentionLayer
 from minisgl_ref.speculative.tree import DraftTree
+from minisgl_ref.speculative.tree_logits import path_logits, path_to, verify_row_logits
+from tests.attention_cases import Case
+from tests.attention_cases import make_case as make_attention_case
 from tests.engine_fixtures import tiny_engine_path, tiny_llm  # noqa: F401 - fixtures
 
 #: A bushy tree: two children of the root, node 0 with two children, node 3 with one; node 6 a third root child.
@@ -36,56 +35,19 @@ ROOT_ONLY = DraftTree((), ())
 Row = tuple[int, "DraftTree | int"]  # (prefix length, a draft tree for a verify row or a causal row's length)
 
 
-@dataclass
-class Case:
-    rows: list[Row]
-    batch: ForwardBatch
-    pool: KVPool
-    table: ReqToTokenPool
-    layer: AttentionLayer
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-
-
 def make_case(rows: list[Row], *, page_size: int, num_kv_heads: int = 2, gqa: int = 2, head_dim: int = 16,
               dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> Case:
-    """Rows laid out as the engine lays them out (pages from a shuffled PageAllocator, a page-table row each);
-    a tree row's positions are ``prefix + depth`` and its mask the tree's ancestor mask."""
-    rng = random.Random(seed)
-    gen = torch.Generator(device).manual_seed(seed)
+    """Rows laid out as the engine lays them out (:func:`tests.attention_cases.make_case`); a tree row's
+    positions are ``prefix + depth`` and its mask the tree's ancestor mask."""
     specs = [(p, len(r) + 1 if isinstance(r, DraftTree) else r) for p, r in rows]
-    num_pages = sum(p + e for p, e in specs) // page_size + 2 * len(specs) + 2
-    allocator = PageAllocator(num_pages, page_size, device)
-    rng.shuffle(allocator._free)
-    table = ReqToTokenPool(len(specs) + 1, max(p + e for p, e in specs) + 1, device)
-    pool = KVPool(1, num_pages * page_size, num_kv_heads, head_dim, dtype, device)
-    pool.k[0].normal_(generator=gen)
-    pool.v[0].normal_(generator=gen)
-    new_slots, positions = [], []
-    for row, ((prefix, extend), (_, r)) in enumerate(zip(specs, rows)):
-        pre = allocator.alloc_tokens(0, 0, prefix)
-        table.write(row, 0, pre)
-        new = allocator.alloc_tokens(prefix, int(pre[-1]) if prefix else 0, extend)
-        table.write(row, prefix, new)
-        new_slots.append(new)
+    positions: list[int] = []
+    for (prefix, extend), (_, r) in zip(specs, rows):
         positions += r.positions(prefix) if isinstance(r, DraftTree) else [prefix + i for i in range(extend)]
     masks = [r.mask() if isinstance(r, DraftTree) else None for _, r in rows]
-    num_tokens, num_heads = sum(e for _, e in specs), num_kv_heads * gqa
-    q = 2 * torch.randn(num_tokens, num_heads, head_dim, generator=gen, device=device, dtype=dtype)
-    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
-    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
-    batch = ForwardBatch(
-        mode=ForwardMode.EXTEND,
-        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        extend_lens_cpu=[e for _, e in specs], prefix_lens_cpu=[p for p, _ in specs],
-        attn_backend=None,  # type: ignore[arg-type]
-        req_pool_indices=torch.arange(len(specs), dtype=torch.int64, device=device),
-        out_cache_loc=torch.cat(new_slots).to(device),
-        extend_masks=masks if any(m is not None for m in masks) else None,
-    )
-    return Case(rows, batch, pool, table, AttentionLayer(0, num_heads, num_kv_heads, head_dim), q, k, v)
+    case = make_attention_case(specs, num_kv_heads=num_kv_heads, gqa=gqa, head_dim=head_dim, page_size=page_size,
+                               dtype=dtype, device=device, seed=seed, positions=positions, masks=masks)
+    case.rows = rows
+    return case
 
 
 @pytest.mark.task("13.2", weight=3)
@@ -116,7 +78,7 @@ def path_by_path(case: Case) -> torch.Tensor:
     outs, start = [], 0
     for b, (prefix, r) in enumerate(case.rows):
         extend = case.batch.extend_lens_cpu[b]
-        slots = case.table.table[b, : prefix + extend].long()
+        slots = case.table.table[int(case.batch.req_pool_indices[b]), : prefix + extend].long()
         q = case.q[start : start + extend].float()
         if isinstance(r, DraftTree):
             for a in range(extend):
@@ -227,31 +189,11 @@ def test_model_verify_row_gives_each_paths_logits(tiny_llm):  # noqa: F811 - fix
     model, cfg = tiny_llm.model, tiny_llm.config
     prefix = [3, 17, 42, 8, 99, 23, 5]
     root, tree = 61, BUSHY
-    table = ReqToTokenPool(1, 64)
-    pool = KVPool(cfg.num_layers, 64, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
-    backend = TorchNativeBackend(pool, table)
-    slots = torch.randperm(63, generator=torch.Generator().manual_seed(0))[: len(prefix) + len(tree) + 1] + 1
-    table.write(0, 0, slots)
-
-    def step(ids: list[int], start: int, positions: list[int], mask: torch.Tensor | None) -> torch.Tensor:
-        batch = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=torch.tensor(ids), positions=torch.tensor(positions),
-                             extend_lens_cpu=[len(ids)], prefix_lens_cpu=[start], attn_backend=backend,
-                             req_pool_indices=torch.tensor([0]), out_cache_loc=slots[start : start + len(ids)],
-                             extend_masks=None if mask is None else [mask])
-        backend.init_forward_metadata(batch)
-        with torch.no_grad():
-            return model.compute_logits(model(batch.input_ids, batch.positions, batch))
-
-    step(prefix, 0, list(range(len(prefix))), None)
-    p = len(prefix)
-    row = step([root, *tree.tokens], p, tree.positions(p), tree.mask())
-    oracle = NoCacheAttentionBackend()
+    row = verify_row_logits(model, cfg, prefix, root, tree)
     for a in range(len(tree) + 1):
         seq = prefix + [root] + [tree.tokens[o - 1] for o in ancestors(tree, a) if o > 0]
-        full = ForwardBatch.for_full_sequences([seq], oracle)
-        with torch.no_grad():
-            want = model.compute_logits(model(full.input_ids, full.positions, full))[-1]
-        torch.testing.assert_close(row[a], want, rtol=1e-4, atol=1e-4)
+        assert seq == prefix + [root] + path_to(tree, a - 1)
+        torch.testing.assert_close(row[a], path_logits(model, seq), rtol=1e-4, atol=1e-4)
 
 
 # ------------------------------------------------------------------- Triton (interpreter on CPU, or a GPU)
