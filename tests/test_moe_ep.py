@@ -1,10 +1,12 @@
-"""Chapter 14: expert parallelism (``--ep-size``), each rank holding E / ep experts whole.
+"""Chapter 14: expert parallelism (``--ep-size``), each group of ranks holding E / ep experts, sliced over its
+tp / ep ranks (whole at ep = tp, a slice of every expert at ep = 1).
 
 The masked local computation is checked in one process: the partial outputs of every rank sum to the whole layer,
 for the reference loop and the fused kernel (Triton's interpreter on a CPU), with routings that spread the pairs,
 put them all on one rank's experts, or leave a rank nothing. Loading is checked in one process too (each rank's
 stacks are its block of the single-process model's). The models are checked on two CPU ranks with gloo, as chapter
-09's tests do: logits at tp = ep = 2 within 1e-5 of one process, greedy tokens equal through the engine.
+09's tests do: logits at tp = ep = 2, at tp = 2 with ep = 1 and at tp = 4 with ep = 2 within 1e-5 of one process,
+greedy tokens equal through the engine.
 """
 
 from __future__ import annotations
@@ -105,17 +107,19 @@ def test_local_experts_are_contiguous_blocks_and_an_uneven_split_is_refused():
 # ------------------------------------------------------------------------------------ what is refused, by name
 
 
-def test_ep_size_must_be_one_or_the_tp_size():
-    for bad in (dict(tp_size=2, ep_size=4), dict(tp_size=1, ep_size=2), dict(tp_size=4, ep_size=2)):
-        with pytest.raises(ValueError, match=rf"ep_size \({bad['ep_size']}\) must be 1 or equal tp_size "
+def test_ep_size_must_divide_the_tp_size():
+    for bad in (dict(tp_size=2, ep_size=4), dict(tp_size=1, ep_size=2), dict(tp_size=4, ep_size=3),
+                dict(tp_size=2, ep_size=0)):
+        with pytest.raises(ValueError, match=rf"ep_size \({bad['ep_size']}\) must divide tp_size "
                                              rf"\({bad['tp_size']}\)"):
             TPArgs(**bad)
         with pytest.raises(ValueError, match="ep_size"):
             DistConfig(**bad)
     assert DistConfig.of(TPArgs(tp_size=2, ep_size=2), 1).ep_size == 2
+    assert TPArgs(tp_size=4, ep_size=2).ep_size == 2 and TPArgs(tp_size=4, ep_size=1).ep_size == 1
     from minisgl_ref import LLM
 
-    with pytest.raises(ValueError, match=r"ep_size \(2\) must be 1 or equal tp_size \(1\)"):
+    with pytest.raises(ValueError, match=r"ep_size \(2\) must divide tp_size \(1\)"):
         LLM(device="cpu", ep_size=2)  # refused before anything is loaded or started
 
 
@@ -128,21 +132,28 @@ def test_the_cli_and_server_take_ep_size():
     assert from_flags(TPArgs, args) == TPArgs(tp_size=2, ep_size=2)
     assert ServerArgs.from_cli(args).tp.ep_size == 2
     bad = build_parser().parse_args(["serve", "--device", "cpu", "--tp-size", "2", "--ep-size", "3"])
-    with pytest.raises(ValueError, match=r"ep_size \(3\) must be 1 or equal tp_size \(2\)"):
+    with pytest.raises(ValueError, match=r"ep_size \(3\) must divide tp_size \(2\)"):
         ServerArgs.from_cli(bad)
 
 
 @pytest.mark.parametrize("arch", sorted(MOE_ARCHITECTURES))
-def test_moe_at_tp2_without_ep_and_an_uneven_split_are_refused(arch):
-    cfg = qwen3_moe_config(num_experts=6) if arch.startswith("Qwen3") else mixtral_config(num_local_experts=6)
-    config = ModelConfig.from_dict(cfg.to_dict() | {"architectures": [arch]})
+def test_an_uneven_split_of_experts_or_of_their_width_is_refused(arch):
+    def build(**overrides):  # type: ignore[no-untyped-def]
+        cfg = qwen3_moe_config(**overrides) if arch.startswith("Qwen3") else mixtral_config(
+            **{("num_local_experts" if k == "num_experts" else "intermediate_size"): v for k, v in overrides.items()})
+        return MOE_ARCHITECTURES[arch](ModelConfig.from_dict(cfg.to_dict() | {"architectures": [arch]}))
+
+    width = "moe_intermediate_size" if arch.startswith("Qwen3") else "intermediate_size"
     try:
-        set_tp_info(0, 2)
-        with pytest.raises(ValueError, match=f"{arch} at tp_size=2 needs ep_size=2"):
-            MOE_ARCHITECTURES[arch](config)
         set_tp_info(0, 4, 4)
         with pytest.raises(ValueError, match=r"num_experts \(6\) is not divisible by ep_size \(4\)"):
-            MOE_ARCHITECTURES[arch](config)
+            build(num_experts=6)
+        set_tp_info(1, 4, 1)  # every expert's width over the 4 ranks
+        with pytest.raises(ValueError, match=r"intermediate size \(30\) is not divisible by tp_size / ep_size \(4\)"):
+            build(**{width: 30})
+        set_tp_info(1, 4, 2)  # experts split in 2 groups, each expert's width (28) over 2 ranks
+        blocks = [m for m in build(**{width: 28}).modules() if isinstance(m, MoEBlock)]
+        assert blocks and all(b.w13.shape[:2] == (4, 28) and b.w2.shape[1:] == (64, 14) for b in blocks)
     finally:
         set_tp_info(0, 1)
 
@@ -163,8 +174,9 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def _stacks(path: Path, load_format: str, rank: int, size: int) -> list[tuple[torch.Tensor, ...]]:
-    set_tp_info(rank, size, size)
+def _stacks(path: Path, load_format: str, rank: int, size: int, ep_size: int | None = None
+            ) -> list[tuple[torch.Tensor, ...]]:
+    set_tp_info(rank, size, size if ep_size is None else ep_size)
     try:
         model, _, _ = load_model(str(path), load_format=load_format, dtype="float32")
     finally:
@@ -185,6 +197,29 @@ def test_each_rank_loads_its_block_of_experts_and_the_whole_router(checkpoints, 
             assert torch.equal(w13, a[4 * rank:4 * rank + 4]) and torch.equal(w2, b[4 * rank:4 * rank + 4])
 
 
+def sliced(w13: torch.Tensor, w2: torch.Tensor, part: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slice ``part`` of ``parts`` of the width of whole stacks: its gate rows, its up rows, its down columns."""
+    i = w2.shape[2]
+    w = i // parts
+    rows = torch.cat([w13[:, part * w:(part + 1) * w], w13[:, i + part * w:i + (part + 1) * w]], dim=1)
+    return rows, w2[:, :, part * w:(part + 1) * w]
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "dummy"])
+@pytest.mark.parametrize("tp, ep", [(2, 1), (4, 2)])
+def test_each_rank_loads_its_slice_of_its_experts(checkpoints, name, tp, ep):
+    """With ep < tp each rank holds its group's experts, and of each its slice of the width: rank r of tp = 4,
+    ep = 2 has experts [4 (r // 2), 4 (r // 2) + 4) and slice r % 2 of their gate rows, up rows and down columns."""
+    fmt = "dummy" if name == "dummy" else "auto"
+    whole = _stacks(checkpoints[name], fmt, 0, 1)
+    per_group, parts = 8 // ep, tp // ep
+    for rank in range(tp):
+        for (gate, w13, w2), (g, a, b) in zip(_stacks(checkpoints[name], fmt, rank, tp, ep), whole):
+            block = slice(per_group * (rank // parts), per_group * (rank // parts + 1))
+            rows, cols = sliced(a[block], b[block], rank % parts, parts)
+            assert torch.equal(gate, g) and torch.equal(w13, rows) and torch.equal(w2, cols)
+
+
 def test_a_stacked_checkpoint_loads_each_ranks_block(checkpoints, tmp_path):
     """transformers 5's form, ``experts.gate_up_proj [E, 2I, H]`` and ``experts.down_proj [E, H, I]``: each rank
     copies its block of rows (through a lazy tensor's ``narrow``, as at tp > 1)."""
@@ -200,6 +235,9 @@ def test_a_stacked_checkpoint_loads_each_ranks_block(checkpoints, tmp_path):
     whole = _stacks(folder, "auto", 0, 1)
     for (gate, w13, w2), (g, a, b) in zip(_stacks(tmp_path, "auto", 1, 2), whole):
         assert torch.equal(gate, g) and torch.equal(w13, a[4:]) and torch.equal(w2, b[4:])
+    for (gate, w13, w2), (g, a, b) in zip(_stacks(tmp_path, "auto", 3, 4, 2), whole):  # group 1, slice 1
+        rows, cols = sliced(a[4:], b[4:], 1, 2)
+        assert torch.equal(gate, g) and torch.equal(w13, rows) and torch.equal(w2, cols)
 
 
 # --------------------------------------------------------------------------------------- two ranks, gloo
@@ -227,8 +265,23 @@ def test_logits_at_ep2_match_one_process(checkpoints, ep2_logits, index, name):
     assert relative_error(rank0, ref) <= 1e-5
 
 
-def test_llm_ep2_generates_the_same_tokens_as_one_process(checkpoints):
-    """The whole engine, rank 1 following rank 0, chunked prefill beside decode rows: greedy tokens equal."""
+@pytest.mark.parametrize("tp, ep", [(2, 1), (4, 2)])
+def test_logits_with_sliced_experts_match_one_process(checkpoints, tp, ep):
+    """ep < tp: every expert's width sliced over tp / ep ranks (at ep = 1 SGLang's default MoE tensor
+    parallelism), the partial sums all-reduced."""
+    torch.set_num_threads(1)
+    calls = [(moe_logits, (str(checkpoints[n]), "auto")) for n in ("qwen3_moe", "mixtral")]
+    got = run_on_ranks(call_each, tp, calls, threads=1, ep_size=ep)
+    for index, name in enumerate(("qwen3_moe", "mixtral")):
+        ref = moe_logits(str(checkpoints[name]), "auto")
+        assert all(torch.equal(got[0][index], got[r][index]) for r in range(1, tp))
+        assert relative_error(got[0][index], ref) <= 1e-5, name
+
+
+@pytest.mark.parametrize("ep", [2, 1])
+def test_llm_at_tp2_generates_the_same_tokens_as_one_process(checkpoints, ep):
+    """The whole engine, rank 1 following rank 0, chunked prefill beside decode rows, experts whole on each rank
+    (ep = 2) or each sliced over both (ep = 1): greedy tokens equal."""
     from minisgl_ref import LLM, SamplingParams
 
     torch.set_num_threads(1)
@@ -237,7 +290,7 @@ def test_llm_ep2_generates_the_same_tokens_as_one_process(checkpoints):
     kw = dict(device="cpu", chunked_prefill_size=16, max_prefill_tokens=32)
     path = str(checkpoints["qwen3_moe"])
     expected = LLM(path, **kw).generate(prompts, params, use_tqdm=False)
-    with LLM(path, tp_size=2, ep_size=2, **kw) as llm:
+    with LLM(path, tp_size=2, ep_size=ep, **kw) as llm:
         got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.output_ids for o in got] == [o.output_ids for o in expected]
     assert len({tuple(o.output_ids) for o in expected}) > 1  # not one degenerate answer for every prompt
@@ -291,11 +344,12 @@ def moe_logits_on(path: str, device: str) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-def test_gpu_two_ranks_nccl_logits_match_one_gpu(checkpoints):
+@pytest.mark.parametrize("ep", [2, 1])
+def test_gpu_two_ranks_nccl_logits_match_one_gpu(checkpoints, ep):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     path = str(checkpoints["dummy"])
     ref = moe_logits_on(path, "cuda")
-    ranks = run_on_ranks(moe_logits_on, 2, path, "cuda", device="cuda", ep_size=2)
+    ranks = run_on_ranks(moe_logits_on, 2, path, "cuda", device="cuda", ep_size=ep)
     assert torch.equal(ranks[0], ranks[1])
     assert relative_error(ranks[0], ref) <= 1e-5

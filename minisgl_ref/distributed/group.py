@@ -42,7 +42,7 @@ class DistConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None  # "host:port" of the rendezvous (rank 0's node); None: a free local port
-    ep_size: int = 1  # MoE layers split their experts over this many of the ranks: 1 or tp_size (chapter 14)
+    ep_size: int = 1  # MoE layers split their experts into this many groups of ranks: divides tp_size (chapter 14)
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:

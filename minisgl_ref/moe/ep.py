@@ -24,7 +24,10 @@ computed on exactly one rank and the output is a sum over pairs. One all-reduce 
 them, exactly where a row-parallel dense MLP all-reduces. The cost, against the MoE with every expert on every
 rank: that all-reduce of ``T x H`` per MoE layer (the same as tensor parallelism's), and, per rank, ``E/ep``
 experts' weights in memory and read (Qwen3-30B-A3B in bf16 at ep = 8: 16 of 128 experts per layer, 7.2 GB of its
-58 GB of experts). What it does not do is spread the *compute* of a batch evenly: a rank whose experts are
+58 GB of experts). With ``ep_size < tp_size`` the ranks form ``ep_size`` groups of ``tp / ep``: a group holds a block of experts and
+slices each one's width over its ranks (:class:`~minisgl_ref.moe.layer.MoEBlock`), and ``ep_size = 1`` is MoE
+tensor parallelism, every rank a ``1/tp`` slice of every expert. The same all-reduce combines the slices. What
+it does not do is spread the *compute* of a batch evenly: a rank whose experts are
 popular does more, and the all-reduce waits for the slowest (SGLang's EPLB replicates hot experts for that).
 """
 
@@ -44,6 +47,15 @@ def local_experts(rank: int, ep_size: int, num_experts: int) -> range:
                          f"the same number of whole experts")
     per_rank = num_experts // ep_size
     return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+def local_width(intermediate_size: int, moe_tp_size: int) -> int:
+    """The width of each expert a rank holds when a group of ``moe_tp_size`` ranks (``tp_size / ep_size``) shares
+    its experts, each rank a slice of the width: ``I / moe_tp_size``."""
+    if intermediate_size % moe_tp_size:
+        raise ValueError(f"the experts' intermediate size ({intermediate_size}) is not divisible by tp_size / "
+                         f"ep_size ({moe_tp_size}): each rank holds an equal slice of every expert it has")
+    return intermediate_size // moe_tp_size
 
 
 def localize_routing(topk_weights: torch.Tensor, topk_ids: torch.Tensor,

@@ -7,23 +7,26 @@ stacked. :meth:`MoEForCausalLM.load_weights` writes each expert tensor into its 
 stream by, and hands every other tensor to the chapter-01 loader, which fuses and checks them as for a dense model.
 
 At ``tp_size > 1`` the attention and dense layers are tensor-parallel as in chapter 09, and the experts are split
-by expert (``ep_size == tp_size``, :mod:`~minisgl_ref.moe.ep`): a rank keeps its own experts' tensors and drops the
-others unread (a lazy checkpoint tensor is never read; dummy weights are generated whole, seeded by name, and
-dropped, so every rank's experts are the very ones a single process would have).
+by expert over ``ep_size`` groups of ranks and by width inside a group (:class:`~minisgl_ref.moe.layer.MoEBlock`):
+a rank keeps its own part of the expert tensors and drops the rest unread (a lazy checkpoint tensor is never read;
+dummy weights are generated whole, seeded by name, and sliced, so every rank's part is the very one a single
+process would have).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
+from minisgl_ref.core.forward_batch import ForwardBatch
 from minisgl_ref.distributed import get_tp_info
 from minisgl_ref.models.config import ModelConfig
 from minisgl_ref.models.llama import LlamaForCausalLM
 from minisgl_ref.moe.config import MoEConfig
-from minisgl_ref.moe.ep import local_experts
+from minisgl_ref.moe.ep import local_experts, local_width
 from minisgl_ref.moe.layer import EXPERT_PARTS, MoEBlock
 
 # model.layers.3.mlp.experts.17.gate_proj.weight (Qwen3-MoE), model.layers.3.block_sparse_moe.experts.5.w1.weight
@@ -41,21 +44,26 @@ class MoEForCausalLM(LlamaForCausalLM):
     #: Checkpoint name of each expert matrix -> its part (``gate``, ``up``, ``down``).
     expert_names: dict[str, str] = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
+    #: Chapter 14's routing counter, when one is attached (:func:`~minisgl_ref.moe.distribution.attach_distribution`).
+    distribution: Any = None
+
     @classmethod
     def moe_config(cls, config: ModelConfig) -> MoEConfig:
         raise NotImplementedError
 
     def __init__(self, config: ModelConfig) -> None:
         tp = get_tp_info()
-        if tp.size > 1 and tp.ep_size != tp.size:
-            # Slicing every expert's width over the ranks (MoE tensor parallelism without expert parallelism) is
-            # not implemented; every rank holding every expert would compute each layer tp times over, in tp copies
-            # of the largest part of the model, which is what splitting the experts is for.
-            raise ValueError(f"{config.architecture} at tp_size={tp.size} needs ep_size={tp.size} (expert "
-                             f"parallelism: each rank holds whole experts); slicing each expert over the ranks "
-                             f"is not implemented")
-        local_experts(0, tp.ep_size, type(self).moe_config(config).num_experts)  # refuses an uneven split by name
+        moe = type(self).moe_config(config)
+        # An uneven split is refused by name here, before the dense layers (which slice other widths) are built.
+        local_experts(0, tp.ep_size, moe.num_experts)
+        local_width(moe.intermediate_size, tp.moe_tp_size)
         super().__init__(config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The dense model's forward; with a routing counter attached, it first learns which rows are real."""
+        if self.distribution is not None:
+            self.distribution.begin_step(batch, input_ids.shape[0])
+        return super().forward(input_ids, positions, batch)
 
     @classmethod
     def checkpoint_shapes(cls, config: ModelConfig) -> dict[str, tuple[int, ...]]:
