@@ -105,7 +105,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
     flat = torch.where(flat >= 0, flat, num_experts)  # skipped pairs (another rank's experts): bucket E
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m  # each group rounded up; 0 stays 0 (no block)
-    padded[num_experts] = 0  # ... and the skipped bucket gets no rows
+    padded.narrow(0, num_experts, 1).zero_()  # ... and the skipped bucket gets no rows (a fill on the device:
+    # `padded[E] = 0` would copy a host scalar, which a CUDA graph cannot capture)
     group_start = torch.cumsum(counts, 0) - counts  # where expert e's pairs start among the sorted pairs
     padded_start = torch.cumsum(padded, 0) - padded  # ... and among the padded rows
 
