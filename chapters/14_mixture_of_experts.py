@@ -35,13 +35,15 @@
 #    kernel that reads it, checked equal on the CPU through Triton's interpreter;
 # 4. load Qwen3-MoE and Mixtral checkpoints, check their logits and greedy text against transformers, and see how
 #    they join the engine through the loader's `register_architecture` seam;
-# 5. split the experts over GPUs (expert parallelism);
-# 6. read the fused kernel's measurements on an H200.
+# 5. split an MoE layer over GPUs, by expert (expert parallelism) or by width, and compare what each cut reads;
+# 6. count which experts a run really routes to, and read the fused kernel's and the engine's measurements on an
+#    H200 against the floor of those experts.
 #
 # Modules: `minisgl_ref/moe/` (`router.py` the router, `config.py` the MoE fields of a config, `experts.py` the
 # reference loop, `fused_moe.py` the layout and the Triton kernel, `layer.py` the `MoEBlock` that replaces a dense
 # MLP, `model.py` the shared loading, `qwen3_moe.py` and `mixtral.py` the two families, `registry.py` their
-# registration). The chapter-01 models and the loader do not import this package.
+# registration, `ep.py` the split over GPUs, `distribution.py` the routing counter). The chapter-01 models and the
+# loader do not import this package.
 
 # %% tags=["setup"]
 import json
@@ -68,12 +70,15 @@ from matplotlib.patches import Rectangle
 
 from minisgl_ref import LLM, SamplingParams
 from minisgl_ref.attention.torch_native import NoCacheAttentionBackend
+from minisgl_ref.bench.offline import routed_floor_seconds
 from minisgl_ref.book import show_code, show_table, wrap
 from minisgl_ref.core.forward_batch import ForwardBatch
 from minisgl_ref.models import ModelConfig, load_model
 from minisgl_ref.models.embedded import embedded_model_path
 from minisgl_ref.models.loader import MODEL_REGISTRY, SHIPPED_CONFIGS, register_architecture
 from minisgl_ref.moe import fused_moe
+from minisgl_ref.moe.distribution import ExpertDistribution
+from minisgl_ref.moe.ep import local_experts, local_width, localize_routing
 from minisgl_ref.moe.experts import reference_experts
 from minisgl_ref.moe.fused_moe import align_by_expert, fused_experts
 from minisgl_ref.moe.layer import MoEBlock
@@ -502,37 +507,141 @@ except ValueError as err:
 #   them moves no weight.
 #
 # The dense model of chapter 01 stays as it was: the MoE layer is a different module in the same place, its loading
-# a filter in front of the same loader, and its architectures entries in a table. What the engine does not do is
-# slice every expert over several GPUs as tensor parallelism slices a dense MLP: building an MoE model at
-# `tp_size > 1` without `--ep-size` equal to it is refused by name. Splitting the experts themselves, whole, is the
-# subject of the next section.
+# a filter in front of the same loader, and its architectures entries in a table. How an MoE layer is split over
+# several GPUs is the subject of the next section.
 
 # %% [markdown]
 # ## 5. Expert parallelism
 #
-# <!-- TO FILL: code and measurements of minisgl_ref/moe/ep.py (`--ep-size`). -->
-#
-# Tensor parallelism (chapter 09) splits every matrix of a layer over the GPUs: each rank holds a slice of every
-# expert, and every step all-reduces the layer's output. For an MoE layer there is a more natural cut: give each
-# of `N` ranks `E / N` *whole* experts. A rank then stores and reads only its own experts' weights, 1/N of the
-# layer's, and computes only the (token, choice) pairs routed to them.
+# Tensor parallelism (chapter 09) cuts a dense MLP along its width: each of `N` ranks holds `1/N` of the columns
+# of the gate and up matrices and the same rows of the down matrix, computes its slice of the activation (SwiGLU
+# is elementwise, so a slice of the input width gives a slice of the output) and an all-reduce sums the `N` partial
+# outputs. An MoE layer can be cut the same way, every expert sliced over all ranks. It can also be cut along the
+# other axis: give each rank `E / N` *whole* experts. That is **expert parallelism**, SGLang's `--ep-size`.
 #
 # The tokens still have to meet their experts, and there are two ways to arrange it:
 #
-# * **All-to-all dispatch** (SGLang's DeepEP and its `moe_a2a_backend`; attention run data-parallel, each rank on
-#   its own requests). After routing, each rank sends every token's hidden state to the ranks that hold its chosen
-#   experts, the experts run on what arrived, and a second all-to-all sends the weighted results back. Each rank
-#   moves only the rows its tokens need, which scales to many GPUs and to multi-node clusters, at the price of two
-#   irregular exchanges per layer whose sizes depend on the routing.
-# * **All-reduce** (with attention under tensor parallelism, every rank holds every token's hidden state after
-#   attention anyway). Each rank runs its own experts on the pairs routed to them, leaves the other pairs at zero,
-#   and one all-reduce of `[T, H]` sums the partial outputs, the same collective as a tensor-parallel MLP. No token
-#   is sent anywhere; the routing is computed identically on every rank.
+# * **All-to-all dispatch** (SGLang's DeepEP and its `moe_a2a_backend`, with attention run data-parallel, each rank
+#   on its own requests). After routing, each rank sends every token's hidden state to the ranks that hold its
+#   chosen experts, the experts run on what arrived, and a second all-to-all sends the weighted results back. Each
+#   rank moves only the rows its tokens need, which scales to many GPUs and to several machines, at the price of
+#   two irregular exchanges per layer whose sizes depend on the routing.
+# * **All-reduce** (attention under tensor parallelism: after it, every rank holds every token's hidden state
+#   anyway). Every rank runs the whole router, computes the pairs routed to its own experts, leaves the others at
+#   zero, and one all-reduce of `[T, H]` sums the partial outputs: the same collective as a tensor-parallel MLP.
+#   No token is sent anywhere.
 #
-# Per decode step, a rank then reads its share of the attention weights (under tensor parallelism), its own
-# experts among those the batch hits (about 1/N of section 1's distinct experts under uniform routing), and its
-# share of the KV cache. The balance of the routing now matters for time, not only for bytes: a layer is finished
-# when its busiest rank is, so an expert that takes twice its share (Figure 14.2) makes its rank the straggler.
+# This engine does the second, and it does both cuts with one mechanism. The `tp` ranks form `ep_size` groups of
+# `tp / ep_size` ranks: a group holds a block of `E / ep_size` experts, and each rank of a group holds a slice of
+# the width of each of them (SGLang's `moe_tp_size = tp / ep_size`). `ep_size = 1` is the tensor-parallel cut,
+# `ep_size = tp` keeps every expert whole. Every (pair, slice) is computed on exactly one rank, and the layer's
+# output is the sum of them all, so the one all-reduce at the end is exact whichever cut is chosen:
+
+# %%
+show_code(MoEBlock.forward)
+
+# %%
+show_code(localize_routing)
+
+# %% [markdown]
+# `localize_routing` keeps the router's choices that fall on this rank's experts, renumbered to their rows in the
+# local stacks, and turns every other pair into expert `-1` with weight 0, which both expert functions skip (the
+# fused kernel's layout puts those pairs in a bucket that gets no block). It is elementwise on the device, so the
+# layer still replays in a CUDA graph with any routing. In one process we can play all the ranks of a layer and
+# check that their partial outputs add up to the whole layer, for both cuts:
+
+# %%
+g = torch.Generator().manual_seed(5)
+E_EP, K_EP, H_EP, I_EP, T_EP = 8, 2, 32, 16, 6
+x_ep = torch.randn(T_EP, H_EP, generator=g)
+w13_ep = torch.randn(E_EP, 2 * I_EP, H_EP, generator=g) / H_EP**0.5
+w2_ep = torch.randn(E_EP, H_EP, I_EP, generator=g) / I_EP**0.5
+weights_ep, ids_ep = route(torch.randn(T_EP, E_EP, generator=g), K_EP, renormalize=True)
+whole = reference_experts(x_ep, w13_ep, w2_ep, weights_ep, ids_ep)
+
+
+def rank_part(rank: int, tp: int, ep: int) -> torch.Tensor:
+    """What rank ``rank`` of ``tp`` computes with ``ep`` expert groups: its block of experts, its slice of each."""
+    moe_tp = tp // ep
+    block = local_experts(rank // moe_tp, ep, E_EP)
+    width = local_width(I_EP, moe_tp)
+    cols = slice((rank % moe_tp) * width, (rank % moe_tp + 1) * width)
+    w13 = torch.cat([w13_ep[block.start:block.stop, cols], w13_ep[block.start:block.stop, I_EP:][:, cols]], dim=1)
+    w2 = w2_ep[block.start:block.stop, :, cols]
+    return reference_experts(x_ep, w13, w2, *localize_routing(weights_ep, ids_ep, block))
+
+
+rows = []
+for tp, ep in [(2, 2), (2, 1), (4, 2), (4, 4)]:
+    parts = [rank_part(r, tp, ep) for r in range(tp)]
+    rows.append([tp, ep, tp // ep, f"{E_EP // ep} of {E_EP}", f"{I_EP // (tp // ep)} of {I_EP}",
+                 f"{(sum(parts) - whole).abs().max().item():.1e}"])
+display(show_table(rows, headers=["tp", "ep", "moe_tp", "experts per rank", "width per expert",
+                                  "max |sum of partials - whole layer|"]))
+
+# %% [markdown]
+# The engine's tests run the same check with real processes: two and four CPU ranks over gloo (logits within 1e-5
+# of one process at `tp = ep = 2`, at `tp = 2, ep = 1` and at `tp = 4, ep = 2`, and equal greedy tokens through
+# the engine) and two GPUs over NCCL.
+#
+# **Which cut reads less?** Both hold `1/N` of the expert weights per rank, and both end with the same all-reduce
+# of `T x H`. They differ in what a decode step *reads*. Under the tensor-parallel cut a rank reads `1/N` of every
+# expert the batch hit, so the ranks share the bytes exactly. Under expert parallelism a rank reads only its own
+# experts that were hit, and the layer waits for the rank whose block was hit most. Uniform routing, Qwen3-30B-A3B's
+# 128 experts and 8 choices, simulated:
+
+# %%
+gen_ep = torch.Generator().manual_seed(11)
+
+
+def busiest_share(batch: int, ranks: int, draws: int = 300) -> float:
+    """Expert parallelism over ``ranks``: the busiest rank's hit experts over the hit experts' mean per rank."""
+    ratios = []
+    for _ in range(draws):
+        hit = torch.zeros(E, dtype=torch.bool)
+        hit[torch.rand(batch, E, generator=gen_ep).topk(K, dim=1).indices.reshape(-1)] = True
+        per_rank = hit.reshape(ranks, E // ranks).sum(dim=1).float()
+        ratios.append((per_rank.max() / per_rank.mean()).item())
+    return float(np.mean(ratios))
+
+
+EP_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128]
+EP_RANKS = [2, 4, 8]
+share = {n: [busiest_share(b, n) for b in EP_BATCHES] for n in EP_RANKS}
+display(show_table([[b, f"{expected_experts(b):.0f}"] + [f"{share[n][i]:.2f}x" for n in EP_RANKS]
+                    for i, b in enumerate(EP_BATCHES)],
+                   headers=["batch", "experts hit"] + [f"busiest rank, ep = {n}" for n in EP_RANKS]))
+
+# %% alt="Line chart against the batch size (1 to 128, log scale): the expert bytes the busiest rank reads under expert parallelism, as a multiple of what every rank reads under the tensor-parallel cut. With 2 ranks it starts at 1.26 and is within 3% of 1.0 by batch 32; with 4 ranks it starts at 1.75; with 8 ranks at 2.57 at batch 1 and 1.43 at batch 8; all reach 1.0 by batch 64 to 128, where every expert is hit." caption="Uniform routing at Qwen3-30B-A3B's shape: the expert weights the busiest rank reads per decode step under expert parallelism, relative to the even share of the tensor-parallel cut." tags=["hide-input"]
+fig, ax = plt.subplots(figsize=(5.4, 3.0))
+for n in EP_RANKS:
+    ax.plot(EP_BATCHES, share[n], "o-", label=f"{n} ranks")
+ax.axhline(1.0, color="0.4", ls="--", lw=1, label="tensor-parallel cut")
+ax.set_xscale("log", base=2)
+ax.set_xticks(EP_BATCHES, [str(b) for b in EP_BATCHES])
+ax.set_xlabel("decode batch (tokens per step)")
+ax.set_ylabel("busiest rank's expert bytes")
+ax.legend(fontsize=8)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Figure 14.4: at small batches expert parallelism reads more on its busiest rank: at batch 1 the 8 chosen experts fall unevenly
+# on the ranks' blocks, and with 8 ranks the busiest holds 2.6 of them on average while the even share is one;
+# with 2 ranks it is 26% over its share. From about 64 tokens a step every expert is hit and the two cuts read the same bytes. What the bytes do
+# not show is the kernel's side: under the tensor-parallel cut at `N = 8`, each rank's slice of an expert is 96
+# columns of 768, tiles too thin to keep a GPU's programs busy, while expert parallelism keeps every expert whole.
+# And routing on real text is not uniform (section 2): a popular expert makes its rank the straggler under expert
+# parallelism and costs nothing extra under the tensor-parallel cut, which is why SGLang's expert-parallel load
+# balancer replicates hot experts.
+#
+# On two GPUs the two cuts are one flag apart (`--tp-size 2 --ep-size 2` against `--tp-size 2 --ep-size 1`), on
+# the same canonical workload as section 6:
+#
+# ```bash
+# python -m minisgl_ref bench offline --model-path qwen3-30b-a3b --load-format dummy --tp-size 2 --ep-size 2
+# python -m minisgl_ref bench offline --model-path qwen3-30b-a3b --load-format dummy --tp-size 2 --ep-size 1
+# ```
 
 # %% [markdown]
 # ## 6. Measurements on a GPU
@@ -578,7 +687,7 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Figure 14.4 in three observations.
+# Figure 14.5 in three observations.
 #
 # * **The fused kernel is 15x to 67x faster than the loop.** At `T = 1` the loop launches 16 small matmuls and
 #   pays for each; from `T = 256` it runs all 128 experts one after the other (46 ms at `T = 1,024`), while the
@@ -609,17 +718,67 @@ print(f"{run['output_tokens']:,} output tokens in {run['wall_s']:.1f} s: {run['o
       f"{run['decode_steps']:,} decode steps, start-up {run['startup_s']:.0f} s")
 print(f"floor at {bw / 1e12:.1f} TB/s, every weight read per step: {run['roofline_floor_s']:.1f} s "
       f"({run['roofline_fraction']:.1%} of it reached)")
-print(f"floor at the H200's 4.8 TB/s: {run['roofline_floor_s'] * bw / 4.8e12:.1f} s "
-      f"({run['roofline_fraction'] * 4.8e12 / bw:.1%} of it reached)")
+HBM = json.loads((ROOT / "docs" / "data" / "hbm_bandwidth_h200.json").read_text())["bandwidth_bytes_per_s"]
+print(f"floor at the H200's measured {HBM / 1e12:.2f} TB/s (a device-to-device copy): "
+      f"{run['roofline_floor_s'] * bw / HBM:.1f} s ({run['roofline_fraction'] * bw / HBM:.1%} of it reached)")
 
 # %% [markdown]
-# The floor the benchmark prints is chapter 11's: each decode step reads every weight once, plus the KV. For an
-# MoE model that is right only while a step reaches every expert, which section 1 says happens from about 64 tokens
-# a step on; this workload runs 256 requests at a time for most of its steps, so the floor is nearly the real one,
-# and overstated only in the tail, when few requests are left. It uses the H100's measured bandwidth (3.0 TB/s),
-# the benchmark's default; against the H200's datasheet 4.8 TB/s the engine reaches about 42% of the floor. Much
-# of the gap is the expert layer: section 6's kernel reads the experts at 2.0-2.2 TB/s, under half of the memory
-# system's speed.
+# The floor the benchmark prints is chapter 11's: each decode step reads every weight once, plus the KV. It uses the
+# H100's measured bandwidth (3.0 TB/s), the benchmark's default; an H200 copies at 4.28 TB/s
+# (`scripts/gpu/measure/hbm_bandwidth.py`, `docs/data/hbm_bandwidth_h200.json`), and against that the engine
+# reaches under half of the floor. Much of the gap is the expert layer: the kernel above reads the experts at
+# 2.0-2.2 TB/s, half of what the memory system can do.
+#
+# For an MoE model "every weight once" is right only while a step reaches every expert, which section 1 says
+# happens from about 64 tokens a step on. The tail of a run, when few requests are left, and every small batch read
+# less. The honest floor counts the experts each step really routed to, and only a run can say which those were.
+#
+# **Counting the routing.** `ExpertDistribution` (`minisgl_ref/moe/distribution.py`, SGLang's expert distribution
+# record) keeps two device counters per sparse layer: the (token, choice) pairs each expert received, and the sum
+# over steps of the distinct experts a step picked. It is built with `enable_expert_distribution_metrics=True` (or
+# `bench offline --enable-expert-distribution-metrics`) and counts between `start_expert_distribution_record()` and
+# `stop_expert_distribution_record()`:
+
+# %%
+show_code(ExpertDistribution.record)
+
+# %% [markdown]
+# Everything is a tensor operation on fixed-size buffers, so the counting is captured into the decode steps' CUDA
+# graphs like the rest of the layer. A graph replays a batch padded to a captured size, and the padding rows route
+# like any token; they write their KV to the reserved slot 0, which no real token uses, so `out_cache_loc != 0`
+# tells the counter which rows to count. On the tiny Qwen3-MoE of section 4 (8 experts, 2 per token), the same
+# prompts run one at a time and then together:
+
+# %%
+counted = LLM(QWEN, device="cpu", dtype="float32", attention_backend="torch_native", max_total_tokens=4096,
+              disable_radix_cache=True, enable_expert_distribution_metrics=True)
+greedy_8 = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+rows = []
+for label, batches in [("one at a time", [[p] for p in PROMPTS]), ("together", [PROMPTS])]:
+    counted.start_expert_distribution_record()
+    for batch in batches:
+        counted.generate(batch, greedy_8, use_tqdm=False)
+    counted.stop_expert_distribution_record()
+    rec = counted.dump_expert_distribution_record()
+    rows.append([label, rec["steps"], rec["tokens"],
+                 " / ".join(f"{a:.2f}" for a in rec["active_experts_per_step"]),
+                 " ".join(str(c) for c in rec["pairs"][0])])
+counted.shutdown()
+display(show_table(rows, headers=["prompts", "steps", "tokens", "experts per step (layer 0 / 1)",
+                                  "pairs per expert, layer 0"]))
+
+# %% [markdown]
+# Run one at a time, a decode step's single token reads 2 of the 8 experts (the prefill steps, with many tokens,
+# read more); run together, a decode step's three tokens reach more of them, in fewer steps. The floor of a counted
+# run charges each step the weights that are not experts, the experts it routed to, and the KV it read
+# (`routed_floor_seconds` in `minisgl_ref/bench/offline.py`; the benchmark reports it as "of routed floor"):
+
+# %%
+show_code(routed_floor_seconds)
+
+# %% [markdown]
+# If every step hit every expert, it would be chapter 11's floor of as many steps, and each expert a step leaves
+# unread takes one expert's bytes (9.4 MB at Qwen3-30B-A3B's shape) off it; the tests check both.
 
 # %% [markdown]
 # ## Summary
@@ -639,8 +798,13 @@ print(f"floor at the H200's 4.8 TB/s: {run['roofline_floor_s'] * bw / 4.8e12:.1f
 # * **The models.** Qwen3-MoE and Mixtral are chapter-01 decoder layers with an `MoEBlock` as their MLP, loaded
 #   expert by expert into stacks, registered with the loader through `register_architecture`; their logits and
 #   greedy text match transformers'. The dense models are untouched.
-# * **Expert parallelism** gives each rank whole experts; tokens meet them through an all-to-all dispatch or, when
-#   every rank holds every token, an all-reduce of partial outputs.
+# * **Splitting over GPUs.** `--ep-size` groups the ranks: each group holds a block of whole experts, each rank of
+#   a group a slice of their width (`ep_size = 1`: every expert sliced, as chapter 09 slices an MLP; `ep_size =
+#   tp`: every expert whole). Every rank holds every token after attention, so one all-reduce of partial outputs
+#   combines them, exact for either cut. Under uniform routing expert parallelism's busiest rank reads 1.26x (2
+#   ranks) to 2.57x (8 ranks) the even share at batch 1, and the same from about 64 tokens a step.
+# * **Counting the routing.** An on-device counter, captured in the CUDA graphs and blind to their padding rows,
+#   gives the experts each step read, and with them the floor of a run that reads only those.
 # * **On an H200** the fused layer is 15x to 67x faster than the loop (98 µs at `T = 1`, 692 µs at `T = 1,024`),
 #   reaching 2.0-2.2 TB/s on the touched experts from `T = 8` to 256 and 0.77 TB/s at decode.
 
@@ -674,8 +838,12 @@ print(f"floor at the H200's 4.8 TB/s: {run['roofline_floor_s'] * bw / 4.8e12:.1f
 # python -m minisgl_ref.course grade --chapter 14               # the tests of tasks 14.1 and 14.2
 # python -m pytest tests/test_notebooks.py -q -k 14             # the notebook runs top to bottom
 # python -m pytest tests/test_fused_moe.py tests/test_moe_models.py -q   # the kernel, the layout, the models
+# python -m pytest tests/test_moe_ep.py tests/test_moe_distribution.py -q   # the split over ranks, the counter
 # python -m pytest tests/test_fused_moe.py -q -m gpu            # on a GPU: Qwen3-30B-A3B's shape, CUDA graphs
 # PYTHONPATH=$PWD python3 scripts/gpu/measure/moe_kernel.py --out results   # on a GPU: section 6's table
+# PYTHONPATH=$PWD python3 scripts/gpu/measure/moe_endtoend.py --out results  # on a GPU: fused against the loop
+# python -m minisgl_ref bench offline --model-path qwen3-30b-a3b --load-format dummy \
+#     --enable-expert-distribution-metrics --hbm-bandwidth 4.28e12                # on an H200: the routed floor
 # ```
 #
 # Expected on a 2-core x86_64 CPU: the chapter in about a minute (most of it transformers' models and the kernel in
