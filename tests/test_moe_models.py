@@ -1,5 +1,6 @@
 """Chapter 14: the mixture-of-experts models (Qwen3-MoE, Mixtral) against transformers, their routers, how they
-plug into the loader, and what is refused by name (tensor parallelism, contexts beyond a sliding window).
+plug into the loader, and what is refused by name (contexts beyond a sliding window; the splits over ranks are
+test_moe_ep.py's).
 
 The checkpoints are tiny random ones saved by transformers itself (``save_pretrained`` writes one tensor per
 expert, as the released checkpoints do), so loading goes through the real name mapping.
@@ -296,18 +297,6 @@ def test_an_unknown_architecture_is_refused_by_name(tmp_path):
         qwen3_moe_config().to_dict() | {"architectures": ["DeepseekV3ForCausalLM"]}))
     with pytest.raises(ModelPathError, match="'DeepseekV3ForCausalLM' is not supported"):
         load_model(str(tmp_path), load_format="dummy")
-
-
-@pytest.mark.parametrize("arch", sorted(MOE_ARCHITECTURES))
-def test_tensor_parallel_moe_is_refused_by_name(arch):
-    raw = (qwen3_moe_config() if arch.startswith("Qwen3") else mixtral_config()).to_dict() | {"architectures": [arch]}
-    config = ModelConfig.from_dict(raw)
-    set_tp_info(0, 2)
-    try:
-        with pytest.raises(ValueError, match=f"{arch} at tp_size=2"):
-            MOE_ARCHITECTURES[arch](config)
-    finally:
-        set_tp_info(0, 1)
 
 
 def test_mistral_sliding_window_caps_or_refuses_the_context(moe_checkpoints, caplog):
