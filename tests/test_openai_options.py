@@ -57,20 +57,24 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server, path
     assert final["choices"] == [] and final["usage"]["completion_tokens"] == 24
     prompt = final["usage"]["prompt_tokens"]
     seen = {0: 0, 1: 0}
+    per_choice = {0: 0, 1: 0}
     for c in chunks:
         (choice,) = c["choices"]
         usage = c["usage"]
         i = choice["index"]
         assert usage["prompt_tokens"] == prompt
         assert usage["total_tokens"] == prompt + usage["completion_tokens"]
-        # The choice's own tokens so far: never fewer than before, one more per content chunk at most here.
+        # The choice's own tokens so far: never fewer than before, and more after every chunk with text.
         assert seen[i] <= usage["completion_tokens"] <= 12
         text = choice.get("text") if "text" in choice else choice["delta"].get("content")
         if text:
             assert usage["completion_tokens"] > seen[i]
         seen[i] = usage["completion_tokens"]
+        per_choice[i] += 1
     assert seen == {0: 12, 1: 12}
-    assert len(chunks) >= 24  # one chunk per token and choice (text-less ones aside), each with its usage
+    # Several chunks per choice, each with the usage so far. Not necessarily one per token: a stream whose reader
+    # falls behind (a busy machine) gets the tokens of several steps in one chunk, with their count.
+    assert min(per_choice.values()) >= 2, per_choice
 
     # Without include_usage: usage on every chunk still, and no final usage-only chunk.
     events = stream(server, path, **body, stream_options={"continuous_usage_stats": True})
