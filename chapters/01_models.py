@@ -158,13 +158,15 @@ except ValueError as e:
     print("yarn ->", e)
 
 # %% [markdown]
-# The four configs shipped in `minisgl_ref/models/configs/` (architecture numbers only, no weights) side by side.
+# The four dense configs shipped in `minisgl_ref/models/configs/` (architecture numbers only, no weights) side by
+# side (the mixture-of-experts ones beside them, Qwen3-30B-A3B and Mixtral-8x7B, are chapter 14's).
 # Note the grouped-query attention everywhere (`kv_heads` < `heads`), Qwen3-0.6B's `head_dim` of 128 where
 # `hidden / heads` would be 64 (so its attention is wider than its residual stream), the tied embeddings of the
 # small model, and Llama 3.1's scaled RoPE:
 
 # %%
-shipped = {p.stem: ModelConfig.from_file(p) for p in sorted(SHIPPED_CONFIGS.glob("*.json"))}
+shipped = {p.stem: c for p in sorted(SHIPPED_CONFIGS.glob("*.json"))
+           if "num_experts_per_tok" not in (c := ModelConfig.from_file(p)).raw}  # dense models only
 show_table([
     (name, c.architecture, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
      c.vocab_size, f"{c.rope_theta:.0f}", c.rope_scaling["rope_type"] if c.rope_scaling else "-", c.tie_word_embeddings)

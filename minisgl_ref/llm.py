@@ -21,6 +21,7 @@ from minisgl_ref.core.config import EngineConfig, ModelArgs, TPArgs
 from minisgl_ref.core.request import LogprobRequest, Req, are_token_ids, first_outside
 from minisgl_ref.engine.engine import Engine
 from minisgl_ref.engine.naive import NaiveEngine
+from minisgl_ref.moe.distribution import ExpertDistribution
 from minisgl_ref.runtime import build_runtime
 from minisgl_ref.sampling.params import SamplingParams
 from minisgl_ref.speculative.config import SpeculativeConfig
@@ -68,7 +69,9 @@ class LLM:
     step. ``nnodes``, ``node_rank`` and ``dist_init_addr`` spread the ranks over machines, as in SGLang; on a
     node other than 0, call :meth:`follow` instead of generating. :meth:`shutdown` (or a ``with`` block, or the
     end of the program) stops the other ranks. ``tp_rank`` is for processes started by someone else, one per
-    rank. :func:`~minisgl_ref.runtime.build_runtime` does the building."""
+    rank. ``ep_size=N`` (with ``tp_size=N``, chapter 14) splits each MoE layer's experts over the ranks (an MoE model
+    needs it at ``tp_size > 1``), and ``enable_expert_distribution_metrics=True`` counts which experts the router
+    picks (:meth:`start_expert_distribution_record`). :func:`~minisgl_ref.runtime.build_runtime` does the building."""
 
     def __init__(
         self,
@@ -84,15 +87,18 @@ class LLM:
         nnodes: int = 1,
         node_rank: int = 0,
         dist_init_addr: str | None = None,
+        ep_size: int = 1,
         tp_rank: int | None = None,
+        enable_expert_distribution_metrics: bool = False,
         **engine_kwargs: Any,
     ) -> None:
         model = ModelArgs(None if model_path is None else str(model_path), load_format, dtype,  # type: ignore[arg-type]
                           device, context_length, skip_tokenizer_init)
-        tp = TPArgs(tp_size, nnodes, node_rank, dist_init_addr)
+        tp = TPArgs(tp_size, nnodes, node_rank, dist_init_addr, ep_size)
         group = TPGroup.member(tp, tp_rank) if tp_rank is not None and tp.enabled else None  # started elsewhere
         speculative, engine_kwargs = SpeculativeConfig.split(engine_kwargs)  # chapter 13's speculative_* settings
-        rt = build_runtime(model, EngineConfig(**engine_kwargs), tp, kind=engine, group=group, speculative=speculative)
+        rt = build_runtime(model, EngineConfig(**engine_kwargs), tp, kind=engine, group=group, speculative=speculative,
+                           expert_distribution=enable_expert_distribution_metrics)
         self.runtime, self.engine_kind, self.tp_size, self.tp_rank = rt, engine, tp_size, rt.tp_rank
         self.model, self.config, self.model_path, self.device = rt.model, rt.model_config, rt.model_path, rt.device
         self.tokenizer, self.eos_token_ids, self.context_length = rt.tokenizer, rt.eos_token_ids, rt.context_length
@@ -113,6 +119,28 @@ class LLM:
         """Stop the other tensor-parallel ranks and leave the process group (a no-op at tp=1). Also runs at exit
         and at the end of a ``with LLM(...) as llm:`` block."""
         self._finalizer()
+
+    # -------------------------------------------------------------------- chapter 14: the experts' routing
+
+    def _expert_distribution(self) -> ExpertDistribution:
+        counter = self.runtime.expert_distribution
+        if counter is None:
+            raise ValueError("no expert distribution is counted: build the LLM of an MoE model with "
+                             "enable_expert_distribution_metrics=True")
+        return counter
+
+    def start_expert_distribution_record(self) -> None:
+        """Clear the routing counts and count every step from now on (SGLang's name)."""
+        self._expert_distribution().start()
+
+    def stop_expert_distribution_record(self) -> None:
+        """Stop counting; the counts stay readable."""
+        self._expert_distribution().stop()
+
+    def dump_expert_distribution_record(self) -> dict[str, Any]:
+        """The counts: steps, tokens, and per sparse layer the (token, choice) pairs per expert and the mean
+        number of distinct experts a step read (:meth:`ExpertDistribution.dump`)."""
+        return self._expert_distribution().dump()
 
     def __enter__(self) -> LLM:
         return self

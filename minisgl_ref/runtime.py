@@ -28,6 +28,8 @@ from minisgl_ref.engine.extension import EngineExtension
 from minisgl_ref.engine.naive import NaiveEngine
 from minisgl_ref.models.config import ModelConfig
 from minisgl_ref.models.loader import load_model
+from minisgl_ref.moe.distribution import ExpertDistribution, attach_distribution
+from minisgl_ref.moe.registry import install_moe_kernels, register_moe_models
 from minisgl_ref.perf import attention as perf_attention
 from minisgl_ref.perf import kernels as perf_kernels
 from minisgl_ref.perf import model_transforms
@@ -62,6 +64,8 @@ class Runtime:
     group: TPGroup | None = None
     # seconds per start-up phase: loading the weights, compiling kernels, building the engine (KV pool, graphs)
     startup: dict[str, float] = field(default_factory=dict)
+    #: Chapter 14's routing counter, when built with ``expert_distribution=True`` (an MoE model only).
+    expert_distribution: ExpertDistribution | None = None
 
     @property
     def tp_rank(self) -> int:
@@ -105,10 +109,13 @@ def engine_extensions(config: ModelConfig, tokenizer: Tokenizer | None,
 
 def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = None, tp: TPArgs = TPArgs(), *,
                   kind: str = "paged", group: TPGroup | None = None,
-                  speculative: SpeculativeConfig = SpeculativeConfig()) -> Runtime:
+                  speculative: SpeculativeConfig = SpeculativeConfig(),
+                  expert_distribution: bool = False) -> Runtime:
     """Load ``model`` and build a ``kind`` engine (``paged``: the real engine of chapters 03-08; ``naive``: the
     chapter-00 oracle) configured by ``engine``; with ``speculative`` enabled, the paged engine also drafts and
     verifies (chapter 13: its extension and proposer are built here, after the target model).
+    ``expert_distribution`` counts an MoE model's routing on the device from the start (chapter 14; SGLang's
+    ``--enable-expert-distribution-metrics``), in this process's model (rank 0's under tensor parallelism).
 
     With ``tp.tp_size > 1`` this process becomes its node's first rank and starts the node's other ranks, which
     build the same runtime (:func:`follow_leader`); pass ``group`` instead when someone else starts the ranks
@@ -118,6 +125,7 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
     if (group is not None or tp.enabled) and kind != "paged":
         raise ValueError(f"tp_size={tp.tp_size} needs engine='paged' (the naive oracle runs on one device)")
     check_combination(speculative, kind=kind, tp_enabled=group is not None or tp.enabled, engine=engine)
+    register_moe_models()  # chapter 14: the MoE architectures, through the loader's registry seam
     if group is None and tp.enabled:
         group = TPGroup.launch(tp, follow_leader, (model, engine))  # checks the flags before it starts anything
     phases: dict[str, float] = {}
@@ -134,12 +142,19 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
         net, config, folder = load_model(model.model_path, load_format=model.load_format, dtype=model.dtype,
                                          device=device)
         model_transforms.apply_(net, device, config.dtype)  # chapter 11: fused kernels, folded norms (on a GPU)
+        install_moe_kernels(net, device)  # chapter 14: the fused expert kernel (on a GPU)
+        counter = None
+        if expert_distribution:  # chapter 14: before the CUDA graphs, which capture the counting
+            counter = attach_distribution(net, device)
+            if counter is None:
+                raise ValueError(f"enable_expert_distribution_metrics needs a mixture-of-experts model; "
+                                 f"{config.architecture} has no experts")
         if group is not None:
             group.join(device)  # every rank has loaded its shard: meet the others
         # Dummy weights keep the folder's tokenizer when it has one (a shipped config has none).
         tokenizer = None if model.skip_tokenizer_init else Tokenizer.find(folder)
         eos = frozenset(config.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else frozenset())
-        context = model.context_length or config.max_position_embeddings
+        context = config.usable_context(model.context_length or None)  # a sliding window caps it
         if context < 2:
             raise ValueError(f"context_length must be at least 2, got {context}")
         phase("weights")
@@ -173,7 +188,7 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
         raise
     log.info("engine ready in %.1f s: %s", sum(phases.values()),
              ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()))
-    return Runtime(net, config, folder, tokenizer, eos, context, device, built, group, phases)
+    return Runtime(net, config, folder, tokenizer, eos, context, device, built, group, phases, counter)
 
 
 def follow_leader(rank: int, cfg: DistConfig, settings: tuple[ModelArgs, EngineConfig | None], announce: Any) -> None:

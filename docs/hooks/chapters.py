@@ -115,6 +115,8 @@ CHAPTER_PLAN: tuple[tuple[str, str, str], ...] = (
      "extension seam, jump-forward decoding, tool calls"),
     ("13", "Speculative decoding", "draft trees verified in one forward pass under a tree mask, the lossless "
      "acceptance rule, n-gram and draft-model proposers, KV rollback, through the engine's guess seams"),
+    ("14", "Mixture of experts", "routers, experts sorted and padded for one grouped-GEMM kernel, Qwen3-MoE and "
+     "Mixtral through the loader's registration seam"),
 )
 
 #: Tags that fold both the code and its outputs into one collapsed block.

@@ -169,8 +169,7 @@ def weight_bytes(config: ModelConfig) -> int:
 
     Counted from the checkpoint's tensor shapes, so a tied embedding counts once (the LM head reads it; the
     embedding lookup reads only a few rows)."""
-    attn = MODEL_REGISTRY[config.architecture].decoder_layer_cls.attention_cls
-    shapes = checkpoint_shapes(config, config.attention_bias or attn.qkv_bias_default, attn.use_qk_norm)
+    shapes = MODEL_REGISTRY[config.architecture].checkpoint_shapes(config)
     # `shapes`: checkpoint tensor name -> shape; what is left is elements times bytes per element (of
     # config.dtype: 2 in bf16, 4 in float32).
     # BEGIN TASK 11.2: the decode roofline
@@ -215,6 +214,32 @@ def roofline_floor_seconds(
     total = steps * weight_bytes + context_token_sum(prompt_lens, output_lens) * kv_bytes_per_token
     return total / bandwidth
     # END TASK 11.2
+
+
+def routed_floor_seconds(config: ModelConfig, record: dict[str, Any], context_tokens: int,
+                         bandwidth: float) -> float:
+    """The floor of an MoE run whose routing was counted (chapter 14): the least time its steps could take if
+    each read only what it needs, at ``bandwidth``.
+
+    A step reads every weight that is not an expert (attention, norms, routers, embeddings and LM head, as
+    :func:`weight_bytes` counts them) and, of each sparse layer, the experts at least one of its tokens picked;
+    every output token reads the KV of its context, as in :func:`roofline_floor_seconds`. ``record`` is
+    :meth:`~minisgl_ref.moe.distribution.ExpertDistribution.dump` of the run: its ``steps`` and, per layer, the
+    sum over the steps of the distinct experts picked. So::
+
+        bytes = steps * non_expert_bytes + sum_layers(active_expert_steps) * expert_bytes
+                + context_tokens * kv_bytes_per_token
+
+    Unlike chapter 11's floor, which assumes the kindest schedule (``max(O_i)`` steps, each reading all
+    weights), this one charges the steps the engine really took, prefill steps included: it says how close each
+    of them came to the bytes it had to move, not whether there could have been fewer steps."""
+    moe = MODEL_REGISTRY[config.architecture].moe_config(config)  # type: ignore[attr-defined]
+    elem = torch.finfo(config.dtype).bits // 8
+    expert = 3 * config.hidden_size * moe.intermediate_size * elem  # gate, up and down of one expert
+    non_expert = weight_bytes(config) - len(record["layer_ids"]) * moe.num_experts * expert
+    total = (record["steps"] * non_expert + sum(record["active_expert_steps"]) * expert
+             + context_tokens * config.kv_bytes_per_token)
+    return total / bandwidth
 
 
 def workload_floor_seconds(workload: Workload, config: ModelConfig, bandwidth: float) -> float:
@@ -328,6 +353,11 @@ class RunResult:
     # Python's cyclic garbage collector during the timed run: collections and seconds per generation, and the
     # objects it tracked at the start (a full collection walks them all, holding the host's only thread).
     gc_during_run: dict[str, Any] | None = None
+    # An MoE model with --enable-expert-distribution-metrics (chapter 14): the timed run's routing counts
+    # (ExpertDistribution.dump), and the floor of the steps it took when each reads only the experts it routed to.
+    expert_distribution: dict[str, Any] | None = None
+    routed_floor_s: float | None = None
+    routed_floor_fraction: float | None = None
 
 
 @dataclass
@@ -407,6 +437,9 @@ def time_generate(llm, workload: Workload, *, warmup: Workload | None = None,  #
     trace = StepTrace(step_log) if step_log and llm.engine_kind != "naive" else None
     if trace is not None:
         llm.engine.extensions.attach(trace)
+    counter = getattr(getattr(llm, "runtime", None), "expert_distribution", None)  # chapter 14's, when asked for
+    if counter is not None:
+        counter.start()
     before = _Counters.read(llm)
     _synchronize(llm.device)
     with gc_watch if gc_watch is not None else contextlib.nullcontext():
@@ -418,6 +451,8 @@ def time_generate(llm, workload: Workload, *, warmup: Workload | None = None,  #
             if trace is not None:
                 llm.engine.extensions.detach(trace)
                 trace.close()
+            if counter is not None:
+                counter.stop()
         wall = time.perf_counter() - start
     return outputs, wall, _Counters.read(llm) - before
 
@@ -488,6 +523,14 @@ def measure(llm, stage: str, workload: Workload, bandwidth: float,  # type: igno
         result.compiled_during_run = {k: v - caches[k] for k, v in count_cache_entries().items()}
         result.roofline_floor_s = workload_floor_seconds(workload, llm.config, bandwidth)
         result.roofline_fraction = result.roofline_floor_s / wall
+    counter = getattr(getattr(llm, "runtime", None), "expert_distribution", None)
+    if counter is not None:
+        result.expert_distribution = counter.dump()
+        if on_cuda:
+            context = context_token_sum([len(p) for p in workload.prompts],
+                                        [p["max_new_tokens"] for p in workload.sampling_params])
+            result.routed_floor_s = routed_floor_seconds(llm.config, result.expert_distribution, context, bandwidth)
+            result.routed_floor_fraction = result.routed_floor_s / wall
     return result
 
 
@@ -539,7 +582,7 @@ _COLUMNS = (  # (header, RunResult field, format)
     ("out tok/s", "output_throughput", "{:,.1f}"), ("total tok/s", "total_throughput", "{:,.1f}"),
     ("prefill tok", "prefill_tokens", "{:,}"), ("cached tok", "cached_tokens", "{:,}"),
     ("hit rate", "radix_hit_rate", "{:.1%}"), ("retract", "retractions", "{:,}"),
-    ("of floor", "roofline_fraction", "{:.1%}"),
+    ("of floor", "roofline_fraction", "{:.1%}"), ("of routed floor", "routed_floor_fraction", "{:.1%}"),
 )
 
 
@@ -600,6 +643,9 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hbm-bandwidth", type=float, default=H100_MEASURED_BANDWIDTH,
                    help="bytes/s for the roofline floor (default: the H100's measured 3.0e12)")
     g.add_argument("--cpu-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--enable-expert-distribution-metrics", action="store_true",
+                   help="an MoE model: count the experts the router picks in the timed run, and report the floor "
+                        "of reading only those (chapter 14)")
     g.add_argument("--step-log", default=None,
                    help="append one JSON line per engine step of the timed run to this file (without --stage)")
     p.set_defaults(load_format=None, max_prefill_tokens=None, chunked_prefill_size=None)
@@ -645,6 +691,8 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     model = resolve_model(args.model_path, args.load_format, quick=args.quick, dtype=args.dtype,
                           device=args.device, context_length=args.context_length)
     kwargs = resolve_engine_kwargs(engine_kwargs, args.quick)
+    if getattr(args, "enable_expert_distribution_metrics", False):
+        kwargs["enable_expert_distribution_metrics"] = True
     print(f"[bench] workload {workload.name}: {workload.num_requests} requests, {workload.input_tokens:,} input "
           f"and {workload.output_tokens:,} output tokens; model {model.name}", file=sys.stderr)
     if args.stage and "naive" in args.stage:
@@ -661,6 +709,12 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
                   f"steps; KV read per decode step {r.kv_bytes_per_decode_step / 1e9:.3f} GB "
                   f"(plain decode: {r.kv_bytes_per_decode_step_plain / 1e9:.3f} GB, "
                   f"{r.kv_bytes_per_decode_step / r.kv_bytes_per_decode_step_plain:.1%})", file=sys.stderr)
+        if r.expert_distribution is not None:
+            d = r.expert_distribution
+            per_step = sum(d["active_experts_per_step"]) / max(len(d["layer_ids"]), 1)
+            floor = "" if r.routed_floor_s is None else f"; their floor {r.routed_floor_s:.2f} s"
+            print(f"[bench] {r.stage}: {d['steps']:,} steps read {per_step:.1f} of {d['num_experts']} experts per "
+                  f"layer on average{floor}", file=sys.stderr)
         if r.startup_s is not None:
             phases = ", ".join(f"{k} {v:.1f} s" for k, v in (r.startup_phases or {}).items())
             print(f"[bench] {r.stage}: start-up {r.startup_s:.1f} s ({phases or 'no phases recorded'})",

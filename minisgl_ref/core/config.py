@@ -91,10 +91,27 @@ class TPArgs:
     nnodes: int = flag(1, "machines the --tp-size ranks are spread over")
     node_rank: int = flag(0, "this machine's index among the --nnodes")
     dist_init_addr: str | None = flag(None, "host:port on node 0 where the ranks meet (required with --nnodes > 1)")
+    ep_size: int = flag(1, "expert parallelism: split each MoE layer's experts over this many groups of the "
+                           "--tp-size ranks (a divisor of --tp-size; each expert is sliced over the rest; "
+                           "chapter 14)")
+
+    def __post_init__(self) -> None:
+        check_ep_size(self.ep_size, self.tp_size)
 
     @property
     def enabled(self) -> bool:
         return self.tp_size > 1 or self.nnodes > 1
+
+
+def check_ep_size(ep_size: int, tp_size: int) -> None:
+    """Expert parallelism splits the experts over the ranks of the tensor-parallel group, because attention and the
+    dense layers keep running tensor-parallel on those same ranks (every rank holds every token): the ``tp_size``
+    ranks form ``ep_size`` groups, each holding ``1/ep_size`` of the experts and slicing each of them over its
+    ``tp_size / ep_size`` ranks (SGLang's ``moe_tp_size``). So ``ep_size`` divides ``tp_size``: 1 slices every
+    expert over all ranks, ``tp_size`` keeps every expert whole on one rank."""
+    if ep_size < 1 or tp_size % ep_size:
+        raise ValueError(f"ep_size ({ep_size}) must divide tp_size ({tp_size}): the experts are split over "
+                         f"the ranks of the tensor-parallel group, which also run attention")
 
 
 @dataclass

@@ -20,13 +20,13 @@ import datetime
 import os
 import pickle
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from minisgl_ref.core.config import TPArgs
+from minisgl_ref.core.config import TPArgs, check_ep_size
 from minisgl_ref.distributed.parallel_state import get_tp_info, set_tp_info
 
 #: The control group waits as long as a server may sit idle: a follower blocks in it between requests.
@@ -42,6 +42,7 @@ class DistConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None  # "host:port" of the rendezvous (rank 0's node); None: a free local port
+    ep_size: int = 1  # MoE layers split their experts into this many groups of ranks: divides tp_size (chapter 14)
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -58,6 +59,7 @@ class DistConfig:
             raise ValueError("dist_init_addr (host:port of node 0) is required when nnodes > 1")
         if self.dist_init_addr is not None:
             parse_addr(self.dist_init_addr)
+        check_ep_size(self.ep_size, self.tp_size)
 
     @property
     def ranks_per_node(self) -> int:
@@ -74,16 +76,16 @@ class DistConfig:
     @classmethod
     def of(cls, tp: TPArgs, tp_rank: int = 0) -> DistConfig:
         """Rank ``tp_rank`` of the group the ``--tp-size``/``--nnodes``/... flags describe (checks them)."""
-        return cls(tp.tp_size, tp_rank, tp.nnodes, tp.node_rank, tp.dist_init_addr)
+        return cls(tp.tp_size, tp_rank, tp.nnodes, tp.node_rank, tp.dist_init_addr, tp.ep_size)
 
     def with_rank(self, tp_rank: int) -> DistConfig:
-        return DistConfig(self.tp_size, tp_rank, self.nnodes, self.node_rank, self.dist_init_addr)
+        return replace(self, tp_rank=tp_rank)
 
     def with_free_port(self) -> DistConfig:
         """This config with a rendezvous on a free local port, if none was given (single node only)."""
         if self.dist_init_addr is not None:
             return self
-        return DistConfig(self.tp_size, self.tp_rank, self.nnodes, self.node_rank, f"127.0.0.1:{free_port()}")
+        return replace(self, dist_init_addr=f"127.0.0.1:{free_port()}")
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -118,7 +120,7 @@ def init_distributed(cfg: DistConfig, device: torch.device) -> None:
     At ``tp_size == 1`` nothing is started: the layers see a group of one and skip every collective.
     """
     global _CONTROL_GROUP
-    set_tp_info(cfg.tp_rank, cfg.tp_size)
+    set_tp_info(cfg.tp_rank, cfg.tp_size, cfg.ep_size)
     if cfg.tp_size == 1:
         return
     if dist.is_initialized():

@@ -28,19 +28,40 @@ import torch.distributed as dist
 class TPInfo:
     rank: int = 0
     size: int = 1
+    #: Into how many groups of ranks MoE layers split their experts (chapter 14): a divisor of ``size``; each group
+    #: slices its experts over its ``size / ep_size`` ranks. The dense layers never read it; it rides here because
+    #: it is decided with the group and read while building the model.
+    ep_size: int = 1
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"tp rank {self.rank} is not in a group of size {self.size}")
+        if self.ep_size < 1 or self.size % self.ep_size:
+            raise ValueError(f"ep_size ({self.ep_size}) must divide tp_size ({self.size})")
+
+    @property
+    def moe_tp_size(self) -> int:
+        """Over how many ranks each expert is sliced (SGLang's ``moe_tp_size``)."""
+        return self.size // self.ep_size
+
+    @property
+    def ep_rank(self) -> int:
+        """Which group of experts this rank holds (ranks ``[g * moe_tp, (g + 1) * moe_tp)`` hold group ``g``)."""
+        return self.rank // self.moe_tp_size
+
+    @property
+    def moe_tp_rank(self) -> int:
+        """Which slice of each of its experts this rank holds."""
+        return self.rank % self.moe_tp_size
 
 
 _TP_INFO = TPInfo()
 
 
-def set_tp_info(rank: int, size: int) -> None:
+def set_tp_info(rank: int, size: int, ep_size: int = 1) -> None:
     """Record this process's place in the tensor-parallel group (call before building the model)."""
     global _TP_INFO
-    _TP_INFO = TPInfo(rank, size)
+    _TP_INFO = TPInfo(rank, size, ep_size)
 
 
 def get_tp_info() -> TPInfo:

@@ -133,7 +133,7 @@ class Engine:
         num_pages = tokens // page + 1  # + the reserved dummy page 0
         self.allocator = PageAllocator(num_pages, page, self.device)
         self.frees = InflightFrees(self.allocator)  # every free waits for the steps in flight (chapter 06)
-        context = context_length or model_config.max_position_embeddings
+        context = model_config.usable_context(context_length or None)
         self.req_to_token = ReqToTokenPool(self.config.max_running_requests + 1, context + 1, self.device)
         num_kv_heads = next(m for m in model.modules() if isinstance(m, AttentionLayer)).num_kv_heads
         self.kv_pool = KVPool(model_config.num_layers, num_pages * page, num_kv_heads, model_config.head_dim,

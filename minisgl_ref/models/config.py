@@ -8,11 +8,14 @@ once, here, into one flat, typed record so that the model code never has to gues
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -37,11 +40,36 @@ class ModelConfig:
     dtype: torch.dtype
     eos_token_ids: list[int] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    #: Each token attends only to the last ``sliding_window`` tokens (Mistral-7B-v0.1: 4096), or None for full
+    #: causal attention. Qwen configs carry a window that is off unless ``use_sliding_window`` says otherwise.
+    sliding_window: int | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V for every layer: the unit in which KV-cache memory is budgeted (chapter 11's roofline uses it)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def usable_context(self, requested: int | None = None) -> int:
+        """The longest sequence this engine may serve: ``requested``, else ``max_position_embeddings``.
+
+        Our attention is full causal attention. With a sliding window, that is the model's own attention only
+        while a sequence fits in the window (every token then sees all earlier ones either way), so a context
+        longer than the window would silently compute something else. Asked for more, we refuse by name; by
+        default the context is capped at the window, and the log says why (Mistral-7B-v0.1: 32768 -> 4096)."""
+        window = self.sliding_window
+        if requested is not None:
+            if window is not None and requested > window:
+                raise ValueError(
+                    f"context_length={requested} exceeds the model's sliding_window={window}: its attention "
+                    f"would differ from the full causal attention implemented here (use a context_length of at "
+                    f"most {window})")
+            return requested
+        if window is not None and window < self.max_position_embeddings:
+            log.warning("context length capped at the model's sliding_window=%d (from max_position_embeddings="
+                        "%d): beyond the window its attention differs from full causal attention", window,
+                        self.max_position_embeddings)
+            return window
+        return self.max_position_embeddings
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
@@ -73,12 +101,23 @@ class ModelConfig:
             dtype=_DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32),
             eos_token_ids=eos_ids,
             raw=dict(d),
+            sliding_window=_sliding_window(d),
         )
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
         with open(path) as f:
             return cls.from_dict(json.load(f))
+
+
+def _sliding_window(d: dict[str, Any]) -> int | None:
+    """The attention window the model was trained with, or None. Mistral and Mixtral files set
+    ``sliding_window`` (null for full attention); Qwen files always carry a number but use it only with
+    ``use_sliding_window: true``."""
+    window = d.get("sliding_window")
+    if window is None or d.get("use_sliding_window", True) is False:
+        return None
+    return int(window)
 
 
 def _rope_from_config(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

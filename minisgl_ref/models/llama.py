@@ -21,6 +21,7 @@ from minisgl_ref.layers.linear import MergedColumnParallelLinear, QKVParallelLin
 from minisgl_ref.layers.norm import RMSNorm
 from minisgl_ref.layers.rotary import RotaryEmbedding
 from minisgl_ref.models.config import ModelConfig
+from minisgl_ref.models.weights import checkpoint_shapes
 
 
 class LlamaAttention(nn.Module):
@@ -135,6 +136,13 @@ class LlamaForCausalLM(nn.Module):
             return self.norm(hidden)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    @classmethod
+    def checkpoint_shapes(cls, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """The tensor names and full shapes of an HF checkpoint of this class: what ``--load-format dummy``
+        invents. A family whose checkpoints hold other tensors (chapter 14's experts) overrides it."""
+        attn = cls.decoder_layer_cls.attention_cls
+        return checkpoint_shapes(config, config.attention_bias or attn.qkv_bias_default, attn.use_qk_norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the full vocabulary for the rows of ``hidden`` given, in the model's dtype."""

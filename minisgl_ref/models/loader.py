@@ -17,14 +17,31 @@ from minisgl_ref.models.embedded import EMBEDDED_NAME, embedded_model_path
 from minisgl_ref.models.llama import LlamaForCausalLM
 from minisgl_ref.models.qwen2 import Qwen2ForCausalLM
 from minisgl_ref.models.qwen3 import Qwen3ForCausalLM
-from minisgl_ref.models.weights import checkpoint_shapes, iter_dummy_weights, iter_safetensors
+from minisgl_ref.models.weights import iter_dummy_weights, iter_safetensors
 
+#: config.json's ``architectures[0]`` -> the class that builds it. Mistral is Llama's architecture (its sliding
+#: window is enforced through :meth:`ModelConfig.usable_context`). Later chapters add theirs with
+#: :func:`register_architecture`.
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
+
+
+def register_architecture(name: str, cls: type[LlamaForCausalLM]) -> None:
+    """The seam through which a later chapter adds a model family (chapter 14's mixture-of-experts models) without
+    the loader importing it: ``cls`` builds every config whose ``architectures[0]`` is ``name``.
+
+    ``cls`` offers what :func:`load_model` calls on a model class: ``cls(config)``, ``load_weights`` and the
+    classmethod ``checkpoint_shapes`` (for dummy weights). Registering the same class twice is harmless (each
+    process that builds a runtime registers); a second class under a taken name is refused, so a plug-in can never
+    silently replace a model that already has a meaning."""
+    known = MODEL_REGISTRY.get(name)
+    if known is not None and known is not cls:
+        raise ValueError(f"architecture {name!r} is already served by {known.__name__}, not {cls.__name__}")
+    MODEL_REGISTRY[name] = cls
 
 SHIPPED_CONFIGS = Path(__file__).parent / "configs"
 LOAD_FORMATS = ("auto", "dummy")
@@ -118,9 +135,7 @@ def load_model(
     with torch.device(device), _default_dtype(torch_dtype):
         model = model_cls(config)
     if load_format == "dummy":
-        attn = model_cls.decoder_layer_cls.attention_cls
-        shapes = checkpoint_shapes(config, config.attention_bias or attn.qkv_bias_default, attn.use_qk_norm)
-        model.load_weights(iter_dummy_weights(shapes, device))
+        model.load_weights(iter_dummy_weights(model_cls.checkpoint_shapes(config), device))
     else:
         assert resolved.path is not None
         try:

@@ -52,7 +52,7 @@ from minisgl_ref import env
 from minisgl_ref.core.forward_batch import ForwardBatch
 from minisgl_ref.distributed import get_tp_info
 from minisgl_ref.layers.linear import RowParallelLinear
-from minisgl_ref.models.llama import LlamaDecoderLayer
+from minisgl_ref.models.llama import LlamaDecoderLayer, LlamaMLP
 from minisgl_ref.perf import triton_ops
 from minisgl_ref.perf.rope_store import RopeStoreAttention
 from minisgl_ref.perf.row_rms import divide_by_rms_
@@ -115,7 +115,7 @@ def should_fold(model: nn.Module, device: torch.device, dtype: torch.dtype) -> b
 
 def _foldable(layer: nn.Module) -> bool:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if attn is None or mlp is None:
+    if attn is None or not isinstance(mlp, LlamaMLP):  # a mixture of experts (chapter 14) has no gate_up_proj
         return False
     return (attn.qkv_proj.bias is None and attn.o_proj.bias is None and mlp.down_proj.bias is None
             and hasattr(layer, "input_layernorm") and hasattr(layer, "post_attention_layernorm"))

@@ -77,7 +77,7 @@ class TPGroup:
             torch.cuda.set_device(device)
         else:  # ranks on one CPU share its cores
             torch.set_num_threads(env.cpu_threads(ranks=self.cfg.ranks_per_node))
-        set_tp_info(self.cfg.tp_rank, self.cfg.tp_size)
+        set_tp_info(self.cfg.tp_rank, self.cfg.tp_size, self.cfg.ep_size)
         return device
 
     def join(self, device: torch.device) -> None:

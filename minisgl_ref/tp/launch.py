@@ -71,13 +71,14 @@ def _rank_main(rank: int, cfg: DistConfig, device: str, threads: int, fn: Callab
 
 
 def run_on_ranks(fn: Callable[..., Any], tp_size: int, *args: Any, device: str = "cpu",
-                 threads: int | None = None, timeout_s: float = 600.0) -> list[Any]:
-    """``[fn(*args) on rank 0, ..., on rank tp_size - 1]``, each computed in its own process of one group."""
+                 threads: int | None = None, timeout_s: float = 600.0, ep_size: int = 1) -> list[Any]:
+    """``[fn(*args) on rank 0, ..., on rank tp_size - 1]``, each computed in its own process of one group
+    (``ep_size``: ``tp_size`` to split MoE layers' experts over the ranks too, chapter 14)."""
     import torch.multiprocessing as mp
 
     if threads is None:
         threads = env.cpu_threads(ranks=tp_size)
-    cfg = DistConfig(tp_size=tp_size).with_free_port()
+    cfg = DistConfig(tp_size=tp_size, ep_size=ep_size).with_free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     procs = [ctx.Process(target=_rank_main, args=(r, cfg, device, threads, fn, args, queue), daemon=True)
