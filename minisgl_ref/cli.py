@@ -92,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     serving = bench_sub.add_parser("serving", help="online load generator against a running server (chapter 10)")
     add_serving_args(serving)
+    from minisgl_ref.bench.perplexity import add_perplexity_args  # light: no torch at import
+
+    ppl = bench_sub.add_parser("perplexity", help="perplexity of a fixed text, bf16 against FP8 weights and KV "
+                                                  "(chapter 15)")
+    ppl.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    ppl.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "float16", "bfloat16"])
+    ppl.add_argument("--device", default=None, help="cpu or cuda (default: cpu)")
+    add_perplexity_args(ppl)
 
     from minisgl_ref.server.args import add_server_args  # light: argparse only
 
@@ -105,7 +113,8 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from minisgl_ref.llm import LLM
 
     return LLM(args.model_path, load_format=args.load_format, dtype=args.dtype, device=args.device,
-               context_length=args.context_length, engine=args.engine, **vars(from_flags(TPArgs, args)),
+               context_length=args.context_length, engine=args.engine, quantization=args.quantization,
+               **vars(from_flags(TPArgs, args)),
                **(engine_kwargs(args) if args.engine == "paged" else {}), **speculative_kwargs(args))
 
 
@@ -178,6 +187,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from minisgl_ref.bench import serving as bench_serving
 
         return bench_serving.main(args)
+    if args.bench_command == "perplexity":
+        from minisgl_ref.bench import perplexity as bench_perplexity
+
+        return bench_perplexity.main(args)
     # The engine's start-up lines (what compiles, how long the CUDA graphs took) go to stderr with the results.
     logging.basicConfig(level=logging.WARNING, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("minisgl_ref").setLevel(logging.INFO)

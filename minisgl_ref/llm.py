@@ -71,7 +71,9 @@ class LLM:
     end of the program) stops the other ranks. ``tp_rank`` is for processes started by someone else, one per
     rank. ``ep_size=N`` (with ``tp_size=N``, chapter 14) splits each MoE layer's experts over the ranks (an MoE model
     needs it at ``tp_size > 1``), and ``enable_expert_distribution_metrics=True`` counts which experts the router
-    picks (:meth:`start_expert_distribution_record`). :func:`~minisgl_ref.runtime.build_runtime` does the building."""
+    picks (:meth:`start_expert_distribution_record`). ``quantization="fp8"`` stores an ordinary checkpoint's
+    projections in FP8 (chapter 15; an FP8 checkpoint needs no flag). :func:`~minisgl_ref.runtime.build_runtime`
+    does the building."""
 
     def __init__(
         self,
@@ -90,10 +92,11 @@ class LLM:
         ep_size: int = 1,
         tp_rank: int | None = None,
         enable_expert_distribution_metrics: bool = False,
+        quantization: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
         model = ModelArgs(None if model_path is None else str(model_path), load_format, dtype,  # type: ignore[arg-type]
-                          device, context_length, skip_tokenizer_init)
+                          device, context_length, skip_tokenizer_init, quantization)
         tp = TPArgs(tp_size, nnodes, node_rank, dist_init_addr, ep_size)
         group = TPGroup.member(tp, tp_rank) if tp_rank is not None and tp.enabled else None  # started elsewhere
         speculative, engine_kwargs = SpeculativeConfig.split(engine_kwargs)  # chapter 13's speculative_* settings

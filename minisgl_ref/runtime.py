@@ -33,6 +33,7 @@ from minisgl_ref.moe.registry import install_moe_kernels, register_moe_models
 from minisgl_ref.perf import attention as perf_attention
 from minisgl_ref.perf import kernels as perf_kernels
 from minisgl_ref.perf import model_transforms
+from minisgl_ref.quant.registry import register_quantizations
 from minisgl_ref.speculative.build import check_combination, speculative_extension
 from minisgl_ref.speculative.config import SpeculativeConfig
 from minisgl_ref.tokenizer import Tokenizer
@@ -126,6 +127,7 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
         raise ValueError(f"tp_size={tp.tp_size} needs engine='paged' (the naive oracle runs on one device)")
     check_combination(speculative, kind=kind, tp_enabled=group is not None or tp.enabled, engine=engine)
     register_moe_models()  # chapter 14: the MoE architectures, through the loader's registry seam
+    register_quantizations()  # chapter 15: FP8 weights, through the loader's quantization seam
     if group is None and tp.enabled:
         group = TPGroup.launch(tp, follow_leader, (model, engine))  # checks the flags before it starts anything
     phases: dict[str, float] = {}
@@ -140,7 +142,7 @@ def build_runtime(model: ModelArgs = ModelArgs(), engine: EngineConfig | None = 
     try:
         device = group.device(model.device) if group else torch.device(model.device or default_device())
         net, config, folder = load_model(model.model_path, load_format=model.load_format, dtype=model.dtype,
-                                         device=device)
+                                         device=device, quantization=model.quantization)
         model_transforms.apply_(net, device, config.dtype)  # chapter 11: fused kernels, folded norms (on a GPU)
         install_moe_kernels(net, device)  # chapter 14: the fused expert kernel (on a GPU)
         counter = None

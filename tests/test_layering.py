@@ -28,11 +28,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("attention",),  # attention backends
     ("scheduler",),  # the scheduler and the cache manager it drives
     ("engine",),  # the engine loop, model runner, CUDA graphs
-    ("perf", "constrained", "speculative", "moe"),  # extensions (chapter 11): cascade and split-KV decode, folded
-    # norms, fused kernels; (chapter 12): structured output -- grammar specs, xgrammar compiles, matchers, token
-    # bitmasks, the engine hooks; (chapter 13): speculative decoding -- proposers, draft trees, verification,
+    ("perf", "constrained", "speculative", "moe", "quant"),  # extensions (chapter 11): cascade and split-KV decode,
+    # folded norms, fused kernels; (chapter 12): structured output -- grammar specs, xgrammar compiles, matchers,
+    # token bitmasks, the engine hooks; (chapter 13): speculative decoding -- proposers, draft trees, verification,
     # acceptance; (chapter 14): mixture of experts -- routers, the expert computation and its fused kernel, the
-    # MoE models, registered with the loader through register_architecture
+    # MoE models, registered with the loader through register_architecture; (chapter 15): quantization -- FP8
+    # formats and scales, FP8 linear layers through the linear seam, registered with the loader's
+    # register_quantization
     ("tp",),  # the tensor-parallel engine, group membership and rank launching
     ("runtime",),  # build_runtime: model, tokenizer and engine for one process (offline, server, followers)
     ("llm",),  # the offline LLM
@@ -48,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent / "minisgl_ref"
 CORE = ("env", "sampling", "tokenizer", "core", "distributed", "layers", "kvcache", "models", "attention",
         "scheduler", "engine")
 #: Later chapters, plugged into the core's seams by ``runtime.build_runtime``: no core module may import them.
-EXTENSIONS = ("perf", "constrained", "speculative", "moe")
+EXTENSIONS = ("perf", "constrained", "speculative", "moe", "quant")
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,10 @@ class AttentionBackend:
     #: and ``flashinfer`` have it; ``fa3`` has not: FlashAttention's kernels take only causal or sliding-window
     #: masks, no arbitrary one.
     supports_custom_mask: bool = False
+    #: Whether it reads a pool that stores keys and values in a smaller format than its compute dtype, each layer
+    #: with its scales (``KVPool.quantized``, chapter 15's FP8 cache). Building a backend without it on such a pool
+    #: is refused by name, never run on the raw bytes.
+    reads_quantized_kv: bool = False
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool) -> None:
         self.kv_pool = kv_pool

@@ -132,6 +132,19 @@ BACKENDS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 }
 
 
+def _quantized_kv_backends() -> list[str]:
+    """The backends that read a quantized KV pool (chapter 15)."""
+    out = []
+    for name, (module, class_name, _) in BACKENDS.items():
+        try:
+            cls = getattr(importlib.import_module(f"minisgl_ref.attention.{module}"), class_name)
+        except ImportError:
+            continue
+        if cls.reads_quantized_kv:
+            out.append(name)
+    return out
+
+
 def build_backend(
     name: str,
     kv_pool: KVPool,
@@ -145,6 +158,10 @@ def build_backend(
     check_backend_can_run(name, device)
     module, class_name, wants = BACKENDS[name]
     cls = getattr(importlib.import_module(f"minisgl_ref.attention.{module}"), class_name)
+    if kv_pool.quantized and not cls.reads_quantized_kv:
+        raise ValueError(f"the {name} attention backend cannot read a KV cache stored as "
+                         f"{str(kv_pool.storage_dtype).replace('torch.', '')} with scales (--kv-cache-dtype); "
+                         f"use {', '.join(n for n in _quantized_kv_backends())}")
     facts = {"num_q_heads": num_q_heads, "page_size": page_size}
     return cls(kv_pool, req_to_token, **{fact: facts[fact] for fact in wants})
 
@@ -161,7 +178,7 @@ def create_attention_backend(
     choices differ. ``num_q_heads`` is the query heads per rank (the planners of FlashInfer and the graph
     buffers of Triton need it before the first layer runs)."""
     device = torch.device(device)
-    dtype = kv_pool.k[0].dtype
+    dtype = kv_pool.dtype  # what attention computes in (the buffers may be smaller: chapter 15)
     prefill, decode = resolve_backend_names(config, device, dtype)
     # Check both before building either, so that the error names the first problem and nothing is allocated.
     check_backend_can_run(prefill, device, dtype)

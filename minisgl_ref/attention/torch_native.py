@@ -104,6 +104,7 @@ class TorchNativeBackend(AttentionBackend):
 
     name = "torch_native"
     supports_custom_mask = True
+    reads_quantized_kv = True  # through KVPool.gather (chapter 15)
     row_visibility: list[torch.Tensor | None] | None = None  # this step's masked rows' [E, L] visibility
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -122,15 +123,15 @@ class TorchNativeBackend(AttentionBackend):
     def attend_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
-        k_all, v_all = self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id]
         masks = self.row_visibility if not batch.mode.is_decode else None
         outs, start = [], 0
         for b, (slots, length) in enumerate(zip(self.context_slots, batch.extend_lens_cpu)):
             end = start + length
+            k_ctx, v_ctx = self.kv_pool.gather(layer.layer_id, slots)  # values, whatever the pool stores them as
             if masks is not None and masks[b] is not None:
-                outs.append(masked_attention(q[start:end], k_all[slots], v_all[slots], layer.scale, masks[b]))
+                outs.append(masked_attention(q[start:end], k_ctx, v_ctx, layer.scale, masks[b]))
             else:
-                outs.append(reference_attention(q[start:end], k_all[slots], v_all[slots], layer.scale))
+                outs.append(reference_attention(q[start:end], k_ctx, v_ctx, layer.scale))
             start = end
         return torch.cat(outs).flatten(1)
 
@@ -197,12 +198,12 @@ class TorchStaticBackend(TorchNativeBackend):
         self.extend_rows[: rows.shape[0]].copy_(rows)
 
     def attend_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
-        k_all, v_all = self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id]
         slots = self.req_to_token.table[self.decode_rows].to(torch.int64)  # [B, W]: whole rows
         visible = torch.arange(slots.shape[1], device=q.device) < self.decode_lens[:, None]  # [B, W]
-        group = q.shape[1] // k_all.shape[1]
-        k = k_all[slots].repeat_interleave(group, dim=2).float()  # [B, W, H, D]
-        v = v_all[slots].repeat_interleave(group, dim=2).float()
+        k_ctx, v_ctx = self.kv_pool.gather(layer.layer_id, slots)  # [B, W, kv_heads, D]
+        group = q.shape[1] // k_ctx.shape[2]
+        k = k_ctx.repeat_interleave(group, dim=2).float()  # [B, W, H, D]
+        v = v_ctx.repeat_interleave(group, dim=2).float()
         scores = torch.einsum("bhd,bwhd->bhw", q.float(), k) * layer.scale
         scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
         out = torch.einsum("bhw,bwhd->bhd", scores.softmax(dim=-1), v)

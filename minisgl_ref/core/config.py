@@ -81,6 +81,8 @@ class ModelArgs:
     device: str | None = flag(None, "cpu or cuda (default: cuda when available)")
     context_length: int | None = flag(None, type=int)  #: the context window (default: the model config's)
     skip_tokenizer_init: bool = False  #: prompts are token ids only (SGLang's --skip-tokenizer-init)
+    quantization: str | None = flag(None, "store the weights of an ordinary checkpoint quantized: fp8 (chapter 15; "
+                                          "a quantized checkpoint is read as it is stored without this)")
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,9 @@ class EngineConfig:
                                               "one admitted in the same prefill step, so it hits the radix cache "
                                               "next step (chapter 04); -1 disables")
     page_size: int = flag(1, "tokens per KV page")
+    kv_cache_dtype: str = flag("auto", "how the KV pool stores keys and values: auto (the model's dtype), or "
+                                       "fp8_e4m3 / fp8_e5m2, one byte each with a per-layer scale (chapter 15)",
+                               choices=["auto", "fp8_e4m3", "fp8_e5m2"])
     split_decode_min_batch: int = flag(48, "flashinfer decode: batches of at least this many rows use our "
                                             "split-KV CUDA kernel, balanced over the SMs (0 disables; chapter 11)")
     disable_radix_cache: bool = flag(False, "no prefix sharing between requests (chapter 04)")
@@ -186,6 +191,8 @@ class EngineConfig:
         need(self.in_batch_prefix_threshold == -1 or self.in_batch_prefix_threshold >= 1,
              "in_batch_prefix_threshold", "-1 or >= 1", self.in_batch_prefix_threshold)
         need(self.page_size >= 1, "page_size", ">= 1", self.page_size)
+        need(self.kv_cache_dtype in ("auto", "fp8_e4m3", "fp8_e5m2"), "kv_cache_dtype",
+             "'auto', 'fp8_e4m3' or 'fp8_e5m2'", self.kv_cache_dtype)
         need(self.split_decode_min_batch >= 0, "split_decode_min_batch", ">= 0", self.split_decode_min_batch)
         need(self.max_total_tokens is None or self.max_total_tokens >= self.page_size, "max_total_tokens",
              ">= page_size", self.max_total_tokens)

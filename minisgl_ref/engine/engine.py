@@ -64,7 +64,7 @@ from minisgl_ref.engine.prompt_logprobs import PromptLogprobPlan
 from minisgl_ref.engine.step import Launched, StepEvent
 from minisgl_ref.kvcache.allocator import PageAllocator
 from minisgl_ref.kvcache.inflight import InflightFrees
-from minisgl_ref.kvcache.pool import KVPool
+from minisgl_ref.kvcache.pool import kv_pool_class
 from minisgl_ref.kvcache.req_to_token import ReqToTokenPool
 from minisgl_ref.layers.attention import AttentionLayer
 from minisgl_ref.models.config import ModelConfig
@@ -110,7 +110,9 @@ def kv_pool_tokens(config: EngineConfig, model_config: ModelConfig, device: torc
     free, total = torch.cuda.mem_get_info(device)
     used_by_others = total - free  # the weights are already loaded, so they count here
     budget = total * config.mem_fraction_static - used_by_others
-    per_token = KVPool.bytes_per_slot(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, dtype)
+    pool_cls = kv_pool_class(config.kv_cache_dtype)
+    per_token = pool_cls.bytes_per_slot(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
+                                        dtype)
     tokens = int(budget // per_token)
     if tokens < config.page_size * 2:
         raise ValueError(
@@ -136,8 +138,9 @@ class Engine:
         context = model_config.usable_context(context_length or None)
         self.req_to_token = ReqToTokenPool(self.config.max_running_requests + 1, context + 1, self.device)
         num_kv_heads = next(m for m in model.modules() if isinstance(m, AttentionLayer)).num_kv_heads
-        self.kv_pool = KVPool(model_config.num_layers, num_pages * page, num_kv_heads, model_config.head_dim,
-                              dtype, self.device)
+        pool_cls = kv_pool_class(self.config.kv_cache_dtype)  # chapter 15 may store it in FP8
+        self.kv_pool = pool_cls(model_config.num_layers, num_pages * page, num_kv_heads, model_config.head_dim,
+                                dtype, self.device)
         manager_cls = NaiveCacheManager if self.config.disable_radix_cache else CacheManager
         self.cache = manager_cls(self.allocator, self.req_to_token, self.frees)
         self.scheduler = Scheduler(self.config, self.cache)

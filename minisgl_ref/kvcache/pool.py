@@ -8,12 +8,21 @@ what is left after the weights (``--mem-fraction-static``); anywhere it can be g
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from minisgl_ref.layers.kernel_table import KERNELS
 
 
 class KVPool:
+    """Keys and values of every layer, kept in the model's dtype.
+
+    A later chapter may keep them in fewer bytes (chapter 15's FP8 pool): then the buffers' dtype
+    (:attr:`storage_dtype`) differs from :attr:`dtype`, the one attention computes in, and every stored number
+    stands for itself times the layer's scale (:meth:`scales`). Attention backends that read the buffers directly
+    apply the scales; the reference backend reads through :meth:`gather`, which returns values in :attr:`dtype`."""
+
     def __init__(
         self,
         num_layers: int,
@@ -24,13 +33,38 @@ class KVPool:
         device: torch.device | str = "cpu",
     ) -> None:
         self.num_slots = num_slots
+        self.dtype = dtype  # what attention computes in, and what gather returns
         shape = (num_slots, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        store = self.storage_dtype_for(dtype)
+        self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
 
-    @staticmethod
-    def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    @classmethod
+    def storage_dtype_for(cls, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the buffers for a model computing in ``dtype``: the same one here."""
+        return dtype
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return self.k[0].dtype
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the buffers hold something other than the values themselves (a scaled, smaller format)."""
+        return self.storage_dtype != self.dtype
+
+    def scales(self, layer_id: int) -> tuple[float, float]:
+        """``(k_scale, v_scale)``: stored number times scale = value. 1 for a pool that keeps the values."""
+        return 1.0, 1.0
+
+    @classmethod
+    def bytes_per_slot(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes one token's KV takes in every layer, for a model computing in ``dtype``."""
+        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(cls.storage_dtype_for(dtype)).bits // 8
+
+    def gather(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of ``slots`` (any shape) in layer ``layer_id``, as values in :attr:`dtype`."""
+        return self.k[layer_id][slots], self.v[layer_id][slots]
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the new tokens' keys and values [T, kv_heads, head_dim] into their slots [T].
@@ -50,3 +84,21 @@ class KVPool:
         for k, v in zip(self.k, self.v):
             k[dst] = k[src]
             v[dst] = v[src]
+
+
+#: ``--kv-cache-dtype`` -> the pool class that stores that way. The core knows ``auto``; chapter 15 registers the
+#: FP8 formats with :func:`register_kv_cache_dtype`.
+KV_CACHE_DTYPES: dict[str, Callable[..., KVPool]] = {"auto": KVPool}
+
+
+def register_kv_cache_dtype(name: str, pool_cls: Callable[..., KVPool]) -> None:
+    """The seam through which a later chapter adds a way of storing the KV cache."""
+    KV_CACHE_DTYPES[name] = pool_cls
+
+
+def kv_pool_class(name: str) -> type[KVPool]:
+    """The pool class of ``--kv-cache-dtype name``, refused by name when nothing registered it."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {name!r} is not available (available: {', '.join(sorted(KV_CACHE_DTYPES))}"
+                         f"; the FP8 formats are registered by minisgl_ref.quant, as build_runtime does)")
+    return KV_CACHE_DTYPES[name]  # type: ignore[return-value]

@@ -9,7 +9,9 @@ Megatron-style tensor parallelism needs only two kinds of split:
   partial sum of the full output; an all-reduce adds the partial sums. Used for the attention output and MLP down
   projections, right after the column-parallel ones, so one all-reduce per block is enough.
 
-At tp=1 both degenerate to ``nn.Linear``. Each parameter carries a ``weight_loader`` that knows how to cut its
+At tp=1 both degenerate to ``nn.Linear``. How the product itself is computed is a seam: each layer calls its
+``quant_method`` (:class:`LinearMethod`), chapter 01's plain matmul unless chapter 15 stores the weight in FP8 and
+installs a method that reads it. Each parameter carries a ``weight_loader`` that knows how to cut its
 slice out of a full checkpoint tensor, so loading is the same code at any tp size. The loaders only ever call
 ``full.narrow(dim, start, length)`` on what they are given, so the checkpoint reader can hand them a lazy
 tensor that reads just that slice from disk (:class:`~minisgl_ref.models.weights.CheckpointTensor`).
@@ -18,13 +20,31 @@ tensor that reads just that slice from disk (:class:`~minisgl_ref.models.weights
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minisgl_ref.distributed import all_reduce, get_tp_info
+
+
+class LinearMethod(Protocol):
+    """How a linear layer computes ``x W^T + b`` from the parameters it holds (the seam of chapter 15's FP8
+    weights). ``bias`` is what the layer wants added here: a row-parallel layer adds its bias after the all-reduce
+    and passes None."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
+class UnquantizedMethod:
+    """Chapter 01's matmul: ``layer.weight`` in the model's dtype."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+UNQUANTIZED = UnquantizedMethod()
 
 
 def _param(shape: tuple[int, ...], loader: Callable[..., None]) -> nn.Parameter:
@@ -115,12 +135,13 @@ class ColumnParallelLinear(nn.Module):
         self.out_start, self.out_per_rank = shard
         self.weight = _param((self.out_per_rank, in_features), self.load_column_shard)
         self.bias = _param((self.out_per_rank,), self.load_column_shard) if bias else None
+        self.quant_method: LinearMethod = UNQUANTIZED
 
     def load_column_shard(self, param: nn.Parameter, full: torch.Tensor) -> None:
         param.data.copy_(full.narrow(0, self.out_start, self.out_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -202,6 +223,7 @@ class RowParallelLinear(nn.Module):
         self.in_start, self.in_per_rank = shard
         self.weight = _param((out_features, self.in_per_rank), self.load_row_shard)
         self.bias = _param((out_features,), self.load_replicated) if bias else None
+        self.quant_method: LinearMethod = UNQUANTIZED
 
     def load_row_shard(self, param: nn.Parameter, full: torch.Tensor) -> None:
         param.data.copy_(full.narrow(1, self.in_start, self.in_per_rank))
@@ -211,6 +233,6 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(_whole(full))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(self.quant_method.apply(self, x, None))
         # The bias is added once, after the sum, not once per rank.
         return y if self.bias is None else y + self.bias

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -42,6 +43,46 @@ def register_architecture(name: str, cls: type[LlamaForCausalLM]) -> None:
     if known is not None and known is not cls:
         raise ValueError(f"architecture {name!r} is already served by {known.__name__}, not {cls.__name__}")
     MODEL_REGISTRY[name] = cls
+
+
+class Quantization(Protocol):
+    """A way of storing weights in fewer bits (chapter 15's FP8), as the loader uses it: before a quantized
+    checkpoint's tensors arrive, the built model's layers are made ready to take them; or, asked for a checkpoint
+    that is not quantized (SGLang's ``--quantization``), the loaded weights are quantized."""
+
+    def prepare_checkpoint(self, model: nn.Module, config: ModelConfig, qconfig: dict[str, Any]) -> None: ...
+
+    def quantize(self, model: nn.Module, config: ModelConfig) -> None: ...
+
+
+#: ``quant_method`` of a checkpoint's ``quantization_config`` (or a ``--quantization`` name) -> how to load it.
+#: Empty in the core; chapter 15 adds FP8 with :func:`register_quantization`.
+QUANTIZATIONS: dict[str, Quantization] = {}
+
+
+def register_quantization(name: str, method: Quantization) -> None:
+    """The seam through which a later chapter adds a weight format without the loader importing it (as
+    :func:`register_architecture` adds a model family)."""
+    QUANTIZATIONS[name] = method
+
+
+def _quantization_of(config: ModelConfig, quantization: str | None) -> tuple[str | None, dict[str, Any] | None]:
+    """Which quantization applies, and the checkpoint's ``quantization_config`` if the checkpoint itself is
+    quantized. A format nobody registered is refused by name, never loaded as if it were bf16."""
+    qconfig = config.raw.get("quantization_config")
+    if qconfig is not None:
+        name = qconfig.get("quant_method")
+        if name not in QUANTIZATIONS:
+            raise ModelPathError(f"the checkpoint is quantized with quant_method {name!r}, which is not supported "
+                                 f"(supported: {', '.join(sorted(QUANTIZATIONS)) or 'none'})")
+        if quantization not in (None, name):
+            raise ValueError(f"quantization={quantization!r} asked for a checkpoint already quantized with {name!r}")
+        return name, qconfig
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(sorted(QUANTIZATIONS)) or 'none'} (or unset), "
+                         f"got {quantization!r}")
+    return quantization, None
+
 
 SHIPPED_CONFIGS = Path(__file__).parent / "configs"
 LOAD_FORMATS = ("auto", "dummy")
@@ -115,10 +156,15 @@ def load_model(
     load_format: str = "auto",
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
+    quantization: str | None = None,
 ) -> tuple[nn.Module, ModelConfig, Path | None]:
     """Build the model class named by the config, fill in its weights, return (model, config, folder). The model
     is the chapter-01 model as built; :func:`~minisgl_ref.runtime.build_runtime` applies chapter 11's speed-ups
-    (fused kernels, folded norms) to it when it will serve on a GPU."""
+    (fused kernels, folded norms) to it when it will serve on a GPU.
+
+    A quantized checkpoint (its config's ``quantization_config``) loads through the registered
+    :class:`Quantization` of its ``quant_method``; ``quantization`` quantizes an ordinary checkpoint as it loads
+    (chapter 15). Dummy weights of a quantized config are drawn in full precision and quantized."""
     resolved = resolve_model_path(model_path, load_format)
     try:
         config = ModelConfig.from_file(resolved.config_file)
@@ -132,8 +178,11 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, config, device)
     config.dtype = torch_dtype
     model_cls = MODEL_REGISTRY[config.architecture]
+    method, qconfig = _quantization_of(config, quantization)
     with torch.device(device), _default_dtype(torch_dtype):
         model = model_cls(config)
+    if method is not None and qconfig is not None and load_format != "dummy":
+        QUANTIZATIONS[method].prepare_checkpoint(model, config, qconfig)
     if load_format == "dummy":
         model.load_weights(iter_dummy_weights(model_cls.checkpoint_shapes(config), device))
     else:
@@ -143,6 +192,8 @@ def load_model(
             model.load_weights(iter_safetensors(resolved.path, lazy=get_tp_info().size > 1))
         except FileNotFoundError as e:
             raise ModelPathError(str(e)) from e
+    if method is not None and (qconfig is None or load_format == "dummy"):
+        QUANTIZATIONS[method].quantize(model, config)
     return model.eval(), config, resolved.path
 
 

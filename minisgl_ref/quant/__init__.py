@@ -1,0 +1,1 @@
+"""Chapter 15: quantization (FP8 weights and an FP8 KV cache)."""

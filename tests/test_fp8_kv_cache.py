@@ -1,0 +1,115 @@
+"""Chapter 15: the FP8 KV cache (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``). What the pool stores and gives back,
+the engine running on it with the radix cache and chunked prefill, and the backends that cannot read it refusing
+by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisgl_ref import LLM, SamplingParams
+from minisgl_ref.attention.torch_native import NoCacheAttentionBackend
+from minisgl_ref.core.forward_batch import ForwardBatch
+from minisgl_ref.core.config import EngineConfig
+from minisgl_ref.kvcache.pool import KVPool, kv_pool_class
+from minisgl_ref.quant.fp8 import E4M3, E5M2, dequantize, quantize
+from minisgl_ref.quant.kv_cache import Fp8E5M2KVPool, Fp8KVPool
+from minisgl_ref.quant.registry import register_quantizations
+
+register_quantizations()
+
+
+def test_the_pool_stores_one_byte_and_gives_back_values():
+    pool = Fp8KVPool(2, 16, 2, 8, torch.float32)
+    assert pool.storage_dtype == E4M3 and pool.quantized and not KVPool(2, 16, 2, 8, torch.float32).quantized
+    assert Fp8KVPool.bytes_per_slot(2, 2, 8, torch.bfloat16) * 2 == KVPool.bytes_per_slot(2, 2, 8, torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(3, 2, 8, generator=g) * 4, torch.randn(3, 2, 8, generator=g) * 0.05
+    slots = torch.tensor([5, 1, 9])
+    pool.set_scales([1.0, 0.5], [1.0, 0.001])
+    pool.store(1, slots, k, v)
+    k_back, v_back = pool.gather(1, slots)
+    assert k_back.dtype == torch.float32
+    assert ((k_back - k).abs() <= k.abs() * 2**-4 + 1e-6).all()  # half a step of e4m3, in the normal range
+    assert ((v_back - v).abs() <= v.abs() * 2**-4 + 1e-6).all()  # the small values, scaled into the range
+    assert torch.equal(pool.k[1][5].float() * 0.5, k_back[0])  # stored * scale = value
+    assert not pool.k[0].float().any()  # another layer untouched
+    pool.move(torch.tensor([5]), torch.tensor([2]))  # moving KV moves the bytes (chapter 13's tree)
+    assert torch.equal(pool.k[1][2].view(torch.uint8), pool.k[1][5].view(torch.uint8))
+
+
+def test_scale_one_flushes_small_values_and_clamps_large_ones():
+    """The cost of a static scale of 1 (SGLang's default without checkpoint scales): below e4m3's smallest
+    subnormal (2^-9) a value is stored as zero, beyond 448 it is clamped."""
+    pool = Fp8KVPool(1, 4, 1, 4, torch.float32)
+    k = torch.tensor([[[1e-4, 0.01, 3.0, 1000.0]]])
+    pool.store(0, torch.tensor([0]), k, k)
+    back, _ = pool.gather(0, torch.tensor([0]))
+    assert back[0, 0, 0] == 0 and back[0, 0, 3] == 448
+    assert abs(back[0, 0, 2].item() - 3.0) < 3.0 * 2**-4
+
+
+def test_e5m2_has_the_range_and_half_the_precision():
+    pool = Fp8E5M2KVPool(1, 4, 1, 4, torch.float32)
+    assert pool.storage_dtype == E5M2
+    k = torch.tensor([[[1000.0, 3.3, 1.0, 0.0]]])
+    pool.store(0, torch.tensor([1]), k, k)
+    back, _ = pool.gather(0, torch.tensor([1]))
+    assert back[0, 0, 0] == 1024.0  # in range (e4m3 would clamp to 448), rounded to 2 mantissa bits
+    assert abs(back[0, 0, 1].item() - 3.3) <= 3.3 * 2**-3
+
+
+def test_the_names_are_registered_and_a_bad_one_is_refused():
+    assert kv_pool_class("fp8_e4m3") is Fp8KVPool and kv_pool_class("auto") is KVPool
+    with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto', 'fp8_e4m3' or 'fp8_e5m2', got 'int4'"):
+        EngineConfig(kv_cache_dtype="int4")
+
+
+class RoundedKVOracle(NoCacheAttentionBackend):
+    """Chapter 00's backend, with every key and value rounded through FP8 (scale 1) before attention reads it: what
+    an engine on an FP8 pool must compute, without a pool."""
+
+    def __init__(self, fp8: torch.dtype) -> None:
+        super().__init__()
+        self.fp8 = fp8
+
+    def forward(self, q, k, v, layer, batch, *, kv_stored=False):  # type: ignore[no-untyped-def]
+        one = torch.ones(())
+        k = dequantize(quantize(k, one, self.fp8), one, k.dtype)
+        v = dequantize(quantize(v, one, self.fp8), one, v.dtype)
+        return super().forward(q, k, v, layer, batch, kv_stored=kv_stored)
+
+
+def oracle_greedy(model, prompt: list[int], n: int, fp8: torch.dtype) -> list[int]:  # type: ignore[no-untyped-def]
+    seq = list(prompt)
+    backend = RoundedKVOracle(fp8)
+    for _ in range(n):
+        batch = ForwardBatch.for_full_sequences([seq], backend)
+        with torch.inference_mode():
+            logits = model.compute_logits(model(batch.input_ids, batch.positions, batch))
+        seq.append(int(logits[-1].argmax()))
+    return seq[len(prompt):]
+
+
+@pytest.mark.parametrize("kv, fp8", [("fp8_e4m3", E4M3), ("fp8_e5m2", E5M2)])
+def test_the_engine_on_an_fp8_cache_equals_the_rounded_oracle(kv, fp8):
+    """The paged engine on the reference backend, with chunked prefill (later chunks read earlier ones back from
+    the pool), decode, and the radix cache sharing a prefix between two prompts, produces exactly the greedy
+    tokens of the chapter-00 oracle whose attention reads keys and values rounded through the same format. So
+    the pool stores, scales and gives back what it should, at every position, and nothing else changes."""
+    llm = LLM(device="cpu", attention_backend="torch_native", kv_cache_dtype=kv, chunked_prefill_size=4,
+              max_total_tokens=2048)
+    assert llm.engine.kv_pool.quantized
+    prompts = [llm.tokenizer.encode(p) for p in ["The capital of France is", "def fibonacci(n):",
+                                                 "The capital of France is Paris. The capital of Italy is"]]
+    got = llm.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, got):
+        assert out.output_ids == oracle_greedy(llm.model, prompt, 10, fp8), llm.tokenizer.decode(prompt)
+    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+    llm.shutdown()
+
+
+def test_backends_that_cannot_read_it_are_refused_by_name():
+    with pytest.raises(ValueError, match="the triton attention backend cannot read a KV cache stored as "
+                                         "float8_e4m3fn with scales"):
+        LLM(device="cpu", attention_backend="triton", kv_cache_dtype="fp8_e4m3", max_total_tokens=512)
