@@ -358,7 +358,8 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory):
 
 def shared_prefix_tokens(path, backend: str, **engine_kw):  # type: ignore[no-untyped-def]
     """A small shared-prefix workload (2 system prompts x 3 questions, shuffled) through the engine with the radix
-    cache on: the greedy tokens, and the cascade's counters (``bench offline``'s, None without a cascade)."""
+    cache on: the greedy tokens, and the cascade's counters (``bench offline``'s, None without a cascade). With
+    an FP8 cache, its layers' key and value scales are set to 0.6 and 0.2 (not 1, so that they are exercised)."""
     from minisgl_ref import LLM, SamplingParams
     from minisgl_ref.bench.cascade_stats import cascade_stats
     from minisgl_ref.bench.workloads import shared_prefix_workload
@@ -367,20 +368,26 @@ def shared_prefix_tokens(path, backend: str, **engine_kw):  # type: ignore[no-un
     prompts = [[t % 300 + 3 for t in p] for p in wl.prompts]
     llm = LLM(path, device=DEVICE, attention_backend=backend, max_total_tokens=2048, page_size=4,
               cascade_min_prefix_len=8, **engine_kw)  # fmt: skip
+    if llm.engine.kv_pool.quantized:
+        layers = len(llm.engine.kv_pool.k)
+        llm.engine.kv_pool.set_scales([0.6] * layers, [0.2] * layers)
     stats = cascade_stats(llm)  # counting starts here
     out = llm.generate(prompts, SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True), use_tqdm=False)
     return [o.output_ids for o in out], stats
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("backend", ["torch_native", "triton"])
-def test_engine_same_greedy_tokens_with_the_cascade_on_and_off(tiny_path, backend):
+def test_engine_same_greedy_tokens_with_the_cascade_on_and_off(tiny_path, backend, kv):
+    """Greedy tokens are the same with the cascade on and off; with an FP8 KV cache too (chapter 15: the cascade
+    reads the stored numbers with the layer's scales, as the engine's own backend does)."""
     skip_unless(backend == "triton")
-    on, stats = shared_prefix_tokens(tiny_path, backend)
-    off, no_stats = shared_prefix_tokens(tiny_path, backend, disable_cascade_attention=True)
+    on, stats = shared_prefix_tokens(tiny_path, backend, kv_cache_dtype=kv)
+    off, no_stats = shared_prefix_tokens(tiny_path, backend, disable_cascade_attention=True, kv_cache_dtype=kv)
     assert no_stats is None and stats is not None
     assert stats.cascade_steps > 0 and stats.kv_tokens_cascade < stats.kv_tokens_plain  # the cascade really ran
     assert on == off
-    radix_off, none = shared_prefix_tokens(tiny_path, backend, disable_radix_cache=True)
+    radix_off, none = shared_prefix_tokens(tiny_path, backend, disable_radix_cache=True, kv_cache_dtype=kv)
     assert none is None and radix_off == on  # no radix cache: nothing is shared, no cascade
 
 

@@ -86,6 +86,7 @@ class TritonAttnBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
     supports_custom_mask = True  # the extend kernel reads ForwardBatch.extend_masks (chapter 13)
+    reads_quantized_kv = True  # FP8 cache numbers cast in the kernels, scales folded outside (chapter 15)
 
     def __init__(
         self,
@@ -187,13 +188,20 @@ class TritonAttnBackend(AttentionBackend):
         assert md is not None and md.qo_indptr is not None, "init_forward_metadata was not called for this step"
         lid = layer.layer_id
         k_buf, v_buf = self.kv_pool.k[lid], self.kv_pool.v[lid]
+        k_scale, v_scale = self.kv_pool.scales(lid)
+        if self.kv_pool.quantized:
+            # An FP8 cache (chapter 15): the new tokens too are read as the cache stores them (their stored
+            # numbers, exact in the query's dtype), so that every key and value is rounded alike, in every backend.
+            slots = batch.out_cache_loc
+            assert slots is not None
+            k, v = k_buf[slots].to(q.dtype), v_buf[slots].to(q.dtype)
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         extend_attention_fwd(
-            _last_dim_contiguous(q), _last_dim_contiguous(k.to(k_buf.dtype)), _last_dim_contiguous(v.to(v_buf.dtype)),
-            o, k_buf, v_buf, md.qo_indptr, md.kv_indptr, md.kv_indices, md.max_extend_len, layer.scale,
+            _last_dim_contiguous(q), _last_dim_contiguous(k.to(q.dtype)), _last_dim_contiguous(v.to(q.dtype)),
+            o, k_buf, v_buf, md.qo_indptr, md.kv_indptr, md.kv_indices, md.max_extend_len, layer.scale * k_scale,
             **md.extend_config, custom_mask=md.custom_mask, mask_offsets=md.mask_offsets,
         )  # fmt: skip
-        return o.flatten(1)
+        return _scaled(o, v_scale).flatten(1)
 
     def attend_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         md = self.forward_metadata
@@ -204,11 +212,12 @@ class TritonAttnBackend(AttentionBackend):
             md.mid_o, md.mid_lse = self._split_scratch(bs, num_heads, md.max_splits)
         assert md.mid_lse is not None
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        k_scale, v_scale = self.kv_pool.scales(lid)  # 1, 1 unless the cache is FP8 (chapter 15)
         decode_attention_fwd(
             _last_dim_contiguous(q), self.kv_pool.k[lid], self.kv_pool.v[lid], o, md.kv_indptr, md.kv_indices,
-            md.mid_o, md.mid_lse, layer.scale, md.max_splits, min_split_len=self.min_kv_split_len,
+            md.mid_o, md.mid_lse, layer.scale * k_scale, md.max_splits, min_split_len=self.min_kv_split_len,
         )  # fmt: skip
-        return o.flatten(1)
+        return _scaled(o, v_scale).flatten(1)
 
     # ---------------------------------------------------------------------------------------- CUDA graphs
 
@@ -251,6 +260,12 @@ class TritonAttnBackend(AttentionBackend):
         indptr(batch.seq_lens, out=kv_indptr)  # kv_indptr[0] stays 0 from allocation
         build_kv_indices(self.req_to_token.table, batch.req_pool_indices, batch.seq_lens, kv_indptr,
                          self.cuda_graph["kv_indices"])  # fmt: skip
+
+
+def _scaled(o: torch.Tensor, v_scale: float) -> torch.Tensor:
+    """The output of attention over values stored divided by ``v_scale``: it is linear in the values, so one
+    multiplication at the end applies the scale (none for a cache that stores the values themselves)."""
+    return o if v_scale == 1.0 else o.mul_(v_scale)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:

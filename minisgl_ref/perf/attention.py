@@ -32,8 +32,10 @@ from minisgl_ref.perf.split_decode import SplitDecode, load_kernel, supports
 
 def attention_planner(setup: AttentionSetup) -> AttentionPlanner:
     """The engine's planner with chapter 11's decode attention: the split-KV kernel installed in its backend,
-    and a cascade when one can help."""
-    install_split_decode(setup)
+    and a cascade when one can help. The split-KV kernel reads bf16 only: with an FP8 cache (chapter 15) it is
+    left out, and the cascade reads the cache as the engine's Triton backend does."""
+    if not setup.kv_pool.quantized:
+        install_split_decode(setup)
     cascade = make_cascade_backend(setup.config, setup.kv_pool, setup.req_to_token, setup.backend,
                                    num_q_heads=setup.num_q_heads)
     return AttentionPlanner(setup.backend) if cascade is None else CascadePlanner(setup.backend, cascade)

@@ -443,21 +443,26 @@ class CascadeDecodeBackend(AttentionBackend):
         md = self.md
         assert md is not None, "init_forward_metadata was not called for this step"
         lid = layer.layer_id
+        # An FP8 cache (chapter 15) is read as its stored numbers, the key scale folded into the softmax scale and
+        # the value scale applied to the output, as the engine's Triton backend does (both 1 otherwise).
+        k_scale, v_scale = self.kv_pool.scales(lid)
+        k_buf, v_buf = self.kv_pool.k[lid], self.kv_pool.v[lid]
         if not self.use_triton:
-            out = cascade_attention_reference(q, self.kv_pool.k[lid], self.kv_pool.v[lid], md["slots"], md["groups"],
-                                              layer.scale)  # fmt: skip
-            return out.flatten(1)
+            if self.kv_pool.quantized:
+                k_buf, v_buf = k_buf.to(q.dtype), v_buf.to(q.dtype)
+            out = cascade_attention_reference(q, k_buf, v_buf, md["slots"], md["groups"], layer.scale * k_scale)
+            return (out if v_scale == 1.0 else out * v_scale).flatten(1)
         from minisgl_ref.perf.cascade_kernels import cascade_decode_fwd
 
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         cascade_decode_fwd(
-            q if q.stride(-1) == 1 else q.contiguous(), self.kv_pool.k[lid], self.kv_pool.v[lid], o,
+            q if q.stride(-1) == 1 else q.contiguous(), k_buf, v_buf, o,
             self.req_to_token.table, md["rows"], md["seq_lens"], md["plan"], md["mid_o"], md["mid_lse"],
-            layer.scale, max_prefix_pieces=self.max_pieces, max_splits=md["splits"],
+            layer.scale * k_scale, max_prefix_pieces=self.max_pieces, max_splits=md["splits"],
             prefix_programs=self.prefix_programs, min_split_len=self.min_kv_split_len, block_m=self.block_m,
             small_block_m=self.small_block_m,
         )  # fmt: skip
-        return o.flatten(1)
+        return (o if v_scale == 1.0 else o.mul_(v_scale)).flatten(1)
 
     def attend_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch

@@ -73,6 +73,8 @@ def attend_slots(
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
         )
+        if k.dtype.is_fp8():  # an FP8 cache (chapter 15): its numbers in the query's dtype; the caller folds the
+            k = k.to(q.dtype)  # layer's key scale into sm_scale and multiplies the output by the value scale
         if UPCAST:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [ROWS, BLOCK_N]
@@ -86,6 +88,8 @@ def attend_slots(
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
         )
+        if v.dtype.is_fp8():
+            v = v.to(q.dtype)
         p = p.to(v.dtype)  # like FlashAttention: probabilities in the input dtype for the second matmul
         if UPCAST:
             p, v = p.to(tl.float32), v.to(tl.float32)

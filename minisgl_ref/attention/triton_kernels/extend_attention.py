@@ -103,6 +103,8 @@ def _extend_kernel(
                 mask=mask_n[:, None] & mask_d[None, :],
                 other=0.0,
             )
+            if k.dtype.is_fp8():  # an FP8 cache (chapter 15): its numbers in the query's dtype, scaled outside
+                k = k.to(q.dtype)
             if UPCAST:
                 k = k.to(tl.float32)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
@@ -112,6 +114,8 @@ def _extend_kernel(
                 mask=mask_n[:, None] & mask_d[None, :],
                 other=0.0,
             )
+            if v.dtype.is_fp8():
+                v = v.to(Q.dtype.element_ty)
             # Online softmax: rescale what was accumulated under the old running max, add this block.
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
