@@ -133,3 +133,19 @@ def test_a_backend_that_cannot_read_it_is_refused_by_name(monkeypatch):
     with pytest.raises(ValueError, match="the triton attention backend cannot read a KV cache stored as "
                                          "float8_e4m3fn with scales .*; use torch_native"):
         LLM(device="cpu", attention_backend="triton", kv_cache_dtype="fp8_e4m3", max_total_tokens=512)
+
+
+def test_defaults_that_cannot_read_it_give_way_to_triton():
+    """On an H100 the defaults are FlashAttention-3 for prefill and FlashInfer for decode; neither reads an FP8
+    cache here, so both phases default to Triton. An explicit choice is kept (and refused by name above)."""
+    from unittest import mock
+
+    from minisgl_ref.attention import registry
+
+    with mock.patch.object(registry, "default_backends", return_value=("fa3", "flashinfer")):
+        cfg = EngineConfig(kv_cache_dtype="fp8_e4m3")
+        assert registry.resolve_backend_names(cfg, torch.device("cpu"), quantized_kv=True) == ("triton", "triton")
+        assert registry.resolve_backend_names(cfg, torch.device("cpu")) == ("fa3", "flashinfer")
+        explicit = EngineConfig(kv_cache_dtype="fp8_e4m3", decode_attention_backend="flashinfer")
+        assert registry.resolve_backend_names(explicit, torch.device("cpu"), quantized_kv=True) == ("triton",
+                                                                                                     "flashinfer")

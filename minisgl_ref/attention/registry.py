@@ -68,11 +68,15 @@ def default_backends(device: torch.device, dtype: torch.dtype = torch.bfloat16) 
 
 
 def resolve_backend_names(
-    config: EngineConfig, device: torch.device, dtype: torch.dtype = torch.bfloat16
+    config: EngineConfig, device: torch.device, dtype: torch.dtype = torch.bfloat16, *, quantized_kv: bool = False
 ) -> tuple[str, str]:
     """The (prefill, decode) pair for this engine: explicit per-phase flags, then ``--attention-backend``, then
-    the device default."""
+    the device default. A default that cannot read a quantized KV cache (chapter 15: FlashAttention-3 and, here,
+    FlashInfer) gives way to the Triton backend, which can; an explicit choice is kept (and refused by name when
+    it cannot)."""
     auto_prefill, auto_decode = default_backends(device, dtype)
+    if quantized_kv:
+        auto_prefill, auto_decode = (n if _reads_quantized_kv(n) else "triton" for n in (auto_prefill, auto_decode))
     prefill = config.prefill_attention_backend or config.attention_backend or auto_prefill
     decode = config.decode_attention_backend or config.attention_backend or auto_decode
     return prefill, decode
@@ -132,17 +136,18 @@ BACKENDS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 }
 
 
+def _reads_quantized_kv(name: str) -> bool:
+    """Whether backend ``name`` reads a quantized KV pool (chapter 15); False where its module cannot import."""
+    module, class_name, _ = BACKENDS[name]
+    try:
+        return bool(getattr(importlib.import_module(f"minisgl_ref.attention.{module}"), class_name).reads_quantized_kv)
+    except ImportError:
+        return False
+
+
 def _quantized_kv_backends() -> list[str]:
     """The backends that read a quantized KV pool (chapter 15)."""
-    out = []
-    for name, (module, class_name, _) in BACKENDS.items():
-        try:
-            cls = getattr(importlib.import_module(f"minisgl_ref.attention.{module}"), class_name)
-        except ImportError:
-            continue
-        if cls.reads_quantized_kv:
-            out.append(name)
-    return out
+    return [name for name in BACKENDS if _reads_quantized_kv(name)]
 
 
 def build_backend(
@@ -179,7 +184,7 @@ def create_attention_backend(
     buffers of Triton need it before the first layer runs)."""
     device = torch.device(device)
     dtype = kv_pool.dtype  # what attention computes in (the buffers may be smaller: chapter 15)
-    prefill, decode = resolve_backend_names(config, device, dtype)
+    prefill, decode = resolve_backend_names(config, device, dtype, quantized_kv=kv_pool.quantized)
     # Check both before building either, so that the error names the first problem and nothing is allocated.
     check_backend_can_run(prefill, device, dtype)
     check_backend_can_run(decode, device, dtype)

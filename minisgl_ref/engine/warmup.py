@@ -159,7 +159,8 @@ def shapes_of(model: torch.nn.Module, config: ModelConfig, engine: EngineConfig,
     from minisgl_ref.layers.attention import AttentionLayer
 
     layer = next(m for m in model.modules() if isinstance(m, AttentionLayer))
-    prefill, decode = resolve_backend_names(engine, device, config.dtype)
+    prefill, decode = resolve_backend_names(engine, device, config.dtype,
+                                            quantized_kv=engine.kv_cache_dtype != "auto")  # chapter 15's FP8 cache
     return KernelShapes(layer.num_heads, layer.num_kv_heads, config.head_dim, config.hidden_size,
                         config.intermediate_size, config.vocab_size, config.dtype, decode, prefill)
 
