@@ -267,3 +267,22 @@ def test_stacked_experts_are_refused_by_name(tmp_path):
     folder = save_tiny(tmp_path, qwen3_moe_config())
     with pytest.raises(ValueError, match="stacked 3-D tensors .* FP8 quantization does not cover"):
         load_model(str(folder), dtype="float32", quantization="fp8")
+
+
+def test_the_floor_counts_the_bytes_as_stored():
+    """``bench offline``'s floor reads what the engine stores: one byte per FP8 weight (plus its scales) and per
+    FP8 cache element, not the config's dtype."""
+    from minisgl_ref import LLM
+    from minisgl_ref.bench.offline import stored_bytes, weight_bytes
+
+    plain = LLM(device="cpu", dtype="bfloat16", max_total_tokens=256)
+    both = LLM(device="cpu", dtype="bfloat16", quantization="fp8", kv_cache_dtype="fp8_e4m3", max_total_tokens=256)
+    w_plain, kv_plain = stored_bytes(plain)
+    w_fp8, kv_fp8 = stored_bytes(both)
+    assert w_plain == weight_bytes(plain.config) and kv_plain == plain.config.kv_bytes_per_token
+    assert kv_fp8 * 2 == kv_plain
+    projections = sum(layer.weight.numel() for _, layer in linear_layers(both.model))
+    scales = sum(layer.weight_scale_inv.numel() for _, layer in linear_layers(both.model))
+    assert w_fp8 == w_plain - projections + 4 * scales  # two bytes became one, plus float32 scales
+    plain.shutdown()
+    both.shutdown()

@@ -59,9 +59,11 @@ from minisgl_ref.bench.provenance import collect_provenance
 from minisgl_ref.bench.workloads import Workload, canonical_workload, shared_prefix_workload, warmup_workload
 from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.bench.step_trace import StepTrace
+from minisgl_ref.layers.linear import UNQUANTIZED
 from minisgl_ref.models.config import ModelConfig
 from minisgl_ref.models.loader import MODEL_REGISTRY, shipped_config_names
 from minisgl_ref.models.weights import checkpoint_shapes
+from minisgl_ref.quant.linear import linear_layers
 
 # ------------------------------------------------------------------------------------------------ presets
 
@@ -242,12 +244,35 @@ def routed_floor_seconds(config: ModelConfig, record: dict[str, Any], context_to
     return total / bandwidth
 
 
-def workload_floor_seconds(workload: Workload, config: ModelConfig, bandwidth: float) -> float:
-    """:func:`roofline_floor_seconds` of a workload on a model (all requests run to ``max_new_tokens``)."""
+def stored_bytes(llm) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """``(weight bytes, KV bytes per token)`` as this engine stores them: chapter 11's counts from the config,
+    unless chapter 15 stores fewer. FP8 projections: the bytes of the built model's parameters (one per weight,
+    plus the float32 scales; one process's model, so tensor parallelism keeps the config's count). An FP8 cache:
+    one byte per key and value element."""
+    config = llm.config
+    weights = weight_bytes(config)
+    quantized = any(layer.quant_method is not UNQUANTIZED for _, layer in linear_layers(llm.model))
+    if quantized and getattr(llm, "tp_size", 1) == 1:
+        seen: dict[int, int] = {}
+        for p in llm.model.parameters():  # a tied embedding is one tensor, counted once
+            seen[p.data_ptr()] = p.numel() * p.element_size()
+        weights = sum(seen.values())
+    pool = getattr(getattr(llm, "engine", None), "kv_pool", None)
+    kv = config.kv_bytes_per_token
+    if pool is not None and pool.quantized:
+        kv = type(pool).bytes_per_slot(config.num_layers, config.num_kv_heads, config.head_dim, config.dtype)
+    return weights, kv
+
+
+def workload_floor_seconds(workload: Workload, config: ModelConfig, bandwidth: float,
+                           stored: tuple[int, int] | None = None) -> float:
+    """:func:`roofline_floor_seconds` of a workload on a model (all requests run to ``max_new_tokens``);
+    ``stored``: the engine's own ``(weight bytes, KV bytes per token)`` (:func:`stored_bytes`), if not the
+    config's."""
     prompt_lens = [len(p) for p in workload.prompts]
     output_lens = [p["max_new_tokens"] for p in workload.sampling_params]
-    return roofline_floor_seconds(prompt_lens, output_lens, weight_bytes(config), config.kv_bytes_per_token,
-                                  bandwidth)
+    weights, kv = stored or (weight_bytes(config), config.kv_bytes_per_token)
+    return roofline_floor_seconds(prompt_lens, output_lens, weights, kv, bandwidth)
 
 
 # ------------------------------------------------------------------------------------------------- models
@@ -266,11 +291,12 @@ class ModelSpec:
     context_length: int | None = None
     name: str = ""
     config: dict[str, Any] | None = None
+    quantization: str | None = None  # chapter 15: store an ordinary checkpoint's projections in FP8
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name or str(self.path), "path": self.path, "load_format": self.load_format,
                 "dtype": self.dtype, "device": self.device, "context_length": self.context_length,
-                "config": self.config}
+                "config": self.config, "quantization": self.quantization}
 
 
 def quick_model(device: str | None = "cpu") -> ModelSpec:
@@ -279,7 +305,8 @@ def quick_model(device: str | None = "cpu") -> ModelSpec:
 
 
 def resolve_model(model_path: str | None, load_format: str | None, *, quick: bool, dtype: str = "auto",
-                  device: str | None = None, context_length: int | None = None) -> ModelSpec:
+                  device: str | None = None, context_length: int | None = None,
+                  quantization: str | None = None) -> ModelSpec:
     """The model the CLI flags ask for. Without ``--model-path``: the tiny model under ``--quick``, else
     Qwen3-0.6B with dummy weights. Without ``--load-format``: dummy weights for a shipped config name such as
     ``qwen3-0.6b`` (there are no real ones here), the checkpoint's own weights for anything else."""
@@ -292,6 +319,7 @@ def resolve_model(model_path: str | None, load_format: str | None, *, quick: boo
     if load_format is not None:
         spec.load_format = load_format
     spec.dtype, spec.device, spec.context_length = dtype, device, context_length
+    spec.quantization = quantization
     return spec
 
 
@@ -301,7 +329,8 @@ def build_llm(model: ModelSpec, engine: str, engine_kwargs: dict[str, Any]):  # 
 
     def make(path: str | None):  # type: ignore[no-untyped-def]
         return LLM(path, load_format=model.load_format, dtype=model.dtype, device=model.device,
-                   context_length=model.context_length, engine=engine, **engine_kwargs)
+                   context_length=model.context_length, engine=engine, quantization=model.quantization,
+                   **engine_kwargs)
 
     if model.config is None:
         return make(model.path)
@@ -521,7 +550,7 @@ def measure(llm, stage: str, workload: Workload, bandwidth: float,  # type: igno
     if on_cuda:
         assert caches is not None
         result.compiled_during_run = {k: v - caches[k] for k, v in count_cache_entries().items()}
-        result.roofline_floor_s = workload_floor_seconds(workload, llm.config, bandwidth)
+        result.roofline_floor_s = workload_floor_seconds(workload, llm.config, bandwidth, stored_bytes(llm))
         result.roofline_fraction = result.roofline_floor_s / wall
     counter = getattr(getattr(llm, "runtime", None), "expert_distribution", None)
     if counter is not None:
@@ -689,6 +718,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         torch.set_num_threads(args.cpu_threads)
     workload = workload_from_args(args)
     model = resolve_model(args.model_path, args.load_format, quick=args.quick, dtype=args.dtype,
+                          quantization=getattr(args, "quantization", None),
                           device=args.device, context_length=args.context_length)
     kwargs = resolve_engine_kwargs(engine_kwargs, args.quick)
     if getattr(args, "enable_expert_distribution_metrics", False):
