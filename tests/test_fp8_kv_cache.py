@@ -149,3 +149,22 @@ def test_defaults_that_cannot_read_it_give_way_to_triton():
         explicit = EngineConfig(kv_cache_dtype="fp8_e4m3", decode_attention_backend="flashinfer")
         assert registry.resolve_backend_names(explicit, torch.device("cpu"), quantized_kv=True) == ("triton",
                                                                                                      "flashinfer")
+
+
+@pytest.mark.gpu
+def test_gpu_triton_in_cuda_graphs_reads_the_fp8_cache_as_the_reference():
+    """bf16 on a GPU: the default backends give way to Triton, whose decode steps replay from CUDA graphs; the
+    greedy tokens equal the reference backend's (eager) on the same FP8 cache."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    prompts = [[1, 5, 9, 200, 17, 3, 44, 90, 12], [7, 8, 300, 41], list(range(100, 131))]
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    outs = {}
+    for name in (None, "torch_native"):
+        kw = {} if name is None else {"attention_backend": name, "disable_cuda_graph": True}
+        llm = LLM(device="cuda", dtype="bfloat16", kv_cache_dtype="fp8_e4m3", max_total_tokens=4096, **kw)
+        if name is None:
+            assert llm.engine.kv_pool.quantized
+        outs[name] = [o.output_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.shutdown()
+    assert outs[None] == outs["torch_native"]

@@ -286,3 +286,26 @@ def test_the_floor_counts_the_bytes_as_stored():
     assert w_fp8 == w_plain - projections + 4 * scales  # two bytes became one, plus float32 scales
     plain.shutdown()
     both.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fp8", "w8a8_fp8"])
+def test_gpu_fp8_projections_equal_the_reference(name):
+    """On a GPU the projections take the FP8 tensor cores (``torch._scaled_mm`` per channel, the Triton kernel
+    for group scales); each equals the dequantizing reference on the same inputs to bf16 rounding, and the
+    engine, CUDA graphs on, runs the model."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from minisgl_ref import LLM, SamplingParams
+
+    llm = LLM(device="cuda", dtype="bfloat16", quantization=name, max_total_tokens=4096)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for _, layer in linear_layers(llm.model)[:8]:
+        x = torch.randn(37, layer.weight.shape[1], device="cuda", dtype=torch.bfloat16, generator=g)
+        fast = layer.quant_method.apply(layer, x, None).float()
+        ref = layer.quant_method.reference(layer, x, None).float()
+        assert relative_error(fast, ref) < 1e-2
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_new_tokens=8),
+                       use_tqdm=False)
+    assert out[0].output_ids
+    llm.shutdown()

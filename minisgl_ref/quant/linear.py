@@ -18,8 +18,9 @@ Two ways in:
 The product is W8A8: the activation is quantized too, per token (or per token and 128-feature group, matching the
 weight's blocks), at run time from its own amax (SGLang's "dynamic" activation scheme). With both operands in FP8 a
 Hopper GPU multiplies them in its FP8 tensor cores, through ``torch._scaled_mm`` for per-channel scales; anywhere
-else (a CPU, or block scales, for which this engine has no fused kernel yet) :meth:`Fp8LinearMethod.reference`
-computes the same numbers by dequantizing both and multiplying in float32.
+else (a CPU) :meth:`Fp8LinearMethod.reference`
+computes the same numbers by dequantizing both and multiplying in float32. Group scales on a GPU go through a
+Triton kernel of our own (:mod:`~minisgl_ref.quant.fp8_gemm`).
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ class Fp8LinearMethod:
         return layer.weight_scale if self.block is None else layer.weight_scale_inv
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.block is None and x.is_cuda and scaled_mm_supported(x.device):
-            return self.scaled_mm(layer, x, bias)
+        if x.is_cuda and scaled_mm_supported(x.device):
+            return self.scaled_mm(layer, x, bias) if self.block is None else self.group_gemm(layer, x, bias)
         return self.reference(layer, x, bias)
 
     def reference(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -91,6 +92,22 @@ class Fp8LinearMethod:
         qx, sx = quantize_activation(flat)
         out = torch._scaled_mm(qx, layer.weight.t(), scale_a=sx, scale_b=layer.weight_scale.t(),
                                out_dtype=x.dtype if x.dtype != torch.float32 else torch.bfloat16)
+        if bias is not None:
+            out = out + bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+    def group_gemm(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Group scales (one per row and ``block[1]`` columns, both operands): the Triton kernel of
+        :mod:`~minisgl_ref.quant.fp8_gemm`, which applies them group by group along K."""
+        from minisgl_ref.quant.fp8_gemm import group_scaled_gemm  # imports triton
+
+        assert self.block is not None
+        group = self.block[1]
+        k = x.shape[-1]
+        qx, sx = quantize_activation(x.reshape(-1, k), group)
+        out_dtype = x.dtype if x.dtype != torch.float32 or not x.is_cuda else torch.float32
+        out = group_scaled_gemm(qx, sx, layer.weight, layer.weight_scale_inv, group, out_dtype)
         if bias is not None:
             out = out + bias
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
