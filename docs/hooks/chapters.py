@@ -117,6 +117,8 @@ CHAPTER_PLAN: tuple[tuple[str, str, str], ...] = (
      "acceptance rule, n-gram and draft-model proposers, KV rollback, through the engine's guess seams"),
     ("14", "Mixture of experts", "routers, experts sorted and padded for one grouped-GEMM kernel, Qwen3-MoE and "
      "Mixtral through the loader's registration seam"),
+    ("15", "Quantization", "FP8 formats and scales, FP8 projections through the linear-layer seam, an FP8 KV "
+     "cache, perplexity against bf16, the floor with half the bytes"),
 )
 
 #: Tags that fold both the code and its outputs into one collapsed block.

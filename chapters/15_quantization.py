@@ -1,0 +1,404 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 15 — Quantization
+#
+# **What you will build.** The scales that let a tensor live in one byte per number (`minisgl_ref/quant/fp8.py`),
+# and see them at work in the engine's two largest streams of bytes: the weights of every projection (an FP8
+# linear layer) and the KV cache (an FP8 pool).
+#
+# **Why it matters.** Chapter 11 showed that a decode step is bound by memory: it must read every weight once,
+# and every token's context from the KV cache, and at a few thousand tokens a second the GPU spends its time
+# waiting for those bytes, not multiplying them. Store each number in one byte instead of two and the floor of a
+# step halves. The price is precision: an FP8 number keeps three bits of mantissa where bfloat16 keeps seven. This
+# chapter measures that price on real text and shows where it is paid.
+#
+# In this chapter you will:
+#
+# 1. take apart the two FP8 formats (e4m3, e5m2) next to bfloat16: range, precision, the smallest numbers;
+# 2. scale real weights into e4m3 per tensor, per channel and per block, and measure the error of each;
+# 3. build an FP8 projection: the weight stored in e4m3, activations quantized on the fly, and the matmul of the
+#    two (the dequantizing reference, and a Triton kernel that applies the scales group by group);
+# 4. store the KV cache in FP8 and see which keys and values a fixed scale cannot hold;
+# 5. measure what it costs: the perplexity of a fixed text with FP8 weights, an FP8 cache and both;
+# 6. compute what it buys: the floor of chapter 11's canonical workload with half the bytes.
+#
+# Modules: `minisgl_ref/quant/` (`fp8.py` the formats and scales, `linear.py` FP8 projections, `fp8_gemm.py` the
+# Triton matmul, `kv_cache.py` the FP8 pool, `registry.py` their registration with the core's seams) and
+# `minisgl_ref/bench/perplexity.py`. The core declares three seams and never imports this package: a linear layer's
+# `quant_method`, the loader's `register_quantization`, and the pool's `register_kv_cache_dtype`.
+
+# %% tags=["setup"]
+import json
+import os
+import time
+import warnings
+
+warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm's widget bar; its text bar is enough here
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernel below runs in Triton's interpreter on a CPU
+
+import matplotlib.pyplot as plt
+import numpy as np
+from IPython.display import display
+
+from minisgl_ref import LLM
+from minisgl_ref.bench.offline import roofline_floor_seconds, weight_bytes
+from minisgl_ref.bench.workloads import canonical_workload
+from minisgl_ref.book import setup_chapter, show_code, show_table, wrap
+from minisgl_ref.models import ModelConfig, load_model
+from minisgl_ref.models.embedded import embedded_model_path
+from minisgl_ref.models.loader import SHIPPED_CONFIGS
+from minisgl_ref.quant.fp8 import (
+    E4M3,
+    E5M2,
+    dequantize_weight,
+    expand_block_scale,
+    quantize_activation,
+    quantize_weight,
+    scale_per_tensor,
+)
+from minisgl_ref.quant.fp8_gemm import group_scaled_gemm
+from minisgl_ref.quant.kv_cache import Fp8KVPool
+from minisgl_ref.quant.linear import Fp8LinearMethod, linear_layers
+from minisgl_ref.quant.registry import register_quantizations
+
+CHAPTER_START = time.perf_counter()
+ROOT = setup_chapter()
+register_quantizations()  # what build_runtime does; load_model below is called directly
+
+# %% [markdown]
+# ## 1. Numbers in one byte
+#
+# A floating-point number is a sign, an exponent and a mantissa: `(-1)^s * 2^(e - bias) * 1.m`. How the bits are
+# shared between exponent and mantissa decides the format's range (the exponent) and its precision (the mantissa).
+# bfloat16 gives 8 bits to the exponent, like float32, and 7 to the mantissa. The two FP8 formats have 7 bits for
+# both together:
+
+# %%
+rows = []
+for name, dtype, bits in [("bfloat16", torch.bfloat16, (8, 7)), ("e4m3 (float8_e4m3fn)", E4M3, (4, 3)),
+                          ("e5m2 (float8_e5m2)", E5M2, (5, 2))]:
+    info = torch.finfo(dtype)
+    rows.append([name, f"1 + {bits[0]} + {bits[1]}", f"{info.max:,.0f}" if info.max < 1e6 else f"{info.max:.2e}",
+                 f"{info.smallest_normal:.2e}",
+                 f"{info.smallest_normal * 2.0 ** -bits[1]:.2e}", f"{2.0 ** -bits[1]:.1%}"])
+display(show_table(rows, headers=["format", "sign + exponent + mantissa", "largest", "smallest normal",
+                                  "smallest subnormal", "step / value (worst)"]))
+
+# %% [markdown]
+# e4m3 reaches only 448 (it gives up infinities to keep one more binade), and between two neighbouring numbers
+# there is a gap of up to 12.5% of their size: rounding to the nearest costs at most half of that, 6.25%, and
+# about 2.6% on average for normally distributed weights (section 2 measures it). e5m2 reaches 57,344 with half
+# the precision. The numbers are not evenly spread: every binade `[2^e, 2^(e+1))` holds the same eight e4m3 values,
+# so the *relative* gap is the same at every size, down to the smallest normal number, 2^-6. Below it the
+# subnormals keep a fixed absolute gap (2^-9), so small numbers lose their relative precision, and anything below
+# half of 2^-9 is zero:
+
+# %% alt="Log-log scatter plot of every positive finite e4m3 value (x, from about 0.002 to 448) against the gap to the next value divided by the value (y). From 2^-6 = 0.0156 up to 448 the points form a sawtooth between 6.25% and 12.5%; below 2^-6, in the subnormal range, the relative gap rises steeply to 100% at the smallest value 2^-9." caption="The relative spacing of the positive e4m3 values: a constant sawtooth over the normal range, rising steeply among the subnormals below 2^-6." tags=["hide-input"]
+values = torch.arange(1, 127, dtype=torch.uint8).view(E4M3).float()  # bit patterns 1..126: every positive finite
+gaps = (values[1:] - values[:-1]) / values[:-1]
+fig, ax = plt.subplots(figsize=(6.2, 3.0))
+ax.loglog(values[:-1].numpy(), gaps.numpy(), ".", ms=4)
+ax.axvline(2.0**-6, color="0.5", ls="--", lw=1)
+ax.text(2.0**-6 * 1.15, 0.5, "smallest normal, 2^-6", fontsize=8)
+ax.set_xlabel("e4m3 value")
+ax.set_ylabel("gap to the next / value")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Figure 15.1 is the whole story of e4m3 in one picture: wherever a number lands in the normal range it keeps the
+# same relative precision, so what matters is only that it lands there. That is what a *scale* does: store
+# `q = fp8(x / s)` and `s` beside it, choosing `s` so that the numbers fill the range.
+
+# %% [markdown]
+# ## 2. Scales
+#
+# The common choice is `s = amax(|x|) / 448`: the largest number of a group lands exactly on the format's top, the
+# rest below it. How many numbers share one scale is the design decision:
+
+# %%
+show_code(quantize_weight)
+
+# %% [markdown]
+# One scale per tensor is the cheapest and the most fragile: a single outlier sets the scale for everything, and a
+# row of small weights next to a row of large ones is pushed below 2^-6, into the subnormals or to zero. One scale
+# per output row (per channel) gives each row its own range. One scale per tile (DeepSeek-V3's and Qwen3's FP8
+# checkpoints use 128 x 128) or per row and 128-column group is finer still. On the embedded model's projections:
+
+# %%
+dense, _, _ = load_model(str(embedded_model_path()), dtype="float32")
+
+
+def rel_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((approx - exact).norm() / exact.norm()).item()
+
+
+schemes = {"per tensor": "tensor", "per channel": None, "128 x 128 tiles": (128, 128), "row x 128 groups": (1, 128)}
+rows = []
+for name, layer in [(n, m) for n, m in linear_layers(dense) if n.startswith(("layers.0.", "layers.15."))]:
+    w = layer.weight.data
+    row = [name]
+    for block in schemes.values():
+        if block == "tensor":
+            s = scale_per_tensor(w)
+            row.append(f"{rel_error((w / s).to(E4M3).float() * s, w):.2%}")
+        else:
+            q, s = quantize_weight(w, block)
+            row.append(f"{rel_error(dequantize_weight(q, s, block), w):.2%}")
+    rows.append(row)
+display(show_table(rows, headers=["projection"] + list(schemes)))
+
+# %% [markdown]
+# Every scheme lands near 2.6%, the average rounding error of a 3-bit mantissa: this model's weights have no
+# outliers that one scale per tensor would suffer from, so finer scales buy little here. What they buy elsewhere
+# is safety against the rows and features whose range differs from the rest: activations have such features
+# (a few hidden dimensions of most LLMs carry values a hundred times larger than the others), which is why they
+# are scaled per token, or per token and group.
+
+# %% [markdown]
+# ## 3. FP8 projections
+#
+# A projection becomes FP8 in place: its `weight` is replaced by an e4m3 tensor of the same shape, a float32 scale
+# tensor joins it, and its `quant_method` (the seam that `ColumnParallelLinear` and `RowParallelLinear` call for
+# their product) becomes an `Fp8LinearMethod`. The activation is quantized on the fly, from its own amax, and the
+# product is of two FP8 operands (W8A8). The reference computes it by dequantizing both:
+
+# %%
+show_code(Fp8LinearMethod.reference)
+
+# %% [markdown]
+# On a Hopper GPU the same product runs on the FP8 tensor cores. With one scale per output channel and one per
+# token, the scales factor out of the sum entirely (`C[t, o] = s_x[t] s_w[o] sum_k q_x[t, k] q_w[o, k]`), which is
+# what `torch._scaled_mm`'s row-wise scaling computes (`--quantization w8a8_fp8`, SGLang's name). With a scale per
+# 128-column group they change along the sum, so the kernel must step through K one group at a time and scale each
+# group's partial product before adding it; `minisgl_ref/quant/fp8_gemm.py` does that in Triton. Its inner loop:
+
+# %%
+KERNEL = (ROOT / "minisgl_ref" / "quant" / "fp8_gemm.py").read_text()
+show_code("def _group_scaled_gemm_kernel(A, B, C, As, Bs, M, N, K, ...):  # one tile of C, one group of K a step\n"
+          + KERNEL[KERNEL.index("    acc = tl.full("):KERNEL.index("    tl.store(C")].rstrip() + "\n")
+
+# %%
+g = torch.Generator().manual_seed(0)
+x = torch.randn(5, 300, generator=g) * torch.logspace(-2, 2, 300)  # features of very different sizes
+w = torch.randn(70, 300, generator=g)
+qx, sx = quantize_activation(x, 128)
+qw, sw = quantize_weight(w, (1, 128))
+reference = (qx.float() * expand_block_scale(sx, (1, 128), (5, 300))) @ dequantize_weight(qw, sw, (1, 128)).t()
+kernel = group_scaled_gemm(qx, sx, qw, sw, 128, torch.float32)
+print(wrap(f"kernel against the dequantized product: max |difference| {(kernel - reference).abs().max():.1e} "
+           f"(largest output {reference.abs().max():.0f}); against full precision: "
+           f"{rel_error(kernel, x @ w.t()):.2%} relative error"))
+
+# %% [markdown]
+# There are two ways in, both through the loader's `register_quantization` seam. `--quantization fp8` quantizes an
+# ordinary checkpoint as it loads (one scale per row and 128-column group). A checkpoint stored in FP8 (its
+# `config.json` has `quantization_config` with `quant_method: fp8` and `weight_block_size: [128, 128]`) loads as
+# stored: each projection's `weight` in e4m3 and its `weight_scale_inv` tiles, spread over the rows as the layer
+# needs them. A fused layer such as q/k/v cannot keep the checkpoint's tiles: SmolLM2's k rows start at row 576,
+# in the middle of a tile. Anything the engine cannot load as stored (a static activation scale, e5m2 weights,
+# stacked MoE experts) is refused by name. The model after `--quantization fp8`:
+
+# %%
+fp8_model, _, _ = load_model(str(embedded_model_path()), dtype="float32", quantization="fp8")
+qkv = fp8_model.layers[0].self_attn.qkv_proj
+print(wrap(f"layers.0.self_attn.qkv_proj: weight {tuple(qkv.weight.shape)} {qkv.weight.dtype}, "
+           f"weight_scale_inv {tuple(qkv.weight_scale_inv.shape)} {qkv.weight_scale_inv.dtype}"))
+before = sum(p.numel() * 2 for p in dense.parameters())  # as bfloat16
+after = sum(p.numel() * (1 if p.dtype == E4M3 else 4 if name.endswith("weight_scale_inv") else 2)
+            for name, p in fp8_model.named_parameters())
+print(wrap(f"weights: {before / 1e6:.0f} MB in bfloat16, {after / 1e6:.0f} MB with FP8 projections (the "
+           f"embedding, tied to the LM head, stays in bfloat16: {dense.embed_tokens.weight.numel() * 2 / 1e6:.0f} MB "
+           f"of it)"))
+
+# %% [markdown]
+# ## 4. An FP8 KV cache
+#
+# `--kv-cache-dtype fp8_e4m3` stores every key and value in one byte, with one scale per layer for the keys and one
+# for the values. The scale is *static*: a key written now must still mean the same thing thousands of steps later,
+# when the pool holds many requests' keys under it. SGLang takes the scales from the checkpoint and uses 1 when it
+# has none; so does this pool. Writing quantizes, and the reference attention reads through `gather`:
+
+# %%
+show_code(Fp8KVPool.store)
+
+# %%
+show_code(Fp8KVPool.gather)
+
+# %% [markdown]
+# The Triton kernels read the stored numbers directly and cast them as they load a tile; the key scale is folded
+# into the softmax scale and the value scale into the output (attention is linear in the values), so the scales
+# cost nothing per element. FlashAttention-3 takes FP8 keys only with FP8 queries, and this engine's FlashInfer path
+# has no FP8 plan yet, so with an FP8 cache both phases default to the Triton backend (chapter 07), and asking for
+# one of the others is refused by name.
+#
+# With a scale of 1 a stored number is the value itself, so Figure 15.1 says which values suffer: those below 2^-6
+# lose precision and those below 2^-10 become zero. The keys and values of one prompt, layer by layer:
+
+# %%
+probe = LLM(device="cpu", attention_backend="torch_native", max_total_tokens=2048)
+text_ids = probe.tokenizer.encode((ROOT / "minisgl_ref" / "bench" / "texts" / "perplexity.txt").read_text())[:512]
+stored: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+plain_store = probe.engine.kv_pool.store
+
+
+def watch_store(layer_id, slots, k, v):  # type: ignore[no-untyped-def]
+    stored[layer_id] = (k.detach().clone(), v.detach().clone())  # what the pool is asked to keep
+    plain_store(layer_id, slots, k, v)
+
+
+probe.engine.kv_pool.store = watch_store
+probe.generate([text_ids], {"max_new_tokens": 1, "temperature": 0}, use_tqdm=False)
+probe.shutdown()
+small = {"keys": [], "values": []}
+for layer in sorted(stored):
+    for name, t in zip(("keys", "values"), stored[layer]):
+        a = t.abs().flatten()
+        small[name].append(((a < 2.0**-6).float().mean().item(), (a < 2.0**-10).float().mean().item()))
+
+# %% alt="Two line charts over SmolLM2's 30 layers, on a log scale. Left, keys: about 1% of the elements below 2^-6 (the subnormal range of e4m3 at scale 1) and under 0.1% below 2^-10 in every layer. Right, values: 42% below 2^-6 and 3% below 2^-10 in layer 0, then 1 to 3% and falling slowly in the later layers, close to the keys." caption="Keys and values of a 512-token prompt in SmolLM2-135M: the share of elements that e4m3 at scale 1 keeps with reduced precision (below 2^-6) or stores as zero (below 2^-10), per layer." tags=["hide-input"]
+fig, axes = plt.subplots(1, 2, figsize=(9, 3.0), sharey=True)
+for ax, name in zip(axes, ("keys", "values")):
+    sub, zero = zip(*small[name])
+    ax.semilogy(np.array(sub) * 100, "o-", ms=3, label="below 2^-6 (subnormal)")
+    ax.semilogy(np.array(zero) * 100, "s--", ms=3, label="below 2^-10 (zero)")
+    ax.set_title(name, fontsize=10)
+    ax.set_xlabel("layer")
+axes[0].set_ylabel("% of elements")
+axes[0].legend(fontsize=8)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Figure 15.2: with a fixed scale of 1, the keys sit in e4m3's normal range in every layer (about 1% of them
+# below it). So do the values of every layer but the first, whose values are all small (the largest is about 0.6):
+# 42% of them fall into the subnormals, where e4m3 keeps fewer bits, and 3% become zero. A per-layer value scale
+# (the largest value over some text, divided by 448) would lift them back into the normal range;
+# `Fp8KVPool.set_scales` is the place for it.
+#
+# Nothing else in the engine changes: the radix cache and the page table move slot numbers, chapter 13's
+# rollback moves bytes between slots, and the pool is twice as large in tokens for the same memory.
+
+# %% [markdown]
+# ## 5. What it costs
+#
+# `python -m minisgl_ref bench perplexity` scores a fixed text of 2,548 tokens (prose from this book's early
+# chapters, `minisgl_ref/bench/texts/perplexity.txt`) through the engine, with prefill in chunks of 256 tokens so
+# that every chunk reads the earlier ones back from the KV cache. Each variant is a fresh engine on the same model
+# in bfloat16 (`docs/data/perplexity_cpu.json`):
+
+# %%
+PPL = json.loads((ROOT / "docs" / "data" / "perplexity_cpu.json").read_text())
+display(show_table([[r["variant"], r["quantization"] or "-", r["kv_cache_dtype"], f"{r['perplexity']:.2f}",
+                     f"{r['ratio_to_first'] - 1:+.2%}"] for r in PPL["results"]],
+                   headers=["variant", "weights", "KV cache", "perplexity", "against bf16"]))
+
+# %% [markdown]
+# Three readings of the table.
+#
+# * **The FP8 cache is nearly free**: +0.95% with e4m3 at scale 1, despite Figure 15.2's small values. e5m2, with
+#   one mantissa bit fewer, costs +5.5%: for a cache, precision matters more than range.
+# * **FP8 weights cost more than the cache**: +2.3% with one scale per channel (`w8a8_fp8`) and +3.4% with one per
+#   row and 128-column group (`fp8`). Both quantize every projection and every activation, and a 135-million
+#   parameter model has little redundancy to absorb 2.6% of noise on each weight. That the finer scales do not do
+#   better here matches section 2: this model's weights have no outliers for finer scales to protect against,
+#   and which rounding errors happen to line up is what is left.
+# * **Both together** cost +4.6%, roughly the sum. SmolLM2-135M is a hard case for quantization; larger models,
+#   whose weights carry more redundancy, usually lose less; the engine loads their FP8 checkpoints as stored, and
+#   scoring them is a matter of running the same command on a GPU.
+
+# %% [markdown]
+# ## 6. What it buys: the floor with half the bytes
+#
+# Chapter 11's floor of the canonical workload (256 requests, up to 1,024 output tokens each) is the bytes it must
+# read, weights once per step and every token's context once, over the memory bandwidth. With FP8 projections the
+# weights are one byte each (plus a float32 scale per 128 of them), with an FP8 cache the KV is one byte per
+# element. For Qwen3-0.6B at the H100's measured 3.0 TB/s:
+
+# %%
+QWEN = ModelConfig.from_file(SHIPPED_CONFIGS / "qwen3-0.6b.json")
+QWEN.dtype = torch.bfloat16
+wl = canonical_workload()
+prompt_lens = [len(p) for p in wl.prompts]
+output_lens = [p["max_new_tokens"] for p in wl.sampling_params]
+h, inter, layers = QWEN.hidden_size, QWEN.intermediate_size, QWEN.num_layers
+q, kv = QWEN.num_heads * QWEN.head_dim, QWEN.num_kv_heads * QWEN.head_dim
+proj = layers * (h * (q + 2 * kv) + q * h + 2 * h * inter + inter * h)  # qkv, o, gate/up, down
+bf16_weights = weight_bytes(QWEN)
+fp8_weights = bf16_weights - 2 * proj + proj + 4 * proj // 128  # one byte each, a float32 scale per 128
+kv16 = QWEN.kv_bytes_per_token
+rows = []
+for name, wb, kvb in [("bf16", bf16_weights, kv16), ("FP8 weights", fp8_weights, kv16),
+                      ("FP8 KV cache", bf16_weights, kv16 // 2), ("both", fp8_weights, kv16 // 2)]:
+    floor = roofline_floor_seconds(prompt_lens, output_lens, wb, kvb, 3.0e12)
+    rows.append([name, f"{wb / 1e9:.2f}", f"{kvb:,}", f"{floor:.2f}", f"{sum(output_lens) / floor:,.0f}"])
+display(show_table(rows, headers=["Qwen3-0.6B", "weight GB", "KV bytes / token", "floor (s)",
+                                  "floor output tok/s"]))
+
+# %% [markdown]
+# On this workload the KV reads are most of the floor (chapter 11: 256 requests reading up to 2,000 tokens of
+# context each, every step), so the FP8 cache buys more than the FP8 weights of a model this small; the weights
+# matter most at small batches and for larger models. Both together halve the floor.
+#
+# <!-- GPU MEASUREMENTS -->
+
+# %% [markdown]
+# ## Summary
+#
+# * **Formats.** e4m3 keeps 3 mantissa bits and reaches 448; e5m2 keeps 2 and reaches 57,344. Inside the normal
+#   range the relative precision is the same at every size, so a tensor must be *scaled* into it.
+# * **Scales.** `amax / 448` per tensor, per channel, per tile or per row and group; on SmolLM2's weights each
+#   rounds about 2.6% away, and the finer ones protect against outlier rows and features, which activations have.
+# * **FP8 projections.** The weight stored in e4m3 with its scales, the activation quantized per token (and group)
+#   at run time, the product through `torch._scaled_mm` (per channel) or a Triton kernel that scales group by group
+#   along K; loaded from FP8 checkpoints as stored, or quantized at load.
+# * **FP8 KV cache.** One byte per element and a static per-layer scale; the Triton kernels fold the scales into
+#   the softmax scale and the output. At scale 1 only the first layer's values fall into e4m3's subnormals.
+# * **Cost and gain.** Perplexity on a fixed 2,548-token text rises by the amounts in section 5; the floor of the
+#   canonical workload halves with both.
+
+# %% [markdown]
+# ## Exercises
+#
+# 1. **Rounding error.** Quantize 10,000 standard normal numbers to e4m3 per tensor and measure the relative error.
+#    Derive the 2.6% from the gaps of Figure 15.1 (hint: the rounding error is uniform within a gap).
+# 2. **An outlier.** Multiply one column of a SmolLM2 projection by 1,000 and redo section 2's table. Which scheme
+#    suffers, and which rows?
+# 3. **Calibrated KV scales.** Set each layer's value scale to the largest value of section 4's prompt divided by
+#    448 (`llm.engine.kv_pool.set_scales`) and rerun `bench perplexity --variants bf16,fp8_kv` with those scales.
+#    What does Figure 15.2 look like now?
+# 4. **e5m2 for the cache.** Compare `fp8_kv` and `fp8_e5m2_kv` in section 5 and explain the difference with
+#    section 1's table.
+# 5. **The floor of a larger model.** Redo section 6 for Qwen3-8B (`qwen3-8b.json`). At what batch size do the
+#    weights stop being the larger part of a decode step's bytes?
+#
+# ## Reproduce
+#
+# ```bash
+# python chapters/15_quantization.py                            # this chapter, end to end (CPU)
+# python -m minisgl_ref bench perplexity --output docs/data/perplexity_cpu.json \
+#     --variants bf16,fp8,w8a8_fp8,fp8_kv,fp8_e5m2_kv,fp8+fp8_kv      # section 5 (about 10 minutes on a CPU)
+# python -m pytest tests/test_fp8_weights.py tests/test_fp8_kv_cache.py tests/test_fp8_gemm.py -q
+# python -m pytest tests/test_fp8_weights.py tests/test_fp8_kv_cache.py -q -m gpu   # on a GPU
+# ```
+#
+# Expected on a 2-core x86_64 CPU: the chapter in about a minute.
+
+# %%
+print(f"chapter ran in {time.perf_counter() - CHAPTER_START:.0f} s")
