@@ -19,6 +19,7 @@ from minisgl_ref.quant.registry import register_quantizations
 register_quantizations()
 
 
+@pytest.mark.task("15.1", weight=2)
 def test_the_pool_stores_one_byte_and_gives_back_values():
     pool = Fp8KVPool(2, 16, 2, 8, torch.float32)
     assert pool.storage_dtype == E4M3 and pool.quantized and not KVPool(2, 16, 2, 8, torch.float32).quantized
@@ -38,6 +39,7 @@ def test_the_pool_stores_one_byte_and_gives_back_values():
     assert torch.equal(pool.k[1][2].view(torch.uint8), pool.k[1][5].view(torch.uint8))
 
 
+@pytest.mark.task("15.1", weight=2)
 def test_scale_one_flushes_small_values_and_clamps_large_ones():
     """The cost of a static scale of 1 (SGLang's default without checkpoint scales): below e4m3's smallest
     subnormal (2^-9) a value is stored as zero, beyond 448 it is clamped."""

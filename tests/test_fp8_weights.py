@@ -42,6 +42,7 @@ def test_e4m3_rounds_to_within_half_a_step():
     assert torch.finfo(E4M3).max == E4M3_MAX == 448.0
 
 
+@pytest.mark.task("15.1", weight=3)
 @pytest.mark.parametrize("block", [None, (4, 8), (3, 5)])
 def test_weight_quantization_round_trips_with_every_scale_at_the_format_max(block):
     g = torch.Generator().manual_seed(0)
@@ -63,6 +64,7 @@ def test_weight_quantization_round_trips_with_every_scale_at_the_format_max(bloc
         assert torch.allclose(q.float().abs().amax(dim=1)[[0, 1, 3]], torch.full((3,), E4M3_MAX))
 
 
+@pytest.mark.task("15.1", weight=2)
 def test_per_channel_scales_keep_small_rows_that_one_scale_loses():
     """One outlier row: with a single per-tensor scale the small rows underflow, with per-row scales they do not."""
     w = torch.full((2, 8), 1e-3)
@@ -73,6 +75,7 @@ def test_per_channel_scales_keep_small_rows_that_one_scale_loses():
     assert (w[1] / one).to(E4M3).float().abs().max() == 0  # the per-tensor scale flushes row 1 to zero
 
 
+@pytest.mark.task("15.1", weight=2)
 def test_block_scale_of_a_tile_is_its_own_amax():
     w = torch.arange(1.0, 1 + 6 * 6).view(6, 6)
     scale = scale_per_block(w, (4, 4))
@@ -80,6 +83,7 @@ def test_block_scale_of_a_tile_is_its_own_amax():
                                                           [w[4:, :4].max(), w[4:, 4:].max()]]))
 
 
+@pytest.mark.task("15.1", weight=1)
 def test_activation_groups_scale_separately():
     x = torch.cat([torch.full((2, 4), 100.0), torch.full((2, 4), 0.01)], dim=1)
     _, per_token = quantize_activation(x)
@@ -91,6 +95,7 @@ def test_activation_groups_scale_separately():
 # ---------------------------------------------------------------------------------------------- the layer
 
 
+@pytest.mark.task("15.1", weight=2)
 @pytest.mark.parametrize("block", [None, (1, 8)])
 def test_the_w8a8_reference_is_the_product_of_the_dequantized_operands(block):
     g = torch.Generator().manual_seed(1)
@@ -204,6 +209,7 @@ def fp8_checkpoint(tmp_path_factory) -> Path:
     return write_fp8_checkpoint(tmp_path_factory.mktemp("fp8"))
 
 
+@pytest.mark.task("15.1", weight=2)
 def test_an_fp8_checkpoint_loads_as_stored(fp8_checkpoint, dense_model, text_ids):
     """Each projection holds exactly the checkpoint's e4m3 values, and its per-row scales are the checkpoint's
     128 x 128 tiles spread over the rows, including the fused q/k/v, whose k rows start mid-tile."""

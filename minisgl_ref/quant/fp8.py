@@ -40,10 +40,13 @@ MIN_SCALE = 1e-12
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = E4M3) -> torch.Tensor:
-    """``fp8(x / scale)``, clamped to the format's range first (a value beyond it would otherwise become NaN in
-    e4m3, which has no infinity). ``scale`` broadcasts against ``x``."""
+    """``fp8(x / scale)``, clamped to the format's range first: e4m3 has no infinity, and a cast is not promised to
+    saturate (PyTorch's CPU cast does, its encoding of e4m3 keeps NaN for what lies beyond). ``scale`` broadcasts
+    against ``x``."""
     limit = torch.finfo(dtype).max
+    # BEGIN TASK 15.1: scale into e4m3
     return (x.float() / scale).clamp(-limit, limit).to(dtype)
+    # END TASK 15.1
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -57,15 +60,21 @@ def scale_per_tensor(x: torch.Tensor, dtype: torch.dtype = E4M3) -> torch.Tensor
 
 
 def scale_per_row(x: torch.Tensor, dtype: torch.dtype = E4M3) -> torch.Tensor:
-    """One scale per row of a 2-D ``x`` (a weight's output channel, or an activation's token): ``[rows, 1]``."""
+    """One scale per row of a 2-D ``x`` (a weight's output channel, or an activation's token): ``[rows, 1]``, the
+    row's largest magnitude over the format's largest number (at least :data:`MIN_SCALE`)."""
+    # BEGIN TASK 15.1: scale into e4m3
     return (x.abs().amax(dim=-1, keepdim=True).float() / torch.finfo(dtype).max).clamp(min=MIN_SCALE)
+    # END TASK 15.1
 
 
 def scale_per_block(w: torch.Tensor, block: tuple[int, int], dtype: torch.dtype = E4M3) -> torch.Tensor:
     """One scale per ``block = (rows, cols)`` tile of a 2-D ``w``: ``[ceil(R / rows), ceil(C / cols)]`` (the
-    last tiles may be partial, as in the checkpoints)."""
+    last tiles may be partial, as in the checkpoints). :func:`_tiles` views ``w`` as ``[R / rows, rows, C / cols,
+    cols]``, padded with zeros."""
+    # BEGIN TASK 15.1: scale into e4m3
     tiles = _tiles(w.float().abs(), block)
     return (tiles.amax(dim=(1, 3)) / torch.finfo(dtype).max).clamp(min=MIN_SCALE)
+    # END TASK 15.1
 
 
 def expand_block_scale(scale: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
