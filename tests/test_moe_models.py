@@ -164,20 +164,25 @@ def test_a_missing_expert_is_refused_by_name(moe_checkpoints):
 def test_generation_through_the_engine_matches_transformers(moe_checkpoints):
     """The real paged engine (torch_native attention, float32, CPU): greedy tokens of every prompt, batched
     together, equal transformers' generate run one prompt at a time."""
+    for name in ("qwen3_moe_mixed", "mixtral"):
+        llm = LLM(moe_checkpoints[name], device="cpu", dtype="float32", attention_backend="torch_native",
+                  max_total_tokens=2048)
+        assert_greedy_matches_transformers(llm, moe_checkpoints[name])
+        llm.shutdown()
+
+
+def assert_greedy_matches_transformers(llm: LLM, folder: Path) -> None:
+    """Eight greedy tokens of every prompt, batched through ``llm``, equal transformers' ``generate`` on the CPU
+    in float32, one prompt at a time."""
     from transformers import AutoModelForCausalLM
 
-    for name in ("qwen3_moe_mixed", "mixtral"):
-        folder = moe_checkpoints[name]
-        llm = LLM(folder, device="cpu", dtype="float32", attention_backend="torch_native", max_total_tokens=2048)
-        params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
-        ours = llm.generate(PROMPTS, params, use_tqdm=False)
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        for prompt, out in zip(PROMPTS, ours):
-            with torch.inference_mode():
-                ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8, min_new_tokens=8,
-                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):]
-            assert out.output_ids == ref.tolist(), name
-        llm.shutdown()
+    ours = llm.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True), use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for prompt, out in zip(PROMPTS, ours):
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8, min_new_tokens=8,
+                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):]
+        assert out.output_ids == ref.tolist(), folder.name
 
 
 def test_the_experts_function_is_a_hook(moe_checkpoints):
@@ -378,23 +383,13 @@ def test_on_a_cpu_the_reference_loop_stays(moe_checkpoints):
 def test_on_a_gpu_the_engine_runs_the_fused_kernel_in_cuda_graphs(moe_checkpoints):
     """On a GPU the runtime installs the fused expert kernel, CUDA graphs capture it, and the greedy tokens equal
     transformers' on the CPU (float32: the kernel's products are exact, not TF32)."""
-    from transformers import AutoModelForCausalLM
-
     from minisgl_ref.moe.fused_moe import fused_experts
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     for name in ("qwen3_moe_mixed", "mixtral"):
-        folder = moe_checkpoints[name]
-        llm = LLM(folder, device="cuda", dtype="float32", max_total_tokens=4096)
+        llm = LLM(moe_checkpoints[name], device="cuda", dtype="float32", max_total_tokens=4096)
         blocks = [m for m in llm.model.modules() if isinstance(m, MoEBlock)]
         assert blocks and all(b.experts is fused_experts for b in blocks)
-        params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
-        ours = llm.generate(PROMPTS, params, use_tqdm=False)
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        for prompt, out in zip(PROMPTS, ours):
-            with torch.inference_mode():
-                ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8, min_new_tokens=8,
-                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):]
-            assert out.output_ids == ref.tolist(), name
+        assert_greedy_matches_transformers(llm, moe_checkpoints[name])
         llm.shutdown()
