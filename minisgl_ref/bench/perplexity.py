@@ -36,6 +36,11 @@ VARIANTS: dict[str, tuple[str | None, str]] = {
     "fp8+fp8_kv": ("fp8", "fp8_e4m3"),
 }
 DEFAULT_VARIANTS = ("bf16", "fp8", "fp8_kv", "fp8+fp8_kv")
+#: The chat questions of the engine's oracle tests: each variant answers them greedily, and the answers are
+#: compared token by token with the first variant's.
+QUESTIONS = ("What is the capital of France?", "Write a short poem about the sea.", "List three prime numbers.",
+             "Explain what a GPU is in one sentence.")
+GREEDY_TOKENS = 32
 
 
 def default_text() -> str:
@@ -52,6 +57,10 @@ class PerplexityResult:
     perplexity: float
     ratio_to_first: float  # perplexity / that of the first variant measured (bf16 by default)
     seconds: float
+    # Greedy answers to QUESTIONS: how many equal the first variant's token for token, and the mean share of
+    # tokens before an answer first differs from it.
+    greedy_identical: int = 0
+    greedy_shared_prefix: float = 1.0
 
 
 def text_perplexity(llm, ids: list[int]) -> tuple[int, float]:  # type: ignore[no-untyped-def]
@@ -67,12 +76,32 @@ def text_perplexity(llm, ids: list[int]) -> tuple[int, float]:  # type: ignore[n
     return len(logprobs), -sum(logprobs) / len(logprobs)
 
 
+def greedy_answers(llm, tokens: int = GREEDY_TOKENS) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """``tokens`` greedy tokens answering each of :data:`QUESTIONS` (the chat template applied)."""
+    from minisgl_ref.sampling.params import SamplingParams
+
+    prompts = [llm.chat_prompt_ids([{"role": "user", "content": q}]) for q in QUESTIONS]
+    params = SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True)
+    return [o.output_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def compare_answers(answers: list[list[int]], baseline: list[list[int]]) -> tuple[int, float]:
+    """``(answers equal to the baseline's, mean share of each answer before it first differs)``."""
+    shared = []
+    for a, b in zip(answers, baseline):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        shared.append(same / max(len(b), 1))
+    return sum(a == b for a, b in zip(answers, baseline)), sum(shared) / max(len(shared), 1)
+
+
 def measure(variants: list[str], *, model_path: str | None = None, dtype: str = "bfloat16", device: str = "cpu",
-            text: str | None = None, chunked_prefill_size: int = 256, log: Any = None) -> list[PerplexityResult]:
+            text: str | None = None, chunked_prefill_size: int = 256, greedy_tokens: int = GREEDY_TOKENS,
+            log: Any = None) -> list[PerplexityResult]:
     """Build one engine per variant (same model, dtype and prefill chunks) and score the text on each."""
     from minisgl_ref.llm import LLM
 
     results: list[PerplexityResult] = []
+    baseline: list[list[int]] = []
     for name in variants:
         if name not in VARIANTS:
             raise ValueError(f"unknown variant {name!r} (choose from {', '.join(VARIANTS)})")
@@ -85,15 +114,19 @@ def measure(variants: list[str], *, model_path: str | None = None, dtype: str = 
                 raise ValueError("perplexity needs a model with a tokenizer")
             ids = llm.tokenizer.encode(text if text is not None else default_text())
             tokens, nll = text_perplexity(llm, ids)
+            answers = greedy_answers(llm, greedy_tokens)
         finally:
             llm.shutdown()
         ppl = math.exp(nll)
         first = results[0].perplexity if results else ppl
+        if not results:
+            baseline = answers
+        identical, shared = compare_answers(answers, baseline)
         results.append(PerplexityResult(name, quantization, kv, tokens, nll, ppl, ppl / first,
-                                        time.perf_counter() - start))
+                                        time.perf_counter() - start, identical, shared))
         if log is not None:
-            print(f"[perplexity] {name}: {ppl:.3f} ({ppl / first - 1:+.2%} against {results[0].variant})",
-                  file=log, flush=True)
+            print(f"[perplexity] {name}: {ppl:.3f} ({ppl / first - 1:+.2%} against {results[0].variant}); greedy "
+                  f"answers identical {identical}/{len(QUESTIONS)}", file=log, flush=True)
     return results
 
 
@@ -115,8 +148,8 @@ def main(args: argparse.Namespace) -> int:
     results = measure(variants, model_path=args.model_path, dtype=dtype, device=device, text=text,
                       chunked_prefill_size=args.chunk, log=sys.stderr)
     for r in results:
-        print(f"{r.variant:12s} {r.perplexity:9.3f}  {r.ratio_to_first - 1:+7.2%}  ({r.tokens} tokens, "
-              f"{r.seconds:.0f} s)")
+        print(f"{r.variant:12s} {r.perplexity:9.3f}  {r.ratio_to_first - 1:+7.2%}  greedy {r.greedy_identical}/"
+              f"{len(QUESTIONS)} identical, {r.greedy_shared_prefix:.0%} shared  ({r.tokens} tokens, {r.seconds:.0f} s)")
     if args.output:
         report = {"benchmark": "perplexity", "text": str(args.text or TEXT.name),
                   "provenance": collect_provenance(sys.argv, dtype=dtype, device=device, chunk=args.chunk),
