@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minisgl_ref.layers.linear import UNQUANTIZED, ColumnParallelLinear
+from minisgl_ref.layers.linear import ColumnParallelLinear
 from minisgl_ref.models import ModelPathError, load_model
 from minisgl_ref.models.embedded import embedded_model_path
 from minisgl_ref.quant.fp8 import (
@@ -232,7 +232,7 @@ def test_an_fp8_checkpoint_loads_as_stored(fp8_checkpoint, dense_model, text_ids
 
 def test_an_fp8_checkpoint_keeps_the_layers_it_names_in_full_precision(tmp_path):
     model, _, _ = load_model(str(write_fp8_checkpoint(tmp_path / "keep", keep=("mlp.down_proj",))), dtype="float32")
-    assert model.layers[0].mlp.down_proj.quant_method is UNQUANTIZED
+    assert not model.layers[0].mlp.down_proj.quant_method.quantized
     assert model.layers[0].mlp.down_proj.weight.dtype == torch.float32
     assert isinstance(model.layers[0].mlp.gate_up_proj.quant_method, Fp8LinearMethod)
 

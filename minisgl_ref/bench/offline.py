@@ -59,7 +59,6 @@ from minisgl_ref.bench.provenance import collect_provenance
 from minisgl_ref.bench.workloads import Workload, canonical_workload, shared_prefix_workload, warmup_workload
 from minisgl_ref.core.config import EngineConfig
 from minisgl_ref.bench.step_trace import StepTrace
-from minisgl_ref.layers.linear import UNQUANTIZED
 from minisgl_ref.models.config import ModelConfig
 from minisgl_ref.models.loader import MODEL_REGISTRY, shipped_config_names
 from minisgl_ref.models.weights import checkpoint_shapes
@@ -251,7 +250,7 @@ def stored_bytes(llm) -> tuple[int, int]:  # type: ignore[no-untyped-def]
     one byte per key and value element."""
     config = llm.config
     weights = weight_bytes(config)
-    quantized = any(layer.quant_method is not UNQUANTIZED for _, layer in linear_layers(llm.model))
+    quantized = any(layer.quant_method.quantized for _, layer in linear_layers(llm.model))
     if quantized and getattr(llm, "tp_size", 1) == 1:
         seen: dict[int, int] = {}
         for p in llm.model.parameters():  # a tied embedding is one tensor, counted once

@@ -32,13 +32,18 @@ from minisgl_ref.distributed import all_reduce, get_tp_info
 class LinearMethod(Protocol):
     """How a linear layer computes ``x W^T + b`` from the parameters it holds (the seam of chapter 15's FP8
     weights). ``bias`` is what the layer wants added here: a row-parallel layer adds its bias after the all-reduce
-    and passes None."""
+    and passes None. ``quantized`` says whether the layer's weight is stored in another format than the model's
+    dtype (a flag, not an identity check: a deep copy of a model copies its methods too)."""
+
+    quantized: bool
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
 
 class UnquantizedMethod:
     """Chapter 01's matmul: ``layer.weight`` in the model's dtype."""
+
+    quantized = False
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)

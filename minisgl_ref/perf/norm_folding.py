@@ -51,7 +51,7 @@ from torch import nn
 from minisgl_ref import env
 from minisgl_ref.core.forward_batch import ForwardBatch
 from minisgl_ref.distributed import get_tp_info
-from minisgl_ref.layers.linear import UNQUANTIZED, RowParallelLinear
+from minisgl_ref.layers.linear import RowParallelLinear
 from minisgl_ref.models.llama import LlamaDecoderLayer, LlamaMLP
 from minisgl_ref.perf import triton_ops
 from minisgl_ref.perf.rope_store import RopeStoreAttention
@@ -118,7 +118,7 @@ def _foldable(layer: nn.Module) -> bool:
     if attn is None or not isinstance(mlp, LlamaMLP):  # a mixture of experts (chapter 14) has no gate_up_proj
         return False
     projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if any(p.quant_method is not UNQUANTIZED for p in projections):  # FP8 weights (chapter 15): not scalable in
+    if any(p.quant_method.quantized for p in projections):  # FP8 weights (chapter 15): not scalable in
         return False  # place, and the accumulating matmul reads a full-precision weight
     return (attn.qkv_proj.bias is None and attn.o_proj.bias is None and mlp.down_proj.bias is None
             and hasattr(layer, "input_layernorm") and hasattr(layer, "post_attention_layernorm"))

@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl_ref.layers.linear import (
-    UNQUANTIZED,
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -55,6 +54,8 @@ Linear = ColumnParallelLinear | RowParallelLinear
 class Fp8LinearMethod:
     """``x W^T + b`` from an e4m3 weight and its scales (``block`` None: ``layer.weight_scale [out, 1]``; else
     ``layer.weight_scale_inv`` per ``block`` tile), with the activation quantized on the fly."""
+
+    quantized = True
 
     def __init__(self, block: tuple[int, int] | None = None) -> None:
         self.block = block
@@ -136,7 +137,7 @@ def quantize_layer_(layer: Linear, group: int | None = 128) -> None:
     """Quantize a loaded layer's weight to e4m3: one scale per output row and ``group`` consecutive input columns
     (``weight_scale_inv [out, ceil(in / group)]``, the form an FP8 checkpoint loads into), or per output channel
     (``group`` None: ``weight_scale [out, 1]``, which ``torch._scaled_mm`` takes)."""
-    if layer.quant_method is not UNQUANTIZED:
+    if layer.quant_method.quantized:
         raise ValueError(f"{type(layer).__name__} is already quantized ({layer.quant_method})")
     block = None if group is None else (1, group)
     q, scale = quantize_weight(layer.weight.data, block)
