@@ -244,9 +244,11 @@ show_code(Fp8KVPool.gather)
 # %% [markdown]
 # The Triton kernels read the stored numbers directly and cast them as they load a tile; the key scale is folded
 # into the softmax scale and the value scale into the output (attention is linear in the values), so the scales
-# cost nothing per element. FlashAttention-3 takes FP8 keys only with FP8 queries, and this engine's FlashInfer path
-# has no FP8 plan yet, so with an FP8 cache both phases default to the Triton backend (chapter 07), and asking for
-# one of the others is refused by name.
+# cost nothing per element. FlashInfer does the same in its own kernels: planned with the FP8 type as the cache's
+# type, it converts each number as it loads it and takes the two scales as arguments of its run (its FA2 kernels
+# serve the extend steps, since its Hopper kernels want queries and keys of one type). FlashAttention-3 takes FP8
+# keys only with FP8 queries, which would round every query too, so with an FP8 cache the Hopper defaults become
+# FlashInfer for both phases (chapter 07), and asking for FA3 is refused by name.
 #
 # With a scale of 1 a stored number is the value itself, so Figure 15.1 says which values suffer: those below 2^-6
 # lose precision and those below 2^-10 become zero. The keys and values of one prompt, layer by layer:

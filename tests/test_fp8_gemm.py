@@ -45,3 +45,22 @@ def test_the_layer_takes_the_kernel_on_a_gpu_and_the_reference_elsewhere(monkeyp
     ref = layer.quant_method.reference(layer, x, None)
     got = layer.quant_method.group_gemm(layer, x, None)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k, group", [(300, None), (256, 128), (300, 128), (64, None)])
+def test_the_fused_activation_quantization_equals_the_reference_bit_for_bit(dtype, k, group):
+    """One kernel per projection input (Triton's interpreter without a GPU) gives exactly the FP8 numbers and
+    scales of the PyTorch reference: an all-zero token, an outlier, a partial last group, values rounding up to
+    the next power of two included."""
+    from minisgl_ref.quant.activation_kernel import quantize_activation_fused
+
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(6, k, generator=g) * 3
+    x[2] = 0
+    x[1, 7] = 1e4
+    x = x.to(dtype)
+    q, s = quantize_activation_fused(x.to(DEVICE), group)
+    q_ref, s_ref = quantize_activation(x, group)
+    assert torch.equal(s.cpu(), s_ref)
+    assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))

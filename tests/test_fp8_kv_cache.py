@@ -29,6 +29,8 @@ def test_the_pool_stores_one_byte_and_gives_back_values():
     slots = torch.tensor([5, 1, 9])
     pool.set_scales([1.0, 0.5], [1.0, 0.001])
     pool.store(1, slots, k, v)
+    with pytest.raises(ValueError, match="set the KV cache scales before anything is stored"):
+        pool.set_scales([1.0, 1.0], [1.0, 1.0])  # the stored keys would decode with the new scale
     k_back, v_back = pool.gather(1, slots)
     assert k_back.dtype == torch.float32
     assert ((k_back - k).abs() <= k.abs() * 2**-4 + 1e-6).all()  # half a step of e4m3, in the normal range
@@ -137,36 +139,69 @@ def test_a_backend_that_cannot_read_it_is_refused_by_name(monkeypatch):
         LLM(device="cpu", attention_backend="triton", kv_cache_dtype="fp8_e4m3", max_total_tokens=512)
 
 
-def test_defaults_that_cannot_read_it_give_way_to_triton():
-    """On an H100 the defaults are FlashAttention-3 for prefill and FlashInfer for decode; neither reads an FP8
-    cache here, so both phases default to Triton. An explicit choice is kept (and refused by name above)."""
+def test_defaults_that_cannot_read_it_give_way():
+    """On an H100 the defaults are FlashAttention-3 for prefill and FlashInfer for decode; FA3 does not read an
+    FP8 cache (its FP8 kernels want FP8 queries), FlashInfer does, so it takes both phases. Where the decode
+    default cannot read it either, Triton takes over. An explicit choice is kept (and refused by name above)."""
     from unittest import mock
 
     from minisgl_ref.attention import registry
 
+    cpu = torch.device("cpu")
     with mock.patch.object(registry, "default_backends", return_value=("fa3", "flashinfer")):
         cfg = EngineConfig(kv_cache_dtype="fp8_e4m3")
-        assert registry.resolve_backend_names(cfg, torch.device("cpu"), quantized_kv=True) == ("triton", "triton")
-        assert registry.resolve_backend_names(cfg, torch.device("cpu")) == ("fa3", "flashinfer")
-        explicit = EngineConfig(kv_cache_dtype="fp8_e4m3", decode_attention_backend="flashinfer")
-        assert registry.resolve_backend_names(explicit, torch.device("cpu"), quantized_kv=True) == ("triton",
-                                                                                                     "flashinfer")
+        assert registry.resolve_backend_names(cfg, cpu, quantized_kv=True) == ("flashinfer", "flashinfer")
+        assert registry.resolve_backend_names(cfg, cpu) == ("fa3", "flashinfer")
+        explicit = EngineConfig(kv_cache_dtype="fp8_e4m3", prefill_attention_backend="fa3")
+        assert registry.resolve_backend_names(explicit, cpu, quantized_kv=True) == ("fa3", "flashinfer")
+    with mock.patch.object(registry, "default_backends", return_value=("fa3", "fa3")):
+        cfg = EngineConfig(kv_cache_dtype="fp8_e4m3")
+        assert registry.resolve_backend_names(cfg, cpu, quantized_kv=True) == ("triton", "triton")
+
+
+def gpu_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A small random Qwen3 in the HF layout, with a head size FlashInfer compiles (64) and four query heads
+    per KV head (its tensor-core decode kernel): the embedded model is not installed everywhere a GPU is."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(0)
+    config = Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=1024)
+    folder = tmp_path_factory.mktemp("qwen3_gpu")
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    return str(folder)
 
 
 @pytest.mark.gpu
-def test_gpu_triton_in_cuda_graphs_reads_the_fp8_cache_as_the_reference():
-    """bf16 on a GPU: the default backends give way to Triton, whose decode steps replay from CUDA graphs; the
-    greedy tokens equal the reference backend's (eager) on the same FP8 cache."""
+@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+def test_gpu_backends_read_the_fp8_cache_as_the_reference(backend, tmp_path_factory):
+    """bf16 on a GPU: FlashInfer and Triton read the FP8 cache in their own kernels, decode steps replayed from
+    CUDA graphs, and give the greedy tokens of the reference backend (eager) on the same cache; with scales other
+    than 1 (set before the first store, so without graphs) too. The Hopper default is FlashInfer for both
+    phases."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
+    folder = gpu_checkpoint(tmp_path_factory)
     prompts = [[1, 5, 9, 200, 17, 3, 44, 90, 12], [7, 8, 300, 41], list(range(100, 131))]
     params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
-    outs = {}
-    for name in (None, "torch_native"):
-        kw = {} if name is None else {"attention_backend": name, "disable_cuda_graph": True}
-        llm = LLM(device="cuda", dtype="bfloat16", kv_cache_dtype="fp8_e4m3", max_total_tokens=4096, **kw)
-        if name is None:
-            assert llm.engine.kv_pool.quantized
-        outs[name] = [o.output_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    def greedy(name: str, graphs: bool, scales: bool) -> list[list[int]]:
+        llm = LLM(folder, device="cuda", dtype="bfloat16", kv_cache_dtype="fp8_e4m3", max_total_tokens=4096,
+                  attention_backend=name, disable_cuda_graph=not graphs, chunked_prefill_size=16)
+        assert llm.engine.kv_pool.quantized
+        if scales:
+            layers = len(llm.engine.kv_pool.k)
+            llm.engine.kv_pool.set_scales([0.5 + 0.1 * i for i in range(layers)], [0.125] * layers)
+        out = [o.output_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         llm.shutdown()
-    assert outs[None] == outs["torch_native"]
+        return out
+
+    assert greedy(backend, True, False) == greedy("torch_native", False, False)
+    assert greedy(backend, False, True) == greedy("torch_native", False, True)
+    if backend == "flashinfer" and torch.cuda.get_device_capability()[0] == 9:
+        from minisgl_ref.attention.registry import resolve_backend_names
+
+        default = resolve_backend_names(EngineConfig(), torch.device("cuda"), torch.bfloat16, quantized_kv=True)
+        assert default == ("flashinfer", "flashinfer")

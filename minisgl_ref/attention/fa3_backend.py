@@ -107,6 +107,10 @@ class FlashAttentionBackend(AttentionBackend):
     #: FlashAttention's kernels mask causally or by a sliding window, never by an arbitrary per-token mask: a
     #: batch carrying ``ForwardBatch.extend_masks`` (draft trees) is refused, and runs on another backend.
     supports_custom_mask = False
+    #: An FP8 cache (chapter 15) is not read here: FA3's FP8 kernels multiply FP8 queries by FP8 keys, so the
+    #: queries would have to be quantized too (another rounding, per step, of every query), and FA2 has no FP8
+    #: path. The engine's defaults give way to FlashInfer, whose kernels keep the queries in bf16.
+    reads_quantized_kv = False
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, *, page_size: int = 1) -> None:
         super().__init__(kv_pool, req_to_token)

@@ -71,6 +71,11 @@ class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graph = True
     supports_custom_mask = True  # extend: the prefill plan's custom_mask (see init_forward_metadata)
+    # An FP8 cache (chapter 15): planned with the stored dtype as kv_data_type, FlashInfer's kernels convert each
+    # stored number as they load it; the layer's key scale goes into the softmax scale and its value scale onto
+    # the output (run's k_scale / v_scale). Extend steps then take FlashInfer's FA2 kernels, whose queries stay
+    # in bf16 while the keys are FP8 (its SM90 kernels want both in the same type).
+    reads_quantized_kv = True
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, *, num_q_heads: int) -> None:
         import flashinfer  # the registry turns an ImportError into one clear line
@@ -79,7 +84,8 @@ class FlashInferBackend(AttentionBackend):
         self.flashinfer = flashinfer
         if self.device.type != "cuda":
             raise ValueError("the flashinfer attention backend needs a CUDA device")
-        self.dtype = kv_pool.k[0].dtype
+        self.dtype = kv_pool.dtype  # the queries' and the output's
+        self.kv_dtype = kv_pool.storage_dtype  # the cache's numbers: the same, or FP8 (chapter 15)
         self.num_q_heads = num_q_heads
         self.sm_scale = self.head_dim**-0.5
         # FlashInfer recommends its tensor-core (prefill-style) decode kernel once several query heads share a
@@ -118,7 +124,12 @@ class FlashInferBackend(AttentionBackend):
         return kv_indices
 
     def _plan_kwargs(self) -> dict[str, Any]:
-        return dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.sm_scale)
+        return dict(q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=self.sm_scale)
+
+    def _scales(self, layer_id: int) -> dict[str, float]:
+        """run()'s ``k_scale`` / ``v_scale`` for a layer of an FP8 cache (none for a cache of the values)."""
+        k_scale, v_scale = self.kv_pool.scales(layer_id)
+        return {} if (k_scale, v_scale) == (1.0, 1.0) else {"k_scale": k_scale, "v_scale": v_scale}
 
     def use_decode_kernel(self, build: Callable[[], DecodeKernel], min_batch: int) -> bool:
         """Decode batches of at least ``min_batch`` rows run on ``build()``'s kernel (built on first use)."""
@@ -200,7 +211,8 @@ class FlashInferBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         self._check_layer(q, layer)
-        o = self.active_prefill_wrapper.run(q.contiguous(), self._paged_cache(layer.layer_id))
+        o = self.active_prefill_wrapper.run(q.contiguous(), self._paged_cache(layer.layer_id),
+                                            **self._scales(layer.layer_id))
         return o.view(q.shape[0], -1)
 
     def attend_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
@@ -212,7 +224,7 @@ class FlashInferBackend(AttentionBackend):
             assert self.split is not None
             pool = self.kv_pool
             return self.split.run(q, pool.k[layer.layer_id], pool.v[layer.layer_id]).view(q.shape[0], -1)
-        o = self.active_decode_wrapper.run(q, self._paged_cache(layer.layer_id))
+        o = self.active_decode_wrapper.run(q, self._paged_cache(layer.layer_id), **self._scales(layer.layer_id))
         return o.view(q.shape[0], -1)
 
     # ---------------------------------------------------------------------------------------- CUDA graphs
@@ -268,19 +280,21 @@ class FlashInferBackend(AttentionBackend):
 
 
 def compile_kernels(phase: str, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                    device: torch.device) -> None:
+                    device: torch.device, kv_dtype: torch.dtype | None = None) -> None:
     """Make FlashInfer build (or load from its disk cache) the ``phase`` ("decode" or "prefill") kernels for this
     attention shape, by planning and running one tiny batch: the same kernel choice as :class:`FlashInferBackend`
-    (tensor-core decode from GQA 4), so the engine's first real step finds it ready."""
+    (tensor-core decode from GQA 4), so the engine's first real step finds it ready. ``kv_dtype``: the cache's
+    numbers when they differ from ``dtype`` (an FP8 cache)."""
     import flashinfer
 
     workspace = torch.zeros(16 * 1024 * 1024, dtype=torch.uint8, device=device)
-    kv = torch.zeros(4, 1, num_kv_heads, head_dim, dtype=dtype, device=device)  # 4 one-token pages
+    kv_dtype = kv_dtype or dtype
+    kv = torch.zeros(4, 1, num_kv_heads, head_dim, dtype=kv_dtype, device=device)  # 4 one-token pages
     q = torch.zeros(1 if phase == "decode" else 2, num_q_heads, head_dim, dtype=dtype, device=device)
     kv_indptr = torch.tensor([0, 2], dtype=torch.int32)
     kv_indices = torch.tensor([0, 1], dtype=torch.int32, device=device)
     last_page_len = torch.ones(1, dtype=torch.int32)
-    kwargs: dict[str, Any] = dict(q_data_type=dtype, kv_data_type=dtype, sm_scale=head_dim**-0.5)
+    kwargs: dict[str, Any] = dict(q_data_type=dtype, kv_data_type=kv_dtype, sm_scale=head_dim**-0.5)
     if phase == "decode":
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace, "NHD", use_tensor_cores=num_q_heads // num_kv_heads >= 4)

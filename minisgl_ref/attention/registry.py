@@ -71,12 +71,13 @@ def resolve_backend_names(
     config: EngineConfig, device: torch.device, dtype: torch.dtype = torch.bfloat16, *, quantized_kv: bool = False
 ) -> tuple[str, str]:
     """The (prefill, decode) pair for this engine: explicit per-phase flags, then ``--attention-backend``, then
-    the device default. A default that cannot read a quantized KV cache (chapter 15: FlashAttention-3 and, here,
-    FlashInfer) gives way to the Triton backend, which can; an explicit choice is kept (and refused by name when
-    it cannot)."""
+    the device default. A default that cannot read a quantized KV cache (chapter 15: FlashAttention-3) gives way
+    to the decode default where that one can (FlashInfer on a Hopper), else to the Triton backend; an explicit
+    choice is kept (and refused by name when it cannot)."""
     auto_prefill, auto_decode = default_backends(device, dtype)
     if quantized_kv:
-        auto_prefill, auto_decode = (n if _reads_quantized_kv(n) else "triton" for n in (auto_prefill, auto_decode))
+        fallback = auto_decode if _reads_quantized_kv(auto_decode) else "triton"
+        auto_prefill, auto_decode = (n if _reads_quantized_kv(n) else fallback for n in (auto_prefill, auto_decode))
     prefill = config.prefill_attention_backend or config.attention_backend or auto_prefill
     decode = config.decode_attention_backend or config.attention_backend or auto_decode
     return prefill, decode

@@ -513,7 +513,7 @@ def summarize(  # type: ignore[no-untyped-def]
         prefill = counters.prefill_tokens
     cascade: dict[str, Any] = {}
     if cascade_stats(llm) is not None and counters.decode_steps:
-        kv = llm.config.kv_bytes_per_token
+        kv = stored_bytes(llm)[1]  # an FP8 cache (chapter 15) holds half the config's bytes per token
         cascade = dict(decode_steps=counters.decode_steps, cascade_decode_steps=counters.cascade_steps,
                        kv_bytes_per_decode_step=counters.kv_tokens_cascade * kv / counters.decode_steps,
                        kv_bytes_per_decode_step_plain=counters.kv_tokens_plain * kv / counters.decode_steps)

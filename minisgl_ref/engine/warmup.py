@@ -46,12 +46,14 @@ class KernelShapes:
     dtype: torch.dtype
     decode_backend: str
     prefill_backend: str
+    kv_dtype: torch.dtype | None = None  # the KV cache's numbers when not ``dtype`` (chapter 15's FP8 cache)
 
 
 def _attention(shapes: KernelShapes, device: torch.device, phase: str) -> None:
     from minisgl_ref.attention.flashinfer_backend import compile_kernels
 
-    compile_kernels(phase, shapes.num_q_heads, shapes.num_kv_heads, shapes.head_dim, shapes.dtype, device)
+    compile_kernels(phase, shapes.num_q_heads, shapes.num_kv_heads, shapes.head_dim, shapes.dtype, device,
+                    shapes.kv_dtype)
 
 
 def _sampler(shapes: KernelShapes, device: torch.device) -> None:
@@ -93,6 +95,8 @@ def matmul_shapes(model: torch.nn.Module, engine: EngineConfig) -> list[MatmulSh
         if isinstance(m, ParallelLMHead):
             weight, bias, counts = m.weight, None, rows
         elif isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            if m.quant_method.quantized:  # its own kernels (chapter 15), not cuBLAS's plain matmul
+                continue
             weight, bias, counts = m.weight, getattr(m, "bias", None), tokens
             accumulate = folded and isinstance(m, RowParallelLinear)
         else:
@@ -158,11 +162,13 @@ def shapes_of(model: torch.nn.Module, config: ModelConfig, engine: EngineConfig,
     from minisgl_ref.attention.registry import resolve_backend_names
     from minisgl_ref.layers.attention import AttentionLayer
 
+    from minisgl_ref.kvcache.pool import kv_pool_class
+
     layer = next(m for m in model.modules() if isinstance(m, AttentionLayer))
-    prefill, decode = resolve_backend_names(engine, device, config.dtype,
-                                            quantized_kv=engine.kv_cache_dtype != "auto")  # chapter 15's FP8 cache
+    kv_dtype = kv_pool_class(engine.kv_cache_dtype).storage_dtype_for(config.dtype)  # chapter 15's FP8 cache
+    prefill, decode = resolve_backend_names(engine, device, config.dtype, quantized_kv=kv_dtype != config.dtype)
     return KernelShapes(layer.num_heads, layer.num_kv_heads, config.head_dim, config.hidden_size,
-                        config.intermediate_size, config.vocab_size, config.dtype, decode, prefill)
+                        config.intermediate_size, config.vocab_size, config.dtype, decode, prefill, kv_dtype)
 
 
 def start(shapes: KernelShapes, device: torch.device, matmuls: list[MatmulShapes] | None = None,

@@ -35,6 +35,7 @@ class Fp8KVPool(KVPool):
         super().__init__(num_layers, num_slots, num_kv_heads, head_dim, dtype, device)
         self.k_scale = [1.0] * num_layers
         self.v_scale = [1.0] * num_layers
+        self.written = False  # once a key is stored (or a CUDA graph captured a step) the scales are fixed
 
     @classmethod
     def storage_dtype_for(cls, dtype: torch.dtype) -> torch.dtype:
@@ -44,7 +45,13 @@ class Fp8KVPool(KVPool):
         return self.k_scale[layer_id], self.v_scale[layer_id]
 
     def set_scales(self, k_scale: list[float], v_scale: list[float]) -> None:
-        """Per-layer scales (from a checkpoint, or a calibration run), before anything is stored."""
+        """Per-layer scales (from a checkpoint, or a calibration run), before anything is stored. Refused after:
+        stored keys would decode with the new scale, and the engine's CUDA graphs (captured by running steps,
+        which store) hold the old ones as constants."""
+        if self.written:
+            raise ValueError("set the KV cache scales before anything is stored: this pool already holds keys (or "
+                             "CUDA graphs captured with the current scales); build the engine with "
+                             "disable_cuda_graph=True and set them before the first request")
         if len(k_scale) != len(self.k) or len(v_scale) != len(self.v):
             raise ValueError(f"need {len(self.k)} key and value scales, got {len(k_scale)} and {len(v_scale)}")
         if min(k_scale + v_scale) <= 0:
@@ -54,6 +61,7 @@ class Fp8KVPool(KVPool):
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize the new keys and values with the layer's scales, then store the bytes as any pool does."""
         ks, vs = self.scales(layer_id)
+        self.written = True
         KERNELS.store_kv(self.k[layer_id], self.v[layer_id], slots, quantize(k, ks, self.fp8),
                          quantize(v, vs, self.fp8))
 

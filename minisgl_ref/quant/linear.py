@@ -88,9 +88,10 @@ class Fp8LinearMethod:
     def scaled_mm(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Hopper's FP8 tensor cores through ``torch._scaled_mm`` with row-wise scales: the token's scale on the
         rows of the product, the channel's on its columns; the output in the activation's dtype."""
+        from minisgl_ref.quant.activation_kernel import quantize_activation_fused  # imports triton
+
         k = x.shape[-1]
-        flat = x.reshape(-1, k)
-        qx, sx = quantize_activation(flat)
+        qx, sx = quantize_activation_fused(x.reshape(-1, k).contiguous())
         out = torch._scaled_mm(qx, layer.weight.t(), scale_a=sx, scale_b=layer.weight_scale.t(),
                                out_dtype=x.dtype if x.dtype != torch.float32 else torch.bfloat16)
         if bias is not None:
@@ -101,12 +102,13 @@ class Fp8LinearMethod:
     def group_gemm(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Group scales (one per row and ``block[1]`` columns, both operands): the Triton kernel of
         :mod:`~minisgl_ref.quant.fp8_gemm`, which applies them group by group along K."""
-        from minisgl_ref.quant.fp8_gemm import group_scaled_gemm  # imports triton
+        from minisgl_ref.quant.activation_kernel import quantize_activation_fused  # these import triton
+        from minisgl_ref.quant.fp8_gemm import group_scaled_gemm
 
         assert self.block is not None
         group = self.block[1]
         k = x.shape[-1]
-        qx, sx = quantize_activation(x.reshape(-1, k), group)
+        qx, sx = quantize_activation_fused(x.reshape(-1, k).contiguous(), group)
         out_dtype = x.dtype if x.dtype != torch.float32 or not x.is_cuda else torch.float32
         out = group_scaled_gemm(qx, sx, layer.weight, layer.weight_scale_inv, group, out_dtype)
         if bias is not None:

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from minisgl_ref.bench.offline import stored_bytes
 from minisgl_ref.bench.provenance import collect_provenance
 from minisgl_ref.llm import LLM
 from offline_suite import canonical_in_decode  # this folder, on sys.path when run as a script
@@ -256,7 +257,7 @@ def main() -> int:
     t0 = time.perf_counter()
     llm = LLM("qwen3-0.6b", load_format="dummy", dtype="bfloat16", device="cuda", **extra)
     start_s = time.perf_counter() - t0
-    kv_bytes = llm.engine.runner.model.config.kv_bytes_per_token
+    kv_bytes = stored_bytes(llm)[1]  # the bytes the pool holds per token (an FP8 cache: half)
     engine = canonical_in_decode(llm)
     windows = []
     for _ in range(4):  # let the first decode steps settle
