@@ -166,7 +166,8 @@ def gpu_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
     torch.manual_seed(0)
     config = Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
-                         num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=1024)
+                         num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=1024,
+                         initializer_range=0.2)  # logits far apart: bf16 kernels agree on the greedy token
     folder = tmp_path_factory.mktemp("qwen3_gpu")
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
     return str(folder)
@@ -205,3 +206,49 @@ def test_gpu_backends_read_the_fp8_cache_as_the_reference(backend, tmp_path_fact
 
         default = resolve_backend_names(EngineConfig(), torch.device("cuda"), torch.bfloat16, quantized_kv=True)
         assert default == ("flashinfer", "flashinfer")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "extend"])
+@pytest.mark.parametrize("gqa", [2, 4])
+def test_gpu_kernels_on_an_fp8_pool_equal_attention_over_its_values(backend, decode, gqa):
+    """One attention call laid out as the engine lays it out, on an FP8 pool with key and value scales other than
+    1: each backend's kernels (FlashInfer's decode and FA2 extend, Triton's) give attention over the values the
+    pool stands for (stored number times scale, the new tokens rounded through the pool as they are stored),
+    to bf16 accuracy."""
+    from minisgl_ref.attention.registry import build_backend, check_backend_can_run
+    from minisgl_ref.attention.torch_native import reference_attention
+    from tests.attention_cases import make_case
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    try:
+        check_backend_can_run(backend, torch.device("cuda"))
+    except ValueError as e:
+        pytest.skip(str(e))
+    specs = [(700, 1), (3, 1), (1500, 1), (64, 1)] if decode else [(0, 37), (300, 64), (1000, 5), (17, 200)]
+    case = make_case(specs, num_kv_heads=2, gqa=gqa, head_dim=128, page_size=1, dtype=torch.bfloat16,
+                     decode=decode, device="cuda", seed=gqa)
+    plain = case.pool
+    pool = Fp8KVPool(1, plain.num_slots, 2, 128, torch.bfloat16, "cuda")
+    pool.set_scales([0.02], [0.004])  # values up to ~9 and ~1.8 in e4m3's range, the rest of the pool saturates
+    pool.k[0].copy_(quantize(plain.k[0], torch.tensor(0.02), E4M3))
+    pool.v[0].copy_(quantize(plain.v[0], torch.tensor(0.004), E4M3))
+    attn = build_backend(backend, pool, case.table, num_q_heads=case.layer.num_heads, page_size=1,
+                         device=torch.device("cuda"))
+    case.batch.attn_backend = attn
+    attn.init_forward_metadata(case.batch)
+    out = attn.forward(case.q, case.k, case.v, case.layer, case.batch)  # stores the new tokens, then attends
+    k_all, v_all = pool.gather(0, torch.arange(pool.num_slots, device="cuda"))
+    table, rows, start, refs = case.table.table, case.batch.req_pool_indices.tolist(), 0, []
+    for row, (prefix, extend) in zip(rows, specs):
+        slots = table[row, : prefix + extend].long()
+        for i in range(extend):  # each query sees its prefix and the new tokens up to itself
+            s = slots[: prefix + i + 1]
+            refs.append(reference_attention(case.q[start + i : start + i + 1].float(), k_all[s].float(),
+                                            v_all[s].float(), case.layer.scale))
+        start += extend
+    ref = torch.cat(refs).flatten(1)
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err < 2e-2, err

@@ -57,6 +57,7 @@ class _Probe:
         from minisgl_ref.engine import model_runner
         from minisgl_ref.engine.cuda_graph import CudaGraphRunner
 
+        self.graph_runner_cls = CudaGraphRunner
         self.engine = engine
         self.host: dict[str, float] = {}
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -94,7 +95,7 @@ class _Probe:
         r = e.runner
         self.parts = [(r, "prepare"), (r, "forward"), (r.sampling, "info"), (r.sampler, "sample")]
         for graphs in r.graph_runners:  # decode graphs: one set per decode backend (the engine's, a cascade)
-            if isinstance(graphs, CudaGraphRunner):
+            if isinstance(graphs, self.graph_runner_cls):
                 self.parts.append((graphs, "replay"))
                 self.parts.append((graphs.backend, "prepare_replay"))
         for obj, name in self.parts:

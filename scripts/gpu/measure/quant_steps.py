@@ -1,11 +1,13 @@
-"""Decode step times with FP8 projections, where the weights are most of the bytes (chapter 15).
+"""Decode step times with FP8 weights or an FP8 KV cache, against each step's floor (chapter 15).
 
-On the canonical workload a small model's decode step reads mostly KV; the weights' share, and so what FP8
-projections can save, is largest for a larger model at small batches. For each ``--quantization`` variant (none,
-``fp8`` group scales through the Triton kernel, ``w8a8_fp8`` per-channel scales through ``torch._scaled_mm``) this
-builds ``--model`` with dummy weights and times one decode step (CUDA graph replay, metadata included, no overlap)
-at each batch size (Triton attention), every request at a context of ``--context`` tokens, beside the step's floor: the bytes it must
-read (the stored weights once, each request's KV) over ``--bandwidth``. Writes ``quant_steps.json`` to ``--out``.
+For each variant (``--variants``: ``none``; ``fp8``, group-scaled projections through the Triton kernel;
+``w8a8_fp8``, per-channel ones through ``torch._scaled_mm``; ``fp8_kv``, an FP8 cache; ``nosplit``, bf16 with
+FlashInfer's decode kernel at every batch size, the kernel an FP8 cache is read by) this builds ``--model`` with
+dummy weights and times one decode step (CUDA graph replay, metadata included, no overlap) at each batch size,
+every request at a context of ``--context`` tokens, beside the step's floor: the bytes it must read (the stored
+weights once, each request's KV) over ``--bandwidth``. Two uses: the weights' share of a step, and so what FP8
+projections can save, is largest for a larger model at small batches (Qwen3-8B at 1 to 64 requests); the KV's
+share is largest for a small model at large batches (Qwen3-0.6B at 256). Writes ``quant_steps_<label>.json``.
 
     PYTHONPATH=$PWD:scripts/gpu/measure python3 scripts/gpu/measure/quant_steps.py --out results
 """
@@ -33,23 +35,27 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--bandwidth", type=float, default=4.278e12)
+    ap.add_argument("--attention", default="triton", help="the attention backend (default: not the subject)")
+    ap.add_argument("--label", default="weights")
     ap.add_argument("--out", default="results")
     args = ap.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     rows = []
     for variant in args.variants.split(","):
-        quant = None if variant == "none" else variant
+        kw: dict = {"fp8": {"quantization": "fp8"}, "w8a8_fp8": {"quantization": "w8a8_fp8"}, "none": {},
+                    "fp8_kv": {"kv_cache_dtype": "fp8_e4m3"}, "nosplit": {"split_decode_min_batch": 0}}[variant]
+        if args.attention != "default":
+            kw["attention_backend"] = args.attention
         t0 = time.perf_counter()
-        llm = LLM(args.model, load_format="dummy", dtype="bfloat16", device="cuda", quantization=quant,
-                  disable_overlap_schedule=True, cuda_graph_max_bs=max(sizes), max_running_requests=max(sizes),
-                  attention_backend="triton")  # not the subject here; spares FlashInfer's compiles for this shape
+        llm = LLM(args.model, load_format="dummy", dtype="bfloat16", device="cuda", disable_overlap_schedule=True,
+                  cuda_graph_max_bs=max(sizes), max_running_requests=max(sizes), **kw)
         start_s = time.perf_counter() - t0
         weights, kv = stored_bytes(llm)
         for bs in sizes:
             batch, fb = _fill_decode(llm, bs, args.context)
             ms = _time_forward(llm.engine.runner, fb, args.iters)
             floor_ms = (weights + bs * (args.context + 1) * kv) / args.bandwidth * 1e3
-            row = {"model": args.model, "quantization": variant, "batch_size": bs, "context": args.context,
+            row = {"model": args.model, "variant": variant, "attention": args.attention, "batch_size": bs, "context": args.context,
                    "step_ms": round(ms, 4), "floor_ms": round(floor_ms, 4), "of_floor": round(floor_ms / ms, 4),
                    "weight_bytes": weights, "kv_bytes_per_token": kv, "start_s": round(start_s, 1)}
             print(json.dumps(row), flush=True)
@@ -64,10 +70,10 @@ def main() -> int:
         release()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"what": "decode step time (graph replay) by FP8 projection variant and batch size", "rows": rows,
+    result = {"what": "decode step time (graph replay) by FP8 variant and batch size", "rows": rows,
               "bandwidth": args.bandwidth,
               "provenance": collect_provenance(model=args.model, context=args.context, iters=args.iters)}
-    (out / "quant_steps.json").write_text(json.dumps(result, indent=1))
+    (out / f"quant_steps_{args.label}.json").write_text(json.dumps(result, indent=1))
     return 0
 
 

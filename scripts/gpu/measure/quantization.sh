@@ -7,9 +7,8 @@
 #              (VARIANTS): bf16, FP8 projections with group scales (fp8) or per-channel ones (w8a8_fp8), an FP8
 #              cache (fp8_kv), FP8 projections and cache (both); ROUND names the round (cold: the first on a
 #              machine, kernels compiled in it; warm: a repeat with the compile caches filled).
-#   decode     decode steps at 256 and 128 running requests of the canonical workload (decode_anatomy.py): bf16
-#              with the default decode kernels, bf16 on FlashInfer alone, and an FP8 cache (FlashInfer): attention
-#              time per step against the KV each step reads.
+#   decode     Qwen3-0.6B decode steps at 64 and 256 requests of 1,024 tokens (quant_steps.py): bf16 with the
+#              default decode kernels, bf16 on FlashInfer alone, and an FP8 cache (FlashInfer).
 #   steps      decode step times of Qwen3-8B at batch 1, 16 and 64 by FP8 projection variant (quant_steps.py).
 #   moe        Qwen3-30B-A3B (dummy weights) on the canonical workload with its routing counted, then the fused
 #              MoE kernel against the reference loop (moe_endtoend.py).
@@ -50,19 +49,15 @@ canonical)
     done
     ;;
 decode)
-    for v in bf16 bf16_flashinfer fp8_kv; do
-        args=()
-        [ $v = bf16_flashinfer ] && args+=(--engine-arg 'split_decode_min_batch=0')
-        [ $v = fp8_kv ] && args+=(--engine-arg 'kv_cache_dtype="fp8_e4m3"')
-        timeout --kill-after=10 150 python3 scripts/gpu/measure/decode_anatomy.py --at 256,128 --steps 8 \
-            --no-launch-cost --bandwidth "$BW" --label "fp8_$v" --out "$OUT" "${args[@]}" > "$OUT/decode_$v.log" 2>&1
-        echo "decode $v: rc=$?"; tail -n 6 "$OUT/decode_$v.log"
-    done
+    timeout --kill-after=10 "${DECODE_LIMIT:-200}" python3 scripts/gpu/measure/quant_steps.py --out "$OUT" \
+        --model qwen3-0.6b --variants none,nosplit,fp8_kv --batch-sizes 64,256 --context 1024 --attention default \
+        --label kv --bandwidth "$BW" > "$OUT/quant_steps_kv.log" 2>&1
+    echo "quant_steps kv: rc=$?"; tail -n 8 "$OUT/quant_steps_kv.log"
     ;;
 steps)
     timeout --kill-after=10 "${STEPS_LIMIT:-300}" python3 scripts/gpu/measure/quant_steps.py --out "$OUT" \
-        --bandwidth "$BW" > "$OUT/quant_steps.log" 2>&1
-    echo "quant_steps: rc=$?"; tail -n 12 "$OUT/quant_steps.log"
+        --bandwidth "$BW" > "$OUT/quant_steps_weights.log" 2>&1
+    echo "quant_steps: rc=$?"; tail -n 12 "$OUT/quant_steps_weights.log"
     ;;
 moe)
     bench moe_canonical_qwen3_30b_a3b 300 --model-path qwen3-30b-a3b --enable-expert-distribution-metrics
