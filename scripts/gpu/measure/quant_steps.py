@@ -6,7 +6,7 @@ FlashInfer's decode kernel at every batch size, the kernel an FP8 cache is read 
 dummy weights and times one decode step (CUDA graph replay, metadata included, no overlap) at each batch size,
 every request at a context of ``--context`` tokens, beside the step's floor: the bytes it must read (the stored
 weights once, each request's KV) over ``--bandwidth``. Two uses: the weights' share of a step, and so what FP8
-projections can save, is largest for a larger model at small batches (Qwen3-8B at 1 to 64 requests); the KV's
+projections can save, is largest for a larger model at small batches (Qwen3-14B at 1 to 64 requests); the KV's
 share is largest for a small model at large batches (Qwen3-0.6B at 256). Writes ``quant_steps_<label>.json``.
 
     PYTHONPATH=$PWD:scripts/gpu/measure python3 scripts/gpu/measure/quant_steps.py --out results
@@ -29,7 +29,7 @@ from offline_suite import _fill_decode, _time_forward, release  # this folder, o
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--model", default="qwen3-14b")
     ap.add_argument("--variants", default="none,fp8,w8a8_fp8")
     ap.add_argument("--batch-sizes", default="1,16,64")
     ap.add_argument("--context", type=int, default=512)
@@ -68,13 +68,17 @@ def main() -> int:
         llm.shutdown()
         del llm, batch, fb
         release()
+        save(args, rows)  # after each variant: a run cut short keeps what it measured
+    return 0
+
+
+def save(args: argparse.Namespace, rows: list[dict]) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"what": "decode step time (graph replay) by FP8 variant and batch size", "rows": rows,
               "bandwidth": args.bandwidth,
               "provenance": collect_provenance(model=args.model, context=args.context, iters=args.iters)}
     (out / f"quant_steps_{args.label}.json").write_text(json.dumps(result, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@
 #              machine, kernels compiled in it; warm: a repeat with the compile caches filled).
 #   decode     Qwen3-0.6B decode steps at 64 and 256 requests of 1,024 tokens (quant_steps.py): bf16 with the
 #              default decode kernels, bf16 on FlashInfer alone, and an FP8 cache (FlashInfer).
-#   steps      decode step times of Qwen3-8B at batch 1, 16 and 64 by FP8 projection variant (quant_steps.py).
+#   steps      decode step times of Qwen3-14B at batch 1, 16 and 64 by FP8 projection variant (quant_steps.py).
 #   moe        Qwen3-30B-A3B (dummy weights) on the canonical workload with its routing counted, then the fused
 #              MoE kernel against the reference loop (moe_endtoend.py).
 #
