@@ -413,6 +413,54 @@ def seams_section() -> list[str]:
     return out
 
 
+def moe_section() -> list[str]:
+    """Qwen3-30B-A3B on one H200: the canonical workload with its routing counted, and fused against the loop."""
+    run_doc = load("moe_canonical_h200.json")
+    run, prov = run_doc["results"][0], run_doc["provenance"]
+    dist = run["expert_distribution"]
+    active = sum(dist["active_expert_steps"]) / (dist["steps"] * len(dist["layer_ids"]))
+    e2e = load("moe_endtoend_h200.json")
+    return ["## Mixture of experts on one H200 (chapter 14)", "",
+            f"Qwen3-30B-A3B config, bf16, dummy weights, {prov['hardware']['gpu']}, commit "
+            f"{prov['software']['git_commit'][:7]}: `python -m minisgl_ref bench offline --model-path qwen3-30b-a3b "
+            "--load-format dummy --enable-expert-distribution-metrics --hbm-bandwidth 4.278e12`.", "",
+            "| canonical workload | output tok/s | wall s | floor, every expert (s) | of it | experts routed per layer "
+            "and step | floor, routed experts (s) | of it |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            f"| fused kernel, CUDA graphs | **{run['output_throughput']:,.0f}** | {run['wall_s']:.1f} | "
+            f"{run['roofline_floor_s']:.1f} | {run['roofline_fraction']:.1%} | {active:.1f} of {dist['num_experts']} | "
+            f"{run['routed_floor_s']:.1f} | {run['routed_floor_fraction']:.1%} |", "",
+            f"The fused kernel against the reference loop over experts, CUDA graphs off, {e2e['requests']} requests: "
+            f"{e2e['speedup_fused_over_reference']:.1f}x (median wall {e2e['median_wall_s']['fused']:.2f} s against "
+            f"{e2e['median_wall_s']['reference']:.2f} s). Data: [`moe_canonical_h200.json`](data/moe_canonical_h200.json), "
+            "[`moe_endtoend_h200.json`](data/moe_endtoend_h200.json), one layer: "
+            "[`moe_kernel_h200.json`](data/moe_kernel_h200.json).", ""]
+
+
+def fp8_section() -> list[str]:
+    """The canonical workload by FP8 variant on one H200, each against its own floor."""
+    doc = load("fp8_canonical_h200.json")
+    runs = {(r["variant"], r["round"]): r for r in doc["rows"]}
+    prov = doc["rows"][0]["provenance"]
+    out = ["## FP8 weights and KV cache on one H200 (chapter 15)", "",
+           f"Qwen3-0.6B config, bf16, dummy weights, {prov['hardware']['gpu']}, commit "
+           f"{prov['software']['git_commit'][:7]}; one fresh process per run; each floor from the engine's own stored "
+           "bytes at 4.278 TB/s.", "",
+           "| variant | flags | output tok/s, cold | warm | floor (s) | of it | KV read per decode step (GB) |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    flags = {"bf16": "", "fp8": "`--quantization fp8`", "w8a8_fp8": "`--quantization w8a8_fp8`",
+             "fp8_kv": "`--kv-cache-dtype fp8_e4m3`", "both": "`--quantization fp8 --kv-cache-dtype fp8_e4m3`"}
+    for v, f in flags.items():
+        cold, warm = runs[(v, "cold")], runs.get((v, "warm"))
+        best = warm or cold
+        out.append(f"| {v} | {f} | {cold['output_throughput']:,.0f} | "
+                   f"{'-' if warm is None else format(warm['output_throughput'], ',.0f')} | "
+                   f"{best['roofline_floor_s']:.2f} | {best['roofline_fraction']:.1%} | "
+                   f"{best['kv_bytes_per_decode_step'] / 1e9:.2f} |")
+    return out + ["", "Data: [`fp8_canonical_h200.json`](data/fp8_canonical_h200.json); decode steps by KV and weight "
+                  "format: [`fp8_decode_steps_h200.json`](data/fp8_decode_steps_h200.json); perplexity on the CPU: "
+                  "[`perplexity_cpu.json`](data/perplexity_cpu.json).", ""]
+
+
 #: The engine as it stands, from cold starts (newest last): the page opens with them.
 LATEST_COLD = ["canonical_cold_start_prune_h100.json"] + [f"canonical_cold_start_prune_{i}_h100.json"
                                                            for i in range(2, 6)]
@@ -455,6 +503,7 @@ def render() -> str:
             "writes this page from them. The chapters that produce the numbers read the same files and plot them: "
             "each chapter's page shows its plots and tables next to the code that draws them.", ""]
     page += latest_section() + offline_section() + tp_section() + parallel_serving_section() + seams_section()
+    page += moe_section() + fp8_section()
     page += ["## Other results", "", *(f"- {line}" for line in OTHER_RESULTS), ""]
     return "\n".join(page)
 
