@@ -118,6 +118,15 @@ def _fill_decode(llm, bs: int, ctx: int):  # type: ignore[no-untyped-def]
     return batch, engine.runner.prepare(batch)
 
 
+def _empty_decode(llm, batch) -> None:  # type: ignore[no-untyped-def]
+    """Abort the requests :func:`_fill_decode` made, run the engine dry and empty the radix cache."""
+    for req in batch.reqs:
+        llm.engine.abort(req)
+    while llm.engine.has_work:
+        llm.engine.step()
+    llm.engine.flush_cache()
+
+
 def _time_forward(runner, fb, iters: int) -> float:  # type: ignore[no-untyped-def]
     for _ in range(3):
         runner.forward(fb)
@@ -152,11 +161,7 @@ def decode_step_times(batch_sizes: list[int], ctx: int = 512, iters: int = 50, b
                "speedup": eager_ms / graph_ms if eager_ms else None, "decode_backend": backend or "default"}
         log(f"decode step [{backend or 'default'}] bs={bs}: eager {eager_ms or 0:.3f} ms, graph {graph_ms:.3f} ms")
         out.append(row)
-        for req in batch.reqs:
-            llm.engine.abort(req)
-        while llm.engine.has_work:
-            llm.engine.step()
-        llm.engine.flush_cache()
+        _empty_decode(llm, batch)
     info = {"attention_backend": type(runner.attn_backend).__name__,
             "capture_seconds": getattr(graphs, "capture_seconds", None)}
     del runner, graphs, batch, fb, llm

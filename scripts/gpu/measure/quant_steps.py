@@ -24,7 +24,7 @@ import torch
 from minisgl_ref.bench.offline import stored_bytes
 from minisgl_ref.bench.provenance import collect_provenance
 from minisgl_ref.llm import LLM
-from offline_suite import _fill_decode, _time_forward, release  # this folder, on sys.path when run as a script
+from offline_suite import _empty_decode, _fill_decode, _time_forward, release  # this folder, on sys.path when run as a script
 
 
 def main() -> int:
@@ -55,16 +55,13 @@ def main() -> int:
             batch, fb = _fill_decode(llm, bs, args.context)
             ms = _time_forward(llm.engine.runner, fb, args.iters)
             floor_ms = (weights + bs * (args.context + 1) * kv) / args.bandwidth * 1e3
-            row = {"model": args.model, "variant": variant, "attention": args.attention, "batch_size": bs, "context": args.context,
+            row = {"model": args.model, "variant": variant, "attention": args.attention, "batch_size": bs,
+                   "context": args.context,
                    "step_ms": round(ms, 4), "floor_ms": round(floor_ms, 4), "of_floor": round(floor_ms / ms, 4),
                    "weight_bytes": weights, "kv_bytes_per_token": kv, "start_s": round(start_s, 1)}
             print(json.dumps(row), flush=True)
             rows.append(row)
-            for req in batch.reqs:
-                llm.engine.abort(req)
-            while llm.engine.has_work:
-                llm.engine.step()
-            llm.engine.flush_cache()
+            _empty_decode(llm, batch)
         llm.shutdown()
         del llm, batch, fb
         release()
