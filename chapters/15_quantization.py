@@ -408,12 +408,11 @@ display(show_table([[NAMES[r["variant"]], r["batch_size"], f"{r['kv_bytes_per_to
                             "step (ms)", "of floor"]))
 
 # %% [markdown]
-# At 256 requests a bf16 step is within 12% of its floor, whichever of the two kernels reads the cache. With the
-# FP8 cache the step must read 3.8 ms worth of bytes and takes 9.3 ms: the kernel now converts every key and value
-# to bf16 before its dot products, and on Qwen3-0.6B's two query heads per KV head FlashInfer runs its CUDA-core
-# decode kernel, so it is that conversion work, not the memory, that sets its pace (exercise 6 takes it apart).
-# The FP8 projections show the same on the model where weights are most of a step's bytes, Qwen3-14B at a few
-# requests (Figure 15.3, right):
+# At 256 requests a bf16 step runs at 86% to 89% of its floor, whichever of the two kernels reads the cache. With
+# the FP8 cache the step must read 3.8 ms worth of bytes and takes 9.3 ms. The kernel now converts every key and
+# value to bf16 before its dot products, and for Qwen3-0.6B's two query heads per KV head FlashInfer runs its
+# CUDA-core decode kernel: the bytes no longer set its pace, and exercise 6 asks what does. The FP8 projections show
+# the same on the model where weights are most of a step's bytes, Qwen3-14B at a few requests (Figure 15.3, right):
 
 # %%
 W14 = {(r["variant"], r["batch_size"]): r for r in STEPS["weights"]["rows"]}
@@ -449,13 +448,13 @@ plt.show()
 
 # %% [markdown]
 # Figure 15.3 is the chapter's measured answer. Its floors are what section 6's table promised, halved where the
-# bytes are halved; its wall times are set by kernels. A bf16 step of the 14B model, its matmuls in cuBLAS, runs
-# at 85% of its floor at one request; with FP8 projections, half the bytes to read, the step reaches less than half of its
-# floor (44%) with the Triton group kernel and 37% with `torch._scaled_mm` (a scale per token and per channel), and at
-# 64 requests the Triton kernel, a plain loop over tiles, falls further behind. So
-# what FP8 buys in this engine today is memory: a 14B model in 16.7 GB instead of 29.5 GB, a cache that holds
-# twice the tokens in the same bytes, and so room for more running requests or longer contexts. Turning the
-# halved bytes into halved time takes decode kernels that convert numbers as fast as the memory delivers them.
+# bytes are halved; its wall times are set by kernels. A bf16 step of the 14B model, its matmuls in cuBLAS, runs at
+# 85% of its floor at one request; with FP8 projections, half the bytes to read, the step reaches less than half of
+# its floor (44%) with the Triton group kernel and 37% with `torch._scaled_mm` (a scale per token and per channel),
+# and at 64 requests the Triton kernel, a plain loop over tiles, falls further behind. So what FP8 buys in this
+# engine today is memory: a 14B model in 16.7 GB instead of 29.5 GB, a cache that holds twice the tokens in the same
+# bytes, and so room for more running requests or longer contexts. Turning the halved bytes into halved time takes
+# decode kernels that convert numbers as fast as the memory delivers them.
 
 # %% [markdown]
 # ## Summary
