@@ -160,9 +160,8 @@ def shapes_of(model: torch.nn.Module, config: ModelConfig, engine: EngineConfig,
               device: torch.device) -> KernelShapes:
     """The shapes the engine about to be built will compile kernels for (heads per rank, as sharded)."""
     from minisgl_ref.attention.registry import resolve_backend_names
-    from minisgl_ref.layers.attention import AttentionLayer
-
     from minisgl_ref.kvcache.pool import kv_pool_class
+    from minisgl_ref.layers.attention import AttentionLayer
 
     layer = next(m for m in model.modules() if isinstance(m, AttentionLayer))
     kv_dtype = kv_pool_class(engine.kv_cache_dtype).storage_dtype_for(config.dtype)  # chapter 15's FP8 cache
