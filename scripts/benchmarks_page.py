@@ -421,12 +421,14 @@ def moe_section() -> list[str]:
     active = sum(dist["active_expert_steps"]) / (dist["steps"] * len(dist["layer_ids"]))
     e2e = load("moe_endtoend_h200.json")
     return ["## Mixture of experts on one H200 (chapter 14)", "",
-            f"Qwen3-30B-A3B config, bf16, dummy weights, {prov['hardware']['gpu']}, commit "
-            f"{prov['software']['git_commit'][:7]}: `python -m minisgl_ref bench offline --model-path qwen3-30b-a3b "
+            f"Qwen3-30B-A3B config, bf16, dummy weights, {prov['hardware']['gpu']}: `python -m minisgl_ref bench "
+            "offline --model-path qwen3-30b-a3b "
             "--load-format dummy --enable-expert-distribution-metrics --hbm-bandwidth 4.278e12`.", "",
-            "| canonical workload | output tok/s | wall s | floor, every expert (s) | of it | experts routed per layer "
-            "and step | floor, routed experts (s) | of it |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-            f"| fused kernel, CUDA graphs | **{run['output_throughput']:,.0f}** | {run['wall_s']:.1f} | "
+            "| canonical workload | commit | output tok/s | wall s | floor, every expert (s) | of it | experts routed "
+            "per layer and step | floor, routed experts (s) | of it |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            f"| fused kernel, CUDA graphs | {prov['software']['git_commit'][:7]} | "
+            f"**{run['output_throughput']:,.0f}** | {run['wall_s']:.1f} | "
             f"{run['roofline_floor_s']:.1f} | {run['roofline_fraction']:.1%} | {active:.1f} of {dist['num_experts']} | "
             f"{run['routed_floor_s']:.1f} | {run['routed_floor_fraction']:.1%} |", "",
             f"The fused kernel against the reference loop over experts, CUDA graphs off, {e2e['requests']} requests: "
@@ -442,17 +444,17 @@ def fp8_section() -> list[str]:
     runs = {(r["variant"], r["round"]): r for r in doc["rows"]}
     prov = doc["rows"][0]["provenance"]
     out = ["## FP8 weights and KV cache on one H200 (chapter 15)", "",
-           f"Qwen3-0.6B config, bf16, dummy weights, {prov['hardware']['gpu']}, commit "
-           f"{prov['software']['git_commit'][:7]}; one fresh process per run; each floor from the engine's own stored "
-           "bytes at 4.278 TB/s.", "",
-           "| variant | flags | output tok/s, cold | warm | floor (s) | of it | KV read per decode step (GB) |",
-           "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+           f"Qwen3-0.6B config, bf16, dummy weights, {prov['hardware']['gpu']}; one fresh process per run; each "
+           "floor from the engine's own stored bytes at 4.278 TB/s.", "",
+           "| variant | flags | commit | output tok/s, cold | warm | floor (s) | of it | KV read per decode step (GB) |",
+           "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     flags = {"bf16": "", "fp8": "`--quantization fp8`", "w8a8_fp8": "`--quantization w8a8_fp8`",
              "fp8_kv": "`--kv-cache-dtype fp8_e4m3`", "both": "`--quantization fp8 --kv-cache-dtype fp8_e4m3`"}
     for v, f in flags.items():
         cold, warm = runs[(v, "cold")], runs.get((v, "warm"))
         best = warm or cold
-        out.append(f"| {v} | {f} | {cold['output_throughput']:,.0f} | "
+        out.append(f"| {v} | {f} | {cold['provenance']['software']['git_commit'][:7]} | "
+                   f"{cold['output_throughput']:,.0f} | "
                    f"{'-' if warm is None else format(warm['output_throughput'], ',.0f')} | "
                    f"{best['roofline_floor_s']:.2f} | {best['roofline_fraction']:.1%} | "
                    f"{best['kv_bytes_per_decode_step'] / 1e9:.2f} |")
