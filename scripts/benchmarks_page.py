@@ -16,6 +16,9 @@ DATA = ROOT / "docs" / "data"
 
 #: The index of every other result file, by the chapter and section that reads it.
 OTHER_RESULTS = [
+    "FP8 projections (`--quantization fp8`) on the canonical workload before their activations were quantized in "
+    "one kernel (chapter 15, section 6; about ten PyTorch kernels per projection then): "
+    "`docs/data/fp8_canonical_unfused_activation_h200.json`.",
     "Our split-KV CUDA decode kernel (chapter 11, section 4): alone and in the 28-layer chain "
     "`docs/data/decode_balance_split_cuda_h100.json`, `docs/data/decode_balance_split_cuda_with_matmuls_h100.json`; "
     "the engine's decode steps with it and with FlashInfer's persistent kernel "
